@@ -1,0 +1,101 @@
+// Who takes part in a job (ClusterSpec) and how the ranks find each other (Store).
+//
+// A ClusterSpec says this process's rank, the world size and where the rendezvous store lives.
+// It comes from TensorFlow's TF_CONFIG, from torchrun-style RANK / WORLD_SIZE / MASTER_ADDR /
+// MASTER_PORT, from mpirun's OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE (with MASTER_ADDR /
+// MASTER_PORT), or is filled in by code.
+//
+// Thread-safety: ClusterSpec is a plain value. Every Store may be called from any thread.
+#ifndef COLLECTIVES_CLUSTER_H_
+#define COLLECTIVES_CLUSTER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace collectives {
+
+struct ClusterSpec {
+  // This process's rank in [0, world_size).
+  int rank = 0;
+  // Number of ranks in the job.
+  int world_size = 1;
+  // Host name or address the rendezvous store (hosted by rank 0) listens on / is reached at.
+  std::string master_addr = "127.0.0.1";
+  // TCP port of the rendezvous store. 0 is only valid for world_size == 1.
+  uint16_t master_port = 0;
+  // Per-rank "host:port" when the source lists them (TF_CONFIG does); empty otherwise. When
+  // present, rank i binds its data listener to the host of addresses[i].
+  std::vector<std::string> addresses;
+  // TF_CONFIG task type and index of this process ("chief"/0, "worker"/3), or "worker"/rank.
+  std::string task_type = "worker";
+  int task_index = 0;
+  // A name every rank of the job agrees on; keys in the store are prefixed with it, and it
+  // travels in the connection handshake so that two jobs sharing a host never cross.
+  std::string job_id = "collectives";
+
+  // Parses TensorFlow's TF_CONFIG JSON:
+  //   {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", "h2:p"]},
+  //    "task": {"type": "worker", "index": 1}}
+  // Ranks are the chief (if any) first, then workers in list order. Rank 0's address hosts the
+  // store. Roles other than chief and worker ("ps", "evaluator") are rejected. Throws
+  // Error(kInvalidArgument) naming the offending field: not JSON, a missing or mistyped key, an
+  // index out of range, duplicate addresses, a bad "host:port", an unsupported role.
+  static ClusterSpec FromTfConfig(std::string_view json);
+
+  // Builds the spec from the environment: TF_CONFIG if set; else RANK and WORLD_SIZE; else
+  // OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; MASTER_ADDR (default 127.0.0.1) and
+  // MASTER_PORT for the last two. With none of them: a single rank. Throws
+  // Error(kInvalidArgument) naming the variable that is malformed or missing.
+  static ClusterSpec FromEnvironment();
+
+  // The same, over an explicit variable map (for tests and for embedding).
+  static ClusterSpec FromEnvironment(const std::map<std::string, std::string>& env);
+
+  // Throws Error(kInvalidArgument) if the fields are inconsistent.
+  void Validate() const;
+};
+
+// A key-value store for rendezvous: ranks publish their addresses and read their peers'.
+// Keys are written once; Get waits until the key exists.
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  // Sets `key` to `value`, replacing any earlier value.
+  virtual void Set(const std::string& key, const std::string& value) = 0;
+  // Returns the value of `key`, waiting up to `timeout` for some rank to set it. Throws
+  // Error(kTimeout) naming the key when it does not appear in time.
+  virtual std::string Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // Atomically adds `delta` to the integer stored at `key` (0 if absent) and returns the sum.
+  virtual int64_t Add(const std::string& key, int64_t delta) = 0;
+};
+
+// A store in this process's memory: for ranks that are threads of one process (tests).
+std::shared_ptr<Store> CreateMemoryStore();
+
+// A store of files in `directory` (a folder every rank can see, e.g. on a shared file system).
+// The folder is created if missing. Values are written atomically (temp file, then rename).
+std::shared_ptr<Store> CreateFileStore(const std::string& directory);
+
+// A TCP store. With `is_server` this process hosts it on host:port (port 0 picks a free port;
+// see TcpStorePort) and also uses it as a client. Clients retry the connection until `timeout`.
+// Throws Error(kSystem) when the port cannot be bound, Error(kTimeout) when the server cannot
+// be reached in time.
+std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
+                                      std::chrono::milliseconds timeout);
+// The port a TCP store created by this process listens on (useful after port 0). Throws
+// Error(kInvalidArgument) if `store` is not a TCP store server.
+uint16_t TcpStorePort(const Store& store);
+
+// The store a ClusterSpec names: rank 0 hosts a TCP store at master_addr:master_port, the other
+// ranks connect to it. A single-rank spec gets a memory store.
+std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout);
+
+}  // namespace collectives
+
+#endif  // COLLECTIVES_CLUSTER_H_

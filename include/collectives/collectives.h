@@ -1,0 +1,11 @@
+// Everything a trainer needs: include this one header.
+#ifndef COLLECTIVES_COLLECTIVES_H_
+#define COLLECTIVES_COLLECTIVES_H_
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "collectives/errors.h"
+#include "collectives/types.h"
+#include "collectives/version.h"
+
+#endif  // COLLECTIVES_COLLECTIVES_H_

@@ -1,0 +1,157 @@
+// The CollectiveCommunication interface, its options and its factory.
+//
+// Semantics follow NCCL and MPI:
+//  - Every rank issues the same sequence of collectives with the same dtype, op, count and root.
+//    The library checks this: a difference raises Error(kMismatch) on the ranks that see it.
+//  - Calls run in the order they were issued, one at a time, on the communicator's progress
+//    thread. The async forms return at once with a Work handle; the blocking forms are the async
+//    ones waited on.
+//  - Buffers are borrowed: the caller keeps them alive and untouched until the Work completes.
+//  - In-place: AllReduce and Broadcast are in place when send.data == recv.data. AllGather is in
+//    place when send.data == recv.data + rank * count elements; ReduceScatter when
+//    recv.data == send.data + rank * count elements.
+//  - The first failure (peer lost, mismatch, timeout) breaks the communicator: that call and
+//    every later one raise the same Error until a new communicator is built.
+//
+// Thread-safety: a communicator may be called from any thread, but calls from different
+// threads are ordered by the time they enter the library; every rank must issue the same order.
+#ifndef COLLECTIVES_COMMUNICATION_H_
+#define COLLECTIVES_COMMUNICATION_H_
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "collectives/types.h"
+
+namespace collectives {
+
+enum class Implementation {
+  kRing,  // TCP between processes; ring algorithms, latency-optimal ones for small messages
+  kNccl,  // NVIDIA NCCL on CUDA tensors
+  kAuto,  // chosen per call; today RING (NCCL arrives with the NCCL backend)
+};
+const char* ToString(Implementation impl);
+Implementation ParseImplementation(const std::string& name);  // "ring", "nccl", "auto"
+
+struct CommunicationOptions {
+  // Which implementation moves the data.
+  // Default: kAuto.
+  Implementation implementation = Implementation::kAuto;
+
+  // Byte cap of one fusion bucket when a list of tensors is reduced through the packer.
+  // 0 picks the library's default.
+  // Default: 0.
+  size_t bytes_per_pack = 0;
+
+  // Longest a collective may take from the moment it starts running, and longest the
+  // rendezvous and connection set-up may take. A peer that is silent for longer raises
+  // Error(kTimeout) naming it. Long enough for a 1 GiB all-reduce over a slow link.
+  // Default: 300 s.
+  std::chrono::milliseconds timeout{300'000};
+
+  // Bytes per pipelined chunk of the ring algorithms: each ring step is cut into chunks of at
+  // most this size so that sending, receiving and reducing overlap. Small values cost per-frame
+  // overhead; large ones lose overlap and grow the staging area (4 chunks per communicator).
+  // 0 picks the default (512 KiB), which kept loopback TCP busy while bounding staging to 2 MiB.
+  // Default: 0.
+  size_t chunk_bytes = 0;
+
+  // All-reduces of at most this many bytes use the latency-optimal algorithm (recursive
+  // doubling) instead of the ring. 0 picks the default (64 KiB); SIZE_MAX forces it always,
+  // 1 practically never.
+  // Default: 0.
+  size_t small_message_bytes = 0;
+
+  // How long a waiter polls before it sleeps, in microseconds. Polling cuts the latency of
+  // small collectives (~11 us vs ~65 us for an 8-byte loopback round trip) but steals a core a
+  // peer may need when there are more ranks than cores. -1 adapts: polls only when this host
+  // has at least as many cores as the job's local ranks.
+  // Default: -1.
+  int spin_us = -1;
+
+  // The job's shared secret. Every connection proves knowledge of it (HMAC-SHA256 over both
+  // sides' nonces); it never travels. Empty: taken from COLLECTIVES_JOB_TOKEN, else none (the
+  // proof then only checks the job id).
+  // Default: "".
+  std::string job_token;
+};
+
+// A handle on one asynchronous collective.
+// Thread-safety: Wait and Done may be called from any thread, any number of times.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective completed; throws its Error if it failed.
+  virtual void Wait() = 0;
+  // True once the collective completed (successfully or not); never blocks.
+  virtual bool Done() const = 0;
+};
+
+class CollectiveCommunication {
+ public:
+  virtual ~CollectiveCommunication() = default;
+  CollectiveCommunication(const CollectiveCommunication&) = delete;
+  CollectiveCommunication& operator=(const CollectiveCommunication&) = delete;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Implementation implementation() const = 0;
+
+  // recv[i] = op over ranks of send[i], on every rank. send and recv have the same count and
+  // dtype; in place when send.data == recv.data.
+  virtual std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
+                                               ReduceOp op) = 0;
+  // recv = root's send, on every rank. send is read on the root only (it may be empty
+  // elsewhere); recv must have the count and dtype of root's send. In place when the root's
+  // send.data == recv.data.
+  virtual std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv,
+                                               int root) = 0;
+  // recv = concatenation over ranks of send; recv.count == size() * send.count.
+  virtual std::shared_ptr<Work> AllGatherAsync(const Tensor& send, const Tensor& recv) = 0;
+  // recv = block `rank` of (op over ranks of send); send.count == size() * recv.count.
+  virtual std::shared_ptr<Work> ReduceScatterAsync(const Tensor& send, const Tensor& recv,
+                                                   ReduceOp op) = 0;
+  // Completes once every rank has entered it.
+  virtual std::shared_ptr<Work> BarrierAsync() = 0;
+
+  // Blocking forms.
+  void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) {
+    AllReduceAsync(send, recv, op)->Wait();
+  }
+  void AllReduce(const Tensor& inout, ReduceOp op) { AllReduceAsync(inout, inout, op)->Wait(); }
+  void Broadcast(const Tensor& send, const Tensor& recv, int root) {
+    BroadcastAsync(send, recv, root)->Wait();
+  }
+  void Broadcast(const Tensor& inout, int root) { BroadcastAsync(inout, inout, root)->Wait(); }
+  void AllGather(const Tensor& send, const Tensor& recv) { AllGatherAsync(send, recv)->Wait(); }
+  void ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) {
+    ReduceScatterAsync(send, recv, op)->Wait();
+  }
+  void Barrier() { BarrierAsync()->Wait(); }
+
+  // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),
+  // and peers see this rank's connections close. Safe from any thread; idempotent.
+  virtual void Abort() = 0;
+
+ protected:
+  CollectiveCommunication() = default;
+};
+
+// Builds a communicator for this process's rank of `spec`, rendezvousing through the store the
+// spec names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed.
+std::unique_ptr<CollectiveCommunication> CreateCommunication(
+    const ClusterSpec& spec, const CommunicationOptions& options = {});
+
+// The same, through a store the caller made (a memory store for ranks that are threads, a file
+// store on a shared folder, ...).
+std::unique_ptr<CollectiveCommunication> CreateCommunication(
+    const ClusterSpec& spec, std::shared_ptr<Store> store,
+    const CommunicationOptions& options = {});
+
+}  // namespace collectives
+
+#endif  // COLLECTIVES_COMMUNICATION_H_

@@ -1,0 +1,53 @@
+// What a collective call is, as every rank must agree on it: the descriptor that travels in
+// every frame header so that a receiver can tell a frame of the call it is running from a frame
+// of any other call, and name both sides when they differ.
+//
+// Thread-safety: plain values.
+#ifndef COLLECTIVES_SRC_CORE_CALL_H_
+#define COLLECTIVES_SRC_CORE_CALL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "collectives/types.h"
+
+namespace collectives::core {
+
+// Wire values: append, never renumber.
+enum class CollectiveKind : uint8_t {
+  kAllReduce = 1,
+  kBroadcast = 2,
+  kAllGather = 3,
+  kReduceScatter = 4,
+  kBarrier = 5,
+};
+const char* ToString(CollectiveKind kind);  // "all_reduce", "broadcast", ...
+
+// The collective's identity: kind, dtype, op, root and count (elements per rank, as the caller
+// passed it: AllReduce/Broadcast count, AllGather send count, ReduceScatter recv count).
+// Fields that do not apply (op of a broadcast, root of an all-reduce) are zero.
+struct CallDescriptor {
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int32_t root = 0;
+  uint64_t count = 0;
+
+  bool operator==(const CallDescriptor&) const = default;
+  // "all_reduce(f32, sum, count=1000)", "broadcast(i8, root=2, count=7)".
+  std::string ToString() const;
+};
+
+// One collective call: its position in the communicator's sequence and its descriptor.
+struct CallTag {
+  uint64_t seq = 0;
+  CallDescriptor call;
+
+  bool operator==(const CallTag&) const = default;
+  // "#17 all_reduce(f32, sum, count=1000)".
+  std::string ToString() const;
+};
+
+}  // namespace collectives::core
+
+#endif  // COLLECTIVES_SRC_CORE_CALL_H_

@@ -1,0 +1,83 @@
+// The transport interface the algorithms see: a Fabric of point-to-point Connections, one per
+// peer, that move frames. Algorithms never see sockets; TCP (tcp_fabric.h) and an in-process
+// transport for tests (inproc_fabric.h) implement it.
+//
+// A frame is a header (frame.h) and a payload. Every frame carries the CallTag of the
+// collective it belongs to; a receiver names the tag and the exact payload size it expects, and
+// a frame that carries anything else is a mismatch (Error kMismatch, naming both calls) -- never
+// a silent copy. Sends and receives on one connection complete in the order they were posted.
+//
+// Errors: Wait* throw collectives::Error (kPeerLost, kMismatch, kTimeout, kAborted, kSystem)
+// naming this rank and the peer. After the first error the fabric is broken: every later Post*
+// or Wait* throws the same error.
+//
+// Thread-safety: a Fabric and its Connections are used by one thread at a time (the
+// communicator's progress thread); only Abort() may be called from any thread.
+#ifndef COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_
+#define COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+#include "collectives/errors.h"
+#include "src/core/call.h"
+
+namespace collectives::transport {
+
+using Clock = std::chrono::steady_clock;
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  // The peer's rank.
+  virtual int peer() const = 0;
+
+  // Queues one frame of `bytes` payload (0 allowed) tagged `tag`. `data` is borrowed until the
+  // send completes. Returns a ticket: 1 for the first send on this connection, then 2, 3, ...
+  virtual uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) = 0;
+
+  // Posts a receive of the next frame, which must carry `tag` and exactly `bytes` of payload,
+  // written straight into `data` (borrowed until the receive completes). Returns a ticket
+  // numbered like PostSend's, independently.
+  virtual uint64_t PostRecv(const core::CallTag& tag, void* data, size_t bytes) = 0;
+
+  // Block until the send / receive with this ticket (and all before it) completed, making
+  // progress on every connection of the fabric meanwhile. Throw on error or past the deadline.
+  virtual void WaitSend(uint64_t ticket) = 0;
+  virtual void WaitRecv(uint64_t ticket) = 0;
+
+  // Whether the send / receive with this ticket already completed; makes progress without
+  // blocking. Throws like Wait*.
+  virtual bool TestSend(uint64_t ticket) = 0;
+  virtual bool TestRecv(uint64_t ticket) = 0;
+};
+
+class Fabric {
+ public:
+  virtual ~Fabric() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // The connection to `peer` (peer != rank()).
+  virtual Connection& connection(int peer) = 0;
+
+  // Every Wait* from now on throws Error(kTimeout) once `deadline` passes. Set by the
+  // communicator when a collective starts. `what` ("#17 all_reduce(f32, sum, count=1000)")
+  // is quoted in the error message.
+  virtual void SetDeadline(Clock::time_point deadline) = 0;
+
+  // How long a Wait* polls before it sleeps in the kernel (0: never polls).
+  virtual void SetSpin(std::chrono::microseconds spin) = 0;
+
+  // Breaks the fabric with `error`: tells every peer (best effort: an abort frame carrying the
+  // code and message, then closing the connections), and makes every pending and later call
+  // throw `error`. Safe from any thread; the first error wins.
+  virtual void Abort(const Error& error) = 0;
+};
+
+}  // namespace collectives::transport
+
+#endif  // COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_

@@ -1,0 +1,50 @@
+// The wire format of frames and handshakes, with encoders and validating decoders.
+//
+// Frame header, 40 bytes, little-endian:
+//   0  u32 magic 0x46534C43 ("CLSF")     8  u64 seq
+//   4  u8  version (1)                   16 u8 collective kind, u8 dtype, u8 op, u8 reserved
+//   5  u8  frame kind (1 data, 2 abort)  20 i32 root
+//   6  u16 reserved (0)                  24 u64 count
+//                                        32 u64 payload bytes
+// An abort frame's payload: u32 error code, i32 culprit rank, then the message (UTF-8), at most
+// kMaxAbortPayload bytes in all.
+//
+// Thread-safety: pure functions.
+#ifndef COLLECTIVES_SRC_TRANSPORT_FRAME_H_
+#define COLLECTIVES_SRC_TRANSPORT_FRAME_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "src/core/call.h"
+
+namespace collectives::transport {
+
+inline constexpr uint32_t kFrameMagic = 0x46534C43;
+inline constexpr uint8_t kWireVersion = 1;
+inline constexpr size_t kFrameHeaderBytes = 40;
+inline constexpr size_t kMaxAbortPayload = 4096;
+
+enum class FrameKind : uint8_t { kData = 1, kAbort = 2 };
+
+struct FrameHeader {
+  FrameKind kind = FrameKind::kData;
+  core::CallTag tag;
+  uint64_t bytes = 0;
+};
+
+using EncodedHeader = std::array<uint8_t, kFrameHeaderBytes>;
+
+EncodedHeader EncodeHeader(const FrameHeader& header);
+
+// Decodes and checks magic, version, frame kind and the enum ranges of the descriptor. Returns
+// nullopt and sets *why ("bad magic 0x...", "unknown dtype 9", ...) when the bytes are not a
+// frame header.
+std::optional<FrameHeader> DecodeHeader(const uint8_t* bytes, std::string* why);
+
+}  // namespace collectives::transport
+
+#endif  // COLLECTIVES_SRC_TRANSPORT_FRAME_H_

@@ -1,0 +1,52 @@
+// A Fabric over TCP (Asio): a full mesh of connections, set up through a rendezvous Store.
+//
+// Set-up: every rank binds a listener (ephemeral port on `bind_host`), publishes "host:port"
+// under "<key_prefix>/addr/<rank>", reads every peer's address, connects to the peers of higher
+// rank and accepts the peers of lower rank. Each connection starts with the handshake of
+// handshake.h (magic, version, job id, ranks, HMAC-SHA256 proof of the job token over both
+// nonces); a connection that fails it is closed and the stranger is logged, never admitted.
+//
+// Data: one io_context owned by the fabric; only the thread that calls Post*/Wait* touches the
+// sockets. Each connection keeps one async_write in flight with a queue behind it (header and
+// payload gathered into one write), and reads a fixed header, validates it against the posted
+// receive, then reads the payload straight into the caller's buffer. A waiter polls the
+// io_context for the spin budget, then sleeps in it until the deadline.
+//
+// Thread-safety: see connection.h.
+#ifndef COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_
+#define COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "collectives/cluster.h"
+#include "src/transport/connection.h"
+
+namespace collectives::transport {
+
+struct TcpFabricOptions {
+  // Address the listener binds to and that peers are told to connect to.
+  std::string bind_host = "127.0.0.1";
+  // Agreed by all ranks; checked in the handshake.
+  std::string job_id = "collectives";
+  // The shared secret proven by HMAC (may be empty).
+  std::string token;
+  // Prefix of this fabric's keys in the store (lets several communicators share one store).
+  std::string key_prefix = "collectives";
+  // Limit on the whole set-up: store lookups, connects, accepts, handshakes.
+  std::chrono::milliseconds timeout{60'000};
+};
+
+// Builds the mesh. Blocks until every connection is up. Throws Error(kTimeout) naming the
+// missing peers, Error(kSystem) when binding fails.
+std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
+                                         const TcpFabricOptions& options);
+
+// The local address of the interface this host would use to reach `remote_host` (resolving
+// names); "127.0.0.1" when it cannot tell.
+std::string LocalAddressToward(const std::string& remote_host);
+
+}  // namespace collectives::transport
+
+#endif  // COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_
