@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 
+#include "collectives/errors.h"
 #include "src/core/call.h"
 
 namespace collectives::transport {
@@ -44,6 +45,23 @@ EncodedHeader EncodeHeader(const FrameHeader& header);
 // nullopt and sets *why ("bad magic 0x...", "unknown dtype 9", ...) when the bytes are not a
 // frame header.
 std::optional<FrameHeader> DecodeHeader(const uint8_t* bytes, std::string* why);
+
+// What an abort frame carries: the error that broke the sender's fabric and the rank that
+// first raised it (which may differ from the sender when an abort is relayed).
+struct AbortPayload {
+  ErrorCode code = ErrorCode::kAborted;
+  int32_t culprit = -1;
+  std::string message;
+};
+
+// Encodes `payload`; a message too long for kMaxAbortPayload is cut (at a UTF-8 character
+// boundary) and ends in "...".
+std::string EncodeAbortPayload(const AbortPayload& payload);
+
+// Decodes an abort frame's payload of `size` bytes: checks the size bounds and the error
+// code's range. Returns nullopt and sets *why otherwise.
+std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size,
+                                               std::string* why);
 
 }  // namespace collectives::transport
 

@@ -1,0 +1,352 @@
+// ClusterSpec: parsing TF_CONFIG and the launcher environment variables, and validation.
+//
+// TF_CONFIG is TensorFlow's JSON. Besides "cluster" and "task" we read one optional top-level
+// field of our own, "job_id" (a non-empty string): every rank of a job must agree on it; it is
+// this library's extension, TensorFlow ignores unknown top-level fields ("environment",
+// "rpc_layer", ...) and so do we.
+//
+// The environment is read in this order, the first source present winning:
+//   1. TF_CONFIG (an empty or blank TF_CONFIG counts as unset);
+//   2. RANK and WORLD_SIZE (torchrun), with MASTER_ADDR (default 127.0.0.1) and MASTER_PORT
+//      (required when WORLD_SIZE > 1);
+//   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_* as above;
+//   4. nothing: a single rank.
+// COLLECTIVES_JOB_ID, when set, gives job_id; if TF_CONFIG also names one, they must agree.
+#include <cctype>
+#include <climits>
+#include <cstdlib>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+
+namespace collectives {
+namespace {
+
+using Json = nlohmann::json;
+using cluster::FormatHostPort;
+using cluster::HostPort;
+using cluster::ParseHostPort;
+
+constexpr char kChief[] = "chief";
+constexpr char kWorker[] = "worker";
+
+[[noreturn]] void Invalid(const std::string& message) {
+  throw Error(ErrorCode::kInvalidArgument, message);
+}
+
+std::string Quote(std::string_view text) { return "'" + std::string(text) + "'"; }
+
+// One "host:port" entry of cluster.<role>.
+struct TaskAddress {
+  std::string field;  // "cluster.worker[2]"
+  std::string text;   // as written
+  HostPort parsed;
+};
+
+// Reads cluster.<role> (absent: empty list).
+std::vector<TaskAddress> ReadRole(const Json& cluster, const char* role) {
+  std::vector<TaskAddress> out;
+  auto it = cluster.find(role);
+  if (it == cluster.end()) return out;
+  std::string field = std::string("cluster.") + role;
+  if (!it->is_array()) {
+    Invalid("TF_CONFIG field " + Quote(field) + " must be an array of \"host:port\" strings, got " +
+            it->type_name());
+  }
+  for (size_t i = 0; i < it->size(); ++i) {
+    const Json& entry = (*it)[i];
+    std::string entry_field = field + "[" + std::to_string(i) + "]";
+    if (!entry.is_string()) {
+      Invalid("TF_CONFIG field " + Quote(entry_field) + " must be a \"host:port\" string, got " +
+              entry.type_name());
+    }
+    std::string text = entry.get<std::string>();
+    std::string why;
+    std::optional<HostPort> parsed = ParseHostPort(text, &why);
+    if (!parsed) {
+      Invalid("TF_CONFIG field " + Quote(entry_field) + " = " + Quote(text) +
+              " is not a valid host:port: " + why);
+    }
+    out.push_back(TaskAddress{entry_field, std::move(text), std::move(*parsed)});
+  }
+  return out;
+}
+
+// Host names compare case-insensitively; addresses are otherwise compared as written.
+std::string AddressKey(const HostPort& address) {
+  std::string host = address.host;
+  for (char& c : host) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return FormatHostPort(host, address.port);
+}
+
+bool IsBlank(const std::string& text) {
+  for (char c : text) {
+    if (!std::isspace(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+// A decimal integer in [0, INT_MAX], digits only.
+int ParseNonNegativeInt(const std::string& name, const std::string& value) {
+  bool ok = !value.empty() && value.size() <= 10;
+  long long parsed = 0;
+  for (char c : value) {
+    if (c < '0' || c > '9') {
+      ok = false;
+      break;
+    }
+    parsed = parsed * 10 + (c - '0');
+  }
+  if (!ok || parsed > INT_MAX) {
+    Invalid("environment variable " + name + "=" + Quote(value) + " is not a non-negative integer");
+  }
+  return static_cast<int>(parsed);
+}
+
+const std::string* Find(const std::map<std::string, std::string>& env, const char* name) {
+  auto it = env.find(name);
+  return it == env.end() ? nullptr : &it->second;
+}
+
+// RANK/WORLD_SIZE or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, with MASTER_ADDR/MASTER_PORT.
+ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, const char* rank_name,
+                              const char* size_name) {
+  const std::string* rank_value = Find(env, rank_name);
+  const std::string* size_value = Find(env, size_name);
+  if (rank_value == nullptr) {
+    Invalid(std::string("environment variable ") + size_name + " is set but " + rank_name +
+            " is not");
+  }
+  if (size_value == nullptr) {
+    Invalid(std::string("environment variable ") + rank_name + " is set but " + size_name +
+            " is not");
+  }
+  ClusterSpec spec;
+  spec.rank = ParseNonNegativeInt(rank_name, *rank_value);
+  spec.world_size = ParseNonNegativeInt(size_name, *size_value);
+  if (spec.world_size < 1) {
+    Invalid(std::string("environment variable ") + size_name + "=" + Quote(*size_value) +
+            " must be at least 1");
+  }
+  if (spec.rank >= spec.world_size) {
+    Invalid(std::string("environment variable ") + rank_name + "=" + Quote(*rank_value) +
+            " is out of range for " + size_name + "=" + *size_value + " (valid ranks are 0.." +
+            std::to_string(spec.world_size - 1) + ")");
+  }
+  spec.task_type = kWorker;
+  spec.task_index = spec.rank;
+
+  if (const std::string* addr = Find(env, "MASTER_ADDR")) {
+    std::string host = cluster::StripBrackets(*addr);
+    bool ok = !host.empty();
+    for (char c : host) {
+      if (std::isspace(static_cast<unsigned char>(c))) ok = false;
+    }
+    if (!ok) {
+      Invalid("environment variable MASTER_ADDR=" + Quote(*addr) + " is not a host name or address");
+    }
+    spec.master_addr = std::move(host);
+  }
+  if (const std::string* port = Find(env, "MASTER_PORT")) {
+    std::optional<uint16_t> parsed = cluster::ParsePort(*port);
+    if (!parsed) {
+      Invalid("environment variable MASTER_PORT=" + Quote(*port) +
+              " is not a port number in 1..65535");
+    }
+    spec.master_port = *parsed;
+  } else if (spec.world_size > 1) {
+    Invalid(std::string("environment variable MASTER_PORT is required when ") + size_name + "=" +
+            *size_value + " > 1 (rank 0 hosts the rendezvous store on it)");
+  }
+  return spec;
+}
+
+}  // namespace
+
+ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
+  Json root;
+  try {
+    root = Json::parse(json.begin(), json.end());
+  } catch (const Json::parse_error& e) {
+    Invalid("TF_CONFIG is not valid JSON (error at byte " + std::to_string(e.byte) +
+            "): " + e.what());
+  }
+  if (!root.is_object()) {
+    Invalid(std::string("TF_CONFIG must be a JSON object, got ") + root.type_name());
+  }
+
+  // cluster
+  auto cluster_it = root.find("cluster");
+  if (cluster_it == root.end()) Invalid("TF_CONFIG is missing the field 'cluster'");
+  if (!cluster_it->is_object()) {
+    Invalid(std::string("TF_CONFIG field 'cluster' must be an object, got ") +
+            cluster_it->type_name());
+  }
+  for (const auto& [role, unused] : cluster_it->items()) {
+    if (role != kChief && role != kWorker) {
+      Invalid("TF_CONFIG field " + Quote("cluster." + role) + ": role " + Quote(role) +
+              " is not supported; only 'chief' and 'worker' are (collective training has no "
+              "parameter servers or evaluators)");
+    }
+  }
+  std::vector<TaskAddress> chiefs = ReadRole(*cluster_it, kChief);
+  std::vector<TaskAddress> workers = ReadRole(*cluster_it, kWorker);
+  if (chiefs.size() > 1) {
+    Invalid("TF_CONFIG field 'cluster.chief' lists " + std::to_string(chiefs.size()) +
+            " tasks; at most one chief is allowed");
+  }
+  if (chiefs.empty() && workers.empty()) {
+    Invalid("TF_CONFIG field 'cluster' lists no tasks: 'cluster.worker' is empty or missing and "
+            "there is no 'cluster.chief'");
+  }
+  std::vector<TaskAddress> ranks = chiefs;  // rank order: the chief, then the workers
+  ranks.insert(ranks.end(), workers.begin(), workers.end());
+  std::map<std::string, size_t> seen;  // address -> rank
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    auto [it, inserted] = seen.emplace(AddressKey(ranks[r].parsed), r);
+    if (!inserted) {
+      Invalid("TF_CONFIG fields " + Quote(ranks[it->second].field) + " and " +
+              Quote(ranks[r].field) + " have the same address " + Quote(ranks[r].text));
+    }
+  }
+
+  // task
+  auto task_it = root.find("task");
+  if (task_it == root.end()) Invalid("TF_CONFIG is missing the field 'task'");
+  if (!task_it->is_object()) {
+    Invalid(std::string("TF_CONFIG field 'task' must be an object, got ") + task_it->type_name());
+  }
+  auto type_it = task_it->find("type");
+  if (type_it == task_it->end()) Invalid("TF_CONFIG is missing the field 'task.type'");
+  if (!type_it->is_string()) {
+    Invalid(std::string("TF_CONFIG field 'task.type' must be a string, got ") +
+            type_it->type_name());
+  }
+  std::string type = type_it->get<std::string>();
+  if (type != kChief && type != kWorker) {
+    Invalid("TF_CONFIG field 'task.type': role " + Quote(type) +
+            " is not supported; only 'chief' and 'worker' are");
+  }
+  auto index_it = task_it->find("index");
+  if (index_it == task_it->end()) Invalid("TF_CONFIG is missing the field 'task.index'");
+  if (!index_it->is_number_integer()) {
+    Invalid(std::string("TF_CONFIG field 'task.index' must be an integer, got ") +
+            index_it->type_name() + " " + index_it->dump());
+  }
+  const std::vector<TaskAddress>& role_list = type == kChief ? chiefs : workers;
+  bool in_range = index_it->is_number_unsigned()
+                      ? index_it->get<uint64_t>() < role_list.size()
+                      : index_it->get<int64_t>() >= 0 &&
+                            static_cast<uint64_t>(index_it->get<int64_t>()) < role_list.size();
+  if (!in_range) {
+    if (role_list.empty()) {
+      Invalid("TF_CONFIG field 'task.index' = " + index_it->dump() + " is out of range: 'cluster." +
+              type + "' lists no tasks");
+    }
+    Invalid("TF_CONFIG field 'task.index' = " + index_it->dump() + " is out of range for " +
+            Quote(type) + ": valid indices are 0.." + std::to_string(role_list.size() - 1));
+  }
+  int index = static_cast<int>(index_it->get<int64_t>());
+
+  ClusterSpec spec;
+  spec.world_size = static_cast<int>(ranks.size());
+  spec.rank = type == kChief ? 0 : static_cast<int>(chiefs.size()) + index;
+  spec.task_type = type;
+  spec.task_index = index;
+  spec.master_addr = ranks[0].parsed.host;
+  spec.master_port = ranks[0].parsed.port;
+  for (const TaskAddress& address : ranks) spec.addresses.push_back(address.text);
+
+  if (auto job_it = root.find("job_id"); job_it != root.end()) {
+    if (!job_it->is_string()) {
+      Invalid(std::string("TF_CONFIG field 'job_id' must be a string, got ") +
+              job_it->type_name());
+    }
+    spec.job_id = job_it->get<std::string>();
+    if (spec.job_id.empty()) Invalid("TF_CONFIG field 'job_id' must not be empty");
+  }
+  spec.Validate();
+  return spec;
+}
+
+ClusterSpec ClusterSpec::FromEnvironment() {
+  static const char* const kNames[] = {
+      "TF_CONFIG",   "RANK",        "WORLD_SIZE",         "OMPI_COMM_WORLD_RANK",
+      "OMPI_COMM_WORLD_SIZE",       "MASTER_ADDR",        "MASTER_PORT",
+      "COLLECTIVES_JOB_ID"};
+  std::map<std::string, std::string> env;
+  for (const char* name : kNames) {
+    if (const char* value = std::getenv(name)) env.emplace(name, value);
+  }
+  return FromEnvironment(env);
+}
+
+ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string>& env) {
+  ClusterSpec spec;
+  bool job_id_from_tf_config = false;
+  const std::string* tf_config = Find(env, "TF_CONFIG");
+  if (tf_config != nullptr && !IsBlank(*tf_config)) {
+    spec = FromTfConfig(*tf_config);
+    job_id_from_tf_config = spec.job_id != ClusterSpec().job_id;
+  } else if (Find(env, "RANK") != nullptr || Find(env, "WORLD_SIZE") != nullptr) {
+    spec = FromRankVariables(env, "RANK", "WORLD_SIZE");
+  } else if (Find(env, "OMPI_COMM_WORLD_RANK") != nullptr ||
+             Find(env, "OMPI_COMM_WORLD_SIZE") != nullptr) {
+    spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+  }
+  if (const std::string* job_id = Find(env, "COLLECTIVES_JOB_ID")) {
+    if (job_id->empty()) Invalid("environment variable COLLECTIVES_JOB_ID is set but empty");
+    if (job_id_from_tf_config && *job_id != spec.job_id) {
+      Invalid("environment variable COLLECTIVES_JOB_ID=" + Quote(*job_id) +
+              " disagrees with TF_CONFIG field 'job_id' = " + Quote(spec.job_id));
+    }
+    spec.job_id = *job_id;
+  }
+  spec.Validate();
+  return spec;
+}
+
+void ClusterSpec::Validate() const {
+  if (world_size < 1) {
+    Invalid("ClusterSpec: world_size=" + std::to_string(world_size) + " must be at least 1");
+  }
+  if (rank < 0 || rank >= world_size) {
+    Invalid("ClusterSpec: rank=" + std::to_string(rank) + " is out of range for world_size=" +
+            std::to_string(world_size) + " (valid ranks are 0.." + std::to_string(world_size - 1) +
+            ")");
+  }
+  if (world_size > 1 && master_port == 0) {
+    Invalid("ClusterSpec: master_port is 0 but world_size=" + std::to_string(world_size) +
+            " > 1 needs the port of rank 0's store");
+  }
+  if (world_size > 1 && master_addr.empty()) {
+    Invalid("ClusterSpec: master_addr is empty but world_size=" + std::to_string(world_size) +
+            " > 1 needs the address of rank 0's store");
+  }
+  if (!addresses.empty()) {
+    if (addresses.size() != static_cast<size_t>(world_size)) {
+      Invalid("ClusterSpec: addresses lists " + std::to_string(addresses.size()) +
+              " entries but world_size=" + std::to_string(world_size));
+    }
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      std::string why;
+      if (!ParseHostPort(addresses[i], &why)) {
+        Invalid("ClusterSpec: addresses[" + std::to_string(i) + "] = " + Quote(addresses[i]) +
+                " is not a valid host:port: " + why);
+      }
+    }
+  }
+  if (task_index < 0) {
+    Invalid("ClusterSpec: task_index=" + std::to_string(task_index) + " is negative");
+  }
+  if (job_id.empty()) Invalid("ClusterSpec: job_id is empty");
+}
+
+}  // namespace collectives

@@ -1,0 +1,33 @@
+// The public factories of the TCP store and the store a ClusterSpec names.
+#include <memory>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+#include "src/cluster/tcp_store.h"
+
+namespace collectives {
+
+std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
+                                      std::chrono::milliseconds timeout) {
+  if (is_server) {
+    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(host), port);
+  }
+  return std::make_shared<cluster::TcpStoreClient>(host, port, timeout);
+}
+
+uint16_t TcpStorePort(const Store& store) {
+  const auto* server = dynamic_cast<const cluster::TcpStoreServer*>(&store);
+  if (server == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument, "TcpStorePort: the store is not a TCP store server");
+  }
+  return server->port();
+}
+
+std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout) {
+  spec.Validate();
+  if (spec.world_size == 1) return CreateMemoryStore();
+  return CreateTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout);
+}
+
+}  // namespace collectives

@@ -1,0 +1,88 @@
+// "host:port" parsing and formatting (see host_port.h).
+#include "src/cluster/host_port.h"
+
+#include <cctype>
+
+namespace collectives::cluster {
+
+std::optional<uint16_t> ParsePort(std::string_view text) {
+  if (text.empty() || text.size() > 5) return std::nullopt;
+  uint32_t value = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+    value = value * 10 + static_cast<uint32_t>(c - '0');
+  }
+  if (value < 1 || value > 65535) return std::nullopt;
+  return static_cast<uint16_t>(value);
+}
+
+std::optional<HostPort> ParseHostPort(std::string_view text, std::string* why) {
+  std::string_view host;
+  std::string_view rest;  // what follows the host: ":port" or nothing
+  if (!text.empty() && text.front() == '[') {
+    size_t close = text.find(']');
+    if (close == std::string_view::npos) {
+      *why = "unterminated '[' of an IPv6 address";
+      return std::nullopt;
+    }
+    host = text.substr(1, close - 1);
+    rest = text.substr(close + 1);
+    if (!rest.empty() && rest.front() != ':') {
+      *why = "expected ':' after ']'";
+      return std::nullopt;
+    }
+  } else {
+    size_t colon = text.rfind(':');
+    if (colon == std::string_view::npos) {
+      *why = "missing port (expected host:port)";
+      return std::nullopt;
+    }
+    host = text.substr(0, colon);
+    rest = text.substr(colon);
+    if (host.find(':') != std::string_view::npos) {
+      *why = "an IPv6 address must be written in brackets, as [::1]:port";
+      return std::nullopt;
+    }
+  }
+  if (host.empty()) {
+    *why = "empty host";
+    return std::nullopt;
+  }
+  for (char c : host) {
+    if (std::isspace(static_cast<unsigned char>(c)) || c == '[' || c == ']' || c == '/') {
+      *why = "invalid character in host";
+      return std::nullopt;
+    }
+  }
+  if (rest.empty() || rest == ":") {
+    *why = "missing port (expected host:port)";
+    return std::nullopt;
+  }
+  std::string_view port_text = rest.substr(1);
+  std::optional<uint16_t> port = ParsePort(port_text);
+  if (!port) {
+    *why = "port '" + std::string(port_text) + "' is not a number in 1..65535";
+    return std::nullopt;
+  }
+  return HostPort{std::string(host), *port};
+}
+
+std::string StripBrackets(std::string_view host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    return std::string(host.substr(1, host.size() - 2));
+  }
+  return std::string(host);
+}
+
+std::string FormatHostPort(std::string_view host, uint16_t port) {
+  std::string out;
+  if (host.find(':') != std::string_view::npos) {
+    out.append("[").append(host).append("]");
+  } else {
+    out.append(host);
+  }
+  out.append(":").append(std::to_string(port));
+  return out;
+}
+
+}  // namespace collectives::cluster

@@ -1,0 +1,38 @@
+// Parsing and formatting of "host:port" addresses as TF_CONFIG and MASTER_ADDR spell them.
+//
+// Accepted: "name:port", "1.2.3.4:port", "[::1]:port" (IPv6 in brackets). The host is returned
+// without brackets, so it can be handed to a resolver as is. Port must be 1..65535, written in
+// decimal digits only.
+//
+// Thread-safety: plain functions over values.
+#ifndef COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
+#define COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace collectives::cluster {
+
+struct HostPort {
+  std::string host;  // without IPv6 brackets
+  uint16_t port = 0;
+};
+
+// Parses `text` as "host:port". On failure returns nullopt and sets `*why` to a short reason
+// ("missing port", "port 0 is not in 1..65535", ...).
+std::optional<HostPort> ParseHostPort(std::string_view text, std::string* why);
+
+// Parses a port written in decimal digits, 1..65535. Returns nullopt otherwise.
+std::optional<uint16_t> ParsePort(std::string_view text);
+
+// Removes the brackets of "[::1]"; any other host is returned as is.
+std::string StripBrackets(std::string_view host);
+
+// "host:port", with IPv6 hosts (any host containing ':') put in brackets.
+std::string FormatHostPort(std::string_view host, uint16_t port);
+
+}  // namespace collectives::cluster
+
+#endif  // COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_

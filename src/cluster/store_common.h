@@ -1,0 +1,52 @@
+// What every Store implementation shares: the limits on keys and values, deadline arithmetic
+// that cannot overflow, the integer encoding Add uses, and the wording of errors.
+//
+// Limits (all stores, so that code tested on the memory store behaves the same over TCP): a key
+// is 1..4 KiB bytes of any content, a value at most 16 MiB. Add keeps its counter as the value's
+// decimal text ("42"), so Get of an Add-ed key returns that text.
+//
+// Thread-safety: plain functions.
+#ifndef COLLECTIVES_SRC_CLUSTER_STORE_COMMON_H_
+#define COLLECTIVES_SRC_CLUSTER_STORE_COMMON_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace collectives::cluster {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxKeyBytes = 4 * 1024;
+constexpr size_t kMaxValueBytes = 16 * 1024 * 1024;
+
+// Throws Error(kInvalidArgument) when `key` is empty or longer than kMaxKeyBytes. `store` names
+// the store in the message ("TCP store at 10.0.0.1:29500").
+void CheckKey(std::string_view store, const std::string& key);
+// Throws Error(kInvalidArgument) when `value` is longer than kMaxValueBytes.
+void CheckValue(std::string_view store, const std::string& key, const std::string& value);
+
+// now + timeout, with negative timeouts read as 0 and very long ones capped (a year), so that
+// time_point arithmetic never overflows.
+Clock::time_point DeadlineAfter(std::chrono::milliseconds timeout);
+// The timeout clamped the same way, in milliseconds.
+std::chrono::milliseconds ClampTimeout(std::chrono::milliseconds timeout);
+
+// `current` (an Add counter's decimal text, or nullptr when the key is absent) plus `delta`, as
+// decimal text. Throws Error(kInvalidArgument) when the current value is not a decimal int64 or
+// the sum overflows.
+std::string AddToCounter(std::string_view store, const std::string& key,
+                         const std::string* current, int64_t delta, int64_t* sum);
+
+// The key for messages: quoted, non-printable bytes as \xNN, long keys shortened.
+std::string QuoteKey(std::string_view key);
+
+// Throws Error(kTimeout): "<store>: key '<key>' was not set within <timeout> ms".
+[[noreturn]] void ThrowGetTimeout(std::string_view store, const std::string& key,
+                                  std::chrono::milliseconds timeout);
+
+}  // namespace collectives::cluster
+
+#endif  // COLLECTIVES_SRC_CLUSTER_STORE_COMMON_H_

@@ -1,0 +1,74 @@
+// The TCP store: rank 0 hosts a key-value server, the other ranks are its clients.
+//
+// Server: one thread runs an io_context with an async accept and, per connection, a session
+// that reads a request (tcp_store_wire.h), answers it and reads the next. The table is a
+// MemoryStore; a Get for a missing key parks the session with a timer and is answered when
+// the key is set (by a remote client or by the hosting process) or when the timer fires. A
+// malformed request closes that connection and is logged to stderr with the peer's address; it
+// never stops the server. The hosting process uses the table directly. The destructor stops the
+// io_context, joins the thread and closes every socket, whether clients are connected or not.
+//
+// Client: a small pool of connections, so that a Get waiting on one connection never blocks a
+// Set from another thread. Each call takes an idle connection (or opens one), runs its
+// synchronous exchange on that connection's own io_context under a deadline (run_until; on the
+// deadline the socket is closed), and returns the connection to the pool. Opening a connection
+// retries with a backoff (10 ms doubling to 200 ms) until the store's timeout, because clients
+// commonly start before rank 0. Deadlines: Set and Add get the store's timeout (at least 1 s),
+// Get gets its own timeout plus that. A lost connection raises kPeerLost; the next call opens a
+// new one.
+//
+// Thread-safety: both classes may be called from any thread.
+#ifndef COLLECTIVES_SRC_CLUSTER_TCP_STORE_H_
+#define COLLECTIVES_SRC_CLUSTER_TCP_STORE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "collectives/cluster.h"
+
+namespace collectives::cluster {
+
+class TcpStoreServer final : public Store {
+ public:
+  // Resolves `host`, binds (SO_REUSEADDR) and listens on host:port (0: a free port), and starts
+  // the server thread. Throws Error(kSystem) when it cannot resolve or bind.
+  TcpStoreServer(const std::string& host, uint16_t port);
+  ~TcpStoreServer() override;
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+
+  // The port it listens on.
+  uint16_t port() const;
+
+  void Set(const std::string& key, const std::string& value) override;
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
+  int64_t Add(const std::string& key, int64_t delta) override;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+class TcpStoreClient final : public Store {
+ public:
+  // Connects to host:port, retrying until `timeout`. Throws Error(kTimeout) naming the address
+  // and the last error when the server cannot be reached in time.
+  TcpStoreClient(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  ~TcpStoreClient() override;
+  TcpStoreClient(const TcpStoreClient&) = delete;
+  TcpStoreClient& operator=(const TcpStoreClient&) = delete;
+
+  void Set(const std::string& key, const std::string& value) override;
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
+  int64_t Add(const std::string& key, int64_t delta) override;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace collectives::cluster
+
+#endif  // COLLECTIVES_SRC_CLUSTER_TCP_STORE_H_

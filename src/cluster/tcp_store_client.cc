@@ -1,0 +1,265 @@
+// The TCP store's client (see tcp_store.h for the design, tcp_store_wire.h for the protocol).
+#include <algorithm>
+#include <asio.hpp>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+#include "src/cluster/store_common.h"
+#include "src/cluster/tcp_store.h"
+#include "src/cluster/tcp_store_wire.h"
+
+namespace collectives::cluster {
+namespace {
+
+using asio::ip::tcp;
+
+constexpr std::chrono::milliseconds kFirstRetry{10};
+constexpr std::chrono::milliseconds kMaxRetry{200};
+constexpr std::chrono::milliseconds kMinIoTimeout{1000};
+constexpr std::chrono::milliseconds kMinAttempt{50};
+constexpr size_t kMaxIdleConnections = 4;
+
+// One connection to the server with its own io_context, driven synchronously by the calling
+// thread. Used by one thread at a time.
+class Connection {
+ public:
+  enum class Result { kOk, kTimedOut, kFailed };
+
+  Connection() : socket_(io_) {}
+
+  Result Connect(const tcp::resolver::results_type& endpoints, Clock::time_point deadline,
+                 std::string* why) {
+    asio::error_code error = asio::error::would_block;
+    asio::async_connect(socket_, endpoints,
+                        [&error](const asio::error_code& ec, const tcp::endpoint&) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "connecting");
+    if (error) return Failed(why, error);
+    asio::error_code ignored;
+    socket_.set_option(tcp::no_delay(true), ignored);
+    return Result::kOk;
+  }
+
+  // Sends a request and reads its reply (header into `*reply`, value into `*reply_value`).
+  Result Call(const wire::Header& request, const std::string& key, const std::string& value,
+              Clock::time_point deadline, wire::Header* reply, std::string* reply_value,
+              std::string* why) {
+    wire::HeaderBytes request_bytes = wire::Encode(request);
+    std::array<asio::const_buffer, 3> out = {asio::buffer(request_bytes), asio::buffer(key),
+                                             asio::buffer(value)};
+    asio::error_code error = asio::error::would_block;
+    asio::async_write(socket_, out, [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "sending the request");
+    if (error) return Failed(why, error);
+
+    wire::HeaderBytes reply_bytes{};
+    error = asio::error::would_block;
+    asio::async_read(socket_, asio::buffer(reply_bytes),
+                     [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the reply");
+    if (error) return Failed(why, error);
+    *reply = wire::Decode(reply_bytes);
+    std::string malformed = wire::CheckReply(*reply);
+    if (!malformed.empty()) {
+      *why = "malformed reply: " + malformed;
+      return Result::kFailed;
+    }
+    reply_value->resize(reply->value_bytes);  // bounded by CheckReply
+    if (reply->value_bytes == 0) return Result::kOk;
+    error = asio::error::would_block;
+    asio::async_read(socket_, asio::buffer(*reply_value),
+                     [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "reading the reply");
+    if (error) return Failed(why, error);
+    return Result::kOk;
+  }
+
+ private:
+  // Runs the one pending operation until it completes (true) or `deadline` passes (false; the
+  // socket is then closed and the operation's handler has run with operation_aborted).
+  bool RunUntil(Clock::time_point deadline) {
+    io_.restart();
+    io_.run_until(deadline);
+    if (io_.stopped()) return true;
+    asio::error_code ignored;
+    socket_.close(ignored);
+    io_.run();
+    return false;
+  }
+
+  static Result TimedOut(std::string* why, const char* doing) {
+    *why = std::string("deadline passed while ") + doing;
+    return Result::kTimedOut;
+  }
+
+  static Result Failed(std::string* why, const asio::error_code& error) {
+    *why = error == asio::error::eof ? "the server closed the connection" : error.message();
+    return Result::kFailed;
+  }
+
+  asio::io_context io_;
+  tcp::socket socket_;
+};
+
+}  // namespace
+
+class TcpStoreClient::Impl {
+ public:
+  Impl(const std::string& host, uint16_t port, std::chrono::milliseconds timeout)
+      : host_(StripBrackets(host)),
+        port_(port),
+        timeout_(ClampTimeout(timeout)),
+        io_timeout_(std::max(timeout_, kMinIoTimeout)),
+        name_("TCP store at " + FormatHostPort(host_, port)) {
+    if (host_.empty()) {
+      throw Error(ErrorCode::kInvalidArgument, "CreateTcpStore: the host is empty");
+    }
+    if (port == 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "CreateTcpStore: a client needs the server's port; got port 0 for '" + host_ +
+                      "'");
+    }
+    Release(Open());
+  }
+
+  void Set(const std::string& key, const std::string& value) {
+    CheckKey(name_, key);
+    CheckValue(name_, key, value);
+    wire::Header request;
+    request.code = static_cast<uint8_t>(wire::Op::kSet);
+    request.key_bytes = static_cast<uint32_t>(key.size());
+    request.value_bytes = static_cast<uint32_t>(value.size());
+    std::string ignored;
+    Call("Set", request, key, value, DeadlineAfter(io_timeout_), &ignored);
+  }
+
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) {
+    CheckKey(name_, key);
+    std::chrono::milliseconds clamped = ClampTimeout(timeout);
+    wire::Header request;
+    request.code = static_cast<uint8_t>(wire::Op::kGet);
+    request.key_bytes = static_cast<uint32_t>(key.size());
+    request.arg = clamped.count();
+    std::string value;
+    wire::Header reply =
+        Call("Get", request, key, "", DeadlineAfter(clamped + io_timeout_), &value);
+    if (reply.code == static_cast<uint8_t>(wire::Status::kTimeout)) {
+      ThrowGetTimeout(name_, key, clamped);
+    }
+    return value;
+  }
+
+  int64_t Add(const std::string& key, int64_t delta) {
+    CheckKey(name_, key);
+    wire::Header request;
+    request.code = static_cast<uint8_t>(wire::Op::kAdd);
+    request.key_bytes = static_cast<uint32_t>(key.size());
+    request.arg = delta;
+    std::string ignored;
+    return Call("Add", request, key, "", DeadlineAfter(io_timeout_), &ignored).arg;
+  }
+
+ private:
+  // Runs one exchange on a pooled (or new) connection. Returns the reply, whose status is kOk
+  // or kTimeout; throws for everything else.
+  wire::Header Call(const char* what, const wire::Header& request, const std::string& key,
+                    const std::string& value, Clock::time_point deadline, std::string* reply_value) {
+    std::unique_ptr<Connection> connection = Acquire();
+    wire::Header reply;
+    std::string why;
+    Connection::Result result =
+        connection->Call(request, key, value, deadline, &reply, reply_value, &why);
+    std::string context = name_ + ": " + what + " of key " + QuoteKey(key);
+    if (result == Connection::Result::kTimedOut) {
+      throw Error(ErrorCode::kTimeout, context + " got no reply in time (" + why + ")");
+    }
+    if (result == Connection::Result::kFailed) {
+      throw Error(ErrorCode::kPeerLost, context + " failed: " + why);
+    }
+    Release(std::move(connection));
+    if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {
+      throw Error(ErrorCode::kInvalidArgument, *reply_value);
+    }
+    return reply;
+  }
+
+  std::unique_ptr<Connection> Acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        std::unique_ptr<Connection> connection = std::move(idle_.back());
+        idle_.pop_back();
+        return connection;
+      }
+    }
+    return Open();
+  }
+
+  void Release(std::unique_ptr<Connection> connection) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(connection));
+  }
+
+  // Connects, retrying with a backoff until timeout_ has passed.
+  std::unique_ptr<Connection> Open() {
+    Clock::time_point deadline = DeadlineAfter(timeout_);
+    std::chrono::milliseconds backoff = kFirstRetry;
+    std::string last_error = "no attempt made";
+    for (;;) {
+      asio::io_context resolver_io;
+      tcp::resolver resolver(resolver_io);
+      asio::error_code ec;
+      auto endpoints =
+          resolver.resolve(host_, std::to_string(port_), tcp::resolver::numeric_service, ec);
+      if (ec) {
+        last_error = "cannot resolve '" + host_ + "': " + ec.message();
+      } else {
+        // Every attempt gets a moment, even with a zero timeout, so that a server that is up
+        // is always reached.
+        Clock::time_point attempt_deadline = std::max(deadline, Clock::now() + kMinAttempt);
+        auto connection = std::make_unique<Connection>();
+        Connection::Result result = connection->Connect(endpoints, attempt_deadline, &last_error);
+        if (result == Connection::Result::kOk) return connection;
+      }
+      Clock::time_point now = Clock::now();
+      if (now >= deadline) break;
+      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+      backoff = std::min(backoff * 2, kMaxRetry);
+    }
+    throw Error(ErrorCode::kTimeout, name_ + ": could not connect within " +
+                                         std::to_string(timeout_.count()) + " ms (last error: " +
+                                         last_error + ")");
+  }
+
+  const std::string host_;
+  const uint16_t port_;
+  const std::chrono::milliseconds timeout_;     // for connecting
+  const std::chrono::milliseconds io_timeout_;  // for one exchange, besides a Get's own wait
+  const std::string name_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Connection>> idle_;  // guarded by mu_
+};
+
+TcpStoreClient::TcpStoreClient(const std::string& host, uint16_t port,
+                               std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>(host, port, timeout)) {}
+
+TcpStoreClient::~TcpStoreClient() = default;
+
+void TcpStoreClient::Set(const std::string& key, const std::string& value) {
+  impl_->Set(key, value);
+}
+
+std::string TcpStoreClient::Get(const std::string& key, std::chrono::milliseconds timeout) {
+  return impl_->Get(key, timeout);
+}
+
+int64_t TcpStoreClient::Add(const std::string& key, int64_t delta) {
+  return impl_->Add(key, delta);
+}
+
+}  // namespace collectives::cluster

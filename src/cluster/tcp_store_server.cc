@@ -1,0 +1,347 @@
+// The TCP store's server (see tcp_store.h for the design, tcp_store_wire.h for the protocol).
+#include <asio.hpp>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+#include "src/cluster/memory_store.h"
+#include "src/cluster/store_common.h"
+#include "src/cluster/tcp_store.h"
+#include "src/cluster/tcp_store_wire.h"
+
+namespace collectives::cluster {
+namespace {
+
+using asio::ip::tcp;
+
+void Log(const std::string& line) {
+  std::string text = "collectives: " + line + "\n";
+  std::fwrite(text.data(), 1, text.size(), stderr);
+}
+
+std::string Describe(const tcp::endpoint& endpoint) {
+  return FormatHostPort(endpoint.address().to_string(), endpoint.port());
+}
+
+}  // namespace
+
+class TcpStoreServer::Impl {
+ public:
+  Impl(const std::string& host, uint16_t port);
+  ~Impl();
+
+  MemoryStore& table() { return *table_; }
+  uint16_t port() const { return port_; }
+
+ private:
+  class Session;
+
+  void Accept();
+  // On the io thread: answers the sessions waiting for `key`.
+  void OnKeySet(const std::string& key);
+  void Forget(Session* session) { sessions_.erase(session); }
+  void RemoveWaiter(const std::string& key, Session* session);
+
+  std::string name_;  // "TCP store server at host:port"
+  std::unique_ptr<MemoryStore> table_;  // set once the port is known
+  uint16_t port_ = 0;
+  asio::io_context io_;
+  tcp::acceptor acceptor_{io_};
+  asio::steady_timer accept_retry_{io_};
+  // Only the io thread touches these two.
+  std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;
+  std::unordered_map<std::string, std::vector<std::weak_ptr<Session>>> waiters_;
+  std::thread thread_;
+};
+
+// One client connection. Lives as long as an operation of its socket or timer is pending;
+// touched only on the io thread.
+class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(Impl* server, tcp::socket socket)
+      : server_(server), socket_(std::move(socket)), timer_(socket_.get_executor()) {
+    asio::error_code ec;
+    tcp::endpoint peer = socket_.remote_endpoint(ec);
+    peer_ = ec ? "an unknown peer" : Describe(peer);
+  }
+
+  void Start() { ReadHeader(); }
+
+  // Closes the socket; logs `reason` when it is not empty.
+  void Close(const std::string& reason) {
+    if (!reason.empty()) {
+      Log(server_->name_ + ": closing the connection from " + peer_ + ": " + reason);
+    }
+    Shutdown();
+    server_->Forget(this);
+  }
+
+  // Closes the socket and cancels the timer, touching nothing of the server.
+  void Shutdown() {
+    asio::error_code ignored;
+    socket_.close(ignored);
+    timer_.cancel();
+    waiting_ = false;
+  }
+
+  // Answers a parked Get if it waits for `key` and `key` is now set.
+  void Wake(const std::string& key) {
+    if (!waiting_ || key != key_) return;
+    std::string value;
+    if (!server_->table_->TryGet(key_, &value)) return;
+    waiting_ = false;
+    timer_.cancel();
+    Reply(wire::Status::kOk, 0, std::move(value));
+  }
+
+ private:
+  void ReadHeader() {
+    asio::async_read(socket_, asio::buffer(header_bytes_),
+                     [self = shared_from_this()](const asio::error_code& ec, size_t bytes) {
+                       self->OnHeader(ec, bytes);
+                     });
+  }
+
+  void OnHeader(const asio::error_code& ec, size_t bytes) {
+    if (ec == asio::error::operation_aborted) return;
+    if (ec) {
+      // A clean close between requests is normal; anything else is worth a line.
+      bool clean = ec == asio::error::eof && bytes == 0;
+      Close(clean ? "" : "read failed after " + std::to_string(bytes) + " header bytes: " +
+                             ec.message());
+      return;
+    }
+    request_ = wire::Decode(header_bytes_);
+    std::string why = wire::CheckRequest(request_);
+    if (!why.empty()) {
+      Close("malformed request: " + why);
+      return;
+    }
+    // Sizes were checked above, so these allocations are bounded.
+    key_.resize(request_.key_bytes);
+    value_.resize(request_.value_bytes);
+    std::array<asio::mutable_buffer, 2> body = {asio::buffer(key_), asio::buffer(value_)};
+    asio::async_read(socket_, body,
+                     [self = shared_from_this()](const asio::error_code& read_ec, size_t) {
+                       if (read_ec == asio::error::operation_aborted) return;
+                       if (read_ec) {
+                         self->Close("connection lost in the middle of a request: " +
+                                     read_ec.message());
+                         return;
+                       }
+                       self->Handle();
+                     });
+  }
+
+  void Handle() {
+    MemoryStore& table = *server_->table_;
+    try {
+      switch (static_cast<wire::Op>(request_.code)) {
+        case wire::Op::kSet:
+          table.Set(key_, value_);
+          value_.clear();
+          Reply(wire::Status::kOk, 0, "");
+          return;
+        case wire::Op::kAdd: {
+          int64_t sum = table.Add(key_, request_.arg);
+          Reply(wire::Status::kOk, sum, "");
+          return;
+        }
+        case wire::Op::kGet: {
+          std::string value;
+          if (table.TryGet(key_, &value)) {
+            Reply(wire::Status::kOk, 0, std::move(value));
+          } else if (request_.arg == 0) {
+            Reply(wire::Status::kTimeout, 0, "");
+          } else {
+            Park();
+          }
+          return;
+        }
+      }
+    } catch (const Error& e) {
+      Reply(wire::Status::kInvalidArgument, 0, e.message());
+      return;
+    }
+    Close("unknown request code " + std::to_string(request_.code));  // CheckRequest forbids it
+  }
+
+  // Waits for key_ until it is set (Wake) or the Get's timeout passes.
+  void Park() {
+    waiting_ = true;
+    uint64_t park = ++parks_;
+    server_->waiters_[key_].push_back(weak_from_this());
+    timer_.expires_after(ClampTimeout(std::chrono::milliseconds(request_.arg)));
+    timer_.async_wait([self = shared_from_this(), park](const asio::error_code& ec) {
+      // A timer that fired just as Wake answered must not answer a later Get.
+      if (ec || !self->waiting_ || park != self->parks_) return;
+      self->waiting_ = false;
+      self->server_->RemoveWaiter(self->key_, self.get());
+      self->Reply(wire::Status::kTimeout, 0, "");
+    });
+  }
+
+  void Reply(wire::Status status, int64_t arg, std::string value) {
+    wire::Header header;
+    header.code = static_cast<uint8_t>(status);
+    header.value_bytes = static_cast<uint32_t>(value.size());
+    header.arg = arg;
+    reply_header_ = wire::Encode(header);
+    reply_value_ = std::move(value);
+    std::array<asio::const_buffer, 2> reply = {asio::buffer(reply_header_),
+                                               asio::buffer(reply_value_)};
+    asio::async_write(socket_, reply,
+                      [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                        if (ec == asio::error::operation_aborted) return;
+                        if (ec) {
+                          self->Close("sending a reply failed: " + ec.message());
+                          return;
+                        }
+                        self->reply_value_.clear();
+                        self->ReadHeader();
+                      });
+  }
+
+  Impl* const server_;
+  tcp::socket socket_;
+  asio::steady_timer timer_;
+  std::string peer_;
+  wire::HeaderBytes header_bytes_{};
+  wire::Header request_;
+  std::string key_;
+  std::string value_;
+  wire::HeaderBytes reply_header_{};
+  std::string reply_value_;
+  bool waiting_ = false;  // a Get is parked on key_
+  uint64_t parks_ = 0;    // how many Gets were parked so far
+};
+
+TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port)
+    : name_("TCP store server at " + FormatHostPort(host, port)) {
+  asio::error_code ec;
+  tcp::resolver resolver(io_);
+  auto endpoints = resolver.resolve(host, std::to_string(port),
+                                    tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+  if (ec) {
+    throw Error(ErrorCode::kSystem, name_ + ": cannot resolve '" + host + "': " + ec.message());
+  }
+  std::string failures;
+  for (const auto& entry : endpoints) {
+    tcp::endpoint endpoint = entry.endpoint();
+    asio::error_code step;
+    acceptor_.open(endpoint.protocol(), step);
+    if (!step) acceptor_.set_option(tcp::acceptor::reuse_address(true), step);
+    if (!step) acceptor_.bind(endpoint, step);
+    if (!step) acceptor_.listen(asio::socket_base::max_listen_connections, step);
+    if (!step) {
+      port_ = acceptor_.local_endpoint(step).port();
+      if (!step) break;
+    }
+    failures += (failures.empty() ? "" : "; ") + Describe(endpoint) + ": " + step.message();
+    asio::error_code ignored;
+    acceptor_.close(ignored);
+    port_ = 0;
+  }
+  if (port_ == 0) {
+    throw Error(ErrorCode::kSystem,
+                name_ + ": cannot listen: " + (failures.empty() ? "no address" : failures));
+  }
+  name_ = "TCP store server at " + FormatHostPort(host, port_);
+  table_ = std::make_unique<MemoryStore>(name_, [this](const std::string& key) {
+    asio::post(io_, [this, key] { OnKeySet(key); });
+  });
+  Accept();
+  thread_ = std::thread([this] {
+    for (;;) {
+      try {
+        io_.run();
+        return;
+      } catch (const std::exception& e) {
+        Log(name_ + ": unexpected exception in the server thread: " + e.what());
+      }
+    }
+  });
+}
+
+TcpStoreServer::Impl::~Impl() {
+  io_.stop();
+  thread_.join();
+  // The io thread is gone: close what is left from here. Handlers still queued are destroyed
+  // with io_ and release the sessions.
+  asio::error_code ignored;
+  acceptor_.close(ignored);
+  accept_retry_.cancel();
+  for (auto& [raw, weak] : sessions_) {
+    if (auto session = weak.lock()) session->Shutdown();
+  }
+  sessions_.clear();
+  waiters_.clear();
+}
+
+void TcpStoreServer::Impl::Accept() {
+  acceptor_.async_accept([this](const asio::error_code& ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted) return;
+    if (ec) {
+      // Out of descriptors and the like: say so and try again shortly rather than spin.
+      Log(name_ + ": accept failed: " + ec.message());
+      accept_retry_.expires_after(std::chrono::milliseconds(50));
+      accept_retry_.async_wait([this](const asio::error_code& wait_ec) {
+        if (!wait_ec) Accept();
+      });
+      return;
+    }
+    asio::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    auto session = std::make_shared<Session>(this, std::move(socket));
+    sessions_.emplace(session.get(), session);
+    session->Start();
+    Accept();
+  });
+}
+
+void TcpStoreServer::Impl::OnKeySet(const std::string& key) {
+  auto it = waiters_.find(key);
+  if (it == waiters_.end()) return;
+  std::vector<std::weak_ptr<Session>> waiting = std::move(it->second);
+  waiters_.erase(it);
+  for (auto& weak : waiting) {
+    if (auto session = weak.lock()) session->Wake(key);
+  }
+}
+
+void TcpStoreServer::Impl::RemoveWaiter(const std::string& key, Session* session) {
+  auto it = waiters_.find(key);
+  if (it == waiters_.end()) return;
+  auto& list = it->second;
+  std::erase_if(list, [session](const std::weak_ptr<Session>& weak) {
+    auto locked = weak.lock();
+    return !locked || locked.get() == session;
+  });
+  if (list.empty()) waiters_.erase(it);
+}
+
+TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port)
+    : impl_(std::make_unique<Impl>(host, port)) {}
+
+TcpStoreServer::~TcpStoreServer() = default;
+
+uint16_t TcpStoreServer::port() const { return impl_->port(); }
+
+void TcpStoreServer::Set(const std::string& key, const std::string& value) {
+  impl_->table().Set(key, value);
+}
+
+std::string TcpStoreServer::Get(const std::string& key, std::chrono::milliseconds timeout) {
+  return impl_->table().Get(key, timeout);
+}
+
+int64_t TcpStoreServer::Add(const std::string& key, int64_t delta) {
+  return impl_->table().Add(key, delta);
+}
+
+}  // namespace collectives::cluster

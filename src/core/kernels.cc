@@ -1,0 +1,413 @@
+// Reduction kernels: dst = a op b for every (dtype, op), and the division that finishes kAvg.
+//
+// How the code is shaped, and why:
+//  - One switch per call picks a (element type, operator) pair; the inner loops are templates
+//    over both, so every combination is its own plain loop that GCC vectorises at -O2/-O3 with
+//    nothing beyond baseline x86-64 (SSE2). Nothing is decided per element.
+//  - The loops take `__restrict` pointers, so the compiler needs no run-time overlap checks. The
+//    contract lets dst alias a or b exactly, which `__restrict` would forbid if the same pointer
+//    were passed twice, so ReduceTyped picks one of four loops: no alias, dst == a, dst == b, and
+//    dst == a == b. Each loop names every distinct buffer once.
+//  - Integer sum and prod wrap modulo 2^bits: they are computed in the unsigned type of the same
+//    width (signed overflow would be undefined behaviour); the bits are the same.
+//  - f16 and bf16 are reduced in f32, 256 elements at a time: both inputs are widened into f32
+//    arrays on the stack, reduced there, and rounded back into dst. Every step is a separate
+//    simple loop, and the conversions are written without branches (all cases computed, the
+//    right one selected), so each loop vectorises. Because a block is read completely before any
+//    of it is written, exact aliasing needs no special case here.
+//  - Float min and max propagate NaN: if either input is NaN the result is NaN (a's NaN when
+//    both are). For min(+0, -0) and max(+0, -0) the result is b (the values compare equal).
+#include "src/core/kernels.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "collectives/errors.h"
+
+namespace collectives::core {
+namespace {
+
+// ---- Conversions of the 16-bit float types, inlined into the block loops below. ----
+//
+// binary16: 1 sign bit, 5 exponent bits (bias 15), 10 mantissa bits. bfloat16: the top half of
+// an f32 (1, 8 with bias 127, 7).
+//
+// Every case is computed and the right one picked with Select, a mask blend, not `?:`: GCC may
+// turn `?:` back into a branch around the float arithmetic (which it then will not speculate,
+// since float operations may trap), and a loop with a branch does not vectorise.
+
+// c ? if_true : if_false, without a branch.
+inline uint32_t Select(bool c, uint32_t if_true, uint32_t if_false) {
+  const uint32_t mask = uint32_t{0} - static_cast<uint32_t>(c);
+  return (if_true & mask) | (if_false & ~mask);
+}
+
+inline float HalfBitsToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const int32_t magnitude = h & 0x7fff;  // exponent and mantissa
+  // Normal numbers: move the mantissa into place and re-bias the exponent (15 -> 127).
+  uint32_t normal = (static_cast<uint32_t>(magnitude) << 13) + ((127u - 15u) << 23);
+  // Inf and NaN (exponent 31): the exponent must become 255, i.e. 112 more than re-biasing gave.
+  // The mantissa (a NaN's payload, quiet bit included) is kept.
+  normal = Select(magnitude >= 0x7c00, normal + ((255u - 31u - (127u - 15u)) << 23), normal);
+  // Zero and subnormals: value = mantissa * 2^-24, exactly representable in f32. Computed by
+  // converting the integer, which vectorises (cvtdq2ps) where a normalising shift would not.
+  const uint32_t subnormal =
+      std::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-24f);
+  return std::bit_cast<float>(sign | Select(magnitude < 0x0400, subnormal, normal));
+}
+
+inline uint16_t FloatToHalfBits(float f) {
+  const uint32_t bits = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  // Signed compares below: SSE2 has no unsigned 32-bit compare, and magnitude < 2^31.
+  const int32_t magnitude = static_cast<int32_t>(bits & 0x7fffffffu);
+
+  // Normal halves (|f| >= 2^-14): re-bias the exponent (127 -> 15) and round the 13 dropped
+  // mantissa bits to nearest, ties to even: add 0xfff plus the lowest kept bit, then shift. A
+  // carry out of the mantissa correctly bumps the exponent.
+  const uint32_t rebased = static_cast<uint32_t>(magnitude) - ((127u - 15u) << 23);
+  const uint32_t normal = (rebased + 0x0fffu + ((rebased >> 13) & 1u)) >> 13;
+
+  // Subnormal halves (|f| < 2^-14) are multiples of 2^-24. Adding 0.5f puts |f| in the binade
+  // [0.5, 1), whose spacing is exactly 2^-24, so the FPU rounds it to nearest-even for us; the
+  // number of 2^-24 steps is then the low bits of the sum (0x400 when it rounds up to 2^-14,
+  // which is the encoding of 2^-14).
+  const float abs_f = std::bit_cast<float>(static_cast<uint32_t>(magnitude));
+  const uint32_t subnormal = std::bit_cast<uint32_t>(abs_f + 0.5f) - std::bit_cast<uint32_t>(0.5f);
+
+  // NaN: a quiet NaN keeping the top of the payload. |f| >= 65520 (halfway between the largest
+  // half, 65504, and 65536; the tie goes to the even neighbour, which is infinity) and inf: inf.
+  const uint32_t nan = 0x7e00u | ((static_cast<uint32_t>(magnitude) >> 13) & 0x03ffu);
+  uint32_t result = Select(magnitude < 0x38800000, subnormal, normal);
+  result = Select(magnitude >= 0x477ff000, 0x7c00u, result);
+  result = Select(magnitude > 0x7f800000, nan, result);
+  return static_cast<uint16_t>(sign | result);
+}
+
+inline float BFloat16BitsToFloat(uint16_t b) {
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+
+inline uint16_t FloatToBFloat16Bits(float f) {
+  const uint32_t bits = std::bit_cast<uint32_t>(f);
+  // Round the 16 dropped bits to nearest, ties to even. A carry overflows the largest finite
+  // values into infinity, as it should; inf stays inf. Subnormals need no special case.
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  // NaN would be rounded into inf (or into the other sign), so keep its top bits and set the
+  // quiet bit instead.
+  const uint32_t nan = (bits >> 16) | 0x0040u;
+  const bool is_nan = static_cast<int32_t>(bits & 0x7fffffffu) > 0x7f800000;
+  return static_cast<uint16_t>(Select(is_nan, nan, rounded));
+}
+
+struct HalfCodec {
+  static float Widen(uint16_t v) { return HalfBitsToFloat(v); }
+  static uint16_t Narrow(float v) { return FloatToHalfBits(v); }
+};
+
+struct BFloat16Codec {
+  static float Widen(uint16_t v) { return BFloat16BitsToFloat(v); }
+  static uint16_t Narrow(float v) { return FloatToBFloat16Bits(v); }
+};
+
+// ---- Operators. ----
+
+template <typename T>
+inline T WrappingAdd(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
+}
+
+template <typename T>
+inline T WrappingMultiply(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    // U is at least 8 bits; 8-bit operands promote to int and their product fits in it.
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else {
+    return a * b;
+  }
+}
+
+struct SumOp {
+  template <typename T>
+  T operator()(T a, T b) const {
+    return WrappingAdd(a, b);
+  }
+};
+
+struct ProdOp {
+  template <typename T>
+  T operator()(T a, T b) const {
+    return WrappingMultiply(a, b);
+  }
+};
+
+struct MinOp {
+  template <typename T>
+  T operator()(T a, T b) const {
+    if constexpr (std::is_floating_point_v<T>) {
+      return (a < b || a != a) ? a : b;  // NaN in a wins; NaN in b fails `a < b` and wins too.
+    } else {
+      return b < a ? b : a;
+    }
+  }
+};
+
+struct MaxOp {
+  template <typename T>
+  T operator()(T a, T b) const {
+    if constexpr (std::is_floating_point_v<T>) {
+      return (a > b || a != a) ? a : b;
+    } else {
+      return a < b ? b : a;
+    }
+  }
+};
+
+// ---- Loops over plain element types. ----
+//
+// Each loop runs its bulk in chunks of a constant kChunkBytes / sizeof(T) elements and finishes
+// with a plain loop over the remaining < 1 chunk. GCC 12 at -O2 vectorises only with its "very
+// cheap" cost model, which takes loops whose trip count is a known multiple of the vector width
+// and nothing else; the constant inner loop is such a loop, so the kernels vectorise at -O2 as
+// well as at -O3 (where the tail loop vectorises too).
+
+constexpr size_t kChunkBytes = 256;
+
+template <typename T>
+constexpr size_t kChunk = kChunkBytes / sizeof(T);
+
+template <typename T, typename Op>
+void LoopDistinct(T* __restrict dst, const T* __restrict a, const T* __restrict b, size_t count,
+                  Op op) {
+  size_t i = 0;
+  for (; i + kChunk<T> <= count; i += kChunk<T>) {
+    for (size_t j = 0; j < kChunk<T>; ++j) dst[i + j] = op(a[i + j], b[i + j]);
+  }
+  for (; i < count; ++i) dst[i] = op(a[i], b[i]);
+}
+
+template <typename T, typename Op>
+void LoopIntoA(T* __restrict dst_a, const T* __restrict b, size_t count, Op op) {
+  size_t i = 0;
+  for (; i + kChunk<T> <= count; i += kChunk<T>) {
+    for (size_t j = 0; j < kChunk<T>; ++j) dst_a[i + j] = op(dst_a[i + j], b[i + j]);
+  }
+  for (; i < count; ++i) dst_a[i] = op(dst_a[i], b[i]);
+}
+
+template <typename T, typename Op>
+void LoopIntoB(T* __restrict dst_b, const T* __restrict a, size_t count, Op op) {
+  size_t i = 0;
+  for (; i + kChunk<T> <= count; i += kChunk<T>) {
+    for (size_t j = 0; j < kChunk<T>; ++j) dst_b[i + j] = op(a[i + j], dst_b[i + j]);
+  }
+  for (; i < count; ++i) dst_b[i] = op(a[i], dst_b[i]);
+}
+
+template <typename T, typename Op>
+void LoopAllSame(T* __restrict data, size_t count, Op op) {
+  size_t i = 0;
+  for (; i + kChunk<T> <= count; i += kChunk<T>) {
+    for (size_t j = 0; j < kChunk<T>; ++j) data[i + j] = op(data[i + j], data[i + j]);
+  }
+  for (; i < count; ++i) data[i] = op(data[i], data[i]);
+}
+
+template <typename T, typename Op>
+void ReduceTyped(void* dst_v, const void* a_v, const void* b_v, size_t count, Op op) {
+  T* dst = static_cast<T*>(dst_v);
+  const T* a = static_cast<const T*>(a_v);
+  const T* b = static_cast<const T*>(b_v);
+  if (dst == a) {
+    if (a == b) {
+      LoopAllSame(dst, count, op);
+    } else {
+      LoopIntoA(dst, b, count, op);
+    }
+  } else if (dst == b) {
+    LoopIntoB(dst, a, count, op);
+  } else {
+    // a == b (both only read) is fine under __restrict.
+    LoopDistinct(dst, a, b, count, op);
+  }
+}
+
+// ---- Loops over f16 / bf16, in f32 blocks. ----
+
+constexpr size_t kBlock = 256;  // elements: 2 x 1 KiB of f32 on the stack
+
+// The block loops are inlined into ReduceBlock, so that in the call for a full block their trip
+// count is the constant kBlock (which -O2 vectorises, see above).
+template <typename Codec>
+[[gnu::always_inline]] inline void WidenBlock(float* __restrict out,
+                                              const uint16_t* __restrict in, size_t count) {
+  for (size_t i = 0; i < count; ++i) out[i] = Codec::Widen(in[i]);
+}
+
+template <typename Codec>
+[[gnu::always_inline]] inline void NarrowBlock(uint16_t* __restrict out,
+                                               const float* __restrict in, size_t count) {
+  for (size_t i = 0; i < count; ++i) out[i] = Codec::Narrow(in[i]);
+}
+
+template <typename Op>
+[[gnu::always_inline]] inline void ReduceFloatBlock(float* __restrict a_out,
+                                                    const float* __restrict b, size_t count,
+                                                    Op op) {
+  for (size_t i = 0; i < count; ++i) a_out[i] = op(a_out[i], b[i]);
+}
+
+// Reduces `count` <= kBlock elements.
+template <typename Codec, typename Op>
+[[gnu::always_inline]] inline void ReduceBlock(uint16_t* dst, const uint16_t* a,
+                                               const uint16_t* b, size_t count, Op op) {
+  alignas(64) float fa[kBlock];
+  alignas(64) float fb[kBlock];
+  WidenBlock<Codec>(fa, a, count);
+  WidenBlock<Codec>(fb, b, count);
+  ReduceFloatBlock(fa, fb, count, op);
+  NarrowBlock<Codec>(dst, fa, count);
+}
+
+template <typename Codec, typename Op>
+void ReduceWidened(void* dst_v, const void* a_v, const void* b_v, size_t count, Op op) {
+  uint16_t* dst = static_cast<uint16_t*>(dst_v);
+  const uint16_t* a = static_cast<const uint16_t*>(a_v);
+  const uint16_t* b = static_cast<const uint16_t*>(b_v);
+  size_t i = 0;
+  for (; i + kBlock <= count; i += kBlock) ReduceBlock<Codec>(dst + i, a + i, b + i, kBlock, op);
+  if (i < count) ReduceBlock<Codec>(dst + i, a + i, b + i, count - i, op);
+}
+
+// ---- Dispatch: once per call. ----
+
+template <typename Op>
+void ReduceWithOp(DataType dtype, void* dst, const void* a, const void* b, size_t count, Op op) {
+  switch (dtype) {
+    case DataType::kFloat32: return ReduceTyped<float>(dst, a, b, count, op);
+    case DataType::kFloat64: return ReduceTyped<double>(dst, a, b, count, op);
+    case DataType::kFloat16: return ReduceWidened<HalfCodec>(dst, a, b, count, op);
+    case DataType::kBFloat16: return ReduceWidened<BFloat16Codec>(dst, a, b, count, op);
+    case DataType::kInt8: return ReduceTyped<int8_t>(dst, a, b, count, op);
+    case DataType::kUInt8: return ReduceTyped<uint8_t>(dst, a, b, count, op);
+    case DataType::kInt32: return ReduceTyped<int32_t>(dst, a, b, count, op);
+    case DataType::kInt64: return ReduceTyped<int64_t>(dst, a, b, count, op);
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              "Reduce: unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+// ---- Division for kAvg. ----
+
+// Applies f to every element of data, in constant-length chunks as the reduce loops do.
+template <typename T, typename F>
+[[gnu::always_inline]] inline void TransformInPlace(T* __restrict data, size_t count, F f) {
+  size_t i = 0;
+  for (; i + kChunk<T> <= count; i += kChunk<T>) {
+    for (size_t j = 0; j < kChunk<T>; ++j) data[i + j] = f(data[i + j]);
+  }
+  for (; i < count; ++i) data[i] = f(data[i]);
+}
+
+// f32 / f64: true division, not a multiplication by 1 / divisor, which would round twice.
+template <typename T>
+void DivideFloat(T* data, size_t count, T divisor) {
+  TransformInPlace(data, count, [divisor](T x) { return x / divisor; });
+}
+
+// f16 / bf16: divided in f32 and rounded once more. f32 carries at least 2p + 2 bits for both
+// (p = 11 and 8), so this double rounding gives the correctly rounded quotient.
+template <typename Codec>
+void DivideWidened(uint16_t* data, size_t count, float divisor) {
+  TransformInPlace(data, count, [divisor](uint16_t x) {
+    return Codec::Narrow(Codec::Widen(x) / divisor);
+  });
+}
+
+// Integers of at most 32 bits: divided in double, then truncated toward zero, which vectorises
+// (cvtdq2pd, divpd, cvttpd2dq) where integer division does not. It is exact: |x| <= 2^31 and
+// d <= 2^53 are exact doubles; if q = |x| / d is not an integer and k = floor(q), then
+// (k + 1) - q = ((k + 1) d - |x|) / d >= 1 / d, which relative to k + 1 is at least
+// 1 / ((k + 1) d) >= 2^-32 (for k >= 1, (k + 1) d <= 2 |x|; for k = 0 and d > 2^32 the gap
+// is over one half), far above the 2^-53 a rounding moves, so the rounded quotient stays below
+// k + 1 and truncates to k. A divisor above 2^53 is rounded, but the quotient is then below
+// 2^-22 and truncates to 0 either way.
+template <typename T>
+void DivideSmallInt(T* data, size_t count, double divisor) {
+  static_assert(std::is_integral_v<T> && sizeof(T) <= 4);
+  TransformInPlace(data, count, [divisor](T x) {
+    return static_cast<T>(static_cast<int32_t>(static_cast<double>(x) / divisor));
+  });
+}
+
+// i64: integer division of the magnitude, so that every divisor (even one above INT64_MAX) and
+// every value (even INT64_MIN) is handled without overflow.
+void DivideInt64(int64_t* __restrict data, size_t count, uint64_t divisor) {
+  for (size_t i = 0; i < count; ++i) {
+    const int64_t x = data[i];
+    const uint64_t magnitude = x < 0 ? uint64_t{0} - static_cast<uint64_t>(x) : static_cast<uint64_t>(x);
+    const uint64_t quotient = magnitude / divisor;
+    data[i] = static_cast<int64_t>(x < 0 ? uint64_t{0} - quotient : quotient);
+  }
+}
+
+}  // namespace
+
+void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return ReduceWithOp(dtype, dst, a, b, count, SumOp{});
+    case ReduceOp::kProd: return ReduceWithOp(dtype, dst, a, b, count, ProdOp{});
+    case ReduceOp::kMin: return ReduceWithOp(dtype, dst, a, b, count, MinOp{});
+    case ReduceOp::kMax: return ReduceWithOp(dtype, dst, a, b, count, MaxOp{});
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              "Reduce: unknown reduce op " + std::to_string(static_cast<int>(op)));
+}
+
+void DivideInPlace(DataType dtype, void* data, size_t count, size_t divisor) {
+  if (divisor == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "DivideInPlace: divisor is 0");
+  }
+  switch (dtype) {
+    case DataType::kFloat32:
+      return DivideFloat(static_cast<float*>(data), count, static_cast<float>(divisor));
+    case DataType::kFloat64:
+      return DivideFloat(static_cast<double*>(data), count, static_cast<double>(divisor));
+    case DataType::kFloat16:
+      return DivideWidened<HalfCodec>(static_cast<uint16_t*>(data), count,
+                                      static_cast<float>(divisor));
+    case DataType::kBFloat16:
+      return DivideWidened<BFloat16Codec>(static_cast<uint16_t*>(data), count,
+                                          static_cast<float>(divisor));
+    case DataType::kInt8:
+      return DivideSmallInt(static_cast<int8_t*>(data), count, static_cast<double>(divisor));
+    case DataType::kUInt8:
+      return DivideSmallInt(static_cast<uint8_t*>(data), count, static_cast<double>(divisor));
+    case DataType::kInt32:
+      return DivideSmallInt(static_cast<int32_t*>(data), count, static_cast<double>(divisor));
+    case DataType::kInt64:
+      return DivideInt64(static_cast<int64_t*>(data), count, static_cast<uint64_t>(divisor));
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              "DivideInPlace: unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+float HalfToFloat(uint16_t h) { return HalfBitsToFloat(h); }
+uint16_t FloatToHalf(float f) { return FloatToHalfBits(f); }
+float BFloat16ToFloat(uint16_t b) { return BFloat16BitsToFloat(b); }
+uint16_t FloatToBFloat16(float f) { return FloatToBFloat16Bits(f); }
+
+}  // namespace collectives::core

@@ -1,0 +1,83 @@
+// The RING implementation's algorithms. Each one runs one collective to completion on the
+// calling thread (the communicator's progress thread), moving frames through the transport's
+// Connection interface; none of them knows about sockets.
+//
+// Memory: besides the caller's buffers, an algorithm uses only the Context's staging area,
+// which holds at most kStagingSlots chunks (plus one small-message buffer). No algorithm ever
+// copies a whole tensor.
+//
+// Thread-safety: a Context is used by one thread.
+#ifndef COLLECTIVES_SRC_RING_ALGORITHMS_H_
+#define COLLECTIVES_SRC_RING_ALGORITHMS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "collectives/types.h"
+#include "src/core/call.h"
+#include "src/transport/connection.h"
+
+namespace collectives::ring {
+
+// Receives that may be posted ahead of the one being waited on, and thus the number of
+// chunk-sized staging slots.
+inline constexpr size_t kStagingSlots = 4;
+
+// A growable scratch buffer owned by the communicator and reused by every call.
+class Staging {
+ public:
+  // A buffer of at least `bytes`; the contents are unspecified.
+  uint8_t* Get(size_t bytes);
+  size_t capacity() const { return bytes_; }
+
+ private:
+  std::unique_ptr<uint8_t[]> data_;
+  size_t bytes_ = 0;
+};
+
+// What an algorithm works with: the fabric, the call being run, and the chunking.
+struct Context {
+  transport::Fabric& fabric;
+  core::CallTag tag;
+  // Largest payload of one pipelined frame.
+  size_t chunk_bytes;
+  Staging& staging;
+
+  int rank() const { return fabric.rank(); }
+  int size() const { return fabric.size(); }
+  transport::Connection& peer(int r) { return fabric.connection(r); }
+  transport::Connection& right() { return peer((rank() + 1) % size()); }
+  transport::Connection& left() { return peer((rank() + size() - 1) % size()); }
+};
+
+// recv = op over ranks of send (count elements each). Reduce-scatter then all-gather around the
+// ring; see the prose in algorithms.cc.
+void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                   ReduceOp op);
+
+// The same result in ceil(log2 p) + 2 exchanges of the whole message (recursive doubling, with
+// a fold for non-powers of two): for small messages, where latency dominates.
+void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
+                                DataType dtype, ReduceOp op);
+
+// recv (count elements) = block `rank` of op over ranks of send (size * count elements).
+void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                       ReduceOp op);
+
+// recv (size * count elements) = the ranks' send blocks (count elements each) in rank order.
+void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype);
+
+// recv = root's send (bytes each), pipelined in chunks along the chain root, root+1, ...
+void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root);
+
+// The same along a binomial tree, whole message per hop: for small messages.
+void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root);
+
+// Returns once every rank has entered (recursive doubling of empty frames).
+void Barrier(Context& ctx);
+
+}  // namespace collectives::ring
+
+#endif  // COLLECTIVES_SRC_RING_ALGORITHMS_H_

@@ -1,0 +1,332 @@
+// RingCommunication: argument checks, the queue of calls, the progress thread, the choice of
+// algorithm per call, and the sticky first error.
+#include "src/ring/ring_communication.h"
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "src/core/call.h"
+#include "src/core/work.h"
+#include "src/ring/algorithms.h"
+
+namespace collectives::ring {
+namespace {
+
+using core::CallDescriptor;
+using core::CollectiveKind;
+
+class RingCommunication final : public CollectiveCommunication {
+ public:
+  RingCommunication(std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
+                    const CommunicationOptions& options);
+  ~RingCommunication() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Implementation implementation() const override { return Implementation::kRing; }
+
+  std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
+                                       ReduceOp op) override;
+  std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv,
+                                       int root) override;
+  std::shared_ptr<Work> AllGatherAsync(const Tensor& send, const Tensor& recv) override;
+  std::shared_ptr<Work> ReduceScatterAsync(const Tensor& send, const Tensor& recv,
+                                           ReduceOp op) override;
+  std::shared_ptr<Work> BarrierAsync() override;
+  void Abort() override;
+
+ private:
+  using Body = std::function<void(Context&)>;
+  struct Call {
+    core::CallTag tag;
+    Body body;
+    std::shared_ptr<core::WorkState> work;
+  };
+
+  // Queues a validated call; returns its Work.
+  std::shared_ptr<Work> Submit(const CallDescriptor& call, Body body);
+  // The progress thread: runs queued calls in order until the destructor stops it.
+  void Run();
+  // Records the first error (sticky) and breaks the fabric so that peers learn of it.
+  Error Break(const Error& error);
+
+  // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault.
+  void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
+  void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const;
+
+  const int rank_;
+  const int size_;
+  const size_t chunk_bytes_;
+  const size_t small_message_bytes_;
+  const std::chrono::milliseconds timeout_;
+  const std::chrono::microseconds spin_;
+  std::shared_ptr<Store> store_;
+  std::unique_ptr<transport::Fabric> fabric_;  // used by the progress thread only (and Abort)
+  Staging staging_;                            // progress thread only
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Call> queue_;       // guarded by mu_
+  uint64_t next_seq_ = 0;        // guarded by mu_
+  bool stopping_ = false;        // guarded by mu_
+  std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
+  std::atomic<size_t> queued_{0};
+  std::thread thread_;
+};
+
+std::chrono::microseconds SpinBudget(int spin_us, int world_size) {
+  if (spin_us >= 0) return std::chrono::microseconds(spin_us);
+  // Polling only pays when every local rank has a core of its own; we cannot tell how many
+  // ranks share this host, so assume the worst: all of them.
+  const unsigned cores = std::thread::hardware_concurrency();
+  return std::chrono::microseconds(cores >= unsigned(world_size) ? kDefaultSpinUs : 0);
+}
+
+RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
+                                     std::shared_ptr<Store> store,
+                                     const CommunicationOptions& options)
+    : rank_(fabric->rank()),
+      size_(fabric->size()),
+      chunk_bytes_(options.chunk_bytes ? options.chunk_bytes : kDefaultChunkBytes),
+      small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
+                                                       : kDefaultSmallMessageBytes),
+      timeout_(options.timeout),
+      spin_(SpinBudget(options.spin_us, fabric->size())),
+      store_(std::move(store)),
+      fabric_(std::move(fabric)) {
+  fabric_->SetSpin(spin_);
+  thread_ = std::thread([this] { Run(); });
+}
+
+RingCommunication::~RingCommunication() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void RingCommunication::Run() {
+  for (;;) {
+    Call call;
+    {
+      // Poll briefly before sleeping: the next call of a training step usually follows at once.
+      core::SpinUntil(spin_, [this] { return queued_.load(std::memory_order_acquire) > 0; });
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and every queued call has run
+      call = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_release);
+    }
+    std::optional<Error> failure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failure = broken_;
+    }
+    if (!failure) {
+      try {
+        fabric_->SetDeadline(transport::Clock::now() + timeout_);
+        Context ctx{*fabric_, call.tag, chunk_bytes_, staging_};
+        call.body(ctx);
+      } catch (const Error& e) {
+        failure = Break(e);
+      } catch (const std::exception& e) {
+        failure = Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
+                                                        call.tag.ToString() + ": " + e.what()));
+      }
+    }
+    call.work->Complete(failure);
+  }
+}
+
+Error RingCommunication::Break(const Error& error) {
+  Error first = error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) {
+      first = *broken_;
+    } else {
+      broken_ = error;
+    }
+  }
+  fabric_->Abort(first);
+  return first;
+}
+
+void RingCommunication::Abort() {
+  Break(Error(ErrorCode::kAborted,
+              "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller"));
+}
+
+std::shared_ptr<Work> RingCommunication::Submit(const CallDescriptor& descriptor, Body body) {
+  auto work = std::make_shared<core::WorkState>(spin_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) {
+      work->Complete(broken_);
+      return work;
+    }
+    queue_.push_back(Call{core::CallTag{next_seq_++, descriptor}, std::move(body), work});
+    queued_.fetch_add(1, std::memory_order_release);
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void RingCommunication::CheckTensor(const char* collective, const char* name,
+                                    const Tensor& t) const {
+  const std::string where =
+      "rank " + std::to_string(rank_) + ": " + collective + ": " + name + " tensor ";
+  if (t.device.kind != Device::Kind::kCpu) {
+    throw Error(ErrorCode::kNotSupported,
+                where + "is on " + t.device.ToString() + "; RING takes CPU tensors only");
+  }
+  if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                where + "has an unknown dtype " + std::to_string(int(t.dtype)));
+  }
+  if (t.data == nullptr && t.count > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                where + "has null data and " + std::to_string(t.count) + " elements");
+  }
+}
+
+void RingCommunication::CheckSameType(const char* collective, const Tensor& send,
+                                      const Tensor& recv) const {
+  if (send.dtype != recv.dtype) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank_) + ": " + collective + ": send is " +
+                    ToString(send.dtype) + " but recv is " + ToString(recv.dtype));
+  }
+}
+
+void CheckOp(int rank, const char* collective, ReduceOp op) {
+  if (static_cast<unsigned>(op) >= kNumReduceOps) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) + ": " + collective +
+                                                 ": unknown reduce op " + std::to_string(int(op)));
+  }
+}
+
+std::string CountMismatch(int rank, const char* collective, const std::string& expected,
+                          size_t got) {
+  return "rank " + std::to_string(rank) + ": " + collective + ": " + expected + ", got " +
+         std::to_string(got) + " elements";
+}
+
+std::shared_ptr<Work> RingCommunication::AllReduceAsync(const Tensor& send, const Tensor& recv,
+                                                        ReduceOp op) {
+  constexpr const char* kName = "all_reduce";
+  CheckTensor(kName, "send", send);
+  CheckTensor(kName, "recv", recv);
+  CheckSameType(kName, send, recv);
+  CheckOp(rank_, kName, op);
+  if (send.count != recv.count) {
+    throw Error(ErrorCode::kInvalidArgument,
+                CountMismatch(rank_, kName, "recv must have send's " +
+                                                std::to_string(send.count) + " elements",
+                              recv.count));
+  }
+  const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, op, 0, send.count};
+  const bool small = send.bytes() <= small_message_bytes_;
+  return Submit(call, [send, recv, op, small](Context& ctx) {
+    if (small) {
+      RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+    } else {
+      RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+    }
+  });
+}
+
+std::shared_ptr<Work> RingCommunication::BroadcastAsync(const Tensor& send, const Tensor& recv,
+                                                        int root) {
+  constexpr const char* kName = "broadcast";
+  if (root < 0 || root >= size_) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank_) + ": broadcast: root " + std::to_string(root) +
+                    " is not a rank of this communicator (size " + std::to_string(size_) + ")");
+  }
+  CheckTensor(kName, "recv", recv);
+  if (rank_ == root) {
+    CheckTensor(kName, "send", send);
+    CheckSameType(kName, send, recv);
+    if (send.count != recv.count) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  CountMismatch(rank_, kName, "the root's recv must have send's " +
+                                                  std::to_string(send.count) + " elements",
+                                recv.count));
+    }
+  }
+  const CallDescriptor call{CollectiveKind::kBroadcast, recv.dtype, ReduceOp::kSum, root,
+                            recv.count};
+  const bool small = recv.bytes() <= small_message_bytes_;
+  const void* source = rank_ == root ? send.data : nullptr;
+  return Submit(call, [source, recv, root, small](Context& ctx) {
+    if (small) {
+      TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
+    } else {
+      ChainBroadcast(ctx, source, recv.data, recv.bytes(), root);
+    }
+  });
+}
+
+std::shared_ptr<Work> RingCommunication::AllGatherAsync(const Tensor& send, const Tensor& recv) {
+  constexpr const char* kName = "all_gather";
+  CheckTensor(kName, "send", send);
+  CheckTensor(kName, "recv", recv);
+  CheckSameType(kName, send, recv);
+  if (recv.count != send.count * size_t(size_)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                CountMismatch(rank_, kName,
+                              "recv must have size x send = " + std::to_string(size_) + " x " +
+                                  std::to_string(send.count) + " elements",
+                              recv.count));
+  }
+  const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
+                            send.count};
+  return Submit(call, [send, recv](Context& ctx) {
+    RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
+  });
+}
+
+std::shared_ptr<Work> RingCommunication::ReduceScatterAsync(const Tensor& send,
+                                                            const Tensor& recv, ReduceOp op) {
+  constexpr const char* kName = "reduce_scatter";
+  CheckTensor(kName, "send", send);
+  CheckTensor(kName, "recv", recv);
+  CheckSameType(kName, send, recv);
+  CheckOp(rank_, kName, op);
+  if (send.count != recv.count * size_t(size_)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                CountMismatch(rank_, kName,
+                              "send must have size x recv = " + std::to_string(size_) + " x " +
+                                  std::to_string(recv.count) + " elements",
+                              send.count));
+  }
+  const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
+  return Submit(call, [send, recv, op](Context& ctx) {
+    RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
+  });
+}
+
+std::shared_ptr<Work> RingCommunication::BarrierAsync() {
+  const CallDescriptor call{CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0};
+  return Submit(call, [](Context& ctx) { ring::Barrier(ctx); });
+}
+
+}  // namespace
+
+std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
+    std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
+    const CommunicationOptions& options) {
+  if (!fabric) throw Error(ErrorCode::kInvalidArgument, "CreateRingCommunication: no fabric");
+  return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), options);
+}
+
+}  // namespace collectives::ring

@@ -1,0 +1,411 @@
+// The connection handshake (see handshake.h): hello encoding, HMAC proofs, and the
+// asynchronous client and server sessions that run it under the set-up deadline.
+#include "src/transport/handshake.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <asio/read.hpp>
+#include <asio/write.hpp>
+#include <iostream>
+#include <utility>
+
+namespace collectives::transport {
+namespace {
+
+constexpr char kProofContext[] = "collectives-v1";
+constexpr uint8_t kAccepted = 1;
+constexpr uint8_t kRejected = 0;
+
+void PutU16(uint8_t* out, uint16_t v) {
+  out[0] = static_cast<uint8_t>(v);
+  out[1] = static_cast<uint8_t>(v >> 8);
+}
+
+void PutU32(uint8_t* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+uint32_t GetU32(const uint8_t* in) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(in[i]) << (8 * i);
+  return v;
+}
+
+void AppendU32(std::vector<uint8_t>* out, uint32_t v) {
+  uint8_t bytes[4];
+  PutU32(bytes, v);
+  out->insert(out->end(), bytes, bytes + 4);
+}
+
+std::string EndpointText(const asio::ip::tcp::socket& socket) {
+  asio::error_code ec;
+  const auto endpoint = socket.remote_endpoint(ec);
+  if (ec) return "an unknown address";
+  return endpoint.address().to_string() + ":" + std::to_string(endpoint.port());
+}
+
+}  // namespace
+
+std::vector<uint8_t> EncodeHello(const Hello& hello) {
+  if (hello.job_id.size() > kMaxJobIdBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "job id of " + std::to_string(hello.job_id.size()) + " bytes is longer than " +
+                    std::to_string(kMaxJobIdBytes));
+  }
+  std::vector<uint8_t> out(kHelloFixedBytes + hello.job_id.size());
+  PutU32(out.data(), kHelloMagic);
+  out[4] = hello.version;
+  out[5] = 0;
+  PutU16(out.data() + 6, static_cast<uint16_t>(hello.job_id.size()));
+  PutU32(out.data() + 8, static_cast<uint32_t>(hello.rank));
+  PutU32(out.data() + 12, static_cast<uint32_t>(hello.world_size));
+  std::copy(hello.nonce.begin(), hello.nonce.end(), out.begin() + 16);
+  std::copy(hello.job_id.begin(), hello.job_id.end(), out.begin() + kHelloFixedBytes);
+  return out;
+}
+
+std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes,
+                                      std::string* why) {
+  const uint32_t magic = GetU32(bytes);
+  if (magic != kHelloMagic) {
+    if (why != nullptr) *why = "not a collectives hello (bad magic)";
+    return std::nullopt;
+  }
+  if (bytes[5] != 0) {
+    if (why != nullptr) *why = "reserved hello byte is not zero";
+    return std::nullopt;
+  }
+  const size_t length = static_cast<size_t>(bytes[6]) | (static_cast<size_t>(bytes[7]) << 8);
+  if (length > kMaxJobIdBytes) {
+    if (why != nullptr) {
+      *why = "job id of " + std::to_string(length) + " bytes exceeds the limit of " +
+             std::to_string(kMaxJobIdBytes);
+    }
+    return std::nullopt;
+  }
+  Hello hello;
+  hello.version = bytes[4];
+  hello.rank = static_cast<int32_t>(GetU32(bytes + 8));
+  hello.world_size = static_cast<int32_t>(GetU32(bytes + 12));
+  std::copy(bytes + 16, bytes + 16 + kNonceBytes, hello.nonce.begin());
+  *job_id_bytes = length;
+  return hello;
+}
+
+Nonce RandomNonce() {
+  Nonce nonce;
+  if (RAND_bytes(nonce.data(), static_cast<int>(nonce.size())) != 1) {
+    throw Error(ErrorCode::kSystem, "OpenSSL RAND_bytes failed to produce a handshake nonce");
+  }
+  return nonce;
+}
+
+Proof ComputeProof(const std::string& token, const std::string& job_id, int32_t client_rank,
+                   int32_t server_rank, const Nonce& client_nonce, const Nonce& server_nonce,
+                   HandshakeRole role) {
+  std::vector<uint8_t> message;
+  message.reserve(sizeof(kProofContext) + 2 + job_id.size() + 8 + 2 * kNonceBytes + 1);
+  message.insert(message.end(), kProofContext, kProofContext + sizeof(kProofContext) - 1);
+  uint8_t length[2];
+  PutU16(length, static_cast<uint16_t>(job_id.size()));
+  message.insert(message.end(), length, length + 2);
+  message.insert(message.end(), job_id.begin(), job_id.end());
+  AppendU32(&message, static_cast<uint32_t>(client_rank));
+  AppendU32(&message, static_cast<uint32_t>(server_rank));
+  message.insert(message.end(), client_nonce.begin(), client_nonce.end());
+  message.insert(message.end(), server_nonce.begin(), server_nonce.end());
+  message.push_back(static_cast<uint8_t>(role));
+
+  // HMAC accepts an empty key, but not a null pointer to it.
+  static const uint8_t kEmptyKey = 0;
+  const void* key = token.empty() ? static_cast<const void*>(&kEmptyKey) : token.data();
+  Proof proof{};
+  unsigned int proof_bytes = 0;
+  if (HMAC(EVP_sha256(), key, static_cast<int>(token.size()), message.data(), message.size(),
+           proof.data(), &proof_bytes) == nullptr ||
+      proof_bytes != kProofBytes) {
+    throw Error(ErrorCode::kSystem, "OpenSSL HMAC-SHA256 failed while computing a proof");
+  }
+  return proof;
+}
+
+bool ProofsEqual(const Proof& a, const Proof& b) {
+  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+// ---- Sessions. ----
+
+HandshakeSession::HandshakeSession(asio::ip::tcp::socket socket, const HandshakeConfig& config,
+                                   HandshakeRole role, int expected_peer,
+                                   std::function<bool(int)> accept_rank,
+                                   Clock::time_point deadline, HandshakeDone done)
+    : socket_(std::move(socket)),
+      timer_(socket_.get_executor()),
+      config_(config),
+      role_(role),
+      expected_peer_(expected_peer),
+      accept_rank_(std::move(accept_rank)),
+      done_(std::move(done)),
+      remote_(EndpointText(socket_)),
+      my_nonce_(RandomNonce()) {
+  timer_.expires_at(deadline);
+}
+
+std::weak_ptr<HandshakeSession> HandshakeSession::StartClient(asio::ip::tcp::socket socket,
+                                                              const HandshakeConfig& config,
+                                                              int server_rank,
+                                                              Clock::time_point deadline,
+                                                              HandshakeDone done) {
+  auto session = std::make_shared<HandshakeSession>(std::move(socket), config,
+                                                    HandshakeRole::kClient, server_rank,
+                                                    nullptr, deadline, std::move(done));
+  session->Begin();
+  return session;
+}
+
+std::weak_ptr<HandshakeSession> HandshakeSession::StartServer(
+    asio::ip::tcp::socket socket, const HandshakeConfig& config,
+    std::function<bool(int)> accept_rank, Clock::time_point deadline, HandshakeDone done) {
+  auto session = std::make_shared<HandshakeSession>(std::move(socket), config,
+                                                    HandshakeRole::kServer, -1,
+                                                    std::move(accept_rank), deadline,
+                                                    std::move(done));
+  session->Begin();
+  return session;
+}
+
+void HandshakeSession::Begin() {
+  timer_.async_wait([self = shared_from_this()](const asio::error_code& ec) {
+    if (ec || self->finished()) return;
+    self->timed_out_ = true;
+    asio::error_code ignored;
+    self->socket_.close(ignored);  // the pending read or write completes with an error
+  });
+  if (role_ == HandshakeRole::kClient) {
+    SendHello();
+  } else {
+    ReadHelloFixed();
+  }
+}
+
+void HandshakeSession::Cancel() {
+  if (finished_) return;
+  cancelled_ = true;
+  asio::error_code ignored;
+  socket_.close(ignored);
+}
+
+void HandshakeSession::SendHello() {
+  Hello hello;
+  hello.version = kWireVersion;
+  hello.rank = config_.rank;
+  hello.world_size = config_.world_size;
+  hello.nonce = my_nonce_;
+  hello.job_id = config_.job_id;
+  out_ = EncodeHello(hello);
+  asio::async_write(socket_, asio::buffer(out_),
+                    [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                      if (self->finished()) return;
+                      if (ec) return self->Fail(ec, "sending hello");
+                      if (self->role_ == HandshakeRole::kClient) {
+                        self->ReadHelloFixed();
+                      } else {
+                        self->ReadClientProof();
+                      }
+                    });
+}
+
+void HandshakeSession::ReadHelloFixed() {
+  asio::async_read(socket_, asio::buffer(in_fixed_),
+                   [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                     if (self->finished()) return;
+                     if (ec) return self->Fail(ec, "waiting for hello");
+                     std::string why;
+                     size_t job_id_bytes = 0;
+                     auto hello = DecodeHelloFixed(self->in_fixed_.data(), &job_id_bytes, &why);
+                     if (!hello) {
+                       return self->Finish(false, ErrorCode::kUnauthenticated,
+                                           "malformed hello: " + why);
+                     }
+                     self->peer_ = std::move(*hello);
+                     self->ReadJobId(job_id_bytes);
+                   });
+}
+
+void HandshakeSession::ReadJobId(size_t bytes) {
+  in_job_id_.resize(bytes);  // bounded by kMaxJobIdBytes in DecodeHelloFixed
+  asio::async_read(socket_, asio::buffer(in_job_id_),
+                   [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                     if (self->finished()) return;
+                     if (ec) return self->Fail(ec, "waiting for hello");
+                     self->peer_.job_id.assign(self->in_job_id_.begin(), self->in_job_id_.end());
+                     self->CheckPeerHello();
+                   });
+}
+
+void HandshakeSession::CheckPeerHello() {
+  const Hello& peer = peer_;
+  std::string why;
+  if (peer.version != kWireVersion) {
+    why = "wire version " + std::to_string(peer.version) + ", this rank speaks " +
+          std::to_string(kWireVersion);
+  } else if (peer.job_id != config_.job_id) {
+    why = "job id '" + peer.job_id + "', this rank is in job '" + config_.job_id + "'";
+  } else if (peer.world_size != config_.world_size) {
+    why = "world size " + std::to_string(peer.world_size) + ", this rank has " +
+          std::to_string(config_.world_size);
+  } else if (role_ == HandshakeRole::kClient && peer.rank != expected_peer_) {
+    why = "it is rank " + std::to_string(peer.rank) + ", expected rank " +
+          std::to_string(expected_peer_);
+  } else if (role_ == HandshakeRole::kServer &&
+             (peer.rank < 0 || peer.rank >= config_.world_size || !accept_rank_(peer.rank))) {
+    why = "claims rank " + std::to_string(peer.rank) + ", which this rank does not expect";
+  }
+  if (!why.empty()) return Finish(false, ErrorCode::kUnauthenticated, "hello says " + why);
+  if (role_ == HandshakeRole::kClient) {
+    SendClientProof();
+  } else {
+    SendHello();  // continues with ReadClientProof
+  }
+}
+
+void HandshakeSession::SendClientProof() {
+  const Proof proof = ComputeProof(config_.token, config_.job_id, config_.rank, peer_.rank,
+                                   my_nonce_, peer_.nonce, HandshakeRole::kClient);
+  out_.assign(proof.begin(), proof.end());
+  asio::async_write(socket_, asio::buffer(out_),
+                    [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                      if (self->finished()) return;
+                      if (ec) return self->Fail(ec, "sending proof");
+                      self->ReadServerVerdict();
+                    });
+}
+
+void HandshakeSession::ReadClientProof() {
+  asio::async_read(
+      socket_, asio::buffer(in_proof_.data(), kProofBytes),
+      [self = shared_from_this()](const asio::error_code& ec, size_t) {
+        if (self->finished()) return;
+        if (ec) return self->Fail(ec, "waiting for the client's proof");
+        Proof got;
+        std::copy(self->in_proof_.begin(), self->in_proof_.begin() + kProofBytes, got.begin());
+        const HandshakeConfig& config = self->config_;
+        const Proof want = ComputeProof(config.token, config.job_id, self->peer_.rank,
+                                        config.rank, self->peer_.nonce, self->my_nonce_,
+                                        HandshakeRole::kClient);
+        const bool good = ProofsEqual(got, want);
+        self->out_.assign(1 + kProofBytes, 0);
+        if (good) {
+          self->out_[0] = kAccepted;
+          const Proof mine = ComputeProof(config.token, config.job_id, self->peer_.rank,
+                                          config.rank, self->peer_.nonce, self->my_nonce_,
+                                          HandshakeRole::kServer);
+          std::copy(mine.begin(), mine.end(), self->out_.begin() + 1);
+        } else {
+          self->out_[0] = kRejected;
+        }
+        asio::async_write(self->socket_, asio::buffer(self->out_),
+                          [self, good](const asio::error_code& write_ec, size_t) {
+                            if (self->finished()) return;
+                            if (!good) {
+                              return self->Finish(false, ErrorCode::kUnauthenticated,
+                                                  "wrong proof of the job token");
+                            }
+                            if (write_ec) return self->Fail(write_ec, "sending verdict");
+                            self->ReadClientVerdict();
+                          });
+      });
+}
+
+void HandshakeSession::ReadServerVerdict() {
+  asio::async_read(
+      socket_, asio::buffer(in_proof_),
+      [self = shared_from_this()](const asio::error_code& ec, size_t) {
+        if (self->finished()) return;
+        if (ec) return self->Fail(ec, "waiting for the server's verdict");
+        if (self->in_proof_[0] != kAccepted) {
+          return self->Finish(false, ErrorCode::kUnauthenticated,
+                              "rank " + std::to_string(self->peer_.rank) +
+                                  " rejected this rank's proof of the job token (do all ranks "
+                                  "use the same token?)");
+        }
+        Proof got;
+        std::copy(self->in_proof_.begin() + 1, self->in_proof_.end(), got.begin());
+        const HandshakeConfig& config = self->config_;
+        const Proof want = ComputeProof(config.token, config.job_id, config.rank,
+                                        self->peer_.rank, self->my_nonce_, self->peer_.nonce,
+                                        HandshakeRole::kServer);
+        if (!ProofsEqual(got, want)) {
+          return self->Finish(false, ErrorCode::kUnauthenticated,
+                              "the server failed to prove the job token");
+        }
+        self->out_.assign(1, kAccepted);
+        asio::async_write(self->socket_, asio::buffer(self->out_),
+                          [self](const asio::error_code& write_ec, size_t) {
+                            if (self->finished()) return;
+                            if (write_ec) return self->Fail(write_ec, "sending verdict");
+                            self->Finish(true, ErrorCode::kInternal, "");
+                          });
+      });
+}
+
+void HandshakeSession::ReadClientVerdict() {
+  asio::async_read(socket_, asio::buffer(in_proof_.data(), 1),
+                   [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                     if (self->finished()) return;
+                     if (ec) return self->Fail(ec, "waiting for the client's verdict");
+                     if (self->in_proof_[0] != kAccepted) {
+                       return self->Finish(false, ErrorCode::kUnauthenticated,
+                                           "the client rejected this rank's proof");
+                     }
+                     self->Finish(true, ErrorCode::kInternal, "");
+                   });
+}
+
+void HandshakeSession::Fail(const asio::error_code& ec, const char* step) {
+  if (cancelled_) return Finish(false, ErrorCode::kAborted, "cancelled");
+  if (timed_out_) {
+    return Finish(false, ErrorCode::kTimeout,
+                  std::string("handshake not finished by the deadline (") + step + ")");
+  }
+  const bool closed = ec == asio::error::eof || ec == asio::error::connection_reset ||
+                      ec == asio::error::broken_pipe;
+  if (closed && role_ == HandshakeRole::kClient) {
+    // The server closes the connection when it rejects our hello.
+    return Finish(false, ErrorCode::kUnauthenticated,
+                  "rank " + std::to_string(expected_peer_) + " closed the connection (" +
+                      ec.message() + ") while " + step +
+                      ": it rejected this rank (different job id, world size, wire version or "
+                      "token?)");
+  }
+  Finish(false, closed ? ErrorCode::kUnauthenticated : ErrorCode::kSystem,
+         std::string(step) + ": " + ec.message());
+}
+
+void HandshakeSession::Finish(bool ok, ErrorCode code, std::string why) {
+  if (finished_) return;
+  finished_ = true;
+  timer_.cancel();
+  HandshakeResult result;
+  result.ok = ok;
+  result.peer_rank = ok ? peer_.rank : -1;
+  result.code = code;
+  result.why = std::move(why);
+  result.remote = remote_;
+  if (!ok) {
+    asio::error_code ignored;
+    socket_.close(ignored);
+    if (role_ == HandshakeRole::kServer && code != ErrorCode::kAborted) {
+      std::cerr << "collectives: rank " << config_.rank << " refused a connection from "
+                << remote_ << ": " << result.why << "\n";
+    }
+  }
+  HandshakeDone done = std::move(done_);
+  done_ = nullptr;
+  done(result, std::move(socket_));
+}
+
+}  // namespace collectives::transport

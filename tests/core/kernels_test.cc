@@ -1,0 +1,701 @@
+// Tests of the reduction kernels (src/core/kernels.h): every (dtype, op) element by element
+// against a plain scalar reference, at several counts, with and without aliasing; the f16 and
+// bf16 conversions against an independent reference (exhaustively where there are 2^16 cases);
+// integer wrap-around; and DivideInPlace for every dtype.
+#include "src/core/kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "collectives/types.h"
+
+namespace collectives::core {
+namespace {
+
+__extension__ typedef __int128 Int128;
+
+constexpr DataType kAllDataTypes[] = {
+    DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
+    DataType::kInt8,    DataType::kUInt8,   DataType::kInt32,   DataType::kInt64,
+};
+constexpr ReduceOp kAllReduceOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin,
+                                      ReduceOp::kMax, ReduceOp::kAvg};
+constexpr size_t kCounts[] = {0, 1, 7, 1000, 1000003};
+
+// ---- Independent references for the 16-bit float formats. ----
+//
+// A format is described by its exponent and mantissa widths; values are decoded with ldexp and
+// rounded by searching for the neighbours and comparing in double, never by bit tricks.
+
+struct Format16 {
+  int exponent_bits;
+  int mantissa_bits;
+};
+constexpr Format16 kHalf{5, 10};
+constexpr Format16 kBFloat16{8, 7};
+
+int Bias(Format16 f) { return (1 << (f.exponent_bits - 1)) - 1; }
+uint16_t InfCode(Format16 f) {
+  return static_cast<uint16_t>(((1 << f.exponent_bits) - 1) << f.mantissa_bits);
+}
+
+bool IsNaN16(Format16 f, uint16_t code) {
+  return (code & 0x7fff) > InfCode(f);
+}
+
+// The value of a non-negative code; the infinity code decodes as the finite value it would have
+// with an unbounded exponent (65536 for f16), which is what rounding compares against.
+double DecodeMagnitude(Format16 f, uint16_t code) {
+  const int exponent = (code & 0x7fff) >> f.mantissa_bits;
+  const int mantissa = code & ((1 << f.mantissa_bits) - 1);
+  if (exponent == 0) return std::ldexp(mantissa, 1 - Bias(f) - f.mantissa_bits);
+  return std::ldexp(mantissa + (1 << f.mantissa_bits), exponent - Bias(f) - f.mantissa_bits);
+}
+
+double RefDecode(Format16 f, uint16_t code) {
+  if (IsNaN16(f, code)) return std::numeric_limits<double>::quiet_NaN();
+  double magnitude = (code & 0x7fff) == InfCode(f) ? std::numeric_limits<double>::infinity()
+                                                   : DecodeMagnitude(f, code);
+  return (code & 0x8000) ? -magnitude : magnitude;
+}
+
+// Round to nearest, ties to even. NaN gives some NaN code.
+uint16_t RefEncode(Format16 f, double x) {
+  if (std::isnan(x)) return static_cast<uint16_t>(InfCode(f) | 1);
+  const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+  const double a = std::fabs(x);
+  // lo = the largest finite code with value <= a (binary search over monotonic codes).
+  uint16_t lo = 0;
+  uint16_t hi = InfCode(f);  // exclusive
+  while (hi - lo > 1) {
+    const uint16_t mid = static_cast<uint16_t>((lo + hi) / 2);
+    if (DecodeMagnitude(f, mid) <= a) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  if (std::isinf(a)) return sign | InfCode(f);
+  const uint16_t up = static_cast<uint16_t>(lo + 1);
+  // 2a against lo + up is exact in double (both neighbours have few bits).
+  const double twice = 2 * a;
+  const double sum = DecodeMagnitude(f, lo) + DecodeMagnitude(f, up);
+  uint16_t code;
+  if (twice < sum) {
+    code = lo;
+  } else if (twice > sum) {
+    code = up;
+  } else {
+    code = (lo & 1) ? up : lo;
+  }
+  return sign | code;
+}
+
+float BitsToFloat(uint32_t bits) { return std::bit_cast<float>(bits); }
+uint32_t FloatToBits(float f) { return std::bit_cast<uint32_t>(f); }
+
+// ---- Conversions. ----
+
+TEST(HalfConversionTest, WidensEveryCodeExactly) {
+  for (uint32_t code = 0; code <= 0xffff; ++code) {
+    const uint16_t h = static_cast<uint16_t>(code);
+    const float f = HalfToFloat(h);
+    SCOPED_TRACE("code 0x" + std::to_string(code));
+    if (IsNaN16(kHalf, h)) {
+      ASSERT_TRUE(std::isnan(f));
+      EXPECT_EQ(std::signbit(f), (h & 0x8000) != 0);
+      // The payload (quiet bit included) moves to the top of the f32 mantissa.
+      EXPECT_EQ((FloatToBits(f) >> 13) & 0x3ff, h & 0x3ffu);
+    } else {
+      ASSERT_EQ(static_cast<double>(f), RefDecode(kHalf, h));
+      EXPECT_EQ(std::signbit(f), (h & 0x8000) != 0);  // -0 stays -0
+    }
+  }
+}
+
+TEST(HalfConversionTest, RoundTripsEveryCode) {
+  for (uint32_t code = 0; code <= 0xffff; ++code) {
+    const uint16_t h = static_cast<uint16_t>(code);
+    const uint16_t back = FloatToHalf(HalfToFloat(h));
+    if (IsNaN16(kHalf, h)) {
+      EXPECT_TRUE(IsNaN16(kHalf, back)) << std::hex << code << " -> " << back;
+      EXPECT_EQ(back & 0x8000, h & 0x8000);
+    } else {
+      ASSERT_EQ(back, h) << std::hex << code;
+    }
+  }
+}
+
+TEST(BFloat16ConversionTest, WidensEveryCodeExactly) {
+  for (uint32_t code = 0; code <= 0xffff; ++code) {
+    const uint16_t b = static_cast<uint16_t>(code);
+    const float f = BFloat16ToFloat(b);
+    ASSERT_EQ(FloatToBits(f), code << 16);
+    if (!IsNaN16(kBFloat16, b)) {
+      ASSERT_EQ(static_cast<double>(f), RefDecode(kBFloat16, b)) << std::hex << code;
+    }
+  }
+}
+
+TEST(BFloat16ConversionTest, RoundTripsEveryCode) {
+  for (uint32_t code = 0; code <= 0xffff; ++code) {
+    const uint16_t b = static_cast<uint16_t>(code);
+    const uint16_t back = FloatToBFloat16(BFloat16ToFloat(b));
+    if (IsNaN16(kBFloat16, b)) {
+      EXPECT_TRUE(IsNaN16(kBFloat16, back)) << std::hex << code << " -> " << back;
+      EXPECT_EQ(back & 0x8000, b & 0x8000);
+    } else {
+      ASSERT_EQ(back, b) << std::hex << code;
+    }
+  }
+}
+
+// Floats to check narrowing on: a stride through all 2^32 patterns, and for every pair of
+// neighbouring finite codes of the narrow format, their midpoint (a tie) and the floats just
+// either side of it.
+std::vector<float> NarrowingProbes(Format16 f) {
+  std::vector<float> probes;
+  for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 9973) {
+    probes.push_back(BitsToFloat(static_cast<uint32_t>(bits)));
+  }
+  for (uint16_t code = 0; code < InfCode(f); ++code) {
+    const double mid =
+        (DecodeMagnitude(f, code) + DecodeMagnitude(f, static_cast<uint16_t>(code + 1))) / 2;
+    const float m = static_cast<float>(mid);
+    EXPECT_EQ(static_cast<double>(m), mid);  // the midpoint is exact in f32
+    for (float p : {std::nextafter(m, 0.0f), m, std::nextafter(m, INFINITY)}) {
+      probes.push_back(p);
+      probes.push_back(-p);
+    }
+  }
+  return probes;
+}
+
+TEST(HalfConversionTest, NarrowsLikeTheReference) {
+  for (float x : NarrowingProbes(kHalf)) {
+    const uint16_t got = FloatToHalf(x);
+    if (std::isnan(x)) {
+      ASSERT_TRUE(IsNaN16(kHalf, got)) << std::hex << FloatToBits(x);
+      EXPECT_EQ(got & 0x8000, (FloatToBits(x) >> 16) & 0x8000);
+      continue;
+    }
+    ASSERT_EQ(got, RefEncode(kHalf, x)) << std::hex << "f32 bits 0x" << FloatToBits(x);
+#ifdef __FLT16_MAX__
+    // GCC's own conversion (libgcc) as a second, independent opinion.
+    ASSERT_EQ(got, std::bit_cast<uint16_t>(static_cast<_Float16>(x)));
+#endif
+  }
+}
+
+TEST(BFloat16ConversionTest, NarrowsLikeTheReference) {
+  for (float x : NarrowingProbes(kBFloat16)) {
+    const uint16_t got = FloatToBFloat16(x);
+    if (std::isnan(x)) {
+      ASSERT_TRUE(IsNaN16(kBFloat16, got)) << std::hex << FloatToBits(x);
+      EXPECT_EQ(got & 0x8000, (FloatToBits(x) >> 16) & 0x8000);
+      continue;
+    }
+    ASSERT_EQ(got, RefEncode(kBFloat16, x)) << std::hex << "f32 bits 0x" << FloatToBits(x);
+  }
+}
+
+TEST(HalfConversionTest, KnownValues) {
+  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToHalf(-2.0f), 0xc000);
+  EXPECT_EQ(FloatToHalf(0.0f), 0x0000);
+  EXPECT_EQ(FloatToHalf(-0.0f), 0x8000);
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);  // the largest finite half
+  EXPECT_EQ(HalfToFloat(0x7bff), 65504.0f);
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -24)), 0x0001);  // the smallest subnormal
+  EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(HalfToFloat(0x03ff), std::ldexp(1023.0f, -24));  // the largest subnormal
+  EXPECT_EQ(HalfToFloat(0x0400), std::ldexp(1.0f, -14));     // the smallest normal
+  EXPECT_EQ(HalfToFloat(0x7c00), INFINITY);
+  EXPECT_EQ(HalfToFloat(0xfc00), -INFINITY);
+  EXPECT_TRUE(std::isnan(HalfToFloat(0x7e00)));
+
+  // Ties go to the even neighbour.
+  EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // 1 + half an ulp
+  EXPECT_EQ(FloatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // 1 + 1.5 ulp
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);             // half the smallest
+  EXPECT_EQ(FloatToHalf(std::ldexp(3.0f, -25)), 0x0002);             // 1.5 x the smallest
+  EXPECT_EQ(FloatToHalf(std::nextafter(std::ldexp(1.0f, -25), 1.0f)), 0x0001);
+  // Rounding up out of the subnormals into the smallest normal.
+  EXPECT_EQ(FloatToHalf(std::ldexp(1023.5f, -24)), 0x0400);
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -30)), 0x0000);  // underflow to zero
+  EXPECT_EQ(FloatToHalf(-std::ldexp(1.0f, -30)), 0x8000);
+
+  // Overflow: from 65520 (the midpoint to 65536, tie to even = inf) up.
+  EXPECT_EQ(FloatToHalf(std::nextafter(65520.0f, 0.0f)), 0x7bff);
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);
+  EXPECT_EQ(FloatToHalf(1e6f), 0x7c00);
+  EXPECT_EQ(FloatToHalf(-1e6f), 0xfc00);
+  EXPECT_EQ(FloatToHalf(std::numeric_limits<float>::max()), 0x7c00);
+  EXPECT_EQ(FloatToHalf(INFINITY), 0x7c00);
+  EXPECT_EQ(FloatToHalf(-INFINITY), 0xfc00);
+  EXPECT_TRUE(IsNaN16(kHalf, FloatToHalf(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(IsNaN16(kHalf, FloatToHalf(-std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(IsNaN16(kHalf, FloatToHalf(std::numeric_limits<float>::signaling_NaN())));
+  EXPECT_TRUE(IsNaN16(kHalf, FloatToHalf(BitsToFloat(0x7f800001))));  // payload only in low bits
+}
+
+TEST(BFloat16ConversionTest, KnownValues) {
+  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBFloat16(-2.0f), 0xc000);
+  EXPECT_EQ(FloatToBFloat16(-0.0f), 0x8000);
+  EXPECT_EQ(BFloat16ToFloat(0x3f80), 1.0f);
+  EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie, to even
+  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie, to even
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x3f808001)), 0x3f81);          // just above a tie
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x00000001)), 0x0000);  // smallest f32 subnormal
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x00008000)), 0x0000);  // subnormal tie, to even
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x00018000)), 0x0002);
+  EXPECT_EQ(BFloat16ToFloat(0x0001), BitsToFloat(0x00010000));  // smallest bf16 subnormal
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x7f7f7fff)), 0x7f7f);  // stays finite
+  EXPECT_EQ(FloatToBFloat16(std::numeric_limits<float>::max()), 0x7f80);  // overflows to inf
+  EXPECT_EQ(FloatToBFloat16(-std::numeric_limits<float>::max()), 0xff80);
+  EXPECT_EQ(FloatToBFloat16(INFINITY), 0x7f80);
+  EXPECT_EQ(FloatToBFloat16(-INFINITY), 0xff80);
+  EXPECT_TRUE(IsNaN16(kBFloat16, FloatToBFloat16(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(IsNaN16(kBFloat16, FloatToBFloat16(BitsToFloat(0x7f800001))));  // would round to inf
+  EXPECT_TRUE(IsNaN16(kBFloat16, FloatToBFloat16(BitsToFloat(0x7fffffff))));  // would carry out
+  EXPECT_TRUE(IsNaN16(kBFloat16, FloatToBFloat16(BitsToFloat(0xffffffff))));
+}
+
+// ---- Reduce against a scalar reference. ----
+
+// Scalar reference on one element. Integer sum and prod wrap; float min/max return NaN if
+// either input is NaN, and b when the inputs compare equal.
+template <typename T>
+T RefApply(ReduceOp op, T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        return static_cast<T>(static_cast<uint64_t>(static_cast<U>(a)) +
+                              static_cast<uint64_t>(static_cast<U>(b)));
+      case ReduceOp::kProd:
+        return static_cast<T>(static_cast<uint64_t>(static_cast<U>(a)) *
+                              static_cast<uint64_t>(static_cast<U>(b)));
+      case ReduceOp::kMin: return a < b ? a : b;
+      case ReduceOp::kMax: return a > b ? a : b;
+    }
+  } else {
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg: return a + b;
+      case ReduceOp::kProd: return a * b;
+      case ReduceOp::kMin:
+        if (std::isnan(a)) return a;
+        if (std::isnan(b)) return b;
+        return a < b ? a : b;
+      case ReduceOp::kMax:
+        if (std::isnan(a)) return a;
+        if (std::isnan(b)) return b;
+        return a > b ? a : b;
+    }
+  }
+  return T{};
+}
+
+// One element of any dtype, as raw bits in a uint64_t, reduced by the reference.
+uint64_t RefElement(DataType dtype, ReduceOp op, uint64_t a, uint64_t b) {
+  // f16 / bf16: widen exactly, reduce in f32, round with the independent reference.
+  auto reduce16 = [&](Format16 f) -> uint64_t {
+    const float wide_a = static_cast<float>(RefDecode(f, static_cast<uint16_t>(a)));
+    const float wide_b = static_cast<float>(RefDecode(f, static_cast<uint16_t>(b)));
+    return RefEncode(f, RefApply(op, wide_a, wide_b));
+  };
+  switch (dtype) {
+    case DataType::kFloat32:
+      return FloatToBits(RefApply(op, BitsToFloat(static_cast<uint32_t>(a)),
+                                  BitsToFloat(static_cast<uint32_t>(b))));
+    case DataType::kFloat64:
+      return std::bit_cast<uint64_t>(
+          RefApply(op, std::bit_cast<double>(a), std::bit_cast<double>(b)));
+    case DataType::kFloat16: return reduce16(kHalf);
+    case DataType::kBFloat16: return reduce16(kBFloat16);
+    case DataType::kInt8:
+      return static_cast<uint8_t>(
+          RefApply(op, static_cast<int8_t>(a), static_cast<int8_t>(b)));
+    case DataType::kUInt8:
+      return RefApply(op, static_cast<uint8_t>(a), static_cast<uint8_t>(b));
+    case DataType::kInt32:
+      return static_cast<uint32_t>(
+          RefApply(op, static_cast<int32_t>(a), static_cast<int32_t>(b)));
+    case DataType::kInt64:
+      return static_cast<uint64_t>(
+          RefApply(op, static_cast<int64_t>(a), static_cast<int64_t>(b)));
+  }
+  return 0;
+}
+
+// Raw bits of element i of a buffer of dtype.
+uint64_t Load(DataType dtype, const std::vector<unsigned char>& buffer, size_t offset, size_t i) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, buffer.data() + (offset + i) * SizeOf(dtype), SizeOf(dtype));
+  return bits;
+}
+
+bool IsNaNBits(DataType dtype, uint64_t bits) {
+  switch (dtype) {
+    case DataType::kFloat32: return std::isnan(BitsToFloat(static_cast<uint32_t>(bits)));
+    case DataType::kFloat64: return std::isnan(std::bit_cast<double>(bits));
+    case DataType::kFloat16: return IsNaN16(kHalf, static_cast<uint16_t>(bits));
+    case DataType::kBFloat16: return IsNaN16(kBFloat16, static_cast<uint16_t>(bits));
+    default: return false;
+  }
+}
+
+// Random elements of dtype, with the special values of float types mixed in, as raw bytes.
+std::vector<unsigned char> RandomBuffer(DataType dtype, size_t count, std::mt19937_64& rng) {
+  std::vector<unsigned char> buffer(count * SizeOf(dtype));
+  std::uniform_real_distribution<double> moderate(-4.0, 4.0);
+  std::uniform_int_distribution<int> pick(0, 15);
+  const double specials[] = {0.0,  -0.0, INFINITY, -INFINITY, NAN, 1e-40, -1e-310, 1e30,
+                             -1e300, 65504.0, 3e-8};
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t raw = rng();
+    const int choice = pick(rng);
+    const double value = choice < 11 ? specials[choice] : moderate(rng);
+    const bool special_or_moderate = choice < 11 || (raw & 1);
+    unsigned char* out = buffer.data() + i * SizeOf(dtype);
+    switch (dtype) {
+      case DataType::kFloat32: {
+        const uint32_t bits = special_or_moderate ? FloatToBits(static_cast<float>(value))
+                                                  : static_cast<uint32_t>(raw >> 8);
+        std::memcpy(out, &bits, 4);
+        break;
+      }
+      case DataType::kFloat64: {
+        const uint64_t bits = special_or_moderate ? std::bit_cast<uint64_t>(value) : raw;
+        std::memcpy(out, &bits, 8);
+        break;
+      }
+      case DataType::kFloat16:
+      case DataType::kBFloat16: {
+        // Every 16-bit pattern is a value; uniform bits cover subnormals, inf and NaN.
+        const uint16_t bits = static_cast<uint16_t>(raw >> 16);
+        std::memcpy(out, &bits, 2);
+        break;
+      }
+      default:
+        // Integers: full range, so that sums and products wrap.
+        std::memcpy(out, &raw, SizeOf(dtype));
+        break;
+    }
+  }
+  return buffer;
+}
+
+// How dst, a and b relate.
+enum class Aliasing { kDistinct, kDstIsA, kDstIsB, kAllSame, kSameInputs, kMisaligned };
+constexpr Aliasing kAllAliasings[] = {Aliasing::kDistinct,   Aliasing::kDstIsA,
+                                      Aliasing::kDstIsB,     Aliasing::kAllSame,
+                                      Aliasing::kSameInputs, Aliasing::kMisaligned};
+const char* ToString(Aliasing aliasing) {
+  switch (aliasing) {
+    case Aliasing::kDistinct: return "distinct";
+    case Aliasing::kDstIsA: return "dst==a";
+    case Aliasing::kDstIsB: return "dst==b";
+    case Aliasing::kAllSame: return "dst==a==b";
+    case Aliasing::kSameInputs: return "a==b";
+    case Aliasing::kMisaligned: return "misaligned";
+  }
+  return "?";
+}
+
+class ReduceTest : public testing::TestWithParam<std::tuple<DataType, ReduceOp>> {};
+
+TEST_P(ReduceTest, MatchesScalarReference) {
+  const auto [dtype, op] = GetParam();
+  std::mt19937_64 rng(static_cast<uint64_t>(dtype) * 131 + static_cast<uint64_t>(op));
+  for (size_t count : kCounts) {
+    for (Aliasing aliasing : kAllAliasings) {
+      SCOPED_TRACE("count " + std::to_string(count) + ", " + ToString(aliasing));
+      // Buffers have 3 spare elements, for the misaligned case (a, b and dst at offsets 1, 3, 0).
+      std::vector<unsigned char> a = RandomBuffer(dtype, count + 3, rng);
+      std::vector<unsigned char> b = RandomBuffer(dtype, count + 3, rng);
+      std::vector<unsigned char> dst = RandomBuffer(dtype, count + 3, rng);
+      const size_t a_offset = aliasing == Aliasing::kMisaligned ? 1 : 0;
+      const size_t b_offset = aliasing == Aliasing::kMisaligned ? 3 : 0;
+      if (aliasing == Aliasing::kAllSame || aliasing == Aliasing::kSameInputs) b = a;
+
+      // The expected result, from copies of the inputs taken before the call.
+      std::vector<uint64_t> expected(count);
+      for (size_t i = 0; i < count; ++i) {
+        expected[i] = RefElement(dtype, op, Load(dtype, a, a_offset, i), Load(dtype, b, b_offset, i));
+      }
+
+      const size_t size = SizeOf(dtype);
+      unsigned char* a_ptr = a.data() + a_offset * size;
+      unsigned char* b_ptr = b.data() + b_offset * size;
+      unsigned char* dst_ptr = dst.data();
+      std::vector<unsigned char>* dst_buffer = &dst;
+      switch (aliasing) {
+        case Aliasing::kDstIsA: dst_ptr = a_ptr, dst_buffer = &a; break;
+        case Aliasing::kDstIsB: dst_ptr = b_ptr, dst_buffer = &b; break;
+        case Aliasing::kAllSame: b_ptr = a_ptr, dst_ptr = a_ptr, dst_buffer = &a; break;
+        case Aliasing::kSameInputs: b_ptr = a_ptr; break;
+        default: break;
+      }
+      const size_t dst_offset = static_cast<size_t>(dst_ptr - dst_buffer->data()) / size;
+      const std::vector<unsigned char> before = *dst_buffer;
+
+      Reduce(dtype, op, dst_ptr, a_ptr, b_ptr, count);
+
+      size_t mismatches = 0;
+      for (size_t i = 0; i < count; ++i) {
+        const uint64_t got = Load(dtype, *dst_buffer, dst_offset, i);
+        const bool ok = got == expected[i] ||
+                        (IsNaNBits(dtype, got) && IsNaNBits(dtype, expected[i]));
+        if (!ok && ++mismatches <= 5) {
+          ADD_FAILURE() << "element " << i << ": got 0x" << std::hex << got << ", expected 0x"
+                        << expected[i] << " (a 0x" << Load(dtype, a, a_offset, i) << ")";
+        }
+      }
+      ASSERT_EQ(mismatches, 0u);
+      // Nothing outside dst[0, count) was written.
+      for (size_t byte = 0; byte < before.size(); ++byte) {
+        const bool inside = byte >= dst_offset * size && byte < (dst_offset + count) * size;
+        if (!inside) {
+          ASSERT_EQ((*dst_buffer)[byte], before[byte]) << "byte " << byte;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllDataTypesAndOps, ReduceTest,
+    testing::Combine(testing::ValuesIn(kAllDataTypes), testing::ValuesIn(kAllReduceOps)),
+    [](const testing::TestParamInfo<ReduceTest::ParamType>& param_info) {
+      return std::string(ToString(std::get<0>(param_info.param))) + "_" +
+             ToString(std::get<1>(param_info.param));
+    });
+
+// ---- Specific behaviours. ----
+
+template <typename T>
+T ReduceOne(DataType dtype, ReduceOp op, T a, T b) {
+  T dst{};
+  Reduce(dtype, op, &dst, &a, &b, 1);
+  return dst;
+}
+
+TEST(ReduceTest, IntegerSumAndProductWrap) {
+  EXPECT_EQ(ReduceOne<int8_t>(DataType::kInt8, ReduceOp::kSum, 127, 1), -128);
+  EXPECT_EQ(ReduceOne<int8_t>(DataType::kInt8, ReduceOp::kSum, -128, -1), 127);
+  EXPECT_EQ(ReduceOne<int8_t>(DataType::kInt8, ReduceOp::kProd, 16, 16), 0);
+  EXPECT_EQ(ReduceOne<int8_t>(DataType::kInt8, ReduceOp::kProd, -128, -1), -128);
+  EXPECT_EQ(ReduceOne<uint8_t>(DataType::kUInt8, ReduceOp::kSum, 255, 1), 0);
+  EXPECT_EQ(ReduceOne<uint8_t>(DataType::kUInt8, ReduceOp::kProd, 255, 255), 1);
+  constexpr int32_t kMax32 = std::numeric_limits<int32_t>::max();
+  constexpr int32_t kMin32 = std::numeric_limits<int32_t>::min();
+  EXPECT_EQ(ReduceOne<int32_t>(DataType::kInt32, ReduceOp::kSum, kMax32, 1), kMin32);
+  EXPECT_EQ(ReduceOne<int32_t>(DataType::kInt32, ReduceOp::kAvg, kMax32, 1), kMin32);
+  EXPECT_EQ(ReduceOne<int32_t>(DataType::kInt32, ReduceOp::kProd, 65536, 65536), 0);
+  EXPECT_EQ(ReduceOne<int32_t>(DataType::kInt32, ReduceOp::kProd, kMin32, -1), kMin32);
+  constexpr int64_t kMax64 = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin64 = std::numeric_limits<int64_t>::min();
+  EXPECT_EQ(ReduceOne<int64_t>(DataType::kInt64, ReduceOp::kSum, kMax64, 1), kMin64);
+  EXPECT_EQ(ReduceOne<int64_t>(DataType::kInt64, ReduceOp::kProd, kMin64, -1), kMin64);
+  EXPECT_EQ(ReduceOne<int64_t>(DataType::kInt64, ReduceOp::kProd, int64_t{1} << 32,
+                               int64_t{1} << 32),
+            0);
+  EXPECT_EQ(ReduceOne<int64_t>(DataType::kInt64, ReduceOp::kMin, kMin64, kMax64), kMin64);
+  EXPECT_EQ(ReduceOne<int64_t>(DataType::kInt64, ReduceOp::kMax, kMin64, kMax64), kMax64);
+}
+
+TEST(ReduceTest, FloatMinMaxPropagateNaN) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (ReduceOp op : {ReduceOp::kMin, ReduceOp::kMax}) {
+    EXPECT_TRUE(std::isnan(ReduceOne<float>(DataType::kFloat32, op, nan, 1.0f)));
+    EXPECT_TRUE(std::isnan(ReduceOne<float>(DataType::kFloat32, op, 1.0f, nan)));
+    EXPECT_TRUE(std::isnan(ReduceOne<double>(DataType::kFloat64, op, 1.0, NAN)));
+    EXPECT_TRUE(IsNaN16(kHalf, ReduceOne<uint16_t>(DataType::kFloat16, op, 0x3c00, 0x7e00)));
+    EXPECT_TRUE(
+        IsNaN16(kBFloat16, ReduceOne<uint16_t>(DataType::kBFloat16, op, 0x7fc0, 0x3f80)));
+  }
+  EXPECT_EQ(ReduceOne<float>(DataType::kFloat32, ReduceOp::kMin, -INFINITY, 3.0f), -INFINITY);
+  EXPECT_EQ(ReduceOne<float>(DataType::kFloat32, ReduceOp::kMax, -INFINITY, 3.0f), 3.0f);
+}
+
+TEST(ReduceTest, HalfSumRoundsAndOverflows) {
+  // 1 + 2^-11 is a tie between 1 and 1 + 2^-10: even, so 1.
+  EXPECT_EQ(ReduceOne<uint16_t>(DataType::kFloat16, ReduceOp::kSum, 0x3c00, 0x1000), 0x3c00);
+  // 65504 + 65504 overflows to inf; 65504 + 8 rounds back to 65504 (below the 65520 midpoint).
+  EXPECT_EQ(ReduceOne<uint16_t>(DataType::kFloat16, ReduceOp::kSum, 0x7bff, 0x7bff), 0x7c00);
+  EXPECT_EQ(ReduceOne<uint16_t>(DataType::kFloat16, ReduceOp::kSum, 0x7bff, 0x4800), 0x7bff);
+  // Two smallest subnormals.
+  EXPECT_EQ(ReduceOne<uint16_t>(DataType::kFloat16, ReduceOp::kSum, 0x0001, 0x0001), 0x0002);
+  // bf16: the largest finite doubled is inf.
+  EXPECT_EQ(ReduceOne<uint16_t>(DataType::kBFloat16, ReduceOp::kSum, 0x7f7f, 0x7f7f), 0x7f80);
+  EXPECT_EQ(ReduceOne<uint16_t>(DataType::kBFloat16, ReduceOp::kProd, 0x4000, 0xc040), 0xc0c0);
+}
+
+TEST(ReduceTest, UnknownDataTypeOrOpIsInvalidArgument) {
+  float a = 1, b = 2, dst = 0;
+  try {
+    Reduce(static_cast<DataType>(99), ReduceOp::kSum, &dst, &a, &b, 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find("99"), std::string::npos) << e.message();
+  }
+  try {
+    Reduce(DataType::kFloat32, static_cast<ReduceOp>(42), &dst, &a, &b, 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find("42"), std::string::npos) << e.message();
+  }
+}
+
+TEST(ReduceTest, ZeroCountTouchesNothing) {
+  for (DataType dtype : kAllDataTypes) {
+    for (ReduceOp op : kAllReduceOps) Reduce(dtype, op, nullptr, nullptr, nullptr, 0);
+  }
+}
+
+// ---- DivideInPlace. ----
+
+constexpr size_t kDivisors[] = {1, 2, 3, 7, 8, 1000};
+
+template <typename T>
+std::vector<T> IntegerValues(size_t count, std::mt19937_64& rng) {
+  std::vector<T> values = {std::numeric_limits<T>::min(), std::numeric_limits<T>::max(), 0, 1,
+                           static_cast<T>(-1), static_cast<T>(-7), 7, 6, static_cast<T>(-6)};
+  while (values.size() < count) values.push_back(static_cast<T>(rng()));
+  return values;
+}
+
+template <typename T>
+void ExpectIntegerDivision(DataType dtype, std::mt19937_64& rng) {
+  for (size_t divisor : kDivisors) {
+    SCOPED_TRACE("divisor " + std::to_string(divisor));
+    const std::vector<T> input = IntegerValues<T>(1003, rng);
+    std::vector<T> data = input;
+    DivideInPlace(dtype, data.data(), data.size(), divisor);
+    for (size_t i = 0; i < data.size(); ++i) {
+      // __int128 division truncates toward zero, whatever T is.
+      const T expected = static_cast<T>(static_cast<Int128>(input[i]) / static_cast<Int128>(divisor));
+      ASSERT_EQ(data[i], expected) << "element " << i << " = " << +input[i];
+    }
+  }
+}
+
+TEST(DivideInPlaceTest, IntegersTruncateTowardZero) {
+  std::mt19937_64 rng(7);
+  ExpectIntegerDivision<int8_t>(DataType::kInt8, rng);
+  ExpectIntegerDivision<uint8_t>(DataType::kUInt8, rng);
+  ExpectIntegerDivision<int32_t>(DataType::kInt32, rng);
+  ExpectIntegerDivision<int64_t>(DataType::kInt64, rng);
+
+  int32_t i32[] = {-7, 7, std::numeric_limits<int32_t>::min()};
+  DivideInPlace(DataType::kInt32, i32, 3, 2);
+  EXPECT_EQ(i32[0], -3);
+  EXPECT_EQ(i32[1], 3);
+  EXPECT_EQ(i32[2], std::numeric_limits<int32_t>::min() / 2);
+
+  // Divisors too large for the element type.
+  int64_t i64[] = {std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), -5};
+  DivideInPlace(DataType::kInt64, i64, 3, size_t{1} << 63);
+  EXPECT_EQ(i64[0], -1);
+  EXPECT_EQ(i64[1], 0);
+  EXPECT_EQ(i64[2], 0);
+  int32_t big[] = {std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()};
+  DivideInPlace(DataType::kInt32, big, 2, std::numeric_limits<size_t>::max());
+  EXPECT_EQ(big[0], 0);
+  EXPECT_EQ(big[1], 0);
+  DivideInPlace(DataType::kInt32, big, 2, size_t{1} << 31);
+  EXPECT_EQ(big[0], 0);
+}
+
+template <typename T>
+void ExpectFloatDivision(DataType dtype, std::mt19937_64& rng) {
+  std::uniform_real_distribution<T> dist(-1000, 1000);
+  for (size_t divisor : kDivisors) {
+    std::vector<T> input = {0, -0.0, 1, 3, INFINITY, -INFINITY, std::numeric_limits<T>::denorm_min(),
+                            std::numeric_limits<T>::max()};
+    while (input.size() < 1003) input.push_back(dist(rng));
+    std::vector<T> data = input;
+    DivideInPlace(dtype, data.data(), data.size(), divisor);
+    for (size_t i = 0; i < data.size(); ++i) {
+      ASSERT_EQ(data[i], input[i] / static_cast<T>(divisor)) << "element " << i;
+    }
+  }
+  std::vector<T> nan = {std::numeric_limits<T>::quiet_NaN()};
+  DivideInPlace(dtype, nan.data(), 1, 4);
+  EXPECT_TRUE(std::isnan(nan[0]));
+}
+
+TEST(DivideInPlaceTest, FloatsDivideExactly) {
+  std::mt19937_64 rng(11);
+  ExpectFloatDivision<float>(DataType::kFloat32, rng);
+  ExpectFloatDivision<double>(DataType::kFloat64, rng);
+  // A case where multiplying by the reciprocal rounds differently from dividing.
+  float x[] = {3.0f};
+  DivideInPlace(DataType::kFloat32, x, 1, 3);
+  EXPECT_EQ(x[0], 1.0f);
+}
+
+TEST(DivideInPlaceTest, HalfTypesAreCorrectlyRounded) {
+  for (auto [dtype, format] : {std::pair{DataType::kFloat16, kHalf},
+                               std::pair{DataType::kBFloat16, kBFloat16}}) {
+    SCOPED_TRACE(ToString(dtype));
+    for (size_t divisor : kDivisors) {
+      std::vector<uint16_t> data(65536);
+      for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint16_t>(i);
+      DivideInPlace(dtype, data.data(), data.size(), divisor);
+      for (size_t i = 0; i < data.size(); ++i) {
+        const uint16_t code = static_cast<uint16_t>(i);
+        if (IsNaN16(format, code)) {
+          ASSERT_TRUE(IsNaN16(format, data[i]));
+          continue;
+        }
+        // Exact quotient rounded once (the double quotient is rounded, but 53 bits of it are
+        // far more than enough for a correctly rounded 16-bit result).
+        const uint16_t expected =
+            RefEncode(format, RefDecode(format, code) / static_cast<double>(divisor));
+        ASSERT_EQ(data[i], expected) << std::hex << "code 0x" << i << " / " << std::dec
+                                     << divisor;
+      }
+    }
+  }
+}
+
+TEST(DivideInPlaceTest, ZeroDivisorIsInvalidArgument) {
+  float x[] = {1.0f};
+  try {
+    DivideInPlace(DataType::kFloat32, x, 1, 0);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+  try {
+    DivideInPlace(static_cast<DataType>(200), x, 1, 2);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+}
+
+TEST(DivideInPlaceTest, ZeroCountTouchesNothing) {
+  for (DataType dtype : kAllDataTypes) DivideInPlace(dtype, nullptr, 0, 3);
+}
+
+}  // namespace
+}  // namespace collectives::core

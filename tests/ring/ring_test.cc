@@ -1,0 +1,270 @@
+// RING collectives with ranks as threads of this process, over the in-process transport and
+// over real loopback TCP: every collective x dtype x op x count x in-place, world sizes 1 to 8,
+// with the default algorithm choice, with the ring forced and a tiny chunk (the pipelined path),
+// and with the small-message algorithms forced.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "src/ring/ring_communication.h"
+#include "src/transport/inproc_fabric.h"
+#include "tests/ring/collective_checks.h"
+
+namespace collectives {
+namespace {
+
+using testing::CheckCollective;
+using testing::CheckMatrix;
+
+enum class Transport { kInProcess, kTcp };
+
+// Builds `size` communicators (one per thread) and runs `body` on each, in parallel. Failures
+// inside body are reported by gtest from the rank's thread.
+void RunRanks(Transport transport, int size, const CommunicationOptions& options,
+              const std::function<void(CollectiveCommunication&)>& body) {
+  std::vector<std::unique_ptr<transport::Fabric>> fabrics;
+  std::shared_ptr<Store> store;
+  if (transport == Transport::kInProcess) {
+    fabrics = transport::CreateInProcessFabrics(size);
+  } else {
+    store = CreateMemoryStore();
+  }
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        std::unique_ptr<CollectiveCommunication> comm;
+        if (transport == Transport::kInProcess) {
+          comm = ring::CreateRingCommunication(std::move(fabrics[rank]), nullptr, options);
+        } else {
+          ClusterSpec spec;
+          spec.rank = rank;
+          spec.world_size = size;
+          spec.master_port = 1;  // unused: the store is given
+          comm = CreateCommunication(spec, store, options);
+        }
+        body(*comm);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << " threw: " << e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+enum class Algorithms { kDefault, kRingTinyChunks, kSmallMessage };
+
+struct MatrixParam {
+  Transport transport;
+  int size;
+  Algorithms algorithms;
+};
+
+std::string Name(const ::testing::TestParamInfo<MatrixParam>& info) {
+  const MatrixParam& p = info.param;
+  std::string name = p.transport == Transport::kTcp ? "Tcp" : "InProcess";
+  name += std::to_string(p.size) + "Ranks";
+  switch (p.algorithms) {
+    case Algorithms::kDefault: return name + "Default";
+    case Algorithms::kRingTinyChunks: return name + "RingTinyChunks";
+    case Algorithms::kSmallMessage: return name + "SmallMessage";
+  }
+  return name;
+}
+
+class CollectiveMatrixTest : public ::testing::TestWithParam<MatrixParam> {};
+
+TEST_P(CollectiveMatrixTest, EveryCollectiveDtypeOpAndCountIsExactOnEveryRank) {
+  const MatrixParam p = GetParam();
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  size_t large = 0;
+  switch (p.algorithms) {
+    case Algorithms::kDefault:
+      large = 1'000'003;
+      break;
+    case Algorithms::kRingTinyChunks:
+      options.small_message_bytes = 1;  // every non-empty all-reduce and broadcast takes the ring
+      options.chunk_bytes = 24;         // several chunks per block even for a handful of elements
+      large = 1'001;
+      break;
+    case Algorithms::kSmallMessage:
+      options.small_message_bytes = SIZE_MAX;  // recursive doubling and the tree at every size
+      large = 100'003;
+      break;
+  }
+  RunRanks(p.transport, p.size, options, [&](CollectiveCommunication& comm) {
+    std::vector<std::string> failures;
+    const size_t wrong = CheckMatrix(comm, large, &failures);
+    EXPECT_EQ(wrong, 0u) << "rank " << comm.rank() << ": " << failures.front();
+  });
+}
+
+std::vector<MatrixParam> MatrixParams() {
+  std::vector<MatrixParam> params;
+  for (Transport t : {Transport::kInProcess, Transport::kTcp}) {
+    for (int size = 1; size <= 8; ++size) {
+      for (Algorithms a :
+           {Algorithms::kDefault, Algorithms::kRingTinyChunks, Algorithms::kSmallMessage}) {
+        params.push_back({t, size, a});
+      }
+    }
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, CollectiveMatrixTest, ::testing::ValuesIn(MatrixParams()), Name);
+
+// Several asynchronous calls in flight at once, waited on in reverse and in random order.
+TEST(RingAsyncTest, CallsInFlightCompleteInAnyWaitOrder) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(60);
+    options.chunk_bytes = 4096;
+    RunRanks(transport, 4, options, [&](CollectiveCommunication& comm) {
+      constexpr int kCalls = 12;
+      std::vector<std::vector<float>> buffers;
+      std::vector<std::shared_ptr<Work>> works;
+      for (int k = 0; k < kCalls; ++k) {
+        const size_t count = 1 + size_t(k) * 7919;  // small and large, different per call
+        buffers.emplace_back(count, float(comm.rank() + k));
+        Tensor t{buffers.back().data(), count, DataType::kFloat32};
+        works.push_back(comm.AllReduceAsync(t, t, ReduceOp::kSum));
+      }
+      const std::vector<int> order = {11, 0, 5, 3, 10, 1, 9, 2, 8, 4, 7, 6};
+      for (int k : order) works[k]->Wait();
+      for (int k = 0; k < kCalls; ++k) {
+        EXPECT_TRUE(works[k]->Done());
+        const float want = float(0 + 1 + 2 + 3 + 4 * k);
+        for (float v : buffers[k]) {
+          ASSERT_EQ(v, want) << "call " << k << " on rank " << comm.rank();
+        }
+      }
+    });
+  }
+}
+
+// Bad arguments are refused on the caller's thread with kInvalidArgument naming the fault.
+TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
+  RunRanks(Transport::kInProcess, 2, {}, [](CollectiveCommunication& comm) {
+    std::vector<float> a(10), b(11);
+    std::vector<int32_t> c(10);
+    auto expect_invalid = [](const std::function<void()>& call, const std::string& needle) {
+      try {
+        call();
+        ADD_FAILURE() << "expected an Error mentioning '" << needle << "'";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+    };
+    Tensor ta{a.data(), a.size(), DataType::kFloat32};
+    Tensor tb{b.data(), b.size(), DataType::kFloat32};
+    Tensor tc{c.data(), c.size(), DataType::kInt32};
+    expect_invalid([&] { comm.AllReduce(ta, tb, ReduceOp::kSum); }, "all_reduce");
+    expect_invalid([&] { comm.AllReduce(ta, tc, ReduceOp::kSum); }, "i32");
+    expect_invalid([&] { comm.AllGather(ta, tb); }, "all_gather");
+    expect_invalid([&] { comm.ReduceScatter(tb, ta, ReduceOp::kSum); }, "reduce_scatter");
+    expect_invalid([&] { comm.Broadcast(ta, 2); }, "root 2");
+    expect_invalid([&] { comm.AllReduce(Tensor{nullptr, 5, DataType::kFloat32}, ReduceOp::kSum); },
+                   "null");
+    try {
+      Tensor gpu = ta;
+      gpu.device = Device::Cuda(0);
+      comm.AllReduce(gpu, ReduceOp::kSum);
+      ADD_FAILURE() << "a CUDA tensor was accepted by RING";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotSupported);
+    }
+    // The communicator still works after refused calls.
+    std::vector<float> ok(3, 1.0f);
+    comm.AllReduce(Tensor{ok.data(), ok.size(), DataType::kFloat32}, ReduceOp::kSum);
+    EXPECT_EQ(ok[2], 2.0f);
+  });
+}
+
+// Ranks that call different collectives raise kMismatch (naming both calls), and the
+// communicator stays broken afterwards.
+TEST(RingMismatchTest, DifferentCountsRaiseMismatchAndBreakTheCommunicator) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(10);
+    RunRanks(transport, 2, options, [](CollectiveCommunication& comm) {
+      std::vector<float> data(comm.rank() == 0 ? 100 : 120, 1.0f);
+      Tensor t{data.data(), data.size(), DataType::kFloat32};
+      try {
+        comm.AllReduce(t, ReduceOp::kSum);
+        ADD_FAILURE() << "rank " << comm.rank() << ": mismatched all-reduce succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+        EXPECT_NE(std::string(e.what()).find("count=100"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("count=120"), std::string::npos) << e.what();
+      }
+      try {
+        comm.Barrier();
+        ADD_FAILURE() << "a broken communicator ran a barrier";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+      }
+    });
+  }
+}
+
+// Abort from another thread wakes a rank blocked in a collective its peer never joins.
+TEST(RingAbortTest, AbortWakesABlockedCall) {
+  RunRanks(Transport::kTcp, 2, {}, [](CollectiveCommunication& comm) {
+    if (comm.rank() == 1) {  // never joins the all-reduce, but keeps its connections open
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return;
+    }
+    std::vector<float> data(1000, 1.0f);
+    auto work = comm.AllReduceAsync(Tensor{data.data(), data.size(), DataType::kFloat32},
+                                    Tensor{data.data(), data.size(), DataType::kFloat32},
+                                    ReduceOp::kSum);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_FALSE(work->Done());
+    const auto start = std::chrono::steady_clock::now();
+    comm.Abort();
+    try {
+      work->Wait();
+      ADD_FAILURE() << "an aborted call succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  });
+}
+
+// A call whose peer never shows up ends with kTimeout after the deadline, not a hang.
+TEST(RingTimeoutTest, SilentPeerRaisesTimeout) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::milliseconds(500);
+  RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      return;
+    }
+    std::vector<double> data(10, 1.0);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.AllReduce(Tensor{data.data(), data.size(), DataType::kFloat64}, ReduceOp::kSum);
+      ADD_FAILURE() << "an all-reduce without its peer succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    }
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(elapsed, std::chrono::milliseconds(450));
+    EXPECT_LT(elapsed, std::chrono::milliseconds(2500));
+  });
+}
+
+}  // namespace
+}  // namespace collectives

@@ -1,0 +1,48 @@
+// One rank of a multi-process test, started by multiprocess_test.cc with RANK, WORLD_SIZE,
+// MASTER_ADDR and MASTER_PORT in its environment.
+//
+//   ring_worker check [large]  runs the whole collective matrix; exit 0 iff every element is right
+//   ring_worker loop           all-reduces 16 MiB in a loop, printing "ready" after the first;
+//                              on an Error prints "error <code> <message>" and exits 20 + code
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "tests/ring/collective_checks.h"
+
+using namespace collectives;
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  try {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(60);
+    auto comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);
+    if (mode == "check") {
+      const size_t large = argc > 2 ? std::stoul(argv[2]) : 0;
+      std::vector<std::string> failures;
+      const size_t wrong = testing::CheckMatrix(*comm, large, &failures);
+      for (const std::string& f : failures) std::fprintf(stderr, "%s\n", f.c_str());
+      std::printf("rank %d: %zu wrong\n", comm->rank(), wrong);
+      return wrong == 0 ? 0 : 1;
+    }
+    if (mode == "loop") {
+      std::vector<float> data(4 << 20, 1.0f);
+      for (long i = 0;; ++i) {
+        comm->AllReduce(Tensor{data.data(), data.size(), DataType::kFloat32}, ReduceOp::kMax);
+        if (i == 0) {
+          std::printf("ready\n");
+          std::fflush(stdout);
+        }
+      }
+    }
+    std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
+    return 2;
+  } catch (const Error& e) {
+    std::printf("error %d %s\n", int(e.code()), e.what());
+    std::fflush(stdout);
+    return 20 + int(e.code());
+  }
+}
