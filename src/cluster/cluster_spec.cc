@@ -41,7 +41,12 @@ constexpr char kWorker[] = "worker";
   throw Error(ErrorCode::kInvalidArgument, message);
 }
 
-std::string Quote(std::string_view text) { return "'" + std::string(text) + "'"; }
+std::string Quote(std::string_view text) {
+  std::string out = "'";  // built by append: GCC 12 warns (-Wrestrict) on "'" + string
+  out.append(text);
+  out += '\'';
+  return out;
+}
 
 // One "host:port" entry of cluster.<role>.
 struct TaskAddress {
@@ -150,7 +155,8 @@ ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, con
       if (std::isspace(static_cast<unsigned char>(c))) ok = false;
     }
     if (!ok) {
-      Invalid("environment variable MASTER_ADDR=" + Quote(*addr) + " is not a host name or address");
+      Invalid("environment variable MASTER_ADDR=" + Quote(*addr) +
+              " is not a host name or address");
     }
     spec.master_addr = std::move(host);
   }
@@ -203,8 +209,9 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             " tasks; at most one chief is allowed");
   }
   if (chiefs.empty() && workers.empty()) {
-    Invalid("TF_CONFIG field 'cluster' lists no tasks: 'cluster.worker' is empty or missing and "
-            "there is no 'cluster.chief'");
+    Invalid(
+        "TF_CONFIG field 'cluster' lists no tasks: 'cluster.worker' is empty or missing and "
+        "there is no 'cluster.chief'");
   }
   std::vector<TaskAddress> ranks = chiefs;  // rank order: the chief, then the workers
   ranks.insert(ranks.end(), workers.begin(), workers.end());
@@ -266,8 +273,7 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
 
   if (auto job_it = root.find("job_id"); job_it != root.end()) {
     if (!job_it->is_string()) {
-      Invalid(std::string("TF_CONFIG field 'job_id' must be a string, got ") +
-              job_it->type_name());
+      Invalid(std::string("TF_CONFIG field 'job_id' must be a string, got ") + job_it->type_name());
     }
     spec.job_id = job_it->get<std::string>();
     if (spec.job_id.empty()) Invalid("TF_CONFIG field 'job_id' must not be empty");
@@ -277,10 +283,14 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
 }
 
 ClusterSpec ClusterSpec::FromEnvironment() {
-  static const char* const kNames[] = {
-      "TF_CONFIG",   "RANK",        "WORLD_SIZE",         "OMPI_COMM_WORLD_RANK",
-      "OMPI_COMM_WORLD_SIZE",       "MASTER_ADDR",        "MASTER_PORT",
-      "COLLECTIVES_JOB_ID"};
+  static const char* const kNames[] = {"TF_CONFIG",
+                                       "RANK",
+                                       "WORLD_SIZE",
+                                       "OMPI_COMM_WORLD_RANK",
+                                       "OMPI_COMM_WORLD_SIZE",
+                                       "MASTER_ADDR",
+                                       "MASTER_PORT",
+                                       "COLLECTIVES_JOB_ID"};
   std::map<std::string, std::string> env;
   for (const char* name : kNames) {
     if (const char* value = std::getenv(name)) env.emplace(name, value);
@@ -318,9 +328,9 @@ void ClusterSpec::Validate() const {
     Invalid("ClusterSpec: world_size=" + std::to_string(world_size) + " must be at least 1");
   }
   if (rank < 0 || rank >= world_size) {
-    Invalid("ClusterSpec: rank=" + std::to_string(rank) + " is out of range for world_size=" +
-            std::to_string(world_size) + " (valid ranks are 0.." + std::to_string(world_size - 1) +
-            ")");
+    Invalid("ClusterSpec: rank=" + std::to_string(rank) +
+            " is out of range for world_size=" + std::to_string(world_size) +
+            " (valid ranks are 0.." + std::to_string(world_size - 1) + ")");
   }
   if (world_size > 1 && master_port == 0) {
     Invalid("ClusterSpec: master_port is 0 but world_size=" + std::to_string(world_size) +

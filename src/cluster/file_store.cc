@@ -52,14 +52,18 @@ std::string Hex(const unsigned char* data, size_t bytes) {
 
 std::string EncodeKey(const std::string& key) {
   if (key.size() <= kMaxHexKeyBytes) {
-    return "h" + Hex(reinterpret_cast<const unsigned char*>(key.data()), key.size());
+    std::string name = "h";  // built by append: GCC 12 warns (-Wrestrict) on "h" + string
+    name += Hex(reinterpret_cast<const unsigned char*>(key.data()), key.size());
+    return name;
   }
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int digest_bytes = 0;
   if (EVP_Digest(key.data(), key.size(), digest, &digest_bytes, EVP_sha256(), nullptr) != 1) {
     throw Error(ErrorCode::kInternal, "file store: SHA-256 of a key failed");
   }
-  return "s" + Hex(digest, digest_bytes);
+  std::string name = "s";
+  name += Hex(digest, digest_bytes);
+  return name;
 }
 
 // Closes a file descriptor when it goes out of scope.
@@ -117,8 +121,7 @@ class FileStore : public Store {
       if (ReadIfExists(path, &value)) return value;
       Clock::time_point now = Clock::now();
       if (now >= deadline) ThrowGetTimeout(name_, key, ClampTimeout(timeout));
-      std::this_thread::sleep_for(
-          std::min<Clock::duration>(poll, deadline - now));
+      std::this_thread::sleep_for(std::min<Clock::duration>(poll, deadline - now));
       poll = std::min(poll * 2, kMaxPoll);
     }
   }
@@ -169,9 +172,9 @@ class FileStore : public Store {
       }
       if (n == 0) return true;
       if (value->size() + static_cast<size_t>(n) > kMaxValueBytes) {
-        throw Error(ErrorCode::kSystem,
-                    name_ + ": '" + path + "' holds more than " + std::to_string(kMaxValueBytes) +
-                        " bytes; it was not written by this store");
+        throw Error(ErrorCode::kSystem, name_ + ": '" + path + "' holds more than " +
+                                            std::to_string(kMaxValueBytes) +
+                                            " bytes; it was not written by this store");
       }
       value->append(buffer, static_cast<size_t>(n));
     }

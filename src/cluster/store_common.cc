@@ -17,10 +17,10 @@ void CheckKey(std::string_view store, const std::string& key) {
     throw Error(ErrorCode::kInvalidArgument, std::string(store) + ": the key is empty");
   }
   if (key.size() > kMaxKeyBytes) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(store) + ": key " + QuoteKey(key) + " is " +
-                    std::to_string(key.size()) + " bytes, more than the limit of " +
-                    std::to_string(kMaxKeyBytes));
+    throw Error(ErrorCode::kInvalidArgument, std::string(store) + ": key " + QuoteKey(key) +
+                                                 " is " + std::to_string(key.size()) +
+                                                 " bytes, more than the limit of " +
+                                                 std::to_string(kMaxKeyBytes));
   }
 }
 
@@ -43,17 +43,17 @@ Clock::time_point DeadlineAfter(std::chrono::milliseconds timeout) {
   return Clock::now() + ClampTimeout(timeout);
 }
 
-std::string AddToCounter(std::string_view store, const std::string& key,
-                         const std::string* current, int64_t delta, int64_t* sum) {
+std::string AddToCounter(std::string_view store, const std::string& key, const std::string* current,
+                         int64_t delta, int64_t* sum) {
   int64_t value = 0;
   if (current != nullptr) {
     const char* begin = current->data();
     const char* end = begin + current->size();
     auto [ptr, ec] = std::from_chars(begin, end, value);
     if (current->empty() || ec != std::errc() || ptr != end) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  std::string(store) + ": Add on key " + QuoteKey(key) +
-                      ", whose value is not a decimal integer");
+      throw Error(ErrorCode::kInvalidArgument, std::string(store) + ": Add on key " +
+                                                   QuoteKey(key) +
+                                                   ", whose value is not a decimal integer");
     }
   }
   if (__builtin_add_overflow(value, delta, sum)) {

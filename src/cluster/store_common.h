@@ -37,8 +37,8 @@ std::chrono::milliseconds ClampTimeout(std::chrono::milliseconds timeout);
 // `current` (an Add counter's decimal text, or nullptr when the key is absent) plus `delta`, as
 // decimal text. Throws Error(kInvalidArgument) when the current value is not a decimal int64 or
 // the sum overflows.
-std::string AddToCounter(std::string_view store, const std::string& key,
-                         const std::string* current, int64_t delta, int64_t* sum);
+std::string AddToCounter(std::string_view store, const std::string& key, const std::string* current,
+                         int64_t delta, int64_t* sum);
 
 // The key for messages: quoted, non-printable bytes as \xNN, long keys shortened.
 std::string QuoteKey(std::string_view key);

@@ -1,5 +1,8 @@
 // The TCP store's client (see tcp_store.h for the design, tcp_store_wire.h for the protocol).
+//
+// A standard header comes before <asio.hpp> on purpose (see tcp_store_server.cc).
 #include <algorithm>
+#include <array>
 #include <asio.hpp>
 #include <mutex>
 #include <string>
@@ -119,9 +122,9 @@ class TcpStoreClient::Impl {
       throw Error(ErrorCode::kInvalidArgument, "CreateTcpStore: the host is empty");
     }
     if (port == 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "CreateTcpStore: a client needs the server's port; got port 0 for '" + host_ +
-                      "'");
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          "CreateTcpStore: a client needs the server's port; got port 0 for '" + host_ + "'");
     }
     Release(Open());
   }
@@ -167,7 +170,8 @@ class TcpStoreClient::Impl {
   // Runs one exchange on a pooled (or new) connection. Returns the reply, whose status is kOk
   // or kTimeout; throws for everything else.
   wire::Header Call(const char* what, const wire::Header& request, const std::string& key,
-                    const std::string& value, Clock::time_point deadline, std::string* reply_value) {
+                    const std::string& value, Clock::time_point deadline,
+                    std::string* reply_value) {
     std::unique_ptr<Connection> connection = Acquire();
     wire::Header reply;
     std::string why;
@@ -231,8 +235,8 @@ class TcpStoreClient::Impl {
       backoff = std::min(backoff * 2, kMaxRetry);
     }
     throw Error(ErrorCode::kTimeout, name_ + ": could not connect within " +
-                                         std::to_string(timeout_.count()) + " ms (last error: " +
-                                         last_error + ")");
+                                         std::to_string(timeout_.count()) +
+                                         " ms (last error: " + last_error + ")");
   }
 
   const std::string host_;

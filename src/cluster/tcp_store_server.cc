@@ -1,4 +1,9 @@
 // The TCP store's server (see tcp_store.h for the design, tcp_store_wire.h for the protocol).
+//
+// A standard header comes before <asio.hpp> on purpose: Asio decides how it allocates handler
+// memory (aligned_alloc or operator new) from a libstdc++ macro, so every file must have seen
+// <bits/c++config.h> before Asio, or two files disagree and memory is freed the wrong way.
+#include <array>
 #include <asio.hpp>
 #include <cstdio>
 #include <string>
@@ -47,7 +52,7 @@ class TcpStoreServer::Impl {
   void Forget(Session* session) { sessions_.erase(session); }
   void RemoveWaiter(const std::string& key, Session* session);
 
-  std::string name_;  // "TCP store server at host:port"
+  std::string name_;                    // "TCP store server at host:port"
   std::unique_ptr<MemoryStore> table_;  // set once the port is known
   uint16_t port_ = 0;
   asio::io_context io_;
@@ -77,6 +82,7 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     if (!reason.empty()) {
       Log(server_->name_ + ": closing the connection from " + peer_ + ": " + reason);
     }
+    if (waiting_) server_->RemoveWaiter(key_, this);
     Shutdown();
     server_->Forget(this);
   }
@@ -94,8 +100,7 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     if (!waiting_ || key != key_) return;
     std::string value;
     if (!server_->table_->TryGet(key_, &value)) return;
-    waiting_ = false;
-    timer_.cancel();
+    Unpark();
     Reply(wire::Status::kOk, 0, std::move(value));
   }
 
@@ -111,9 +116,10 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     if (ec == asio::error::operation_aborted) return;
     if (ec) {
       // A clean close between requests is normal; anything else is worth a line.
-      bool clean = ec == asio::error::eof && bytes == 0;
-      Close(clean ? "" : "read failed after " + std::to_string(bytes) + " header bytes: " +
-                             ec.message());
+      bool clean = bytes == 0 && (ec == asio::error::eof || ec == asio::error::connection_reset);
+      Close(clean
+                ? ""
+                : "read failed after " + std::to_string(bytes) + " header bytes: " + ec.message());
       return;
     }
     request_ = wire::Decode(header_bytes_);
@@ -126,16 +132,15 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     key_.resize(request_.key_bytes);
     value_.resize(request_.value_bytes);
     std::array<asio::mutable_buffer, 2> body = {asio::buffer(key_), asio::buffer(value_)};
-    asio::async_read(socket_, body,
-                     [self = shared_from_this()](const asio::error_code& read_ec, size_t) {
-                       if (read_ec == asio::error::operation_aborted) return;
-                       if (read_ec) {
-                         self->Close("connection lost in the middle of a request: " +
-                                     read_ec.message());
-                         return;
-                       }
-                       self->Handle();
-                     });
+    asio::async_read(
+        socket_, body, [self = shared_from_this()](const asio::error_code& read_ec, size_t) {
+          if (read_ec == asio::error::operation_aborted) return;
+          if (read_ec) {
+            self->Close("connection lost in the middle of a request: " + read_ec.message());
+            return;
+          }
+          self->Handle();
+        });
   }
 
   void Handle() {
@@ -171,7 +176,10 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     Close("unknown request code " + std::to_string(request_.code));  // CheckRequest forbids it
   }
 
-  // Waits for key_ until it is set (Wake) or the Get's timeout passes.
+  // Waits for key_ until it is set (Wake) or the Get's timeout passes. Meanwhile a one-byte
+  // read watches the socket: a well-behaved client sends nothing before it has the reply, so
+  // whatever completes that read (the client closing, or sending early) ends the session now
+  // rather than when the timer fires.
   void Park() {
     waiting_ = true;
     uint64_t park = ++parks_;
@@ -180,10 +188,30 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     timer_.async_wait([self = shared_from_this(), park](const asio::error_code& ec) {
       // A timer that fired just as Wake answered must not answer a later Get.
       if (ec || !self->waiting_ || park != self->parks_) return;
-      self->waiting_ = false;
-      self->server_->RemoveWaiter(self->key_, self.get());
+      self->Unpark();
       self->Reply(wire::Status::kTimeout, 0, "");
     });
+    socket_.async_read_some(asio::buffer(probe_), [self = shared_from_this(), park](
+                                                      const asio::error_code& ec, size_t) {
+      if (ec == asio::error::operation_aborted) return;
+      bool parked = self->waiting_ && park == self->parks_;
+      if (!ec) {
+        self->Close("sent data before reading the reply to its Get");
+      } else if (parked) {
+        bool clean = ec == asio::error::eof || ec == asio::error::connection_reset;
+        self->Close(clean ? "" : "connection failed while its Get waited: " + ec.message());
+      }
+      // Otherwise the reply is already being written; its handler sees the error.
+    });
+  }
+
+  // Ends a park: no timer, no watching read, not among the waiters.
+  void Unpark() {
+    waiting_ = false;
+    timer_.cancel();
+    asio::error_code ignored;
+    socket_.cancel(ignored);
+    server_->RemoveWaiter(key_, this);
   }
 
   void Reply(wire::Status status, int64_t arg, std::string value) {
@@ -217,8 +245,9 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   std::string value_;
   wire::HeaderBytes reply_header_{};
   std::string reply_value_;
-  bool waiting_ = false;  // a Get is parked on key_
-  uint64_t parks_ = 0;    // how many Gets were parked so far
+  std::array<uint8_t, 1> probe_{};  // the watching read of a parked Get
+  bool waiting_ = false;            // a Get is parked on key_
+  uint64_t parks_ = 0;              // how many Gets were parked so far
 };
 
 TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port)
@@ -252,9 +281,8 @@ TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port)
                 name_ + ": cannot listen: " + (failures.empty() ? "no address" : failures));
   }
   name_ = "TCP store server at " + FormatHostPort(host, port_);
-  table_ = std::make_unique<MemoryStore>(name_, [this](const std::string& key) {
-    asio::post(io_, [this, key] { OnKeySet(key); });
-  });
+  table_ = std::make_unique<MemoryStore>(
+      name_, [this](const std::string& key) { asio::post(io_, [this, key] { OnKeySet(key); }); });
   Accept();
   thread_ = std::thread([this] {
     for (;;) {

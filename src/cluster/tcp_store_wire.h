@@ -82,13 +82,22 @@ inline Header Decode(const HeaderBytes& in) {
   return header;
 }
 
+// "0x31545343".
+inline std::string HexWord(uint32_t value) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out = "0x";
+  for (int shift = 28; shift >= 0; shift -= 4) out.push_back(kDigits[(value >> shift) & 15]);
+  return out;
+}
+
 // Why a request header is malformed, or "" when it is well formed.
 inline std::string CheckRequest(const Header& header) {
-  if (header.magic != kMagic) return "bad magic " + std::to_string(header.magic);
+  if (header.magic != kMagic) return "bad magic " + HexWord(header.magic);
   if (header.reserved[0] != 0 || header.reserved[1] != 0 || header.reserved[2] != 0) {
     return "reserved header bytes are not zero";
   }
-  if (header.code < static_cast<uint8_t>(Op::kSet) || header.code > static_cast<uint8_t>(Op::kAdd)) {
+  if (header.code < static_cast<uint8_t>(Op::kSet) ||
+      header.code > static_cast<uint8_t>(Op::kAdd)) {
     return "unknown request code " + std::to_string(header.code);
   }
   if (header.key_bytes == 0 || header.key_bytes > kMaxKeyBytes) {
@@ -108,7 +117,7 @@ inline std::string CheckRequest(const Header& header) {
 
 // Why a reply header is malformed, or "" when it is well formed.
 inline std::string CheckReply(const Header& header) {
-  if (header.magic != kMagic) return "bad magic " + std::to_string(header.magic);
+  if (header.magic != kMagic) return "bad magic " + HexWord(header.magic);
   if (header.code > static_cast<uint8_t>(Status::kInvalidArgument)) {
     return "unknown reply status " + std::to_string(header.code);
   }

@@ -41,9 +41,12 @@ namespace {
 // turn `?:` back into a branch around the float arithmetic (which it then will not speculate,
 // since float operations may trap), and a loop with a branch does not vectorise.
 
+// All ones if c, else zero.
+inline uint32_t Mask(bool c) { return uint32_t{0} - static_cast<uint32_t>(c); }
+
 // c ? if_true : if_false, without a branch.
 inline uint32_t Select(bool c, uint32_t if_true, uint32_t if_false) {
-  const uint32_t mask = uint32_t{0} - static_cast<uint32_t>(c);
+  const uint32_t mask = Mask(c);
   return (if_true & mask) | (if_false & ~mask);
 }
 
@@ -54,11 +57,10 @@ inline float HalfBitsToFloat(uint16_t h) {
   uint32_t normal = (static_cast<uint32_t>(magnitude) << 13) + ((127u - 15u) << 23);
   // Inf and NaN (exponent 31): the exponent must become 255, i.e. 112 more than re-biasing gave.
   // The mantissa (a NaN's payload, quiet bit included) is kept.
-  normal = Select(magnitude >= 0x7c00, normal + ((255u - 31u - (127u - 15u)) << 23), normal);
+  normal += Mask(magnitude >= 0x7c00) & ((255u - 31u - (127u - 15u)) << 23);
   // Zero and subnormals: value = mantissa * 2^-24, exactly representable in f32. Computed by
   // converting the integer, which vectorises (cvtdq2ps) where a normalising shift would not.
-  const uint32_t subnormal =
-      std::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-24f);
+  const uint32_t subnormal = std::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-24f);
   return std::bit_cast<float>(sign | Select(magnitude < 0x0400, subnormal, normal));
 }
 
@@ -81,12 +83,12 @@ inline uint16_t FloatToHalfBits(float f) {
   const float abs_f = std::bit_cast<float>(static_cast<uint32_t>(magnitude));
   const uint32_t subnormal = std::bit_cast<uint32_t>(abs_f + 0.5f) - std::bit_cast<uint32_t>(0.5f);
 
-  // NaN: a quiet NaN keeping the top of the payload. |f| >= 65520 (halfway between the largest
-  // half, 65504, and 65536; the tie goes to the even neighbour, which is infinity) and inf: inf.
-  const uint32_t nan = 0x7e00u | ((static_cast<uint32_t>(magnitude) >> 13) & 0x03ffu);
+  // |f| >= 65520 (halfway between the largest half, 65504, and 65536; the tie goes to the even
+  // neighbour, which is infinity) and inf: inf. NaN: the quiet NaN 0x7e00 (payloads are not
+  // kept; one select fewer, and nothing relies on them).
+  const uint32_t special = 0x7c00u | (Mask(magnitude > 0x7f800000) & 0x0200u);
   uint32_t result = Select(magnitude < 0x38800000, subnormal, normal);
-  result = Select(magnitude >= 0x477ff000, 0x7c00u, result);
-  result = Select(magnitude > 0x7f800000, nan, result);
+  result = Select(magnitude >= 0x477ff000, special, result);
   return static_cast<uint16_t>(sign | result);
 }
 
@@ -251,14 +253,14 @@ constexpr size_t kBlock = 256;  // elements: 2 x 1 KiB of f32 on the stack
 // The block loops are inlined into ReduceBlock, so that in the call for a full block their trip
 // count is the constant kBlock (which -O2 vectorises, see above).
 template <typename Codec>
-[[gnu::always_inline]] inline void WidenBlock(float* __restrict out,
-                                              const uint16_t* __restrict in, size_t count) {
+[[gnu::always_inline]] inline void WidenBlock(float* __restrict out, const uint16_t* __restrict in,
+                                              size_t count) {
   for (size_t i = 0; i < count; ++i) out[i] = Codec::Widen(in[i]);
 }
 
 template <typename Codec>
-[[gnu::always_inline]] inline void NarrowBlock(uint16_t* __restrict out,
-                                               const float* __restrict in, size_t count) {
+[[gnu::always_inline]] inline void NarrowBlock(uint16_t* __restrict out, const float* __restrict in,
+                                               size_t count) {
   for (size_t i = 0; i < count; ++i) out[i] = Codec::Narrow(in[i]);
 }
 
@@ -271,8 +273,8 @@ template <typename Op>
 
 // Reduces `count` <= kBlock elements.
 template <typename Codec, typename Op>
-[[gnu::always_inline]] inline void ReduceBlock(uint16_t* dst, const uint16_t* a,
-                                               const uint16_t* b, size_t count, Op op) {
+[[gnu::always_inline]] inline void ReduceBlock(uint16_t* dst, const uint16_t* a, const uint16_t* b,
+                                               size_t count, Op op) {
   alignas(64) float fa[kBlock];
   alignas(64) float fb[kBlock];
   WidenBlock<Codec>(fa, a, count);
@@ -296,14 +298,22 @@ void ReduceWidened(void* dst_v, const void* a_v, const void* b_v, size_t count, 
 template <typename Op>
 void ReduceWithOp(DataType dtype, void* dst, const void* a, const void* b, size_t count, Op op) {
   switch (dtype) {
-    case DataType::kFloat32: return ReduceTyped<float>(dst, a, b, count, op);
-    case DataType::kFloat64: return ReduceTyped<double>(dst, a, b, count, op);
-    case DataType::kFloat16: return ReduceWidened<HalfCodec>(dst, a, b, count, op);
-    case DataType::kBFloat16: return ReduceWidened<BFloat16Codec>(dst, a, b, count, op);
-    case DataType::kInt8: return ReduceTyped<int8_t>(dst, a, b, count, op);
-    case DataType::kUInt8: return ReduceTyped<uint8_t>(dst, a, b, count, op);
-    case DataType::kInt32: return ReduceTyped<int32_t>(dst, a, b, count, op);
-    case DataType::kInt64: return ReduceTyped<int64_t>(dst, a, b, count, op);
+    case DataType::kFloat32:
+      return ReduceTyped<float>(dst, a, b, count, op);
+    case DataType::kFloat64:
+      return ReduceTyped<double>(dst, a, b, count, op);
+    case DataType::kFloat16:
+      return ReduceWidened<HalfCodec>(dst, a, b, count, op);
+    case DataType::kBFloat16:
+      return ReduceWidened<BFloat16Codec>(dst, a, b, count, op);
+    case DataType::kInt8:
+      return ReduceTyped<int8_t>(dst, a, b, count, op);
+    case DataType::kUInt8:
+      return ReduceTyped<uint8_t>(dst, a, b, count, op);
+    case DataType::kInt32:
+      return ReduceTyped<int32_t>(dst, a, b, count, op);
+    case DataType::kInt64:
+      return ReduceTyped<int64_t>(dst, a, b, count, op);
   }
   throw Error(ErrorCode::kInvalidArgument,
               "Reduce: unknown dtype " + std::to_string(static_cast<int>(dtype)));
@@ -331,9 +341,8 @@ void DivideFloat(T* data, size_t count, T divisor) {
 // (p = 11 and 8), so this double rounding gives the correctly rounded quotient.
 template <typename Codec>
 void DivideWidened(uint16_t* data, size_t count, float divisor) {
-  TransformInPlace(data, count, [divisor](uint16_t x) {
-    return Codec::Narrow(Codec::Widen(x) / divisor);
-  });
+  TransformInPlace(data, count,
+                   [divisor](uint16_t x) { return Codec::Narrow(Codec::Widen(x) / divisor); });
 }
 
 // Integers of at most 32 bits: divided in double, then truncated toward zero, which vectorises
@@ -357,7 +366,8 @@ void DivideSmallInt(T* data, size_t count, double divisor) {
 void DivideInt64(int64_t* __restrict data, size_t count, uint64_t divisor) {
   for (size_t i = 0; i < count; ++i) {
     const int64_t x = data[i];
-    const uint64_t magnitude = x < 0 ? uint64_t{0} - static_cast<uint64_t>(x) : static_cast<uint64_t>(x);
+    const uint64_t magnitude =
+        x < 0 ? uint64_t{0} - static_cast<uint64_t>(x) : static_cast<uint64_t>(x);
     const uint64_t quotient = magnitude / divisor;
     data[i] = static_cast<int64_t>(x < 0 ? uint64_t{0} - quotient : quotient);
   }
@@ -368,10 +378,14 @@ void DivideInt64(int64_t* __restrict data, size_t count, uint64_t divisor) {
 void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return ReduceWithOp(dtype, dst, a, b, count, SumOp{});
-    case ReduceOp::kProd: return ReduceWithOp(dtype, dst, a, b, count, ProdOp{});
-    case ReduceOp::kMin: return ReduceWithOp(dtype, dst, a, b, count, MinOp{});
-    case ReduceOp::kMax: return ReduceWithOp(dtype, dst, a, b, count, MaxOp{});
+    case ReduceOp::kAvg:
+      return ReduceWithOp(dtype, dst, a, b, count, SumOp{});
+    case ReduceOp::kProd:
+      return ReduceWithOp(dtype, dst, a, b, count, ProdOp{});
+    case ReduceOp::kMin:
+      return ReduceWithOp(dtype, dst, a, b, count, MinOp{});
+    case ReduceOp::kMax:
+      return ReduceWithOp(dtype, dst, a, b, count, MaxOp{});
   }
   throw Error(ErrorCode::kInvalidArgument,
               "Reduce: unknown reduce op " + std::to_string(static_cast<int>(op)));

@@ -42,6 +42,7 @@
 
 #include "collectives/errors.h"
 #include "src/transport/connection.h"
+#include "src/transport/frame.h"
 
 namespace collectives::transport {
 

@@ -1,0 +1,1553 @@
+// collectives_perf: an nccl-tests style sweep of the collectives over a range of message sizes.
+//
+// For every chosen collective, dtype, op and size it runs `-w` warm-up calls, with --check one
+// more call whose result every rank verifies element by element, a barrier, and `-n` timed calls
+// of the blocking collective. It prints one row per size: the time per call of the slowest rank,
+// the algorithm bandwidth (bytes / time) and the bus bandwidth (nccl-tests conventions; see
+// README.md), and the number of wrong elements summed over ranks. Rank 0 prints and, with --csv,
+// writes the same rows as CSV. Only the public API is used.
+//
+// How the ranks start:
+//   --local N  this process starts N copies of itself on loopback and waits for them. Rank 0
+//              hosts the rendezvous store on a port the kernel picks and hands it back through
+//              a pipe; the launcher then starts ranks 1..N-1 with MASTER_PORT set.
+//   mpirun     built with COLLECTIVES_WITH_MPI: MPI_Init, rank 0 hosts the store on a free port
+//              and MPI_Bcast's it. Built without: ClusterSpec::FromEnvironment, which reads
+//              OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE and needs MASTER_ADDR / MASTER_PORT.
+//   otherwise  ClusterSpec::FromEnvironment: TF_CONFIG, RANK / WORLD_SIZE / MASTER_*, or one rank.
+//
+// Exit status: 0 success, 1 error, 2 the run finished but --check found wrong elements.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "collectives/collectives.h"
+
+#ifdef COLLECTIVES_WITH_MPI
+#include <mpi.h>
+#endif
+
+#ifndef COLLECTIVES_PERF_BUILD_TYPE
+#define COLLECTIVES_PERF_BUILD_TYPE "unknown"
+#endif
+
+extern char** environ;
+
+namespace collectives::perf {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kExitOk = 0;
+constexpr int kExitError = 1;
+constexpr int kExitWrong = 2;
+
+// Set by the --local launcher in its children: the child's rank, and (rank 0 only) the pipe on
+// which it reports the store's port.
+constexpr const char* kLocalRankEnv = "COLLECTIVES_PERF_LOCAL_RANK";
+constexpr const char* kPortFdEnv = "COLLECTIVES_PERF_PORT_FD";
+
+// ---------------------------------------------------------------------------------------------
+// Collectives and their size conventions.
+// ---------------------------------------------------------------------------------------------
+
+enum class Collective { kAllReduce, kBroadcast, kAllGather, kReduceScatter };
+constexpr std::array<Collective, 4> kAllCollectives = {
+    Collective::kAllReduce, Collective::kBroadcast, Collective::kAllGather,
+    Collective::kReduceScatter};
+
+const char* ToString(Collective collective) {
+  switch (collective) {
+    case Collective::kAllReduce:
+      return "all_reduce";
+    case Collective::kBroadcast:
+      return "broadcast";
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+  }
+  return "?";
+}
+
+// Whether the collective takes a reduction operator.
+bool HasOp(Collective collective) {
+  return collective == Collective::kAllReduce || collective == Collective::kReduceScatter;
+}
+
+// Whether the full result buffer is split into one block per rank (the per-rank count is then
+// the full count / world size).
+bool SplitsAcrossRanks(Collective collective) {
+  return collective == Collective::kAllGather || collective == Collective::kReduceScatter;
+}
+
+// busbw = algbw x this factor: what each rank's link must carry relative to the buffer size for
+// a bandwidth-optimal algorithm, so that busbw is comparable across world sizes.
+double BusBandwidthFactor(Collective collective, int world_size) {
+  const double n = world_size;
+  switch (collective) {
+    case Collective::kAllReduce:
+      return 2.0 * (n - 1.0) / n;
+    case Collective::kAllGather:
+    case Collective::kReduceScatter:
+      return (n - 1.0) / n;
+    case Collective::kBroadcast:
+      return 1.0;
+  }
+  return 1.0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Command line.
+// ---------------------------------------------------------------------------------------------
+
+struct Config {
+  size_t min_bytes = 8;
+  size_t max_bytes = size_t{64} << 20;
+  size_t step_factor = 2;
+  size_t step_bytes = 0;  // > 0: sizes grow by this many bytes instead of by step_factor
+  std::vector<Collective> collectives = {Collective::kAllReduce};
+  std::vector<DataType> dtypes = {DataType::kFloat32};
+  std::vector<ReduceOp> ops = {ReduceOp::kSum};
+  int iters = 20;
+  int warmup_iters = 5;
+  bool check = false;
+  std::string csv_path;
+  std::string impl = "ring";
+  int root = 0;
+  size_t chunk_bytes = 0;
+  size_t small_message_bytes = 0;
+  int spin_us = -1;
+  double timeout_s = 120;
+  int local = 0;
+  std::string baseline = "none";
+
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+  }
+};
+
+// "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
+size_t ParseBytes(const std::string& text) {
+  size_t pos = 0;
+  unsigned long long value = 0;
+  try {
+    value = std::stoull(text, &pos);
+  } catch (const std::exception&) {
+    throw CLI::ValidationError("'" + text + "' is not a size (examples: 8, 64K, 64M, 1G)");
+  }
+  std::string suffix = text.substr(pos);
+  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (suffix.size() > 1 && (suffix.ends_with("IB") || suffix.ends_with("B"))) {
+    suffix.erase(suffix.size() - (suffix.ends_with("IB") ? 2 : 1));
+  }
+  int shift = 0;
+  if (suffix.empty() || suffix == "B") {
+    shift = 0;
+  } else if (suffix == "K") {
+    shift = 10;
+  } else if (suffix == "M") {
+    shift = 20;
+  } else if (suffix == "G") {
+    shift = 30;
+  } else {
+    throw CLI::ValidationError("'" + text + "': unknown size suffix (use K, M or G)");
+  }
+  if (value > (std::numeric_limits<size_t>::max() >> shift)) {
+    throw CLI::ValidationError("'" + text + "' is too large");
+  }
+  return static_cast<size_t>(value) << shift;
+}
+
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  std::string part;
+  while (std::getline(stream, part, ',')) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+std::vector<Collective> ParseCollectives(const std::string& text) {
+  if (text == "all") return {kAllCollectives.begin(), kAllCollectives.end()};
+  std::vector<Collective> result;
+  for (const std::string& name : SplitList(text)) {
+    auto it = std::find_if(kAllCollectives.begin(), kAllCollectives.end(),
+                           [&](Collective c) { return name == ToString(c); });
+    if (it == kAllCollectives.end()) {
+      throw CLI::ValidationError("-c: unknown collective '" + name +
+                                 "' (all_reduce, broadcast, all_gather, reduce_scatter or all)");
+    }
+    result.push_back(*it);
+  }
+  if (result.empty()) throw CLI::ValidationError("-c: no collective given");
+  return result;
+}
+
+std::vector<DataType> ParseDataTypes(const std::string& text) {
+  std::vector<DataType> result;
+  if (text == "all") {
+    for (int i = 0; i < kNumDataTypes; ++i) result.push_back(static_cast<DataType>(i));
+    return result;
+  }
+  for (const std::string& name : SplitList(text)) {
+    try {
+      result.push_back(ParseDataType(name));
+    } catch (const Error& e) {
+      throw CLI::ValidationError("-d: " + e.message());
+    }
+  }
+  if (result.empty()) throw CLI::ValidationError("-d: no dtype given");
+  return result;
+}
+
+std::vector<ReduceOp> ParseReduceOps(const std::string& text) {
+  std::vector<ReduceOp> result;
+  if (text == "all") {
+    for (int i = 0; i < kNumReduceOps; ++i) result.push_back(static_cast<ReduceOp>(i));
+    return result;
+  }
+  for (const std::string& name : SplitList(text)) {
+    try {
+      result.push_back(ParseReduceOp(name));
+    } catch (const Error& e) {
+      throw CLI::ValidationError("-o: " + e.message());
+    }
+  }
+  if (result.empty()) throw CLI::ValidationError("-o: no op given");
+  return result;
+}
+
+// The sizes of the sweep, in requested bytes of the full result buffer.
+std::vector<size_t> SweepSizes(const Config& config) {
+  std::vector<size_t> sizes;
+  for (size_t bytes = config.min_bytes; bytes <= config.max_bytes;) {
+    sizes.push_back(bytes);
+    if (config.step_bytes > 0) {
+      if (bytes > config.max_bytes - config.step_bytes) break;
+      bytes += config.step_bytes;
+    } else {
+      if (bytes > config.max_bytes / config.step_factor) break;
+      bytes *= config.step_factor;
+    }
+  }
+  return sizes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types: conversions to and from double for filling and checking buffers.
+// ---------------------------------------------------------------------------------------------
+
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+// IEEE binary32 -> binary16, rounding to nearest even.
+uint16_t FloatToHalfBits(float value) {
+  const uint32_t x = std::bit_cast<uint32_t>(value);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t magnitude = x & 0x7FFFFFFFu;
+  if (magnitude >= 0x7F800000u) {  // inf or NaN
+    return sign | (magnitude > 0x7F800000u ? 0x7E00u : 0x7C00u);
+  }
+  if (magnitude >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds to inf
+  if (magnitude < 0x38800000u) {                        // below 2^-14: subnormal or zero
+    const float scaled = std::bit_cast<float>(magnitude) * 16777216.0f;  // units of 2^-24
+    return sign | static_cast<uint16_t>(std::nearbyint(scaled));
+  }
+  const uint32_t exponent = (magnitude >> 23) - 127 + 15;
+  const uint32_t mantissa = magnitude & 0x7FFFFFu;
+  uint32_t half = (exponent << 10) | (mantissa >> 13);
+  const uint32_t rest = mantissa & 0x1FFFu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;  // may carry into exponent
+  return sign | static_cast<uint16_t>(half);
+}
+
+double HalfBitsToDouble(uint16_t bits) {
+  const int exponent = (bits >> 10) & 0x1F;
+  const int mantissa = bits & 0x3FF;
+  double magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(mantissa, -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa == 0 ? std::numeric_limits<double>::infinity()
+                              : std::numeric_limits<double>::quiet_NaN();
+  } else {
+    magnitude = std::ldexp(1024 + mantissa, exponent - 25);
+  }
+  return (bits & 0x8000) ? -magnitude : magnitude;
+}
+
+// binary32 -> bfloat16, rounding to nearest even.
+uint16_t FloatToBFloat16Bits(float value) {
+  const uint32_t x = std::bit_cast<uint32_t>(value);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+double BFloat16BitsToDouble(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+
+template <typename T>
+T FromDouble(double value) {
+  return static_cast<T>(value);
+}
+template <>
+Half FromDouble<Half>(double value) {
+  return Half{FloatToHalfBits(static_cast<float>(value))};
+}
+template <>
+BFloat16 FromDouble<BFloat16>(double value) {
+  return BFloat16{FloatToBFloat16Bits(static_cast<float>(value))};
+}
+
+template <typename T>
+double ToDouble(T value) {
+  return static_cast<double>(value);
+}
+double ToDouble(Half value) { return HalfBitsToDouble(value.bits); }
+double ToDouble(BFloat16 value) { return BFloat16BitsToDouble(value.bits); }
+
+// Calls fn(T{}) with the C++ type that stores `dtype`.
+template <typename Fn>
+void VisitDataType(DataType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DataType::kFloat32:
+      return fn(float{});
+    case DataType::kFloat64:
+      return fn(double{});
+    case DataType::kFloat16:
+      return fn(Half{});
+    case DataType::kBFloat16:
+      return fn(BFloat16{});
+    case DataType::kInt8:
+      return fn(int8_t{});
+    case DataType::kUInt8:
+      return fn(uint8_t{});
+    case DataType::kInt32:
+      return fn(int32_t{});
+    case DataType::kInt64:
+      return fn(int64_t{});
+  }
+}
+
+bool IsFloatingPoint(DataType dtype) {
+  return dtype == DataType::kFloat32 || dtype == DataType::kFloat64 ||
+         dtype == DataType::kFloat16 || dtype == DataType::kBFloat16;
+}
+
+// Largest integer up to which every integer (and so every partial sum of our non-negative check
+// values) is exact in `dtype`.
+int64_t MaxExactInteger(DataType dtype) {
+  switch (dtype) {
+    case DataType::kInt8:
+      return 127;
+    case DataType::kUInt8:
+      return 255;
+    case DataType::kFloat16:
+      return 2048;
+    case DataType::kBFloat16:
+      return 256;
+    default:
+      return int64_t{1} << 30;
+  }
+}
+
+// Relative tolerance for floating-point averages (the only inexact result): two units in the
+// last place, which covers "sum, then one division or one multiplication by 1/n".
+double AverageTolerance(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+      return 2.0 * std::ldexp(1.0, -10);
+    case DataType::kBFloat16:
+      return 2.0 * std::ldexp(1.0, -7);
+    case DataType::kFloat32:
+      return 2.0 * std::ldexp(1.0, -23);
+    case DataType::kFloat64:
+      return 2.0 * std::ldexp(1.0, -52);
+    default:
+      return 0.0;
+  }
+}
+
+// What an unwritten receive buffer holds during a check: NaN for floats (never equal to
+// anything), an otherwise unused value for integers.
+double Sentinel(DataType dtype) {
+  switch (dtype) {
+    case DataType::kInt8:
+      return -128;
+    case DataType::kUInt8:
+      return 251;
+    case DataType::kInt32:
+      return std::numeric_limits<int32_t>::min();
+    case DataType::kInt64:
+      return -9.0e18;
+    default:
+      return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Check data.
+//
+// Element i of a rank's input is a function of (rank, PatternIndex(i)), where PatternIndex
+// scatters i over kPatternPeriod classes with a multiplicative hash (so that a block landing
+// at the wrong offset is caught). Values are small integers chosen so that every result is
+// exact in every dtype with any number of ranks:
+//   sum, avg  v in 0..k, k = min(3, MaxExactInteger / world size): no partial sum overflows an
+//             i8/u8 or leaves the exact-integer range of f16/bf16; avg is then one division.
+//   prod      v in {1, 2}, exactly t = p mod (min(world size, 6) + 1) ranks give 2, so every
+//             partial product is at most 2^6 = 64.
+//   min, max  v in -3..3 (0..6 for u8).
+//   copies    (broadcast, all-gather) v = (p + 37 rank) mod 101, at most 100.
+// The expected result of a reduction depends on p only, so it is a table of kPatternPeriod
+// entries computed once per check.
+// ---------------------------------------------------------------------------------------------
+
+constexpr size_t kPatternPeriod = 420;
+using PatternTable = std::array<double, kPatternPeriod>;
+
+inline size_t PatternIndex(size_t i) {
+  return static_cast<size_t>((static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull) >> 40) %
+         kPatternPeriod;
+}
+
+double ReductionInput(DataType dtype, ReduceOp op, int world_size, int rank, size_t p) {
+  const int64_t r = rank;
+  const int64_t j = static_cast<int64_t>(p);
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: {
+      const int64_t k = std::min<int64_t>(3, MaxExactInteger(dtype) / world_size);
+      return static_cast<double>((j + 3 * r) % (k + 1));
+    }
+    case ReduceOp::kProd: {
+      const int64_t twos = j % (std::min(world_size, 6) + 1);
+      return (j + r) % world_size < twos ? 2.0 : 1.0;
+    }
+    case ReduceOp::kMin:
+    case ReduceOp::kMax: {
+      const int64_t v = (5 * j + 3 * r) % 7;
+      return static_cast<double>(dtype == DataType::kUInt8 ? v : v - 3);
+    }
+  }
+  return 0.0;
+}
+
+PatternTable ReductionInputTable(DataType dtype, ReduceOp op, int world_size, int rank) {
+  PatternTable table{};
+  for (size_t p = 0; p < kPatternPeriod; ++p) {
+    table[p] = ReductionInput(dtype, op, world_size, rank, p);
+  }
+  return table;
+}
+
+PatternTable ReductionExpectedTable(DataType dtype, ReduceOp op, int world_size) {
+  PatternTable table{};
+  for (size_t p = 0; p < kPatternPeriod; ++p) {
+    double result = ReductionInput(dtype, op, world_size, 0, p);
+    for (int r = 1; r < world_size; ++r) {
+      const double v = ReductionInput(dtype, op, world_size, r, p);
+      switch (op) {
+        case ReduceOp::kSum:
+        case ReduceOp::kAvg:
+          result += v;
+          break;
+        case ReduceOp::kProd:
+          result *= v;
+          break;
+        case ReduceOp::kMin:
+          result = std::min(result, v);
+          break;
+        case ReduceOp::kMax:
+          result = std::max(result, v);
+          break;
+      }
+    }
+    if (op == ReduceOp::kAvg) {
+      result /= world_size;
+      if (!IsFloatingPoint(dtype)) result = std::trunc(result);
+    }
+    table[p] = result;
+  }
+  return table;
+}
+
+PatternTable CopyTable(int rank) {
+  PatternTable table{};
+  for (size_t p = 0; p < kPatternPeriod; ++p) {
+    table[p] = static_cast<double>((p + 37 * static_cast<size_t>(rank)) % 101);
+  }
+  return table;
+}
+
+// buffer[i] = table[PatternIndex(i)] for i in [0, count).
+void FillFromTable(void* buffer, DataType dtype, size_t count, const PatternTable& table) {
+  VisitDataType(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    std::array<T, kPatternPeriod> typed;
+    for (size_t p = 0; p < kPatternPeriod; ++p) typed[p] = FromDouble<T>(table[p]);
+    T* data = static_cast<T*>(buffer);
+    for (size_t i = 0; i < count; ++i) data[i] = typed[PatternIndex(i)];
+  });
+}
+
+void FillWith(void* buffer, DataType dtype, size_t count, double value) {
+  VisitDataType(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T typed = FromDouble<T>(value);
+    std::fill_n(static_cast<T*>(buffer), count, typed);
+  });
+}
+
+// Where a check runs, for messages about the elements it finds wrong.
+struct CheckContext {
+  int rank = 0;
+  std::string call;  // "all_reduce f32 sum count=1024"
+  int64_t reported = 0;
+};
+
+constexpr int64_t kMaxReportedPerCheck = 3;
+
+// Counts elements of buffer[0, count) that differ from table[PatternIndex(index_offset + i)];
+// with tolerance > 0 a relative difference up to tolerance passes.
+int64_t CountWrong(const void* buffer, DataType dtype, size_t count, size_t index_offset,
+                   size_t buffer_offset, const PatternTable& table, double tolerance,
+                   CheckContext& context) {
+  int64_t wrong = 0;
+  VisitDataType(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* data = static_cast<const T*>(buffer);
+    for (size_t i = 0; i < count; ++i) {
+      const double got = ToDouble(data[i]);
+      const double expected = table[PatternIndex(index_offset + i)];
+      const bool ok = tolerance == 0.0 ? got == expected
+                                       : std::fabs(got - expected) <=
+                                             tolerance * std::max(1.0, std::fabs(expected));
+      if (ok) continue;
+      ++wrong;
+      if (context.reported < kMaxReportedPerCheck) {
+        ++context.reported;
+        std::fprintf(stderr,
+                     "collectives_perf: rank %d: %s: element %zu: got %.9g, expected %.9g\n",
+                     context.rank, context.call.c_str(), buffer_offset + i, got, expected);
+      }
+    }
+  });
+  return wrong;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffers.
+// ---------------------------------------------------------------------------------------------
+
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t bytes) {
+    constexpr size_t kAlignment = 4096;
+    const size_t rounded =
+        std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+    data_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlignment, rounded)));
+    if (!data_) throw std::bad_alloc();
+    std::memset(data_.get(), 0, rounded);  // touch every page before timing
+  }
+  std::byte* data() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte, Free> data_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// MPI: bootstrap and baseline.
+// ---------------------------------------------------------------------------------------------
+
+// True when an MPI launcher started this process.
+bool UnderMpiLauncher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
+#ifdef COLLECTIVES_WITH_MPI
+
+std::optional<MPI_Datatype> MpiDataType(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat32:
+      return MPI_FLOAT;
+    case DataType::kFloat64:
+      return MPI_DOUBLE;
+    case DataType::kInt8:
+      return MPI_INT8_T;
+    case DataType::kUInt8:
+      return MPI_UINT8_T;
+    case DataType::kInt32:
+      return MPI_INT32_T;
+    case DataType::kInt64:
+      return MPI_INT64_T;
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+      return std::nullopt;  // no standard MPI type
+  }
+  return std::nullopt;
+}
+
+// MPI has no average: the baseline times the sum, which is what an average costs on the wire.
+MPI_Op MpiOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return MPI_SUM;
+    case ReduceOp::kProd:
+      return MPI_PROD;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+  }
+  return MPI_SUM;
+}
+
+void CheckMpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(rc, text, &length);
+    throw std::runtime_error(std::string(what) + " failed: " + std::string(text, length));
+  }
+}
+
+// Seconds per call of the matching MPI collective on the same buffers, slowest rank; nullopt
+// when MPI cannot express the call (f16/bf16, a count beyond int).
+std::optional<double> TimeMpiBaseline(Collective collective, DataType dtype, ReduceOp op, int root,
+                                      void* send, void* recv, size_t count, size_t per_rank_count,
+                                      int warmup_iters, int iters) {
+  const std::optional<MPI_Datatype> type = MpiDataType(dtype);
+  if (!type || count > static_cast<size_t>(std::numeric_limits<int>::max())) return std::nullopt;
+  const int n = static_cast<int>(count);
+  const int per_rank = static_cast<int>(per_rank_count);
+  auto call = [&] {
+    switch (collective) {
+      case Collective::kAllReduce:
+        CheckMpi(MPI_Allreduce(send, recv, n, *type, MpiOp(op), MPI_COMM_WORLD), "MPI_Allreduce");
+        break;
+      case Collective::kBroadcast:
+        CheckMpi(MPI_Bcast(recv, n, *type, root, MPI_COMM_WORLD), "MPI_Bcast");
+        break;
+      case Collective::kAllGather:
+        CheckMpi(MPI_Allgather(send, per_rank, *type, recv, per_rank, *type, MPI_COMM_WORLD),
+                 "MPI_Allgather");
+        break;
+      case Collective::kReduceScatter:
+        CheckMpi(MPI_Reduce_scatter_block(send, recv, per_rank, *type, MpiOp(op), MPI_COMM_WORLD),
+                 "MPI_Reduce_scatter_block");
+        break;
+    }
+  };
+  for (int i = 0; i < warmup_iters; ++i) call();
+  CheckMpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  const Clock::time_point start = Clock::now();
+  for (int i = 0; i < iters; ++i) call();
+  const double local = std::chrono::duration<double>(Clock::now() - start).count() / iters;
+  double slowest = 0;
+  CheckMpi(MPI_Allreduce(&local, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+           "MPI_Allreduce");
+  return slowest;
+}
+
+#endif  // COLLECTIVES_WITH_MPI
+
+// ---------------------------------------------------------------------------------------------
+// Bootstrap: build this rank's communicator.
+// ---------------------------------------------------------------------------------------------
+
+struct Session {
+  std::unique_ptr<CollectiveCommunication> comm;
+  std::string launcher;  // how the ranks were started, for the header
+  bool mpi = false;      // MPI is initialised and the MPI baseline is available
+};
+
+CommunicationOptions MakeOptions(const Config& config) {
+  CommunicationOptions options;
+  options.implementation = ParseImplementation(config.impl);
+  options.chunk_bytes = config.chunk_bytes;
+  options.small_message_bytes = config.small_message_bytes;
+  options.spin_us = config.spin_us;
+  options.timeout = config.timeout();
+  return options;
+}
+
+// A rank started by the --local launcher.
+Session BootstrapLocalChild(const Config& config, int rank) {
+  const CommunicationOptions options = MakeOptions(config);
+  Session session;
+  session.launcher = "--local " + std::to_string(config.local) + " (processes on one host)";
+  if (rank == 0) {
+    const char* fd_text = std::getenv(kPortFdEnv);
+    if (fd_text == nullptr) throw std::runtime_error(std::string(kPortFdEnv) + " is not set");
+    const int fd = std::atoi(fd_text);
+    std::shared_ptr<Store> store =
+        CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, config.timeout());
+    const uint16_t port = TcpStorePort(*store);
+    const std::string line = std::to_string(port) + "\n";
+    if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+      throw std::runtime_error("cannot report the store's port to the launcher: " +
+                               std::string(std::strerror(errno)));
+    }
+    close(fd);
+    ClusterSpec spec;
+    spec.rank = 0;
+    spec.world_size = config.local;
+    spec.master_addr = "127.0.0.1";
+    spec.master_port = port;
+    spec.job_id = "collectives_perf-" + std::to_string(port);
+    spec.Validate();
+    session.comm = CreateCommunication(spec, store, options);
+  } else {
+    ClusterSpec spec = ClusterSpec::FromEnvironment();  // RANK, WORLD_SIZE, MASTER_*
+    spec.job_id = "collectives_perf-" + std::to_string(spec.master_port);
+    session.comm = CreateCommunication(spec, options);
+  }
+  return session;
+}
+
+#ifdef COLLECTIVES_WITH_MPI
+// A rank started by mpirun: rank 0 hosts the store on a port the kernel picks and broadcasts
+// it. The store's address is MASTER_ADDR if set, else 127.0.0.1 when every rank shares this
+// host, else rank 0's host name.
+Session BootstrapMpi(const Config& config) {
+  int rank = 0;
+  int world_size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+
+  std::string address;
+  if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
+    address = master;
+  } else {
+    MPI_Comm node;
+    CheckMpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+             "MPI_Comm_split_type");
+    int node_size = 0;
+    MPI_Comm_size(node, &node_size);
+    int single_host = node_size == world_size ? 1 : 0;
+    MPI_Comm_free(&node);
+    CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &single_host, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD),
+             "MPI_Allreduce");
+    if (single_host) {
+      address = "127.0.0.1";
+    } else {
+      std::array<char, 256> host{};
+      if (rank == 0) gethostname(host.data(), host.size() - 1);
+      CheckMpi(MPI_Bcast(host.data(), static_cast<int>(host.size()), MPI_CHAR, 0, MPI_COMM_WORLD),
+               "MPI_Bcast");
+      address = host.data();
+    }
+  }
+
+  std::shared_ptr<Store> store;
+  int port = 0;
+  std::string failure;
+  if (rank == 0) {
+    try {
+      store = CreateTcpStore(address, 0, /*is_server=*/true, config.timeout());
+      port = TcpStorePort(*store);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  CheckMpi(MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  if (port == 0) {
+    throw std::runtime_error(rank == 0
+                                 ? "cannot host the rendezvous store on " + address + ": " + failure
+                                 : "rank 0 could not host the rendezvous store");
+  }
+  if (rank != 0) {
+    store =
+        CreateTcpStore(address, static_cast<uint16_t>(port), /*is_server=*/false, config.timeout());
+  }
+  ClusterSpec spec;
+  spec.rank = rank;
+  spec.world_size = world_size;
+  spec.master_addr = address;
+  spec.master_port = static_cast<uint16_t>(port);
+  spec.job_id = "collectives_perf-" + std::to_string(port);
+  spec.Validate();
+
+  Session session;
+  session.mpi = true;
+  session.launcher =
+      "mpirun (MPI bootstrap, store at " + address + ":" + std::to_string(port) + ")";
+  session.comm = CreateCommunication(spec, store, MakeOptions(config));
+  return session;
+}
+#endif  // COLLECTIVES_WITH_MPI
+
+// Any other launch: TF_CONFIG, torchrun-style RANK / WORLD_SIZE, or mpirun's environment.
+Session BootstrapFromEnvironment(const Config& config) {
+  Session session;
+  if (std::getenv("TF_CONFIG") != nullptr) {
+    session.launcher = "TF_CONFIG";
+  } else if (std::getenv("RANK") != nullptr) {
+    session.launcher = "environment (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)";
+  } else if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+    if (std::getenv("MASTER_PORT") == nullptr) {
+      throw std::runtime_error(
+          "launched by mpirun, but this build has no MPI bootstrap (COLLECTIVES_WITH_MPI=OFF): "
+          "pass the rendezvous address, e.g. mpirun -x MASTER_ADDR=127.0.0.1 -x "
+          "MASTER_PORT=29500 ...");
+    }
+    session.launcher = "mpirun environment (OMPI_COMM_WORLD_*, MASTER_ADDR / MASTER_PORT)";
+  } else {
+    session.launcher = "single process";
+  }
+  session.comm = CreateCommunication(ClusterSpec::FromEnvironment(), MakeOptions(config));
+  return session;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The --local launcher.
+// ---------------------------------------------------------------------------------------------
+
+bool IsLauncherVariable(std::string_view entry) {
+  static constexpr std::string_view kNames[] = {
+      "RANK",       "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE",
+      "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"};
+  const std::string_view name = entry.substr(0, entry.find('='));
+  for (std::string_view known : kNames) {
+    if (name == known) return true;
+  }
+  return name.starts_with("COLLECTIVES_PERF_");
+}
+
+// Starts this program again as `rank`, with `extra` added to a copy of the environment from
+// which launcher variables were removed. `keep_fd` stays open across exec.
+pid_t SpawnRank(char** argv, const std::vector<std::string>& extra, int keep_fd) {
+  std::vector<std::string> entries;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!IsLauncherVariable(*e)) entries.emplace_back(*e);
+  }
+  entries.insert(entries.end(), extra.begin(), extra.end());
+  std::vector<char*> envp;
+  for (std::string& entry : entries) envp.push_back(entry.data());
+  envp.push_back(nullptr);
+
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t launcher = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork: " + std::string(std::strerror(errno)));
+  if (pid == 0) {
+    // Die with the launcher rather than linger as an orphan rank.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != launcher) _exit(kExitError);
+    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, 0);
+    execve("/proc/self/exe", argv, envp.data());
+    static constexpr char kMessage[] = "collectives_perf: cannot exec /proc/self/exe\n";
+    [[maybe_unused]] ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
+    _exit(127);
+  }
+  return pid;
+}
+
+std::string DescribeStatus(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "stopped";
+}
+
+int ExitCodeOf(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return kExitError;
+}
+
+// Reads rank 0's "port\n" from `fd`; 0 if rank 0 closed the pipe or the timeout passed.
+uint16_t ReadPort(int fd, std::chrono::milliseconds timeout) {
+  std::string text;
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (text.find('\n') == std::string::npos) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return 0;
+    pollfd descriptor{fd, POLLIN, 0};
+    const int ready = poll(&descriptor, 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return 0;
+    char chunk[32];
+    const ssize_t n = read(fd, chunk, sizeof(chunk));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return 0;
+    text.append(chunk, static_cast<size_t>(n));
+  }
+  const long port = std::strtol(text.c_str(), nullptr, 10);
+  return port > 0 && port < 65536 ? static_cast<uint16_t>(port) : 0;
+}
+
+// Starts `world_size` ranks of this program on loopback and waits for them. When a rank fails
+// (anything but success or "wrong elements"), the others get two seconds to finish on their
+// own, then SIGTERM, then two more seconds, then SIGKILL. Returns the first non-zero exit code.
+int RunLocalLauncher(int world_size, char** argv, std::chrono::milliseconds timeout) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
+    throw std::runtime_error("pipe: " + std::string(std::strerror(errno)));
+  }
+  auto common = [&](int rank) {
+    return std::vector<std::string>{"RANK=" + std::to_string(rank),
+                                    "LOCAL_RANK=" + std::to_string(rank),
+                                    "WORLD_SIZE=" + std::to_string(world_size),
+                                    "LOCAL_WORLD_SIZE=" + std::to_string(world_size),
+                                    "MASTER_ADDR=127.0.0.1",
+                                    std::string(kLocalRankEnv) + "=" + std::to_string(rank)};
+  };
+
+  std::vector<pid_t> pids(static_cast<size_t>(world_size), -1);
+  std::vector<std::string> rank0_env = common(0);
+  rank0_env.push_back(std::string(kPortFdEnv) + "=" + std::to_string(pipe_fds[1]));
+  pids[0] = SpawnRank(argv, rank0_env, pipe_fds[1]);
+  close(pipe_fds[1]);
+  const uint16_t port = ReadPort(pipe_fds[0], timeout);
+  close(pipe_fds[0]);
+  if (port == 0) {
+    std::fprintf(stderr, "collectives_perf: rank 0 did not report the store's port\n");
+    kill(pids[0], SIGTERM);
+    int status = 0;
+    waitpid(pids[0], &status, 0);
+    std::fprintf(stderr, "collectives_perf: rank 0 %s\n", DescribeStatus(status).c_str());
+    return kExitError;
+  }
+  for (int rank = 1; rank < world_size; ++rank) {
+    std::vector<std::string> env = common(rank);
+    env.push_back("MASTER_PORT=" + std::to_string(port));
+    pids[static_cast<size_t>(rank)] = SpawnRank(argv, env, -1);
+  }
+
+  int result = kExitOk;
+  int alive = world_size;
+  std::optional<Clock::time_point> terminate_at;
+  std::optional<Clock::time_point> kill_at;
+  auto signal_alive = [&](int sig) {
+    for (pid_t pid : pids) {
+      if (pid > 0) kill(pid, sig);
+    }
+  };
+  while (alive > 0) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) break;
+    if (pid > 0) {
+      auto it = std::find(pids.begin(), pids.end(), pid);
+      if (it == pids.end()) continue;
+      const int rank = static_cast<int>(it - pids.begin());
+      *it = -1;
+      --alive;
+      const int code = ExitCodeOf(status);
+      if (code != kExitOk && code != kExitWrong) {
+        if (!kill_at) {  // not a rank we killed ourselves
+          std::fprintf(stderr, "collectives_perf: rank %d %s\n", rank,
+                       DescribeStatus(status).c_str());
+        }
+        if (!terminate_at) terminate_at = Clock::now() + std::chrono::seconds(2);
+      }
+      if (result == kExitOk && code != kExitOk) result = code;
+      continue;
+    }
+    const Clock::time_point now = Clock::now();
+    if (terminate_at && !kill_at && now >= *terminate_at) {
+      signal_alive(SIGTERM);
+      kill_at = now + std::chrono::seconds(2);
+    } else if (kill_at && now >= *kill_at) {
+      signal_alive(SIGKILL);
+      kill_at = now + std::chrono::hours(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sweep.
+// ---------------------------------------------------------------------------------------------
+
+struct Row {
+  Collective collective = Collective::kAllReduce;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  size_t bytes = 0;  // of the full result buffer
+  size_t count = 0;  // elements of the full result buffer
+  bool skipped = false;
+  double time_us = 0;
+  double algbw = 0;  // GB/s
+  double busbw = 0;  // GB/s
+  std::optional<int64_t> wrong;
+  bool has_baseline = false;  // a baseline was asked for (columns are printed)
+  std::optional<double> baseline_time_us;
+  double baseline_busbw = 0;
+};
+
+std::string Format(const char* format, ...) __attribute__((format(printf, 1, 2)));
+std::string Format(const char* format, ...) {
+  char text[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(text, sizeof(text), format, args);
+  va_end(args);
+  return text;
+}
+
+class Sweep {
+ public:
+  Sweep(const Config& config, const Session& session, std::ofstream* csv)
+      : config_(config),
+        session_(session),
+        comm_(*session.comm),
+        rank_(comm_.rank()),
+        world_size_(comm_.size()),
+        csv_(csv),
+        send_(config.max_bytes),
+        recv_(config.max_bytes) {}
+
+  // Runs every case; returns the exit code.
+  int Run() {
+    PrintHeader();
+    int64_t total_wrong = 0;
+    double busbw_sum = 0;
+    size_t timed_rows = 0;
+    if (csv_ != nullptr) WriteCsvHeader();
+    for (Collective collective : config_.collectives) {
+      PrintTableHeader(collective);
+      const std::vector<ReduceOp> ops =
+          HasOp(collective) ? config_.ops : std::vector<ReduceOp>{ReduceOp::kSum};
+      for (DataType dtype : config_.dtypes) {
+        for (ReduceOp op : ops) {
+          for (size_t bytes : SweepSizes(config_)) {
+            const Row row = RunCase(collective, dtype, op, bytes);
+            PrintRow(row);
+            if (csv_ != nullptr) WriteCsvRow(row);
+            if (row.wrong) total_wrong += *row.wrong;
+            if (!row.skipped) {
+              busbw_sum += row.busbw;
+              ++timed_rows;
+            }
+          }
+        }
+      }
+    }
+    if (rank_ == 0) {
+      std::printf("#\n");
+      if (config_.check) {
+        std::printf("# wrong elements: %lld%s\n", static_cast<long long>(total_wrong),
+                    total_wrong == 0 ? "" : "  <-- RESULTS ARE WRONG");
+      } else {
+        std::printf("# wrong elements: not checked (pass --check)\n");
+      }
+      std::printf("# average busbw: %.3f GB/s over %zu sizes\n",
+                  timed_rows == 0 ? 0.0 : busbw_sum / static_cast<double>(timed_rows), timed_rows);
+      std::fflush(stdout);
+    }
+    return total_wrong == 0 ? kExitOk : kExitWrong;
+  }
+
+ private:
+  // Runs one (collective, dtype, op, size) case on every rank.
+  Row RunCase(Collective collective, DataType dtype, ReduceOp op, size_t requested_bytes) {
+    Row row;
+    row.collective = collective;
+    row.dtype = dtype;
+    row.op = op;
+    row.root = config_.root;
+    row.has_baseline = config_.baseline == "mpi";
+    const size_t element_bytes = SizeOf(dtype);
+    const size_t n = static_cast<size_t>(world_size_);
+    size_t count = requested_bytes / element_bytes;
+    if (SplitsAcrossRanks(collective)) count = count / n * n;
+    const size_t per_rank = SplitsAcrossRanks(collective) ? count / n : count;
+    row.count = count;
+    row.bytes = count * element_bytes;
+    if (per_rank == 0) {
+      row.bytes = requested_bytes;
+      row.skipped = true;
+      return row;
+    }
+
+    Tensor send{send_.data(), 0, dtype, Device::Cpu()};
+    Tensor recv{recv_.data(), 0, dtype, Device::Cpu()};
+    switch (collective) {
+      case Collective::kAllReduce:
+      case Collective::kBroadcast:
+        send.count = count;
+        recv.count = count;
+        break;
+      case Collective::kAllGather:
+        send.count = per_rank;
+        recv.count = count;
+        break;
+      case Collective::kReduceScatter:
+        send.count = count;
+        recv.count = per_rank;
+        break;
+    }
+    auto run_once = [&] {
+      switch (collective) {
+        case Collective::kAllReduce:
+          comm_.AllReduce(send, recv, op);
+          break;
+        case Collective::kBroadcast:
+          comm_.Broadcast(send, recv, config_.root);
+          break;
+        case Collective::kAllGather:
+          comm_.AllGather(send, recv);
+          break;
+        case Collective::kReduceScatter:
+          comm_.ReduceScatter(send, recv, op);
+          break;
+      }
+    };
+
+    // The timed calls see the check data too: defined values of this dtype (no denormals or
+    // NaNs left over from a previous dtype).
+    FillInput(collective, dtype, op, send);
+    for (int i = 0; i < config_.warmup_iters; ++i) run_once();
+
+    if (config_.check) {
+      FillInput(collective, dtype, op, send);
+      FillWith(recv.data, dtype, recv.count, Sentinel(dtype));
+      run_once();
+      const int64_t local_wrong = Verify(collective, dtype, op, send, recv);
+      int64_t wrong = local_wrong;
+      comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64, Device::Cpu()}, ReduceOp::kSum);
+      row.wrong = wrong;
+    }
+
+    comm_.Barrier();
+    const Clock::time_point start = Clock::now();
+    for (int i = 0; i < config_.iters; ++i) run_once();
+    double seconds = std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
+    comm_.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
+
+    row.time_us = seconds * 1e6;
+    row.algbw = static_cast<double>(row.bytes) / seconds / 1e9;
+    row.busbw = row.algbw * BusBandwidthFactor(collective, world_size_);
+
+#ifdef COLLECTIVES_WITH_MPI
+    if (row.has_baseline) {
+      const std::optional<double> mpi_seconds =
+          TimeMpiBaseline(collective, dtype, op, config_.root, send.data, recv.data, count,
+                          per_rank, config_.warmup_iters, config_.iters);
+      if (mpi_seconds) {
+        row.baseline_time_us = *mpi_seconds * 1e6;
+        row.baseline_busbw = static_cast<double>(row.bytes) / *mpi_seconds / 1e9 *
+                             BusBandwidthFactor(collective, world_size_);
+      }
+    }
+#endif
+    return row;
+  }
+
+  // Fills this rank's send buffer with its check input.
+  void FillInput(Collective collective, DataType dtype, ReduceOp op, const Tensor& send) {
+    if (HasOp(collective)) {
+      FillFromTable(send.data, dtype, send.count,
+                    ReductionInputTable(dtype, op, world_size_, rank_));
+    } else {
+      FillFromTable(send.data, dtype, send.count, CopyTable(rank_));
+    }
+  }
+
+  // Counts this rank's wrong result elements (and reports the first few on stderr).
+  int64_t Verify(Collective collective, DataType dtype, ReduceOp op, const Tensor& send,
+                 const Tensor& recv) {
+    CheckContext context;
+    context.rank = rank_;
+    context.call =
+        std::string(ToString(collective)) + " " + ToString(dtype) +
+        (HasOp(collective) ? std::string(" ") + ToString(op) : "") +
+        (collective == Collective::kBroadcast ? " root=" + std::to_string(config_.root) : "") +
+        " send count=" + std::to_string(send.count) + " recv count=" + std::to_string(recv.count);
+    switch (collective) {
+      case Collective::kAllReduce:
+      case Collective::kReduceScatter: {
+        const PatternTable expected = ReductionExpectedTable(dtype, op, world_size_);
+        const double tolerance =
+            op == ReduceOp::kAvg && IsFloatingPoint(dtype) ? AverageTolerance(dtype) : 0.0;
+        // Reduce-scatter's block `rank` starts at element rank * recv.count of the input.
+        const size_t offset =
+            collective == Collective::kReduceScatter ? static_cast<size_t>(rank_) * recv.count : 0;
+        return CountWrong(recv.data, dtype, recv.count, offset, 0, expected, tolerance, context);
+      }
+      case Collective::kBroadcast:
+        return CountWrong(recv.data, dtype, recv.count, 0, 0, CopyTable(config_.root), 0.0,
+                          context);
+      case Collective::kAllGather: {
+        int64_t wrong = 0;
+        const size_t element_bytes = SizeOf(dtype);
+        for (int r = 0; r < world_size_; ++r) {
+          const size_t offset = static_cast<size_t>(r) * send.count;
+          wrong += CountWrong(static_cast<const std::byte*>(recv.data) + offset * element_bytes,
+                              dtype, send.count, 0, offset, CopyTable(r), 0.0, context);
+        }
+        return wrong;
+      }
+    }
+    return 0;
+  }
+
+  void PrintHeader() {
+    // Count hosts: every rank contributes a hash of its host name.
+    std::array<char, 256> host{};
+    gethostname(host.data(), host.size() - 1);
+    int64_t host_hash = static_cast<int64_t>(std::hash<std::string>{}(host.data()));
+    std::vector<int64_t> hashes(static_cast<size_t>(world_size_));
+    comm_.AllGather(Tensor{&host_hash, 1, DataType::kInt64, Device::Cpu()},
+                    Tensor{hashes.data(), hashes.size(), DataType::kInt64, Device::Cpu()});
+    const size_t hosts = std::set<int64_t>(hashes.begin(), hashes.end()).size();
+    if (rank_ != 0) return;
+
+    const std::string library_build = BuildType();
+    const std::string bench_build = COLLECTIVES_PERF_BUILD_TYPE;
+    std::printf("# collectives_perf  version %s  library build %s  bench build %s\n", Version(),
+                library_build.c_str(), bench_build.c_str());
+    if (library_build != "Release" || bench_build != "Release") {
+      const char* warning =
+          "# !!! WARNING: not a Release build: timings are NOT representative.\n"
+          "# !!! Rebuild with -DCMAKE_BUILD_TYPE=Release (scripts/build.sh does).\n";
+      std::printf("%s", warning);
+      std::fprintf(stderr, "%s", warning);
+    }
+    std::printf("# world size %d  hosts %zu  launched by %s\n", world_size_, hosts,
+                session_.launcher.c_str());
+    std::printf("# implementation %s  transport %s\n", ToString(comm_.implementation()),
+                hosts == 1 ? "TCP loopback (one host)" : "TCP");
+    std::printf("# chunk bytes %s  small-message bytes %s  spin us %s  timeout %.0f s\n",
+                config_.chunk_bytes == 0 ? "default" : std::to_string(config_.chunk_bytes).c_str(),
+                config_.small_message_bytes == 0
+                    ? "default"
+                    : std::to_string(config_.small_message_bytes).c_str(),
+                config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
+                config_.timeout_s);
+    std::printf("# iterations %d  warm-up %d  check %s  buffers out-of-place\n", config_.iters,
+                config_.warmup_iters, config_.check ? "on" : "off");
+    if (config_.baseline == "mpi") {
+      std::printf(
+          "# baseline: the matching MPI collective on the same buffers, same iterations "
+          "(avg timed as MPI_SUM; f16/bf16: n/a); ratio = our time / MPI time\n");
+    }
+    std::printf(
+        "# busbw = algbw x 2(n-1)/n (all_reduce), x (n-1)/n (all_gather, "
+        "reduce_scatter), x 1 (broadcast)\n");
+    std::fflush(stdout);
+  }
+
+  void PrintTableHeader(Collective collective) {
+    if (rank_ != 0) return;
+    std::string line1 =
+        "#          size         count   type  redop   root       time     algbw     busbw   "
+        "#wrong";
+    std::string line2 =
+        "#           (B)    (elements)                            (us)    (GB/s)    (GB/s)";
+    if (config_.baseline == "mpi") {
+      line1 += "   mpi time  mpi busbw  ours/mpi";
+      line2 += "                (us)     (GB/s)    (time)";
+    }
+    std::printf("#\n# %s\n%s\n%s\n", ToString(collective), line1.c_str(), line2.c_str());
+    std::fflush(stdout);
+  }
+
+  void PrintRow(const Row& row) {
+    if (rank_ != 0) return;
+    const std::string op = HasOp(row.collective) ? ToString(row.op) : "-";
+    const std::string root =
+        row.collective == Collective::kBroadcast ? std::to_string(row.root) : "-";
+    std::string line = Format("%15zu %13zu %6s %6s %6s", row.bytes, row.count, ToString(row.dtype),
+                              op.c_str(), root.c_str());
+    if (row.skipped) {
+      line += Format(" %10s %9s %9s %8s", "skipped", "-", "-", "-");
+    } else {
+      line += Format(" %10.2f %9.3f %9.3f", row.time_us, row.algbw, row.busbw);
+      line +=
+          row.wrong ? Format(" %8lld", static_cast<long long>(*row.wrong)) : Format(" %8s", "n/a");
+    }
+    if (row.has_baseline) {
+      if (row.skipped) {
+        line += Format(" %10s %10s %9s", "-", "-", "-");
+      } else if (row.baseline_time_us) {
+        line += Format(" %10.2f %10.3f %9.2f", *row.baseline_time_us, row.baseline_busbw,
+                       row.time_us / *row.baseline_time_us);
+      } else {
+        line += Format(" %10s %10s %9s", "n/a", "n/a", "n/a");
+      }
+    }
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  }
+
+  void WriteCsvHeader() {
+    if (rank_ != 0) return;
+    *csv_ << "collective,world_size,size_bytes,count,dtype,op,root,time_us,algbw_gbps,"
+             "busbw_gbps,wrong";
+    if (config_.baseline == "mpi") *csv_ << ",mpi_time_us,mpi_busbw_gbps,time_ratio_ours_over_mpi";
+    *csv_ << "\n";
+  }
+
+  // Columns that do not apply (op of a broadcast, time of a skipped size) are left empty.
+  void WriteCsvRow(const Row& row) {
+    if (rank_ != 0) return;
+    *csv_ << ToString(row.collective) << ',' << world_size_ << ',' << row.bytes << ',' << row.count
+          << ',' << ToString(row.dtype) << ',' << (HasOp(row.collective) ? ToString(row.op) : "")
+          << ',' << (row.collective == Collective::kBroadcast ? std::to_string(row.root) : "")
+          << ',';
+    if (row.skipped) {
+      *csv_ << ",,,";
+    } else {
+      *csv_ << Format("%.3f,%.6f,%.6f,", row.time_us, row.algbw, row.busbw);
+      if (row.wrong) *csv_ << *row.wrong;
+    }
+    if (row.has_baseline) {
+      if (!row.skipped && row.baseline_time_us) {
+        *csv_ << Format(",%.3f,%.6f,%.4f", *row.baseline_time_us, row.baseline_busbw,
+                        row.time_us / *row.baseline_time_us);
+      } else {
+        *csv_ << ",,,";
+      }
+    }
+    *csv_ << '\n';
+    csv_->flush();
+  }
+
+  const Config& config_;
+  const Session& session_;
+  CollectiveCommunication& comm_;
+  const int rank_;
+  const int world_size_;
+  std::ofstream* csv_;
+  AlignedBuffer send_;
+  AlignedBuffer recv_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// main.
+// ---------------------------------------------------------------------------------------------
+
+// This process's rank as far as the environment tells before any bootstrap, so that only one
+// rank prints usage errors.
+int RankFromEnvironment() {
+  for (const char* name :
+       {kLocalRankEnv, "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
+    if (const char* value = std::getenv(name); value != nullptr) return std::atoi(value);
+  }
+  return 0;
+}
+
+void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::string& max_bytes,
+                std::string& step_bytes, std::string& collectives, std::string& dtypes,
+                std::string& ops) {
+  app.add_option("-b,--minbytes", min_bytes,
+                 "Smallest size: bytes of the full result buffer (8, 64K, 64M, 1G)")
+      ->capture_default_str();
+  app.add_option("-e,--maxbytes", max_bytes, "Largest size")->capture_default_str();
+  app.add_option("-f,--stepfactor", config.step_factor, "Multiply the size by this factor")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{2}, size_t{1} << 20));
+  app.add_option("-i,--stepbytes", step_bytes,
+                 "Add this many bytes per step instead of multiplying by -f (64K, 1M, ...)");
+  app.add_option(
+         "-c,--collective", collectives,
+         "all_reduce, broadcast, all_gather, reduce_scatter, a comma-separated list, or all")
+      ->capture_default_str();
+  app.add_option("-d,--dtype", dtypes,
+                 "f32 f64 f16 bf16 i8 u8 i32 i64, a comma-separated list, or all")
+      ->capture_default_str();
+  app.add_option("-o,--op", ops,
+                 "sum prod min max avg, a comma-separated list, or all (all_reduce and "
+                 "reduce_scatter only)")
+      ->capture_default_str();
+  app.add_option("-n,--iters", config.iters, "Timed iterations per size")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("-w,--warmup_iters", config.warmup_iters, "Warm-up iterations per size")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 30));
+  app.add_flag("--check", config.check,
+               "Verify one extra call per size element by element on every rank; exit 2 on any "
+               "wrong element");
+  app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
+  app.add_option("--impl", config.impl, "Implementation")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ring", "auto"}));
+  app.add_option("--root", config.root, "Root rank of broadcast")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--chunk-bytes", config.chunk_bytes,
+                 "CommunicationOptions::chunk_bytes (0: library default)")
+      ->capture_default_str();
+  app.add_option("--small-bytes", config.small_message_bytes,
+                 "CommunicationOptions::small_message_bytes (0: library default)")
+      ->capture_default_str();
+  app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--timeout", config.timeout_s,
+                 "Seconds a collective or the rendezvous may take before it fails")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--local", config.local,
+                 "Start this many ranks as processes on loopback and wait for them")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--baseline", config.baseline,
+                 "Also time the matching MPI collective (needs an MPI build, under mpirun)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "mpi"}));
+}
+
+int Main(int argc, char** argv) {
+  const bool local_child = std::getenv(kLocalRankEnv) != nullptr;
+  const bool under_mpi_launcher = UnderMpiLauncher();
+  bool mpi_initialized = false;
+#ifdef COLLECTIVES_WITH_MPI
+  if (under_mpi_launcher && !local_child) {
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    mpi_initialized = true;
+  }
+#endif
+  auto finalize = [&] {
+#ifdef COLLECTIVES_WITH_MPI
+    if (mpi_initialized) MPI_Finalize();
+#endif
+  };
+  const int env_rank = RankFromEnvironment();
+
+  Config config;
+  std::string min_bytes = "8";
+  std::string max_bytes = "64M";
+  std::string step_bytes = "0";
+  std::string collectives = "all_reduce";
+  std::string dtypes = "f32";
+  std::string ops = "sum";
+  CLI::App app{
+      "collectives_perf: nccl-tests style sweep of all-reduce, broadcast, all-gather "
+      "and reduce-scatter"};
+  AddOptions(app, config, min_bytes, max_bytes, step_bytes, collectives, dtypes, ops);
+  try {
+    app.parse(argc, argv);
+    config.min_bytes = ParseBytes(min_bytes);
+    config.max_bytes = ParseBytes(max_bytes);
+    config.step_bytes = ParseBytes(step_bytes);
+    config.collectives = ParseCollectives(collectives);
+    config.dtypes = ParseDataTypes(dtypes);
+    config.ops = ParseReduceOps(ops);
+    if (config.min_bytes == 0) throw CLI::ValidationError("-b must be at least 1 byte");
+    if (config.min_bytes > config.max_bytes) throw CLI::ValidationError("-b is larger than -e");
+    if (config.local > 0 && under_mpi_launcher && !local_child) {
+      throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
+    }
+    if (config.baseline == "mpi") {
+#ifdef COLLECTIVES_WITH_MPI
+      if (config.local > 0 || !under_mpi_launcher) {
+        throw CLI::ValidationError("--baseline mpi needs mpirun (not --local)");
+      }
+#else
+      throw CLI::ValidationError(
+          "--baseline mpi needs a build with MPI (cmake -DCOLLECTIVES_WITH_MPI=ON)");
+#endif
+    }
+  } catch (const CLI::ParseError& e) {
+    std::ostream quiet(nullptr);
+    const int rc = env_rank == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
+    finalize();
+    return rc;
+  }
+
+  if (config.local > 0 && !local_child) {
+    return RunLocalLauncher(config.local, argv, config.timeout() + std::chrono::seconds(10));
+  }
+
+  int rank = env_rank;
+  try {
+    Session session;
+    if (local_child) {
+      session = BootstrapLocalChild(config, env_rank);
+    } else if (mpi_initialized) {
+#ifdef COLLECTIVES_WITH_MPI
+      session = BootstrapMpi(config);
+#endif
+    } else {
+      session = BootstrapFromEnvironment(config);
+    }
+    rank = session.comm->rank();
+    if (config.root >= session.comm->size()) {
+      throw std::runtime_error("--root " + std::to_string(config.root) +
+                               " is not a rank (world size " +
+                               std::to_string(session.comm->size()) + ")");
+    }
+    std::unique_ptr<std::ofstream> csv;
+    if (!config.csv_path.empty() && rank == 0) {
+      const std::filesystem::path path(config.csv_path);
+      if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+      csv = std::make_unique<std::ofstream>(path);
+      if (!*csv) throw std::runtime_error("cannot write " + config.csv_path);
+    }
+    int rc = kExitOk;
+    {
+      Sweep sweep(config, session, csv.get());
+      rc = sweep.Run();
+    }
+    session.comm.reset();
+    finalize();
+    return rc;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "collectives_perf: rank %d: error [%s]: %s\n", rank, ToString(e.code()),
+                 e.message().c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "collectives_perf: rank %d: error: %s\n", rank, e.what());
+  }
+#ifdef COLLECTIVES_WITH_MPI
+  if (mpi_initialized) MPI_Abort(MPI_COMM_WORLD, kExitError);
+#endif
+  return kExitError;
+}
+
+}  // namespace
+}  // namespace collectives::perf
+
+int main(int argc, char** argv) { return collectives::perf::Main(argc, argv); }

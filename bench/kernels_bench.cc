@@ -1,0 +1,172 @@
+// Micro benchmark of the reduction kernels (src/core/kernels.h): Reduce(sum) for every dtype
+// next to a memcpy of the same size, min/max/prod for f32, and the f16/bf16 conversions.
+//
+// Convention: bytes_per_second counts the bytes of ONE buffer per iteration (count x element
+// size), for the kernels and for memcpy alike. A reduce moves three buffers (reads a and b,
+// writes dst) where memcpy moves two, so at memory bandwidth a reduce shows about 2/3 of the
+// memcpy figure; in cache, the compute shows. Sizes are bytes of one buffer.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "collectives/types.h"
+#include "src/core/kernels.h"
+
+namespace collectives::core {
+namespace {
+
+// Buffer bytes: in L1/L2, in L2, past L2, far past L2.
+void Sizes(benchmark::internal::Benchmark* bench) {
+  for (int64_t bytes :
+       {int64_t{4} << 10, int64_t{256} << 10, int64_t{4} << 20, int64_t{64} << 20}) {
+    bench->Arg(bytes);
+  }
+}
+
+// Buffer contents for dtype: small values (no NaN, inf or subnormal slow paths), so the figure
+// is the kernel's steady state.
+std::vector<unsigned char> Filled(DataType dtype, size_t count, int seed) {
+  std::vector<unsigned char> buffer(count * SizeOf(dtype));
+  for (size_t i = 0; i < count; ++i) {
+    const float value = static_cast<float>((i * 7 + static_cast<size_t>(seed)) % 13) * 0.25f + 1.0f;
+    unsigned char* out = buffer.data() + i * SizeOf(dtype);
+    switch (dtype) {
+      case DataType::kFloat32:
+        std::memcpy(out, &value, 4);
+        break;
+      case DataType::kFloat64: {
+        const double d = value;
+        std::memcpy(out, &d, 8);
+        break;
+      }
+      case DataType::kFloat16: {
+        const uint16_t h = FloatToHalf(value);
+        std::memcpy(out, &h, 2);
+        break;
+      }
+      case DataType::kBFloat16: {
+        const uint16_t b = FloatToBFloat16(value);
+        std::memcpy(out, &b, 2);
+        break;
+      }
+      default: {
+        const uint64_t n = static_cast<uint64_t>(value * 4);
+        std::memcpy(out, &n, SizeOf(dtype));
+        break;
+      }
+    }
+  }
+  return buffer;
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  std::vector<unsigned char> src(bytes, 1);
+  std::vector<unsigned char> dst(bytes, 0);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+}
+BENCHMARK(BM_Memcpy)->Apply(Sizes);
+
+// dst = a op b on three distinct buffers.
+void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  const size_t count = bytes / SizeOf(dtype);
+  std::vector<unsigned char> a = Filled(dtype, count, 1);
+  std::vector<unsigned char> b = Filled(dtype, count, 2);
+  std::vector<unsigned char> dst(bytes, 0);
+  for (auto _ : state) {
+    Reduce(dtype, op, dst.data(), a.data(), b.data(), count);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+}
+
+// dst == a (the ring's case: a received chunk reduced into the user's buffer). Sum with a
+// buffer of small values, so the values stay finite as iterations accumulate.
+void ReduceInPlaceBench(benchmark::State& state, DataType dtype) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  const size_t count = bytes / SizeOf(dtype);
+  std::vector<unsigned char> a = Filled(dtype, count, 1);
+  std::vector<unsigned char> b(bytes, 0);  // zeros: the sum does not grow
+  for (auto _ : state) {
+    Reduce(dtype, ReduceOp::kSum, a.data(), a.data(), b.data(), count);
+    benchmark::DoNotOptimize(a.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+}
+
+BENCHMARK_CAPTURE(ReduceBench, f32_sum, DataType::kFloat32, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, f64_sum, DataType::kFloat64, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, f16_sum, DataType::kFloat16, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, bf16_sum, DataType::kBFloat16, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, i8_sum, DataType::kInt8, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, u8_sum, DataType::kUInt8, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, i32_sum, DataType::kInt32, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, i64_sum, DataType::kInt64, ReduceOp::kSum)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, f32_min, DataType::kFloat32, ReduceOp::kMin)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, f32_max, DataType::kFloat32, ReduceOp::kMax)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceBench, f32_prod, DataType::kFloat32, ReduceOp::kProd)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceInPlaceBench, f32_sum, DataType::kFloat32)->Apply(Sizes);
+BENCHMARK_CAPTURE(ReduceInPlaceBench, f16_sum, DataType::kFloat16)->Apply(Sizes);
+
+// The public conversion functions, one call per element (they are out of line here; inside the
+// kernels the same code is inlined and vectorised, which the f16/bf16 sums above measure).
+// Bytes are those of the 16-bit side.
+constexpr int64_t kConversionBytes = int64_t{256} << 10;
+
+void BM_HalfToFloat(benchmark::State& state) {
+  const size_t count = static_cast<size_t>(kConversionBytes) / 2;
+  std::vector<unsigned char> in = Filled(DataType::kFloat16, count, 1);
+  std::vector<uint16_t> codes(count);
+  std::memcpy(codes.data(), in.data(), in.size());
+  std::vector<float> out(count);
+  for (auto _ : state) {
+    for (size_t i = 0; i < count; ++i) out[i] = HalfToFloat(codes[i]);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kConversionBytes);
+}
+BENCHMARK(BM_HalfToFloat);
+
+void BM_FloatToHalf(benchmark::State& state) {
+  const size_t count = static_cast<size_t>(kConversionBytes) / 2;
+  std::vector<unsigned char> in = Filled(DataType::kFloat32, count, 1);
+  std::vector<float> values(count);
+  std::memcpy(values.data(), in.data(), in.size());
+  std::vector<uint16_t> out(count);
+  for (auto _ : state) {
+    for (size_t i = 0; i < count; ++i) out[i] = FloatToHalf(values[i]);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kConversionBytes);
+}
+BENCHMARK(BM_FloatToHalf);
+
+// A round trip through the kernels' vectorised conversions alone: f16 divided by 1.
+void BM_HalfDivideInPlace(benchmark::State& state) {
+  const size_t count = static_cast<size_t>(kConversionBytes) / 2;
+  std::vector<unsigned char> data = Filled(DataType::kFloat16, count, 1);
+  for (auto _ : state) {
+    DivideInPlace(DataType::kFloat16, data.data(), count, 1);
+    benchmark::DoNotOptimize(data.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kConversionBytes);
+}
+BENCHMARK(BM_HalfDivideInPlace);
+
+}  // namespace
+}  // namespace collectives::core
+
+BENCHMARK_MAIN();

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# THE test command: installs the dependencies, builds with the tests on, and runs every test
+# with ctest. Exits non-zero when the build or any test fails. Extra arguments go to CMake.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+scripts/build.sh -DCOLLECTIVES_BUILD_TESTS=ON "$@"
+
+cd "${COLLECTIVES_BUILD_DIR:-build}"
+ctest --output-on-failure -j2 --timeout 300

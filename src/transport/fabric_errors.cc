@@ -1,0 +1,52 @@
+// The wording of transport errors, shared by the TCP and in-process fabrics.
+#include "src/transport/fabric_errors.h"
+
+namespace collectives::transport {
+namespace {
+
+std::string RankPrefix(int rank) { return "rank " + std::to_string(rank) + ": "; }
+
+}  // namespace
+
+Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t expected_bytes,
+                    const core::CallTag& got, uint64_t got_bytes) {
+  return Error(ErrorCode::kMismatch,
+               RankPrefix(rank) + "frame from rank " + std::to_string(peer) +
+                   " does not match: expected " + expected.ToString() + " " +
+                   std::to_string(expected_bytes) + " bytes, got " + got.ToString() + " " +
+                   std::to_string(got_bytes) + " bytes");
+}
+
+Error PeerLostError(int rank, int peer, const std::string& reason, const core::CallTag* what,
+                    bool sending) {
+  std::string message =
+      RankPrefix(rank) + "lost rank " + std::to_string(peer) + " (" + reason + ")";
+  if (what != nullptr) {
+    message += sending ? " while sending " : " while waiting for ";
+    message += what->ToString();
+  }
+  return Error(ErrorCode::kPeerLost, message);
+}
+
+Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending) {
+  return Error(ErrorCode::kTimeout,
+               RankPrefix(rank) + "deadline passed while " +
+                   (sending ? "sending " : "waiting for ") + what.ToString() + " (" +
+                   std::to_string(bytes) + " bytes) " + (sending ? "to" : "from") + " rank " +
+                   std::to_string(peer));
+}
+
+Error AbortReceivedError(int rank, const AbortPayload& payload) {
+  return Error(payload.code, RankPrefix(rank) + "rank " + std::to_string(payload.culprit) +
+                                 " aborted the job: " + payload.message);
+}
+
+AbortPayload AbortPayloadFor(int rank, const Error& error) {
+  AbortPayload payload;
+  payload.code = error.code();
+  payload.culprit = rank;
+  payload.message = error.message();
+  return payload;
+}
+
+}  // namespace collectives::transport

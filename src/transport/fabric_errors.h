@@ -1,0 +1,39 @@
+// The errors both fabrics raise, built in one place so that TCP and the in-process transport
+// word them the same way. Each names this rank, the peer and the call concerned.
+//
+// Thread-safety: pure functions.
+#ifndef COLLECTIVES_SRC_TRANSPORT_FABRIC_ERRORS_H_
+#define COLLECTIVES_SRC_TRANSPORT_FABRIC_ERRORS_H_
+
+#include <cstddef>
+#include <string>
+
+#include "collectives/errors.h"
+#include "src/core/call.h"
+#include "src/transport/frame.h"
+
+namespace collectives::transport {
+
+// "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, count=10) 40
+// bytes, got #3 all_reduce(f32, sum, count=12) 48 bytes" (kMismatch).
+Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t expected_bytes,
+                    const core::CallTag& got, uint64_t got_bytes);
+
+// "rank 2: lost rank 3 (connection closed by peer) while waiting for #5 all_reduce(...)" or
+// "... while sending #5 ..." (kPeerLost). `what` may be null when no call is concerned.
+Error PeerLostError(int rank, int peer, const std::string& reason, const core::CallTag* what,
+                    bool sending);
+
+// "rank 1: deadline passed while waiting for #5 all_reduce(...) (40 bytes) from rank 0" or
+// "... while sending #5 ... (40 bytes) to rank 0" (kTimeout).
+Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending);
+
+// "rank 0: rank 3 aborted the job: <its message>", with the payload's code.
+Error AbortReceivedError(int rank, const AbortPayload& payload);
+
+// The abort payload this rank sends when its fabric breaks with `error`.
+AbortPayload AbortPayloadFor(int rank, const Error& error);
+
+}  // namespace collectives::transport
+
+#endif  // COLLECTIVES_SRC_TRANSPORT_FABRIC_ERRORS_H_

@@ -1,0 +1,1210 @@
+// The TCP fabric: mesh set-up through a Store (listener, address exchange, connects with
+// retry, handshakes) and the data path on one io_context per fabric.
+//
+// Data path, per connection:
+//   send: a queue of posted frames; one async_write_some in flight, over a gathered list of
+//     (header, payload) buffers of up to kMaxBatch queued frames, continued after partial
+//     writes; a frame's ticket completes when its last byte went to the kernel.
+//   receive: a 40-byte header read is always armed, so that EOF and abort frames are seen even
+//     when no receive is posted. A data header is held until a receive is posted, validated
+//     against it (tag and size), and then the payload is read straight into the caller's
+//     buffer; then the next header read is armed. The connection never reads past a header it
+//     cannot place yet (TCP flow control holds the sender).
+// Handlers are small structs holding the connection pointer, with memory reused from a slot in
+// the connection (HandlerMemory), so the steady state allocates nothing per frame.
+//
+// Waiting: Wait* poll the io_context for the spin budget, then sleep in run_one_until up to the
+// deadline. Abort from another thread records the error and posts a no-op that wakes the
+// waiter; the waiter (the thread driving the fabric) then sends the abort frames and closes.
+#include "src/transport/tcp_fabric.h"
+
+#include <algorithm>
+#include <array>
+#include <asio.hpp>
+#include <atomic>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "src/transport/fabric_errors.h"
+#include "src/transport/frame.h"
+#include "src/transport/handshake.h"
+
+namespace collectives::transport {
+namespace {
+
+using asio::ip::tcp;
+
+constexpr size_t kMaxBatch = 32;  // frames per gathered write (2 buffers each, <= IOV 64)
+constexpr std::chrono::microseconds kDefaultSpin{50};
+constexpr std::chrono::milliseconds kAbortBudget{100};
+
+// ---- Allocation-free handlers. ----
+
+// Storage for the handler of one kind of operation of one connection. At most one such
+// operation is outstanding, so one slot suffices; a larger or concurrent request falls back to
+// the heap.
+class HandlerMemory {
+ public:
+  HandlerMemory() = default;
+  HandlerMemory(const HandlerMemory&) = delete;
+  HandlerMemory& operator=(const HandlerMemory&) = delete;
+
+  void* Allocate(size_t bytes) {
+    if (!in_use_ && bytes <= sizeof(storage_)) {
+      in_use_ = true;
+      return storage_;
+    }
+    return ::operator new(bytes);
+  }
+
+  void Deallocate(void* pointer) {
+    if (pointer == storage_) {
+      in_use_ = false;
+    } else {
+      ::operator delete(pointer);
+    }
+  }
+
+ private:
+  alignas(std::max_align_t) unsigned char storage_[1024];
+  bool in_use_ = false;
+};
+
+template <typename T>
+class HandlerAllocator {
+ public:
+  using value_type = T;
+
+  explicit HandlerAllocator(HandlerMemory* memory) : memory_(memory) {}
+  template <typename U>
+  HandlerAllocator(const HandlerAllocator<U>& other) noexcept : memory_(other.memory_) {}
+
+  T* allocate(size_t n) { return static_cast<T*>(memory_->Allocate(sizeof(T) * n)); }
+  void deallocate(T* pointer, size_t) { memory_->Deallocate(pointer); }
+
+  template <typename U>
+  bool operator==(const HandlerAllocator<U>& other) const noexcept {
+    return memory_ == other.memory_;
+  }
+  template <typename U>
+  bool operator!=(const HandlerAllocator<U>& other) const noexcept {
+    return memory_ != other.memory_;
+  }
+
+ private:
+  template <typename>
+  friend class HandlerAllocator;
+  HandlerMemory* memory_;
+};
+
+// A view of consecutive buffers, cheap to copy into an operation.
+struct BufferSpan {
+  using value_type = asio::const_buffer;
+  using const_iterator = const asio::const_buffer*;
+  const asio::const_buffer* first;
+  const asio::const_buffer* last;
+  const_iterator begin() const { return first; }
+  const_iterator end() const { return last; }
+};
+
+// A FIFO of pending operations over a power-of-two ring; grows by doubling and never shrinks,
+// so the steady state does not allocate.
+template <typename T>
+class OpQueue {
+ public:
+  OpQueue() : items_(16) {}
+  bool empty() const { return size_ == 0; }
+  size_t size() const { return size_; }
+  T& front() { return items_[head_]; }
+  T& operator[](size_t i) { return items_[(head_ + i) & (items_.size() - 1)]; }
+  void push_back(const T& item) {
+    if (size_ == items_.size()) Grow();
+    items_[(head_ + size_) & (items_.size() - 1)] = item;
+    ++size_;
+  }
+  void pop_front() {
+    head_ = (head_ + 1) & (items_.size() - 1);
+    --size_;
+  }
+  void clear() { head_ = size_ = 0; }
+
+ private:
+  void Grow() {
+    std::vector<T> bigger(items_.size() * 2);
+    for (size_t i = 0; i < size_; ++i) bigger[i] = (*this)[i];
+    items_.swap(bigger);
+    head_ = 0;
+  }
+  std::vector<T> items_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
+
+bool IsClosedByPeer(const asio::error_code& ec) {
+  return ec == asio::error::eof || ec == asio::error::connection_reset ||
+         ec == asio::error::broken_pipe || ec == asio::error::connection_aborted;
+}
+
+std::string ClosedReason(const asio::error_code& ec) {
+  if (ec == asio::error::eof) return "connection closed by peer";
+  return ec.message();
+}
+
+class TcpFabric;
+
+// ---- Connection. ----
+
+// One peer's socket and the frames in flight on it. Used only by the thread driving the
+// fabric (which holds the fabric's drive mutex); handlers run on that thread too.
+class TcpConnection final : public Connection {
+ public:
+  TcpConnection(TcpFabric* fabric, int peer, tcp::socket socket)
+      : fabric_(fabric), peer_(peer), socket_(std::move(socket)) {}
+
+  int peer() const override { return peer_; }
+  uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
+  uint64_t PostRecv(const core::CallTag& tag, void* data, size_t bytes) override;
+  void WaitSend(uint64_t ticket) override;
+  void WaitRecv(uint64_t ticket) override;
+  bool TestSend(uint64_t ticket) override;
+  bool TestRecv(uint64_t ticket) override;
+
+ private:
+  friend class TcpFabric;
+
+  struct SendOp {
+    core::CallTag tag;
+    const uint8_t* data = nullptr;
+    size_t bytes = 0;
+  };
+  struct RecvOp {
+    core::CallTag tag;
+    uint8_t* data = nullptr;
+    size_t bytes = 0;
+  };
+
+  struct WriteHandler {
+    TcpConnection* connection;
+    using allocator_type = HandlerAllocator<void>;
+    allocator_type get_allocator() const noexcept {
+      return allocator_type(&connection->write_memory_);
+    }
+    void operator()(const asio::error_code& ec, size_t bytes) const {
+      connection->OnWrite(ec, bytes);
+    }
+  };
+  struct ReadHandler {
+    TcpConnection* connection;
+    using allocator_type = HandlerAllocator<void>;
+    allocator_type get_allocator() const noexcept {
+      return allocator_type(&connection->read_memory_);
+    }
+    void operator()(const asio::error_code& ec, size_t bytes) const {
+      connection->OnRead(ec, bytes);
+    }
+  };
+
+  enum class ReadState { kHeader, kHeaderReady, kPayload, kAbortPayload, kStopped };
+  enum class AbortWrite { kNone, kPending, kWriting, kDone };
+
+  // Send side.
+  void StartWrite();
+  void IssueWrite();
+  void OnWrite(const asio::error_code& ec, size_t bytes);
+  // Advances the gathered buffers past `bytes` written.
+  void ConsumeWritten(size_t bytes);
+  // ConsumeWritten, then completes the frames written in full.
+  void AccountWritten(size_t bytes);
+  void WriteFailed(const asio::error_code& ec);
+  // Shutdown: finishes the frame being written, then writes `header` + `payload` (the fabric's
+  // abort frame). `abort_write_` tracks it.
+  void StartAbortWrite(const asio::const_buffer& header, const asio::const_buffer& payload);
+  void WriteAbortFrame();
+
+  // Receive side.
+  void ArmHeaderRead();
+  void IssueRead(void* data, size_t bytes);
+  void OnRead(const asio::error_code& ec, size_t bytes);
+  void OnHeader();
+  void TryMatch();
+  void OnReadError(const asio::error_code& ec);
+
+  void Close();
+
+  TcpFabric* const fabric_;
+  const int peer_;
+  tcp::socket socket_;
+  bool closed_ = false;
+  // EOF or reset seen: no frame will come any more, and the peer reads nothing.
+  bool peer_closed_ = false;
+  std::string closed_reason_;
+
+  OpQueue<SendOp> sends_;  // posted, not completed; the first batch_frames_ are being written
+  uint64_t sends_posted_ = 0;
+  uint64_t sends_done_ = 0;
+  bool write_in_flight_ = false;
+  size_t batch_frames_ = 0;  // frames in the current write batch
+  size_t batch_done_ = 0;    // of which completed
+  size_t frame_written_ = 0;  // bytes of frame batch_done_ already written
+  std::array<size_t, kMaxBatch> frame_bytes_{};
+  std::array<size_t, kMaxBatch> frame_end_{};  // iov index past each frame's last buffer
+  std::array<EncodedHeader, kMaxBatch> batch_headers_{};
+  std::array<asio::const_buffer, 2 * kMaxBatch> iov_{};
+  size_t iov_pos_ = 0;
+  size_t iov_end_ = 0;
+  AbortWrite abort_write_ = AbortWrite::kNone;
+  asio::const_buffer abort_header_;
+  asio::const_buffer abort_payload_;
+  HandlerMemory write_memory_;
+
+  OpQueue<RecvOp> recvs_;  // posted, not completed
+  uint64_t recvs_posted_ = 0;
+  uint64_t recvs_done_ = 0;
+  ReadState read_state_ = ReadState::kStopped;
+  size_t read_got_ = 0;
+  FrameHeader header_;
+  EncodedHeader header_buffer_{};
+  std::array<uint8_t, kMaxAbortPayload> abort_buffer_{};
+  HandlerMemory read_memory_;
+};
+
+// ---- Fabric. ----
+
+// Thread-safety: one thread at a time drives the fabric (Post*/Wait*/Test*, connection());
+// Abort may be called from any thread. drive_mu_ is held for the duration of every driving
+// call, so an Abort from another thread can tell whether it may touch the sockets itself.
+class TcpFabric final : public Fabric {
+ public:
+  TcpFabric(int rank, int size, std::vector<std::optional<tcp::socket>>& sockets_in_setup);
+  ~TcpFabric() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Connection& connection(int peer) override;
+  void SetDeadline(Clock::time_point deadline) override;
+  void SetSpin(std::chrono::microseconds spin) override;
+  void Abort(const Error& error) override;
+
+ private:
+  friend class TcpConnection;
+
+  // Records the fabric's first error; `payload` is what the shutdown sends to every peer but
+  // `skip_peer` (nullopt: send nothing). Later errors are ignored.
+  void Break(const Error& error, std::optional<AbortPayload> payload, int skip_peer);
+  void BreakLocal(const Error& error) { Break(error, AbortPayloadFor(rank_, error), -1); }
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+  // If broken: runs the shutdown (driving thread only) and throws the first error.
+  void ThrowIfBroken();
+  // Sends the abort frames (bounded by kAbortBudget) and closes every socket. Driving thread.
+  void RunShutdown();
+  // Drives the io_context until `done()` (throwing on error or past the deadline); `head`
+  // names the operation reported on timeout.
+  template <typename Done>
+  void Drive(Done done, TcpConnection& connection, bool sending);
+  template <typename Done>
+  bool Test(Done done, TcpConnection& connection, bool sending);
+  [[noreturn]] void ThrowTimeout(TcpConnection& connection, bool sending);
+
+  // Declared first: destroyed after the sockets that belong to it.
+  asio::io_context io_{1};
+  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  const int rank_;
+  const int size_;
+  std::vector<std::unique_ptr<TcpConnection>> connections_;
+  Clock::time_point deadline_ = Clock::time_point::max();
+  std::chrono::microseconds spin_ = kDefaultSpin;
+
+  std::mutex drive_mu_;
+  bool shut_down_ = false;
+
+  mutable std::mutex error_mu_;
+  std::optional<Error> error_;                   // guarded by error_mu_
+  std::optional<AbortPayload> abort_to_send_;    // guarded by error_mu_
+  int abort_skip_peer_ = -1;                     // guarded by error_mu_
+  std::atomic<bool> broken_{false};
+
+  // The abort frame being sent during shutdown.
+  EncodedHeader abort_header_{};
+  std::string abort_payload_;
+};
+
+// ---- TcpConnection: send side. ----
+
+uint64_t TcpConnection::PostSend(const core::CallTag& tag, const void* data, size_t bytes) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
+  if (data == nullptr && bytes > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(fabric_->rank_) + ": PostSend of " +
+                    std::to_string(bytes) + " bytes from a null buffer to rank " +
+                    std::to_string(peer_));
+  }
+  const uint64_t ticket = ++sends_posted_;
+  sends_.push_back(SendOp{tag, static_cast<const uint8_t*>(data), bytes});
+  if (peer_closed_) {
+    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &tag, true));
+    fabric_->ThrowIfBroken();
+  }
+  StartWrite();
+  return ticket;
+}
+
+void TcpConnection::StartWrite() {
+  while (!write_in_flight_ && !sends_.empty() && !fabric_->broken()) {
+    const size_t frames = std::min(sends_.size(), kMaxBatch);
+    size_t n = 0;
+    for (size_t k = 0; k < frames; ++k) {
+      const SendOp& op = sends_[k];
+      FrameHeader header;
+      header.kind = FrameKind::kData;
+      header.tag = op.tag;
+      header.bytes = op.bytes;
+      batch_headers_[k] = EncodeHeader(header);
+      iov_[n++] = asio::const_buffer(batch_headers_[k].data(), kFrameHeaderBytes);
+      if (op.bytes > 0) iov_[n++] = asio::const_buffer(op.data, op.bytes);
+      frame_end_[k] = n;
+      frame_bytes_[k] = kFrameHeaderBytes + op.bytes;
+    }
+    batch_frames_ = frames;
+    batch_done_ = 0;
+    frame_written_ = 0;
+    iov_pos_ = 0;
+    iov_end_ = n;
+    // Write at once: a frame that fits in the socket buffer then completes here, without a
+    // completion handler to queue and run. Whatever is left goes to an asynchronous write.
+    asio::error_code ec;
+    const size_t written =
+        socket_.write_some(BufferSpan{iov_.data(), iov_.data() + iov_end_}, ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      IssueWrite();
+      return;
+    }
+    if (ec) {
+      WriteFailed(ec);
+      return;
+    }
+    AccountWritten(written);
+    if (iov_pos_ < iov_end_) {
+      IssueWrite();
+      return;
+    }
+  }
+}
+
+void TcpConnection::IssueWrite() {
+  write_in_flight_ = true;
+  socket_.async_write_some(BufferSpan{iov_.data() + iov_pos_, iov_.data() + iov_end_},
+                           WriteHandler{this});
+}
+
+void TcpConnection::ConsumeWritten(size_t bytes) {
+  size_t left = bytes;
+  while (left > 0 && iov_pos_ < iov_end_) {
+    const size_t size = iov_[iov_pos_].size();
+    if (left >= size) {
+      left -= size;
+      ++iov_pos_;
+    } else {
+      iov_[iov_pos_] += left;
+      left = 0;
+    }
+  }
+}
+
+void TcpConnection::AccountWritten(size_t bytes) {
+  ConsumeWritten(bytes);
+  // Complete the frames whose last byte was written.
+  size_t left = bytes;
+  while (left > 0 && batch_done_ < batch_frames_) {
+    const size_t need = frame_bytes_[batch_done_] - frame_written_;
+    if (left < need) {
+      frame_written_ += left;
+      left = 0;
+    } else {
+      left -= need;
+      frame_written_ = 0;
+      ++batch_done_;
+      sends_.pop_front();
+      ++sends_done_;
+    }
+  }
+}
+
+void TcpConnection::WriteFailed(const asio::error_code& ec) {
+  peer_closed_ = peer_closed_ || IsClosedByPeer(ec);
+  const core::CallTag* what = sends_.empty() ? nullptr : &sends_.front().tag;
+  fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, ClosedReason(ec), what, true));
+}
+
+void TcpConnection::OnWrite(const asio::error_code& ec, size_t bytes) {
+  write_in_flight_ = false;
+  if (closed_ || ec == asio::error::operation_aborted) return;
+  if (abort_write_ == AbortWrite::kWriting) {
+    if (ec) {
+      abort_write_ = AbortWrite::kDone;
+      return;
+    }
+    ConsumeWritten(bytes);
+    if (iov_pos_ < iov_end_) {
+      IssueWrite();
+    } else {
+      abort_write_ = AbortWrite::kDone;
+    }
+    return;
+  }
+  if (ec) {
+    if (abort_write_ == AbortWrite::kPending) {
+      abort_write_ = AbortWrite::kDone;
+      return;
+    }
+    WriteFailed(ec);
+    return;
+  }
+  AccountWritten(bytes);
+  if (abort_write_ == AbortWrite::kPending) {
+    // Shutting down: finish the frame cut in the middle (the stream must stay parseable), drop
+    // the rest of the batch, then send the abort frame.
+    if (frame_written_ > 0 && batch_done_ < batch_frames_) {
+      iov_end_ = frame_end_[batch_done_];
+      IssueWrite();
+    } else {
+      WriteAbortFrame();
+    }
+    return;
+  }
+  if (iov_pos_ < iov_end_) {
+    IssueWrite();
+  } else {
+    StartWrite();
+  }
+}
+
+void TcpConnection::StartAbortWrite(const asio::const_buffer& header,
+                                    const asio::const_buffer& payload) {
+  if (closed_ || peer_closed_) {
+    abort_write_ = AbortWrite::kDone;
+    return;
+  }
+  abort_header_ = header;
+  abort_payload_ = payload;
+  abort_write_ = AbortWrite::kPending;
+  if (!write_in_flight_) WriteAbortFrame();
+}
+
+void TcpConnection::WriteAbortFrame() {
+  abort_write_ = AbortWrite::kWriting;
+  iov_[0] = abort_header_;
+  iov_[1] = abort_payload_;
+  iov_pos_ = 0;
+  iov_end_ = 2;
+  IssueWrite();
+}
+
+// ---- TcpConnection: receive side. ----
+
+uint64_t TcpConnection::PostRecv(const core::CallTag& tag, void* data, size_t bytes) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
+  if (data == nullptr && bytes > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(fabric_->rank_) + ": PostRecv of " +
+                    std::to_string(bytes) + " bytes into a null buffer from rank " +
+                    std::to_string(peer_));
+  }
+  const uint64_t ticket = ++recvs_posted_;
+  recvs_.push_back(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
+  if (peer_closed_ && read_state_ == ReadState::kStopped) {
+    // Every frame the peer sent before closing has been consumed: this one never comes.
+    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &tag, false));
+  } else if (recvs_.size() == 1) {
+    TryMatch();
+  }
+  fabric_->ThrowIfBroken();
+  return ticket;
+}
+
+void TcpConnection::ArmHeaderRead() {
+  read_state_ = ReadState::kHeader;
+  read_got_ = 0;
+  IssueRead(header_buffer_.data(), kFrameHeaderBytes);
+}
+
+void TcpConnection::IssueRead(void* data, size_t bytes) {
+  socket_.async_read_some(asio::buffer(data, bytes), ReadHandler{this});
+}
+
+void TcpConnection::OnRead(const asio::error_code& ec, size_t bytes) {
+  if (closed_ || fabric_->broken()) {
+    // Stop: after an error nothing more is written into the callers' buffers.
+    read_state_ = ReadState::kStopped;
+    return;
+  }
+  if (ec) return OnReadError(ec);
+  read_got_ += bytes;
+  switch (read_state_) {
+    case ReadState::kHeader:
+      if (read_got_ < kFrameHeaderBytes) {
+        IssueRead(header_buffer_.data() + read_got_, kFrameHeaderBytes - read_got_);
+      } else {
+        OnHeader();
+      }
+      return;
+    case ReadState::kPayload: {
+      RecvOp& op = recvs_.front();
+      if (read_got_ < op.bytes) {
+        IssueRead(op.data + read_got_, op.bytes - read_got_);
+        return;
+      }
+      recvs_.pop_front();
+      ++recvs_done_;
+      ArmHeaderRead();
+      return;
+    }
+    case ReadState::kAbortPayload: {
+      if (read_got_ < header_.bytes) {
+        IssueRead(abort_buffer_.data() + read_got_, header_.bytes - read_got_);
+        return;
+      }
+      read_state_ = ReadState::kStopped;
+      std::string why;
+      auto payload = DecodeAbortPayload(abort_buffer_.data(), header_.bytes, &why);
+      if (!payload) {
+        fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
+                                                          ": malformed abort frame from rank " +
+                                                          std::to_string(peer_) + ": " + why));
+        return;
+      }
+      // Relay it, culprit and message unchanged, to the peers it may not have reached.
+      fabric_->Break(AbortReceivedError(fabric_->rank_, *payload), *payload, peer_);
+      return;
+    }
+    case ReadState::kHeaderReady:
+    case ReadState::kStopped:
+      return;
+  }
+}
+
+void TcpConnection::OnHeader() {
+  std::string why;
+  auto header = DecodeHeader(header_buffer_.data(), &why);
+  if (!header) {
+    read_state_ = ReadState::kStopped;
+    fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
+                                                      ": malformed frame from rank " +
+                                                      std::to_string(peer_) + ": " + why));
+    return;
+  }
+  header_ = *header;
+  if (header_.kind == FrameKind::kAbort) {
+    // DecodeHeader bounded the size by kMaxAbortPayload (the buffer's size).
+    read_state_ = ReadState::kAbortPayload;
+    read_got_ = 0;
+    IssueRead(abort_buffer_.data(), header_.bytes);
+    return;
+  }
+  read_state_ = ReadState::kHeaderReady;
+  TryMatch();
+}
+
+void TcpConnection::TryMatch() {
+  if (read_state_ != ReadState::kHeaderReady || recvs_.empty()) return;
+  RecvOp& op = recvs_.front();
+  if (header_.tag != op.tag || header_.bytes != op.bytes) {
+    read_state_ = ReadState::kStopped;
+    fabric_->BreakLocal(
+        MismatchError(fabric_->rank_, peer_, op.tag, op.bytes, header_.tag, header_.bytes));
+    return;
+  }
+  if (op.bytes == 0) {
+    recvs_.pop_front();
+    ++recvs_done_;
+    ArmHeaderRead();
+    return;
+  }
+  read_state_ = ReadState::kPayload;
+  read_got_ = 0;
+  // The payload usually arrived with its header: read it at once, into the caller's buffer,
+  // rather than through a queued completion.
+  asio::error_code ec;
+  const size_t got = socket_.read_some(asio::buffer(op.data, op.bytes), ec);
+  if (ec == asio::error::would_block || ec == asio::error::try_again) {
+    IssueRead(op.data, op.bytes);
+    return;
+  }
+  if (ec) return OnReadError(ec);
+  read_got_ = got;
+  if (read_got_ < op.bytes) {
+    IssueRead(op.data + read_got_, op.bytes - read_got_);
+    return;
+  }
+  recvs_.pop_front();
+  ++recvs_done_;
+  ArmHeaderRead();
+}
+
+void TcpConnection::OnReadError(const asio::error_code& ec) {
+  read_state_ = ReadState::kStopped;
+  if (ec == asio::error::operation_aborted) return;
+  // A peer that closed after its last frame is not an error until this rank needs it.
+  peer_closed_ = true;
+  closed_reason_ = ClosedReason(ec);
+  if (!recvs_.empty()) {
+    fabric_->BreakLocal(
+        PeerLostError(fabric_->rank_, peer_, closed_reason_, &recvs_.front().tag, false));
+  }
+}
+
+void TcpConnection::Close() {
+  if (closed_) return;
+  closed_ = true;
+  asio::error_code ec;
+  // Closing a socket with unread bytes makes the kernel send a reset, which discards what this
+  // side has queued but not sent yet (such as the abort frame). Discard what has arrived first
+  // (bounded: this is a shutdown, not the data path).
+  if (!peer_closed_) {
+    socket_.non_blocking(true, ec);
+    std::array<uint8_t, 16384> scratch;
+    for (int i = 0; i < 64 && !ec; ++i) {
+      if (socket_.read_some(asio::buffer(scratch), ec) == 0) break;
+    }
+  }
+  socket_.shutdown(tcp::socket::shutdown_both, ec);
+  socket_.close(ec);
+}
+
+// ---- TcpConnection: waiting. ----
+
+void TcpConnection::WaitSend(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
+  if (ticket > sends_posted_) {
+    throw Error(ErrorCode::kInvalidUsage,
+                "rank " + std::to_string(fabric_->rank_) + ": WaitSend(" +
+                    std::to_string(ticket) + ") to rank " + std::to_string(peer_) + ", but only " +
+                    std::to_string(sends_posted_) + " sends were posted");
+  }
+  fabric_->Drive([this, ticket] { return sends_done_ >= ticket; }, *this, true);
+}
+
+void TcpConnection::WaitRecv(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
+  if (ticket > recvs_posted_) {
+    throw Error(ErrorCode::kInvalidUsage,
+                "rank " + std::to_string(fabric_->rank_) + ": WaitRecv(" +
+                    std::to_string(ticket) + ") from rank " + std::to_string(peer_) +
+                    ", but only " + std::to_string(recvs_posted_) + " receives were posted");
+  }
+  fabric_->Drive([this, ticket] { return recvs_done_ >= ticket; }, *this, false);
+}
+
+bool TcpConnection::TestSend(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  return fabric_->Test([this, ticket] { return sends_done_ >= ticket; }, *this, true);
+}
+
+bool TcpConnection::TestRecv(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  return fabric_->Test([this, ticket] { return recvs_done_ >= ticket; }, *this, false);
+}
+
+// ---- TcpFabric. ----
+
+TcpFabric::TcpFabric(int rank, int size,
+                     std::vector<std::optional<tcp::socket>>& sockets_in_setup)
+    : work_(asio::make_work_guard(io_)), rank_(rank), size_(size) {
+  connections_.resize(size);
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    tcp::socket& setup_socket = *sockets_in_setup[peer];
+    const auto protocol = setup_socket.local_endpoint().protocol();
+    // Move the descriptor from the set-up io_context to this fabric's.
+    tcp::socket socket(io_, protocol, setup_socket.release());
+    asio::error_code ec;
+    socket.non_blocking(true, ec);  // the synchronous first attempts must never block
+    if (ec) {
+      throw Error(ErrorCode::kSystem, "rank " + std::to_string(rank) +
+                                          ": cannot make the socket to rank " +
+                                          std::to_string(peer) + " non-blocking: " +
+                                          ec.message());
+    }
+    connections_[peer] = std::make_unique<TcpConnection>(this, peer, std::move(socket));
+  }
+  for (auto& connection : connections_) {
+    if (connection) connection->ArmHeaderRead();
+  }
+}
+
+TcpFabric::~TcpFabric() {
+  std::lock_guard<std::mutex> lock(drive_mu_);
+  if (broken()) {
+    RunShutdown();
+  } else {
+    for (auto& connection : connections_) {
+      if (connection) connection->Close();
+    }
+    // Run the cancelled operations now: their handler memory lives in the connections.
+    io_.poll();
+  }
+  connections_.clear();
+  work_.reset();
+}
+
+Connection& TcpFabric::connection(int peer) {
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank_) + ": no connection to rank " +
+                    std::to_string(peer) + " in a fabric of " + std::to_string(size_));
+  }
+  return *connections_[peer];
+}
+
+void TcpFabric::SetDeadline(Clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(drive_mu_);
+  deadline_ = deadline;
+}
+
+void TcpFabric::SetSpin(std::chrono::microseconds spin) {
+  std::lock_guard<std::mutex> lock(drive_mu_);
+  spin_ = std::max(spin, std::chrono::microseconds(0));
+}
+
+void TcpFabric::Break(const Error& error, std::optional<AbortPayload> payload, int skip_peer) {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  if (error_) return;
+  error_.emplace(error);
+  abort_to_send_ = std::move(payload);
+  abort_skip_peer_ = skip_peer;
+  broken_.store(true, std::memory_order_release);
+}
+
+void TcpFabric::Abort(const Error& error) {
+  Break(error, AbortPayloadFor(rank_, error), -1);
+  std::unique_lock<std::mutex> lock(drive_mu_, std::try_to_lock);
+  if (lock.owns_lock()) {
+    RunShutdown();
+  } else {
+    // The driving thread is inside a call: wake it; it runs the shutdown.
+    asio::post(io_, [] {});
+  }
+}
+
+void TcpFabric::ThrowIfBroken() {
+  if (!broken()) return;
+  RunShutdown();
+  std::lock_guard<std::mutex> lock(error_mu_);
+  throw *error_;
+}
+
+void TcpFabric::RunShutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  std::optional<AbortPayload> payload;
+  int skip = -1;
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    payload = abort_to_send_;
+    skip = abort_skip_peer_;
+  }
+  if (payload) {
+    abort_payload_ = EncodeAbortPayload(*payload);
+    FrameHeader header;
+    header.kind = FrameKind::kAbort;
+    header.bytes = abort_payload_.size();
+    abort_header_ = EncodeHeader(header);
+    for (auto& connection : connections_) {
+      if (!connection || connection->peer_ == skip) continue;
+      connection->StartAbortWrite(asio::buffer(abort_header_),
+                                  asio::buffer(abort_payload_.data(), abort_payload_.size()));
+    }
+    const auto until = Clock::now() + kAbortBudget;
+    auto pending = [this] {
+      for (auto& connection : connections_) {
+        if (connection && (connection->abort_write_ == TcpConnection::AbortWrite::kPending ||
+                           connection->abort_write_ == TcpConnection::AbortWrite::kWriting)) {
+          return true;
+        }
+      }
+      return false;
+    };
+    while (pending() && Clock::now() < until) io_.run_one_until(until);
+  }
+  for (auto& connection : connections_) {
+    if (connection) connection->Close();
+  }
+  // Let the cancelled operations finish now, so none runs later on freed user buffers.
+  io_.poll();
+}
+
+template <typename Done>
+void TcpFabric::Drive(Done done, TcpConnection& connection, bool sending) {
+  if (done()) return;
+  const auto spin_end = Clock::now() + spin_;
+  for (;;) {
+    ThrowIfBroken();
+    if (done()) return;
+    const auto now = Clock::now();
+    if (now >= deadline_) ThrowTimeout(connection, sending);
+    if (now < spin_end) {
+      io_.poll();
+    } else {
+      io_.run_one_until(deadline_);
+    }
+  }
+}
+
+template <typename Done>
+bool TcpFabric::Test(Done done, TcpConnection& connection, bool sending) {
+  ThrowIfBroken();
+  if (done()) return true;
+  io_.poll();
+  ThrowIfBroken();
+  if (done()) return true;
+  if (Clock::now() >= deadline_) ThrowTimeout(connection, sending);
+  return false;
+}
+
+void TcpFabric::ThrowTimeout(TcpConnection& connection, bool sending) {
+  // Report the oldest incomplete operation: it is the one that holds the rest up.
+  if (sending) {
+    const auto& op = connection.sends_.front();
+    BreakLocal(TimeoutError(rank_, connection.peer_, op.tag, op.bytes, true));
+  } else {
+    const auto& op = connection.recvs_.front();
+    BreakLocal(TimeoutError(rank_, connection.peer_, op.tag, op.bytes, false));
+  }
+  ThrowIfBroken();
+  throw Error(ErrorCode::kInternal, "unreachable: broken fabric did not throw");
+}
+
+// ---- Set-up. ----
+
+struct HostPort {
+  std::string host;
+  uint16_t port = 0;
+};
+
+std::optional<HostPort> ParseHostPort(const std::string& text) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) return std::nullopt;
+  HostPort out;
+  out.host = text.substr(0, colon);
+  if (out.host.size() >= 2 && out.host.front() == '[' && out.host.back() == ']') {
+    out.host = out.host.substr(1, out.host.size() - 2);
+  }
+  unsigned long port = 0;
+  for (size_t i = colon + 1; i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return std::nullopt;
+    port = port * 10 + static_cast<unsigned long>(text[i] - '0');
+    if (port > 65535) return std::nullopt;
+  }
+  if (port == 0) return std::nullopt;
+  out.port = static_cast<uint16_t>(port);
+  return out;
+}
+
+std::string FormatHostPort(const std::string& host, uint16_t port) {
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
+  return host + ":" + std::to_string(port);
+}
+
+std::string JoinRanks(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
+  return out;
+}
+
+// Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
+// Used by one thread.
+class MeshBuilder {
+ public:
+  MeshBuilder(int rank, int size, const TcpFabricOptions& options)
+      : rank_(rank),
+        size_(size),
+        options_(options),
+        start_(Clock::now()),
+        deadline_(start_ + options.timeout),
+        acceptor_(io_),
+        sockets_(size),
+        status_(size),
+        addresses_(size),
+        attempts_(size, 0) {
+    config_.job_id = options.job_id;
+    config_.token = options.token;
+    config_.rank = rank;
+    config_.world_size = size;
+  }
+
+  std::vector<std::optional<tcp::socket>>& Build(Store& store);
+
+ private:
+  std::string Prefix() const { return "rank " + std::to_string(rank_) + ": "; }
+  void Listen();
+  void ReadAddresses(Store& store);
+  void AcceptNext();
+  void Connect(int peer);
+  void RetryConnect(int peer);
+  void Admit(int peer, tcp::socket socket);
+  [[noreturn]] void ThrowTimeout();
+
+  const int rank_;
+  const int size_;
+  const TcpFabricOptions options_;
+  const Clock::time_point start_;
+  const Clock::time_point deadline_;
+  HandshakeConfig config_;
+
+  asio::io_context io_{1};  // declared before every socket and timer
+  tcp::acceptor acceptor_;
+  std::vector<std::optional<tcp::socket>> sockets_;  // admitted, by peer rank
+  std::vector<std::string> status_;                  // last news of each missing peer
+  std::vector<HostPort> addresses_;
+  std::vector<int> attempts_;
+  std::vector<std::weak_ptr<HandshakeSession>> sessions_;
+  std::vector<std::unique_ptr<asio::steady_timer>> timers_;
+  std::optional<Error> failure_;
+  int missing_ = 0;
+};
+
+void MeshBuilder::Listen() {
+  asio::error_code ec;
+  asio::ip::address address = asio::ip::make_address(options_.bind_host, ec);
+  if (ec) {
+    tcp::resolver resolver(io_);
+    auto results = resolver.resolve(options_.bind_host, "0", ec);
+    if (ec || results.empty()) {
+      throw Error(ErrorCode::kSystem, Prefix() + "cannot resolve bind host '" +
+                                          options_.bind_host + "': " + ec.message());
+    }
+    address = results.begin()->endpoint().address();
+  }
+  const tcp::endpoint endpoint(address, 0);
+  acceptor_.open(endpoint.protocol(), ec);
+  if (!ec) acceptor_.bind(endpoint, ec);
+  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    throw Error(ErrorCode::kSystem,
+                Prefix() + "cannot listen on " + options_.bind_host + ": " + ec.message());
+  }
+}
+
+void MeshBuilder::ReadAddresses(Store& store) {
+  std::vector<int> unpublished;
+  for (int peer = rank_ + 1; peer < size_; ++peer) {
+    const std::string key = options_.key_prefix + "/addr/" + std::to_string(peer);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ -
+                                                                            Clock::now());
+    std::string value;
+    try {
+      value = store.Get(key, std::max(left, std::chrono::milliseconds(0)));
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kTimeout) throw;
+      unpublished.push_back(peer);
+      continue;
+    }
+    auto parsed = ParseHostPort(value);
+    if (!parsed) {
+      throw Error(ErrorCode::kInvalidArgument, Prefix() + "rank " + std::to_string(peer) +
+                                                   " published a malformed address '" + value +
+                                                   "' under '" + key + "'");
+    }
+    addresses_[peer] = *parsed;
+  }
+  if (!unpublished.empty()) {
+    throw Error(ErrorCode::kTimeout,
+                Prefix() + "timed out after " + std::to_string(options_.timeout.count()) +
+                    " ms setting up connections: rank(s) " + JoinRanks(unpublished) +
+                    " never published an address under '" + options_.key_prefix + "/addr/'");
+  }
+}
+
+void MeshBuilder::AcceptNext() {
+  acceptor_.async_accept([this](const asio::error_code& ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
+    if (ec) {
+      // Out of descriptors or similar: try again shortly rather than spin.
+      auto timer = std::make_unique<asio::steady_timer>(io_, std::chrono::milliseconds(10));
+      timer->async_wait([this](const asio::error_code& timer_ec) {
+        if (!timer_ec) AcceptNext();
+      });
+      timers_.push_back(std::move(timer));
+      return;
+    }
+    asio::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    auto accept_rank = [this](int client) {
+      return client < rank_ && client >= 0 && !sockets_[client].has_value();
+    };
+    sessions_.push_back(HandshakeSession::StartServer(
+        std::move(socket), config_, accept_rank, deadline_,
+        [this](const HandshakeResult& result, tcp::socket admitted) {
+          if (!result.ok) return;  // logged by the session; keep accepting
+          Admit(result.peer_rank, std::move(admitted));
+        }));
+    AcceptNext();
+  });
+}
+
+void MeshBuilder::Connect(int peer) {
+  ++attempts_[peer];
+  const HostPort& address = addresses_[peer];
+  asio::error_code ec;
+  tcp::resolver resolver(io_);
+  auto results = resolver.resolve(address.host, std::to_string(address.port), ec);
+  if (ec || results.empty()) {
+    status_[peer] = "cannot resolve " + address.host + ": " + ec.message();
+    RetryConnect(peer);
+    return;
+  }
+  const tcp::endpoint endpoint = results.begin()->endpoint();
+  auto socket = std::make_shared<tcp::socket>(io_);
+  socket->async_connect(endpoint, [this, peer, socket, endpoint](const asio::error_code& error) {
+    const std::string where = FormatHostPort(endpoint.address().to_string(), endpoint.port());
+    if (error) {
+      status_[peer] = "connect to " + where + ": " + error.message();
+      RetryConnect(peer);
+      return;
+    }
+    asio::error_code ignored;
+    socket->set_option(tcp::no_delay(true), ignored);
+    status_[peer] = "handshake with " + where + " not finished";
+    sessions_.push_back(HandshakeSession::StartClient(
+        std::move(*socket), config_, peer, deadline_,
+        [this, peer, where](const HandshakeResult& result, tcp::socket connected) {
+          if (result.ok) return Admit(peer, std::move(connected));
+          if (result.code == ErrorCode::kTimeout || result.code == ErrorCode::kAborted) {
+            status_[peer] = "handshake with " + where + ": " + result.why;
+            return;
+          }
+          if (!failure_) {
+            failure_.emplace(result.code, Prefix() + "handshake with rank " +
+                                              std::to_string(peer) + " at " + where +
+                                              " failed: " + result.why);
+          }
+        }));
+  });
+}
+
+void MeshBuilder::RetryConnect(int peer) {
+  // Back off 2, 4, 8 ... ms, at most 200 ms, never past the deadline.
+  const int shift = std::min(attempts_[peer], 7);
+  const auto delay = std::chrono::milliseconds(std::min(1 << shift, 200));
+  const auto when = std::min(Clock::now() + delay, deadline_);
+  if (when >= deadline_) return;
+  auto timer = std::make_unique<asio::steady_timer>(io_, when);
+  timer->async_wait([this, peer](const asio::error_code& ec) {
+    if (!ec) Connect(peer);
+  });
+  timers_.push_back(std::move(timer));
+}
+
+void MeshBuilder::Admit(int peer, tcp::socket socket) {
+  if (sockets_[peer].has_value()) {
+    std::cerr << "collectives: rank " + std::to_string(rank_) +
+                     " dropped a second connection claiming rank " + std::to_string(peer) +
+                     "\n";
+    return;
+  }
+  sockets_[peer].emplace(std::move(socket));
+  --missing_;
+}
+
+void MeshBuilder::ThrowTimeout() {
+  std::string message = Prefix() + "timed out after " + std::to_string(options_.timeout.count()) +
+                        " ms setting up connections: still missing ";
+  bool first = true;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || sockets_[peer].has_value()) continue;
+    if (!first) message += ", ";
+    first = false;
+    message += "rank " + std::to_string(peer) + " (";
+    if (!status_[peer].empty()) {
+      message += status_[peer];
+    } else if (peer < rank_) {
+      message += "it never completed a connection to this rank";
+    } else {
+      message += "no attempt finished";
+    }
+    message += ")";
+  }
+  throw Error(ErrorCode::kTimeout, message);
+}
+
+std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
+  Listen();
+  const auto port = acceptor_.local_endpoint().port();
+  std::string host = options_.bind_host;
+  asio::error_code ec;
+  const auto bind_address = asio::ip::make_address(host, ec);
+  if (!ec && bind_address.is_unspecified()) host = asio::ip::host_name();
+  store.Set(options_.key_prefix + "/addr/" + std::to_string(rank_), FormatHostPort(host, port));
+  ReadAddresses(store);
+
+  missing_ = size_ - 1;
+  if (rank_ > 0) AcceptNext();
+  for (int peer = rank_ + 1; peer < size_; ++peer) Connect(peer);
+  while (missing_ > 0 && !failure_ && Clock::now() < deadline_) io_.run_one_until(deadline_);
+
+  // Stop what is still going on (strangers' handshakes, retries) before leaving.
+  acceptor_.close(ec);
+  for (auto& weak : sessions_) {
+    if (auto session = weak.lock()) session->Cancel();
+  }
+  for (auto& timer : timers_) timer->cancel();
+  io_.restart();
+  io_.poll();
+  if (failure_) throw *failure_;
+  if (missing_ > 0) ThrowTimeout();
+  return sockets_;
+}
+
+}  // namespace
+
+std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
+                                         const TcpFabricOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
+                                                 " is not in a world of size " +
+                                                 std::to_string(size));
+  }
+  if (options.job_id.size() > kMaxJobIdBytes) {
+    throw Error(ErrorCode::kInvalidArgument, "job id '" + options.job_id + "' is longer than " +
+                                                 std::to_string(kMaxJobIdBytes) + " bytes");
+  }
+  std::vector<std::optional<tcp::socket>> none;
+  if (size == 1) {
+    return std::make_unique<TcpFabric>(rank, size, none);
+  }
+  MeshBuilder builder(rank, size, options);
+  return std::make_unique<TcpFabric>(rank, size, builder.Build(store));
+}
+
+std::string LocalAddressToward(const std::string& remote_host) {
+  asio::io_context io;
+  asio::error_code ec;
+  asio::ip::udp::resolver resolver(io);
+  auto results = resolver.resolve(remote_host, "9", ec);
+  if (ec || results.empty()) return "127.0.0.1";
+  for (const auto& entry : results) {
+    const auto address = entry.endpoint().address();
+    if (address.is_loopback()) return remote_host;
+    asio::ip::udp::socket socket(io);
+    socket.open(entry.endpoint().protocol(), ec);
+    if (ec) continue;
+    socket.connect(entry.endpoint(), ec);  // no packet is sent: only the route is chosen
+    if (ec) continue;
+    const auto local = socket.local_endpoint(ec);
+    if (ec) continue;
+    if (local.address() == address) return remote_host;  // the remote host is this host
+    return local.address().to_string();
+  }
+  return "127.0.0.1";
+}
+
+}  // namespace collectives::transport

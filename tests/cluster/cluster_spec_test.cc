@@ -1,0 +1,439 @@
+// Tests of ClusterSpec: TF_CONFIG parsing, the environment sources, Validate, and "host:port".
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <map>
+#include <string>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+
+namespace collectives {
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+// Runs `body`, expects Error(kInvalidArgument) whose message contains every one of `parts`.
+template <typename Body>
+void ExpectInvalid(Body body, std::initializer_list<std::string> parts) {
+  try {
+    body();
+    ADD_FAILURE() << "expected Error(kInvalidArgument) mentioning '" << *parts.begin() << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    for (const std::string& part : parts) {
+      EXPECT_NE(e.message().find(part), std::string::npos)
+          << "message '" << e.message() << "' lacks '" << part << "'";
+    }
+  }
+}
+
+void ExpectBadTfConfig(const std::string& json, std::initializer_list<std::string> parts) {
+  SCOPED_TRACE(json);
+  ExpectInvalid([&] { ClusterSpec::FromTfConfig(json); }, parts);
+}
+
+void ExpectBadEnv(const Env& env, std::initializer_list<std::string> parts) {
+  ExpectInvalid([&] { ClusterSpec::FromEnvironment(env); }, parts);
+}
+
+// ---- TF_CONFIG, good ----
+
+TEST(TfConfigTest, ChiefAndWorkersChiefIsRankZero) {
+  const char* json = R"({"cluster": {"chief": ["c0:2222"], "worker": ["w0:2223", "w1:2224"]},
+                         "task": {"type": "chief", "index": 0}})";
+  ClusterSpec spec = ClusterSpec::FromTfConfig(json);
+  EXPECT_EQ(spec.rank, 0);
+  EXPECT_EQ(spec.world_size, 3);
+  EXPECT_EQ(spec.master_addr, "c0");
+  EXPECT_EQ(spec.master_port, 2222);
+  EXPECT_EQ(spec.addresses, (std::vector<std::string>{"c0:2222", "w0:2223", "w1:2224"}));
+  EXPECT_EQ(spec.task_type, "chief");
+  EXPECT_EQ(spec.task_index, 0);
+  EXPECT_EQ(spec.job_id, "collectives");
+}
+
+TEST(TfConfigTest, WorkersFollowTheChiefInListOrder) {
+  const char* json = R"({"cluster": {"worker": ["w0:2223", "w1:2224"], "chief": ["c0:2222"]},
+                         "task": {"type": "worker", "index": 1}})";
+  ClusterSpec spec = ClusterSpec::FromTfConfig(json);
+  EXPECT_EQ(spec.rank, 2);
+  EXPECT_EQ(spec.world_size, 3);
+  EXPECT_EQ(spec.task_type, "worker");
+  EXPECT_EQ(spec.task_index, 1);
+  EXPECT_EQ(spec.master_addr, "c0");
+  EXPECT_EQ(spec.master_port, 2222);
+}
+
+TEST(TfConfigTest, WorkersOnlyWorkerZeroHostsTheStore) {
+  const char* json = R"({"cluster": {"worker": ["10.0.0.1:5000", "10.0.0.2:5001", "h3:1"]},
+                         "task": {"type": "worker", "index": 2},
+                         "environment": "cloud", "rpc_layer": "grpc"})";
+  ClusterSpec spec = ClusterSpec::FromTfConfig(json);
+  EXPECT_EQ(spec.rank, 2);
+  EXPECT_EQ(spec.world_size, 3);
+  EXPECT_EQ(spec.master_addr, "10.0.0.1");
+  EXPECT_EQ(spec.master_port, 5000);
+  EXPECT_EQ(spec.addresses.size(), 3u);
+}
+
+TEST(TfConfigTest, SingleWorker) {
+  ClusterSpec spec = ClusterSpec::FromTfConfig(
+      R"({"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 0}})");
+  EXPECT_EQ(spec.rank, 0);
+  EXPECT_EQ(spec.world_size, 1);
+}
+
+TEST(TfConfigTest, Ipv6AddressesInBrackets) {
+  const char* json = R"({"cluster": {"worker": ["[::1]:7000", "[fe80::2]:7001"]},
+                         "task": {"type": "worker", "index": 1}})";
+  ClusterSpec spec = ClusterSpec::FromTfConfig(json);
+  EXPECT_EQ(spec.master_addr, "::1");
+  EXPECT_EQ(spec.master_port, 7000);
+  EXPECT_EQ(spec.addresses[1], "[fe80::2]:7001");
+  EXPECT_EQ(spec.rank, 1);
+}
+
+TEST(TfConfigTest, JobIdExtension) {
+  ClusterSpec spec = ClusterSpec::FromTfConfig(
+      R"({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0},
+          "job_id": "run-42"})");
+  EXPECT_EQ(spec.job_id, "run-42");
+}
+
+// ---- TF_CONFIG, bad ----
+
+TEST(TfConfigTest, NotJsonNamesThePosition) {
+  ExpectBadTfConfig(R"({"cluster": )", {"not valid JSON", "byte"});
+  ExpectBadTfConfig("nonsense", {"not valid JSON", "byte 2", "line 1, column 2"});
+}
+
+TEST(TfConfigTest, NotAnObject) {
+  ExpectBadTfConfig(R"(["a:1"])", {"JSON object", "array"});
+  ExpectBadTfConfig("42", {"JSON object", "number"});
+}
+
+TEST(TfConfigTest, MissingFields) {
+  ExpectBadTfConfig(R"({"task": {"type": "worker", "index": 0}})", {"'cluster'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}})", {"'task'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}})", {"'task.type'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}})",
+                    {"'task.index'"});
+}
+
+TEST(TfConfigTest, WrongTypes) {
+  ExpectBadTfConfig(R"({"cluster": ["a:1"], "task": {"type": "worker", "index": 0}})",
+                    {"'cluster'", "object", "array"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker'", "array", "string"});
+  ExpectBadTfConfig(
+      R"({"cluster": {"worker": ["a:1", 7]}, "task": {"type": "worker", "index": 0}})",
+      {"'cluster.worker[1]'", "string", "number"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": "worker"})", {"'task'", "object"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": 1, "index": 0}})",
+                    {"'task.type'", "string"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}})",
+                    {"'task.index'", "integer"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0.5}})",
+                    {"'task.index'", "integer"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0},
+                        "job_id": 3})",
+                    {"'job_id'", "string"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0},
+                        "job_id": ""})",
+                    {"'job_id'", "empty"});
+}
+
+TEST(TfConfigTest, NoTasks) {
+  ExpectBadTfConfig(R"({"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker'", "no 'cluster.chief'"});
+  ExpectBadTfConfig(R"({"cluster": {}, "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker'"});
+}
+
+TEST(TfConfigTest, MoreThanOneChief) {
+  ExpectBadTfConfig(R"({"cluster": {"chief": ["a:1", "b:1"], "worker": ["c:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.chief'", "at most one chief"});
+}
+
+TEST(TfConfigTest, IndexOutOfRangeSaysTheRange) {
+  ExpectBadTfConfig(
+      R"({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 2}})",
+      {"'task.index'", "0..1"});
+  ExpectBadTfConfig(
+      R"({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": -1}})",
+      {"'task.index'", "0..1"});
+  ExpectBadTfConfig(R"({"cluster": {"chief": ["a:1"]}, "task": {"type": "chief", "index": 1}})",
+                    {"'task.index'", "0..0"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}})",
+                    {"'task.index'", "'cluster.chief' lists no tasks"});
+}
+
+TEST(TfConfigTest, DuplicateAddressesNameBothPositions) {
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1", "b:2", "a:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker[0]'", "'cluster.worker[2]'", "'a:1'"});
+  ExpectBadTfConfig(R"({"cluster": {"chief": ["Host:1"], "worker": ["host:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.chief[0]'", "'cluster.worker[0]'"});
+}
+
+TEST(TfConfigTest, MalformedHostPort) {
+  const char* cases[][2] = {
+      {"a", "missing port"},       {"a:", "missing port"},  {":80", "empty host"},
+      {"a:0", "1..65535"},         {"a:65536", "1..65535"}, {"a:-1", "1..65535"},
+      {"a:8x", "1..65535"},        {"::1:80", "brackets"},  {"[::1]", "missing port"},
+      {"[::1:80", "unterminated"}, {"[]:80", "empty host"}, {"a b:80", "character"},
+  };
+  for (const auto& [address, reason] : cases) {
+    std::string json = std::string(R"({"cluster": {"worker": ["ok:1", ")") + address +
+                       R"("]}, "task": {"type": "worker", "index": 0}})";
+    ExpectBadTfConfig(json, {"'cluster.worker[1]'", "host:port", reason});
+  }
+}
+
+TEST(TfConfigTest, UnsupportedRoles) {
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.ps'", "only 'chief' and 'worker'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.evaluator'", "only 'chief' and 'worker'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "master": ["m:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.master'", "only 'chief' and 'worker'"});
+  ExpectBadTfConfig(
+      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator", "index": 0}})",
+      {"'task.type'", "'evaluator'", "only 'chief' and 'worker'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}})",
+                    {"'task.type'", "'ps'"});
+}
+
+// ---- Environment ----
+
+TEST(EnvironmentTest, NothingSetIsASingleRank) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(Env{});
+  EXPECT_EQ(spec.rank, 0);
+  EXPECT_EQ(spec.world_size, 1);
+  EXPECT_EQ(spec.job_id, "collectives");
+}
+
+TEST(EnvironmentTest, TfConfigWinsOverRankVariables) {
+  Env env = {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1", "b:2"]},
+                              "task": {"type": "worker", "index": 1}})"},
+             {"RANK", "0"},
+             {"WORLD_SIZE", "5"},
+             {"MASTER_PORT", "9"}};
+  ClusterSpec spec = ClusterSpec::FromEnvironment(env);
+  EXPECT_EQ(spec.rank, 1);
+  EXPECT_EQ(spec.world_size, 2);
+  EXPECT_EQ(spec.master_addr, "a");
+}
+
+TEST(EnvironmentTest, BlankTfConfigCountsAsUnset) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(
+      Env{{"TF_CONFIG", "  "}, {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(spec.rank, 1);
+  EXPECT_EQ(spec.world_size, 2);
+}
+
+TEST(EnvironmentTest, BadTfConfigIsReported) {
+  ExpectBadEnv(Env{{"TF_CONFIG", "{"}}, {"TF_CONFIG", "not valid JSON"});
+}
+
+TEST(EnvironmentTest, TorchrunVariables) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(Env{
+      {"RANK", "3"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(spec.rank, 3);
+  EXPECT_EQ(spec.world_size, 4);
+  EXPECT_EQ(spec.master_addr, "10.1.2.3");
+  EXPECT_EQ(spec.master_port, 29500);
+  EXPECT_EQ(spec.task_type, "worker");
+  EXPECT_EQ(spec.task_index, 3);
+  EXPECT_TRUE(spec.addresses.empty());
+}
+
+TEST(EnvironmentTest, MasterAddrDefaultsToLoopbackAndAcceptsBrackets) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(
+      Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(spec.master_addr, "127.0.0.1");
+  spec = ClusterSpec::FromEnvironment(
+      Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "[::1]"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(spec.master_addr, "::1");
+}
+
+TEST(EnvironmentTest, SingleRankNeedsNoPort) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(Env{{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+  EXPECT_EQ(spec.world_size, 1);
+  EXPECT_EQ(spec.master_port, 0);
+}
+
+TEST(EnvironmentTest, MpirunVariables) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(Env{{"OMPI_COMM_WORLD_RANK", "1"},
+                                                      {"OMPI_COMM_WORLD_SIZE", "2"},
+                                                      {"MASTER_ADDR", "node0"},
+                                                      {"MASTER_PORT", "4000"}});
+  EXPECT_EQ(spec.rank, 1);
+  EXPECT_EQ(spec.world_size, 2);
+  EXPECT_EQ(spec.master_addr, "node0");
+  EXPECT_EQ(spec.master_port, 4000);
+}
+
+TEST(EnvironmentTest, RankVariablesWinOverMpirun) {
+  ClusterSpec spec = ClusterSpec::FromEnvironment(Env{{"RANK", "0"},
+                                                      {"WORLD_SIZE", "1"},
+                                                      {"OMPI_COMM_WORLD_RANK", "1"},
+                                                      {"OMPI_COMM_WORLD_SIZE", "2"}});
+  EXPECT_EQ(spec.world_size, 1);
+}
+
+TEST(EnvironmentTest, JobId) {
+  EXPECT_EQ(ClusterSpec::FromEnvironment(Env{{"COLLECTIVES_JOB_ID", "j1"}}).job_id, "j1");
+  Env env = {
+      {"TF_CONFIG", R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0},
+                              "job_id": "tf"})"}};
+  EXPECT_EQ(ClusterSpec::FromEnvironment(env).job_id, "tf");
+  env["COLLECTIVES_JOB_ID"] = "tf";
+  EXPECT_EQ(ClusterSpec::FromEnvironment(env).job_id, "tf");
+  env["COLLECTIVES_JOB_ID"] = "other";
+  ExpectBadEnv(env, {"COLLECTIVES_JOB_ID", "'other'", "'job_id'", "'tf'"});
+  ExpectBadEnv(Env{{"COLLECTIVES_JOB_ID", ""}}, {"COLLECTIVES_JOB_ID", "empty"});
+}
+
+TEST(EnvironmentTest, MalformedIntegersNameVariableAndValue) {
+  ExpectBadEnv(Env{{"RANK", "abc"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, {"RANK", "'abc'"});
+  ExpectBadEnv(Env{{"RANK", "-1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, {"RANK", "'-1'"});
+  ExpectBadEnv(Env{{"RANK", ""}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, {"RANK", "''"});
+  ExpectBadEnv(Env{{"RANK", " 1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, {"RANK", "' 1'"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "99999999999"}, {"MASTER_PORT", "1"}},
+               {"WORLD_SIZE", "'99999999999'"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE", "'0'", "at least 1"});
+  ExpectBadEnv(Env{{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
+               {"RANK", "'2'", "0..1"});
+  ExpectBadEnv(Env{{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+               {"OMPI_COMM_WORLD_RANK", "'x'"});
+  ExpectBadEnv(
+      Env{{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
+      {"OMPI_COMM_WORLD_RANK", "'3'", "0..1"});
+}
+
+TEST(EnvironmentTest, PortRules) {
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {"MASTER_PORT", "required"});
+  ExpectBadEnv(Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+               {"MASTER_PORT", "required"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}},
+               {"MASTER_PORT", "'70000'", "1..65535"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}},
+               {"MASTER_PORT", "'0'"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}},
+               {"MASTER_PORT", "'http'"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}, {"MASTER_ADDR", ""}},
+               {"MASTER_ADDR"});
+}
+
+TEST(EnvironmentTest, HalfOfAPairIsMissing) {
+  ExpectBadEnv(Env{{"RANK", "0"}}, {"WORLD_SIZE"});
+  ExpectBadEnv(Env{{"WORLD_SIZE", "1"}}, {"RANK"});
+  ExpectBadEnv(Env{{"OMPI_COMM_WORLD_SIZE", "1"}}, {"OMPI_COMM_WORLD_RANK"});
+}
+
+// Sets (or unsets, with nullptr) an environment variable for the life of the object.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = getenv(name)) old_ = old;
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(EnvironmentTest, RealEnvironment) {
+  ScopedEnv tf("TF_CONFIG", nullptr);
+  ScopedEnv ompi_rank("OMPI_COMM_WORLD_RANK", nullptr);
+  ScopedEnv ompi_size("OMPI_COMM_WORLD_SIZE", nullptr);
+  ScopedEnv job("COLLECTIVES_JOB_ID", "real-env");
+  ScopedEnv rank("RANK", "1");
+  ScopedEnv size("WORLD_SIZE", "3");
+  ScopedEnv addr("MASTER_ADDR", "host0");
+  ScopedEnv port("MASTER_PORT", "12345");
+  ClusterSpec spec = ClusterSpec::FromEnvironment();
+  EXPECT_EQ(spec.rank, 1);
+  EXPECT_EQ(spec.world_size, 3);
+  EXPECT_EQ(spec.master_addr, "host0");
+  EXPECT_EQ(spec.master_port, 12345);
+  EXPECT_EQ(spec.job_id, "real-env");
+  {
+    ScopedEnv bad("WORLD_SIZE", "three");
+    ExpectInvalid([] { ClusterSpec::FromEnvironment(); }, {"WORLD_SIZE", "'three'"});
+  }
+}
+
+// ---- Validate ----
+
+TEST(ValidateTest, DefaultIsValid) { EXPECT_NO_THROW(ClusterSpec().Validate()); }
+
+TEST(ValidateTest, Inconsistencies) {
+  auto expect_bad = [](ClusterSpec spec, std::initializer_list<std::string> parts) {
+    ExpectInvalid([&] { spec.Validate(); }, parts);
+  };
+  ClusterSpec spec;
+  spec.world_size = 0;
+  expect_bad(spec, {"world_size=0"});
+  spec = ClusterSpec{};
+  spec.world_size = 2;
+  spec.master_port = 1;
+  spec.rank = 2;
+  expect_bad(spec, {"rank=2", "0..1"});
+  spec.rank = -1;
+  expect_bad(spec, {"rank=-1"});
+  spec.rank = 0;
+  spec.master_port = 0;
+  expect_bad(spec, {"master_port"});
+  spec.master_port = 1;
+  spec.addresses = {"a:1"};
+  expect_bad(spec, {"addresses", "1 entries"});
+  spec.addresses = {"a:1", "b"};
+  expect_bad(spec, {"addresses[1]", "'b'"});
+  spec.addresses = {"a:1", "b:2"};
+  EXPECT_NO_THROW(spec.Validate());
+  spec.job_id = "";
+  expect_bad(spec, {"job_id"});
+}
+
+// ---- host:port ----
+
+TEST(HostPortTest, ParseAndFormat) {
+  std::string why;
+  auto parsed = cluster::ParseHostPort("[::1]:80", &why);
+  ASSERT_TRUE(parsed.has_value()) << why;
+  EXPECT_EQ(parsed->host, "::1");
+  EXPECT_EQ(parsed->port, 80);
+  EXPECT_EQ(cluster::FormatHostPort(parsed->host, parsed->port), "[::1]:80");
+  parsed = cluster::ParseHostPort("example.com:65535", &why);
+  ASSERT_TRUE(parsed.has_value()) << why;
+  EXPECT_EQ(parsed->host, "example.com");
+  EXPECT_EQ(parsed->port, 65535);
+  EXPECT_EQ(cluster::FormatHostPort("h", 1), "h:1");
+  EXPECT_FALSE(cluster::ParsePort("+1"));
+  EXPECT_FALSE(cluster::ParsePort("000000080"));
+  EXPECT_EQ(cluster::ParsePort("080"), 80);
+}
+
+}  // namespace
+}  // namespace collectives

@@ -1,0 +1,150 @@
+// Tests of the file store beyond what every store does (store_test.cc): the folder layout, key
+// encoding, atomic Add across processes, and errors that name the path.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+
+namespace collectives {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+constexpr milliseconds kLong{5000};
+
+// A fresh folder, removed at the end of the test. On tmpfs when there is one: the store fsyncs
+// every write, and a disk makes hundreds of Adds take seconds.
+class TempDir {
+ public:
+  TempDir() {
+    fs::path root =
+        access("/dev/shm", W_OK) == 0 ? fs::path("/dev/shm") : fs::temp_directory_path();
+    std::string pattern = root / "file_store_test.XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+std::set<std::string> Names(const fs::path& directory) {
+  std::set<std::string> names;
+  for (const auto& entry : fs::directory_iterator(directory)) {
+    names.insert(entry.path().filename().string());
+  }
+  return names;
+}
+
+TEST(FileStoreTest, CreatesMissingParents) {
+  TempDir temp;
+  fs::path nested = temp.path() / "a" / "b" / "c";
+  auto store = CreateFileStore(nested.string());
+  EXPECT_TRUE(fs::is_directory(nested));
+  store->Set("k", "v");
+  EXPECT_EQ(CreateFileStore(nested.string())->Get("k", kLong), "v");
+}
+
+TEST(FileStoreTest, KeysNeverEscapeTheFolderAndNamesStayShort) {
+  TempDir temp;
+  fs::path folder = temp.path() / "store";
+  auto store = CreateFileStore(folder.string());
+  std::string long_a(300, 'a');
+  std::string long_b = long_a;
+  long_b.back() = 'b';
+  for (const std::string& key : {std::string("../escape"), std::string("/abs/path"),
+                                 std::string("."), long_a, long_b, std::string(4096, 'z')}) {
+    store->Set(key, "value of " + key.substr(0, 20));
+  }
+  EXPECT_EQ(store->Get(long_a, kLong), "value of " + long_a.substr(0, 20));
+  EXPECT_EQ(store->Get(long_b, kLong), "value of " + long_b.substr(0, 20));
+  EXPECT_EQ(store->Get("../escape", kLong), "value of ../escape");
+  EXPECT_EQ(Names(temp.path()), std::set<std::string>{"store"});  // nothing escaped
+  std::set<std::string> names = Names(folder);
+  EXPECT_EQ(names.size(), 6u);
+  for (const std::string& name : names) {
+    EXPECT_LE(name.size(), 255u) << name;
+    EXPECT_EQ(name.rfind("key.", 0), 0u) << name;  // no temp files left behind
+  }
+}
+
+TEST(FileStoreTest, ValuesAreWholeFiles) {
+  TempDir temp;
+  auto store = CreateFileStore(temp.path().string());
+  store->Set("k", "first");
+  store->Set("k", "second, longer");
+  std::set<std::string> names = Names(temp.path());
+  ASSERT_EQ(names.size(), 1u);
+  std::ifstream file(temp.path() / *names.begin());
+  std::string contents((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(contents, "second, longer");
+}
+
+TEST(FileStoreTest, AddIsAtomicAcrossProcesses) {
+  TempDir temp;
+  constexpr int kAdds = 100;
+  auto store = CreateFileStore(temp.path().string());
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // The child: its own store object, no gtest assertions, exit code tells the parent.
+    int code = 0;
+    try {
+      auto child_store = CreateFileStore(temp.path().string());
+      for (int i = 0; i < kAdds; ++i) child_store->Add("counter", 1);
+    } catch (...) {
+      code = 1;
+    }
+    _exit(code);
+  }
+  for (int i = 0; i < kAdds; ++i) store->Add("counter", 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(store->Get("counter", kLong), std::to_string(2 * kAdds));
+}
+
+TEST(FileStoreTest, FolderThatCannotBeCreatedIsASystemErrorNamingThePath) {
+  TempDir temp;
+  fs::path file = temp.path() / "plain_file";
+  std::ofstream(file) << "x";
+  std::string bad = (file / "sub").string();
+  try {
+    CreateFileStore(bad);
+    ADD_FAILURE() << "expected kSystem";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem) << e.what();
+    EXPECT_NE(e.message().find(bad), std::string::npos) << e.message();
+  }
+  EXPECT_THROW(CreateFileStore(""), Error);
+}
+
+TEST(FileStoreTest, FolderRemovedUnderTheStoreIsASystemError) {
+  TempDir temp;
+  fs::path folder = temp.path() / "gone";
+  auto store = CreateFileStore(folder.string());
+  fs::remove_all(folder);
+  try {
+    store->Set("k", "v");
+    ADD_FAILURE() << "expected kSystem";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem) << e.what();
+    EXPECT_NE(e.message().find(folder.string()), std::string::npos) << e.message();
+  }
+}
+
+}  // namespace
+}  // namespace collectives

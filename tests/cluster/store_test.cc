@@ -1,0 +1,243 @@
+// Behaviour every Store must have, run over each implementation: the memory store, the file
+// store, the TCP store used by its hosting process and the TCP store used by a client.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+
+namespace collectives {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+constexpr milliseconds kLong{5000};  // for waits that should succeed quickly
+
+// Where file stores of the tests live: tmpfs when there is one, because the file store fsyncs
+// every write and a disk makes 400 Adds take seconds.
+std::filesystem::path TempRoot() {
+  if (access("/dev/shm", W_OK) == 0) return "/dev/shm";
+  return std::filesystem::temp_directory_path();
+}
+
+enum class Kind { kMemory, kFile, kTcpServer, kTcpClient };
+
+std::string KindName(const testing::TestParamInfo<Kind>& info) {
+  switch (info.param) {
+    case Kind::kMemory:
+      return "Memory";
+    case Kind::kFile:
+      return "File";
+    case Kind::kTcpServer:
+      return "TcpServer";
+    case Kind::kTcpClient:
+      return "TcpClient";
+  }
+  return "Unknown";
+}
+
+class StoreTest : public testing::TestWithParam<Kind> {
+ protected:
+  void SetUp() override {
+    switch (GetParam()) {
+      case Kind::kMemory:
+        store_ = CreateMemoryStore();
+        break;
+      case Kind::kFile: {
+        std::string pattern = TempRoot() / "store_test.XXXXXX";
+        ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+        directory_ = pattern;
+        store_ = CreateFileStore(directory_);
+        break;
+      }
+      case Kind::kTcpServer:
+        store_ = CreateTcpStore("127.0.0.1", 0, true, kLong);
+        server_ = store_;
+        break;
+      case Kind::kTcpClient:
+        server_ = CreateTcpStore("127.0.0.1", 0, true, kLong);
+        store_ = CreateTcpStore("127.0.0.1", TcpStorePort(*server_), false, kLong);
+        break;
+    }
+  }
+
+  void TearDown() override {
+    store_.reset();
+    server_.reset();
+    if (!directory_.empty()) std::filesystem::remove_all(directory_);
+  }
+
+  // Another handle on the same store, as another rank would hold it.
+  std::shared_ptr<Store> Peer() {
+    switch (GetParam()) {
+      case Kind::kMemory:
+        return store_;
+      case Kind::kFile:
+        return CreateFileStore(directory_);
+      case Kind::kTcpServer:
+      case Kind::kTcpClient:
+        return CreateTcpStore("127.0.0.1", TcpStorePort(*server_), false, kLong);
+    }
+    return nullptr;
+  }
+
+  std::shared_ptr<Store> store_;
+  std::shared_ptr<Store> server_;
+  std::string directory_;
+};
+
+TEST_P(StoreTest, SetThenGet) {
+  store_->Set("a", "1");
+  store_->Set("b", "");
+  EXPECT_EQ(store_->Get("a", kLong), "1");
+  EXPECT_EQ(store_->Get("b", kLong), "");
+  store_->Set("a", "2");
+  EXPECT_EQ(store_->Get("a", kLong), "2");
+  EXPECT_EQ(Peer()->Get("a", kLong), "2");
+}
+
+TEST_P(StoreTest, BinaryKeysAndValues) {
+  std::string key("k\0/../\xff", 7);
+  std::string value("\0\1\2\xfe", 4);
+  store_->Set(key, value);
+  EXPECT_EQ(store_->Get(key, kLong), value);
+  EXPECT_EQ(Peer()->Get(key, kLong), value);
+  EXPECT_THROW(store_->Get(std::string("k\0", 2), milliseconds(0)), Error);
+}
+
+TEST_P(StoreTest, LargeValueAndLongKey) {
+  std::string key(4096, 'k');
+  std::string value(1 << 20, 'v');
+  value[12345] = 'x';
+  store_->Set(key, value);
+  EXPECT_EQ(Peer()->Get(key, kLong), value);
+}
+
+TEST_P(StoreTest, LimitsAreCheckedBeforeSending) {
+  auto expect_invalid = [](const std::function<void()>& body, const std::string& part) {
+    try {
+      body();
+      ADD_FAILURE() << "expected kInvalidArgument";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find(part), std::string::npos) << e.message();
+    }
+  };
+  expect_invalid([&] { store_->Set("", "x"); }, "empty");
+  expect_invalid([&] { store_->Set(std::string(4097, 'k'), "x"); }, "4097 bytes");
+  expect_invalid([&] { store_->Get(std::string(4097, 'k'), milliseconds(0)); }, "4097 bytes");
+  expect_invalid([&] { store_->Add(std::string(4097, 'k'), 1); }, "4097 bytes");
+  expect_invalid([&] { store_->Set("big", std::string((16 << 20) + 1, 'v')); }, "16777217 bytes");
+  // The store still works afterwards.
+  store_->Set("after", "ok");
+  EXPECT_EQ(store_->Get("after", kLong), "ok");
+}
+
+TEST_P(StoreTest, GetWaitsForALaterSetFromAnotherThread) {
+  std::shared_ptr<Store> peer = Peer();
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(30));
+    peer->Set("late", "value");
+    std::this_thread::sleep_for(milliseconds(30));
+    store_->Set("late2", "value2");  // through the handle the waiter also uses
+  });
+  EXPECT_EQ(store_->Get("late", kLong), "value");
+  EXPECT_EQ(peer->Get("late2", kLong), "value2");
+  setter.join();
+}
+
+TEST_P(StoreTest, ManyWaitersOnDifferentKeys) {
+  constexpr int kThreads = 6;
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      std::shared_ptr<Store> handle = i % 2 == 0 ? store_ : Peer();
+      if (handle->Get("w" + std::to_string(i), kLong) == std::to_string(i * 7)) ++good;
+    });
+  }
+  std::this_thread::sleep_for(milliseconds(20));
+  for (int i = kThreads - 1; i >= 0; --i)
+    store_->Set("w" + std::to_string(i), std::to_string(i * 7));
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(good.load(), kThreads);
+}
+
+TEST_P(StoreTest, GetTimesOutNamingTheKey) {
+  Clock::time_point start = Clock::now();
+  try {
+    store_->Get("never-set", milliseconds(200));
+    ADD_FAILURE() << "expected kTimeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("'never-set'"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("200 ms"), std::string::npos) << e.message();
+  }
+  auto elapsed = Clock::now() - start;
+  EXPECT_GE(elapsed, milliseconds(190));
+  EXPECT_LT(elapsed, milliseconds(2000));
+  // A zero timeout does not wait; the store works afterwards.
+  start = Clock::now();
+  EXPECT_THROW(store_->Get("never-set", milliseconds(0)), Error);
+  EXPECT_LT(Clock::now() - start, milliseconds(500));
+  store_->Set("never-set", "now");
+  EXPECT_EQ(store_->Get("never-set", milliseconds(0)), "now");
+}
+
+TEST_P(StoreTest, AddStartsAtZeroAndReturnsTheSum) {
+  EXPECT_EQ(store_->Add("n", 5), 5);
+  EXPECT_EQ(store_->Add("n", -7), -2);
+  EXPECT_EQ(store_->Add("n", 0), -2);
+  EXPECT_EQ(store_->Get("n", kLong), "-2");
+  store_->Set("m", "40");
+  EXPECT_EQ(Peer()->Add("m", 2), 42);
+}
+
+TEST_P(StoreTest, AddOnANonIntegerIsInvalid) {
+  store_->Set("text", "abc");
+  try {
+    store_->Add("text", 1);
+    ADD_FAILURE() << "expected kInvalidArgument";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(e.message().find("'text'"), std::string::npos) << e.message();
+  }
+  store_->Set("max", std::to_string(INT64_MAX));
+  EXPECT_THROW(store_->Add("max", 1), Error);
+  EXPECT_EQ(store_->Add("fine", 1), 1);  // the connection (if any) is still usable
+}
+
+TEST_P(StoreTest, AddIsAtomicUnderContention) {
+  constexpr int kThreads = 4;
+  constexpr int kAdds = 100;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    // Half the threads share one handle, half have their own.
+    std::shared_ptr<Store> handle = t % 2 == 0 ? store_ : Peer();
+    threads.emplace_back([handle] {
+      for (int i = 0; i < kAdds; ++i) handle->Add("counter", 1);
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(store_->Add("counter", 0), kThreads * kAdds);
+  EXPECT_EQ(store_->Get("counter", kLong), std::to_string(kThreads * kAdds));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllStores, StoreTest,
+                         testing::Values(Kind::kMemory, Kind::kFile, Kind::kTcpServer,
+                                         Kind::kTcpClient),
+                         KindName);
+
+}  // namespace
+}  // namespace collectives

@@ -1,0 +1,396 @@
+// Tests of the TCP store beyond what every store does (store_test.cc): many clients, a client
+// that starts before its server, strangers that send garbage or huge lengths, shutdown with
+// clients connected, and the store a ClusterSpec names.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "src/cluster/tcp_store_wire.h"
+
+namespace collectives {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+namespace wire = cluster::wire;
+
+constexpr milliseconds kLong{5000};
+
+// A blocking POSIX socket to 127.0.0.1:port that the test drives byte by byte.
+class RawClient {
+ public:
+  explicit RawClient(uint16_t port) : fd_(socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(port);
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  }
+  ~RawClient() { close(fd_); }
+
+  bool connected() const { return connected_; }
+
+  bool Send(const void* data, size_t bytes) {
+    return send(fd_, data, bytes, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes);
+  }
+
+  // True when the peer closed the connection within `timeout` (reads discard any bytes).
+  bool ClosedByPeerWithin(milliseconds timeout) {
+    Clock::time_point deadline = Clock::now() + timeout;
+    char buffer[256];
+    while (Clock::now() < deadline) {
+      pollfd poll_fd{fd_, POLLIN, 0};
+      int left = static_cast<int>(
+          std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count());
+      if (poll(&poll_fd, 1, std::max(left, 1)) <= 0) continue;
+      ssize_t n = recv(fd_, buffer, sizeof(buffer), 0);
+      if (n <= 0) return true;
+    }
+    return false;
+  }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+};
+
+// A port that was free a moment ago.
+uint16_t FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t length = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+std::shared_ptr<Store> Server() { return CreateTcpStore("127.0.0.1", 0, true, kLong); }
+
+std::shared_ptr<Store> Client(const Store& server) {
+  return CreateTcpStore("127.0.0.1", TcpStorePort(server), false, kLong);
+}
+
+TEST(TcpStoreTest, PortZeroPicksAFreePort) {
+  auto server = Server();
+  EXPECT_NE(TcpStorePort(*server), 0);
+  auto client = Client(*server);
+  try {
+    TcpStorePort(*client);
+    ADD_FAILURE() << "a client is not a server";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+  EXPECT_THROW(TcpStorePort(*CreateMemoryStore()), Error);
+}
+
+TEST(TcpStoreTest, BindingATakenPortIsASystemError) {
+  auto server = Server();
+  uint16_t port = TcpStorePort(*server);
+  try {
+    CreateTcpStore("127.0.0.1", port, true, kLong);
+    ADD_FAILURE() << "expected kSystem";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem) << e.what();
+    EXPECT_NE(e.message().find(std::to_string(port)), std::string::npos) << e.message();
+  }
+}
+
+TEST(TcpStoreTest, Ipv6Loopback) {
+  std::shared_ptr<Store> server;
+  try {
+    server = CreateTcpStore("::1", 0, true, kLong);
+  } catch (const Error& e) {
+    GTEST_SKIP() << "no IPv6 loopback here: " << e.what();
+  }
+  auto client = CreateTcpStore("[::1]", TcpStorePort(*server), false, kLong);
+  client->Set("v6", "yes");
+  EXPECT_EQ(server->Get("v6", kLong), "yes");
+}
+
+TEST(TcpStoreTest, EightClientThreadsRendezvous) {
+  constexpr int kClients = 8;
+  auto server = Server();
+  uint16_t port = TcpStorePort(*server);
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int rank = 0; rank < kClients; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto store = CreateTcpStore("127.0.0.1", port, false, kLong);
+      store->Set("addr/" + std::to_string(rank), "host" + std::to_string(rank));
+      int64_t arrived = store->Add("arrived", 1);
+      bool ok = arrived >= 1 && arrived <= kClients;
+      for (int peer = 0; peer < kClients; ++peer) {
+        ok = ok &&
+             store->Get("addr/" + std::to_string(peer), kLong) == "host" + std::to_string(peer);
+      }
+      if (ok) ++good;
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(good.load(), kClients);
+  EXPECT_EQ(server->Get("arrived", kLong), std::to_string(kClients));
+}
+
+TEST(TcpStoreTest, RemoteGetIsAnsweredByTheHostsSetAndTheOtherWayRound) {
+  auto server = Server();
+  auto client = Client(*server);
+  auto remote_get = std::async(std::launch::async, [&] { return client->Get("from-host", kLong); });
+  std::this_thread::sleep_for(milliseconds(20));
+  server->Set("from-host", "1");
+  EXPECT_EQ(remote_get.get(), "1");
+  auto local_get =
+      std::async(std::launch::async, [&] { return server->Get("from-client", kLong); });
+  std::this_thread::sleep_for(milliseconds(20));
+  client->Set("from-client", "2");
+  EXPECT_EQ(local_get.get(), "2");
+}
+
+TEST(TcpStoreTest, ParkedGetsTimeOutAndTheConnectionIsReused) {
+  auto server = Server();
+  auto client = Client(*server);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THROW(client->Get("missing", milliseconds(20)), Error);
+  }
+  server->Set("missing", "found");
+  EXPECT_EQ(client->Get("missing", milliseconds(20)), "found");
+}
+
+TEST(TcpStoreTest, ClientStartedBeforeTheServer) {
+  uint16_t port = FreePort();
+  auto client_future = std::async(std::launch::async, [port] {
+    auto client = CreateTcpStore("127.0.0.1", port, false, milliseconds(3000));
+    client->Set("early", "bird");
+    return client->Get("reply", kLong);
+  });
+  std::this_thread::sleep_for(milliseconds(100));
+  auto server = CreateTcpStore("127.0.0.1", port, true, kLong);
+  EXPECT_EQ(server->Get("early", kLong), "bird");
+  server->Set("reply", "welcome");
+  EXPECT_EQ(client_future.get(), "welcome");
+}
+
+TEST(TcpStoreTest, ClientGivesUpWhenNoServerComes) {
+  uint16_t port = FreePort();
+  Clock::time_point start = Clock::now();
+  try {
+    CreateTcpStore("127.0.0.1", port, false, milliseconds(200));
+    ADD_FAILURE() << "expected kTimeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("127.0.0.1:" + std::to_string(port)), std::string::npos)
+        << e.message();
+  }
+  auto elapsed = Clock::now() - start;
+  EXPECT_GE(elapsed, milliseconds(190));
+  EXPECT_LT(elapsed, milliseconds(2000));
+}
+
+TEST(TcpStoreTest, ClientNeedsAPort) {
+  EXPECT_THROW(CreateTcpStore("127.0.0.1", 0, false, kLong), Error);
+}
+
+TEST(TcpStoreTest, GarbageFromAStrangerDoesNotBreakTheServer) {
+  auto server = Server();
+  uint16_t port = TcpStorePort(*server);
+  auto before = Client(*server);
+  before->Set("k", "v");
+
+  RawClient stranger(port);
+  ASSERT_TRUE(stranger.connected());
+  std::string garbage = "GET / HTTP/1.1\r\nHost: example\r\n\r\n";
+  ASSERT_TRUE(stranger.Send(garbage.data(), garbage.size()));
+  EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
+
+  EXPECT_EQ(before->Get("k", kLong), "v");
+  auto after = Client(*server);
+  after->Set("k2", "v2");
+  EXPECT_EQ(before->Get("k2", kLong), "v2");
+}
+
+TEST(TcpStoreTest, OversizeLengthsAreRejectedBeforeAllocating) {
+  auto server = Server();
+  uint16_t port = TcpStorePort(*server);
+  struct Case {
+    const char* what;
+    wire::Header header;
+  };
+  std::vector<Case> cases;
+  wire::Header huge_key;
+  huge_key.code = static_cast<uint8_t>(wire::Op::kSet);
+  huge_key.key_bytes = 0xffffffffu;
+  cases.push_back({"huge key", huge_key});
+  wire::Header huge_value;
+  huge_value.code = static_cast<uint8_t>(wire::Op::kSet);
+  huge_value.key_bytes = 1;
+  huge_value.value_bytes = static_cast<uint32_t>(cluster::kMaxValueBytes + 1);
+  cases.push_back({"huge value", huge_value});
+  wire::Header get_with_value;
+  get_with_value.code = static_cast<uint8_t>(wire::Op::kGet);
+  get_with_value.key_bytes = 1;
+  get_with_value.value_bytes = 1000;
+  cases.push_back({"get with value", get_with_value});
+  wire::Header unknown_op;
+  unknown_op.code = 99;
+  unknown_op.key_bytes = 1;
+  cases.push_back({"unknown op", unknown_op});
+  wire::Header empty_key;
+  empty_key.code = static_cast<uint8_t>(wire::Op::kGet);
+  cases.push_back({"empty key", empty_key});
+
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    RawClient stranger(port);
+    ASSERT_TRUE(stranger.connected());
+    wire::HeaderBytes bytes = wire::Encode(c.header);
+    ASSERT_TRUE(stranger.Send(bytes.data(), bytes.size()));
+    EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
+  }
+  auto client = Client(*server);
+  client->Set("still", "alive");
+  EXPECT_EQ(client->Get("still", kLong), "alive");
+}
+
+TEST(TcpStoreTest, TruncatedRequestAndAbruptCloseAreHarmless) {
+  auto server = Server();
+  uint16_t port = TcpStorePort(*server);
+  {
+    RawClient stranger(port);
+    wire::Header header;
+    header.code = static_cast<uint8_t>(wire::Op::kSet);
+    header.key_bytes = 10;
+    header.value_bytes = 10;
+    wire::HeaderBytes bytes = wire::Encode(header);
+    ASSERT_TRUE(stranger.Send(bytes.data(), bytes.size()));
+    ASSERT_TRUE(stranger.Send("abc", 3));
+  }  // closes mid-request
+  {
+    RawClient half_header(port);
+    ASSERT_TRUE(half_header.Send("\x43\x53", 2));
+  }
+  // A well-formed raw request gets a well-formed reply.
+  {
+    RawClient raw(port);
+    wire::Header header;
+    header.code = static_cast<uint8_t>(wire::Op::kAdd);
+    header.key_bytes = 3;
+    header.arg = 5;
+    wire::HeaderBytes bytes = wire::Encode(header);
+    ASSERT_TRUE(raw.Send(bytes.data(), bytes.size()));
+    ASSERT_TRUE(raw.Send("raw", 3));
+    EXPECT_EQ(server->Get("raw", kLong), "5");
+  }
+  auto client = Client(*server);
+  EXPECT_EQ(client->Add("raw", 1), 6);
+}
+
+// Sends a raw Get of `key` that waits up to `timeout_ms`.
+void SendGet(RawClient& raw, const std::string& key, int64_t timeout_ms) {
+  wire::Header header;
+  header.code = static_cast<uint8_t>(wire::Op::kGet);
+  header.key_bytes = static_cast<uint32_t>(key.size());
+  header.arg = timeout_ms;
+  wire::HeaderBytes bytes = wire::Encode(header);
+  ASSERT_TRUE(raw.Send(bytes.data(), bytes.size()));
+  ASSERT_TRUE(raw.Send(key.data(), key.size()));
+}
+
+TEST(TcpStoreTest, ParkedGetOfAClientThatLeavesOrTalksOutOfTurn) {
+  auto server = Server();
+  uint16_t port = TcpStorePort(*server);
+  {
+    RawClient leaver(port);
+    SendGet(leaver, "later", 10000);
+  }  // closes while its Get is parked
+  RawClient talker(port);
+  SendGet(talker, "later", 10000);
+  std::this_thread::sleep_for(milliseconds(20));
+  ASSERT_TRUE(talker.Send("x", 1));  // a request before the reply of the last one
+  EXPECT_TRUE(talker.ClosedByPeerWithin(milliseconds(2000)));
+  // Setting the key now answers nobody and breaks nothing.
+  server->Set("later", "v");
+  auto client = Client(*server);
+  EXPECT_EQ(client->Get("later", kLong), "v");
+}
+
+TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {
+  auto server = Server();
+  auto idle_client = Client(*server);
+  auto waiting_client = Client(*server);
+  RawClient stranger(TcpStorePort(*server));  // connected, silent
+  idle_client->Set("x", "1");
+  auto parked = std::async(std::launch::async, [&] {
+    try {
+      waiting_client->Get("never", milliseconds(10000));
+      return ErrorCode::kInternal;
+    } catch (const Error& e) {
+      return e.code();
+    }
+  });
+  std::this_thread::sleep_for(milliseconds(50));
+  Clock::time_point start = Clock::now();
+  server.reset();
+  EXPECT_LT(Clock::now() - start, milliseconds(1000));
+  ASSERT_EQ(parked.wait_for(milliseconds(2000)), std::future_status::ready);
+  EXPECT_EQ(parked.get(), ErrorCode::kPeerLost);
+  EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(1000)));
+  // The idle client finds out on its next call, with an error rather than a hang.
+  start = Clock::now();
+  EXPECT_THROW(idle_client->Set("y", "2"), Error);
+  EXPECT_LT(Clock::now() - start, milliseconds(7000));
+}
+
+TEST(CreateStoreForTest, SingleRankGetsAMemoryStore) {
+  ClusterSpec spec;
+  auto store = CreateStoreFor(spec, kLong);
+  store->Set("a", "b");
+  EXPECT_EQ(store->Get("a", kLong), "b");
+  EXPECT_THROW(TcpStorePort(*store), Error);
+}
+
+TEST(CreateStoreForTest, RankZeroHostsOthersConnect) {
+  ClusterSpec spec;
+  spec.world_size = 3;
+  spec.master_addr = "localhost";
+  spec.master_port = FreePort();
+  std::vector<std::future<std::string>> ranks;
+  for (int rank = 1; rank < 3; ++rank) {
+    ranks.push_back(std::async(std::launch::async, [spec, rank]() mutable {
+      spec.rank = rank;
+      auto store = CreateStoreFor(spec, kLong);  // may start before rank 0
+      store->Set("rank/" + std::to_string(rank), "here");
+      return store->Get("go", kLong);
+    }));
+  }
+  spec.rank = 0;
+  auto store = CreateStoreFor(spec, kLong);
+  EXPECT_EQ(TcpStorePort(*store), spec.master_port);
+  EXPECT_EQ(store->Get("rank/1", kLong), "here");
+  EXPECT_EQ(store->Get("rank/2", kLong), "here");
+  store->Set("go", "now");
+  for (auto& rank : ranks) EXPECT_EQ(rank.get(), "now");
+}
+
+TEST(CreateStoreForTest, InvalidSpecIsRejected) {
+  ClusterSpec spec;
+  spec.world_size = 2;  // no port
+  EXPECT_THROW(CreateStoreFor(spec, kLong), Error);
+}
+
+}  // namespace
+}  // namespace collectives

@@ -1,0 +1,410 @@
+// The Fabric contract (connection.h), checked the same way over the in-process transport and
+// over real loopback TCP (ranks as threads, an in-memory store), for world sizes 2 to 8:
+// tickets, ordering, exact bytes for frames from 0 bytes to several MiB, many frames in flight,
+// all-to-all, mismatched tags and sizes, deadlines, lost peers, and Abort from another thread.
+// Every wait runs under a deadline, so a broken fabric fails a test instead of hanging it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <thread>
+
+#include "tests/transport/fabric_test_util.h"
+
+namespace collectives::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::Kind;
+using testing::Pattern;
+using testing::RunRanks;
+using testing::Tag;
+
+class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
+ protected:
+  void SetUp() override {
+    kind_ = std::get<0>(GetParam());
+    size_ = std::get<1>(GetParam());
+    fabrics_ = testing::MakeFabrics(kind_, size_);
+    ASSERT_EQ(fabrics_.size(), static_cast<size_t>(size_));
+    for (auto& fabric : fabrics_) {
+      ASSERT_NE(fabric, nullptr);
+      fabric->SetDeadline(Clock::now() + 30s);
+    }
+  }
+
+  Fabric& fabric(int rank) { return *fabrics_[rank]; }
+  int right(int rank) const { return (rank + 1) % size_; }
+  int left(int rank) const { return (rank + size_ - 1) % size_; }
+
+  static void ExpectAllOk(const std::vector<std::optional<Error>>& errors) {
+    for (size_t rank = 0; rank < errors.size(); ++rank) {
+      EXPECT_FALSE(errors[rank]) << "rank " << rank << ": " << errors[rank]->what();
+    }
+  }
+
+  // Rank 0 sends rank 1 a frame of another call; rank 1 names both calls, and every other rank
+  // learns of it through rank 1's abort.
+  void CheckMismatch(uint64_t sent_count, size_t sent_bytes,
+                     const std::string& expected_message) {
+    const int size = size_;
+    const auto errors = RunRanks(size, [&](int rank) {
+      if (rank == 0) {
+        std::vector<uint8_t> out(sent_bytes, 1);
+        const uint64_t ticket =
+            fabric(0).connection(1).PostSend(Tag(3, sent_count), out.data(), out.size());
+        fabric(0).connection(1).WaitSend(ticket);
+      }
+      if (rank == 1) {
+        std::vector<uint8_t> in(40, 0xAB);
+        Connection& from = fabric(1).connection(0);
+        const uint64_t ticket = from.PostRecv(Tag(3, 10), in.data(), in.size());
+        try {
+          from.WaitRecv(ticket);
+        } catch (const Error&) {
+          // Nothing of the wrong frame reached the buffer.
+          EXPECT_EQ(std::count(in.begin(), in.end(), 0xAB), 40);
+          throw;
+        }
+        return;
+      }
+      // Everybody else (and rank 0 after its send) waits for rank 1, which never sends.
+      uint8_t byte;
+      Connection& from = fabric(rank).connection(1);
+      from.WaitRecv(from.PostRecv(Tag(4, 1), &byte, 1));
+    });
+    ASSERT_TRUE(errors[1]);
+    EXPECT_EQ(errors[1]->code(), ErrorCode::kMismatch);
+    EXPECT_EQ(errors[1]->message(), expected_message);
+    for (int rank = 0; rank < size; ++rank) {
+      if (rank == 1) continue;
+      ASSERT_TRUE(errors[rank]) << "rank " << rank;
+      EXPECT_EQ(errors[rank]->code(), ErrorCode::kMismatch) << errors[rank]->what();
+      EXPECT_EQ(errors[rank]->message(), "rank " + std::to_string(rank) +
+                                             ": rank 1 aborted the job: " + expected_message);
+    }
+    // Sticky: rank 1's fabric keeps throwing the same error.
+    try {
+      uint8_t byte = 0;
+      fabric(1).connection(0).PostSend(Tag(5, 1), &byte, 1);
+      ADD_FAILURE() << "PostSend on a broken fabric did not throw";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.message(), expected_message);
+    }
+  }
+
+  Kind kind_ = Kind::kInProcess;
+  int size_ = 0;
+  std::vector<std::unique_ptr<Fabric>> fabrics_;
+};
+
+const std::vector<size_t> kRingSizes = {0,     1,           8,         40,    1000,
+                                        4096,  65536,       65537,     0,     123457,
+                                        3 << 20 | 5,        4 << 20,   7};
+
+TEST_P(FabricTest, RingExchangeAllPostedUpFront) {
+  const auto errors = RunRanks(size_, [&](int rank) {
+    Connection& to = fabric(rank).connection(right(rank));
+    Connection& from = fabric(rank).connection(left(rank));
+    std::vector<std::vector<uint8_t>> out, in;
+    for (size_t i = 0; i < kRingSizes.size(); ++i) {
+      out.push_back(Pattern(rank, right(rank), i, kRingSizes[i]));
+      in.emplace_back(kRingSizes[i], 0xEE);
+    }
+    for (size_t i = 0; i < kRingSizes.size(); ++i) {
+      EXPECT_EQ(to.PostSend(Tag(i, kRingSizes[i]), out[i].data(), out[i].size()), i + 1);
+      EXPECT_EQ(from.PostRecv(Tag(i, kRingSizes[i]), in[i].data(), in[i].size()), i + 1);
+    }
+    from.WaitRecv(kRingSizes.size());
+    to.WaitSend(kRingSizes.size());
+    for (size_t i = 0; i < kRingSizes.size(); ++i) {
+      EXPECT_TRUE(in[i] == Pattern(left(rank), rank, i, kRingSizes[i])) << "frame " << i;
+    }
+  });
+  ExpectAllOk(errors);
+}
+
+TEST_P(FabricTest, RingExchangeStepByStep) {
+  const auto errors = RunRanks(size_, [&](int rank) {
+    Connection& to = fabric(rank).connection(right(rank));
+    Connection& from = fabric(rank).connection(left(rank));
+    for (size_t i = 0; i < kRingSizes.size(); ++i) {
+      const auto out = Pattern(rank, right(rank), i, kRingSizes[i]);
+      std::vector<uint8_t> in(kRingSizes[i]);
+      const uint64_t sent = to.PostSend(Tag(100 + i, i), out.data(), out.size());
+      const uint64_t received = from.PostRecv(Tag(100 + i, i), in.data(), in.size());
+      from.WaitRecv(received);
+      to.WaitSend(sent);
+      EXPECT_TRUE(to.TestSend(sent));
+      EXPECT_TRUE(from.TestRecv(received));
+      EXPECT_TRUE(in == Pattern(left(rank), rank, i, kRingSizes[i])) << "frame " << i;
+    }
+  });
+  ExpectAllOk(errors);
+}
+
+TEST_P(FabricTest, AllToAll) {
+  auto bytes_between = [](int from, int to) -> size_t {
+    return 1000 * (from + 1) + 17 * to + ((from * to) % 3 == 0 ? (1u << 20) : 0);
+  };
+  const auto errors = RunRanks(size_, [&](int rank) {
+    std::vector<std::vector<uint8_t>> out(size_), in(size_);
+    std::vector<uint64_t> sends(size_), recvs(size_);
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank) continue;
+      out[peer] = Pattern(rank, peer, 0, bytes_between(rank, peer));
+      in[peer].resize(bytes_between(peer, rank));
+      sends[peer] = fabric(rank).connection(peer).PostSend(Tag(1, 0), out[peer].data(),
+                                                           out[peer].size());
+      recvs[peer] = fabric(rank).connection(peer).PostRecv(Tag(1, 0), in[peer].data(),
+                                                           in[peer].size());
+    }
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank) continue;
+      fabric(rank).connection(peer).WaitRecv(recvs[peer]);
+      fabric(rank).connection(peer).WaitSend(sends[peer]);
+      EXPECT_TRUE(in[peer] == Pattern(peer, rank, 0, bytes_between(peer, rank)))
+          << "from rank " << peer;
+    }
+  });
+  ExpectAllOk(errors);
+}
+
+TEST_P(FabricTest, ManyFramesInFlight) {
+  constexpr size_t kFrames = 2000;
+  const auto errors = RunRanks(size_, [&](int rank) {
+    Connection& to = fabric(rank).connection(right(rank));
+    Connection& from = fabric(rank).connection(left(rank));
+    std::vector<uint64_t> out(kFrames), in(kFrames, 0);
+    for (size_t i = 0; i < kFrames; ++i) {
+      out[i] = static_cast<uint64_t>(rank) << 32 | i;
+      ASSERT_EQ(to.PostSend(Tag(i, 1), &out[i], sizeof(uint64_t)), i + 1);
+    }
+    for (size_t i = 0; i < kFrames; ++i) {
+      ASSERT_EQ(from.PostRecv(Tag(i, 1), &in[i], sizeof(uint64_t)), i + 1);
+    }
+    // Test never blocks; poll it to completion.
+    while (!from.TestRecv(kFrames)) {
+    }
+    to.WaitSend(kFrames);
+    for (size_t i = 0; i < kFrames; ++i) {
+      ASSERT_EQ(in[i], static_cast<uint64_t>(left(rank)) << 32 | i) << "frame " << i;
+    }
+  });
+  ExpectAllOk(errors);
+}
+
+TEST_P(FabricTest, MismatchedTagNamesBothCalls) {
+  CheckMismatch(12, 40,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=12) 40 bytes");
+}
+
+TEST_P(FabricTest, WrongSizeIsAMismatch) {
+  CheckMismatch(10, 48,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=10) 48 bytes");
+}
+
+TEST_P(FabricTest, DeadlineRaisesTimeoutAndPeersHearOfIt) {
+  const auto start = Clock::now();
+  fabric(0).SetDeadline(start + 300ms);
+  std::vector<Clock::duration> elapsed(size_);
+  const auto errors = RunRanks(size_, [&](int rank) {
+    uint64_t word = 0;
+    const int peer = rank == 0 ? 1 : 0;
+    Connection& from = fabric(rank).connection(peer);
+    try {
+      from.WaitRecv(from.PostRecv(Tag(7, 2), &word, sizeof(word)));
+    } catch (const Error&) {
+      elapsed[rank] = Clock::now() - start;
+      throw;
+    }
+  });
+  ASSERT_TRUE(errors[0]);
+  EXPECT_EQ(errors[0]->code(), ErrorCode::kTimeout);
+  EXPECT_EQ(errors[0]->message(),
+            "rank 0: deadline passed while waiting for #7 all_reduce(f32, sum, count=2) (8 "
+            "bytes) from rank 1");
+  EXPECT_GE(elapsed[0], 300ms);
+  EXPECT_LT(elapsed[0], 1300ms);
+  for (int rank = 1; rank < size_; ++rank) {
+    ASSERT_TRUE(errors[rank]);
+    EXPECT_EQ(errors[rank]->code(), ErrorCode::kTimeout);
+    EXPECT_NE(errors[rank]->message().find("rank 0 aborted the job: rank 0: deadline passed"),
+              std::string::npos)
+        << errors[rank]->message();
+    EXPECT_LT(elapsed[rank], 3s);  // long before their own 30 s deadline
+  }
+}
+
+TEST_P(FabricTest, PeerDestroyedWhileAReceiveWaits) {
+  const auto errors = RunRanks(size_, [&](int rank) {
+    if (rank == 1) {
+      uint32_t words[3] = {11, 22, 33};
+      for (int i = 0; i < 3; ++i) fabric(1).connection(0).PostSend(Tag(i, 1), &words[i], 4);
+      fabric(1).connection(0).WaitSend(3);
+      std::this_thread::sleep_for(200ms);
+      fabrics_[1].reset();
+      return;
+    }
+    if (rank != 0) return;
+    uint32_t words[4] = {};
+    Connection& from = fabric(0).connection(1);
+    for (int i = 0; i < 4; ++i) from.PostRecv(Tag(i, 1), &words[i], 4);
+    try {
+      from.WaitRecv(4);
+    } catch (const Error&) {
+      EXPECT_EQ(words[0], 11u);
+      EXPECT_EQ(words[1], 22u);
+      EXPECT_EQ(words[2], 33u);
+      throw;
+    }
+  });
+  ASSERT_TRUE(errors[0]);
+  EXPECT_EQ(errors[0]->code(), ErrorCode::kPeerLost);
+  EXPECT_NE(errors[0]->message().find("rank 0: lost rank 1 ("), std::string::npos)
+      << errors[0]->message();
+  EXPECT_NE(errors[0]->message().find(") while waiting for #3 all_reduce(f32, sum, count=1)"),
+            std::string::npos)
+      << errors[0]->message();
+  for (int rank = 1; rank < size_; ++rank) EXPECT_FALSE(errors[rank]);
+}
+
+// A peer that sent its last frames and closed has not failed: what it sent is still read.
+TEST_P(FabricTest, FramesSentBeforeAPeerClosedAreStillDelivered) {
+  std::promise<void> closed;
+  auto closed_future = closed.get_future();
+  const auto errors = RunRanks(size_, [&](int rank) {
+    if (rank == 1) {
+      // Small enough to sit in the socket buffers while rank 0 is not reading.
+      std::vector<uint8_t> big = Pattern(1, 0, 0, 8 << 10);
+      fabric(1).connection(0).PostSend(Tag(0, 0), big.data(), big.size());
+      uint32_t word = 5;
+      fabric(1).connection(0).PostSend(Tag(1, 1), &word, 4);
+      fabric(1).connection(0).WaitSend(2);
+      fabrics_[1].reset();
+      closed.set_value();
+      return;
+    }
+    if (rank != 0) return;
+    closed_future.wait();
+    std::this_thread::sleep_for(50ms);  // let the close reach this rank
+    std::vector<uint8_t> in(8 << 10);
+    uint32_t word = 0;
+    Connection& from = fabric(0).connection(1);
+    from.PostRecv(Tag(0, 0), in.data(), in.size());
+    from.PostRecv(Tag(1, 1), &word, 4);
+    from.WaitRecv(2);
+    EXPECT_TRUE(in == Pattern(1, 0, 0, 8 << 10));
+    EXPECT_EQ(word, 5u);
+    // One more is one too many.
+    from.WaitRecv(from.PostRecv(Tag(2, 1), &word, 4));
+  });
+  ASSERT_TRUE(errors[0]);
+  EXPECT_EQ(errors[0]->code(), ErrorCode::kPeerLost) << errors[0]->what();
+  EXPECT_NE(errors[0]->message().find("while waiting for #2"), std::string::npos)
+      << errors[0]->message();
+}
+
+TEST_P(FabricTest, AbortFromAnotherThreadWakesTheWaiterAndReachesPeers) {
+  const auto start = Clock::now();
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(200ms);
+    fabric(0).Abort(Error(ErrorCode::kAborted, "rank 0: test abort"));
+  });
+  std::vector<Clock::duration> elapsed(size_);
+  const auto errors = RunRanks(size_, [&](int rank) {
+    uint8_t byte = 0;
+    Connection& from = fabric(rank).connection(rank == 0 ? 1 : 0);
+    try {
+      from.WaitRecv(from.PostRecv(Tag(9, 1), &byte, 1));
+    } catch (const Error&) {
+      elapsed[rank] = Clock::now() - start;
+      throw;
+    }
+  });
+  aborter.join();
+  for (int rank = 0; rank < size_; ++rank) {
+    ASSERT_TRUE(errors[rank]) << "rank " << rank;
+    EXPECT_EQ(errors[rank]->code(), ErrorCode::kAborted);
+    EXPECT_LT(elapsed[rank], 2s) << "rank " << rank;
+  }
+  EXPECT_EQ(errors[0]->message(), "rank 0: test abort");
+  for (int rank = 1; rank < size_; ++rank) {
+    EXPECT_EQ(errors[rank]->message(),
+              "rank " + std::to_string(rank) + ": rank 0 aborted the job: rank 0: test abort");
+  }
+  // Sticky, and the first error wins.
+  fabric(0).Abort(Error(ErrorCode::kInternal, "a later error"));
+  try {
+    fabric(0).connection(1).WaitSend(0);
+    ADD_FAILURE() << "no throw";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.message(), "rank 0: test abort");
+  }
+}
+
+TEST_P(FabricTest, AbortOfAnIdleFabricReachesPeersAtOnce) {
+  const auto start = Clock::now();
+  std::vector<Clock::duration> elapsed(size_);
+  const auto errors = RunRanks(size_, [&](int rank) {
+    if (rank == 0) {
+      std::this_thread::sleep_for(100ms);
+      fabric(0).Abort(Error(ErrorCode::kAborted, "rank 0: idle abort"));
+      return;
+    }
+    uint8_t byte = 0;
+    Connection& from = fabric(rank).connection(0);
+    try {
+      from.WaitRecv(from.PostRecv(Tag(9, 1), &byte, 1));
+    } catch (const Error&) {
+      elapsed[rank] = Clock::now() - start;
+      throw;
+    }
+  });
+  EXPECT_FALSE(errors[0]);
+  for (int rank = 1; rank < size_; ++rank) {
+    ASSERT_TRUE(errors[rank]);
+    EXPECT_EQ(errors[rank]->code(), ErrorCode::kAborted);
+    EXPECT_LT(elapsed[rank], 2s);
+  }
+}
+
+TEST_P(FabricTest, MisuseIsReportedWithoutBreakingTheFabric) {
+  EXPECT_THROW(fabric(0).connection(0), Error);
+  EXPECT_THROW(fabric(0).connection(size_), Error);
+  try {
+    fabric(0).connection(1).WaitRecv(5);
+    ADD_FAILURE() << "no throw";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidUsage);
+  }
+  EXPECT_THROW(fabric(0).connection(1).PostSend(Tag(0, 1), nullptr, 4), Error);
+  // Still usable.
+  const auto errors = RunRanks(size_, [&](int rank) {
+    if (rank > 1) return;
+    uint32_t word = 7;
+    Connection& peer = fabric(rank).connection(1 - rank);
+    peer.PostSend(Tag(0, 1), &word, 4);
+    uint32_t in = 0;
+    peer.WaitRecv(peer.PostRecv(Tag(0, 1), &in, 4));
+    EXPECT_EQ(in, 7u);
+    peer.WaitSend(1);
+  });
+  ExpectAllOk(errors);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports, FabricTest,
+    ::testing::Combine(::testing::Values(Kind::kInProcess, Kind::kTcp),
+                       ::testing::Values(2, 3, 4, 8)),
+    [](const ::testing::TestParamInfo<FabricTest::ParamType>& param_info) {
+      return std::string(testing::KindName(std::get<0>(param_info.param))) + "_" +
+             std::to_string(std::get<1>(param_info.param));
+    });
+
+}  // namespace
+}  // namespace collectives::transport

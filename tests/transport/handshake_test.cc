@@ -1,0 +1,277 @@
+// The connection handshake: hello encoding and bounds, HMAC proofs (bound to role, ranks,
+// nonces, job and token), and client/server sessions over real loopback sockets: success, a
+// wrong token, a wrong job id, an unexpected rank, a silent or garbage-sending stranger, and a
+// server that cannot prove the token.
+#include "src/transport/handshake.h"
+
+#include <gtest/gtest.h>
+
+#include <asio.hpp>
+#include <optional>
+#include <thread>
+
+namespace collectives::transport {
+namespace {
+
+using asio::ip::tcp;
+using namespace std::chrono_literals;
+
+Hello SampleHello() {
+  Hello hello;
+  hello.version = kWireVersion;
+  hello.rank = 3;
+  hello.world_size = 8;
+  for (size_t i = 0; i < hello.nonce.size(); ++i) hello.nonce[i] = static_cast<uint8_t>(i * 7);
+  hello.job_id = "job-42";
+  return hello;
+}
+
+TEST(HelloTest, RoundTrips) {
+  const Hello hello = SampleHello();
+  const std::vector<uint8_t> bytes = EncodeHello(hello);
+  ASSERT_EQ(bytes.size(), kHelloFixedBytes + hello.job_id.size());
+  size_t job_id_bytes = 0;
+  std::string why;
+  auto decoded = DecodeHelloFixed(bytes.data(), &job_id_bytes, &why);
+  ASSERT_TRUE(decoded) << why;
+  EXPECT_EQ(decoded->version, kWireVersion);
+  EXPECT_EQ(decoded->rank, 3);
+  EXPECT_EQ(decoded->world_size, 8);
+  EXPECT_EQ(decoded->nonce, hello.nonce);
+  EXPECT_EQ(job_id_bytes, hello.job_id.size());
+  EXPECT_EQ(std::string(bytes.begin() + kHelloFixedBytes, bytes.end()), "job-42");
+}
+
+TEST(HelloTest, RejectsBadMagicReservedAndOverlongJobIds) {
+  std::vector<uint8_t> bytes = EncodeHello(SampleHello());
+  size_t job_id_bytes = 0;
+  std::string why;
+  auto bad = bytes;
+  bad[0] ^= 0xFF;
+  EXPECT_FALSE(DecodeHelloFixed(bad.data(), &job_id_bytes, &why));
+  EXPECT_NE(why.find("magic"), std::string::npos) << why;
+  bad = bytes;
+  bad[5] = 1;
+  EXPECT_FALSE(DecodeHelloFixed(bad.data(), &job_id_bytes, &why));
+  bad = bytes;
+  bad[6] = 0xFF;
+  bad[7] = 0xFF;  // 65535 bytes announced: rejected before anything is read or allocated
+  EXPECT_FALSE(DecodeHelloFixed(bad.data(), &job_id_bytes, &why));
+  EXPECT_NE(why.find("65535"), std::string::npos) << why;
+
+  Hello too_long = SampleHello();
+  too_long.job_id.assign(kMaxJobIdBytes + 1, 'j');
+  EXPECT_THROW(EncodeHello(too_long), Error);
+  too_long.job_id.assign(kMaxJobIdBytes, 'j');
+  EXPECT_NO_THROW(EncodeHello(too_long));
+}
+
+TEST(ProofTest, IsBoundToEveryInput) {
+  const Nonce a = RandomNonce();
+  const Nonce b = RandomNonce();
+  EXPECT_NE(a, b);
+  const Proof base = ComputeProof("secret", "job", 0, 1, a, b, HandshakeRole::kClient);
+  EXPECT_TRUE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, a, b,
+                                             HandshakeRole::kClient)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, a, b,
+                                              HandshakeRole::kServer)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secreT", "job", 0, 1, a, b,
+                                              HandshakeRole::kClient)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "jo", 0, 1, a, b,
+                                              HandshakeRole::kClient)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 1, 0, a, b,
+                                              HandshakeRole::kClient)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 0, 2, a, b,
+                                              HandshakeRole::kClient)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, b, a,
+                                              HandshakeRole::kClient)));
+  // An empty token is allowed (a job without a secret still checks job id and ranks).
+  const Proof empty = ComputeProof("", "job", 0, 1, a, b, HandshakeRole::kClient);
+  EXPECT_FALSE(ProofsEqual(base, empty));
+}
+
+// A loopback listener that runs a server session on every connection it accepts.
+class HandshakeSessionTest : public ::testing::Test {
+ protected:
+  HandshakeConfig Config(int rank, const std::string& token = "token",
+                         const std::string& job = "job") {
+    HandshakeConfig config;
+    config.job_id = job;
+    config.token = token;
+    config.rank = rank;
+    config.world_size = 4;
+    return config;
+  }
+
+  void Listen(const HandshakeConfig& server, Clock::duration limit = 5s) {
+    server_ = server;
+    acceptor_.open(tcp::v4());
+    acceptor_.bind(tcp::endpoint(asio::ip::address_v4::loopback(), 0));
+    acceptor_.listen();
+    server_deadline_ = Clock::now() + limit;
+    Accept();
+  }
+
+  void Accept() {
+    acceptor_.async_accept([this](const asio::error_code& ec, tcp::socket socket) {
+      if (ec) return;
+      HandshakeSession::StartServer(
+          std::move(socket), server_, [](int rank) { return rank == 1; }, server_deadline_,
+          [this](const HandshakeResult& result, tcp::socket) { server_results_.push_back(result); });
+      Accept();
+    });
+  }
+
+  // Connects a client session; returns its result once it finished.
+  HandshakeResult Client(const HandshakeConfig& config, int server_rank) {
+    std::optional<HandshakeResult> out;
+    tcp::socket socket(io_);
+    socket.connect(acceptor_.local_endpoint());
+    HandshakeSession::StartClient(std::move(socket), config, server_rank, Clock::now() + 5s,
+                                  [&](const HandshakeResult& result, tcp::socket) { out = result; });
+    const auto until = Clock::now() + 10s;
+    while (!out && Clock::now() < until) io_.run_one_for(100ms);
+    EXPECT_TRUE(out) << "client handshake did not finish";
+    return out.value_or(HandshakeResult{});
+  }
+
+  // Runs the io_context until the server finished `count` sessions.
+  void WaitServer(size_t count) {
+    const auto until = Clock::now() + 10s;
+    while (server_results_.size() < count && Clock::now() < until) io_.run_one_for(100ms);
+    ASSERT_GE(server_results_.size(), count);
+  }
+
+  asio::io_context io_;
+  tcp::acceptor acceptor_{io_};
+  HandshakeConfig server_;
+  Clock::time_point server_deadline_;
+  std::vector<HandshakeResult> server_results_;
+};
+
+TEST_F(HandshakeSessionTest, GoodHandshake) {
+  Listen(Config(2));
+  const HandshakeResult client = Client(Config(1), 2);
+  EXPECT_TRUE(client.ok) << client.why;
+  EXPECT_EQ(client.peer_rank, 2);
+  WaitServer(1);
+  EXPECT_TRUE(server_results_[0].ok) << server_results_[0].why;
+  EXPECT_EQ(server_results_[0].peer_rank, 1);
+}
+
+TEST_F(HandshakeSessionTest, WrongTokenIsUnauthenticatedAndTheServerKeepsAccepting) {
+  Listen(Config(2));
+  const HandshakeResult bad = Client(Config(1, "not the token"), 2);
+  EXPECT_FALSE(bad.ok);
+  EXPECT_EQ(bad.code, ErrorCode::kUnauthenticated);
+  EXPECT_NE(bad.why.find("rejected this rank's proof"), std::string::npos) << bad.why;
+  WaitServer(1);
+  EXPECT_FALSE(server_results_[0].ok);
+  EXPECT_NE(server_results_[0].why.find("wrong proof"), std::string::npos);
+
+  const HandshakeResult good = Client(Config(1), 2);
+  EXPECT_TRUE(good.ok) << good.why;
+  WaitServer(2);
+  EXPECT_TRUE(server_results_[1].ok);
+}
+
+TEST_F(HandshakeSessionTest, WrongJobIdIsRejected) {
+  Listen(Config(2));
+  const HandshakeResult client = Client(Config(1, "token", "another job"), 2);
+  EXPECT_FALSE(client.ok);
+  EXPECT_EQ(client.code, ErrorCode::kUnauthenticated);
+  WaitServer(1);
+  EXPECT_FALSE(server_results_[0].ok);
+  EXPECT_NE(server_results_[0].why.find("another job"), std::string::npos)
+      << server_results_[0].why;
+}
+
+TEST_F(HandshakeSessionTest, UnexpectedRankIsRejected) {
+  Listen(Config(2));
+  const HandshakeResult client = Client(Config(3), 2);  // the server accepts only rank 1
+  EXPECT_FALSE(client.ok);
+  EXPECT_EQ(client.code, ErrorCode::kUnauthenticated);
+  WaitServer(1);
+  EXPECT_NE(server_results_[0].why.find("claims rank 3"), std::string::npos);
+}
+
+TEST_F(HandshakeSessionTest, ClientRejectsAServerOfAnotherRank) {
+  Listen(Config(2));
+  const HandshakeResult client = Client(Config(1), 3);  // expects rank 3, finds rank 2
+  EXPECT_FALSE(client.ok);
+  EXPECT_EQ(client.code, ErrorCode::kUnauthenticated);
+  EXPECT_NE(client.why.find("expected rank 3"), std::string::npos) << client.why;
+}
+
+TEST_F(HandshakeSessionTest, SilentStrangerTimesOutAndGarbageIsRefused) {
+  Listen(Config(2), 300ms);
+  tcp::socket silent(io_);
+  silent.connect(acceptor_.local_endpoint());
+  tcp::socket garbage(io_);
+  garbage.connect(acceptor_.local_endpoint());
+  std::string junk(100, 'x');
+  asio::write(garbage, asio::buffer(junk));
+  const auto start = Clock::now();
+  WaitServer(2);
+  EXPECT_LT(Clock::now() - start, 3s);
+  bool saw_timeout = false;
+  bool saw_malformed = false;
+  for (const auto& result : server_results_) {
+    EXPECT_FALSE(result.ok);
+    saw_timeout |= result.code == ErrorCode::kTimeout;
+    saw_malformed |= result.why.find("malformed hello") != std::string::npos;
+  }
+  EXPECT_TRUE(saw_timeout);
+  EXPECT_TRUE(saw_malformed);
+}
+
+// A server that answers with a well-formed hello but cannot prove the token: the client must
+// not accept it (it would otherwise hand its frames to an impostor).
+TEST(HandshakeImpostorTest, ClientRejectsAServerThatCannotProveTheToken) {
+  asio::io_context io;
+  tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::address_v4::loopback(), 0));
+  std::thread impostor([&] {
+    asio::error_code ec;
+    tcp::socket socket = acceptor.accept(ec);
+    if (ec) return;
+    std::vector<uint8_t> fixed(kHelloFixedBytes);
+    asio::read(socket, asio::buffer(fixed), ec);
+    size_t job_id_bytes = 0;
+    auto hello = DecodeHelloFixed(fixed.data(), &job_id_bytes, nullptr);
+    if (!hello) return;
+    std::vector<uint8_t> job_id(job_id_bytes);
+    asio::read(socket, asio::buffer(job_id), ec);
+    Hello mine;
+    mine.version = kWireVersion;
+    mine.rank = 2;
+    mine.world_size = 4;
+    mine.nonce = RandomNonce();
+    mine.job_id.assign(job_id.begin(), job_id.end());
+    asio::write(socket, asio::buffer(EncodeHello(mine)), ec);
+    std::array<uint8_t, kProofBytes> proof;
+    asio::read(socket, asio::buffer(proof), ec);
+    std::array<uint8_t, 1 + kProofBytes> verdict{};
+    verdict[0] = 1;  // "accepted", with a zero proof
+    asio::write(socket, asio::buffer(verdict), ec);
+    uint8_t last;
+    asio::read(socket, asio::buffer(&last, 1), ec);  // until the client closes
+  });
+  std::optional<HandshakeResult> out;
+  tcp::socket socket(io);
+  socket.connect(acceptor.local_endpoint());
+  HandshakeConfig config;
+  config.job_id = "job";
+  config.token = "token";
+  config.rank = 1;
+  config.world_size = 4;
+  HandshakeSession::StartClient(std::move(socket), config, 2, Clock::now() + 5s,
+                                [&](const HandshakeResult& result, tcp::socket) { out = result; });
+  while (!out) io.run_one_for(100ms);
+  impostor.join();
+  EXPECT_FALSE(out->ok);
+  EXPECT_EQ(out->code, ErrorCode::kUnauthenticated);
+  EXPECT_NE(out->why.find("failed to prove"), std::string::npos) << out->why;
+}
+
+}  // namespace
+}  // namespace collectives::transport

@@ -1,0 +1,286 @@
+// TCP-only behaviour: mesh set-up (strangers on the port, wrong token or job id, a rank that
+// never shows up), LocalAddressToward, and measurements (8-byte ping-pong, 4 MiB stream)
+// between threads and between two processes.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <asio.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "src/transport/handshake.h"
+#include "tests/transport/fabric_test_util.h"
+
+namespace collectives::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using asio::ip::tcp;
+using testing::ConnectTcpGroup;
+using testing::Pattern;
+using testing::RunRanks;
+using testing::Tag;
+
+TcpFabricOptions Options(std::chrono::milliseconds timeout = 20'000ms) {
+  TcpFabricOptions options;
+  options.timeout = timeout;
+  options.token = "s3cret";
+  options.job_id = "tcp-test";
+  options.key_prefix = "tcp-test";
+  return options;
+}
+
+tcp::endpoint ParseEndpoint(const std::string& text) {
+  const size_t colon = text.rfind(':');
+  return tcp::endpoint(asio::ip::make_address(text.substr(0, colon)),
+                       static_cast<uint16_t>(std::stoi(text.substr(colon + 1))));
+}
+
+TEST(LocalAddressTowardTest, LoopbackAndUnknownNames) {
+  EXPECT_EQ(LocalAddressToward("127.0.0.1"), "127.0.0.1");
+  EXPECT_EQ(LocalAddressToward("localhost"), "localhost");
+  EXPECT_EQ(LocalAddressToward("no-such-host.invalid"), "127.0.0.1");
+}
+
+// Connects sockets to rank 2's listener before the mesh forms: garbage, a huge job id, a
+// well-formed hello with a wrong proof, and one that never speaks. The mesh forms regardless.
+TEST(TcpSetupTest, StrangersDoNotStopTheMesh) {
+  constexpr int kSize = 3;
+  auto store = CreateMemoryStore();
+  asio::io_context io;
+  std::vector<tcp::socket> strangers;
+  std::thread stranger_thread([&] {
+    const tcp::endpoint target = ParseEndpoint(store->Get("tcp-test/addr/2", 10'000ms));
+    asio::error_code ec;
+    for (int i = 0; i < 4; ++i) {
+      strangers.emplace_back(io);
+      strangers.back().connect(target, ec);
+      ASSERT_FALSE(ec) << ec.message();
+    }
+    std::string junk(64, '\x5A');
+    asio::write(strangers[0], asio::buffer(junk), ec);
+
+    Hello hello;
+    hello.version = kWireVersion;
+    hello.rank = 0;
+    hello.world_size = kSize;
+    hello.nonce = RandomNonce();
+    hello.job_id = "tcp-test";
+    std::vector<uint8_t> huge = EncodeHello(hello);
+    huge[6] = 0xFF;
+    huge[7] = 0xFF;
+    asio::write(strangers[1], asio::buffer(huge), ec);
+
+    asio::write(strangers[2], asio::buffer(EncodeHello(hello)), ec);
+    std::vector<uint8_t> reply(kHelloFixedBytes);
+    asio::read(strangers[2], asio::buffer(reply), ec);
+    size_t job_id_bytes = 0;
+    auto server_hello = DecodeHelloFixed(reply.data(), &job_id_bytes, nullptr);
+    ASSERT_TRUE(server_hello);
+    std::vector<uint8_t> job_id(job_id_bytes);
+    asio::read(strangers[2], asio::buffer(job_id), ec);
+    Proof forged{};  // does not know the token
+    asio::write(strangers[2], asio::buffer(forged), ec);
+    std::array<uint8_t, 1 + kProofBytes> verdict{};
+    asio::read(strangers[2], asio::buffer(verdict), ec);
+    EXPECT_EQ(verdict[0], 0) << "the forged proof was accepted";
+    // strangers[3] stays silent.
+  });
+  auto group = ConnectTcpGroup(kSize, *store, [](int rank) {
+    if (rank == 0) std::this_thread::sleep_for(500ms);  // rank 0 connects last
+    return Options();
+  });
+  stranger_thread.join();
+  for (int rank = 0; rank < kSize; ++rank) {
+    ASSERT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+  const auto errors = RunRanks(kSize, [&](int rank) {
+    Fabric& fabric = *group.fabrics[rank];
+    const int right = (rank + 1) % kSize;
+    const int left = (rank + kSize - 1) % kSize;
+    const auto out = Pattern(rank, right, 0, 1000);
+    std::vector<uint8_t> in(1000);
+    fabric.connection(right).PostSend(Tag(0, 1000), out.data(), out.size());
+    fabric.connection(left).WaitRecv(fabric.connection(left).PostRecv(Tag(0, 1000), in.data(),
+                                                                      in.size()));
+    fabric.connection(right).WaitSend(1);
+    EXPECT_TRUE(in == Pattern(left, rank, 0, 1000));
+  });
+  for (const auto& error : errors) EXPECT_FALSE(error) << error->what();
+}
+
+TEST(TcpSetupTest, WrongTokenIsUnauthenticated) {
+  auto store = CreateMemoryStore();
+  auto group = ConnectTcpGroup(2, *store, [](int rank) {
+    TcpFabricOptions options = Options(1500ms);
+    if (rank == 0) options.token = "wrong";
+    return options;
+  });
+  ASSERT_TRUE(group.errors[0]);
+  EXPECT_EQ(group.errors[0]->code(), ErrorCode::kUnauthenticated);
+  EXPECT_NE(group.errors[0]->message().find("rank 0: handshake with rank 1 at 127.0.0.1:"),
+            std::string::npos)
+      << group.errors[0]->message();
+  EXPECT_NE(group.errors[0]->message().find("rejected this rank's proof of the job token"),
+            std::string::npos)
+      << group.errors[0]->message();
+  // The server never admitted the impostor; it waited for the real rank 0 until its deadline.
+  ASSERT_TRUE(group.errors[1]);
+  EXPECT_EQ(group.errors[1]->code(), ErrorCode::kTimeout);
+  EXPECT_NE(group.errors[1]->message().find("still missing rank 0"), std::string::npos)
+      << group.errors[1]->message();
+}
+
+TEST(TcpSetupTest, WrongJobIdIsUnauthenticated) {
+  auto store = CreateMemoryStore();
+  auto group = ConnectTcpGroup(2, *store, [](int rank) {
+    TcpFabricOptions options = Options(1500ms);
+    if (rank == 0) options.job_id = "another-job";
+    return options;
+  });
+  ASSERT_TRUE(group.errors[0]);
+  EXPECT_EQ(group.errors[0]->code(), ErrorCode::kUnauthenticated)
+      << group.errors[0]->message();
+  ASSERT_TRUE(group.errors[1]);
+  EXPECT_EQ(group.errors[1]->code(), ErrorCode::kTimeout);
+}
+
+TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
+  auto store = CreateMemoryStore();
+  const auto start = Clock::now();
+  // Ranks 0 and 1 of 3; rank 2 never starts.
+  std::vector<std::optional<Error>> errors(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        ConnectTcpFabric(rank, 3, *store, Options(800ms));
+      } catch (const Error& error) {
+        errors[rank] = error;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_LT(Clock::now() - start, 5s);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(errors[rank]);
+    EXPECT_EQ(errors[rank]->code(), ErrorCode::kTimeout);
+    EXPECT_NE(errors[rank]->message().find("rank(s) 2 never published"), std::string::npos)
+        << errors[rank]->message();
+  }
+}
+
+TEST(TcpSetupTest, SingleRankNeedsNoNetwork) {
+  auto store = CreateMemoryStore();
+  auto fabric = ConnectTcpFabric(0, 1, *store, Options());
+  EXPECT_EQ(fabric->size(), 1);
+  EXPECT_THROW(fabric->connection(0), Error);
+}
+
+// Measurements between two threads of this process (printed; checked only for sanity).
+TEST(TcpMeasureTest, PingPongAndStreamBetweenThreads) {
+  auto store = CreateMemoryStore();
+  auto group = ConnectTcpGroup(2, *store, [](int) { return Options(); });
+  ASSERT_FALSE(group.errors[0]);
+  ASSERT_FALSE(group.errors[1]);
+  constexpr int kRoundTrips = 5000;
+  constexpr int kFrames = 64;
+  constexpr size_t kFrameBytes = 4 << 20;
+  double rtt_us = 0;
+  double gbps = 0;
+  const auto errors = RunRanks(2, [&](int rank) {
+    Fabric& fabric = *group.fabrics[rank];
+    fabric.SetDeadline(Clock::now() + 60s);
+    Connection& peer = fabric.connection(1 - rank);
+    uint64_t word = 0;
+    Clock::time_point start;
+    for (int i = 0; i < kRoundTrips + 500; ++i) {
+      if (i == 500) start = Clock::now();
+      if (rank == 0) {
+        peer.PostSend(Tag(i, 1), &word, 8);
+        peer.WaitRecv(peer.PostRecv(Tag(i, 1), &word, 8));
+      } else {
+        peer.WaitRecv(peer.PostRecv(Tag(i, 1), &word, 8));
+        peer.PostSend(Tag(i, 1), &word, 8);
+      }
+    }
+    if (rank == 0) {
+      rtt_us =
+          std::chrono::duration<double, std::micro>(Clock::now() - start).count() / kRoundTrips;
+    }
+    std::vector<std::vector<uint8_t>> buffers(4, std::vector<uint8_t>(kFrameBytes, 3));
+    std::vector<uint64_t> tickets(kFrames);
+    const auto stream_start = Clock::now();
+    for (int i = 0; i < kFrames; ++i) {
+      if (rank == 0) {
+        if (i >= 4) peer.WaitSend(tickets[i - 4]);
+        tickets[i] = peer.PostSend(Tag(10000 + i, kFrameBytes), buffers[i % 4].data(),
+                                   kFrameBytes);
+      } else {
+        if (i >= 4) peer.WaitRecv(tickets[i - 4]);
+        tickets[i] = peer.PostRecv(Tag(10000 + i, kFrameBytes), buffers[i % 4].data(),
+                                   kFrameBytes);
+      }
+    }
+    if (rank == 0) {
+      peer.WaitSend(tickets.back());
+    } else {
+      peer.WaitRecv(tickets.back());
+      gbps = static_cast<double>(kFrameBytes) * kFrames /
+             std::chrono::duration<double>(Clock::now() - stream_start).count() / 1e9;
+    }
+  });
+  ASSERT_FALSE(errors[0]) << errors[0]->what();
+  ASSERT_FALSE(errors[1]) << errors[1]->what();
+  std::printf("threads: 8-byte round trip %.2f us, 4 MiB stream %.2f GB/s\n", rtt_us, gbps);
+  RecordProperty("rtt_us", std::to_string(rtt_us));
+  RecordProperty("stream_gbps", std::to_string(gbps));
+  EXPECT_GT(rtt_us, 0);
+  EXPECT_GT(gbps, 0);
+}
+
+// The same between two processes (the worker binary), with short runs.
+TEST(TcpMeasureTest, PingPongBetweenTwoProcesses) {
+  const std::string binary = std::string(COLLECTIVES_TEST_BIN_DIR) + "/transport_pingpong_worker";
+  if (access(binary.c_str(), X_OK) != 0) GTEST_SKIP() << binary << " is not built";
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("transport_pingpong_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (rank == 0) dup2(pipe_fds[1], STDOUT_FILENO);
+      close(pipe_fds[0]);
+      close(pipe_fds[1]);
+      const std::string rank_text = std::to_string(rank);
+      execl(binary.c_str(), binary.c_str(), rank_text.c_str(), dir.c_str(), "2000", "32",
+            nullptr);
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  close(pipe_fds[1]);
+  std::string output;
+  char buffer[256];
+  ssize_t n;
+  while ((n = read(pipe_fds[0], buffer, sizeof(buffer))) > 0) output.append(buffer, n);
+  close(pipe_fds[0]);
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  }
+  std::filesystem::remove_all(dir);
+  std::printf("processes: %s", output.c_str());
+  EXPECT_NE(output.find("rtt_us="), std::string::npos) << output;
+}
+
+}  // namespace
+}  // namespace collectives::transport
