@@ -1,6 +1,8 @@
 // Limits, deadlines, counters and error wording shared by the stores (see store_common.h).
 #include "src/cluster/store_common.h"
 
+#include <fcntl.h>
+
 #include <charconv>
 
 #include "collectives/errors.h"
@@ -81,6 +83,11 @@ std::string QuoteKey(std::string_view key) {
   if (key.size() > kShown) out += "...";
   out += "'";
   return out;
+}
+
+void SetCloseOnExec(int fd) {
+  int flags = ::fcntl(fd, F_GETFD);
+  if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
 }
 
 void ThrowGetTimeout(std::string_view store, const std::string& key,

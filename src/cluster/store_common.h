@@ -43,6 +43,11 @@ std::string AddToCounter(std::string_view store, const std::string& key, const s
 // The key for messages: quoted, non-printable bytes as \xNN, long keys shortened.
 std::string QuoteKey(std::string_view key);
 
+// Marks a descriptor close-on-exec (Asio does not), so that a child the process starts does
+// not inherit the store's sockets: an inherited listener would keep the port, an inherited
+// connection would keep a peer from seeing the close.
+void SetCloseOnExec(int fd);
+
 // Throws Error(kTimeout): "<store>: key '<key>' was not set within <timeout> ms".
 [[noreturn]] void ThrowGetTimeout(std::string_view store, const std::string& key,
                                   std::chrono::milliseconds timeout);

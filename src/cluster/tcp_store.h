@@ -3,10 +3,11 @@
 // Server: one thread runs an io_context with an async accept and, per connection, a session
 // that reads a request (tcp_store_wire.h), answers it and reads the next. The table is a
 // MemoryStore; a Get for a missing key parks the session with a timer and is answered when
-// the key is set (by a remote client or by the hosting process) or when the timer fires. A
-// malformed request closes that connection and is logged to stderr with the peer's address; it
-// never stops the server. The hosting process uses the table directly. The destructor stops the
-// io_context, joins the thread and closes every socket, whether clients are connected or not.
+// the key is set (by a remote client or by the hosting process) or when the timer fires; a
+// client that closes (or talks) while its Get is parked is dropped at once. A malformed request
+// closes that connection and is logged to stderr with the peer's address; it never stops the
+// server. The hosting process uses the table directly. The destructor stops the io_context, joins
+// the thread and closes every socket, whether clients are connected or not.
 //
 // Client: a small pool of connections, so that a Get waiting on one connection never blocks a
 // Set from another thread. Each call takes an idle connection (or opens one), runs its

@@ -35,16 +35,28 @@ class Connection {
 
   Connection() : socket_(io_) {}
 
+  // Tries each endpoint in turn until one connects or the deadline passes.
   Result Connect(const tcp::resolver::results_type& endpoints, Clock::time_point deadline,
                  std::string* why) {
-    asio::error_code error = asio::error::would_block;
-    asio::async_connect(socket_, endpoints,
-                        [&error](const asio::error_code& ec, const tcp::endpoint&) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "connecting");
-    if (error) return Failed(why, error);
-    asio::error_code ignored;
-    socket_.set_option(tcp::no_delay(true), ignored);
-    return Result::kOk;
+    *why = "no address";
+    for (const auto& entry : endpoints) {
+      asio::error_code error;
+      socket_.open(entry.endpoint().protocol(), error);
+      if (error) return Failed(why, error);
+      SetCloseOnExec(socket_.native_handle());
+      error = asio::error::would_block;
+      socket_.async_connect(entry.endpoint(), [&error](const asio::error_code& ec) { error = ec; });
+      if (!RunUntil(deadline)) return TimedOut(why, "connecting");
+      if (!error) {
+        asio::error_code ignored;
+        socket_.set_option(tcp::no_delay(true), ignored);
+        return Result::kOk;
+      }
+      Failed(why, error);
+      asio::error_code ignored;
+      socket_.close(ignored);
+    }
+    return Result::kFailed;
   }
 
   // Sends a request and reads its reply (header into `*reply`, value into `*reply_value`).

@@ -35,6 +35,8 @@ std::string Describe(const tcp::endpoint& endpoint) {
 
 }  // namespace
 
+// The server's state. table() may be used from any thread; everything else belongs to the io
+// thread once the constructor has started it.
 class TcpStoreServer::Impl {
  public:
   Impl(const std::string& host, uint16_t port);
@@ -264,6 +266,7 @@ TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port)
     tcp::endpoint endpoint = entry.endpoint();
     asio::error_code step;
     acceptor_.open(endpoint.protocol(), step);
+    if (!step) SetCloseOnExec(acceptor_.native_handle());
     if (!step) acceptor_.set_option(tcp::acceptor::reuse_address(true), step);
     if (!step) acceptor_.bind(endpoint, step);
     if (!step) acceptor_.listen(asio::socket_base::max_listen_connections, step);
@@ -325,6 +328,7 @@ void TcpStoreServer::Impl::Accept() {
     }
     asio::error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
+    SetCloseOnExec(socket.native_handle());
     auto session = std::make_shared<Session>(this, std::move(socket));
     sessions_.emplace(session.get(), session);
     session->Start();

@@ -14,16 +14,16 @@
 //    arrays on the stack, reduced there, and rounded back into dst. Every step is a separate
 //    simple loop, and the conversions are written without branches (all cases computed, the
 //    right one selected), so each loop vectorises. Because a block is read completely before any
-//    of it is written, exact aliasing needs no special case here.
-//  - Float min and max propagate NaN: if either input is NaN the result is NaN (a's NaN when
-//    both are). For min(+0, -0) and max(+0, -0) the result is b (the values compare equal).
+//    of it is written, exact aliasing needs no special case here. f32 has more than twice the
+//    precision of either format (24 >= 2 x 11 + 2), so rounding the f32 result once more gives
+//    the correctly rounded sum, product or quotient, as if computed in the 16-bit format.
+//  - Float min and max propagate NaN: if either input is NaN the result is a NaN (which one,
+//    sign and payload, is unspecified). For min(+0, -0) and max(+0, -0) the result is b (the
+//    values compare equal).
 #include "src/core/kernels.h"
 
-#include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -77,9 +77,11 @@ inline uint16_t FloatToHalfBits(float f) {
   const uint32_t normal = (rebased + 0x0fffu + ((rebased >> 13) & 1u)) >> 13;
 
   // Subnormal halves (|f| < 2^-14) are multiples of 2^-24. Adding 0.5f puts |f| in the binade
-  // [0.5, 1), whose spacing is exactly 2^-24, so the FPU rounds it to nearest-even for us; the
-  // number of 2^-24 steps is then the low bits of the sum (0x400 when it rounds up to 2^-14,
-  // which is the encoding of 2^-14).
+  // [0.5, 1), whose spacing is exactly 2^-24, so the FPU rounds it to nearest-even for us (in
+  // the default rounding mode, which the library never changes); the number of 2^-24 steps is
+  // then the low bits of the sum (0x400 when it rounds up to 2^-14, which is the encoding of
+  // 2^-14). With denormals-are-zero set, an f32 subnormal input becomes 0, which is also what
+  // it rounds to.
   const float abs_f = std::bit_cast<float>(static_cast<uint32_t>(magnitude));
   const uint32_t subnormal = std::bit_cast<uint32_t>(abs_f + 0.5f) - std::bit_cast<uint32_t>(0.5f);
 
@@ -155,11 +157,23 @@ struct ProdOp {
   }
 };
 
+// Float min and max, with NaN propagated from either side. `a < b ? a : b` alone is one
+// minps/minpd instruction, but gives b when a is NaN; OR-ing a's bits back in where a is NaN
+// restores a NaN (exponent all ones, mantissa non-zero survive an OR), at two more instructions
+// and a compare, cheaper than a full blend.
+template <typename T>
+inline T PropagateNaN(T a, T result) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  const Bits a_nan = Bits{0} - static_cast<Bits>(a != a);
+  return std::bit_cast<T>(
+      static_cast<Bits>(std::bit_cast<Bits>(result) | (a_nan & std::bit_cast<Bits>(a))));
+}
+
 struct MinOp {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_floating_point_v<T>) {
-      return (a < b || a != a) ? a : b;  // NaN in a wins; NaN in b fails `a < b` and wins too.
+      return PropagateNaN(a, a < b ? a : b);  // a NaN b fails `a < b` and is chosen
     } else {
       return b < a ? b : a;
     }
@@ -170,7 +184,7 @@ struct MaxOp {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_floating_point_v<T>) {
-      return (a > b || a != a) ? a : b;
+      return PropagateNaN(a, a > b ? a : b);
     } else {
       return a < b ? b : a;
     }

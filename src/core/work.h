@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "collectives/communication.h"
 #include "collectives/errors.h"
@@ -36,14 +37,18 @@ class WorkState final : public Work {
   std::optional<Error> error_;  // guarded by mu_; written before done_ is set
 };
 
-// Polls `ready` for up to `spin`, yielding the core between polls; true if it became ready.
+// Polls `ready` for up to `spin`; true if it became ready. Every 64 polls it checks the clock
+// and yields the core, so a spinning thread never starves a runnable peer of the same core.
 template <typename Ready>
 bool SpinUntil(std::chrono::microseconds spin, Ready&& ready) {
   if (spin.count() <= 0) return ready();
   const auto until = std::chrono::steady_clock::now() + spin;
   for (int i = 0;; ++i) {
     if (ready()) return true;
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until) return ready();
+    if ((i & 63) == 63) {
+      if (std::chrono::steady_clock::now() >= until) return ready();
+      std::this_thread::yield();
+    }
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif

@@ -38,18 +38,51 @@ class RingCommunication final : public CollectiveCommunication {
   std::shared_ptr<Work> ReduceScatterAsync(const Tensor& send, const Tensor& recv,
                                            ReduceOp op) override;
   std::shared_ptr<Work> BarrierAsync() override;
+
+  void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    RunBlocking(PrepareAllReduce(send, recv, op));
+  }
+  void Broadcast(const Tensor& send, const Tensor& recv, int root) override {
+    RunBlocking(PrepareBroadcast(send, recv, root));
+  }
+  void AllGather(const Tensor& send, const Tensor& recv) override {
+    RunBlocking(PrepareAllGather(send, recv));
+  }
+  void ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    RunBlocking(PrepareReduceScatter(send, recv, op));
+  }
+  void Barrier() override { RunBlocking(PrepareBarrier()); }
+
   void Abort() override;
 
  private:
   using Body = std::function<void(Context&)>;
+  // A validated call, ready to run: what every rank must agree on, and what to run.
+  struct Prepared {
+    CallDescriptor descriptor;
+    Body body;
+  };
   struct Call {
     core::CallTag tag;
     Body body;
     std::shared_ptr<core::WorkState> work;
   };
 
-  // Queues a validated call; returns its Work.
-  std::shared_ptr<Work> Submit(const CallDescriptor& call, Body body);
+  // Argument checks (throwing on the caller's thread) and the choice of algorithm.
+  Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) const;
+  Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
+  Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
+  Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
+  Prepared PrepareBarrier() const;
+
+  // Queues a call; returns its Work.
+  std::shared_ptr<Work> Submit(Prepared prepared);
+  // Runs a call on the caller's thread when nothing is queued or running (no hand-off to the
+  // progress thread and back: that is most of the cost of a small collective); else queues
+  // it and waits. Throws the call's Error.
+  void RunBlocking(Prepared prepared);
+  // Runs one call on this thread, which holds the fabric (busy_); returns its failure, if any.
+  std::optional<Error> Execute(const core::CallTag& tag, const Body& body);
   // The progress thread: runs queued calls in order until the destructor stops it.
   void Run();
   // Records the first error (sticky) and breaks the fabric so that peers learn of it.
@@ -74,6 +107,7 @@ class RingCommunication final : public CollectiveCommunication {
   std::deque<Call> queue_;       // guarded by mu_
   uint64_t next_seq_ = 0;        // guarded by mu_
   bool stopping_ = false;        // guarded by mu_
+  bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};
   std::thread thread_;
@@ -119,31 +153,58 @@ void RingCommunication::Run() {
       // Poll briefly before sleeping: the next call of a training step usually follows at once.
       core::SpinUntil(spin_, [this] { return queued_.load(std::memory_order_acquire) > 0; });
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lock, [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
       if (queue_.empty()) return;  // stopping, and every queued call has run
       call = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
+      busy_ = true;
     }
-    std::optional<Error> failure;
+    const std::optional<Error> failure = Execute(call.tag, call.body);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      failure = broken_;
-    }
-    if (!failure) {
-      try {
-        fabric_->SetDeadline(transport::Clock::now() + timeout_);
-        Context ctx{*fabric_, call.tag, chunk_bytes_, staging_};
-        call.body(ctx);
-      } catch (const Error& e) {
-        failure = Break(e);
-      } catch (const std::exception& e) {
-        failure = Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
-                                                        call.tag.ToString() + ": " + e.what()));
-      }
+      busy_ = false;
     }
     call.work->Complete(failure);
   }
+}
+
+std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return broken_;
+  }
+  try {
+    fabric_->SetDeadline(transport::Clock::now() + timeout_);
+    Context ctx{*fabric_, tag, chunk_bytes_, staging_};
+    body(ctx);
+    return std::nullopt;
+  } catch (const Error& e) {
+    return Break(e);
+  } catch (const std::exception& e) {
+    return Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
+                                                 tag.ToString() + ": " + e.what()));
+  }
+}
+
+void RingCommunication::RunBlocking(Prepared prepared) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (broken_) throw *broken_;
+  if (busy_ || !queue_.empty()) {
+    lock.unlock();
+    Submit(std::move(prepared))->Wait();
+    return;
+  }
+  const core::CallTag tag{next_seq_++, prepared.descriptor};
+  busy_ = true;
+  lock.unlock();
+  const std::optional<Error> failure = Execute(tag, prepared.body);
+  lock.lock();
+  busy_ = false;
+  const bool wake = !queue_.empty();
+  lock.unlock();
+  if (wake) cv_.notify_all();
+  if (failure) throw *failure;
 }
 
 Error RingCommunication::Break(const Error& error) {
@@ -165,7 +226,7 @@ void RingCommunication::Abort() {
               "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller"));
 }
 
-std::shared_ptr<Work> RingCommunication::Submit(const CallDescriptor& descriptor, Body body) {
+std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
   auto work = std::make_shared<core::WorkState>(spin_);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -173,7 +234,8 @@ std::shared_ptr<Work> RingCommunication::Submit(const CallDescriptor& descriptor
       work->Complete(broken_);
       return work;
     }
-    queue_.push_back(Call{core::CallTag{next_seq_++, descriptor}, std::move(body), work});
+    queue_.push_back(
+        Call{core::CallTag{next_seq_++, prepared.descriptor}, std::move(prepared.body), work});
     queued_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
@@ -220,8 +282,9 @@ std::string CountMismatch(int rank, const char* collective, const std::string& e
          std::to_string(got) + " elements";
 }
 
-std::shared_ptr<Work> RingCommunication::AllReduceAsync(const Tensor& send, const Tensor& recv,
-                                                        ReduceOp op) {
+RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& send,
+                                                                const Tensor& recv,
+                                                                ReduceOp op) const {
   constexpr const char* kName = "all_reduce";
   CheckTensor(kName, "send", send);
   CheckTensor(kName, "recv", recv);
@@ -235,17 +298,18 @@ std::shared_ptr<Work> RingCommunication::AllReduceAsync(const Tensor& send, cons
   }
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, op, 0, send.count};
   const bool small = send.bytes() <= small_message_bytes_;
-  return Submit(call, [send, recv, op, small](Context& ctx) {
+  return Prepared{call, [send, recv, op, small](Context& ctx) {
     if (small) {
       RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     } else {
       RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     }
-  });
+  }};
 }
 
-std::shared_ptr<Work> RingCommunication::BroadcastAsync(const Tensor& send, const Tensor& recv,
-                                                        int root) {
+RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& send,
+                                                                const Tensor& recv,
+                                                                int root) const {
   constexpr const char* kName = "broadcast";
   if (root < 0 || root >= size_) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -267,16 +331,17 @@ std::shared_ptr<Work> RingCommunication::BroadcastAsync(const Tensor& send, cons
                             recv.count};
   const bool small = recv.bytes() <= small_message_bytes_;
   const void* source = rank_ == root ? send.data : nullptr;
-  return Submit(call, [source, recv, root, small](Context& ctx) {
+  return Prepared{call, [source, recv, root, small](Context& ctx) {
     if (small) {
       TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
     } else {
       ChainBroadcast(ctx, source, recv.data, recv.bytes(), root);
     }
-  });
+  }};
 }
 
-std::shared_ptr<Work> RingCommunication::AllGatherAsync(const Tensor& send, const Tensor& recv) {
+RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& send,
+                                                                const Tensor& recv) const {
   constexpr const char* kName = "all_gather";
   CheckTensor(kName, "send", send);
   CheckTensor(kName, "recv", recv);
@@ -290,13 +355,14 @@ std::shared_ptr<Work> RingCommunication::AllGatherAsync(const Tensor& send, cons
   }
   const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
                             send.count};
-  return Submit(call, [send, recv](Context& ctx) {
+  return Prepared{call, [send, recv](Context& ctx) {
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
-  });
+  }};
 }
 
-std::shared_ptr<Work> RingCommunication::ReduceScatterAsync(const Tensor& send,
-                                                            const Tensor& recv, ReduceOp op) {
+RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor& send,
+                                                                    const Tensor& recv,
+                                                                    ReduceOp op) const {
   constexpr const char* kName = "reduce_scatter";
   CheckTensor(kName, "send", send);
   CheckTensor(kName, "recv", recv);
@@ -310,15 +376,36 @@ std::shared_ptr<Work> RingCommunication::ReduceScatterAsync(const Tensor& send,
                               send.count));
   }
   const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
-  return Submit(call, [send, recv, op](Context& ctx) {
+  return Prepared{call, [send, recv, op](Context& ctx) {
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
-  });
+  }};
 }
 
-std::shared_ptr<Work> RingCommunication::BarrierAsync() {
+RingCommunication::Prepared RingCommunication::PrepareBarrier() const {
   const CallDescriptor call{CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0};
-  return Submit(call, [](Context& ctx) { ring::Barrier(ctx); });
+  return Prepared{call, [](Context& ctx) { ring::Barrier(ctx); }};
 }
+
+std::shared_ptr<Work> RingCommunication::AllReduceAsync(const Tensor& send, const Tensor& recv,
+                                                        ReduceOp op) {
+  return Submit(PrepareAllReduce(send, recv, op));
+}
+
+std::shared_ptr<Work> RingCommunication::BroadcastAsync(const Tensor& send, const Tensor& recv,
+                                                        int root) {
+  return Submit(PrepareBroadcast(send, recv, root));
+}
+
+std::shared_ptr<Work> RingCommunication::AllGatherAsync(const Tensor& send, const Tensor& recv) {
+  return Submit(PrepareAllGather(send, recv));
+}
+
+std::shared_ptr<Work> RingCommunication::ReduceScatterAsync(const Tensor& send,
+                                                            const Tensor& recv, ReduceOp op) {
+  return Submit(PrepareReduceScatter(send, recv, op));
+}
+
+std::shared_ptr<Work> RingCommunication::BarrierAsync() { return Submit(PrepareBarrier()); }
 
 }  // namespace
 

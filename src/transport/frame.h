@@ -1,4 +1,5 @@
-// The wire format of frames and handshakes, with encoders and validating decoders.
+// The wire format of frames, with encoders and validating decoders (the handshake that opens a
+// connection has its own messages: handshake.h).
 //
 // Frame header, 40 bytes, little-endian:
 //   0  u32 magic 0x46534C43 ("CLSF")     8  u64 seq

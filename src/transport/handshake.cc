@@ -250,21 +250,23 @@ void HandshakeSession::CheckPeerHello() {
   const Hello& peer = peer_;
   std::string why;
   if (peer.version != kWireVersion) {
-    why = "wire version " + std::to_string(peer.version) + ", this rank speaks " +
-          std::to_string(kWireVersion);
+    why = "its hello speaks wire version " + std::to_string(peer.version) +
+          ", this rank speaks " + std::to_string(kWireVersion);
   } else if (peer.job_id != config_.job_id) {
-    why = "job id '" + peer.job_id + "', this rank is in job '" + config_.job_id + "'";
+    why = "its hello is for job id '" + peer.job_id + "', this rank is in job '" +
+          config_.job_id + "'";
   } else if (peer.world_size != config_.world_size) {
-    why = "world size " + std::to_string(peer.world_size) + ", this rank has " +
-          std::to_string(config_.world_size);
+    why = "its hello says world size " + std::to_string(peer.world_size) +
+          ", this rank has " + std::to_string(config_.world_size);
   } else if (role_ == HandshakeRole::kClient && peer.rank != expected_peer_) {
-    why = "it is rank " + std::to_string(peer.rank) + ", expected rank " +
+    why = "its hello says rank " + std::to_string(peer.rank) + ", expected rank " +
           std::to_string(expected_peer_);
   } else if (role_ == HandshakeRole::kServer &&
              (peer.rank < 0 || peer.rank >= config_.world_size || !accept_rank_(peer.rank))) {
-    why = "claims rank " + std::to_string(peer.rank) + ", which this rank does not expect";
+    why = "its hello claims rank " + std::to_string(peer.rank) +
+          ", which this rank does not expect to connect";
   }
-  if (!why.empty()) return Finish(false, ErrorCode::kUnauthenticated, "hello says " + why);
+  if (!why.empty()) return Finish(false, ErrorCode::kUnauthenticated, why);
   if (role_ == HandshakeRole::kClient) {
     SendClientProof();
   } else {
@@ -399,8 +401,11 @@ void HandshakeSession::Finish(bool ok, ErrorCode code, std::string why) {
     asio::error_code ignored;
     socket_.close(ignored);
     if (role_ == HandshakeRole::kServer && code != ErrorCode::kAborted) {
-      std::cerr << "collectives: rank " << config_.rank << " refused a connection from "
-                << remote_ << ": " << result.why << "\n";
+      // One write, so that lines of concurrent ranks do not interleave.
+      const std::string line = "collectives: rank " + std::to_string(config_.rank) +
+                               " refused a connection from " + remote_ + ": " + result.why +
+                               "\n";
+      std::cerr << line << std::flush;
     }
   }
   HandshakeDone done = std::move(done_);

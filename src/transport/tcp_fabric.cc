@@ -22,10 +22,12 @@
 #include <array>
 #include <asio.hpp>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "src/transport/fabric_errors.h"
@@ -720,11 +722,12 @@ TcpFabric::TcpFabric(int rank, int size,
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
     tcp::socket& setup_socket = *sockets_in_setup[peer];
-    const auto protocol = setup_socket.local_endpoint().protocol();
-    // Move the descriptor from the set-up io_context to this fabric's.
-    tcp::socket socket(io_, protocol, setup_socket.release());
     asio::error_code ec;
-    socket.non_blocking(true, ec);  // the synchronous first attempts must never block
+    const auto local = setup_socket.local_endpoint(ec);
+    const tcp protocol = ec ? tcp::v4() : local.protocol();
+    // Move the descriptor from the set-up io_context to this fabric's.
+    tcp::socket socket(io_, protocol, setup_socket.release(ec));
+    if (!ec) socket.non_blocking(true, ec);  // the synchronous first attempts must never block
     if (ec) {
       throw Error(ErrorCode::kSystem, "rank " + std::to_string(rank) +
                                           ": cannot make the socket to rank " +
@@ -849,7 +852,8 @@ void TcpFabric::Drive(Done done, TcpConnection& connection, bool sending) {
     const auto now = Clock::now();
     if (now >= deadline_) ThrowTimeout(connection, sending);
     if (now < spin_end) {
-      io_.poll();
+      // Nothing ready: let a runnable thread on this core (maybe the peer) have it.
+      if (io_.poll() == 0) std::this_thread::yield();
     } else {
       io_.run_one_until(deadline_);
     }
@@ -986,6 +990,10 @@ void MeshBuilder::Listen() {
   }
   const tcp::endpoint endpoint(address, 0);
   acceptor_.open(endpoint.protocol(), ec);
+  if (const char* b = std::getenv("XBUF")) {  // EXPERIMENT
+    acceptor_.set_option(asio::socket_base::receive_buffer_size(std::atoi(b)), ec);
+    acceptor_.set_option(asio::socket_base::send_buffer_size(std::atoi(b)), ec);
+  }
   if (!ec) acceptor_.bind(endpoint, ec);
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) {
@@ -1064,6 +1072,11 @@ void MeshBuilder::Connect(int peer) {
   }
   const tcp::endpoint endpoint = results.begin()->endpoint();
   auto socket = std::make_shared<tcp::socket>(io_);
+  if (const char* b = std::getenv("XBUF")) {  // EXPERIMENT
+    socket->open(endpoint.protocol(), ec);
+    socket->set_option(asio::socket_base::receive_buffer_size(std::atoi(b)), ec);
+    socket->set_option(asio::socket_base::send_buffer_size(std::atoi(b)), ec);
+  }
   socket->async_connect(endpoint, [this, peer, socket, endpoint](const asio::error_code& error) {
     const std::string where = FormatHostPort(endpoint.address().to_string(), endpoint.port());
     if (error) {

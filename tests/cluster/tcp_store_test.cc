@@ -2,6 +2,7 @@
 // that starts before its server, strangers that send garbage or huge lengths, shutdown with
 // clients connected, and the store a ClusterSpec names.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -10,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <memory>
 #include <string>
@@ -97,6 +99,22 @@ TEST(TcpStoreTest, PortZeroPicksAFreePort) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
   }
   EXPECT_THROW(TcpStorePort(*CreateMemoryStore()), Error);
+}
+
+TEST(TcpStoreTest, SocketsAreCloseOnExec) {
+  auto server = Server();
+  auto client = Client(*server);
+  client->Set("k", "v");  // the server has accepted by now
+  int sockets = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    std::string target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (ec || target.rfind("socket:", 0) != 0) continue;
+    int fd = std::stoi(entry.path().filename().string());
+    ++sockets;
+    EXPECT_NE(fcntl(fd, F_GETFD) & FD_CLOEXEC, 0) << "fd " << fd;
+  }
+  EXPECT_GE(sockets, 3);  // listener, client end, server end
 }
 
 TEST(TcpStoreTest, BindingATakenPortIsASystemError) {

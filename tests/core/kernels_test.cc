@@ -436,9 +436,9 @@ const char* ToString(Aliasing aliasing) {
   return "?";
 }
 
-class ReduceTest : public testing::TestWithParam<std::tuple<DataType, ReduceOp>> {};
+class ReduceEveryTypeAndOpTest : public testing::TestWithParam<std::tuple<DataType, ReduceOp>> {};
 
-TEST_P(ReduceTest, MatchesScalarReference) {
+TEST_P(ReduceEveryTypeAndOpTest, MatchesScalarReference) {
   const auto [dtype, op] = GetParam();
   std::mt19937_64 rng(static_cast<uint64_t>(dtype) * 131 + static_cast<uint64_t>(op));
   for (size_t count : kCounts) {
@@ -469,21 +469,13 @@ TEST_P(ReduceTest, MatchesScalarReference) {
       unsigned char* b_ptr = b.data() + b_offset * size;
       unsigned char* dst_ptr = dst.data();
       std::vector<unsigned char>* dst_buffer = &dst;
-      switch (aliasing) {
-        case Aliasing::kDstIsA:
-          dst_ptr = a_ptr, dst_buffer = &a;
-          break;
-        case Aliasing::kDstIsB:
-          dst_ptr = b_ptr, dst_buffer = &b;
-          break;
-        case Aliasing::kAllSame:
-          b_ptr = a_ptr, dst_ptr = a_ptr, dst_buffer = &a;
-          break;
-        case Aliasing::kSameInputs:
-          b_ptr = a_ptr;
-          break;
-        default:
-          break;
+      if (aliasing == Aliasing::kAllSame || aliasing == Aliasing::kSameInputs) b_ptr = a_ptr;
+      if (aliasing == Aliasing::kDstIsA || aliasing == Aliasing::kAllSame) {
+        dst_ptr = a_ptr;
+        dst_buffer = &a;
+      } else if (aliasing == Aliasing::kDstIsB) {
+        dst_ptr = b_ptr;
+        dst_buffer = &b;
       }
       const size_t dst_offset = static_cast<size_t>(dst_ptr - dst_buffer->data()) / size;
       const std::vector<unsigned char> before = *dst_buffer;
@@ -497,7 +489,7 @@ TEST_P(ReduceTest, MatchesScalarReference) {
             got == expected[i] || (IsNaNBits(dtype, got) && IsNaNBits(dtype, expected[i]));
         if (!ok && ++mismatches <= 5) {
           ADD_FAILURE() << "element " << i << ": got 0x" << std::hex << got << ", expected 0x"
-                        << expected[i] << " (a 0x" << Load(dtype, a, a_offset, i) << ")";
+                        << expected[i];
         }
       }
       ASSERT_EQ(mismatches, 0u);
@@ -512,13 +504,13 @@ TEST_P(ReduceTest, MatchesScalarReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllDataTypesAndOps, ReduceTest,
-                         testing::Combine(testing::ValuesIn(kAllDataTypes),
-                                          testing::ValuesIn(kAllReduceOps)),
-                         [](const testing::TestParamInfo<ReduceTest::ParamType>& param_info) {
-                           return std::string(ToString(std::get<0>(param_info.param))) + "_" +
-                                  ToString(std::get<1>(param_info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    AllDataTypesAndOps, ReduceEveryTypeAndOpTest,
+    testing::Combine(testing::ValuesIn(kAllDataTypes), testing::ValuesIn(kAllReduceOps)),
+    [](const testing::TestParamInfo<ReduceEveryTypeAndOpTest::ParamType>& param_info) {
+      return std::string(ToString(std::get<0>(param_info.param))) + "_" +
+             ToString(std::get<1>(param_info.param));
+    });
 
 // ---- Specific behaviours. ----
 
