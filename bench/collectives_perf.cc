@@ -146,6 +146,7 @@ struct Config {
   std::string csv_path;
   std::string impl = "ring";
   int root = 0;
+  bool in_place = false;
   size_t chunk_bytes = 0;
   size_t small_message_bytes = 0;
   int spin_us = -1;
@@ -1044,7 +1045,7 @@ class Sweep {
         rank_(comm_.rank()),
         world_size_(comm_.size()),
         csv_(csv),
-        send_(config.max_bytes),
+        send_(config.in_place ? 0 : config.max_bytes),
         recv_(config.max_bytes) {}
 
   // Runs every case; returns the exit code.
@@ -1112,19 +1113,27 @@ class Sweep {
 
     Tensor send{send_.data(), 0, dtype, Device::Cpu()};
     Tensor recv{recv_.data(), 0, dtype, Device::Cpu()};
+    // In place (--inplace): one buffer, at the offsets the API defines for each collective.
+    const size_t own_block_offset = static_cast<size_t>(rank_) * per_rank * element_bytes;
     switch (collective) {
       case Collective::kAllReduce:
       case Collective::kBroadcast:
         send.count = count;
         recv.count = count;
+        if (config_.in_place) send.data = recv.data;
         break;
       case Collective::kAllGather:
         send.count = per_rank;
         recv.count = count;
+        if (config_.in_place) send.data = recv_.data() + own_block_offset;
         break;
       case Collective::kReduceScatter:
         send.count = count;
         recv.count = per_rank;
+        if (config_.in_place) {
+          send.data = recv_.data();
+          recv.data = recv_.data() + own_block_offset;
+        }
         break;
     }
     auto run_once = [&] {
@@ -1151,7 +1160,8 @@ class Sweep {
 
     if (config_.check) {
       FillInput(collective, dtype, op, send);
-      FillWith(recv.data, dtype, recv.count, Sentinel(dtype));
+      // In place, recv overlaps the input: no sentinel there.
+      if (!config_.in_place) FillWith(recv.data, dtype, recv.count, Sentinel(dtype));
       run_once();
       const int64_t local_wrong = Verify(collective, dtype, op, send, recv);
       int64_t wrong = local_wrong;
@@ -1265,8 +1275,9 @@ class Sweep {
                     : std::to_string(config_.small_message_bytes).c_str(),
                 config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
                 config_.timeout_s);
-    std::printf("# iterations %d  warm-up %d  check %s  buffers out-of-place\n", config_.iters,
-                config_.warmup_iters, config_.check ? "on" : "off");
+    std::printf("# iterations %d  warm-up %d  check %s  buffers %s\n", config_.iters,
+                config_.warmup_iters, config_.check ? "on" : "off",
+                config_.in_place ? "in-place" : "out-of-place");
     if (config_.baseline == "mpi") {
       std::printf(
           "# baseline: the matching MPI collective on the same buffers, same iterations "
@@ -1414,6 +1425,8 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--impl", config.impl, "Implementation")
       ->capture_default_str()
       ->check(CLI::IsMember({"ring", "auto"}));
+  app.add_flag("--inplace", config.in_place,
+               "One buffer for send and recv (the API's in-place forms) instead of two");
   app.add_option("--root", config.root, "Root rank of broadcast")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -1480,6 +1493,9 @@ int Main(int argc, char** argv) {
     if (config.min_bytes > config.max_bytes) throw CLI::ValidationError("-b is larger than -e");
     if (config.local > 0 && under_mpi_launcher && !local_child) {
       throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
+    }
+    if (config.baseline == "mpi" && config.in_place) {
+      throw CLI::ValidationError("--baseline mpi times out-of-place calls: drop --inplace");
     }
     if (config.baseline == "mpi") {
 #ifdef COLLECTIVES_WITH_MPI
