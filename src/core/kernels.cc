@@ -29,6 +29,11 @@
 
 #include "collectives/errors.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define COLLECTIVES_HAVE_F16C_PATH 1
+#endif
+
 namespace collectives::core {
 namespace {
 
@@ -307,6 +312,121 @@ void ReduceWidened(void* dst_v, const void* a_v, const void* b_v, size_t count, 
   if (i < count) ReduceBlock<Codec>(dst + i, a + i, b + i, count - i, op);
 }
 
+// ---- f16 and bf16 on CPUs with F16C and AVX2, chosen at run time. ----
+//
+// Baseline x86-64 has no instruction for binary16, and the branch-free bit conversions above
+// reach about 1 GB/s, below what one TCP stream delivers, so f16 all-reduce would be bound by
+// its reduction. F16C converts 8 halves per instruction, with the same round-to-nearest-even;
+// this loop runs near memory bandwidth (~9 GB/s vs ~1 GB/s on the development machines). It is
+// the only hand-vectorised loop: the compiler does not vectorise _Float16 conversions well.
+// Semantics are those of the scalar operators: vminps / vmaxps return b unless a < b (a > b),
+// exactly like `a < b ? a : b`, and a NaN in a is put back as PropagateNaN does.
+
+#ifdef COLLECTIVES_HAVE_F16C_PATH
+bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+[[gnu::target("avx2,f16c")]] inline __m256 ApplyVector(SumOp, __m256 a, __m256 b) {
+  return _mm256_add_ps(a, b);
+}
+[[gnu::target("avx2,f16c")]] inline __m256 ApplyVector(ProdOp, __m256 a, __m256 b) {
+  return _mm256_mul_ps(a, b);
+}
+[[gnu::target("avx2,f16c")]] inline __m256 ApplyVector(MinOp, __m256 a, __m256 b) {
+  return _mm256_blendv_ps(_mm256_min_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+[[gnu::target("avx2,f16c")]] inline __m256 ApplyVector(MaxOp, __m256 a, __m256 b) {
+  return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+// Reduces the largest multiple of 8 elements; returns how many it did. Each group of 8 is
+// loaded before it is stored, so dst may alias a or b exactly.
+template <typename Op>
+[[gnu::target("avx2,f16c")]] size_t ReduceHalfF16c(uint16_t* dst, const uint16_t* a,
+                                                   const uint16_t* b, size_t count, Op op) {
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(ApplyVector(op, x, y), _MM_FROUND_TO_NEAREST_INT));
+  }
+  return i;
+}
+
+[[gnu::target("avx2,f16c")]] size_t DivideHalfF16c(uint16_t* data, size_t count, float divisor) {
+  const __m256 d = _mm256_set1_ps(divisor);
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i),
+                     _mm256_cvtps_ph(_mm256_div_ps(x, d), _MM_FROUND_TO_NEAREST_INT));
+  }
+  return i;
+}
+// bf16 with AVX2: the same arithmetic as FloatToBFloat16Bits / BFloat16BitsToFloat, 8 lanes
+// at a time (the compiler vectorises the scalar form only 4 wide and with poor packing).
+[[gnu::target("avx2")]] inline __m256 WidenBFloat16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+[[gnu::target("avx2")]] inline void NarrowBFloat16(uint16_t* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
+  const __m256i is_nan = _mm256_cmpgt_epi32(
+      _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i halves = _mm256_blendv_epi8(rounded, nan, is_nan);
+  // Pack the 8 32-bit lanes (each < 2^16) to 16 bits: packus works per 128-bit half, so
+  // gather quadwords 0 and 2 into the low half afterwards.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <typename Op>
+[[gnu::target("avx2,f16c")]] size_t ReduceBFloat16Avx2(uint16_t* dst, const uint16_t* a,
+                                                       const uint16_t* b, size_t count, Op op) {
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    NarrowBFloat16(dst + i, ApplyVector(op, WidenBFloat16(a + i), WidenBFloat16(b + i)));
+  }
+  return i;
+}
+#endif  // COLLECTIVES_HAVE_F16C_PATH
+
+template <typename Op>
+void ReduceBFloat16(void* dst_v, const void* a_v, const void* b_v, size_t count, Op op) {
+  size_t done = 0;
+#ifdef COLLECTIVES_HAVE_F16C_PATH
+  if (HasF16c()) {
+    done = ReduceBFloat16Avx2(static_cast<uint16_t*>(dst_v), static_cast<const uint16_t*>(a_v),
+                              static_cast<const uint16_t*>(b_v), count, op);
+  }
+#endif
+  ReduceWidened<BFloat16Codec>(static_cast<uint16_t*>(dst_v) + done,
+                               static_cast<const uint16_t*>(a_v) + done,
+                               static_cast<const uint16_t*>(b_v) + done, count - done, op);
+}
+
+template <typename Op>
+void ReduceHalf(void* dst_v, const void* a_v, const void* b_v, size_t count, Op op) {
+  size_t done = 0;
+#ifdef COLLECTIVES_HAVE_F16C_PATH
+  if (HasF16c()) {
+    done = ReduceHalfF16c(static_cast<uint16_t*>(dst_v), static_cast<const uint16_t*>(a_v),
+                          static_cast<const uint16_t*>(b_v), count, op);
+  }
+#endif
+  ReduceWidened<HalfCodec>(static_cast<uint16_t*>(dst_v) + done,
+                           static_cast<const uint16_t*>(a_v) + done,
+                           static_cast<const uint16_t*>(b_v) + done, count - done, op);
+}
+
 // ---- Dispatch: once per call. ----
 
 template <typename Op>
@@ -317,9 +437,9 @@ void ReduceWithOp(DataType dtype, void* dst, const void* a, const void* b, size_
     case DataType::kFloat64:
       return ReduceTyped<double>(dst, a, b, count, op);
     case DataType::kFloat16:
-      return ReduceWidened<HalfCodec>(dst, a, b, count, op);
+      return ReduceHalf(dst, a, b, count, op);
     case DataType::kBFloat16:
-      return ReduceWidened<BFloat16Codec>(dst, a, b, count, op);
+      return ReduceBFloat16(dst, a, b, count, op);
     case DataType::kInt8:
       return ReduceTyped<int8_t>(dst, a, b, count, op);
     case DataType::kUInt8:
@@ -414,9 +534,16 @@ void DivideInPlace(DataType dtype, void* data, size_t count, size_t divisor) {
       return DivideFloat(static_cast<float*>(data), count, static_cast<float>(divisor));
     case DataType::kFloat64:
       return DivideFloat(static_cast<double*>(data), count, static_cast<double>(divisor));
-    case DataType::kFloat16:
-      return DivideWidened<HalfCodec>(static_cast<uint16_t*>(data), count,
+    case DataType::kFloat16: {
+      size_t done = 0;
+#ifdef COLLECTIVES_HAVE_F16C_PATH
+      if (HasF16c()) {
+        done = DivideHalfF16c(static_cast<uint16_t*>(data), count, static_cast<float>(divisor));
+      }
+#endif
+      return DivideWidened<HalfCodec>(static_cast<uint16_t*>(data) + done, count - done,
                                       static_cast<float>(divisor));
+    }
     case DataType::kBFloat16:
       return DivideWidened<BFloat16Codec>(static_cast<uint16_t*>(data), count,
                                           static_cast<float>(divisor));
