@@ -10,11 +10,11 @@ std::string RankPrefix(int rank) { return "rank " + std::to_string(rank) + ": ";
 
 Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t expected_bytes,
                     const core::CallTag& got, uint64_t got_bytes) {
-  return Error(ErrorCode::kMismatch,
-               RankPrefix(rank) + "frame from rank " + std::to_string(peer) +
-                   " does not match: expected " + expected.ToString() + " " +
-                   std::to_string(expected_bytes) + " bytes, got " + got.ToString() + " " +
-                   std::to_string(got_bytes) + " bytes");
+  return Error(ErrorCode::kMismatch, RankPrefix(rank) + "frame from rank " + std::to_string(peer) +
+                                         " does not match: expected " + expected.ToString() + " " +
+                                         std::to_string(expected_bytes) + " bytes, got " +
+                                         got.ToString() + " " + std::to_string(got_bytes) +
+                                         " bytes");
 }
 
 Error PeerLostError(int rank, int peer, const std::string& reason, const core::CallTag* what,
@@ -29,11 +29,11 @@ Error PeerLostError(int rank, int peer, const std::string& reason, const core::C
 }
 
 Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending) {
-  return Error(ErrorCode::kTimeout,
-               RankPrefix(rank) + "deadline passed while " +
-                   (sending ? "sending " : "waiting for ") + what.ToString() + " (" +
-                   std::to_string(bytes) + " bytes) " + (sending ? "to" : "from") + " rank " +
-                   std::to_string(peer));
+  return Error(ErrorCode::kTimeout, RankPrefix(rank) + "deadline passed while " +
+                                        (sending ? "sending " : "waiting for ") + what.ToString() +
+                                        " (" + std::to_string(bytes) + " bytes) " +
+                                        (sending ? "to" : "from") + " rank " +
+                                        std::to_string(peer));
 }
 
 Error AbortReceivedError(int rank, const AbortPayload& payload) {

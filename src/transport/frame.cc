@@ -149,9 +149,9 @@ std::string EncodeAbortPayload(const AbortPayload& payload) {
 std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size,
                                                std::string* why) {
   if (size < kAbortFixedBytes || size > kMaxAbortPayload) {
-    SetWhy(why, "abort payload of " + std::to_string(size) + " bytes (allowed: " +
-                    std::to_string(kAbortFixedBytes) + " to " + std::to_string(kMaxAbortPayload) +
-                    ")");
+    SetWhy(why, "abort payload of " + std::to_string(size) +
+                    " bytes (allowed: " + std::to_string(kAbortFixedBytes) + " to " +
+                    std::to_string(kMaxAbortPayload) + ")");
     return std::nullopt;
   }
   const uint32_t code = GetU32(bytes);

@@ -51,9 +51,9 @@ std::string EndpointText(const asio::ip::tcp::socket& socket) {
 
 std::vector<uint8_t> EncodeHello(const Hello& hello) {
   if (hello.job_id.size() > kMaxJobIdBytes) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "job id of " + std::to_string(hello.job_id.size()) + " bytes is longer than " +
-                    std::to_string(kMaxJobIdBytes));
+    throw Error(ErrorCode::kInvalidArgument, "job id of " + std::to_string(hello.job_id.size()) +
+                                                 " bytes is longer than " +
+                                                 std::to_string(kMaxJobIdBytes));
   }
   std::vector<uint8_t> out(kHelloFixedBytes + hello.job_id.size());
   PutU32(out.data(), kHelloMagic);
@@ -140,8 +140,8 @@ bool ProofsEqual(const Proof& a, const Proof& b) {
 
 HandshakeSession::HandshakeSession(asio::ip::tcp::socket socket, const HandshakeConfig& config,
                                    HandshakeRole role, int expected_peer,
-                                   std::function<bool(int)> accept_rank,
-                                   Clock::time_point deadline, HandshakeDone done)
+                                   std::function<bool(int)> accept_rank, Clock::time_point deadline,
+                                   HandshakeDone done)
     : socket_(std::move(socket)),
       timer_(socket_.get_executor()),
       config_(config),
@@ -159,20 +159,21 @@ std::weak_ptr<HandshakeSession> HandshakeSession::StartClient(asio::ip::tcp::soc
                                                               int server_rank,
                                                               Clock::time_point deadline,
                                                               HandshakeDone done) {
-  auto session = std::make_shared<HandshakeSession>(std::move(socket), config,
-                                                    HandshakeRole::kClient, server_rank,
-                                                    nullptr, deadline, std::move(done));
+  auto session =
+      std::make_shared<HandshakeSession>(std::move(socket), config, HandshakeRole::kClient,
+                                         server_rank, nullptr, deadline, std::move(done));
   session->Begin();
   return session;
 }
 
-std::weak_ptr<HandshakeSession> HandshakeSession::StartServer(
-    asio::ip::tcp::socket socket, const HandshakeConfig& config,
-    std::function<bool(int)> accept_rank, Clock::time_point deadline, HandshakeDone done) {
-  auto session = std::make_shared<HandshakeSession>(std::move(socket), config,
-                                                    HandshakeRole::kServer, -1,
-                                                    std::move(accept_rank), deadline,
-                                                    std::move(done));
+std::weak_ptr<HandshakeSession> HandshakeSession::StartServer(asio::ip::tcp::socket socket,
+                                                              const HandshakeConfig& config,
+                                                              std::function<bool(int)> accept_rank,
+                                                              Clock::time_point deadline,
+                                                              HandshakeDone done) {
+  auto session =
+      std::make_shared<HandshakeSession>(std::move(socket), config, HandshakeRole::kServer, -1,
+                                         std::move(accept_rank), deadline, std::move(done));
   session->Begin();
   return session;
 }
@@ -250,14 +251,14 @@ void HandshakeSession::CheckPeerHello() {
   const Hello& peer = peer_;
   std::string why;
   if (peer.version != kWireVersion) {
-    why = "its hello speaks wire version " + std::to_string(peer.version) +
-          ", this rank speaks " + std::to_string(kWireVersion);
+    why = "its hello speaks wire version " + std::to_string(peer.version) + ", this rank speaks " +
+          std::to_string(kWireVersion);
   } else if (peer.job_id != config_.job_id) {
-    why = "its hello is for job id '" + peer.job_id + "', this rank is in job '" +
-          config_.job_id + "'";
+    why = "its hello is for job id '" + peer.job_id + "', this rank is in job '" + config_.job_id +
+          "'";
   } else if (peer.world_size != config_.world_size) {
-    why = "its hello says world size " + std::to_string(peer.world_size) +
-          ", this rank has " + std::to_string(config_.world_size);
+    why = "its hello says world size " + std::to_string(peer.world_size) + ", this rank has " +
+          std::to_string(config_.world_size);
   } else if (role_ == HandshakeRole::kClient && peer.rank != expected_peer_) {
     why = "its hello says rank " + std::to_string(peer.rank) + ", expected rank " +
           std::to_string(expected_peer_);
@@ -295,16 +296,15 @@ void HandshakeSession::ReadClientProof() {
         Proof got;
         std::copy(self->in_proof_.begin(), self->in_proof_.begin() + kProofBytes, got.begin());
         const HandshakeConfig& config = self->config_;
-        const Proof want = ComputeProof(config.token, config.job_id, self->peer_.rank,
-                                        config.rank, self->peer_.nonce, self->my_nonce_,
-                                        HandshakeRole::kClient);
+        const Proof want = ComputeProof(config.token, config.job_id, self->peer_.rank, config.rank,
+                                        self->peer_.nonce, self->my_nonce_, HandshakeRole::kClient);
         const bool good = ProofsEqual(got, want);
         self->out_.assign(1 + kProofBytes, 0);
         if (good) {
           self->out_[0] = kAccepted;
-          const Proof mine = ComputeProof(config.token, config.job_id, self->peer_.rank,
-                                          config.rank, self->peer_.nonce, self->my_nonce_,
-                                          HandshakeRole::kServer);
+          const Proof mine =
+              ComputeProof(config.token, config.job_id, self->peer_.rank, config.rank,
+                           self->peer_.nonce, self->my_nonce_, HandshakeRole::kServer);
           std::copy(mine.begin(), mine.end(), self->out_.begin() + 1);
         } else {
           self->out_[0] = kRejected;
@@ -337,9 +337,8 @@ void HandshakeSession::ReadServerVerdict() {
         Proof got;
         std::copy(self->in_proof_.begin() + 1, self->in_proof_.end(), got.begin());
         const HandshakeConfig& config = self->config_;
-        const Proof want = ComputeProof(config.token, config.job_id, config.rank,
-                                        self->peer_.rank, self->my_nonce_, self->peer_.nonce,
-                                        HandshakeRole::kServer);
+        const Proof want = ComputeProof(config.token, config.job_id, config.rank, self->peer_.rank,
+                                        self->my_nonce_, self->peer_.nonce, HandshakeRole::kServer);
         if (!ProofsEqual(got, want)) {
           return self->Finish(false, ErrorCode::kUnauthenticated,
                               "the server failed to prove the job token");
@@ -403,8 +402,7 @@ void HandshakeSession::Finish(bool ok, ErrorCode code, std::string why) {
     if (role_ == HandshakeRole::kServer && code != ErrorCode::kAborted) {
       // One write, so that lines of concurrent ranks do not interleave.
       const std::string line = "collectives: rank " + std::to_string(config_.rank) +
-                               " refused a connection from " + remote_ + ": " + result.why +
-                               "\n";
+                               " refused a connection from " + remote_ + ": " + result.why + "\n";
       std::cerr << line << std::flush;
     }
   }

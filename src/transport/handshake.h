@@ -73,8 +73,7 @@ std::vector<uint8_t> EncodeHello(const Hello& hello);
 // returns in *job_id_bytes). Checks the magic, the reserved byte and the job id length bound;
 // not the version, which the caller compares to report it. Returns nullopt and sets *why
 // otherwise.
-std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes,
-                                      std::string* why);
+std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes, std::string* why);
 
 // Fresh random bytes from OpenSSL. Throws Error(kSystem) if the generator fails.
 Nonce RandomNonce();
@@ -116,8 +115,7 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   // Runs the client side on a connected `socket` toward `server_rank`. `done` runs exactly
   // once, from the socket's io_context.
   static std::weak_ptr<HandshakeSession> StartClient(asio::ip::tcp::socket socket,
-                                                     const HandshakeConfig& config,
-                                                     int server_rank,
+                                                     const HandshakeConfig& config, int server_rank,
                                                      Clock::time_point deadline,
                                                      HandshakeDone done);
 
@@ -132,8 +130,8 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   // Stops the handshake: closes the socket; `done` runs with code kAborted (not logged).
   void Cancel();
 
-  HandshakeSession(asio::ip::tcp::socket socket, const HandshakeConfig& config,
-                   HandshakeRole role, int expected_peer, std::function<bool(int)> accept_rank,
+  HandshakeSession(asio::ip::tcp::socket socket, const HandshakeConfig& config, HandshakeRole role,
+                   int expected_peer, std::function<bool(int)> accept_rank,
                    Clock::time_point deadline, HandshakeDone done);
 
  private:

@@ -218,9 +218,8 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
   }
   if (data == nullptr && bytes > 0) {
     throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(fabric.rank_) + ": PostSend of " +
-                    std::to_string(bytes) + " bytes from a null buffer to rank " +
-                    std::to_string(peer_));
+                "rank " + std::to_string(fabric.rank_) + ": PostSend of " + std::to_string(bytes) +
+                    " bytes from a null buffer to rank " + std::to_string(peer_));
   }
   InboxFrame frame;
   frame.tag = tag;
@@ -239,8 +238,7 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
   const uint64_t ticket = ++sends_posted_;
   if (!delivered) {
     std::unique_lock<std::mutex> lock(fabric.inbox_.mu);
-    fabric.BreakLocked(
-        PeerLostError(fabric.rank_, peer_, "its fabric was destroyed", &tag, true));
+    fabric.BreakLocked(PeerLostError(fabric.rank_, peer_, "its fabric was destroyed", &tag, true));
     fabric.Throw(lock);
   }
   return ticket;
@@ -252,9 +250,8 @@ uint64_t InProcConnection::PostRecv(const core::CallTag& tag, void* data, size_t
   if (fabric.BrokenLocked()) fabric.Throw(lock);
   if (data == nullptr && bytes > 0) {
     throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(fabric.rank_) + ": PostRecv of " +
-                    std::to_string(bytes) + " bytes into a null buffer from rank " +
-                    std::to_string(peer_));
+                "rank " + std::to_string(fabric.rank_) + ": PostRecv of " + std::to_string(bytes) +
+                    " bytes into a null buffer from rank " + std::to_string(peer_));
   }
   recvs_.push_back(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
   return ++recvs_posted_;
@@ -265,10 +262,10 @@ void InProcConnection::WaitSend(uint64_t ticket) {
   std::unique_lock<std::mutex> lock(fabric.inbox_.mu);
   if (fabric.BrokenLocked()) fabric.Throw(lock);
   if (ticket > sends_posted_) {
-    throw Error(ErrorCode::kInvalidUsage,
-                "rank " + std::to_string(fabric.rank_) + ": WaitSend(" + std::to_string(ticket) +
-                    ") to rank " + std::to_string(peer_) + ", but only " +
-                    std::to_string(sends_posted_) + " sends were posted");
+    throw Error(ErrorCode::kInvalidUsage, "rank " + std::to_string(fabric.rank_) + ": WaitSend(" +
+                                              std::to_string(ticket) + ") to rank " +
+                                              std::to_string(peer_) + ", but only " +
+                                              std::to_string(sends_posted_) + " sends were posted");
   }
   // Sends complete when posted.
 }

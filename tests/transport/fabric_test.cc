@@ -47,8 +47,7 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
 
   // Rank 0 sends rank 1 a frame of another call; rank 1 names both calls, and every other rank
   // learns of it through rank 1's abort.
-  void CheckMismatch(uint64_t sent_count, size_t sent_bytes,
-                     const std::string& expected_message) {
+  void CheckMismatch(uint64_t sent_count, size_t sent_bytes, const std::string& expected_message) {
     const int size = size_;
     const auto errors = RunRanks(size, [&](int rank) {
       if (rank == 0) {
@@ -82,8 +81,8 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
       if (rank == 1) continue;
       ASSERT_TRUE(errors[rank]) << "rank " << rank;
       EXPECT_EQ(errors[rank]->code(), ErrorCode::kMismatch) << errors[rank]->what();
-      EXPECT_EQ(errors[rank]->message(), "rank " + std::to_string(rank) +
-                                             ": rank 1 aborted the job: " + expected_message);
+      EXPECT_EQ(errors[rank]->message(),
+                "rank " + std::to_string(rank) + ": rank 1 aborted the job: " + expected_message);
     }
     // Sticky: rank 1's fabric keeps throwing the same error.
     try {
@@ -100,9 +99,8 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
   std::vector<std::unique_ptr<Fabric>> fabrics_;
 };
 
-const std::vector<size_t> kRingSizes = {0,     1,           8,         40,    1000,
-                                        4096,  65536,       65537,     0,     123457,
-                                        3 << 20 | 5,        4 << 20,   7};
+const std::vector<size_t> kRingSizes = {0,     1, 8,      40,          1000,    4096, 65536,
+                                        65537, 0, 123457, 3 << 20 | 5, 4 << 20, 7};
 
 TEST_P(FabricTest, RingExchangeAllPostedUpFront) {
   const auto errors = RunRanks(size_, [&](int rank) {
@@ -156,10 +154,10 @@ TEST_P(FabricTest, AllToAll) {
       if (peer == rank) continue;
       out[peer] = Pattern(rank, peer, 0, bytes_between(rank, peer));
       in[peer].resize(bytes_between(peer, rank));
-      sends[peer] = fabric(rank).connection(peer).PostSend(Tag(1, 0), out[peer].data(),
-                                                           out[peer].size());
-      recvs[peer] = fabric(rank).connection(peer).PostRecv(Tag(1, 0), in[peer].data(),
-                                                           in[peer].size());
+      sends[peer] =
+          fabric(rank).connection(peer).PostSend(Tag(1, 0), out[peer].data(), out[peer].size());
+      recvs[peer] =
+          fabric(rank).connection(peer).PostRecv(Tag(1, 0), in[peer].data(), in[peer].size());
     }
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank) continue;
@@ -397,14 +395,13 @@ TEST_P(FabricTest, MisuseIsReportedWithoutBreakingTheFabric) {
   ExpectAllOk(errors);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Transports, FabricTest,
-    ::testing::Combine(::testing::Values(Kind::kInProcess, Kind::kTcp),
-                       ::testing::Values(2, 3, 4, 8)),
-    [](const ::testing::TestParamInfo<FabricTest::ParamType>& param_info) {
-      return std::string(testing::KindName(std::get<0>(param_info.param))) + "_" +
-             std::to_string(std::get<1>(param_info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Transports, FabricTest,
+                         ::testing::Combine(::testing::Values(Kind::kInProcess, Kind::kTcp),
+                                            ::testing::Values(2, 3, 4, 8)),
+                         [](const ::testing::TestParamInfo<FabricTest::ParamType>& param_info) {
+                           return std::string(testing::KindName(std::get<0>(param_info.param))) +
+                                  "_" + std::to_string(std::get<1>(param_info.param));
+                         });
 
 }  // namespace
 }  // namespace collectives::transport

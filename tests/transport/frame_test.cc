@@ -138,8 +138,8 @@ TEST(AbortPayloadTest, RoundTrips) {
   const std::string bytes = EncodeAbortPayload(payload);
   EXPECT_EQ(bytes.size(), 8 + payload.message.size());
   std::string why;
-  auto decoded = DecodeAbortPayload(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                    bytes.size(), &why);
+  auto decoded =
+      DecodeAbortPayload(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), &why);
   ASSERT_TRUE(decoded) << why;
   EXPECT_EQ(decoded->code, ErrorCode::kMismatch);
   EXPECT_EQ(decoded->culprit, 3);
@@ -151,8 +151,8 @@ TEST(AbortPayloadTest, EmptyMessageRoundTrips) {
   payload.code = ErrorCode::kAborted;
   payload.culprit = 0;
   const std::string bytes = EncodeAbortPayload(payload);
-  auto decoded = DecodeAbortPayload(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                    bytes.size(), nullptr);
+  auto decoded =
+      DecodeAbortPayload(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), nullptr);
   ASSERT_TRUE(decoded);
   EXPECT_EQ(decoded->message, "");
 }
@@ -165,8 +165,8 @@ TEST(AbortPayloadTest, LongMessagesAreCutToTheBoundAtACharacterBoundary) {
   for (int i = 0; i < 5000; ++i) payload.message += "\xC3\xA9";
   const std::string bytes = EncodeAbortPayload(payload);
   EXPECT_LE(bytes.size(), kMaxAbortPayload);
-  auto decoded = DecodeAbortPayload(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                    bytes.size(), nullptr);
+  auto decoded =
+      DecodeAbortPayload(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), nullptr);
   ASSERT_TRUE(decoded);
   const std::string& message = decoded->message;
   ASSERT_GE(message.size(), 3u);
@@ -190,17 +190,17 @@ TEST(AbortPayloadTest, RejectsBadSizesCodesAndCulprits) {
 
   std::string bad_code = bytes;
   bad_code[0] = 0;
-  EXPECT_FALSE(DecodeAbortPayload(reinterpret_cast<uint8_t*>(bad_code.data()), bad_code.size(),
-                                  &why));
+  EXPECT_FALSE(
+      DecodeAbortPayload(reinterpret_cast<uint8_t*>(bad_code.data()), bad_code.size(), &why));
   EXPECT_NE(why.find("unknown error code 0"), std::string::npos) << why;
   bad_code[0] = 11;
-  EXPECT_FALSE(DecodeAbortPayload(reinterpret_cast<uint8_t*>(bad_code.data()), bad_code.size(),
-                                  &why));
+  EXPECT_FALSE(
+      DecodeAbortPayload(reinterpret_cast<uint8_t*>(bad_code.data()), bad_code.size(), &why));
 
   std::string bad_culprit = bytes;
   bad_culprit[7] = static_cast<char>(0x80);
-  EXPECT_FALSE(DecodeAbortPayload(reinterpret_cast<uint8_t*>(bad_culprit.data()),
-                                  bad_culprit.size(), &why));
+  EXPECT_FALSE(
+      DecodeAbortPayload(reinterpret_cast<uint8_t*>(bad_culprit.data()), bad_culprit.size(), &why));
   EXPECT_NE(why.find("culprit"), std::string::npos) << why;
 }
 

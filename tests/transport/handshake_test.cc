@@ -71,20 +71,18 @@ TEST(ProofTest, IsBoundToEveryInput) {
   const Nonce b = RandomNonce();
   EXPECT_NE(a, b);
   const Proof base = ComputeProof("secret", "job", 0, 1, a, b, HandshakeRole::kClient);
-  EXPECT_TRUE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, a, b,
-                                             HandshakeRole::kClient)));
-  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, a, b,
-                                              HandshakeRole::kServer)));
-  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secreT", "job", 0, 1, a, b,
-                                              HandshakeRole::kClient)));
-  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "jo", 0, 1, a, b,
-                                              HandshakeRole::kClient)));
-  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 1, 0, a, b,
-                                              HandshakeRole::kClient)));
-  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 0, 2, a, b,
-                                              HandshakeRole::kClient)));
-  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, b, a,
-                                              HandshakeRole::kClient)));
+  EXPECT_TRUE(ProofsEqual(base, ComputeProof("secret", "job", 0, 1, a, b, HandshakeRole::kClient)));
+  EXPECT_FALSE(
+      ProofsEqual(base, ComputeProof("secret", "job", 0, 1, a, b, HandshakeRole::kServer)));
+  EXPECT_FALSE(
+      ProofsEqual(base, ComputeProof("secreT", "job", 0, 1, a, b, HandshakeRole::kClient)));
+  EXPECT_FALSE(ProofsEqual(base, ComputeProof("secret", "jo", 0, 1, a, b, HandshakeRole::kClient)));
+  EXPECT_FALSE(
+      ProofsEqual(base, ComputeProof("secret", "job", 1, 0, a, b, HandshakeRole::kClient)));
+  EXPECT_FALSE(
+      ProofsEqual(base, ComputeProof("secret", "job", 0, 2, a, b, HandshakeRole::kClient)));
+  EXPECT_FALSE(
+      ProofsEqual(base, ComputeProof("secret", "job", 0, 1, b, a, HandshakeRole::kClient)));
   // An empty token is allowed (a job without a secret still checks job id and ranks).
   const Proof empty = ComputeProof("", "job", 0, 1, a, b, HandshakeRole::kClient);
   EXPECT_FALSE(ProofsEqual(base, empty));
@@ -117,7 +115,9 @@ class HandshakeSessionTest : public ::testing::Test {
       if (ec) return;
       HandshakeSession::StartServer(
           std::move(socket), server_, [](int rank) { return rank == 1; }, server_deadline_,
-          [this](const HandshakeResult& result, tcp::socket) { server_results_.push_back(result); });
+          [this](const HandshakeResult& result, tcp::socket) {
+            server_results_.push_back(result);
+          });
       Accept();
     });
   }
@@ -127,8 +127,9 @@ class HandshakeSessionTest : public ::testing::Test {
     std::optional<HandshakeResult> out;
     tcp::socket socket(io_);
     socket.connect(acceptor_.local_endpoint());
-    HandshakeSession::StartClient(std::move(socket), config, server_rank, Clock::now() + 5s,
-                                  [&](const HandshakeResult& result, tcp::socket) { out = result; });
+    HandshakeSession::StartClient(
+        std::move(socket), config, server_rank, Clock::now() + 5s,
+        [&](const HandshakeResult& result, tcp::socket) { out = result; });
     const auto until = Clock::now() + 10s;
     while (!out && Clock::now() < until) io_.run_one_for(100ms);
     EXPECT_TRUE(out) << "client handshake did not finish";

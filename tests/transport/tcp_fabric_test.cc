@@ -1,10 +1,9 @@
 // TCP-only behaviour: mesh set-up (strangers on the port, wrong token or job id, a rank that
 // never shows up), LocalAddressToward, and measurements (8-byte ping-pong, 4 MiB stream)
 // between threads and between two processes.
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <asio.hpp>
 #include <cstdio>
@@ -104,8 +103,8 @@ TEST(TcpSetupTest, StrangersDoNotStopTheMesh) {
     const auto out = Pattern(rank, right, 0, 1000);
     std::vector<uint8_t> in(1000);
     fabric.connection(right).PostSend(Tag(0, 1000), out.data(), out.size());
-    fabric.connection(left).WaitRecv(fabric.connection(left).PostRecv(Tag(0, 1000), in.data(),
-                                                                      in.size()));
+    fabric.connection(left).WaitRecv(
+        fabric.connection(left).PostRecv(Tag(0, 1000), in.data(), in.size()));
     fabric.connection(right).WaitSend(1);
     EXPECT_TRUE(in == Pattern(left, rank, 0, 1000));
   });
@@ -142,8 +141,7 @@ TEST(TcpSetupTest, WrongJobIdIsUnauthenticated) {
     return options;
   });
   ASSERT_TRUE(group.errors[0]);
-  EXPECT_EQ(group.errors[0]->code(), ErrorCode::kUnauthenticated)
-      << group.errors[0]->message();
+  EXPECT_EQ(group.errors[0]->code(), ErrorCode::kUnauthenticated) << group.errors[0]->message();
   ASSERT_TRUE(group.errors[1]);
   EXPECT_EQ(group.errors[1]->code(), ErrorCode::kTimeout);
 }
@@ -217,12 +215,10 @@ TEST(TcpMeasureTest, PingPongAndStreamBetweenThreads) {
     for (int i = 0; i < kFrames; ++i) {
       if (rank == 0) {
         if (i >= 4) peer.WaitSend(tickets[i - 4]);
-        tickets[i] = peer.PostSend(Tag(10000 + i, kFrameBytes), buffers[i % 4].data(),
-                                   kFrameBytes);
+        tickets[i] = peer.PostSend(Tag(10000 + i, kFrameBytes), buffers[i % 4].data(), kFrameBytes);
       } else {
         if (i >= 4) peer.WaitRecv(tickets[i - 4]);
-        tickets[i] = peer.PostRecv(Tag(10000 + i, kFrameBytes), buffers[i % 4].data(),
-                                   kFrameBytes);
+        tickets[i] = peer.PostRecv(Tag(10000 + i, kFrameBytes), buffers[i % 4].data(), kFrameBytes);
       }
     }
     if (rank == 0) {
@@ -246,8 +242,8 @@ TEST(TcpMeasureTest, PingPongAndStreamBetweenThreads) {
 TEST(TcpMeasureTest, PingPongBetweenTwoProcesses) {
   const std::string binary = std::string(COLLECTIVES_TEST_BIN_DIR) + "/transport_pingpong_worker";
   if (access(binary.c_str(), X_OK) != 0) GTEST_SKIP() << binary << " is not built";
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("transport_pingpong_" + std::to_string(getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("transport_pingpong_" + std::to_string(getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   int pipe_fds[2];
@@ -260,8 +256,7 @@ TEST(TcpMeasureTest, PingPongBetweenTwoProcesses) {
       close(pipe_fds[0]);
       close(pipe_fds[1]);
       const std::string rank_text = std::to_string(rank);
-      execl(binary.c_str(), binary.c_str(), rank_text.c_str(), dir.c_str(), "2000", "32",
-            nullptr);
+      execl(binary.c_str(), binary.c_str(), rank_text.c_str(), dir.c_str(), "2000", "32", nullptr);
       _exit(127);
     }
     pids.push_back(pid);
