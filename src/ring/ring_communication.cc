@@ -91,6 +91,12 @@ class RingCommunication final : public CollectiveCommunication {
   // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault.
   void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const;
+  // Both tensors valid, of one dtype.
+  void CheckSendRecv(const char* collective, const Tensor& send, const Tensor& recv) const {
+    CheckTensor(collective, "send", send);
+    CheckTensor(collective, "recv", recv);
+    CheckSameType(collective, send, recv);
+  }
 
   const int rank_;
   const int size_;
@@ -286,9 +292,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                                                                 const Tensor& recv,
                                                                 ReduceOp op) const {
   constexpr const char* kName = "all_reduce";
-  CheckTensor(kName, "send", send);
-  CheckTensor(kName, "recv", recv);
-  CheckSameType(kName, send, recv);
+  CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
   if (send.count != recv.count) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -343,9 +347,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
 RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& send,
                                                                 const Tensor& recv) const {
   constexpr const char* kName = "all_gather";
-  CheckTensor(kName, "send", send);
-  CheckTensor(kName, "recv", recv);
-  CheckSameType(kName, send, recv);
+  CheckSendRecv(kName, send, recv);
   if (recv.count != send.count * size_t(size_)) {
     throw Error(ErrorCode::kInvalidArgument,
                 CountMismatch(rank_, kName,
@@ -364,9 +366,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
                                                                     const Tensor& recv,
                                                                     ReduceOp op) const {
   constexpr const char* kName = "reduce_scatter";
-  CheckTensor(kName, "send", send);
-  CheckTensor(kName, "recv", recv);
-  CheckSameType(kName, send, recv);
+  CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
   if (send.count != recv.count * size_t(size_)) {
     throw Error(ErrorCode::kInvalidArgument,
