@@ -1,0 +1,57 @@
+// The packer: fuses many small tensors into a few buckets so that a model with hundreds of small
+// gradients costs a few large collectives instead of hundreds of small ones.
+//
+// Planning is a pure function (tensor descriptions and a byte cap -> buckets of indices), apart
+// from the copying: a bucket holds tensors of one dtype and one device, in the order given, and
+// at most `bytes_per_pack` bytes; a tensor larger than the cap is alone in its bucket.
+//
+// Thread-safety: PlanBuckets is pure. AllReduce / Broadcast of a list call the communicator from
+// the calling thread and, like any collective, must be issued in the same order on every rank
+// with the same list of (dtype, device, count).
+#ifndef COLLECTIVES_PACKING_H_
+#define COLLECTIVES_PACKING_H_
+
+#include <cstddef>
+#include <vector>
+
+#include "collectives/communication.h"
+#include "collectives/types.h"
+
+namespace collectives::packing {
+
+// The byte cap used when bytes_per_pack is 0. See the README for the measurement behind it.
+size_t DefaultBytesPerPack();
+
+// What the planner needs to know of a tensor.
+struct TensorSpec {
+  DataType dtype = DataType::kFloat32;
+  Device device = Device::Cpu();
+  size_t count = 0;
+};
+
+// One bucket: indices into the planned list, in increasing order.
+using Bucket = std::vector<size_t>;
+
+// Splits `tensors` into buckets: consecutive tensors of one (dtype, device) are added to the
+// open bucket of that (dtype, device) while it stays within `bytes_per_pack` (0: the default);
+// a tensor that does not fit closes it and opens the next. A tensor larger than the cap gets a
+// bucket of its own. Zero-size tensors join the open bucket of their kind. Buckets are returned
+// in the order of their first tensor. Every index appears in exactly one bucket.
+std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t bytes_per_pack);
+
+// All-reduces every tensor of `tensors` in place, through buckets: each bucket is packed into a
+// fusion buffer, all-reduced in one collective, and unpacked; bucket k+1 is packed while bucket k
+// is on the wire (at most two fusion buffers, each at most bytes_per_pack). A tensor alone in
+// its bucket is all-reduced in place without a copy. The result equals, element by element, one
+// AllReduce per tensor. Throws what the collectives throw.
+void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
+               size_t bytes_per_pack = 0);
+
+// Broadcasts every tensor of `tensors` in place from `root`, through buckets as above (the
+// strategy layer uses it to make initial weights identical on every rank).
+void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
+               size_t bytes_per_pack = 0);
+
+}  // namespace collectives::packing
+
+#endif  // COLLECTIVES_PACKING_H_
