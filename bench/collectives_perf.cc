@@ -7,7 +7,7 @@
 // README.md), and the number of wrong elements summed over ranks. Rank 0 prints and, with --csv,
 // writes the same rows as CSV. Only the public API is used.
 //
-// How the ranks start:
+// How the ranks start (bench/local_launcher.h, shared with packing_perf):
 //   --local N  this process starts N copies of itself on loopback and waits for them. Rank 0
 //              hosts the rendezvous store on a port the kernel picks and hands it back through
 //              a pipe; the launcher then starts ranks 1..N-1 with MASTER_PORT set.
@@ -17,12 +17,6 @@
 //   otherwise  ClusterSpec::FromEnvironment: TF_CONFIG, RANK / WORLD_SIZE / MASTER_*, or one rank.
 //
 // Exit status: 0 success, 1 error, 2 the run finished but --check found wrong elements.
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -52,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/local_launcher.h"
 #include "collectives/collectives.h"
 
 #ifdef COLLECTIVES_WITH_MPI
@@ -62,21 +57,10 @@
 #define COLLECTIVES_PERF_BUILD_TYPE "unknown"
 #endif
 
-extern char** environ;
-
 namespace collectives::perf {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-constexpr int kExitOk = 0;
-constexpr int kExitError = 1;
-constexpr int kExitWrong = 2;
-
-// Set by the --local launcher in its children: the child's rank, and (rank 0 only) the pipe on
-// which it reports the store's port.
-constexpr const char* kLocalRankEnv = "COLLECTIVES_PERF_LOCAL_RANK";
-constexpr const char* kPortFdEnv = "COLLECTIVES_PERF_PORT_FD";
 
 // ---------------------------------------------------------------------------------------------
 // Collectives and their size conventions.
@@ -601,14 +585,6 @@ class AlignedBuffer {
 // MPI: bootstrap and baseline.
 // ---------------------------------------------------------------------------------------------
 
-// True when an MPI launcher started this process.
-bool UnderMpiLauncher() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
-    if (std::getenv(name) != nullptr) return true;
-  }
-  return false;
-}
-
 #ifdef COLLECTIVES_WITH_MPI
 
 std::optional<MPI_Datatype> MpiDataType(DataType dtype) {
@@ -718,107 +694,19 @@ CommunicationOptions MakeOptions(const Config& config) {
 }
 
 // A rank started by the --local launcher.
-Session BootstrapLocalChild(const Config& config, int rank) {
-  const CommunicationOptions options = MakeOptions(config);
+Session BootstrapLocalChild(const Config& config) {
   Session session;
   session.launcher = "--local " + std::to_string(config.local) + " (processes on one host)";
-  if (rank == 0) {
-    const char* fd_text = std::getenv(kPortFdEnv);
-    if (fd_text == nullptr) throw std::runtime_error(std::string(kPortFdEnv) + " is not set");
-    const int fd = std::atoi(fd_text);
-    std::shared_ptr<Store> store =
-        CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, config.timeout());
-    const uint16_t port = TcpStorePort(*store);
-    const std::string line = std::to_string(port) + "\n";
-    if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
-      throw std::runtime_error("cannot report the store's port to the launcher: " +
-                               std::string(std::strerror(errno)));
-    }
-    close(fd);
-    ClusterSpec spec;
-    spec.rank = 0;
-    spec.world_size = config.local;
-    spec.master_addr = "127.0.0.1";
-    spec.master_port = port;
-    spec.job_id = "collectives_perf-" + std::to_string(port);
-    spec.Validate();
-    session.comm = CreateCommunication(spec, store, options);
-  } else {
-    ClusterSpec spec = ClusterSpec::FromEnvironment();  // RANK, WORLD_SIZE, MASTER_*
-    spec.job_id = "collectives_perf-" + std::to_string(spec.master_port);
-    session.comm = CreateCommunication(spec, options);
-  }
+  session.comm = ConnectLocalRank("collectives_perf", config.local, MakeOptions(config));
   return session;
 }
 
 #ifdef COLLECTIVES_WITH_MPI
-// A rank started by mpirun: rank 0 hosts the store on a port the kernel picks and broadcasts
-// it. The store's address is MASTER_ADDR if set, else 127.0.0.1 when every rank shares this
-// host, else rank 0's host name.
+// A rank started by mpirun (see ConnectMpiRank).
 Session BootstrapMpi(const Config& config) {
-  int rank = 0;
-  int world_size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
-
-  std::string address;
-  if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
-    address = master;
-  } else {
-    MPI_Comm node;
-    CheckMpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
-             "MPI_Comm_split_type");
-    int node_size = 0;
-    MPI_Comm_size(node, &node_size);
-    int single_host = node_size == world_size ? 1 : 0;
-    MPI_Comm_free(&node);
-    CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &single_host, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD),
-             "MPI_Allreduce");
-    if (single_host) {
-      address = "127.0.0.1";
-    } else {
-      std::array<char, 256> host{};
-      if (rank == 0) gethostname(host.data(), host.size() - 1);
-      CheckMpi(MPI_Bcast(host.data(), static_cast<int>(host.size()), MPI_CHAR, 0, MPI_COMM_WORLD),
-               "MPI_Bcast");
-      address = host.data();
-    }
-  }
-
-  std::shared_ptr<Store> store;
-  int port = 0;
-  std::string failure;
-  if (rank == 0) {
-    try {
-      store = CreateTcpStore(address, 0, /*is_server=*/true, config.timeout());
-      port = TcpStorePort(*store);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  CheckMpi(MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  if (port == 0) {
-    throw std::runtime_error(rank == 0
-                                 ? "cannot host the rendezvous store on " + address + ": " + failure
-                                 : "rank 0 could not host the rendezvous store");
-  }
-  if (rank != 0) {
-    store =
-        CreateTcpStore(address, static_cast<uint16_t>(port), /*is_server=*/false, config.timeout());
-  }
-  ClusterSpec spec;
-  spec.rank = rank;
-  spec.world_size = world_size;
-  spec.master_addr = address;
-  spec.master_port = static_cast<uint16_t>(port);
-  spec.job_id = "collectives_perf-" + std::to_string(port);
-  spec.Validate();
-
   Session session;
   session.mpi = true;
-  session.launcher =
-      "mpirun (MPI bootstrap, store at " + address + ":" + std::to_string(port) + ")";
-  session.comm = CreateCommunication(spec, store, MakeOptions(config));
+  session.comm = ConnectMpiRank("collectives_perf", MakeOptions(config), &session.launcher);
   return session;
 }
 #endif  // COLLECTIVES_WITH_MPI
@@ -843,166 +731,6 @@ Session BootstrapFromEnvironment(const Config& config) {
   }
   session.comm = CreateCommunication(ClusterSpec::FromEnvironment(), MakeOptions(config));
   return session;
-}
-
-// ---------------------------------------------------------------------------------------------
-// The --local launcher.
-// ---------------------------------------------------------------------------------------------
-
-bool IsLauncherVariable(std::string_view entry) {
-  static constexpr std::string_view kNames[] = {
-      "RANK",       "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE",
-      "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"};
-  const std::string_view name = entry.substr(0, entry.find('='));
-  for (std::string_view known : kNames) {
-    if (name == known) return true;
-  }
-  return name.starts_with("COLLECTIVES_PERF_");
-}
-
-// Starts this program again as `rank`, with `extra` added to a copy of the environment from
-// which launcher variables were removed. `keep_fd` stays open across exec.
-pid_t SpawnRank(char** argv, const std::vector<std::string>& extra, int keep_fd) {
-  std::vector<std::string> entries;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (!IsLauncherVariable(*e)) entries.emplace_back(*e);
-  }
-  entries.insert(entries.end(), extra.begin(), extra.end());
-  std::vector<char*> envp;
-  for (std::string& entry : entries) envp.push_back(entry.data());
-  envp.push_back(nullptr);
-
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t launcher = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork: " + std::string(std::strerror(errno)));
-  if (pid == 0) {
-    // Die with the launcher rather than linger as an orphan rank.
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != launcher) _exit(kExitError);
-    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, 0);
-    execve("/proc/self/exe", argv, envp.data());
-    static constexpr char kMessage[] = "collectives_perf: cannot exec /proc/self/exe\n";
-    [[maybe_unused]] ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
-    _exit(127);
-  }
-  return pid;
-}
-
-std::string DescribeStatus(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
-  return "stopped";
-}
-
-int ExitCodeOf(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return kExitError;
-}
-
-// Reads rank 0's "port\n" from `fd`; 0 if rank 0 closed the pipe or the timeout passed.
-uint16_t ReadPort(int fd, std::chrono::milliseconds timeout) {
-  std::string text;
-  const Clock::time_point deadline = Clock::now() + timeout;
-  while (text.find('\n') == std::string::npos) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return 0;
-    pollfd descriptor{fd, POLLIN, 0};
-    const int ready = poll(&descriptor, 1, static_cast<int>(left.count()));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) return 0;
-    char chunk[32];
-    const ssize_t n = read(fd, chunk, sizeof(chunk));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return 0;
-    text.append(chunk, static_cast<size_t>(n));
-  }
-  const long port = std::strtol(text.c_str(), nullptr, 10);
-  return port > 0 && port < 65536 ? static_cast<uint16_t>(port) : 0;
-}
-
-// Starts `world_size` ranks of this program on loopback and waits for them. When a rank fails
-// (anything but success or "wrong elements"), the others get two seconds to finish on their
-// own, then SIGTERM, then two more seconds, then SIGKILL. Returns the first non-zero exit code.
-int RunLocalLauncher(int world_size, char** argv, std::chrono::milliseconds timeout) {
-  int pipe_fds[2];
-  if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
-    throw std::runtime_error("pipe: " + std::string(std::strerror(errno)));
-  }
-  auto common = [&](int rank) {
-    return std::vector<std::string>{"RANK=" + std::to_string(rank),
-                                    "LOCAL_RANK=" + std::to_string(rank),
-                                    "WORLD_SIZE=" + std::to_string(world_size),
-                                    "LOCAL_WORLD_SIZE=" + std::to_string(world_size),
-                                    "MASTER_ADDR=127.0.0.1",
-                                    std::string(kLocalRankEnv) + "=" + std::to_string(rank)};
-  };
-
-  std::vector<pid_t> pids(static_cast<size_t>(world_size), -1);
-  std::vector<std::string> rank0_env = common(0);
-  rank0_env.push_back(std::string(kPortFdEnv) + "=" + std::to_string(pipe_fds[1]));
-  pids[0] = SpawnRank(argv, rank0_env, pipe_fds[1]);
-  close(pipe_fds[1]);
-  const uint16_t port = ReadPort(pipe_fds[0], timeout);
-  close(pipe_fds[0]);
-  if (port == 0) {
-    std::fprintf(stderr, "collectives_perf: rank 0 did not report the store's port\n");
-    kill(pids[0], SIGTERM);
-    int status = 0;
-    waitpid(pids[0], &status, 0);
-    std::fprintf(stderr, "collectives_perf: rank 0 %s\n", DescribeStatus(status).c_str());
-    return kExitError;
-  }
-  for (int rank = 1; rank < world_size; ++rank) {
-    std::vector<std::string> env = common(rank);
-    env.push_back("MASTER_PORT=" + std::to_string(port));
-    pids[static_cast<size_t>(rank)] = SpawnRank(argv, env, -1);
-  }
-
-  int result = kExitOk;
-  int alive = world_size;
-  std::optional<Clock::time_point> terminate_at;
-  std::optional<Clock::time_point> kill_at;
-  auto signal_alive = [&](int sig) {
-    for (pid_t pid : pids) {
-      if (pid > 0) kill(pid, sig);
-    }
-  };
-  while (alive > 0) {
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, WNOHANG);
-    if (pid < 0 && errno != EINTR) break;
-    if (pid > 0) {
-      auto it = std::find(pids.begin(), pids.end(), pid);
-      if (it == pids.end()) continue;
-      const int rank = static_cast<int>(it - pids.begin());
-      *it = -1;
-      --alive;
-      const int code = ExitCodeOf(status);
-      if (code != kExitOk && code != kExitWrong) {
-        if (!kill_at) {  // not a rank we killed ourselves
-          std::fprintf(stderr, "collectives_perf: rank %d %s\n", rank,
-                       DescribeStatus(status).c_str());
-        }
-        if (!terminate_at) terminate_at = Clock::now() + std::chrono::seconds(2);
-      }
-      if (result == kExitOk && code != kExitOk) result = code;
-      continue;
-    }
-    const Clock::time_point now = Clock::now();
-    if (terminate_at && !kill_at && now >= *terminate_at) {
-      signal_alive(SIGTERM);
-      kill_at = now + std::chrono::seconds(2);
-    } else if (kill_at && now >= *kill_at) {
-      signal_alive(SIGKILL);
-      kill_at = now + std::chrono::hours(1);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return result;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1379,16 +1107,6 @@ class Sweep {
 // main.
 // ---------------------------------------------------------------------------------------------
 
-// This process's rank as far as the environment tells before any bootstrap, so that only one
-// rank prints usage errors.
-int RankFromEnvironment() {
-  for (const char* name :
-       {kLocalRankEnv, "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
-    if (const char* value = std::getenv(name); value != nullptr) return std::atoi(value);
-  }
-  return 0;
-}
-
 void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::string& max_bytes,
                 std::string& step_bytes, std::string& collectives, std::string& dtypes,
                 std::string& ops) {
@@ -1453,7 +1171,7 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
 }
 
 int Main(int argc, char** argv) {
-  const bool local_child = std::getenv(kLocalRankEnv) != nullptr;
+  const bool local_child = IsLocalChild();
   const bool under_mpi_launcher = UnderMpiLauncher();
   bool mpi_initialized = false;
 #ifdef COLLECTIVES_WITH_MPI
@@ -1515,14 +1233,15 @@ int Main(int argc, char** argv) {
   }
 
   if (config.local > 0 && !local_child) {
-    return RunLocalLauncher(config.local, argv, config.timeout() + std::chrono::seconds(10));
+    return RunLocalLauncher("collectives_perf", config.local, argv,
+                            config.timeout() + std::chrono::seconds(10));
   }
 
   int rank = env_rank;
   try {
     Session session;
     if (local_child) {
-      session = BootstrapLocalChild(config, env_rank);
+      session = BootstrapLocalChild(config);
     } else if (mpi_initialized) {
 #ifdef COLLECTIVES_WITH_MPI
       session = BootstrapMpi(config);

@@ -9,7 +9,7 @@ set -euo pipefail
 PACKAGES=(
   g++ cmake ninja-build make
   libasio-dev openmpi-bin libopenmpi-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   nlohmann-json3-dev libcli11-dev libssl-dev libeigen3-dev zlib1g-dev
   dataset-fashion-mnist
   python3 python3-matplotlib

@@ -1,0 +1,320 @@
+// Starting and connecting the ranks of a benchmark: the --local launcher (fork/exec of this
+// program on loopback, rank 0 reporting the store's port through a pipe) and the MPI bootstrap.
+#include "bench/local_launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#ifdef COLLECTIVES_WITH_MPI
+#include <mpi.h>
+#endif
+
+extern char** environ;
+
+namespace collectives::perf {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool IsLauncherVariable(std::string_view entry) {
+  static constexpr std::string_view kNames[] = {
+      "RANK",       "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE",
+      "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"};
+  const std::string_view name = entry.substr(0, entry.find('='));
+  for (std::string_view known : kNames) {
+    if (name == known) return true;
+  }
+  return name.starts_with("COLLECTIVES_PERF_");
+}
+
+// Starts this program again as `rank`, with `extra` added to a copy of the environment from
+// which launcher variables were removed. `keep_fd` stays open across exec.
+pid_t SpawnRank(const char* program, char** argv, const std::vector<std::string>& extra,
+                int keep_fd) {
+  std::vector<std::string> entries;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!IsLauncherVariable(*e)) entries.emplace_back(*e);
+  }
+  entries.insert(entries.end(), extra.begin(), extra.end());
+  std::vector<char*> envp;
+  for (std::string& entry : entries) envp.push_back(entry.data());
+  envp.push_back(nullptr);
+  // Built before fork: the child only calls async-signal-safe functions.
+  const std::string exec_failed = std::string(program) + ": cannot exec /proc/self/exe\n";
+
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t launcher = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork: " + std::string(std::strerror(errno)));
+  if (pid == 0) {
+    // Die with the launcher rather than linger as an orphan rank.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != launcher) _exit(kExitError);
+    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, 0);
+    execve("/proc/self/exe", argv, envp.data());
+    [[maybe_unused]] ssize_t ignored = write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
+    _exit(127);
+  }
+  return pid;
+}
+
+std::string DescribeStatus(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "stopped";
+}
+
+int ExitCodeOf(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return kExitError;
+}
+
+// Reads rank 0's "port\n" from `fd`; 0 if rank 0 closed the pipe or the timeout passed.
+uint16_t ReadPort(int fd, std::chrono::milliseconds timeout) {
+  std::string text;
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (text.find('\n') == std::string::npos) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return 0;
+    pollfd descriptor{fd, POLLIN, 0};
+    const int ready = poll(&descriptor, 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return 0;
+    char chunk[32];
+    const ssize_t n = read(fd, chunk, sizeof(chunk));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return 0;
+    text.append(chunk, static_cast<size_t>(n));
+  }
+  const long port = std::strtol(text.c_str(), nullptr, 10);
+  return port > 0 && port < 65536 ? static_cast<uint16_t>(port) : 0;
+}
+
+#ifdef COLLECTIVES_WITH_MPI
+void CheckMpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(rc, text, &length);
+    throw std::runtime_error(std::string(what) + " failed: " + std::string(text, length));
+  }
+}
+#endif
+
+}  // namespace
+
+bool IsLocalChild() { return std::getenv(kLocalRankEnv) != nullptr; }
+
+bool UnderMpiLauncher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
+int RankFromEnvironment() {
+  for (const char* name :
+       {kLocalRankEnv, "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
+    if (const char* value = std::getenv(name); value != nullptr) return std::atoi(value);
+  }
+  return 0;
+}
+
+int RunLocalLauncher(const char* program, int world_size, char** argv,
+                     std::chrono::milliseconds timeout) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
+    throw std::runtime_error("pipe: " + std::string(std::strerror(errno)));
+  }
+  auto common = [&](int rank) {
+    return std::vector<std::string>{"RANK=" + std::to_string(rank),
+                                    "LOCAL_RANK=" + std::to_string(rank),
+                                    "WORLD_SIZE=" + std::to_string(world_size),
+                                    "LOCAL_WORLD_SIZE=" + std::to_string(world_size),
+                                    "MASTER_ADDR=127.0.0.1",
+                                    std::string(kLocalRankEnv) + "=" + std::to_string(rank)};
+  };
+
+  std::vector<pid_t> pids(static_cast<size_t>(world_size), -1);
+  std::vector<std::string> rank0_env = common(0);
+  rank0_env.push_back(std::string(kPortFdEnv) + "=" + std::to_string(pipe_fds[1]));
+  pids[0] = SpawnRank(program, argv, rank0_env, pipe_fds[1]);
+  close(pipe_fds[1]);
+  const uint16_t port = ReadPort(pipe_fds[0], timeout);
+  close(pipe_fds[0]);
+  if (port == 0) {
+    std::fprintf(stderr, "%s: rank 0 did not report the store's port\n", program);
+    kill(pids[0], SIGTERM);
+    int status = 0;
+    waitpid(pids[0], &status, 0);
+    std::fprintf(stderr, "%s: rank 0 %s\n", program, DescribeStatus(status).c_str());
+    return kExitError;
+  }
+  for (int rank = 1; rank < world_size; ++rank) {
+    std::vector<std::string> env = common(rank);
+    env.push_back("MASTER_PORT=" + std::to_string(port));
+    pids[static_cast<size_t>(rank)] = SpawnRank(program, argv, env, -1);
+  }
+
+  int result = kExitOk;
+  int alive = world_size;
+  std::optional<Clock::time_point> terminate_at;
+  std::optional<Clock::time_point> kill_at;
+  auto signal_alive = [&](int sig) {
+    for (pid_t pid : pids) {
+      if (pid > 0) kill(pid, sig);
+    }
+  };
+  while (alive > 0) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) break;
+    if (pid > 0) {
+      auto it = std::find(pids.begin(), pids.end(), pid);
+      if (it == pids.end()) continue;
+      const int rank = static_cast<int>(it - pids.begin());
+      *it = -1;
+      --alive;
+      const int code = ExitCodeOf(status);
+      if (code != kExitOk && code != kExitWrong) {
+        if (!kill_at) {  // not a rank we killed ourselves
+          std::fprintf(stderr, "%s: rank %d %s\n", program, rank, DescribeStatus(status).c_str());
+        }
+        if (!terminate_at) terminate_at = Clock::now() + std::chrono::seconds(2);
+      }
+      if (result == kExitOk && code != kExitOk) result = code;
+      continue;
+    }
+    const Clock::time_point now = Clock::now();
+    if (terminate_at && !kill_at && now >= *terminate_at) {
+      signal_alive(SIGTERM);
+      kill_at = now + std::chrono::seconds(2);
+    } else if (kill_at && now >= *kill_at) {
+      signal_alive(SIGKILL);
+      kill_at = now + std::chrono::hours(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return result;
+}
+
+std::unique_ptr<CollectiveCommunication> ConnectLocalRank(const std::string& job_prefix,
+                                                          int world_size,
+                                                          const CommunicationOptions& options) {
+  if (RankFromEnvironment() != 0) {
+    ClusterSpec spec = ClusterSpec::FromEnvironment();  // RANK, WORLD_SIZE, MASTER_*
+    spec.job_id = job_prefix + "-" + std::to_string(spec.master_port);
+    return CreateCommunication(spec, options);
+  }
+  const char* fd_text = std::getenv(kPortFdEnv);
+  if (fd_text == nullptr) throw std::runtime_error(std::string(kPortFdEnv) + " is not set");
+  const int fd = std::atoi(fd_text);
+  std::shared_ptr<Store> store =
+      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout);
+  const uint16_t port = TcpStorePort(*store);
+  const std::string line = std::to_string(port) + "\n";
+  if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+    throw std::runtime_error("cannot report the store's port to the launcher: " +
+                             std::string(std::strerror(errno)));
+  }
+  close(fd);
+  ClusterSpec spec;
+  spec.rank = 0;
+  spec.world_size = world_size;
+  spec.master_addr = "127.0.0.1";
+  spec.master_port = port;
+  spec.job_id = job_prefix + "-" + std::to_string(port);
+  spec.Validate();
+  return CreateCommunication(spec, store, options);
+}
+
+#ifdef COLLECTIVES_WITH_MPI
+std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_prefix,
+                                                        const CommunicationOptions& options,
+                                                        std::string* launcher) {
+  int rank = 0;
+  int world_size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+
+  std::string address;
+  if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
+    address = master;
+  } else {
+    MPI_Comm node;
+    CheckMpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+             "MPI_Comm_split_type");
+    int node_size = 0;
+    MPI_Comm_size(node, &node_size);
+    int single_host = node_size == world_size ? 1 : 0;
+    MPI_Comm_free(&node);
+    CheckMpi(MPI_Allreduce(MPI_IN_PLACE, &single_host, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD),
+             "MPI_Allreduce");
+    if (single_host) {
+      address = "127.0.0.1";
+    } else {
+      std::array<char, 256> host{};
+      if (rank == 0) gethostname(host.data(), host.size() - 1);
+      CheckMpi(MPI_Bcast(host.data(), static_cast<int>(host.size()), MPI_CHAR, 0, MPI_COMM_WORLD),
+               "MPI_Bcast");
+      address = host.data();
+    }
+  }
+
+  std::shared_ptr<Store> store;
+  int port = 0;
+  std::string failure;
+  if (rank == 0) {
+    try {
+      store = CreateTcpStore(address, 0, /*is_server=*/true, options.timeout);
+      port = TcpStorePort(*store);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  CheckMpi(MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  if (port == 0) {
+    throw std::runtime_error(rank == 0
+                                 ? "cannot host the rendezvous store on " + address + ": " + failure
+                                 : "rank 0 could not host the rendezvous store");
+  }
+  if (rank != 0) {
+    store =
+        CreateTcpStore(address, static_cast<uint16_t>(port), /*is_server=*/false, options.timeout);
+  }
+  ClusterSpec spec;
+  spec.rank = rank;
+  spec.world_size = world_size;
+  spec.master_addr = address;
+  spec.master_port = static_cast<uint16_t>(port);
+  spec.job_id = job_prefix + "-" + std::to_string(port);
+  spec.Validate();
+
+  if (launcher != nullptr) {
+    *launcher = "mpirun (MPI bootstrap, store at " + address + ":" + std::to_string(port) + ")";
+  }
+  return CreateCommunication(spec, store, options);
+}
+#endif  // COLLECTIVES_WITH_MPI
+
+}  // namespace collectives::perf

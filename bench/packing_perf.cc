@@ -1,0 +1,656 @@
+// packing_perf: what the packer buys. For each workload (a list of f32 tensors, as a model's
+// gradients), one "step" all-reduces every tensor of the list once, in three ways:
+//
+//   one-by-one  comm.AllReduce per tensor, blocking (what a naive trainer does);
+//   async       comm.AllReduceAsync per tensor, all issued, then all waited on (the calls are
+//               queued back to back, but each is still one collective with its own latency);
+//   packed      packing::AllReduce with each --bytes-per-pack cap (fusion buckets).
+//
+// Per workload: three rounds; in each, every mode runs -w warm-up steps then a third of its -n
+// timed steps, each after a barrier (rounds spread whatever else the host does over every
+// mode; warm-ups absorb the slow first steps after a change of mode). A step's time is that of
+// its slowest rank; time = the median over steps (--mean: the mean); speed-up = one-by-one time
+// / this time.
+// With --check, every packed cap is run once more on inputs with an exact answer and every
+// element of every tensor is verified on every rank (#wrong, summed over ranks). Only the
+// public API is used.
+//
+// Workloads (--workload, a comma list):
+//   NxS       N tensors of S bytes each (1000x4K, 200x256K, ...: K, M, G suffixes);
+//   resnet50  the 161 trainable tensors of ResNet-50 (25,557,032 parameters, 102 MB in f32).
+//
+// How the ranks start: --local N, mpirun, or the environment, as for collectives_perf (see
+// bench/local_launcher.h). Exit status: 0 success, 1 error, 2 --check found wrong elements.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/local_launcher.h"
+#include "collectives/collectives.h"
+#include "collectives/packing.h"
+
+#ifdef COLLECTIVES_WITH_MPI
+#include <mpi.h>
+#endif
+
+#ifndef COLLECTIVES_PERF_BUILD_TYPE
+#define COLLECTIVES_PERF_BUILD_TYPE "unknown"
+#endif
+
+namespace collectives::perf {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Element counts of ResNet-50's trainable tensors, in the order the model defines them
+// (torchvision.models.resnet50, after He et al., "Deep Residual Learning for Image
+// Recognition", 2015, table 1): convolutions have no bias; every batch norm has a gamma and a
+// beta; a bottleneck is 1x1 (in -> w), 3x3 (w -> w), 1x1 (w -> 4w), and the first block of
+// each stage adds a 1x1 downsample convolution (in -> 4w) with its batch norm. A trainer's
+// backward pass produces them in reverse order; the sizes, which is what packing sees, are the
+// same. 161 tensors, 25,557,032 elements (checked at start-up).
+// One line per block reads better than one number per line.
+// clang-format off
+constexpr size_t kResNet50Counts[] = {
+    // stem: conv1 64x3x7x7, bn1
+    9408, 64, 64,
+    // stage 1: 3 bottlenecks of width 64, output 256; block 1 takes 64 channels
+    4096, 64, 64, 36864, 64, 64, 16384, 256, 256, 16384, 256, 256,
+    16384, 64, 64, 36864, 64, 64, 16384, 256, 256,
+    16384, 64, 64, 36864, 64, 64, 16384, 256, 256,
+    // stage 2: 4 bottlenecks of width 128, output 512; block 1 takes 256 channels
+    32768, 128, 128, 147456, 128, 128, 65536, 512, 512, 131072, 512, 512,
+    65536, 128, 128, 147456, 128, 128, 65536, 512, 512,
+    65536, 128, 128, 147456, 128, 128, 65536, 512, 512,
+    65536, 128, 128, 147456, 128, 128, 65536, 512, 512,
+    // stage 3: 6 bottlenecks of width 256, output 1024; block 1 takes 512 channels
+    131072, 256, 256, 589824, 256, 256, 262144, 1024, 1024, 524288, 1024, 1024,
+    262144, 256, 256, 589824, 256, 256, 262144, 1024, 1024,
+    262144, 256, 256, 589824, 256, 256, 262144, 1024, 1024,
+    262144, 256, 256, 589824, 256, 256, 262144, 1024, 1024,
+    262144, 256, 256, 589824, 256, 256, 262144, 1024, 1024,
+    262144, 256, 256, 589824, 256, 256, 262144, 1024, 1024,
+    // stage 4: 3 bottlenecks of width 512, output 2048; block 1 takes 1024 channels
+    524288, 512, 512, 2359296, 512, 512, 1048576, 2048, 2048, 2097152, 2048, 2048,
+    1048576, 512, 512, 2359296, 512, 512, 1048576, 2048, 2048,
+    1048576, 512, 512, 2359296, 512, 512, 1048576, 2048, 2048,
+    // fc: 2048x1000 weight, 1000 bias
+    2048000, 1000,
+};
+// clang-format on
+static_assert(std::size(kResNet50Counts) == 161);
+
+// ---------------------------------------------------------------------------------------------
+// Command line.
+// ---------------------------------------------------------------------------------------------
+
+struct Workload {
+  std::string name;
+  std::vector<size_t> counts;  // f32 elements per tensor
+};
+
+struct Config {
+  std::vector<Workload> workloads;
+  std::vector<size_t> caps;  // bytes_per_pack values; 0 = the library default
+  ReduceOp op = ReduceOp::kSum;
+  int iters = 20;
+  int warmup_iters = 3;
+  bool check = false;
+  bool mean = false;
+  std::string csv_path;
+  int spin_us = -1;
+  size_t chunk_bytes = 0;
+  size_t small_message_bytes = 0;
+  double timeout_s = 120;
+  int local = 0;
+
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+  }
+};
+
+// "4096", "4K", "64M", "1G" (binary multiples) -> bytes.
+size_t ParseBytes(const std::string& text) {
+  size_t pos = 0;
+  unsigned long long value = 0;
+  try {
+    value = std::stoull(text, &pos);
+  } catch (const std::exception&) {
+    throw CLI::ValidationError("'" + text + "' is not a size (examples: 4096, 4K, 64M)");
+  }
+  std::string suffix = text.substr(pos);
+  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (suffix.ends_with("IB")) suffix.resize(suffix.size() - 2);
+  if (suffix.size() > 1 && suffix.ends_with("B")) suffix.resize(suffix.size() - 1);
+  int shift = 0;
+  if (suffix.empty() || suffix == "B") {
+    shift = 0;
+  } else if (suffix == "K") {
+    shift = 10;
+  } else if (suffix == "M") {
+    shift = 20;
+  } else if (suffix == "G") {
+    shift = 30;
+  } else {
+    throw CLI::ValidationError("'" + text + "': unknown size suffix (use K, M or G)");
+  }
+  if (value > (std::numeric_limits<size_t>::max() >> shift)) {
+    throw CLI::ValidationError("'" + text + "' is too large");
+  }
+  return static_cast<size_t>(value) << shift;
+}
+
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  std::string part;
+  while (std::getline(stream, part, ',')) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+Workload ParseWorkload(const std::string& name) {
+  Workload workload{name, {}};
+  if (name == "resnet50") {
+    workload.counts.assign(std::begin(kResNet50Counts), std::end(kResNet50Counts));
+    return workload;
+  }
+  const size_t x = name.find('x');
+  if (x == std::string::npos || x == 0) {
+    throw CLI::ValidationError("workload '" + name + "': expected NxSIZE (1000x4K) or resnet50");
+  }
+  size_t tensors = 0;
+  try {
+    size_t pos = 0;
+    tensors = std::stoul(name.substr(0, x), &pos);
+    if (pos != x) throw std::invalid_argument(name);
+  } catch (const std::exception&) {
+    throw CLI::ValidationError("workload '" + name + "': '" + name.substr(0, x) +
+                               "' is not a number of tensors");
+  }
+  const size_t bytes = ParseBytes(name.substr(x + 1));
+  if (tensors == 0 || bytes < sizeof(float) || bytes % sizeof(float) != 0) {
+    throw CLI::ValidationError("workload '" + name +
+                               "': needs at least one tensor of a whole number of f32 elements");
+  }
+  workload.counts.assign(tensors, bytes / sizeof(float));
+  return workload;
+}
+
+std::string FormatBytes(size_t bytes) {
+  if (bytes == 0) return "default";
+  const char* units[] = {"", "K", "M", "G"};
+  int unit = 0;
+  while (unit < 3 && bytes % 1024 == 0 && bytes >= 1024) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return std::to_string(bytes) + units[unit];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Check data: small integers with an exact result for every op and world size (f32 holds every
+// partial sum and product exactly); the average allows for the division's rounding.
+// ---------------------------------------------------------------------------------------------
+
+float CheckInput(ReduceOp op, int rank, size_t tensor, size_t i) {
+  const size_t r = static_cast<size_t>(rank);
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return static_cast<float>((r * 3 + tensor * 7 + i * 13) % 5);
+    case ReduceOp::kProd:
+      return (r + tensor + i) % 3 == 0 ? 2.0f : ((r * 5 + i) % 7 == 0 ? -1.0f : 1.0f);
+    case ReduceOp::kMin:
+    case ReduceOp::kMax:
+      return static_cast<float>((r * 31 + tensor * 7 + i * 17) % 11) - 5.0f;
+  }
+  return 0;
+}
+
+double CheckExpected(ReduceOp op, int world_size, size_t tensor, size_t i) {
+  double acc = CheckInput(op, 0, tensor, i);
+  for (int r = 1; r < world_size; ++r) {
+    const double v = CheckInput(op, r, tensor, i);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        acc += v;
+        break;
+      case ReduceOp::kProd:
+        acc *= v;
+        break;
+      case ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
+    }
+  }
+  return op == ReduceOp::kAvg ? acc / world_size : acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The benchmark.
+// ---------------------------------------------------------------------------------------------
+
+struct Row {
+  std::string workload;
+  size_t tensors = 0;
+  size_t bytes = 0;
+  std::string mode;  // one-by-one, async, packed
+  std::optional<size_t> cap;
+  size_t buckets = 0;
+  double time_ms = 0;
+  double speedup = 1;
+  std::optional<int64_t> wrong;
+};
+
+class Bench {
+ public:
+  Bench(const Config& config, CollectiveCommunication& comm, std::string launcher,
+        std::ofstream* csv)
+      : config_(config),
+        comm_(comm),
+        rank_(comm.rank()),
+        world_size_(comm.size()),
+        launcher_(std::move(launcher)),
+        csv_(csv) {}
+
+  int Run() {
+    PrintHeader();
+    int64_t total_wrong = 0;
+    for (const Workload& workload : config_.workloads) {
+      // The tensors: separate allocations, as a model's gradients are.
+      std::vector<std::vector<float>> storage;
+      std::vector<Tensor> tensors;
+      std::vector<packing::TensorSpec> specs;
+      storage.reserve(workload.counts.size());
+      size_t bytes = 0;
+      for (size_t count : workload.counts) {
+        storage.emplace_back(count);
+        tensors.push_back(Tensor{storage.back().data(), count, DataType::kFloat32});
+        specs.push_back(packing::TensorSpec{DataType::kFloat32, Device::Cpu(), count});
+        bytes += count * sizeof(float);
+      }
+      auto fill = [&] {
+        for (size_t t = 0; t < storage.size(); ++t) {
+          for (size_t i = 0; i < storage[t].size(); ++i) {
+            storage[t][i] = CheckInput(config_.op, rank_, t, i);
+          }
+        }
+      };
+      fill();  // also what the timed steps reduce: no denormals, no NaNs
+      Row base;
+      base.workload = workload.name;
+      base.tensors = tensors.size();
+      base.bytes = bytes;
+
+      // The modes, timed together (see TimeSteps).
+      std::vector<Row> rows;
+      std::vector<std::function<void()>> steps;
+      Row one = base;
+      one.mode = "one-by-one";
+      one.buckets = tensors.size();
+      rows.push_back(one);
+      steps.push_back([&] {
+        for (const Tensor& t : tensors) comm_.AllReduce(t, config_.op);
+      });
+      Row async = base;
+      async.mode = "async";
+      async.buckets = tensors.size();
+      rows.push_back(async);
+      steps.push_back([&] {
+        std::vector<std::shared_ptr<Work>> works;
+        works.reserve(tensors.size());
+        for (const Tensor& t : tensors) works.push_back(comm_.AllReduceAsync(t, t, config_.op));
+        for (const std::shared_ptr<Work>& w : works) w->Wait();
+      });
+      for (size_t cap : config_.caps) {
+        Row packed = base;
+        packed.mode = "packed";
+        packed.cap = cap;
+        packed.buckets = packing::PlanBuckets(specs, cap).size();
+        rows.push_back(packed);
+        steps.push_back([&, cap] { packing::AllReduce(comm_, tensors, config_.op, cap); });
+      }
+      const std::vector<double> times = TimeSteps(steps);
+      for (size_t m = 0; m < rows.size(); ++m) {
+        Row& row = rows[m];
+        row.time_ms = times[m];
+        row.speedup = rows[0].time_ms / row.time_ms;
+        if (config_.check && row.cap) {
+          fill();
+          packing::AllReduce(comm_, tensors, config_.op, *row.cap);
+          int64_t wrong = CountWrong(workload, storage);
+          comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64}, ReduceOp::kSum);
+          row.wrong = wrong;
+          total_wrong += wrong;
+        }
+        Emit(row);
+      }
+    }
+    if (rank_ == 0) {
+      std::printf("#\n");
+      if (config_.check) {
+        std::printf("# wrong elements: %lld%s\n", static_cast<long long>(total_wrong),
+                    total_wrong == 0 ? "" : "  <-- RESULTS ARE WRONG");
+      } else {
+        std::printf("# wrong elements: not checked (pass --check)\n");
+      }
+      std::fflush(stdout);
+    }
+    return total_wrong == 0 ? kExitOk : kExitWrong;
+  }
+
+ private:
+  // Milliseconds per step of each of `steps`, timed in kRounds rounds; in each round every mode
+  // runs -w warm-up steps and then its share of the -n timed steps, each after a barrier (so no
+  // rank carries the skew of one step into the next). A mode's first steps after another mode
+  // run slower (threads migrate, caches refill), hence the warm-up per round; rounds spread
+  // what else the host does over every mode. A step's time is that of its slowest rank; the
+  // result is the median over steps (or the mean, --mean).
+  static constexpr size_t kRounds = 3;
+  std::vector<double> TimeSteps(const std::vector<std::function<void()>>& steps) {
+    const size_t iters = static_cast<size_t>(config_.iters);
+    std::vector<double> seconds(steps.size() * iters);  // [mode][step]
+    for (size_t round = 0; round < kRounds; ++round) {
+      const size_t first = iters * round / kRounds;
+      const size_t last = iters * (round + 1) / kRounds;
+      for (size_t m = 0; m < steps.size(); ++m) {
+        if (first == last) continue;
+        for (int i = 0; i < config_.warmup_iters; ++i) steps[m]();
+        for (size_t i = first; i < last; ++i) {
+          comm_.Barrier();
+          const Clock::time_point start = Clock::now();
+          steps[m]();
+          seconds[m * iters + i] = std::chrono::duration<double>(Clock::now() - start).count();
+        }
+      }
+    }
+    comm_.AllReduce(Tensor{seconds.data(), seconds.size(), DataType::kFloat64}, ReduceOp::kMax);
+    std::vector<double> ms(steps.size());
+    for (size_t m = 0; m < steps.size(); ++m) {
+      const auto first = seconds.begin() + static_cast<std::ptrdiff_t>(m * iters);
+      const auto last = first + static_cast<std::ptrdiff_t>(iters);
+      if (config_.mean) {
+        ms[m] = std::accumulate(first, last, 0.0) / static_cast<double>(iters) * 1e3;
+      } else {
+        std::sort(first, last);
+        ms[m] =
+            (iters % 2 == 1 ? first[iters / 2] : (first[iters / 2 - 1] + first[iters / 2]) / 2) *
+            1e3;
+      }
+    }
+    return ms;
+  }
+
+  int64_t CountWrong(const Workload& workload, const std::vector<std::vector<float>>& storage) {
+    int64_t wrong = 0;
+    for (size_t t = 0; t < storage.size(); ++t) {
+      for (size_t i = 0; i < storage[t].size(); ++i) {
+        const double want = CheckExpected(config_.op, world_size_, t, i);
+        const double got = storage[t][i];
+        const double tolerance =
+            config_.op == ReduceOp::kAvg ? 2.0 * std::abs(want) * 1.2e-7 + 1e-30 : 0.0;
+        if (std::abs(got - want) > tolerance) {
+          if (wrong++ < 3) {
+            std::fprintf(stderr,
+                         "packing_perf: rank %d: %s tensor %zu element %zu is %.9g, expected "
+                         "%.9g\n",
+                         rank_, workload.name.c_str(), t, i, got, want);
+          }
+        }
+      }
+    }
+    return wrong;
+  }
+
+  void PrintHeader() {
+    std::array<char, 256> host{};
+    gethostname(host.data(), host.size() - 1);
+    int64_t host_hash = static_cast<int64_t>(std::hash<std::string>{}(host.data()));
+    std::vector<int64_t> hashes(static_cast<size_t>(world_size_));
+    comm_.AllGather(Tensor{&host_hash, 1, DataType::kInt64},
+                    Tensor{hashes.data(), hashes.size(), DataType::kInt64});
+    const size_t hosts = std::set<int64_t>(hashes.begin(), hashes.end()).size();
+    if (rank_ != 0) return;
+
+    const std::string library_build = BuildType();
+    const std::string bench_build = COLLECTIVES_PERF_BUILD_TYPE;
+    std::printf("# packing_perf  version %s  library build %s  bench build %s\n", Version(),
+                library_build.c_str(), bench_build.c_str());
+    if (library_build != "Release" || bench_build != "Release") {
+      const char* warning =
+          "# !!! WARNING: not a Release build: timings are NOT representative.\n"
+          "# !!! Rebuild with -DCMAKE_BUILD_TYPE=Release (scripts/build.sh does).\n";
+      std::printf("%s", warning);
+      std::fprintf(stderr, "%s", warning);
+    }
+    std::printf("# world size %d  hosts %zu  launched by %s\n", world_size_, hosts,
+                launcher_.c_str());
+    std::printf("# implementation %s  transport %s  cores %u\n", ToString(comm_.implementation()),
+                hosts == 1 ? "TCP loopback (one host)" : "TCP",
+                std::thread::hardware_concurrency());
+    std::printf("# f32 %s  steps %d  warm-up %d  check %s  default bytes_per_pack %s\n",
+                ToString(config_.op), config_.iters, config_.warmup_iters,
+                config_.check ? "on" : "off", FormatBytes(packing::DefaultBytesPerPack()).c_str());
+    std::printf(
+        "# a step all-reduces every tensor once; time = %s over steps of the slowest rank's step\n"
+        "# time; speed-up = one-by-one time / this time\n#\n",
+        config_.mean ? "mean" : "median");
+    std::printf("# %-10s %8s %13s %-11s %8s %8s %14s %9s %7s\n", "workload", "tensors", "bytes",
+                "mode", "cap", "buckets", "time/step(ms)", "speed-up", "#wrong");
+    std::fflush(stdout);
+    if (csv_ != nullptr) {
+      *csv_ << "workload,world_size,tensors,total_bytes,mode,bytes_per_pack,buckets,time_ms,"
+               "speedup,wrong\n";
+    }
+  }
+
+  void Emit(const Row& row) {
+    if (rank_ != 0) return;
+    const std::string cap = row.cap ? FormatBytes(*row.cap) : "-";
+    const std::string wrong = row.wrong ? std::to_string(*row.wrong) : "-";
+    std::printf("  %-10s %8zu %13zu %-11s %8s %8zu %14.3f %9.2f %7s\n", row.workload.c_str(),
+                row.tensors, row.bytes, row.mode.c_str(), cap.c_str(), row.buckets, row.time_ms,
+                row.speedup, wrong.c_str());
+    std::fflush(stdout);
+    if (csv_ != nullptr) {
+      *csv_ << row.workload << ',' << world_size_ << ',' << row.tensors << ',' << row.bytes << ','
+            << row.mode << ','
+            << (row.cap ? std::to_string(*row.cap == 0 ? packing::DefaultBytesPerPack() : *row.cap)
+                        : "")
+            << ',' << row.buckets << ',' << row.time_ms << ',' << row.speedup << ','
+            << (row.wrong ? std::to_string(*row.wrong) : "") << '\n';
+      csv_->flush();
+    }
+  }
+
+  const Config& config_;
+  CollectiveCommunication& comm_;
+  const int rank_;
+  const int world_size_;
+  const std::string launcher_;
+  std::ofstream* csv_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// main.
+// ---------------------------------------------------------------------------------------------
+
+CommunicationOptions MakeOptions(const Config& config) {
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.chunk_bytes = config.chunk_bytes;
+  options.small_message_bytes = config.small_message_bytes;
+  options.spin_us = config.spin_us;
+  options.timeout = config.timeout();
+  return options;
+}
+
+int Main(int argc, char** argv) {
+  const bool local_child = IsLocalChild();
+  const bool under_mpi_launcher = UnderMpiLauncher();
+  bool mpi_initialized = false;
+#ifdef COLLECTIVES_WITH_MPI
+  if (under_mpi_launcher && !local_child) {
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    mpi_initialized = true;
+  }
+#endif
+  auto finalize = [&] {
+#ifdef COLLECTIVES_WITH_MPI
+    if (mpi_initialized) MPI_Finalize();
+#endif
+  };
+  const int env_rank = RankFromEnvironment();
+
+  Config config;
+  std::string workloads = "1000x4K,200x256K,resnet50";
+  std::string caps = "1M,4M,16M,64M";
+  std::string op = "sum";
+  CLI::App app{"packing_perf: many tensors all-reduced one by one vs through the packer"};
+  app.add_option("--workload", workloads,
+                 "Comma list of NxSIZE (N f32 tensors of SIZE bytes: 1000x4K) or resnet50")
+      ->capture_default_str();
+  app.add_option("--bytes-per-pack", caps,
+                 "Comma list of bucket caps for packing::AllReduce (0: the library default)")
+      ->capture_default_str();
+  app.add_option("-o,--op", op, "sum prod min max avg")->capture_default_str();
+  app.add_option("-n,--iters", config.iters, "Timed steps per mode")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("-w,--warmup_iters", config.warmup_iters, "Warm-up steps per mode")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_flag("--check", config.check,
+               "Verify every packed cap on exact inputs on every rank; exit 2 on a wrong element");
+  app.add_flag("--mean", config.mean,
+               "Report the mean step time of the slowest rank instead of the median");
+  app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
+  app.add_option("--chunk-bytes", config.chunk_bytes,
+                 "CommunicationOptions::chunk_bytes (0: library default)")
+      ->capture_default_str();
+  app.add_option("--small-bytes", config.small_message_bytes,
+                 "CommunicationOptions::small_message_bytes (0: library default)")
+      ->capture_default_str();
+  app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--timeout", config.timeout_s,
+                 "Seconds a collective or the rendezvous may take before it fails")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--local", config.local,
+                 "Start this many ranks as processes on loopback and wait for them")
+      ->check(CLI::Range(1, 4096));
+  try {
+    app.parse(argc, argv);
+    for (const std::string& name : SplitList(workloads)) {
+      config.workloads.push_back(ParseWorkload(name));
+    }
+    for (const std::string& cap : SplitList(caps)) config.caps.push_back(ParseBytes(cap));
+    try {
+      config.op = ParseReduceOp(op);
+    } catch (const Error& e) {
+      throw CLI::ValidationError(e.message());
+    }
+    if (config.workloads.empty()) throw CLI::ValidationError("--workload: none given");
+    if (config.local > 0 && under_mpi_launcher && !local_child) {
+      throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
+    }
+  } catch (const CLI::ParseError& e) {
+    std::ostream quiet(nullptr);
+    const int rc = env_rank == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
+    finalize();
+    return rc;
+  }
+  const size_t resnet_total =
+      std::accumulate(std::begin(kResNet50Counts), std::end(kResNet50Counts), size_t{0});
+  if (resnet_total != 25'557'032) {
+    std::fprintf(stderr, "packing_perf: the ResNet-50 list has %zu elements\n", resnet_total);
+    return kExitError;
+  }
+
+  if (config.local > 0 && !local_child) {
+    return RunLocalLauncher("packing_perf", config.local, argv,
+                            config.timeout() + std::chrono::seconds(10));
+  }
+
+  int rank = env_rank;
+  try {
+    std::unique_ptr<CollectiveCommunication> comm;
+    std::string launcher;
+    const CommunicationOptions options = MakeOptions(config);
+    if (local_child) {
+      launcher = "--local " + std::to_string(config.local) + " (processes on one host)";
+      comm = ConnectLocalRank("packing_perf", config.local, options);
+    } else if (mpi_initialized) {
+#ifdef COLLECTIVES_WITH_MPI
+      comm = ConnectMpiRank("packing_perf", options, &launcher);
+#endif
+    } else {
+      launcher = std::getenv("TF_CONFIG") != nullptr ? "TF_CONFIG"
+                 : std::getenv("RANK") != nullptr
+                     ? "environment (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)"
+                 : std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr
+                     ? "mpirun environment (OMPI_COMM_WORLD_*, MASTER_ADDR / MASTER_PORT)"
+                     : "single process";
+      comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);
+    }
+    rank = comm->rank();
+    std::unique_ptr<std::ofstream> csv;
+    if (!config.csv_path.empty() && rank == 0) {
+      const std::filesystem::path path(config.csv_path);
+      if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+      csv = std::make_unique<std::ofstream>(path);
+      if (!*csv) throw std::runtime_error("cannot write " + config.csv_path);
+    }
+    int rc = kExitOk;
+    {
+      Bench bench(config, *comm, launcher, csv.get());
+      rc = bench.Run();
+    }
+    comm.reset();
+    finalize();
+    return rc;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "packing_perf: rank %d: error [%s]: %s\n", rank, ToString(e.code()),
+                 e.message().c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "packing_perf: rank %d: error: %s\n", rank, e.what());
+  }
+#ifdef COLLECTIVES_WITH_MPI
+  if (mpi_initialized) MPI_Abort(MPI_COMM_WORLD, kExitError);
+#endif
+  return kExitError;
+}
+
+}  // namespace
+}  // namespace collectives::perf
+
+int main(int argc, char** argv) { return collectives::perf::Main(argc, argv); }

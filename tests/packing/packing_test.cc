@@ -1,0 +1,658 @@
+// The packer: bucket plans for every edge case (exact bucket lists), properties of plans over
+// random lists, and multi-rank AllReduce / Broadcast of tensor lists (ranks as threads, over the
+// in-process transport and over loopback TCP) whose results must equal, byte for byte, one
+// collective per tensor; the schedule (in place for single tensors, at most two buckets in
+// flight, fusion buffers within the cap) seen through a recording communicator; argument checks;
+// ranks whose lists differ end in kMismatch, not a hang.
+#include "collectives/packing.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "src/packing/schedule.h"
+#include "src/ring/ring_communication.h"
+#include "src/transport/inproc_fabric.h"
+#include "tests/ring/collective_checks.h"
+
+namespace collectives::packing {
+namespace {
+
+using internal::Schedule;
+using testing::InputValue;
+using testing::Load;
+
+constexpr DataType kF32 = DataType::kFloat32;
+constexpr DataType kF16 = DataType::kFloat16;
+constexpr DataType kF64 = DataType::kFloat64;
+constexpr DataType kI32 = DataType::kInt32;
+constexpr DataType kI8 = DataType::kInt8;
+
+TensorSpec Spec(DataType dtype, size_t count, Device device = Device::Cpu()) {
+  return TensorSpec{dtype, device, count};
+}
+
+// ---------------------------------------------------------------------------------------------
+// PlanBuckets: exact plans.
+// ---------------------------------------------------------------------------------------------
+
+TEST(PlanBucketsTest, EmptyListHasNoBuckets) {
+  EXPECT_TRUE(PlanBuckets({}, 0).empty());
+  EXPECT_TRUE(PlanBuckets({}, 1).empty());
+}
+
+TEST(PlanBucketsTest, ConsecutiveTensorsFillBucketsUpToTheCap) {
+  // 40, 40, 20 bytes fill a 100-byte bucket exactly; 4 more bytes open the next.
+  const std::vector<TensorSpec> tensors = {Spec(kF32, 10), Spec(kF32, 10), Spec(kF32, 5),
+                                           Spec(kF32, 1),  Spec(kF32, 24), Spec(kF32, 1)};
+  EXPECT_EQ(PlanBuckets(tensors, 100), (std::vector<Bucket>{{0, 1, 2}, {3, 4}, {5}}));
+  // 99: 40 + 40, then 20 + 4, then 96 alone (100 > 99), then 4.
+  EXPECT_EQ(PlanBuckets(tensors, 99), (std::vector<Bucket>{{0, 1}, {2, 3}, {4}, {5}}));
+}
+
+TEST(PlanBucketsTest, ATensorOfExactlyTheCapFitsAnEmptyBucket) {
+  const std::vector<TensorSpec> tensors = {Spec(kF32, 25), Spec(kF32, 25), Spec(kF32, 0)};
+  EXPECT_EQ(PlanBuckets(tensors, 100), (std::vector<Bucket>{{0}, {1, 2}}));
+}
+
+TEST(PlanBucketsTest, ZeroSizeTensorsJoinTheOpenBucketOfTheirKind) {
+  const std::vector<TensorSpec> tensors = {
+      Spec(kF32, 0),                                 // opens the f32 bucket
+      Spec(kF32, 10), Spec(kF32, 0), Spec(kF16, 0),  // the f16 one opens its own bucket
+      Spec(kF32, 15), Spec(kF32, 0),                 // 100 bytes: full, yet 0 bytes still fit
+      Spec(kF16, 4),  Spec(kF32, 1), Spec(kF32, 0)};
+  EXPECT_EQ(PlanBuckets(tensors, 100), (std::vector<Bucket>{{0, 1, 2, 4, 5}, {3, 6}, {7, 8}}));
+  // Only zero-size tensors: one bucket per kind.
+  EXPECT_EQ(PlanBuckets({Spec(kF32, 0), Spec(kI32, 0), Spec(kF32, 0)}, 1),
+            (std::vector<Bucket>{{0, 2}, {1}}));
+}
+
+TEST(PlanBucketsTest, InterleavedDtypesGetOneOpenBucketEach) {
+  // f32, f16, i32, f64 interleaved, 8 of each kind; with a large cap one bucket per dtype,
+  // in the order of their first tensor.
+  std::vector<TensorSpec> tensors;
+  const DataType kinds[] = {kF32, kF16, kI32, kF64};
+  for (size_t i = 0; i < 32; ++i) tensors.push_back(Spec(kinds[i % 4], 3 + i));
+  std::vector<Bucket> want(4);
+  for (size_t i = 0; i < 32; ++i) want[i % 4].push_back(i);
+  EXPECT_EQ(PlanBuckets(tensors, 1 << 20), want);
+
+  // A cap of 16 bytes: each kind closes and opens its own buckets without disturbing the other.
+  const std::vector<TensorSpec> small = {Spec(kF32, 2), Spec(kF16, 2), Spec(kF32, 2), Spec(kF16, 2),
+                                         Spec(kF32, 1), Spec(kF16, 5), Spec(kF16, 1)};
+  // f32: 8 + 8 = 16 fits, then 4 does not -> {0, 2}, {4}; f16: 4 + 4 + 10 = 18 > 16 ->
+  // {1, 3}, {5, 6} (10 + 2 = 12).
+  EXPECT_EQ(PlanBuckets(small, 16), (std::vector<Bucket>{{0, 2}, {1, 3}, {4}, {5, 6}}));
+}
+
+TEST(PlanBucketsTest, DevicesSplitBucketsLikeDtypes) {
+  const Device cpu = Device::Cpu(), gpu0 = Device::Cuda(0), gpu1 = Device::Cuda(1);
+  const std::vector<TensorSpec> tensors = {
+      Spec(kF32, 4, cpu),  Spec(kF32, 4, gpu0), Spec(kF32, 4, gpu1), Spec(kF32, 4, cpu),
+      Spec(kF32, 4, gpu0), Spec(kF16, 4, gpu0), Spec(kF32, 4, gpu1), Spec(kF32, 4, gpu0)};
+  EXPECT_EQ(PlanBuckets(tensors, 1024), (std::vector<Bucket>{{0, 3}, {1, 4, 7}, {2, 6}, {5}}));
+  EXPECT_EQ(PlanBuckets(tensors, 32), (std::vector<Bucket>{{0, 3}, {1, 4}, {2, 6}, {5}, {7}}));
+}
+
+TEST(PlanBucketsTest, OneHugeTensorIsAloneAndClosesTheOpenBucket) {
+  const size_t huge = size_t{1} << 40;  // 4 TiB of f32: planning never touches data
+  EXPECT_EQ(PlanBuckets({Spec(kF32, huge)}, 0), (std::vector<Bucket>{{0}}));
+  const std::vector<TensorSpec> tensors = {Spec(kF32, 1), Spec(kF16, 1), Spec(kF32, huge),
+                                           Spec(kF32, 1), Spec(kF16, 1), Spec(kF32, 0)};
+  EXPECT_EQ(PlanBuckets(tensors, 1024), (std::vector<Bucket>{{0}, {1, 4}, {2}, {3, 5}}));
+}
+
+TEST(PlanBucketsTest, ACapSmallerThanEveryTensorGivesOneBucketPerTensor) {
+  const std::vector<TensorSpec> tensors = {Spec(kF32, 1), Spec(kF64, 1), Spec(kF32, 3),
+                                           Spec(kI8, 2)};
+  EXPECT_EQ(PlanBuckets(tensors, 1), (std::vector<Bucket>{{0}, {1}, {2}, {3}}));
+  // ... except zero-size tensors, which fit in any bucket but cannot join an oversize one.
+  const std::vector<TensorSpec> with_empty = {Spec(kF32, 0), Spec(kF32, 2), Spec(kF32, 0),
+                                              Spec(kF32, 0)};
+  EXPECT_EQ(PlanBuckets(with_empty, 1), (std::vector<Bucket>{{0}, {1}, {2, 3}}));
+}
+
+TEST(PlanBucketsTest, CapZeroIsTheDefault) {
+  const size_t cap = DefaultBytesPerPack();
+  ASSERT_GE(cap, size_t{1} << 20);
+  ASSERT_LE(cap, size_t{256} << 20);
+  const size_t quarter = cap / 4 / sizeof(float);
+  std::vector<TensorSpec> tensors(9, Spec(kF32, quarter));
+  EXPECT_EQ(PlanBuckets(tensors, 0), PlanBuckets(tensors, cap));
+  EXPECT_EQ(PlanBuckets(tensors, 0), (std::vector<Bucket>{{0, 1, 2, 3}, {4, 5, 6, 7}, {8}}));
+  tensors[0].count += 1;  // 4 bytes over
+  EXPECT_EQ(PlanBuckets(tensors, 0), (std::vector<Bucket>{{0, 1, 2}, {3, 4, 5, 6}, {7, 8}}));
+}
+
+TEST(PlanBucketsTest, ACapOfSizeMaxPacksEachKindIntoOneBucket) {
+  const std::vector<TensorSpec> tensors = {Spec(kF32, size_t{1} << 40), Spec(kF16, 7),
+                                           Spec(kF32, size_t{1} << 40), Spec(kF16, 7)};
+  EXPECT_EQ(PlanBuckets(tensors, SIZE_MAX), (std::vector<Bucket>{{0, 2}, {1, 3}}));
+}
+
+// Properties every plan has, over random lists and caps.
+TEST(PlanBucketsTest, RandomListsGiveValidPlans) {
+  std::mt19937_64 rng(12345);
+  const DataType kinds[] = {kF32, kF16, kI32, kF64, kI8};
+  const Device devices[] = {Device::Cpu(), Device::Cuda(0)};
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<TensorSpec> tensors(rng() % 60);
+    for (TensorSpec& t : tensors) {
+      t.dtype = kinds[rng() % 5];
+      t.device = devices[rng() % 4 == 0 ? 1 : 0];
+      t.count = rng() % 5 == 0 ? 0 : rng() % 300;
+    }
+    const size_t cap = 1 + rng() % 2000;
+    const std::vector<Bucket> plan = PlanBuckets(tensors, cap);
+    std::vector<int> seen(tensors.size(), 0);
+    size_t last_first = 0;
+    for (size_t b = 0; b < plan.size(); ++b) {
+      const Bucket& bucket = plan[b];
+      ASSERT_FALSE(bucket.empty());
+      if (b > 0) {
+        EXPECT_GT(bucket.front(), last_first) << "buckets out of order";
+      }
+      last_first = bucket.front();
+      size_t bytes = 0;
+      for (size_t k = 0; k < bucket.size(); ++k) {
+        const size_t i = bucket[k];
+        ASSERT_LT(i, tensors.size());
+        ++seen[i];
+        if (k > 0) {
+          EXPECT_GT(i, bucket[k - 1]);
+        }
+        EXPECT_EQ(tensors[i].dtype, tensors[bucket[0]].dtype);
+        EXPECT_EQ(tensors[i].device, tensors[bucket[0]].device);
+        bytes += tensors[i].count * SizeOf(tensors[i].dtype);
+      }
+      if (bytes > cap) {  // only a single oversize tensor (with zero-size ones after it) exceeds
+        size_t nonzero = 0;
+        for (size_t i : bucket) nonzero += tensors[i].count > 0 ? 1 : 0;
+        EXPECT_EQ(nonzero, 1u) << "trial " << trial;
+        EXPECT_EQ(bucket.size(), 1u) << "an oversize tensor shares its bucket";
+      }
+    }
+    for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], 1) << "tensor " << i;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ranks as threads.
+// ---------------------------------------------------------------------------------------------
+
+enum class Transport { kInProcess, kTcp };
+
+void RunRanks(Transport transport, int size, const CommunicationOptions& options,
+              const std::function<void(CollectiveCommunication&)>& body) {
+  std::vector<std::unique_ptr<transport::Fabric>> fabrics;
+  std::shared_ptr<Store> store;
+  if (transport == Transport::kInProcess) {
+    fabrics = transport::CreateInProcessFabrics(size);
+  } else {
+    store = CreateMemoryStore();
+  }
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        std::unique_ptr<CollectiveCommunication> comm;
+        if (transport == Transport::kInProcess) {
+          comm = ring::CreateRingCommunication(std::move(fabrics[rank]), nullptr, options);
+        } else {
+          ClusterSpec spec;
+          spec.rank = rank;
+          spec.world_size = size;
+          spec.master_port = 1;  // unused: the store is given
+          comm = CreateCommunication(spec, store, options);
+        }
+        body(*comm);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << " threw: " << e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// A list of tensors that owns its memory (each tensor its own allocation with a guard byte).
+class TensorList {
+ public:
+  explicit TensorList(const std::vector<TensorSpec>& specs) : specs_(specs) {
+    for (const TensorSpec& s : specs) storage_.emplace_back(s.count * SizeOf(s.dtype) + 1, 0xA5);
+  }
+  std::vector<Tensor> tensors() {
+    std::vector<Tensor> out;
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      out.push_back(Tensor{storage_[i].data(), specs_[i].count, specs_[i].dtype});
+    }
+    return out;
+  }
+  // Element j of tensor i = InputValue(op, dtype, rank, i * 7919 + j): small integers for which
+  // every reduction is exact in every dtype, different per tensor, element and rank.
+  void Fill(ReduceOp op, int rank) {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      for (size_t j = 0; j < specs_[i].count; ++j) {
+        testing::Store(specs_[i].dtype, storage_[i].data(), j,
+                       InputValue(op, specs_[i].dtype, rank, i * 7919 + j));
+      }
+    }
+  }
+  const std::vector<uint8_t>& bytes(size_t i) const { return storage_[i]; }
+  std::vector<uint8_t>& bytes(size_t i) { return storage_[i]; }
+  size_t size() const { return specs_.size(); }
+  const TensorSpec& spec(size_t i) const { return specs_[i]; }
+
+ private:
+  std::vector<TensorSpec> specs_;
+  std::vector<std::vector<uint8_t>> storage_;
+};
+
+// f32, f16, i32, f64 interleaved; zero-size tensors; counts that are multiples of nothing in
+// particular; one tensor above the small-message threshold (64 KiB) so the ring runs too.
+std::vector<TensorSpec> MixedList() {
+  return {Spec(kF32, 7),    Spec(kF16, 13),    Spec(kI32, 1), Spec(kF64, 5),    Spec(kF32, 0),
+          Spec(kF16, 1021), Spec(kI32, 333),   Spec(kF64, 0), Spec(kF32, 4099), Spec(kF16, 2),
+          Spec(kI32, 0),    Spec(kF64, 1),     Spec(kF32, 1), Spec(kF16, 0),    Spec(kI32, 17),
+          Spec(kF64, 257),  Spec(kF32, 20011), Spec(kF16, 3), Spec(kI32, 4096), Spec(kF64, 9),
+          Spec(kF32, 0),    Spec(kF32, 5)};
+}
+
+// Caps from smaller than every tensor to larger than the whole list.
+const std::vector<size_t>& Caps() {
+  static const std::vector<size_t> kCaps = {1, 8, 100, 4096, 65536, 0, SIZE_MAX};
+  return kCaps;
+}
+
+const std::vector<Schedule>& Schedules() {
+  static const std::vector<Schedule> kSchedules = {Schedule::kOverlapped, Schedule::kSerial};
+  return kSchedules;
+}
+
+const char* Name(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::kAuto:
+      return "auto";
+    case Schedule::kOverlapped:
+      return "overlapped";
+    case Schedule::kSerial:
+      return "serial";
+  }
+  return "?";
+}
+
+std::string Describe(const TensorList& list, size_t i) {
+  return "tensor " + std::to_string(i) + " (" + ToString(list.spec(i).dtype) + " x" +
+         std::to_string(list.spec(i).count) + ")";
+}
+
+// On every rank: one AllReduce per tensor on one copy, packing::AllReduce on another for each
+// cap, and the bytes must be identical (and equal the exact expected value).
+void CheckAllReduceMatchesOneByOne(CollectiveCommunication& comm, const std::vector<ReduceOp>& ops,
+                                   const std::vector<size_t>& caps) {
+  const std::vector<TensorSpec> specs = MixedList();
+  for (ReduceOp op : ops) {
+    TensorList reference(specs);
+    reference.Fill(op, comm.rank());
+    for (const Tensor& t : reference.tensors()) comm.AllReduce(t, op);
+    for (size_t i = 0; i < reference.size(); ++i) {
+      for (size_t j = 0; j < specs[i].count; ++j) {
+        const double want = testing::Expected(op, specs[i].dtype, comm.size(), i * 7919 + j);
+        ASSERT_EQ(Load(specs[i].dtype, reference.bytes(i).data(), j), want)
+            << "one-by-one reference wrong: " << Describe(reference, i) << " element " << j;
+      }
+    }
+    for (size_t cap : caps) {
+      for (Schedule schedule : Schedules()) {
+        TensorList packed(specs);
+        packed.Fill(op, comm.rank());
+        internal::AllReduce(comm, packed.tensors(), op, cap, schedule);
+        for (size_t i = 0; i < packed.size(); ++i) {
+          ASSERT_EQ(packed.bytes(i), reference.bytes(i))
+              << "rank " << comm.rank() << " of " << comm.size() << ", " << ToString(op) << ", cap "
+              << cap << ", " << Name(schedule) << ": " << Describe(packed, i)
+              << " differs from one-by-one";
+        }
+      }
+    }
+    // The public entry point (automatic schedule, default cap).
+    TensorList packed(specs);
+    packed.Fill(op, comm.rank());
+    AllReduce(comm, packed.tensors(), op);
+    for (size_t i = 0; i < packed.size(); ++i) {
+      ASSERT_EQ(packed.bytes(i), reference.bytes(i)) << "default cap: " << Describe(packed, i);
+    }
+  }
+}
+
+class PackedAllReduceTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInProcess) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  RunRanks(Transport::kInProcess, GetParam(), options, [](CollectiveCommunication& comm) {
+    CheckAllReduceMatchesOneByOne(comm, testing::AllReduceOps(), Caps());
+  });
+}
+
+TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorOverTcp) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  RunRanks(Transport::kTcp, GetParam(), options, [](CollectiveCommunication& comm) {
+    CheckAllReduceMatchesOneByOne(comm, {ReduceOp::kSum, ReduceOp::kAvg}, {1, 4096, 0});
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, PackedAllReduceTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& param) {
+                           return std::to_string(param.param) + "Ranks";
+                         });
+
+// Floats that are not small integers: with two ranks every reduction is one commutative
+// operation, so packed and one-by-one agree bit for bit whatever the algorithm.
+TEST(PackedAllReduceFloatTest, RandomFloatsTwoRanksBitIdentical) {
+  RunRanks(Transport::kInProcess, 2, {}, [](CollectiveCommunication& comm) {
+    const std::vector<TensorSpec> specs = {Spec(kF32, 1001), Spec(kF16, 77),    Spec(kF64, 5000),
+                                           Spec(kF32, 3),    Spec(kF16, 20000), Spec(kF64, 1)};
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProd, ReduceOp::kMax}) {
+      TensorList reference(specs), packed(specs);
+      std::mt19937 rng(uint32_t(comm.rank()) * 77 + uint32_t(op));
+      std::uniform_real_distribution<double> value(-3.0, 3.0);
+      for (size_t i = 0; i < specs.size(); ++i) {
+        for (size_t j = 0; j < specs[i].count; ++j) {
+          testing::Store(specs[i].dtype, reference.bytes(i).data(), j, value(rng));
+        }
+        packed.bytes(i) = reference.bytes(i);
+      }
+      const TensorList input = packed;
+      for (const Tensor& t : reference.tensors()) comm.AllReduce(t, op);
+      for (Schedule schedule : Schedules()) {
+        packed = input;
+        internal::AllReduce(comm, packed.tensors(), op, 32 << 10, schedule);
+        for (size_t i = 0; i < specs.size(); ++i) {
+          EXPECT_EQ(packed.bytes(i), reference.bytes(i))
+              << ToString(op) << " " << Name(schedule) << " tensor " << i;
+        }
+      }
+    }
+  });
+}
+
+TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    for (int size : {2, 3, 4}) {
+      CommunicationOptions options;
+      options.timeout = std::chrono::seconds(30);
+      RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+        const int root = comm.size() - 1;
+        const std::vector<TensorSpec> specs = MixedList();
+        TensorList expected(specs);
+        expected.Fill(ReduceOp::kMin, root);
+        for (size_t cap : {size_t{1}, size_t{4096}, size_t{0}}) {
+          for (Schedule schedule : {Schedule::kOverlapped, Schedule::kSerial, Schedule::kAuto}) {
+            TensorList list(specs);
+            if (comm.rank() == root) {
+              list.Fill(ReduceOp::kMin, root);
+            } else {
+              list.Fill(ReduceOp::kSum, comm.rank());  // overwritten by the root's values
+            }
+            internal::Broadcast(comm, list.tensors(), root, cap, schedule);
+            for (size_t i = 0; i < list.size(); ++i) {
+              ASSERT_EQ(list.bytes(i), expected.bytes(i))
+                  << "rank " << comm.rank() << " of " << size << ", root " << root << ", cap "
+                  << cap << ", " << Name(schedule) << ": " << Describe(list, i);
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The schedule, seen through a communicator that records what the packer issues.
+// ---------------------------------------------------------------------------------------------
+
+// Forwards to a real communicator and records each call: its tensor, and how many calls were
+// still unwaited when it was issued.
+class RecordingCommunication final : public CollectiveCommunication {
+ public:
+  struct Call {
+    const char* kind;
+    Tensor tensor;
+    int in_flight_before;  // issued but not yet waited on, when this call was issued
+  };
+
+  explicit RecordingCommunication(CollectiveCommunication& inner) : inner_(inner) {}
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Implementation implementation() const override { return inner_.implementation(); }
+
+  std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
+                                       ReduceOp op) override {
+    EXPECT_EQ(send.data, recv.data) << "the packer's collectives are in place";
+    return Record("all_reduce", recv, inner_.AllReduceAsync(send, recv, op));
+  }
+  std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root) override {
+    EXPECT_EQ(send.data, recv.data) << "the packer's collectives are in place";
+    return Record("broadcast", recv, inner_.BroadcastAsync(send, recv, root));
+  }
+  std::shared_ptr<Work> AllGatherAsync(const Tensor& send, const Tensor& recv) override {
+    return inner_.AllGatherAsync(send, recv);
+  }
+  std::shared_ptr<Work> ReduceScatterAsync(const Tensor& send, const Tensor& recv,
+                                           ReduceOp op) override {
+    return inner_.ReduceScatterAsync(send, recv, op);
+  }
+  std::shared_ptr<Work> BarrierAsync() override { return inner_.BarrierAsync(); }
+  void Abort() override { inner_.Abort(); }
+
+  std::vector<Call> calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+
+ private:
+  class CountedWork final : public Work {
+   public:
+    CountedWork(std::shared_ptr<Work> inner, std::atomic<int>& unwaited)
+        : inner_(std::move(inner)), unwaited_(unwaited) {}
+    void Wait() override {
+      inner_->Wait();
+      if (!waited_.exchange(true)) unwaited_.fetch_sub(1);
+    }
+    bool Done() const override { return inner_->Done(); }
+
+   private:
+    std::shared_ptr<Work> inner_;
+    std::atomic<int>& unwaited_;
+    std::atomic<bool> waited_{false};
+  };
+
+  std::shared_ptr<Work> Record(const char* kind, const Tensor& t, std::shared_ptr<Work> work) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls_.push_back(Call{kind, t, unwaited_.load()});
+    }
+    unwaited_.fetch_add(1);
+    return std::make_shared<CountedWork>(std::move(work), unwaited_);
+  }
+
+  CollectiveCommunication& inner_;
+  std::mutex mu_;
+  std::vector<Call> calls_;  // guarded by mu_
+  std::atomic<int> unwaited_{0};
+};
+
+// Overlapped: at most two buckets in flight, two fusion buffers; serial: one of each.
+TEST(PackingScheduleTest, SingleTensorsInPlaceBoundedInFlightBuffersWithinTheCap) {
+  RunRanks(Transport::kInProcess, 3, {}, [](CollectiveCommunication& real) {
+    RecordingCommunication comm(real);
+    const std::vector<TensorSpec> specs = MixedList();
+    for (size_t cap : {size_t{1}, size_t{100}, size_t{4096}, size_t{65536}}) {
+      for (auto [broadcast, schedule] :
+           {std::pair{false, Schedule::kOverlapped}, std::pair{true, Schedule::kOverlapped},
+            std::pair{false, Schedule::kSerial}, std::pair{true, Schedule::kSerial}}) {
+        const int max_in_flight = schedule == Schedule::kOverlapped ? 2 : 1;
+        TensorList list(specs);
+        list.Fill(ReduceOp::kSum, comm.rank());
+        const std::vector<Tensor> tensors = list.tensors();
+        const size_t before = comm.calls().size();
+        if (broadcast) {
+          internal::Broadcast(comm, tensors, 1, cap, schedule);
+        } else {
+          internal::AllReduce(comm, tensors, ReduceOp::kSum, cap, schedule);
+        }
+        const std::vector<RecordingCommunication::Call> all = comm.calls();
+        const std::vector<RecordingCommunication::Call> calls(all.begin() + long(before),
+                                                              all.end());
+        // One call per bucket that has bytes, in plan order.
+        std::vector<Bucket> plan = PlanBuckets(specs, cap);
+        std::erase_if(plan, [&](const Bucket& b) {
+          size_t bytes = 0;
+          for (size_t i : b) bytes += tensors[i].bytes();
+          return bytes == 0;
+        });
+        ASSERT_EQ(calls.size(), plan.size()) << "cap " << cap;
+        std::set<void*> fusion_buffers;
+        for (size_t k = 0; k < plan.size(); ++k) {
+          const Tensor& t = calls[k].tensor;
+          EXPECT_STREQ(calls[k].kind, broadcast ? "broadcast" : "all_reduce");
+          EXPECT_LT(calls[k].in_flight_before, max_in_flight)
+              << "too many buckets in flight, " << Name(schedule);
+          size_t count = 0;
+          for (size_t i : plan[k]) count += tensors[i].count;
+          EXPECT_EQ(t.count, count);
+          EXPECT_EQ(t.dtype, tensors[plan[k].front()].dtype);
+          std::vector<size_t> non_empty;
+          for (size_t i : plan[k]) {
+            if (tensors[i].count > 0) non_empty.push_back(i);
+          }
+          if (non_empty.size() == 1) {
+            EXPECT_EQ(t.data, tensors[non_empty[0]].data) << "a lone tensor was copied";
+          } else {
+            EXPECT_LE(t.bytes(), cap) << "a fusion buffer beyond the cap";
+            for (const Tensor& user : tensors) EXPECT_NE(t.data, user.data);
+            fusion_buffers.insert(t.data);
+          }
+        }
+        EXPECT_LE(fusion_buffers.size(), size_t(max_in_flight))
+            << "cap " << cap << ", " << Name(schedule);
+        // The result is right too.
+        if (broadcast) {
+          TensorList expected(specs);
+          expected.Fill(ReduceOp::kSum, 1);
+          for (size_t i = 0; i < specs.size(); ++i) EXPECT_EQ(list.bytes(i), expected.bytes(i));
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+// ---------------------------------------------------------------------------------------------
+
+void ExpectError(const std::function<void()>& call, ErrorCode code, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "expected an Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(PackingArgumentTest, BadTensorsAreRefusedBeforeAnythingIsIssued) {
+  RunRanks(Transport::kInProcess, 2, {}, [](CollectiveCommunication& real) {
+    RecordingCommunication comm(real);
+    std::vector<float> a(10, 1.0f), b(4, 1.0f);
+    std::vector<Tensor> tensors = {Tensor{a.data(), a.size(), kF32},
+                                   Tensor{b.data(), b.size(), kF32},
+                                   Tensor{nullptr, 0, kF16}};  // zero-size, null: fine
+    Tensor gpu = tensors[1];
+    gpu.device = Device::Cuda(0);
+    ExpectError(
+        [&] {
+          AllReduce(comm, {tensors[0], tensors[1], gpu}, ReduceOp::kSum);
+        },
+        ErrorCode::kNotSupported, "tensor 2 is on cuda:0");
+    ExpectError([&] { Broadcast(comm, {gpu}, 0); }, ErrorCode::kNotSupported, "tensor 0");
+    ExpectError(
+        [&] {
+          AllReduce(comm, {tensors[0], Tensor{nullptr, 3, kF32}}, ReduceOp::kSum);
+        },
+        ErrorCode::kInvalidArgument, "tensor 1 has null data");
+    ExpectError([&] { Broadcast(comm, tensors, 2); }, ErrorCode::kInvalidArgument, "root 2");
+    EXPECT_TRUE(comm.calls().empty()) << "a refused list issued a collective";
+
+    // Empty lists and lists of zero-size tensors issue nothing and succeed.
+    AllReduce(comm, {}, ReduceOp::kSum);
+    AllReduce(comm, {tensors[2], Tensor{nullptr, 0, kF32}}, ReduceOp::kSum);
+    Broadcast(comm, {tensors[2]}, 1);
+    EXPECT_TRUE(comm.calls().empty());
+
+    // The communicator still works.
+    AllReduce(comm, tensors, ReduceOp::kSum);
+    EXPECT_EQ(a[9], 2.0f);
+    EXPECT_EQ(b[0], 2.0f);
+  });
+}
+
+// Ranks whose lists differ in one tensor's count: kMismatch on every rank, not a hang, whether
+// the differing tensor is fused with others (large cap) or alone, with buckets in flight
+// behind it (tiny cap).
+TEST(PackingMismatchTest, DifferentCountsRaiseMismatch) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    for (size_t cap : {size_t{1}, size_t{64}, size_t{0}}) {
+      CommunicationOptions options;
+      options.timeout = std::chrono::seconds(3);
+      for (Schedule schedule : Schedules()) {
+        const auto start = std::chrono::steady_clock::now();
+        RunRanks(transport, 2, options, [&](CollectiveCommunication& comm) {
+          std::vector<TensorSpec> specs(12, Spec(kF32, 5));
+          specs[3].count = comm.rank() == 0 ? 5 : 6;
+          TensorList list(specs);
+          list.Fill(ReduceOp::kSum, comm.rank());
+          auto call = [&] {
+            internal::AllReduce(comm, list.tensors(), ReduceOp::kSum, cap, schedule);
+          };
+          ExpectError(call, ErrorCode::kMismatch, "all_reduce");
+          // Broken for good: the next list fails the same way.
+          ExpectError(call, ErrorCode::kMismatch, "");
+        });
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3))
+            << "cap " << cap << ", " << Name(schedule);
+      }
+    }
+  }
+}
+
+TEST(PackingScheduleTest, AutoOverlapsOnlyWithTwoCoresPerLocalRank) {
+  if (std::getenv("LOCAL_WORLD_SIZE") != nullptr ||
+      std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE") != nullptr) {
+    GTEST_SKIP() << "the launcher set the number of local ranks";
+  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  EXPECT_EQ(internal::AutoSchedule(1), cores >= 2 ? Schedule::kOverlapped : Schedule::kSerial);
+  EXPECT_EQ(internal::AutoSchedule(int(cores)), Schedule::kSerial);
+}
+
+}  // namespace
+}  // namespace collectives::packing
