@@ -40,10 +40,14 @@ using Bucket = std::vector<size_t>;
 std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t bytes_per_pack);
 
 // All-reduces every tensor of `tensors` in place, through buckets: each bucket is packed into a
-// fusion buffer, all-reduced in one collective, and unpacked; bucket k+1 is packed while bucket k
-// is on the wire (at most two fusion buffers, each at most bytes_per_pack). A tensor alone in
-// its bucket is all-reduced in place without a copy. The result equals, element by element, one
-// AllReduce per tensor. Throws what the collectives throw.
+// fusion buffer, all-reduced in one collective, and unpacked. With at least two cores per local
+// rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in flight, two
+// fusion buffers of at most bytes_per_pack each); on fewer cores the buckets run one after
+// another, which measured faster there. A tensor alone in its bucket is all-reduced in place
+// without a copy. The result is that of one AllReduce per tensor, bit for bit whenever the
+// reduction is exact (integers, min, max); for float sums the order of additions depends on the
+// algorithm, which is chosen by message size, so the last bits may differ (every rank still gets
+// the same bits). Throws what the collectives throw.
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack = 0);
 
