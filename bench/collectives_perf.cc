@@ -17,35 +17,28 @@
 //   otherwise  ClusterSpec::FromEnvironment: TF_CONFIG, RANK / WORLD_SIZE / MASTER_*, or one rank.
 //
 // Exit status: 0 success, 1 error, 2 the run finished but --check found wrong elements.
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
 #include <bit>
-#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
-#include <set>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/local_launcher.h"
 #include "collectives/collectives.h"
 
@@ -60,6 +53,14 @@
 namespace collectives::perf {
 namespace {
 
+using bench::AlignedBuffer;
+using bench::CountHosts;
+using bench::Format;
+using bench::OpenCsv;
+using bench::ParseBytes;
+using bench::PrintBuildHeader;
+using bench::PrintWrongSummary;
+using bench::SplitList;
 using Clock = std::chrono::steady_clock;
 
 // ---------------------------------------------------------------------------------------------
@@ -143,48 +144,6 @@ struct Config {
   }
 };
 
-// "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
-size_t ParseBytes(const std::string& text) {
-  size_t pos = 0;
-  unsigned long long value = 0;
-  try {
-    value = std::stoull(text, &pos);
-  } catch (const std::exception&) {
-    throw CLI::ValidationError("'" + text + "' is not a size (examples: 8, 64K, 64M, 1G)");
-  }
-  std::string suffix = text.substr(pos);
-  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (suffix.size() > 1 && (suffix.ends_with("IB") || suffix.ends_with("B"))) {
-    suffix.erase(suffix.size() - (suffix.ends_with("IB") ? 2 : 1));
-  }
-  int shift = 0;
-  if (suffix.empty() || suffix == "B") {
-    shift = 0;
-  } else if (suffix == "K") {
-    shift = 10;
-  } else if (suffix == "M") {
-    shift = 20;
-  } else if (suffix == "G") {
-    shift = 30;
-  } else {
-    throw CLI::ValidationError("'" + text + "': unknown size suffix (use K, M or G)");
-  }
-  if (value > (std::numeric_limits<size_t>::max() >> shift)) {
-    throw CLI::ValidationError("'" + text + "' is too large");
-  }
-  return static_cast<size_t>(value) << shift;
-}
-
-std::vector<std::string> SplitList(const std::string& text) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  std::string part;
-  while (std::getline(stream, part, ',')) {
-    if (!part.empty()) parts.push_back(part);
-  }
-  return parts;
-}
-
 std::vector<Collective> ParseCollectives(const std::string& text) {
   if (text == "all") return {kAllCollectives.begin(), kAllCollectives.end()};
   std::vector<Collective> result;
@@ -233,22 +192,6 @@ std::vector<ReduceOp> ParseReduceOps(const std::string& text) {
   }
   if (result.empty()) throw CLI::ValidationError("-o: no op given");
   return result;
-}
-
-// The sizes of the sweep, in requested bytes of the full result buffer.
-std::vector<size_t> SweepSizes(const Config& config) {
-  std::vector<size_t> sizes;
-  for (size_t bytes = config.min_bytes; bytes <= config.max_bytes;) {
-    sizes.push_back(bytes);
-    if (config.step_bytes > 0) {
-      if (bytes > config.max_bytes - config.step_bytes) break;
-      bytes += config.step_bytes;
-    } else {
-      if (bytes > config.max_bytes / config.step_factor) break;
-      bytes *= config.step_factor;
-    }
-  }
-  return sizes;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -559,29 +502,6 @@ int64_t CountWrong(const void* buffer, DataType dtype, size_t count, size_t inde
 }
 
 // ---------------------------------------------------------------------------------------------
-// Buffers.
-// ---------------------------------------------------------------------------------------------
-
-class AlignedBuffer {
- public:
-  explicit AlignedBuffer(size_t bytes) {
-    constexpr size_t kAlignment = 4096;
-    const size_t rounded =
-        std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-    data_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlignment, rounded)));
-    if (!data_) throw std::bad_alloc();
-    std::memset(data_.get(), 0, rounded);  // touch every page before timing
-  }
-  std::byte* data() const { return data_.get(); }
-
- private:
-  struct Free {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
-  std::unique_ptr<std::byte, Free> data_;
-};
-
-// ---------------------------------------------------------------------------------------------
 // MPI: bootstrap and baseline.
 // ---------------------------------------------------------------------------------------------
 
@@ -763,16 +683,6 @@ struct Row {
   double baseline_busbw = 0;
 };
 
-std::string Format(const char* format, ...) __attribute__((format(printf, 1, 2)));
-std::string Format(const char* format, ...) {
-  char text[512];
-  va_list args;
-  va_start(args, format);
-  std::vsnprintf(text, sizeof(text), format, args);
-  va_end(args);
-  return text;
-}
-
 class Sweep {
  public:
   Sweep(const Config& config, const Session& session, std::ofstream* csv)
@@ -798,7 +708,9 @@ class Sweep {
           HasOp(collective) ? config_.ops : std::vector<ReduceOp>{ReduceOp::kSum};
       for (DataType dtype : config_.dtypes) {
         for (ReduceOp op : ops) {
-          for (size_t bytes : SweepSizes(config_)) {
+          // Requested bytes of the full result buffer.
+          for (size_t bytes : bench::SweepSizes(config_.min_bytes, config_.max_bytes,
+                                                config_.step_factor, config_.step_bytes)) {
             const Row row = RunCase(collective, dtype, op, bytes);
             PrintRow(row);
             if (csv_ != nullptr) WriteCsvRow(row);
@@ -812,13 +724,7 @@ class Sweep {
       }
     }
     if (rank_ == 0) {
-      std::printf("#\n");
-      if (config_.check) {
-        std::printf("# wrong elements: %lld%s\n", static_cast<long long>(total_wrong),
-                    total_wrong == 0 ? "" : "  <-- RESULTS ARE WRONG");
-      } else {
-        std::printf("# wrong elements: not checked (pass --check)\n");
-      }
+      PrintWrongSummary(config_.check, total_wrong);
       std::printf("# average busbw: %.3f GB/s over %zu sizes\n",
                   timed_rows == 0 ? 0.0 : busbw_sum / static_cast<double>(timed_rows), timed_rows);
       std::fflush(stdout);
@@ -980,27 +886,10 @@ class Sweep {
   }
 
   void PrintHeader() {
-    // Count hosts: every rank contributes a hash of its host name.
-    std::array<char, 256> host{};
-    gethostname(host.data(), host.size() - 1);
-    int64_t host_hash = static_cast<int64_t>(std::hash<std::string>{}(host.data()));
-    std::vector<int64_t> hashes(static_cast<size_t>(world_size_));
-    comm_.AllGather(Tensor{&host_hash, 1, DataType::kInt64, Device::Cpu()},
-                    Tensor{hashes.data(), hashes.size(), DataType::kInt64, Device::Cpu()});
-    const size_t hosts = std::set<int64_t>(hashes.begin(), hashes.end()).size();
+    const size_t hosts = CountHosts(comm_);
     if (rank_ != 0) return;
 
-    const std::string library_build = BuildType();
-    const std::string bench_build = COLLECTIVES_PERF_BUILD_TYPE;
-    std::printf("# collectives_perf  version %s  library build %s  bench build %s\n", Version(),
-                library_build.c_str(), bench_build.c_str());
-    if (library_build != "Release" || bench_build != "Release") {
-      const char* warning =
-          "# !!! WARNING: not a Release build: timings are NOT representative.\n"
-          "# !!! Rebuild with -DCMAKE_BUILD_TYPE=Release (scripts/build.sh does).\n";
-      std::printf("%s", warning);
-      std::fprintf(stderr, "%s", warning);
-    }
+    PrintBuildHeader("collectives_perf", COLLECTIVES_PERF_BUILD_TYPE);
     std::printf("# world size %d  hosts %zu  launched by %s\n", world_size_, hosts,
                 session_.launcher.c_str());
     std::printf("# implementation %s  transport %s\n", ToString(comm_.implementation()),
@@ -1182,19 +1071,9 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
 int Main(int argc, char** argv) {
   const bool local_child = IsLocalChild();
   const bool under_mpi_launcher = UnderMpiLauncher();
-  bool mpi_initialized = false;
-#ifdef COLLECTIVES_WITH_MPI
-  if (under_mpi_launcher && !local_child) {
-    int provided = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    mpi_initialized = true;
-  }
-#endif
-  auto finalize = [&] {
-#ifdef COLLECTIVES_WITH_MPI
-    if (mpi_initialized) MPI_Finalize();
-#endif
-  };
+  bench::MpiStartup mpi(under_mpi_launcher && !local_child, &argc, &argv);
+  const bool mpi_initialized = mpi.initialized();
+  auto finalize = [&] { mpi.Finalize(); };
   const int env_rank = RankFromEnvironment();
 
   Config config;
@@ -1262,12 +1141,7 @@ int Main(int argc, char** argv) {
                                std::to_string(session.comm->size()) + ")");
     }
     std::unique_ptr<std::ofstream> csv;
-    if (!config.csv_path.empty() && rank == 0) {
-      const std::filesystem::path path(config.csv_path);
-      if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-      csv = std::make_unique<std::ofstream>(path);
-      if (!*csv) throw std::runtime_error("cannot write " + config.csv_path);
-    }
+    if (!config.csv_path.empty() && rank == 0) csv = OpenCsv(config.csv_path);
     int rc = kExitOk;
     {
       Sweep sweep(config, session, csv.get());

@@ -28,10 +28,8 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <chrono>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -42,12 +40,12 @@
 #include <limits>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
@@ -65,6 +63,11 @@
 namespace collectives::gloo_perf {
 namespace {
 
+using bench::Format;
+using bench::OpenCsv;
+using bench::ParseBytes;
+using bench::PrintWrongSummary;
+using bench::SplitList;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kExitOk = 0;
@@ -129,43 +132,10 @@ struct Config {
   }
 };
 
-// "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
-size_t ParseBytes(const std::string& text) {
-  size_t pos = 0;
-  unsigned long long value = 0;
-  try {
-    value = std::stoull(text, &pos);
-  } catch (const std::exception&) {
-    throw CLI::ValidationError("'" + text + "' is not a size (examples: 8, 64K, 64M, 1G)");
-  }
-  std::string suffix = text.substr(pos);
-  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (suffix == "IB" || suffix == "B") suffix.clear();
-  if (suffix.size() > 1 && suffix.ends_with("IB")) suffix.resize(suffix.size() - 2);
-  if (suffix.size() > 1 && suffix.ends_with("B")) suffix.resize(suffix.size() - 1);
-  int shift = 0;
-  if (suffix == "K") {
-    shift = 10;
-  } else if (suffix == "M") {
-    shift = 20;
-  } else if (suffix == "G") {
-    shift = 30;
-  } else if (!suffix.empty()) {
-    throw CLI::ValidationError("'" + text + "': unknown size suffix (use K, M or G)");
-  }
-  if (value > (std::numeric_limits<size_t>::max() >> shift)) {
-    throw CLI::ValidationError("'" + text + "' is too large");
-  }
-  return static_cast<size_t>(value) << shift;
-}
-
 std::vector<Collective> ParseCollectives(const std::string& text) {
   if (text == "all") return {std::begin(kAllCollectives), std::end(kAllCollectives)};
   std::vector<Collective> result;
-  std::stringstream stream(text);
-  std::string name;
-  while (std::getline(stream, name, ',')) {
-    if (name.empty()) continue;
+  for (const std::string& name : SplitList(text)) {
     if (name == "reduce_scatter") {
       throw CLI::ValidationError("-c: Gloo has no reduce-scatter in its current API");
     }
@@ -181,52 +151,18 @@ std::vector<Collective> ParseCollectives(const std::string& text) {
   return result;
 }
 
-std::vector<size_t> SweepSizes(const Config& config) {
-  std::vector<size_t> sizes;
-  for (size_t bytes = config.min_bytes; bytes <= config.max_bytes;) {
-    sizes.push_back(bytes);
-    if (config.step_bytes > 0) {
-      if (bytes > config.max_bytes - config.step_bytes) break;
-      bytes += config.step_bytes;
-    } else {
-      if (bytes > config.max_bytes / config.step_factor) break;
-      bytes *= config.step_factor;
-    }
-  }
-  return sizes;
-}
-
-std::string Format(const char* format, ...) __attribute__((format(printf, 1, 2)));
-std::string Format(const char* format, ...) {
-  char text[512];
-  va_list args;
-  va_start(args, format);
-  std::vsnprintf(text, sizeof(text), format, args);
-  va_end(args);
-  return text;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Buffers and check data. Values are small integers, so every f32 sum is exact.
 // ---------------------------------------------------------------------------------------------
 
+// `count` floats (at least one page), page-aligned and zeroed.
 class FloatBuffer {
  public:
-  explicit FloatBuffer(size_t count) : count_(std::max<size_t>(count, 1)) {
-    constexpr size_t kAlignment = 4096;
-    const size_t bytes = (count_ * sizeof(float) + kAlignment - 1) / kAlignment * kAlignment;
-    data_.reset(static_cast<float*>(std::aligned_alloc(kAlignment, bytes)));
-    if (!data_) throw std::bad_alloc();
-    std::memset(data_.get(), 0, bytes);  // touch every page before timing
-  }
-  float* data() const { return data_.get(); }
+  explicit FloatBuffer(size_t count) : bytes_(count * sizeof(float)) {}
+  float* data() const { return reinterpret_cast<float*>(bytes_.data()); }
 
  private:
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  size_t count_;
-  std::unique_ptr<float, Free> data_;
+  bench::AlignedBuffer bytes_;
 };
 
 // Element i of rank r's input.
@@ -270,7 +206,8 @@ class Sweep {
     size_t timed_rows = 0;
     for (Collective collective : config_.collectives) {
       PrintTableHeader(collective);
-      for (size_t bytes : SweepSizes(config_)) {
+      for (size_t bytes : bench::SweepSizes(config_.min_bytes, config_.max_bytes,
+                                            config_.step_factor, config_.step_bytes)) {
         const Row row = RunCase(collective, bytes);
         PrintRow(row);
         WriteCsvRow(row);
@@ -282,13 +219,7 @@ class Sweep {
       }
     }
     if (rank_ == 0) {
-      std::printf("#\n");
-      if (config_.check) {
-        std::printf("# wrong elements: %lld%s\n", static_cast<long long>(total_wrong),
-                    total_wrong == 0 ? "" : "  <-- RESULTS ARE WRONG");
-      } else {
-        std::printf("# wrong elements: not checked (pass --check)\n");
-      }
+      PrintWrongSummary(config_.check, total_wrong);
       std::printf("# average busbw: %.3f GB/s over %zu sizes\n",
                   timed_rows == 0 ? 0.0 : busbw_sum / static_cast<double>(timed_rows), timed_rows);
       std::fflush(stdout);
@@ -528,12 +459,7 @@ int RunRank(const Config& config, int rank, int world_size, const std::string& s
                                " is not a rank (world size " + std::to_string(world_size) + ")");
     }
     std::unique_ptr<std::ofstream> csv;
-    if (!config.csv_path.empty() && rank == 0) {
-      const std::filesystem::path path(config.csv_path);
-      if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-      csv = std::make_unique<std::ofstream>(path);
-      if (!*csv) throw std::runtime_error("cannot write " + config.csv_path);
-    }
+    if (!config.csv_path.empty() && rank == 0) csv = OpenCsv(config.csv_path);
     Sweep sweep(config, context, csv.get());
     return sweep.Run();
   } catch (const std::exception& e) {

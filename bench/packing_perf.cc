@@ -21,30 +21,24 @@
 //
 // How the ranks start: --local N, mpirun, or the environment, as for collectives_perf (see
 // bench/local_launcher.h). Exit status: 0 success, 1 error, 2 --check found wrong elements.
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
-#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
-#include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/local_launcher.h"
 #include "collectives/collectives.h"
 #include "collectives/packing.h"
@@ -60,6 +54,12 @@
 namespace collectives::perf {
 namespace {
 
+using bench::CountHosts;
+using bench::OpenCsv;
+using bench::ParseBytes;
+using bench::PrintBuildHeader;
+using bench::PrintWrongSummary;
+using bench::SplitList;
 using Clock = std::chrono::steady_clock;
 
 // Element counts of ResNet-50's trainable tensors, in the order the model defines them
@@ -128,47 +128,6 @@ struct Config {
     return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
   }
 };
-
-// "4096", "4K", "64M", "1G" (binary multiples) -> bytes.
-size_t ParseBytes(const std::string& text) {
-  size_t pos = 0;
-  unsigned long long value = 0;
-  try {
-    value = std::stoull(text, &pos);
-  } catch (const std::exception&) {
-    throw CLI::ValidationError("'" + text + "' is not a size (examples: 4096, 4K, 64M)");
-  }
-  std::string suffix = text.substr(pos);
-  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (suffix.ends_with("IB")) suffix.resize(suffix.size() - 2);
-  if (suffix.size() > 1 && suffix.ends_with("B")) suffix.resize(suffix.size() - 1);
-  int shift = 0;
-  if (suffix.empty() || suffix == "B") {
-    shift = 0;
-  } else if (suffix == "K") {
-    shift = 10;
-  } else if (suffix == "M") {
-    shift = 20;
-  } else if (suffix == "G") {
-    shift = 30;
-  } else {
-    throw CLI::ValidationError("'" + text + "': unknown size suffix (use K, M or G)");
-  }
-  if (value > (std::numeric_limits<size_t>::max() >> shift)) {
-    throw CLI::ValidationError("'" + text + "' is too large");
-  }
-  return static_cast<size_t>(value) << shift;
-}
-
-std::vector<std::string> SplitList(const std::string& text) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  std::string part;
-  while (std::getline(stream, part, ',')) {
-    if (!part.empty()) parts.push_back(part);
-  }
-  return parts;
-}
 
 Workload ParseWorkload(const std::string& name) {
   Workload workload{name, {}};
@@ -353,13 +312,7 @@ class Bench {
       }
     }
     if (rank_ == 0) {
-      std::printf("#\n");
-      if (config_.check) {
-        std::printf("# wrong elements: %lld%s\n", static_cast<long long>(total_wrong),
-                    total_wrong == 0 ? "" : "  <-- RESULTS ARE WRONG");
-      } else {
-        std::printf("# wrong elements: not checked (pass --check)\n");
-      }
+      PrintWrongSummary(config_.check, total_wrong);
       std::fflush(stdout);
     }
     return total_wrong == 0 ? kExitOk : kExitWrong;
@@ -429,26 +382,10 @@ class Bench {
   }
 
   void PrintHeader() {
-    std::array<char, 256> host{};
-    gethostname(host.data(), host.size() - 1);
-    int64_t host_hash = static_cast<int64_t>(std::hash<std::string>{}(host.data()));
-    std::vector<int64_t> hashes(static_cast<size_t>(world_size_));
-    comm_.AllGather(Tensor{&host_hash, 1, DataType::kInt64},
-                    Tensor{hashes.data(), hashes.size(), DataType::kInt64});
-    const size_t hosts = std::set<int64_t>(hashes.begin(), hashes.end()).size();
+    const size_t hosts = CountHosts(comm_);
     if (rank_ != 0) return;
 
-    const std::string library_build = BuildType();
-    const std::string bench_build = COLLECTIVES_PERF_BUILD_TYPE;
-    std::printf("# packing_perf  version %s  library build %s  bench build %s\n", Version(),
-                library_build.c_str(), bench_build.c_str());
-    if (library_build != "Release" || bench_build != "Release") {
-      const char* warning =
-          "# !!! WARNING: not a Release build: timings are NOT representative.\n"
-          "# !!! Rebuild with -DCMAKE_BUILD_TYPE=Release (scripts/build.sh does).\n";
-      std::printf("%s", warning);
-      std::fprintf(stderr, "%s", warning);
-    }
+    PrintBuildHeader("packing_perf", COLLECTIVES_PERF_BUILD_TYPE);
     std::printf("# world size %d  hosts %zu  launched by %s\n", world_size_, hosts,
                 launcher_.c_str());
     std::printf("# implementation %s  transport %s  cores %u\n", ToString(comm_.implementation()),
@@ -514,19 +451,9 @@ CommunicationOptions MakeOptions(const Config& config) {
 int Main(int argc, char** argv) {
   const bool local_child = IsLocalChild();
   const bool under_mpi_launcher = UnderMpiLauncher();
-  bool mpi_initialized = false;
-#ifdef COLLECTIVES_WITH_MPI
-  if (under_mpi_launcher && !local_child) {
-    int provided = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    mpi_initialized = true;
-  }
-#endif
-  auto finalize = [&] {
-#ifdef COLLECTIVES_WITH_MPI
-    if (mpi_initialized) MPI_Finalize();
-#endif
-  };
+  bench::MpiStartup mpi(under_mpi_launcher && !local_child, &argc, &argv);
+  const bool mpi_initialized = mpi.initialized();
+  auto finalize = [&] { mpi.Finalize(); };
   const int env_rank = RankFromEnvironment();
 
   Config config;
@@ -624,12 +551,7 @@ int Main(int argc, char** argv) {
     }
     rank = comm->rank();
     std::unique_ptr<std::ofstream> csv;
-    if (!config.csv_path.empty() && rank == 0) {
-      const std::filesystem::path path(config.csv_path);
-      if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-      csv = std::make_unique<std::ofstream>(path);
-      if (!*csv) throw std::runtime_error("cannot write " + config.csv_path);
-    }
+    if (!config.csv_path.empty() && rank == 0) csv = OpenCsv(config.csv_path);
     int rc = kExitOk;
     {
       Bench bench(config, *comm, launcher, csv.get());

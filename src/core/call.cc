@@ -29,7 +29,13 @@ std::string CallDescriptor::ToString() const {
 }
 
 std::string CallTag::ToString() const {
-  return "#" + std::to_string(seq) + " " + call.ToString();
+  // Appended piece by piece: GCC 12 warns (-Wrestrict, a known false positive) on
+  // "literal" + std::string temporaries here.
+  std::string out = "#";
+  out += std::to_string(seq);
+  out += ' ';
+  out += call.ToString();
+  return out;
 }
 
 }  // namespace collectives::core

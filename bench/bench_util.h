@@ -1,0 +1,77 @@
+// Helpers shared by the sweep benchmarks (collectives_perf, packing_perf, gloo_perf): size and
+// list parsing for their command lines, the sizes of a sweep, printf-style formatting, the CSV
+// file, page-aligned buffers and the common lines of their headers and summaries. Only the
+// public API is used.
+#ifndef COLLECTIVES_BENCH_BENCH_UTIL_H_
+#define COLLECTIVES_BENCH_BENCH_UTIL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/collectives.h"
+
+namespace collectives::bench {
+
+// "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
+// Throws CLI::ValidationError on anything else.
+size_t ParseBytes(const std::string& text);
+
+// The non-empty items of a comma-separated list.
+std::vector<std::string> SplitList(const std::string& text);
+
+// The sizes of a sweep in bytes: from min_bytes up to max_bytes, growing by step_bytes when it
+// is > 0, else multiplied by step_factor (>= 2).
+std::vector<size_t> SweepSizes(size_t min_bytes, size_t max_bytes, size_t step_factor,
+                               size_t step_bytes);
+
+// printf into a std::string (at most 511 characters).
+std::string Format(const char* format, ...) __attribute__((format(printf, 1, 2)));
+
+// Opens `path` for writing, creating its parent folders; throws std::runtime_error if it cannot.
+std::unique_ptr<std::ofstream> OpenCsv(const std::string& path);
+
+// A zeroed, page-aligned buffer of at least `bytes` bytes (and at least one page); every page
+// is touched before timing.
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t bytes);
+  std::byte* data() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+};
+
+// The number of distinct hosts the ranks of `comm` run on (every rank takes part).
+size_t CountHosts(CollectiveCommunication& comm);
+
+// Rank 0's first header line, "# <program>  version ...  library build ...  bench build ...",
+// and a warning on stdout and stderr when either build is not a Release build.
+void PrintBuildHeader(const char* program, const std::string& bench_build);
+
+// The summary's opening "#" line and its line on wrong elements (total_wrong, or "not
+// checked" without --check).
+void PrintWrongSummary(bool checked, int64_t total_wrong);
+
+// MPI for a benchmark's main: the constructor calls MPI_Init_thread (MPI_THREAD_FUNNELED) when
+// `start` is true and this build has MPI (COLLECTIVES_WITH_MPI); Finalize calls MPI_Finalize if
+// it did. Without MPI in the build, initialized() is false and Finalize does nothing.
+class MpiStartup {
+ public:
+  MpiStartup(bool start, int* argc, char*** argv);
+  bool initialized() const { return initialized_; }
+  void Finalize();
+
+ private:
+  bool initialized_ = false;
+};
+
+}  // namespace collectives::bench
+
+#endif  // COLLECTIVES_BENCH_BENCH_UTIL_H_
