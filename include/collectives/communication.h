@@ -68,8 +68,9 @@ struct CommunicationOptions {
 
   // How long a waiter polls before it sleeps, in microseconds. Polling cuts the latency of
   // small collectives (~11 us vs ~65 us for an 8-byte loopback round trip) but steals a core a
-  // peer may need when there are more ranks than cores. -1 adapts: polls only when this host
-  // has at least as many cores as the job's local ranks.
+  // peer may need when there are more polling threads than cores. -1 adapts: the thread driving
+  // the network polls when this host has a core per rank of the job; the hand-off between a
+  // caller and the progress thread (async calls) polls when it has two.
   // Default: -1.
   int spin_us = -1;
 
