@@ -30,6 +30,7 @@
 #include "src/ring/ring_communication.h"
 #include "src/transport/inproc_fabric.h"
 #include "tests/ring/collective_checks.h"
+#include "tests/ring/run_ranks.h"
 
 namespace collectives::packing {
 namespace {
@@ -196,39 +197,8 @@ TEST(PlanBucketsTest, RandomListsGiveValidPlans) {
 // Ranks as threads.
 // ---------------------------------------------------------------------------------------------
 
-enum class Transport { kInProcess, kTcp };
-
-void RunRanks(Transport transport, int size, const CommunicationOptions& options,
-              const std::function<void(CollectiveCommunication&)>& body) {
-  std::vector<std::unique_ptr<transport::Fabric>> fabrics;
-  std::shared_ptr<Store> store;
-  if (transport == Transport::kInProcess) {
-    fabrics = transport::CreateInProcessFabrics(size);
-  } else {
-    store = CreateMemoryStore();
-  }
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        std::unique_ptr<CollectiveCommunication> comm;
-        if (transport == Transport::kInProcess) {
-          comm = ring::CreateRingCommunication(std::move(fabrics[rank]), nullptr, options);
-        } else {
-          ClusterSpec spec;
-          spec.rank = rank;
-          spec.world_size = size;
-          spec.master_port = 1;  // unused: the store is given
-          comm = CreateCommunication(spec, store, options);
-        }
-        body(*comm);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << rank << " threw: " << e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
+using testing::RunRanks;
+using testing::Transport;
 
 // A list of tensors that owns its memory (each tensor its own allocation with a guard byte).
 class TensorList {

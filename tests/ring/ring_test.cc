@@ -17,6 +17,7 @@
 #include "src/ring/ring_communication.h"
 #include "src/transport/inproc_fabric.h"
 #include "tests/ring/collective_checks.h"
+#include "tests/ring/run_ranks.h"
 
 namespace collectives {
 namespace {
@@ -24,41 +25,8 @@ namespace {
 using testing::CheckCollective;
 using testing::CheckMatrix;
 
-enum class Transport { kInProcess, kTcp };
-
-// Builds `size` communicators (one per thread) and runs `body` on each, in parallel. Failures
-// inside body are reported by gtest from the rank's thread.
-void RunRanks(Transport transport, int size, const CommunicationOptions& options,
-              const std::function<void(CollectiveCommunication&)>& body) {
-  std::vector<std::unique_ptr<transport::Fabric>> fabrics;
-  std::shared_ptr<Store> store;
-  if (transport == Transport::kInProcess) {
-    fabrics = transport::CreateInProcessFabrics(size);
-  } else {
-    store = CreateMemoryStore();
-  }
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        std::unique_ptr<CollectiveCommunication> comm;
-        if (transport == Transport::kInProcess) {
-          comm = ring::CreateRingCommunication(std::move(fabrics[rank]), nullptr, options);
-        } else {
-          ClusterSpec spec;
-          spec.rank = rank;
-          spec.world_size = size;
-          spec.master_port = 1;  // unused: the store is given
-          comm = CreateCommunication(spec, store, options);
-        }
-        body(*comm);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << rank << " threw: " << e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
+using testing::RunRanks;
+using testing::Transport;
 
 enum class Algorithms { kDefault, kRingTinyChunks, kSmallMessage };
 
