@@ -127,6 +127,7 @@ struct Config {
   std::vector<ReduceOp> ops = {ReduceOp::kSum};
   int iters = 20;
   int warmup_iters = 5;
+  int repeat = 1;
   bool check = false;
   std::string csv_path;
   std::string impl = "ring";
@@ -812,28 +813,44 @@ class Sweep {
       row.wrong = wrong;
     }
 
-    comm_.Barrier();
-    const Clock::time_point start = Clock::now();
-    for (int i = 0; i < config_.iters; ++i) run_once();
-    double seconds = std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
-    comm_.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
-
+    // `repeat` rounds of `iters` timed calls; with a baseline, ours and MPI's rounds alternate
+    // so that both see the same machine. Each round's time is the slowest rank's (the same
+    // value on every rank); the row reports the median round.
+    auto time_ours = [&] {
+      comm_.Barrier();
+      const Clock::time_point start = Clock::now();
+      for (int i = 0; i < config_.iters; ++i) run_once();
+      double seconds = std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
+      comm_.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
+      return seconds;
+    };
+    std::vector<double> ours;
+    std::vector<double> theirs;
+    for (int round = 0; round < config_.repeat; ++round) {
+      ours.push_back(time_ours());
+#ifdef COLLECTIVES_WITH_MPI
+      if (row.has_baseline) {
+        const std::optional<double> mpi_seconds = TimeMpiBaseline(
+            collective, dtype, op, config_.root, send.data, recv.data, count, per_rank,
+            config_.in_place, round == 0 ? config_.warmup_iters : 0, config_.iters);
+        if (mpi_seconds) theirs.push_back(*mpi_seconds);
+      }
+#endif
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double seconds = median(ours);
     row.time_us = seconds * 1e6;
     row.algbw = static_cast<double>(row.bytes) / seconds / 1e9;
     row.busbw = row.algbw * BusBandwidthFactor(collective, world_size_);
-
-#ifdef COLLECTIVES_WITH_MPI
-    if (row.has_baseline) {
-      const std::optional<double> mpi_seconds =
-          TimeMpiBaseline(collective, dtype, op, config_.root, send.data, recv.data, count,
-                          per_rank, config_.in_place, config_.warmup_iters, config_.iters);
-      if (mpi_seconds) {
-        row.baseline_time_us = *mpi_seconds * 1e6;
-        row.baseline_busbw = static_cast<double>(row.bytes) / *mpi_seconds / 1e9 *
-                             BusBandwidthFactor(collective, world_size_);
-      }
+    if (!theirs.empty()) {
+      const double mpi_seconds = median(theirs);
+      row.baseline_time_us = mpi_seconds * 1e6;
+      row.baseline_busbw = static_cast<double>(row.bytes) / mpi_seconds / 1e9 *
+                           BusBandwidthFactor(collective, world_size_);
     }
-#endif
     return row;
   }
 
@@ -901,8 +918,8 @@ class Sweep {
                     : std::to_string(config_.small_message_bytes).c_str(),
                 config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
                 config_.timeout_s);
-    std::printf("# iterations %d  warm-up %d  check %s  buffers %s\n", config_.iters,
-                config_.warmup_iters, config_.check ? "on" : "off",
+    std::printf("# iterations %d x %d rounds (median)  warm-up %d  check %s  buffers %s\n",
+                config_.iters, config_.repeat, config_.warmup_iters, config_.check ? "on" : "off",
                 config_.in_place ? "in-place" : "out-of-place");
     if (config_.baseline == "mpi") {
       std::printf(
@@ -1034,6 +1051,10 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("-w,--warmup_iters", config.warmup_iters, "Warm-up iterations per size")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 30));
+  app.add_option("-r,--repeat", config.repeat,
+                 "Rounds of -n timed calls per size; the median round is reported (with "
+                 "--baseline, ours and MPI's rounds alternate)")
+      ->check(CLI::Range(1, 1000));
   app.add_flag("--check", config.check,
                "Verify one extra call per size element by element on every rank; exit 2 on any "
                "wrong element");
