@@ -147,6 +147,17 @@ void PrintWrongSummary(bool checked, int64_t total_wrong) {
   }
 }
 
+#ifdef COLLECTIVES_WITH_MPI
+void CheckMpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(rc, text, &length);
+    throw std::runtime_error(std::string(what) + " failed: " + std::string(text, length));
+  }
+}
+#endif
+
 MpiStartup::MpiStartup(bool start, int* argc, char*** argv) {
 #ifdef COLLECTIVES_WITH_MPI
   if (start) {

@@ -62,6 +62,10 @@ void PrintWrongSummary(bool checked, int64_t total_wrong);
 // MPI for a benchmark's main: the constructor calls MPI_Init_thread (MPI_THREAD_FUNNELED) when
 // `start` is true and this build has MPI (COLLECTIVES_WITH_MPI); Finalize calls MPI_Finalize if
 // it did. Without MPI in the build, initialized() is false and Finalize does nothing.
+// Throws std::runtime_error naming `what` and MPI's error text when rc is not MPI_SUCCESS
+// (rc is an MPI return code; defined only in builds with MPI).
+void CheckMpi(int rc, const char* what);
+
 class MpiStartup {
  public:
   MpiStartup(bool start, int* argc, char*** argv);

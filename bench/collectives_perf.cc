@@ -54,6 +54,9 @@ namespace collectives::perf {
 namespace {
 
 using bench::AlignedBuffer;
+#ifdef COLLECTIVES_WITH_MPI
+using bench::CheckMpi;
+#endif
 using bench::CountHosts;
 using bench::Format;
 using bench::OpenCsv;
@@ -543,15 +546,6 @@ MPI_Op MpiOp(ReduceOp op) {
       return MPI_MAX;
   }
   return MPI_SUM;
-}
-
-void CheckMpi(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) {
-    char text[MPI_MAX_ERROR_STRING];
-    int length = 0;
-    MPI_Error_string(rc, text, &length);
-    throw std::runtime_error(std::string(what) + " failed: " + std::string(text, length));
-  }
 }
 
 // Seconds per call of the matching MPI collective on the same buffers, slowest rank; nullopt

@@ -2,6 +2,8 @@
 // program on loopback, rank 0 reporting the store's port through a pipe) and the MPI bootstrap.
 #include "bench/local_launcher.h"
 
+#include "bench/bench_util.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -32,6 +34,9 @@ namespace collectives::perf {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+#ifdef COLLECTIVES_WITH_MPI
+using bench::CheckMpi;
+#endif
 
 bool IsLauncherVariable(std::string_view entry) {
   static constexpr std::string_view kNames[] = {
@@ -109,17 +114,6 @@ uint16_t ReadPort(int fd, std::chrono::milliseconds timeout) {
   const long port = std::strtol(text.c_str(), nullptr, 10);
   return port > 0 && port < 65536 ? static_cast<uint16_t>(port) : 0;
 }
-
-#ifdef COLLECTIVES_WITH_MPI
-void CheckMpi(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) {
-    char text[MPI_MAX_ERROR_STRING];
-    int length = 0;
-    MPI_Error_string(rc, text, &length);
-    throw std::runtime_error(std::string(what) + " failed: " + std::string(text, length));
-  }
-}
-#endif
 
 }  // namespace
 
