@@ -138,6 +138,7 @@ struct Config {
   bool in_place = false;
   size_t chunk_bytes = 0;
   size_t small_message_bytes = 0;
+  size_t medium_message_bytes = 0;
   int spin_us = -1;
   double timeout_s = 120;
   int local = 0;
@@ -612,6 +613,7 @@ CommunicationOptions MakeOptions(const Config& config) {
   options.implementation = ParseImplementation(config.impl);
   options.chunk_bytes = config.chunk_bytes;
   options.small_message_bytes = config.small_message_bytes;
+  options.medium_message_bytes = config.medium_message_bytes;
   options.spin_us = config.spin_us;
   options.timeout = config.timeout();
   return options;
@@ -1064,6 +1066,9 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--chunk-bytes", config.chunk_bytes,
                  "CommunicationOptions::chunk_bytes (0: library default)")
       ->capture_default_str();
+  app.add_option("--medium-bytes", config.medium_message_bytes,
+                 "CommunicationOptions::medium_message_bytes (0: library default; 1: never "
+                 "halving-doubling)");
   app.add_option("--small-bytes", config.small_message_bytes,
                  "CommunicationOptions::small_message_bytes (0: library default)")
       ->capture_default_str();

@@ -66,6 +66,14 @@ struct CommunicationOptions {
   // Default: 0.
   size_t small_message_bytes = 0;
 
+  // All-reduces larger than small_message_bytes and of at most this many bytes use
+  // halving-doubling (Rabenseifner: 2 log2 p steps instead of the ring's 2(p-1), the same bytes)
+  // when the world size is a power of two of at least 4; larger ones, and other world sizes,
+  // use the ring. 0 picks the default (8 MiB: on the development machine, with 4 ranks, it
+  // beat the ring up to there); 1 never uses it; SIZE_MAX always does.
+  // Default: 0.
+  size_t medium_message_bytes = 0;
+
   // How long a waiter polls before it sleeps, in microseconds. Polling cuts the latency of
   // small collectives (~11 us vs ~65 us for an 8-byte loopback round trip) but steals a core a
   // peer may need when there are more polling threads than cores. -1 adapts: the thread driving

@@ -187,6 +187,105 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv_ptr, 
   }
 }
 
+// Halving-doubling (Rabenseifner) all-reduce, for a power-of-two world size p.
+//
+// The tensor is cut into p blocks (block b near-equal, as in the ring). Reduce-scatter by
+// recursive halving: rank r starts responsible for blocks [0, p); in the step with distance
+// d = p/2, p/4, ..., 1 it exchanges with partner r ^ d, keeps the half of its current range
+// whose blocks have bit d equal to its own (the lower half when r & d == 0), sends the other
+// half from `recv`, receives the partner's contribution to the kept half chunk by chunk through
+// the staging slots, and reduces it into `recv`. After log2(p) steps rank r holds the final
+// value of block r (divided by p for kAvg), computed there alone, so every rank ends with the
+// same bits. All-gather by recursive doubling: with d = 1, 2, ..., p/2 rank r sends its range to
+// r ^ d and receives the adjacent range of the same size straight into `recv`. Each exchange is
+// cut into chunks of at most chunk_bytes; sends are posted at once and never wait on receives,
+// so the two partners of a step cannot block each other.
+void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
+                              DataType dtype, ReduceOp op) {
+  const int p = ctx.size();
+  const int r = ctx.rank();
+  const size_t es = SizeOf(dtype);
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  auto* recv = static_cast<uint8_t*>(recv_ptr);
+  if (p == 1) {
+    if (send != recv && count > 0) std::memcpy(recv, send, count * es);
+    return;
+  }
+
+  const Split blocks{count, static_cast<size_t>(p)};
+  // Elements of blocks [lo, hi).
+  auto span = [&](int lo, int hi) {
+    return Range{blocks.Offset(size_t(lo)), blocks.Offset(size_t(hi)) - blocks.Offset(size_t(lo))};
+  };
+  const size_t slot_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
+  uint8_t* staging = ctx.staging.Get(slot_elems * es * kStagingSlots);
+
+  // Sends `give` (read from `source`) to `partner` and receives the partner's frames for `take`,
+  // both cut into chunks of at most slot_elems. With `reduce`, a received chunk lands in a
+  // staging slot and recv[take] = source[take] op it; without, it lands in recv directly.
+  // `source` is `send` in the first step (so an out-of-place call needs no copy) and `recv` after.
+  auto exchange = [&](Connection& partner, const uint8_t* source, Range give, Range take,
+                      bool reduce) {
+    const Split give_chunks{give.length, std::max<size_t>(1, CeilDiv(give.length, slot_elems))};
+    const Split take_chunks{take.length, std::max<size_t>(1, CeilDiv(take.length, slot_elems))};
+    uint64_t last_send = 0;
+    for (size_t c = 0; c < give_chunks.parts; ++c) {
+      last_send = partner.PostSend(ctx.tag, source + (give.offset + give_chunks.Offset(c)) * es,
+                                   give_chunks.Length(c) * es);
+    }
+    std::array<uint64_t, kStagingSlots> ticket{};
+    size_t posted = 0;
+    for (size_t c = 0; c < take_chunks.parts; ++c) {
+      for (; posted < take_chunks.parts && posted < c + kStagingSlots; ++posted) {
+        uint8_t* dst = reduce ? staging + (posted % kStagingSlots) * slot_elems * es
+                              : recv + (take.offset + take_chunks.Offset(posted)) * es;
+        ticket[posted % kStagingSlots] =
+            partner.PostRecv(ctx.tag, dst, take_chunks.Length(posted) * es);
+      }
+      partner.WaitRecv(ticket[c % kStagingSlots]);
+      if (reduce) {
+        const size_t offset = (take.offset + take_chunks.Offset(c)) * es;
+        const uint8_t* theirs = staging + (c % kStagingSlots) * slot_elems * es;
+        // (lower rank's data) op (higher rank's data), as everywhere in this file.
+        if (partner.peer() < r) {
+          core::Reduce(dtype, op, recv + offset, theirs, source + offset, take_chunks.Length(c));
+        } else {
+          core::Reduce(dtype, op, recv + offset, source + offset, theirs, take_chunks.Length(c));
+        }
+      }
+    }
+    partner.WaitSend(last_send);
+  };
+
+  int lo = 0;
+  int hi = p;
+  for (int d = p / 2; d >= 1; d /= 2) {
+    const int mid = lo + (hi - lo) / 2;
+    const bool keep_lower = (r & d) == 0;
+    const Range keep = keep_lower ? span(lo, mid) : span(mid, hi);
+    const Range give = keep_lower ? span(mid, hi) : span(lo, mid);
+    exchange(ctx.peer(r ^ d), d == p / 2 ? send : recv, give, keep, /*reduce=*/true);
+    if (keep_lower) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  if (op == ReduceOp::kAvg) {
+    const Range own = span(lo, hi);
+    core::DivideInPlace(dtype, recv + own.offset * es, own.length, size_t(p));
+  }
+  for (int d = 1; d < p; d *= 2) {
+    const int width = hi - lo;
+    const bool partner_above = (r & d) == 0;
+    const int other_lo = partner_above ? hi : lo - width;
+    exchange(ctx.peer(r ^ d), recv, span(lo, hi), span(other_lo, other_lo + width),
+             /*reduce=*/false);
+    lo = std::min(lo, other_lo);
+    hi = lo + 2 * width;
+  }
+}
+
 // Ring reduce-scatter.
 //
 // Schedule: n-1 steps; at step s rank r sends block (r - s - 1) mod n and receives block

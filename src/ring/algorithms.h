@@ -62,6 +62,13 @@ void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, Dat
 void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
                                 DataType dtype, ReduceOp op);
 
+// The same result in 2 log2(p) steps that move as many bytes as the ring's 2(p-1): reduce-scatter
+// by recursive halving, then all-gather by recursive doubling (Rabenseifner). Fewer steps than
+// the ring pays at medium sizes, where each step's latency still counts. Needs a power-of-two
+// world size.
+void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
+                              DataType dtype, ReduceOp op);
+
 // recv (count elements) = block `rank` of op over ranks of send (size * count elements).
 void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                        ReduceOp op);

@@ -102,6 +102,7 @@ class RingCommunication final : public CollectiveCommunication {
   const int size_;
   const size_t chunk_bytes_;
   const size_t small_message_bytes_;
+  const size_t medium_message_bytes_;
   const std::chrono::milliseconds timeout_;
   // How long the thread driving the network polls before it sleeps.
   const std::chrono::microseconds spin_;
@@ -144,6 +145,8 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       chunk_bytes_(options.chunk_bytes ? options.chunk_bytes : kDefaultChunkBytes),
       small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
                                                        : kDefaultSmallMessageBytes),
+      medium_message_bytes_(options.medium_message_bytes ? options.medium_message_bytes
+                                                         : kDefaultMediumMessageBytes),
       timeout_(options.timeout),
       spin_(SpinBudget(options.spin_us, fabric->size(), 1)),
       handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
@@ -312,12 +315,22 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                               recv.count));
   }
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, op, 0, send.count};
-  const bool small = send.bytes() <= small_message_bytes_;
-  return Prepared{call, [send, recv, op, small](Context& ctx) {
-    if (small) {
-      RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
-    } else {
-      RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+  // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
+  // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
+  enum class Algorithm { kRecursiveDoubling, kHalvingDoubling, kRing };
+  const bool power_of_two = size_ >= 4 && (size_ & (size_ - 1)) == 0;
+  const Algorithm algorithm =
+      send.bytes() <= small_message_bytes_ ? Algorithm::kRecursiveDoubling
+      : power_of_two && send.bytes() <= medium_message_bytes_ ? Algorithm::kHalvingDoubling
+                                                              : Algorithm::kRing;
+  return Prepared{call, [send, recv, op, algorithm](Context& ctx) {
+    switch (algorithm) {
+      case Algorithm::kRecursiveDoubling:
+        return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+      case Algorithm::kHalvingDoubling:
+        return HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+      case Algorithm::kRing:
+        return RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     }
   }};
 }

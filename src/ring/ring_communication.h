@@ -16,6 +16,7 @@ namespace collectives::ring {
 // Defaults behind the 0 values of CommunicationOptions (see there for the reasons).
 inline constexpr size_t kDefaultChunkBytes = 512 * 1024;
 inline constexpr size_t kDefaultSmallMessageBytes = 64 * 1024;
+inline constexpr size_t kDefaultMediumMessageBytes = 8 * 1024 * 1024;
 inline constexpr int kDefaultSpinUs = 50;
 
 // Takes over `fabric` (already connected). `store` is kept alive as long as the communicator

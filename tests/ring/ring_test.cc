@@ -28,7 +28,7 @@ using testing::CheckMatrix;
 using testing::RunRanks;
 using testing::Transport;
 
-enum class Algorithms { kDefault, kRingTinyChunks, kSmallMessage };
+enum class Algorithms { kDefault, kRingTinyChunks, kSmallMessage, kHalvingDoubling };
 
 struct MatrixParam {
   Transport transport;
@@ -44,6 +44,7 @@ std::string Name(const ::testing::TestParamInfo<MatrixParam>& info) {
     case Algorithms::kDefault: return name + "Default";
     case Algorithms::kRingTinyChunks: return name + "RingTinyChunks";
     case Algorithms::kSmallMessage: return name + "SmallMessage";
+    case Algorithms::kHalvingDoubling: return name + "HalvingDoubling";
   }
   return name;
 }
@@ -68,6 +69,12 @@ TEST_P(CollectiveMatrixTest, EveryCollectiveDtypeOpAndCountIsExactOnEveryRank) {
       options.small_message_bytes = SIZE_MAX;  // recursive doubling and the tree at every size
       large = 100'003;
       break;
+    case Algorithms::kHalvingDoubling:
+      options.small_message_bytes = 1;          // no recursive doubling for non-empty tensors
+      options.medium_message_bytes = SIZE_MAX;  // halving-doubling at 4 and 8 ranks, at every size
+      options.chunk_bytes = 24;                 // several chunks per exchange
+      large = 10'007;
+      break;
   }
   RunRanks(p.transport, p.size, options, [&](CollectiveCommunication& comm) {
     std::vector<std::string> failures;
@@ -80,8 +87,8 @@ std::vector<MatrixParam> MatrixParams() {
   std::vector<MatrixParam> params;
   for (Transport t : {Transport::kInProcess, Transport::kTcp}) {
     for (int size = 1; size <= 8; ++size) {
-      for (Algorithms a :
-           {Algorithms::kDefault, Algorithms::kRingTinyChunks, Algorithms::kSmallMessage}) {
+      for (Algorithms a : {Algorithms::kDefault, Algorithms::kRingTinyChunks,
+                           Algorithms::kSmallMessage, Algorithms::kHalvingDoubling}) {
         params.push_back({t, size, a});
       }
     }
