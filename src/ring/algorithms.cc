@@ -39,6 +39,45 @@ struct Range {
   size_t length;  // elements
 };
 
+// dst = src, unless the call is in place (same memory) or empty.
+void CopyUnlessSame(void* dst, const void* src, size_t bytes) {
+  if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
+}
+
+// Receives items 0, 1, 2, ... from one connection, in order, with up to kStagingSlots receives
+// posted ahead of the one waited on. `where(t)` gives item t's destination and bytes. Wait(t)
+// posts items up to t + kStagingSlots - 1 before waiting for t, so an item that lands in staging
+// slot t % kStagingSlots is posted only after its slot's previous item (t - kStagingSlots) was
+// waited on and, by then, consumed: the caller must be done with item t - 1 when it calls
+// Wait(t).
+template <typename Where>
+class ReceiveWindow {
+ public:
+  ReceiveWindow(Connection& from, const core::CallTag& tag, size_t items, Where where)
+      : from_(from), tag_(tag), items_(items), where_(where) {}
+
+  void Wait(size_t t) {
+    for (; posted_ < items_ && posted_ < t + kStagingSlots; ++posted_) {
+      const auto [data, bytes] = where_(posted_);
+      ticket_[posted_ % kStagingSlots] = from_.PostRecv(tag_, data, bytes);
+    }
+    from_.WaitRecv(ticket_[t % kStagingSlots]);
+  }
+
+ private:
+  Connection& from_;
+  const core::CallTag& tag_;
+  const size_t items_;
+  Where where_;
+  size_t posted_ = 0;
+  std::array<uint64_t, kStagingSlots> ticket_{};
+};
+
+struct Destination {
+  uint8_t* data;
+  size_t bytes;
+};
+
 }  // namespace
 
 uint8_t* Staging::Get(size_t bytes) {
@@ -71,10 +110,7 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
   const size_t es = SizeOf(dtype);
   const auto* send = static_cast<const uint8_t*>(send_ptr);
   auto* recv = static_cast<uint8_t*>(recv_ptr);
-  if (n == 1) {
-    if (send != recv && count > 0) std::memcpy(recv, send, count * es);
-    return;
-  }
+  if (n == 1) return CopyUnlessSame(recv, send, count * es);
 
   const Split blocks{count, static_cast<size_t>(n)};
   const size_t chunks = std::max<size_t>(1, CeilDiv(blocks.Length(0) * es, ctx.chunk_bytes));
@@ -97,22 +133,16 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
     last_send = right.PostSend(ctx.tag, send + chunk.offset * es, chunk.length * es);
   }
 
-  std::array<uint64_t, kStagingSlots> recv_ticket{};
-  size_t posted = 0;
-  auto post_receives = [&](size_t processed) {
-    for (; posted < items && posted < processed + kStagingSlots; ++posted) {
-      const size_t s = posted / chunks;
-      const Range chunk = chunk_of(recv_block(s), posted % chunks);
-      uint8_t* dst = s < static_cast<size_t>(n - 1)
-                         ? staging + (posted % kStagingSlots) * slot_bytes
-                         : recv + chunk.offset * es;
-      recv_ticket[posted % kStagingSlots] = left.PostRecv(ctx.tag, dst, chunk.length * es);
-    }
-  };
-  post_receives(0);
+  ReceiveWindow window(left, ctx.tag, items, [&](size_t t) {
+    const size_t s = t / chunks;
+    const Range chunk = chunk_of(recv_block(s), t % chunks);
+    uint8_t* dst = s < static_cast<size_t>(n - 1) ? staging + (t % kStagingSlots) * slot_bytes
+                                                  : recv + chunk.offset * es;
+    return Destination{dst, chunk.length * es};
+  });
 
   for (size_t t = 0; t < items; ++t) {
-    left.WaitRecv(recv_ticket[t % kStagingSlots]);
+    window.Wait(t);
     const size_t s = t / chunks;
     const Range chunk = chunk_of(recv_block(s), t % chunks);
     uint8_t* out = recv + chunk.offset * es;
@@ -123,7 +153,6 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
         core::DivideInPlace(dtype, out, chunk.length, n);
       }
     }
-    post_receives(t + 1);
     if (s + 1 < steps) last_send = right.PostSend(ctx.tag, out, chunk.length * es);
   }
   right.WaitSend(last_send);
@@ -143,7 +172,7 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv_ptr, 
   const int r = ctx.rank();
   const size_t bytes = count * SizeOf(dtype);
   auto* recv = static_cast<uint8_t*>(recv_ptr);
-  if (send != recv && bytes > 0) std::memcpy(recv, send, bytes);
+  CopyUnlessSame(recv, send, bytes);
   if (n == 1) return;
   uint8_t* other = ctx.staging.Get(bytes);
 
@@ -207,10 +236,7 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
   const size_t es = SizeOf(dtype);
   const auto* send = static_cast<const uint8_t*>(send_ptr);
   auto* recv = static_cast<uint8_t*>(recv_ptr);
-  if (p == 1) {
-    if (send != recv && count > 0) std::memcpy(recv, send, count * es);
-    return;
-  }
+  if (p == 1) return CopyUnlessSame(recv, send, count * es);
 
   const Split blocks{count, static_cast<size_t>(p)};
   // Elements of blocks [lo, hi).
@@ -233,16 +259,13 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
       last_send = partner.PostSend(ctx.tag, source + (give.offset + give_chunks.Offset(c)) * es,
                                    give_chunks.Length(c) * es);
     }
-    std::array<uint64_t, kStagingSlots> ticket{};
-    size_t posted = 0;
+    ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
+      uint8_t* dst = reduce ? staging + (c % kStagingSlots) * slot_elems * es
+                            : recv + (take.offset + take_chunks.Offset(c)) * es;
+      return Destination{dst, take_chunks.Length(c) * es};
+    });
     for (size_t c = 0; c < take_chunks.parts; ++c) {
-      for (; posted < take_chunks.parts && posted < c + kStagingSlots; ++posted) {
-        uint8_t* dst = reduce ? staging + (posted % kStagingSlots) * slot_elems * es
-                              : recv + (take.offset + take_chunks.Offset(posted)) * es;
-        ticket[posted % kStagingSlots] =
-            partner.PostRecv(ctx.tag, dst, take_chunks.Length(posted) * es);
-      }
-      partner.WaitRecv(ticket[c % kStagingSlots]);
+      window.Wait(c);
       if (reduce) {
         const size_t offset = (take.offset + take_chunks.Offset(c)) * es;
         const uint8_t* theirs = staging + (c % kStagingSlots) * slot_elems * es;
@@ -306,10 +329,7 @@ void RingReduceScatter(Context& ctx, const void* send_ptr, void* recv_ptr, size_
   const size_t es = SizeOf(dtype);
   const auto* send = static_cast<const uint8_t*>(send_ptr);
   auto* recv = static_cast<uint8_t*>(recv_ptr);
-  if (n == 1) {
-    if (send != recv && count > 0) std::memcpy(recv, send, count * es);
-    return;
-  }
+  if (n == 1) return CopyUnlessSame(recv, send, count * es);
 
   const size_t slice_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
   const size_t iteration_elems = kSlices * slice_elems;
@@ -360,7 +380,8 @@ void RingReduceScatter(Context& ctx, const void* send_ptr, void* recv_ptr, size_
       }
     }
   };
-  // Receives are posted up to kStagingSlots ahead, each once its slot's forward has left.
+  // Receives are posted up to kStagingSlots ahead, each once its slot's forward has left (not a
+  // ReceiveWindow: here a slot frees when a send completes, not when the item is consumed).
   auto post_receives = [&](size_t processed, bool must_post_next) {
     for (; posted < items && posted < processed + kStagingSlots; ++posted) {
       uint64_t& pending = forward_ticket[posted % kStagingSlots];
@@ -411,10 +432,7 @@ void RingAllGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
   const auto* send = static_cast<const uint8_t*>(send_ptr);
   auto* recv = static_cast<uint8_t*>(recv_ptr);
   uint8_t* own = recv + size_t(r) * block_bytes;
-  if (n == 1) {
-    if (send != own && block_bytes > 0) std::memcpy(own, send, block_bytes);
-    return;
-  }
+  if (n == 1) return CopyUnlessSame(own, send, block_bytes);
 
   const Split chunk_split{count, std::max<size_t>(1, CeilDiv(block_bytes, ctx.chunk_bytes))};
   const size_t chunks = chunk_split.parts;
@@ -432,20 +450,13 @@ void RingAllGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
     last_send = right.PostSend(ctx.tag, send + chunk_split.Offset(c) * es,
                                chunk_split.Length(c) * es);
   }
-  if (send != own && block_bytes > 0) std::memcpy(own, send, block_bytes);
+  CopyUnlessSame(own, send, block_bytes);
 
-  std::array<uint64_t, kStagingSlots> recv_ticket{};
-  size_t posted = 0;
-  auto post_receives = [&](size_t processed) {
-    for (; posted < items && posted < processed + kStagingSlots; ++posted) {
-      recv_ticket[posted % kStagingSlots] =
-          left.PostRecv(ctx.tag, where(posted), chunk_split.Length(posted % chunks) * es);
-    }
-  };
-  post_receives(0);
+  ReceiveWindow window(left, ctx.tag, items, [&](size_t t) {
+    return Destination{where(t), chunk_split.Length(t % chunks) * es};
+  });
   for (size_t t = 0; t < items; ++t) {
-    left.WaitRecv(recv_ticket[t % kStagingSlots]);
-    post_receives(t + 1);
+    window.Wait(t);
     if (t / chunks + 1 < size_t(n - 1)) {
       last_send = right.PostSend(ctx.tag, where(t), chunk_split.Length(t % chunks) * es);
     }
@@ -473,17 +484,13 @@ void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t b
         last_send = next->PostSend(ctx.tag, send + chunk_split.Offset(c), chunk_split.Length(c));
       }
     }
-    if (send != recv && bytes > 0) std::memcpy(recv, send, bytes);
+    CopyUnlessSame(recv, send, bytes);
   } else {
-    Connection& previous = ctx.left();
-    std::array<uint64_t, kStagingSlots> recv_ticket{};
-    size_t posted = 0;
+    ReceiveWindow window(ctx.left(), ctx.tag, chunks, [&](size_t c) {
+      return Destination{recv + chunk_split.Offset(c), chunk_split.Length(c)};
+    });
     for (size_t c = 0; c < chunks; ++c) {
-      for (; posted < chunks && posted < c + kStagingSlots; ++posted) {
-        recv_ticket[posted % kStagingSlots] = previous.PostRecv(
-            ctx.tag, recv + chunk_split.Offset(posted), chunk_split.Length(posted));
-      }
-      previous.WaitRecv(recv_ticket[c % kStagingSlots]);
+      window.Wait(c);
       if (next != nullptr) {
         last_send = next->PostSend(ctx.tag, recv + chunk_split.Offset(c), chunk_split.Length(c));
       }
@@ -517,7 +524,7 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
       sends[num_sends++] = {&child, child.PostSend(ctx.tag, source, bytes)};
     }
   }
-  if (position == 0 && send != recv && bytes > 0) std::memcpy(recv, send, bytes);
+  if (position == 0) CopyUnlessSame(recv, send, bytes);
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
 }
 
