@@ -91,6 +91,11 @@ class RingCommunication final : public CollectiveCommunication {
   // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault.
   void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const;
+  // whole.count == size() * block.count (all-gather's recv and send, reduce-scatter's send and
+  // recv).
+  void CheckWholeIsSizeTimesBlock(const char* collective, const char* whole_name,
+                                  const Tensor& whole, const char* block_name,
+                                  const Tensor& block) const;
   // Both tensors valid, of one dtype.
   void CheckSendRecv(const char* collective, const Tensor& send, const Tensor& recv) const {
     CheckTensor(collective, "send", send);
@@ -302,6 +307,20 @@ std::string CountMismatch(int rank, const char* collective, const std::string& e
          std::to_string(got) + " elements";
 }
 
+void RingCommunication::CheckWholeIsSizeTimesBlock(const char* collective,
+                                                   const char* whole_name, const Tensor& whole,
+                                                   const char* block_name,
+                                                   const Tensor& block) const {
+  if (whole.count != block.count * size_t(size_)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                CountMismatch(rank_, collective,
+                              std::string(whole_name) + " must have size x " + block_name +
+                                  " = " + std::to_string(size_) + " x " +
+                                  std::to_string(block.count) + " elements",
+                              whole.count));
+  }
+}
+
 RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& send,
                                                                 const Tensor& recv,
                                                                 ReduceOp op) const {
@@ -372,13 +391,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
                                                                 const Tensor& recv) const {
   constexpr const char* kName = "all_gather";
   CheckSendRecv(kName, send, recv);
-  if (recv.count != send.count * size_t(size_)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                CountMismatch(rank_, kName,
-                              "recv must have size x send = " + std::to_string(size_) + " x " +
-                                  std::to_string(send.count) + " elements",
-                              recv.count));
-  }
+  CheckWholeIsSizeTimesBlock(kName, "recv", recv, "send", send);
   const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
                             send.count};
   return Prepared{call, [send, recv](Context& ctx) {
@@ -392,13 +405,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
   constexpr const char* kName = "reduce_scatter";
   CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
-  if (send.count != recv.count * size_t(size_)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                CountMismatch(rank_, kName,
-                              "send must have size x recv = " + std::to_string(size_) + " x " +
-                                  std::to_string(recv.count) + " elements",
-                              send.count));
-  }
+  CheckWholeIsSizeTimesBlock(kName, "send", send, "recv", recv);
   const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
   return Prepared{call, [send, recv, op](Context& ctx) {
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
