@@ -1,0 +1,468 @@
+// The strategy layer: synchronous data-parallel training with the semantics of TensorFlow's
+// tf.distribute, in C++ and model-agnostic.
+//
+// Vocabulary (as in tf.distribute):
+//   - a *replica* is one copy of the model; a *worker* is one process; a worker runs one or more
+//     *local replicas* (threads here; one per GPU when GPUs arrive).
+//   - NumReplicasInSync() = workers x local replicas. Every replica of every worker takes part in
+//     every cross-replica reduction.
+//   - *cross-replica context*: the caller's thread, outside Run(). *replica context*: inside the
+//     function given to Run(), which runs once per local replica, replicas in parallel.
+//   - a *mirrored variable* has one copy per local replica. Copies start identical on every
+//     replica of every worker (the chief initialises, the others receive a broadcast) and stay
+//     identical because every replica applies the same update to the same summed gradient.
+//
+// A training step, as in a custom training loop of the guide:
+//
+//   auto& w = strategy.CreateVariable("dense/kernel", {784, 256}, GlorotUniform(784, 256, seed));
+//   Adam adam(strategy, {.learning_rate = 1e-3f});
+//   DistributedDataset data(strategy, train_size, {.global_batch_size = 256, .drop_remainder = true});
+//   for (size_t step = 0; step < data.steps_per_epoch(); ++step) {
+//     PerReplica<double> losses = strategy.Run([&](ReplicaContext& ctx) {
+//       std::vector<size_t> batch = data.ReplicaBatch(epoch, step, ctx.local_replica_id());
+//       ... forward and backward on ctx's copy of the variables (w.data(ctx.local_replica_id())),
+//       ... per-example losses scaled by ComputeAverageLoss(losses, data.global_batch_size())
+//       adam.ApplyGradients(ctx, {&w, ...}, {grad_w, ...});  // sums gradients over all replicas
+//       return scaled_loss;
+//     });
+//     double loss = strategy.Reduce(ReduceOp::kSum, losses);  // the mean loss of the global batch
+//   }
+//
+// Thread-safety: a Strategy is driven from one thread (the cross-replica context). Inside Run(),
+// each replica's thread may use its own ReplicaContext, its own copy of each variable, and the
+// optimizers; every collective inside Run() must be called by every local replica in the same
+// order (as every rank must issue the same collectives in the same order).
+#ifndef COLLECTIVES_STRATEGY_H_
+#define COLLECTIVES_STRATEGY_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "collectives/types.h"
+
+namespace collectives::strategy {
+
+class Strategy;
+class StrategyImpl;  // private, src/strategy/
+
+// One value per local replica, indexed by local replica id (what TF calls PerReplica).
+template <typename T>
+using PerReplica = std::vector<T>;
+
+// How the local replicas of one worker reduce among themselves (TF's cross_device_ops).
+//   kReductionToOneDevice: replica 0 sums every replica's tensors into its own, then copies the
+//     result back to the others. Simple; one thread does all the arithmetic.
+//   kHierarchicalCopy: every replica reduces a 1/N slice of each tensor from all replicas (a
+//     reduce-scatter in shared memory, all threads busy), then every replica copies the slices it
+//     does not own (an all-gather). The CPU equivalent of TF's hierarchical copy.
+//   kNccl: NCCL among local GPUs. Not supported for CPU replicas (kNotSupported).
+//   kAuto: kNccl when every local replica is a CUDA device and NCCL is built, else
+//     kHierarchicalCopy.
+enum class CrossDeviceOps { kAuto, kReductionToOneDevice, kHierarchicalCopy, kNccl };
+const char* ToString(CrossDeviceOps ops);
+CrossDeviceOps ParseCrossDeviceOps(const std::string& name);  // "auto", "reduction_to_one_device", ...
+
+// Fills a variable's initial value. Runs once, on the chief, on local replica 0's copy; the
+// result is broadcast to every other copy. Must be deterministic for a given seed if runs are
+// to be compared.
+using Initializer = std::function<void(std::span<float> value)>;
+Initializer Zeros();
+Initializer Constant(float value);
+// Glorot (Xavier) uniform: U(-l, l), l = sqrt(6 / (fan_in + fan_out)), from a seeded mt19937_64.
+Initializer GlorotUniform(size_t fan_in, size_t fan_out, uint64_t seed);
+
+// A float32 variable with one copy per local replica. Created by Strategy::CreateVariable, owned
+// by the strategy, alive as long as it is.
+class MirroredVariable {
+ public:
+  MirroredVariable(std::string name, std::vector<size_t> shape, int num_local_replicas);
+  MirroredVariable(const MirroredVariable&) = delete;
+  MirroredVariable& operator=(const MirroredVariable&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::vector<size_t>& shape() const { return shape_; }
+  size_t count() const { return count_; }
+  int num_local_replicas() const { return static_cast<int>(copies_.size()); }
+
+  // The copy of local replica `local_replica` (0 <= id < num_local_replicas()).
+  std::span<float> value(int local_replica);
+  std::span<const float> value(int local_replica) const;
+  float* data(int local_replica) { return value(local_replica).data(); }
+  Tensor tensor(int local_replica);
+
+  // Cross-replica context: sets every local copy to `value` (count() elements). The caller sets
+  // the same value on every worker (for example after reading a checkpoint).
+  void Assign(std::span<const float> value);
+
+ private:
+  std::string name_;
+  std::vector<size_t> shape_;
+  size_t count_ = 0;
+  std::vector<std::vector<float>> copies_;
+};
+
+// What a function given to Strategy::Run sees: who this replica is, and the cross-replica
+// collectives. Valid only inside that call, on that replica's thread.
+class ReplicaContext {
+ public:
+  // Global id in [0, NumReplicasInSync()): worker_index * local replicas + local id.
+  int replica_id_in_sync_group() const { return replica_id_in_sync_group_; }
+  int local_replica_id() const { return local_replica_id_; }
+  int num_replicas_in_sync() const { return num_replicas_in_sync_; }
+  Strategy& strategy() const { return *strategy_; }
+
+  // Reduces `tensors` over every replica of every worker, in place: on return every replica's
+  // tensors hold the result. Every local replica calls it with tensors of the same count and
+  // dtype, in the same order. Local replicas reduce with the strategy's CrossDeviceOps; workers
+  // then all-reduce through the packer (fused into buckets of bytes_per_pack).
+  void AllReduce(ReduceOp op, const std::vector<Tensor>& tensors);
+  // The same for one scalar: returns the reduction of `value` over every replica.
+  double AllReduce(ReduceOp op, double value);
+
+ private:
+  friend class StrategyImpl;
+  ReplicaContext(Strategy* strategy, int local_replica_id, int replica_id_in_sync_group,
+                 int num_replicas_in_sync)
+      : strategy_(strategy),
+        local_replica_id_(local_replica_id),
+        replica_id_in_sync_group_(replica_id_in_sync_group),
+        num_replicas_in_sync_(num_replicas_in_sync) {}
+  Strategy* strategy_;
+  int local_replica_id_;
+  int replica_id_in_sync_group_;
+  int num_replicas_in_sync_;
+};
+
+// What every strategy has. Construct one of the subclasses below.
+class Strategy {
+ public:
+  virtual ~Strategy();
+  Strategy(const Strategy&) = delete;
+  Strategy& operator=(const Strategy&) = delete;
+
+  // "default", "one_device", "mirrored" or "multi_worker_mirrored".
+  const std::string& name() const;
+  int NumReplicasInSync() const;
+  int num_local_replicas() const;
+  int num_workers() const;
+  int worker_index() const;
+  // True on the worker that writes checkpoints: the "chief" task of TF_CONFIG when there is one,
+  // else worker 0.
+  bool IsChief() const;
+  // The devices of the local replicas, one per replica.
+  const std::vector<Device>& devices() const;
+  CrossDeviceOps cross_device_ops() const;
+  // The communicator between workers; null when there is one worker.
+  CollectiveCommunication* communication() const;
+
+  // Runs `fn(ReplicaContext&)` once per local replica, replicas in parallel (replica 0 on the
+  // calling thread, the others on threads the strategy keeps). Returns one result per local
+  // replica. If any replica throws, the others are released from whatever cross-replica call they
+  // wait in (they throw kAborted), and Run rethrows the first error once all have returned.
+  template <typename Fn>
+  auto Run(Fn&& fn) -> PerReplica<std::invoke_result_t<Fn&, ReplicaContext&>> {
+    using R = std::invoke_result_t<Fn&, ReplicaContext&>;
+    if constexpr (std::is_void_v<R>) {
+      RunEach([&](ReplicaContext& ctx) { fn(ctx); });
+      return {};
+    } else {
+      PerReplica<R> results(static_cast<size_t>(num_local_replicas()));
+      RunEach([&](ReplicaContext& ctx) { results[ctx.local_replica_id()] = fn(ctx); });
+      return results;
+    }
+  }
+  void RunEach(const std::function<void(ReplicaContext&)>& fn);
+
+  // Cross-replica context: reduces one value per local replica over every replica of every
+  // worker (kSum, kAvg over NumReplicasInSync(), kMin, kMax). The same result on every worker.
+  double Reduce(ReduceOp op, const PerReplica<double>& values);
+  // The same, element-wise, for float vectors of equal size.
+  std::vector<float> Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values);
+
+  // Cross-replica context, every worker in the same order ("inside the scope"): creates a
+  // mirrored variable. The chief runs `init` on one copy; every copy on every worker receives it.
+  // Names must be unique.
+  MirroredVariable& CreateVariable(const std::string& name, std::vector<size_t> shape,
+                                   const Initializer& init);
+  // Every variable, in creation order.
+  std::vector<MirroredVariable*> variables() const;
+  // nullptr when there is none of that name.
+  MirroredVariable* FindVariable(const std::string& name) const;
+
+  // Cross-replica context: broadcasts `values` from the chief to every worker (every worker
+  // calls it with the same counts). Used to share restored checkpoints.
+  void BroadcastFromChief(const std::vector<Tensor>& values);
+  // Cross-replica context: waits until every worker gets here.
+  void Barrier();
+
+  StrategyImpl& impl() const { return *impl_; }
+
+ protected:
+  explicit Strategy(std::unique_ptr<StrategyImpl> impl);
+
+ private:
+  std::unique_ptr<StrategyImpl> impl_;
+};
+
+// The strategy in effect when none is chosen: one replica on the CPU, no distribution.
+class DefaultStrategy : public Strategy {
+ public:
+  DefaultStrategy();
+};
+
+// One replica on one named device. With a CPU device it computes what DefaultStrategy does; it
+// exists so that code written for a strategy runs unchanged on one device.
+class OneDeviceStrategy : public Strategy {
+ public:
+  explicit OneDeviceStrategy(Device device = Device::Cpu());
+};
+
+struct MirroredOptions {
+  // Number of local CPU replicas (threads). 0: one per GPU when GPUs are present, else 1.
+  int num_replicas = 0;
+  // Explicit devices; overrides num_replicas when not empty.
+  std::vector<Device> devices;
+  CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
+  // Packer bucket cap for cross-replica all-reduces. 0: packing::DefaultBytesPerPack().
+  size_t bytes_per_pack = 0;
+  // How long a replica waits for the others at a cross-replica call before kTimeout.
+  std::chrono::milliseconds timeout{300'000};
+};
+
+// One worker, several local replicas, synchronous: every step all-reduces the gradients over
+// the local replicas.
+class MirroredStrategy : public Strategy {
+ public:
+  explicit MirroredStrategy(const MirroredOptions& options = {});
+};
+
+struct MultiWorkerOptions {
+  // The workers. Default: ClusterSpec::FromEnvironment() (TF_CONFIG, RANK/WORLD_SIZE/MASTER_*, or
+  // mpirun's OMPI_COMM_WORLD_*).
+  std::optional<ClusterSpec> cluster;
+  // Rendezvous store. Default: the one CreateCommunication makes for the cluster (a TCP store
+  // hosted by worker 0). Tests pass a memory store to run workers as threads.
+  std::shared_ptr<Store> store;
+  // Local replicas per worker and how they reduce among themselves, as for MirroredStrategy.
+  int num_local_replicas = 1;
+  CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
+  // RING, NCCL or AUTO between workers, timeout, bytes_per_pack, job token.
+  CommunicationOptions communication;
+};
+
+// Several workers (processes, maybe on several hosts), each with one or more local replicas.
+// Gradients are reduced over the local replicas, then all-reduced between workers.
+class MultiWorkerMirroredStrategy : public Strategy {
+ public:
+  explicit MultiWorkerMirroredStrategy(MultiWorkerOptions options = {});
+};
+
+// Per-example losses -> the replica's share of the mean loss of the global batch:
+// sum(losses[i] * weights[i]) / global_batch_size (weights default to 1). Summed over all
+// replicas it is the mean over the global batch, so gradients summed over replicas are the
+// gradients of that mean.
+double ComputeAverageLoss(std::span<const float> per_example_losses, size_t global_batch_size,
+                          std::span<const float> sample_weights = {});
+
+// ---- Input -----------------------------------------------------------------------------------
+
+struct DatasetOptions {
+  // Examples per step over all replicas of all workers. Must be > 0.
+  size_t global_batch_size = 0;
+  // Drop the last global batch when it is smaller than global_batch_size.
+  bool drop_remainder = false;
+  // Shuffle the order of the examples every epoch with a permutation from (seed, epoch), the
+  // same on every worker.
+  bool shuffle = false;
+  uint64_t seed = 0;
+};
+
+// A dataset of `num_examples` examples, addressed by index, batched by the global batch and split
+// over the replicas. Model-agnostic: it hands out example indices; the caller reads the examples.
+//
+// Sharding between workers is by data, like TF's AutoShardPolicy.DATA: every worker computes
+// the same order of indices, and each worker takes its own contiguous slice of every global
+// batch (worker w of W takes elements [w*B/W, (w+1)*B/W)), then splits it over its local
+// replicas the same way. A worker reads only the examples it is given. global_batch_size must be
+// divisible by NumReplicasInSync().
+//
+// The last partial batch (drop_remainder false, r < B examples left): as TF's rebatching does,
+// replicas are filled in order of replica_id_in_sync_group with up to B/N examples each, so the
+// last replicas may get fewer or none. Losses are still divided by the full global batch size
+// unless the caller passes GlobalBatchSize(step).
+class DistributedDataset {
+ public:
+  DistributedDataset(const Strategy& strategy, size_t num_examples, DatasetOptions options);
+
+  size_t num_examples() const { return num_examples_; }
+  size_t global_batch_size() const { return options_.global_batch_size; }
+  size_t per_replica_batch_size() const;
+  size_t steps_per_epoch() const;
+  // Examples in the global batch of `step` (global_batch_size, or fewer for a last partial one).
+  size_t GlobalBatchSize(size_t step) const;
+  // The example indices local replica `local_replica` of this worker gets at `step` of `epoch`.
+  std::vector<size_t> ReplicaBatch(int64_t epoch, size_t step, int local_replica) const;
+  // The same for any replica of any worker (global replica id); for tests and tools.
+  std::vector<size_t> GlobalReplicaBatch(int64_t epoch, size_t step, int replica_id) const;
+
+ private:
+  std::vector<size_t> Order(int64_t epoch) const;
+  size_t num_examples_;
+  DatasetOptions options_;
+  int num_replicas_;
+  int replicas_per_worker_;
+  int worker_index_;
+};
+
+// ---- Optimizers ------------------------------------------------------------------------------
+
+// An optimizer whose state (slots) is mirrored like the variables. ApplyGradients is called in
+// replica context by every local replica of every worker.
+class Optimizer {
+ public:
+  virtual ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // Sums `gradients` over every replica (ReplicaContext::AllReduce, kSum, through the packer),
+  // then applies the same update to this replica's copy of each variable. gradients[i] has
+  // variables[i]->count() elements and is overwritten with the summed gradient.
+  void ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
+                      const std::vector<std::span<float>>& gradients);
+  // Applies already-summed gradients without any communication (for a caller that reduced them
+  // itself). Same update as ApplyGradients.
+  void ApplyReducedGradients(int local_replica, const std::vector<MirroredVariable*>& variables,
+                             const std::vector<std::span<const float>>& gradients);
+
+  // Updates applied so far (TF's optimizer.iterations); the same on every replica.
+  int64_t iterations() const;
+  const std::string& name() const { return name_; }
+
+  // Checkpoint support: named float state per variable (for Adam "m" and "v"), read from local
+  // replica 0, and written back to every local copy.
+  struct Slot {
+    std::string name;  // "<variable>/<slot>", e.g. "dense/kernel/m"
+    std::vector<float> value;
+  };
+  std::vector<Slot> SaveSlots() const;
+  void RestoreSlots(const std::vector<Slot>& slots, int64_t iterations);
+
+ protected:
+  Optimizer(Strategy& strategy, std::string name, std::vector<std::string> slot_names);
+  // Updates one variable copy with its summed gradient; `slots` holds this replica's copy of each
+  // slot of that variable (in slot_names order); `step` counts from 1.
+  virtual void Update(std::span<float> variable, std::span<const float> gradient,
+                      std::span<std::span<float>> slots, int64_t step) = 0;
+
+ private:
+  struct State;
+  Strategy& strategy_;
+  std::string name_;
+  std::vector<std::string> slot_names_;
+  std::unique_ptr<State> state_;
+};
+
+struct SgdOptions {
+  float learning_rate = 0.01f;
+  float momentum = 0.0f;  // 0: plain SGD, no slot
+  bool nesterov = false;
+};
+// Keras SGD: v = momentum * v - lr * g; w += v (nesterov: w += momentum * v - lr * g).
+class Sgd : public Optimizer {
+ public:
+  Sgd(Strategy& strategy, SgdOptions options = {});
+
+ private:
+  void Update(std::span<float> variable, std::span<const float> gradient,
+              std::span<std::span<float>> slots, int64_t step) override;
+  SgdOptions options_;
+};
+
+struct AdamOptions {
+  float learning_rate = 0.001f;
+  float beta_1 = 0.9f;
+  float beta_2 = 0.999f;
+  float epsilon = 1e-7f;
+};
+// Keras Adam: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps).
+class Adam : public Optimizer {
+ public:
+  Adam(Strategy& strategy, AdamOptions options = {});
+
+ private:
+  void Update(std::span<float> variable, std::span<const float> gradient,
+              std::span<std::span<float>> slots, int64_t step) override;
+  AdamOptions options_;
+};
+
+// ---- Checkpoints -----------------------------------------------------------------------------
+
+// Where training stands: the next epoch and step to run.
+struct TrainingState {
+  int64_t epoch = 0;
+  int64_t step = 0;  // step within the epoch
+  bool operator==(const TrainingState&) const = default;
+};
+
+// Collective (every worker calls it): saves every variable of the strategy, the optimizer's slots
+// and iterations, and `state`. The chief writes `<directory>/checkpoint` atomically: a temporary
+// file in the same directory, fsync, rename over the old one, fsync of the directory; a crash at
+// any point leaves either the old or the new checkpoint, never a torn one. Other workers write the
+// same bytes to their own temporary place (`<directory>/.worker-<index>.tmp`) and delete it, as the
+// guide advises, so that no two workers write the same file. The file carries a checksum.
+void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::string& directory,
+                    TrainingState state);
+
+// Collective: the chief reads `<directory>/checkpoint` (if any) and broadcasts it to every worker;
+// every worker assigns the variables and optimizer state. Returns the saved state, or nullopt when
+// there is no checkpoint (nothing changed). Throws kInvalidArgument on a corrupt file or one whose
+// variables do not match the strategy's (names, shapes).
+std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,
+                                               const std::string& directory);
+
+// Keras' BackupAndRestore for a custom loop: restores at the start of training when a backup
+// exists, saves at the end of every epoch (and every `save_every_steps` steps when > 0), and
+// deletes the backup when training ends normally.
+//
+//   BackupAndRestore backup(strategy, &adam, "ckpt", {});
+//   TrainingState start = backup.OnTrainBegin();    // {0, 0} on a fresh start
+//   for (epoch = start.epoch; ...) { for (step = (epoch == start.epoch ? start.step : 0); ...) {
+//       ...; backup.OnStepEnd(epoch, step); }
+//     backup.OnEpochEnd(epoch); }
+//   backup.OnTrainEnd();
+class BackupAndRestore {
+ public:
+  struct Options {
+    int64_t save_every_steps = 0;
+    bool delete_on_train_end = true;
+  };
+  BackupAndRestore(Strategy& strategy, Optimizer* optimizer, std::string directory,
+                   Options options);
+  TrainingState OnTrainBegin();
+  void OnStepEnd(int64_t epoch, int64_t step);
+  void OnEpochEnd(int64_t epoch);
+  void OnTrainEnd();
+  const std::string& directory() const { return directory_; }
+
+ private:
+  Strategy& strategy_;
+  Optimizer* optimizer_;
+  std::string directory_;
+  Options options_;
+};
+
+}  // namespace collectives::strategy
+
+#endif  // COLLECTIVES_STRATEGY_H_
