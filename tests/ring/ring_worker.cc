@@ -2,8 +2,11 @@
 // MASTER_ADDR and MASTER_PORT in its environment.
 //
 //   ring_worker check [large]  runs the whole collective matrix; exit 0 iff every element is right
-//   ring_worker loop           all-reduces 16 MiB in a loop, printing "ready" after the first;
-//                              on an Error prints "error <code> <message>" and exits 20 + code
+//   ring_worker loop [collective [count [timeout_ms]]]
+//                              runs the collective (all_reduce, broadcast or all_gather; default
+//                              all_reduce of 4 Mi floats = 16 MiB) in a loop, printing "ready"
+//                              after the first; on an Error prints "error <code> <message>" and
+//                              exits 20 + code
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -19,6 +22,7 @@ int main(int argc, char** argv) {
   try {
     CommunicationOptions options;
     options.timeout = std::chrono::seconds(60);
+    if (mode == "loop" && argc > 4) options.timeout = std::chrono::milliseconds(std::stol(argv[4]));
     auto comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);
     if (mode == "check") {
       const size_t large = argc > 2 ? std::stoul(argv[2]) : 0;
@@ -29,9 +33,22 @@ int main(int argc, char** argv) {
       return wrong == 0 ? 0 : 1;
     }
     if (mode == "loop") {
-      std::vector<float> data(4 << 20, 1.0f);
+      const std::string collective = argc > 2 ? argv[2] : "all_reduce";
+      const size_t count = argc > 3 ? std::stoul(argv[3]) : size_t{4} << 20;
+      std::vector<float> data(count, 1.0f);
+      std::vector<float> gathered(collective == "all_gather" ? count * comm->size() : 0);
+      const Tensor tensor{data.data(), data.size(), DataType::kFloat32};
       for (long i = 0;; ++i) {
-        comm->AllReduce(Tensor{data.data(), data.size(), DataType::kFloat32}, ReduceOp::kMax);
+        if (collective == "all_reduce") {
+          comm->AllReduce(tensor, ReduceOp::kMax);
+        } else if (collective == "broadcast") {
+          comm->Broadcast(tensor, int(i % comm->size()));
+        } else if (collective == "all_gather") {
+          comm->AllGather(tensor, Tensor{gathered.data(), gathered.size(), DataType::kFloat32});
+        } else {
+          std::fprintf(stderr, "unknown collective '%s'\n", collective.c_str());
+          return 2;
+        }
         if (i == 0) {
           std::printf("ready\n");
           std::fflush(stdout);

@@ -1,0 +1,119 @@
+// Faults between real processes on loopback, each bounded in time and asserting what every
+// surviving rank raises:
+//   - a rank killed with SIGKILL in the middle of all-reduce, broadcast or all-gather, at 2, 4 and
+//     8 ranks: every survivor raises peer-lost naming the dead rank within 5 s;
+//   - a rank that stops answering (SIGSTOP): every other rank raises timeout within the
+//     collective deadline + 2 s.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "tests/ring/worker_processes.h"
+
+namespace {
+
+using namespace collectives::testing;
+using collectives::ErrorCode;
+
+// Waits until every worker printed "ready" (finished one collective), so that a signal lands
+// inside the loop. False after 60 s.
+bool WaitReady(std::vector<Worker>& workers) {
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  for (;;) {
+    bool ready = true;
+    for (Worker& w : workers) {
+      Drain(w);
+      ready = ready && w.output.find("ready") != std::string::npos;
+    }
+    if (ready) return true;
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::vector<int> AllBut(int size, int victim) {
+  std::vector<int> others;
+  for (int r = 0; r < size; ++r) {
+    if (r != victim) others.push_back(r);
+  }
+  return others;
+}
+
+// Elements per rank: large enough that a collective is in flight most of the time, small enough
+// that 8 processes on 2 cores start quickly.
+std::string CountFor(int size) { return size <= 4 ? "1048576" : "262144"; }
+
+using KillParam = std::tuple<std::string, int>;  // collective, world size
+
+class KillTest : public ::testing::TestWithParam<KillParam> {};
+
+TEST_P(KillTest, EverySurvivorRaisesPeerLostNamingTheDeadRank) {
+  const auto& [collective, size] = GetParam();
+  const int victim = size / 2;
+  std::vector<Worker> workers = Start(size, {"loop", collective, CountFor(size), "60000"});
+  ASSERT_TRUE(WaitReady(workers)) << "the workers never started their loop";
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  kill(workers[victim].pid, SIGKILL);
+  const auto killed_at = Clock::now();
+
+  const std::vector<int> survivors = AllBut(size, victim);
+  const bool all_exited = WaitAll(workers, survivors, std::chrono::seconds(5));
+  const auto elapsed = Clock::now() - killed_at;
+  KillAll(workers);
+  ASSERT_TRUE(all_exited) << "a survivor was still running 5 s after the kill";
+  const std::string named = "rank " + std::to_string(victim);
+  const int peer_lost = 20 + int(ErrorCode::kPeerLost);
+  for (int r : survivors) {
+    const Worker& w = workers[r];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == peer_lost)
+        << "rank " << r << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("lost " + named), std::string::npos)
+        << "rank " << r << " does not name the dead rank " << victim << ": " << w.output;
+  }
+  std::printf("%s, %d ranks: every survivor exited %.2f s after the kill\n", collective.c_str(),
+              size, std::chrono::duration<double>(elapsed).count());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ring, KillTest,
+    ::testing::Combine(::testing::Values("all_reduce", "broadcast", "all_gather"),
+                       ::testing::Values(2, 4, 8)),
+    [](const ::testing::TestParamInfo<KillParam>& param_info) {
+      return std::get<0>(param_info.param) + "_" + std::to_string(std::get<1>(param_info.param)) + "ranks";
+    });
+
+// A rank that stops answering (SIGSTOP keeps its sockets open, so nobody sees EOF): every other
+// rank raises timeout within the deadline + 2 s, and the message names a collective and a peer.
+TEST(StopTest, EveryOtherRankRaisesTimeoutWithinTheDeadline) {
+  constexpr int kSize = 4;
+  constexpr int kVictim = 1;
+  constexpr int kDeadlineMs = 2000;
+  std::vector<Worker> workers =
+      Start(kSize, {"loop", "all_reduce", "1048576", std::to_string(kDeadlineMs)});
+  ASSERT_TRUE(WaitReady(workers)) << "the workers never started their loop";
+  kill(workers[kVictim].pid, SIGSTOP);
+  const auto stopped_at = Clock::now();
+
+  const std::vector<int> others = AllBut(kSize, kVictim);
+  const bool all_exited =
+      WaitAll(workers, others, std::chrono::milliseconds(kDeadlineMs) + std::chrono::seconds(2));
+  const auto elapsed = Clock::now() - stopped_at;
+  kill(workers[kVictim].pid, SIGCONT);
+  KillAll(workers);
+  ASSERT_TRUE(all_exited) << "a rank was still running at the deadline + 2 s";
+  const int timeout = 20 + int(ErrorCode::kTimeout);
+  for (int r : others) {
+    const Worker& w = workers[r];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == timeout)
+        << "rank " << r << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("all_reduce"), std::string::npos) << w.output;
+  }
+  std::printf("every other rank exited %.2f s after the stop (deadline %.1f s)\n",
+              std::chrono::duration<double>(elapsed).count(), kDeadlineMs / 1000.0);
+}
+
+}  // namespace

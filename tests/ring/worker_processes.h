@@ -1,0 +1,125 @@
+// Starts ring_worker processes for the multi-process tests (torchrun-style RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT in their environment), reads their stdout, waits with a deadline, and
+// kills what is left. Used by multiprocess_test.cc and fault_test.cc.
+#ifndef COLLECTIVES_TESTS_RING_WORKER_PROCESSES_H_
+#define COLLECTIVES_TESTS_RING_WORKER_PROCESSES_H_
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace collectives::testing {
+
+using Clock = std::chrono::steady_clock;
+
+// A port nobody listens on right now (bound and released; good enough on a test machine).
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct Worker {
+  pid_t pid = -1;
+  int out = -1;  // read end of the worker's stdout
+  std::string output;
+  int status = -1;
+};
+
+// Starts `size` ring_worker processes with the given arguments.
+inline std::vector<Worker> Start(int size, const std::vector<std::string>& args) {
+  const std::string port = std::to_string(FreePort());
+  const std::string binary = std::string(COLLECTIVES_TEST_BIN_DIR) + "/ring_worker";
+  std::vector<Worker> workers(size);
+  for (int rank = 0; rank < size; ++rank) {
+    int pipe_fds[2];
+    EXPECT_EQ(pipe(pipe_fds), 0);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      dup2(pipe_fds[1], STDOUT_FILENO);
+      close(pipe_fds[0]);
+      setenv("RANK", std::to_string(rank).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", port.c_str(), 1);
+      unsetenv("TF_CONFIG");
+      std::vector<char*> argv = {const_cast<char*>(binary.c_str())};
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(binary.c_str(), argv.data());
+      _exit(127);
+    }
+    close(pipe_fds[1]);
+    fcntl(pipe_fds[0], F_SETFL, O_NONBLOCK);
+    workers[rank].pid = pid;
+    workers[rank].out = pipe_fds[0];
+  }
+  return workers;
+}
+
+inline void Drain(Worker& w) {
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(w.out, buf, sizeof(buf))) > 0) w.output.append(buf, size_t(n));
+}
+
+// Waits until every worker in `which` has exited or `limit` passed; true if all exited.
+inline bool WaitAll(std::vector<Worker>& workers, const std::vector<int>& which, Clock::duration limit) {
+  const auto deadline = Clock::now() + limit;
+  for (;;) {
+    bool all = true;
+    for (int i : which) {
+      Worker& w = workers[i];
+      Drain(w);
+      if (w.status == -1) {
+        int status;
+        if (waitpid(w.pid, &status, WNOHANG) == w.pid) {
+          w.status = status;
+          Drain(w);
+        } else {
+          all = false;
+        }
+      }
+    }
+    if (all) return true;
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+inline void KillAll(std::vector<Worker>& workers) {
+  for (Worker& w : workers) {
+    if (w.status == -1) {
+      kill(w.pid, SIGKILL);
+      waitpid(w.pid, &w.status, 0);
+    }
+    close(w.out);
+  }
+}
+
+inline std::vector<int> All(int size) {
+  std::vector<int> all;
+  for (int i = 0; i < size; ++i) all.push_back(i);
+  return all;
+}
+
+}  // namespace collectives::testing
+
+#endif  // COLLECTIVES_TESTS_RING_WORKER_PROCESSES_H_
