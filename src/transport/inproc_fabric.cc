@@ -96,14 +96,20 @@ class InProcFabric final : public Fabric {
 
   ~InProcFabric() override {
     DeliverAbortsIfBroken();
+    // A fabric broken by an abort it received passes that abort on as it goes, so that a peer
+    // waiting on it learns the real cause rather than "destroyed" (as a TCP rank's abort frame
+    // arrives before its EOF).
+    std::optional<AbortPayload> relay;
     {
       std::lock_guard<std::mutex> lock(inbox_.mu);
       inbox_.owner_gone = true;
+      if (inbox_.error && inbox_.abort) relay = inbox_.abort;
     }
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       Inbox& inbox = *group_->inboxes[peer];
       std::lock_guard<std::mutex> lock(inbox.mu);
+      if (relay && !inbox.abort) inbox.abort = relay;
       inbox.source_gone[rank_] = true;
       inbox.cv.notify_all();
     }
@@ -196,7 +202,8 @@ class InProcFabric final : public Fabric {
       connection.recvs_.pop_front();
       ++connection.recvs_done_;
     }
-    if (!connection.recvs_.empty() && queue.empty() && inbox_.source_gone[connection.peer_]) {
+    if (!connection.recvs_.empty() && queue.empty() && inbox_.source_gone[connection.peer_] &&
+        !BrokenLocked()) {
       BreakLocked(PeerLostError(rank_, connection.peer_, "its fabric was destroyed",
                                 &connection.recvs_.front().tag, false));
     }
@@ -238,7 +245,10 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
   const uint64_t ticket = ++sends_posted_;
   if (!delivered) {
     std::unique_lock<std::mutex> lock(fabric.inbox_.mu);
-    fabric.BreakLocked(PeerLostError(fabric.rank_, peer_, "its fabric was destroyed", &tag, true));
+    if (!fabric.BrokenLocked()) {
+      fabric.BreakLocked(
+          PeerLostError(fabric.rank_, peer_, "its fabric was destroyed", &tag, true));
+    }
     fabric.Throw(lock);
   }
   return ticket;
