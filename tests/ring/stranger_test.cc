@@ -1,0 +1,171 @@
+// A stranger on the ports of a running job. While three ranks (threads of this process, each with
+// its own communicator over loopback TCP and the TCP store that rank 0 hosts) run checked
+// all-reduces, a stranger connects to every port the job listens on and sends garbage, a
+// valid-looking fabric handshake with a wrong proof, and half-open connections that send part of
+// a header and then nothing. The job's collectives all complete with correct results.
+//
+// Ports: the store's (master_port, open for the job's lifetime) and each rank's fabric listener
+// (published in the store; it is closed once the mesh is built, so connecting there is refused,
+// which the test accepts as the strongest outcome).
+#include <gtest/gtest.h>
+
+#include <asio.hpp>
+#include <atomic>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+#include "src/transport/handshake.h"
+#include "tests/ring/worker_processes.h"
+
+namespace collectives::testing {
+namespace {
+
+using asio::ip::tcp;
+
+// What the stranger did, for the test's log.
+struct StrangerReport {
+  int connections = 0;
+  int refused = 0;
+};
+
+// Connects to host:port; false if refused.
+bool Connect(asio::io_context& io, tcp::socket& socket, const std::string& host, uint16_t port) {
+  asio::error_code ec;
+  socket = tcp::socket(io);
+  socket.connect(tcp::endpoint(asio::ip::make_address(host), port), ec);
+  return !ec;
+}
+
+void Attack(const std::string& host, uint16_t port, std::vector<tcp::socket>& half_open,
+            StrangerReport& report, std::mt19937& rng) {
+  asio::io_context io;
+  asio::error_code ec;
+  // Garbage.
+  {
+    tcp::socket socket(io);
+    if (!Connect(io, socket, host, port)) {
+      ++report.refused;
+      return;
+    }
+    ++report.connections;
+    std::vector<uint8_t> junk(4096);
+    for (auto& b : junk) b = uint8_t(rng());
+    asio::write(socket, asio::buffer(junk), ec);
+    socket.close(ec);
+  }
+  // A valid-looking hello of this job's id, claiming rank 1, then a wrong proof.
+  {
+    tcp::socket socket(io);
+    if (Connect(io, socket, host, port)) {
+      ++report.connections;
+      transport::Hello hello;
+      hello.version = 1;
+      hello.rank = 1;
+      hello.world_size = 3;
+      hello.nonce = transport::RandomNonce();
+      hello.job_id = "collectives";
+      asio::write(socket, asio::buffer(transport::EncodeHello(hello)), ec);
+      transport::Proof wrong{};
+      asio::write(socket, asio::buffer(wrong), ec);
+      socket.close(ec);
+    }
+  }
+  // Half-open: a few bytes of a header, then silence (kept open until the job is done).
+  for (int i = 0; i < 3; ++i) {
+    tcp::socket socket(io);
+    if (!Connect(io, socket, host, port)) break;
+    ++report.connections;
+    const uint8_t partial[5] = {0x43, 0x53, 0x54, 0x31, 0x02};
+    asio::write(socket, asio::buffer(partial, size_t(1 + i * 2)), ec);
+    half_open.push_back(std::move(socket));
+  }
+}
+
+TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
+  constexpr int kSize = 3;
+  constexpr int kIterations = 200;
+  const uint16_t port = uint16_t(FreePort());
+  std::atomic<int> ready{0};
+  std::atomic<bool> attacked{false};
+  std::vector<std::string> failures(kSize);
+  std::vector<int> completed(kSize, 0);
+
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kSize; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = kSize;
+        spec.master_addr = "127.0.0.1";
+        spec.master_port = port;
+        CommunicationOptions options;
+        options.timeout = std::chrono::seconds(30);
+        auto comm = CreateCommunication(spec, options);
+        ++ready;
+        for (int i = 0; i < kIterations; ++i) {
+          const size_t count = 1 + size_t(i) * 997 % 20000;
+          std::vector<float> data(count);
+          for (size_t k = 0; k < count; ++k) data[k] = float((rank + 1) * (k % 13) + i % 7);
+          comm->AllReduce(Tensor{data.data(), count, DataType::kFloat32}, ReduceOp::kSum);
+          for (size_t k = 0; k < count; ++k) {
+            const float want = float(6 * (k % 13) + 3 * (i % 7));
+            if (data[k] != want) {
+              failures[rank] = "iteration " + std::to_string(i) + " element " +
+                               std::to_string(k) + ": " + std::to_string(data[k]) +
+                               " != " + std::to_string(want);
+              return;
+            }
+          }
+          ++completed[rank];
+          // Keep the job running until the stranger is done.
+          if (i == kIterations / 2) {
+            while (!attacked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        }
+        comm->Barrier();
+      } catch (const std::exception& e) {
+        failures[rank] = e.what();
+      }
+    });
+  }
+
+  while (ready < kSize) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // The stranger reads the fabric listeners' addresses from the store like a rank would.
+  std::vector<std::pair<std::string, uint16_t>> targets = {{"127.0.0.1", port}};
+  {
+    auto client = CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5));
+    for (int rank = 0; rank < kSize; ++rank) {
+      const std::string address = client->Get("collectives/1/addr/" + std::to_string(rank),
+                                              std::chrono::seconds(5));
+      std::string why;
+      const auto parsed = cluster::ParseHostPort(address, &why);
+      ASSERT_TRUE(parsed.has_value()) << address << ": " << why;
+      targets.emplace_back(parsed->host, parsed->port);
+    }
+  }
+  StrangerReport report;
+  std::vector<tcp::socket> half_open;
+  std::mt19937 rng(7);
+  for (const auto& [host, target_port] : targets) Attack(host, target_port, half_open, report, rng);
+  attacked = true;
+
+  for (std::thread& t : ranks) t.join();
+  half_open.clear();
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_EQ(failures[rank], "") << "rank " << rank;
+    EXPECT_EQ(completed[rank], kIterations) << "rank " << rank;
+  }
+  EXPECT_GE(report.connections, 5) << "the stranger did not reach the store";
+  std::printf("stranger: %d connections accepted, %d refused (closed fabric listeners)\n",
+              report.connections, report.refused);
+}
+
+}  // namespace
+}  // namespace collectives::testing
