@@ -183,6 +183,9 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
   } catch (const Json::parse_error& e) {
     Invalid("TF_CONFIG is not valid JSON (error at byte " + std::to_string(e.byte) +
             "): " + e.what());
+  } catch (const Json::exception& e) {
+    // A number out of range ("1e999") is not a parse_error; found by tests/fuzz/tf_config.
+    Invalid(std::string("TF_CONFIG is not valid JSON: ") + e.what());
   }
   if (!root.is_object()) {
     Invalid(std::string("TF_CONFIG must be a JSON object, got ") + root.type_name());

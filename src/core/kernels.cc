@@ -30,6 +30,7 @@
 #include "collectives/errors.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define COLLECTIVES_HAVE_F16C_PATH 1
 #endif
@@ -323,8 +324,13 @@ void ReduceWidened(void* dst_v, const void* a_v, const void* b_v, size_t count, 
 // exactly like `a < b ? a : b`, and a NaN in a is put back as PropagateNaN does.
 
 #ifdef COLLECTIVES_HAVE_F16C_PATH
+// F16C is CPUID leaf 1, ECX bit 29 (Clang's __builtin_cpu_supports does not know "f16c").
 bool HasF16c() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    return f16c && __builtin_cpu_supports("avx2");
+  }();
   return has;
 }
 

@@ -107,6 +107,10 @@ TEST(TfConfigTest, JobIdExtension) {
 TEST(TfConfigTest, NotJsonNamesThePosition) {
   ExpectBadTfConfig(R"({"cluster": )", {"not valid JSON", "byte"});
   ExpectBadTfConfig("nonsense", {"not valid JSON", "byte 2", "line 1, column 2"});
+  // A number beyond double range is nlohmann's out_of_range, not a parse_error (found by fuzzing).
+  ExpectBadTfConfig("1e999", {"not valid JSON"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 1e999}})",
+                    {"not valid JSON"});
 }
 
 TEST(TfConfigTest, NotAnObject) {
