@@ -1,0 +1,119 @@
+/* Embedding from C: the training loop of embed_cpp.cc (a linear regression fitted by full-batch
+ * gradient descent on synthetic data, each rank with its own shard), in C99 through the C API
+ * (collectives/c_api.h). The library calls are marked "collectives:"; every one is checked, and
+ * a failure prints the status and coll_last_error().
+ *
+ * The job comes from the environment, as for embed_cpp: alone it is a single rank; or
+ *   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 ./embed_c &
+ *   RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 ./embed_c
+ *   mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_PORT=29500 ./embed_c
+ *
+ * Rank 0 prints the loss every 20 steps; every rank prints a checksum of its final weights, which
+ * must be equal on every rank. */
+#include <inttypes.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "collectives/c_api.h"
+
+enum { FEATURES = 8, SAMPLES_PER_RANK = 256, STEPS = 200, PRINT_EVERY = 20 };
+static const float kLearningRate = 0.1f;
+
+/* Uniform floats in [-1, 1); the same generator as embed_cpp.cc. */
+static float next_random(uint64_t* state) {
+  *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
+  return (float)(*state >> 40) / (float)(1 << 24) * 2.0f - 1.0f;
+}
+
+/* FNV-1a over bytes. */
+static uint64_t fnv1a(uint64_t hash, const void* data, size_t bytes) {
+  size_t i;
+  for (i = 0; i < bytes; ++i) hash = (hash ^ ((const unsigned char*)data)[i]) * 1099511628211ULL;
+  return hash;
+}
+
+/* Runs `call`; on failure prints why and leaves main through `fail`. */
+#define CHECK(call)                                                                       \
+  do {                                                                                    \
+    coll_status status_ = (call);                                                         \
+    if (status_ != COLL_OK) {                                                             \
+      fprintf(stderr, "embed_c: %s failed: %s: %s\n", #call, coll_status_string(status_), \
+              coll_last_error());                                                         \
+      goto fail;                                                                          \
+    }                                                                                     \
+  } while (0)
+
+static float x[SAMPLES_PER_RANK][FEATURES], y[SAMPLES_PER_RANK];
+
+int main(void) {
+  coll_comm* comm = NULL;
+  int rank = 0, size = 1, step, s, j;
+  uint64_t random_state;
+  float w[FEATURES] = {0}, grad_w[FEATURES], b = 0.0f, grad_b;
+  void* gradients[2];
+  size_t counts[2] = {FEATURES, 1};
+
+  /* collectives: join the job described by the environment. */
+  CHECK(coll_comm_create_from_env(NULL, &comm));
+  CHECK(coll_comm_rank(comm, &rank));
+  CHECK(coll_comm_size(comm, &size));
+
+  /* The trainer's shard: y = x . w_true + b_true + noise, drawn with a per-rank seed. */
+  random_state = (uint64_t)rank + 1;
+  for (s = 0; s < SAMPLES_PER_RANK; ++s) {
+    float target = 0.5f;
+    for (j = 0; j < FEATURES; ++j) {
+      const float w_true = (j % 2 == 0 ? 1.0f : -1.0f) * (0.25f + 0.125f * (float)j);
+      x[s][j] = next_random(&random_state);
+      target += w_true * x[s][j];
+    }
+    y[s] = target + 0.01f * next_random(&random_state);
+  }
+
+  gradients[0] = grad_w;
+  gradients[1] = &grad_b;
+  for (step = 0; step <= STEPS; ++step) {
+    float loss = 0.0f;
+    for (j = 0; j < FEATURES; ++j) grad_w[j] = 0.0f;
+    grad_b = 0.0f;
+    for (s = 0; s < SAMPLES_PER_RANK; ++s) {
+      float prediction = b, error;
+      for (j = 0; j < FEATURES; ++j) prediction += w[j] * x[s][j];
+      error = prediction - y[s];
+      loss += error * error / SAMPLES_PER_RANK;
+      for (j = 0; j < FEATURES; ++j) grad_w[j] += 2.0f * error * x[s][j] / SAMPLES_PER_RANK;
+      grad_b += 2.0f * error / SAMPLES_PER_RANK;
+    }
+
+    if (step % PRINT_EVERY == 0) {
+      /* collectives: the loss over every shard, for the log. */
+      CHECK(coll_all_reduce(comm, &loss, &loss, 1, COLL_FLOAT32, COLL_AVG));
+      if (rank == 0) printf("step %3d  loss %.6f\n", step, (double)loss);
+    }
+    if (step == STEPS) break;
+
+    /* collectives: average the gradient list over the ranks (fused into one bucket). */
+    CHECK(coll_all_reduce_many(comm, gradients, counts, 2, COLL_FLOAT32, COLL_AVG, 0));
+
+    for (j = 0; j < FEATURES; ++j) w[j] -= kLearningRate * grad_w[j];
+    b -= kLearningRate * grad_b;
+  }
+
+  if (rank == 0) {
+    printf("w =");
+    for (j = 0; j < FEATURES; ++j) printf(" %.4f", (double)w[j]);
+    printf("  b = %.4f\n", (double)b);
+  }
+  printf("rank %d of %d: final weights checksum %016" PRIx64 "\n", rank, size,
+         fnv1a(fnv1a(14695981039346656037ULL, w, sizeof(w)), &b, sizeof(b)));
+  {
+    coll_comm* done = comm;
+    comm = NULL; /* not destroyed twice if destroying fails */
+    CHECK(coll_comm_destroy(done));
+  }
+  return 0;
+
+fail:
+  coll_comm_destroy(comm);
+  return 1;
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Runs an embedding example as a job of two processes on this host, the way torchrun would:
+# rank 1 in the background, rank 0 in the foreground, both with RANK / WORLD_SIZE / MASTER_ADDR /
+# MASTER_PORT (a port that was free a moment ago). Fails if either rank exits non-zero, runs
+# past the time limit, or prints no final checksum, or if the two final checksums differ.
+#
+#   run_two_ranks.sh BINARY [TIME_LIMIT_SECONDS]
+set -u
+binary=$1
+limit=${2:-60}
+
+# A free port: bind port 0 and read what the kernel picked; without python3, a random one.
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null) \
+  || port=$((20000 + RANDOM % 30000))
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+run_rank() {
+  env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u COLLECTIVES_JOB_ID \
+    RANK="$1" WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
+    timeout "$limit" "$binary" >"$work/rank$1.out" 2>&1
+}
+
+run_rank 1 &
+pid1=$!
+run_rank 0
+rc0=$?
+wait "$pid1"
+rc1=$?
+
+for r in 0 1; do
+  echo "---- rank $r ----"
+  cat "$work/rank$r.out"
+done
+
+status=0
+for r in 0 1; do
+  rc_var="rc$r"
+  if [ "${!rc_var}" -ne 0 ]; then
+    echo "FAIL: rank $r exited with status ${!rc_var} (124: timed out after ${limit} s)"
+    status=1
+  fi
+done
+sum0=$(sed -n 's/.*final weights checksum \([0-9a-f]*\).*/\1/p' "$work/rank0.out")
+sum1=$(sed -n 's/.*final weights checksum \([0-9a-f]*\).*/\1/p' "$work/rank1.out")
+if [ -z "$sum0" ] || [ -z "$sum1" ]; then
+  echo "FAIL: a rank printed no final weights checksum"
+  status=1
+elif [ "$sum0" != "$sum1" ]; then
+  echo "FAIL: the ranks' final weights differ: $sum0 vs $sum1"
+  status=1
+else
+  echo "PASS: both ranks end with weights checksum $sum0"
+fi
+exit $status

@@ -1,0 +1,245 @@
+/* The C API: a C ABI over the C++ library, with status codes instead of exceptions, for embedding
+ * from C and from other languages (through their C foreign-function interfaces).
+ *
+ * Pure C99; also compiles as C++. Every function returns a coll_status (except the ones that
+ * return a string); no exception ever crosses it. On failure, coll_last_error() gives the
+ * library's message, which names the rank, the peer, the collective and its sequence number where
+ * they are known.
+ *
+ * Semantics are those of the C++ API (collectives/communication.h), which follow NCCL and MPI:
+ *  - Every rank issues the same sequence of collectives with the same dtype, op, count and root.
+ *    The library checks this: a difference returns COLL_MISMATCH on the ranks that see it (the
+ *    others see COLL_MISMATCH, COLL_ABORTED or COLL_PEER_LOST), never a hang.
+ *  - Every collective here is blocking: it returns once the result is in the receive buffer.
+ *    Buffers are borrowed only for the duration of the call.
+ *  - The first failure of a communicator (peer lost, mismatch, timeout) breaks it: that call and
+ *    every later one return the same status until it is destroyed and a new one is created.
+ *  - Counts are elements, never bytes.
+ *
+ * Thread-safety: one thread at a time per communicator (calls issued concurrently on one
+ * communicator from different threads run in an order no other rank can know). The exception is
+ * coll_comm_abort, which may be called from any thread at any time, e.g. from a watchdog while
+ * another thread is blocked in a collective. coll_comm_destroy must not race with any other call
+ * on the same communicator. Different communicators are independent. coll_last_error is per
+ * thread.
+ *
+ * Example (error checks elided):
+ *
+ *   coll_comm* comm;
+ *   coll_comm_create_from_env(NULL, &comm);       // TF_CONFIG, RANK/WORLD_SIZE, OMPI_*
+ *   coll_all_reduce(comm, grad, grad, n, COLL_FLOAT32, COLL_AVG);
+ *   coll_comm_destroy(comm);
+ */
+#ifndef COLLECTIVES_C_API_H_
+#define COLLECTIVES_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status codes. ----
+ * The values equal collectives::ErrorCode's (append, never renumber). The *_FORCE_INT_ entries
+ * are not values: they give each enum the width of int, so any int converts to it without
+ * undefined behaviour in C++ (an unknown value is then reported as COLL_INVALID_ARGUMENT). */
+typedef enum coll_status {
+  COLL_OK = 0,
+  COLL_INVALID_ARGUMENT = 1, /* a bad value from the caller: NULL pointer, wrong count, unknown
+                                dtype or op, malformed TF_CONFIG */
+  COLL_INVALID_USAGE = 2,    /* a call that is not allowed now */
+  COLL_SYSTEM = 3,           /* the operating system refused (bind, connect, ...); also out of
+                                memory */
+  COLL_PEER_LOST = 4,        /* a peer closed its connection or died */
+  COLL_MISMATCH = 5,         /* ranks issued different collectives, counts, dtypes, ops or roots */
+  COLL_TIMEOUT = 6,          /* a deadline passed waiting for a peer or the rendezvous */
+  COLL_UNAUTHENTICATED = 7,  /* a peer failed the job-token proof */
+  COLL_ABORTED = 8,          /* the communicator was aborted, by this process or by a peer */
+  COLL_NOT_SUPPORTED = 9,    /* the build or the machine lacks what the call needs (NCCL) */
+  COLL_INTERNAL = 10,        /* a bug in this library (also: an unexpected C++ exception) */
+  COLL_STATUS_FORCE_INT_ = 0x7fffffff
+} coll_status;
+
+/* ---- Element types and reduction operators. ----
+ * Values equal collectives::DataType and collectives::ReduceOp. */
+typedef enum coll_dtype {
+  COLL_FLOAT32 = 0,
+  COLL_FLOAT64 = 1,
+  COLL_FLOAT16 = 2,  /* IEEE 754 binary16 bits in a uint16_t; reduced in float */
+  COLL_BFLOAT16 = 3, /* bfloat16 bits in a uint16_t; reduced in float */
+  COLL_INT8 = 4,
+  COLL_UINT8 = 5,
+  COLL_INT32 = 6,
+  COLL_INT64 = 7,
+  COLL_DTYPE_FORCE_INT_ = 0x7fffffff
+} coll_dtype;
+
+typedef enum coll_op {
+  COLL_SUM = 0,
+  COLL_PROD = 1,
+  COLL_MIN = 2,
+  COLL_MAX = 3,
+  COLL_AVG = 4, /* a sum, then one division by the number of ranks (truncating for integers) */
+  COLL_OP_FORCE_INT_ = 0x7fffffff
+} coll_op;
+
+/* Which implementation moves the data. Values equal collectives::Implementation. */
+typedef enum coll_implementation {
+  COLL_IMPLEMENTATION_RING = 0, /* TCP between processes; CPU buffers */
+  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL (COLL_NOT_SUPPORTED where it is not built in) */
+  COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call; today RING */
+  COLL_IMPLEMENTATION_FORCE_INT_ = 0x7fffffff
+} coll_implementation;
+
+/* ---- Options. ----
+ * Always fill with coll_options_init first, then change the fields you need:
+ *
+ *   coll_options options;
+ *   coll_options_init(&options);
+ *   options.timeout_ms = 30000;
+ *
+ * Growing: new fields are only ever appended. struct_size records how large the caller's struct
+ * is (sizeof as the caller's header saw it); the library reads a field only if it lies within
+ * struct_size and uses the field's default otherwise, so a program built against an older header
+ * keeps working with a newer library. A struct_size larger than the library knows (a header
+ * newer than the library) is rejected with COLL_INVALID_ARGUMENT rather than silently ignoring
+ * settings, as is a struct_size smaller than this first version (e.g. an uninitialised struct).
+ *
+ * Wherever a `const coll_options*` is taken, NULL means all defaults. */
+typedef struct coll_options {
+  /* sizeof(coll_options); set by coll_options_init. */
+  size_t struct_size;
+
+  /* Which implementation moves the data.
+   * Default: COLL_IMPLEMENTATION_AUTO. */
+  coll_implementation implementation;
+
+  /* Longest a collective may take once it runs, and longest the rendezvous and connection set-up
+   * may take; a silent peer then gives COLL_TIMEOUT naming it. Must be positive.
+   * Default: 300000 (5 minutes: long enough for a 1 GiB all-reduce over a slow link). */
+  int64_t timeout_ms;
+
+  /* Byte cap of one fusion bucket of coll_all_reduce_many when its own bytes_per_pack argument
+   * is 0. 0 picks the library's default (collectives::packing::DefaultBytesPerPack()).
+   * Default: 0. */
+  size_t bytes_per_pack;
+
+  /* The job's shared secret: every connection proves knowledge of it (HMAC; it never travels).
+   * NULL or "": taken from the environment variable COLLECTIVES_JOB_TOKEN, else none. Copied
+   * during creation; need not outlive the call.
+   * Default: NULL. */
+  const char* job_token;
+} coll_options;
+
+/* Fills *options with the defaults above and sets struct_size. Returns COLL_INVALID_ARGUMENT if
+ * options is NULL. */
+coll_status coll_options_init(coll_options* options);
+
+/* ---- Communicators. ---- */
+
+/* An opaque communicator: one rank's membership in a job, with its connections to every peer and
+ * a progress thread. Created by one of the coll_comm_create* functions, released by
+ * coll_comm_destroy. */
+typedef struct coll_comm coll_comm;
+
+/* Creates this process's communicator from the environment, the first source present winning:
+ *   1. TF_CONFIG (TensorFlow's cluster JSON; rank 0's address hosts the rendezvous);
+ *   2. RANK and WORLD_SIZE (torchrun), with MASTER_ADDR (default 127.0.0.1) and MASTER_PORT
+ *      (required when WORLD_SIZE > 1);
+ *   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_ADDR / MASTER_PORT;
+ *   4. none of them: a single rank.
+ * COLLECTIVES_JOB_ID, when set, names the job. Blocks until every rank has connected or the
+ * timeout passed (COLL_TIMEOUT). A malformed or missing variable gives COLL_INVALID_ARGUMENT
+ * naming it. On success *out is the new communicator; on failure *out is set to NULL. */
+coll_status coll_comm_create_from_env(const coll_options* options, coll_comm** out);
+
+/* Creates rank `rank` of a job of `world_size` ranks. Rank 0 hosts the rendezvous store on
+ * master_addr:master_port (it must be free there); the other ranks connect to it, retrying until
+ * the timeout. master_addr NULL means "127.0.0.1". master_port 0 is valid only when
+ * world_size == 1. Blocks until every rank has connected. On failure *out is set to NULL. */
+coll_status coll_comm_create(int rank, int world_size, const char* master_addr,
+                             uint16_t master_port, const coll_options* options, coll_comm** out);
+
+/* Creates this process's communicator from a TF_CONFIG JSON text (as TensorFlow's), e.g.
+ *   {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
+ *    "task": {"type": "worker", "index": 1}}
+ * Ranks are the chief (if any) first, then the workers in list order. Malformed JSON, a missing
+ * or mistyped field, an index out of range or an unsupported role give COLL_INVALID_ARGUMENT
+ * naming the field. On failure *out is set to NULL. */
+coll_status coll_comm_create_from_tf_config(const char* tf_config_json, const coll_options* options,
+                                            coll_comm** out);
+
+/* Releases the communicator: closes its connections and joins its progress thread. Peers still
+ * using it see COLL_PEER_LOST. NULL is allowed (and returns COLL_OK). Must not race with any
+ * other call on `comm`. */
+coll_status coll_comm_destroy(coll_comm* comm);
+
+/* Breaks the communicator now: a collective in flight on another thread and every later call
+ * return COLL_ABORTED, and peers see this rank's connections close. The one call that may run
+ * concurrently with another call on the same communicator. Idempotent. The communicator must
+ * still be destroyed with coll_comm_destroy. */
+coll_status coll_comm_abort(coll_comm* comm);
+
+/* *rank = this process's rank, in [0, size). */
+coll_status coll_comm_rank(const coll_comm* comm, int* rank);
+
+/* *size = the number of ranks of the communicator. */
+coll_status coll_comm_size(const coll_comm* comm, int* size);
+
+/* ---- Collectives. ----
+ * All blocking. Buffers hold host (CPU) memory. A buffer may be NULL only when its count is 0. */
+
+/* recvbuff[i] = op over all ranks of sendbuff[i], for i in [0, count), on every rank.
+ * sendbuff and recvbuff hold `count` elements of `dtype` each. In place iff sendbuff == recvbuff;
+ * otherwise the two must not overlap. */
+coll_status coll_all_reduce(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                            coll_dtype dtype, coll_op op);
+
+/* recvbuff = root's sendbuff (`count` elements of `dtype`), on every rank. sendbuff is read on
+ * the root only and may be NULL on other ranks. In place iff the root's sendbuff == recvbuff. */
+coll_status coll_broadcast(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                           coll_dtype dtype, int root);
+
+/* recvbuff = the concatenation, in rank order, of every rank's sendbuff. sendbuff holds
+ * count_per_rank elements; recvbuff holds size * count_per_rank elements. In place iff
+ * sendbuff == recvbuff + rank * count_per_rank elements. */
+coll_status coll_all_gather(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                            size_t count_per_rank, coll_dtype dtype);
+
+/* recvbuff = block `rank` of (op over all ranks of sendbuff). recvbuff holds recv_count
+ * elements; sendbuff holds size * recv_count elements, block r being elements
+ * [r * recv_count, (r + 1) * recv_count). In place iff
+ * recvbuff == sendbuff + rank * recv_count elements. */
+coll_status coll_reduce_scatter(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                size_t recv_count, coll_dtype dtype, coll_op op);
+
+/* Returns once every rank has entered the barrier. */
+coll_status coll_barrier(coll_comm* comm);
+
+/* All-reduces n buffers in place, buffers[i] holding counts[i] elements of `dtype`, fused into
+ * buckets of at most bytes_per_pack bytes (0: the communicator's coll_options.bytes_per_pack,
+ * and if that is 0 too the library's default) so that many small tensors cost a few large
+ * collectives. The result equals one coll_all_reduce per buffer (bit for bit for integers, min
+ * and max; float sums may differ in the last bits, identically on every rank). Every rank passes
+ * the same n and the same counts. buffers and counts may be NULL when n == 0; buffers[i] may be
+ * NULL when counts[i] == 0. */
+coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                 size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack);
+
+/* ---- Errors. ---- */
+
+/* The message of the last failed call on the calling thread ("" if none has failed yet). Not
+ * cleared by successful calls (like errno). The pointer is valid until the next failing call on
+ * this thread. */
+const char* coll_last_error(void);
+
+/* A static name for a status: "ok", "invalid argument", "peer lost", ...; "unknown status" for a
+ * value that is not one. */
+const char* coll_status_string(coll_status status);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* COLLECTIVES_C_API_H_ */

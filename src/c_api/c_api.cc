@@ -1,0 +1,397 @@
+// The C API (include/collectives/c_api.h) over the C++ API.
+//
+// Every entry point runs its body inside Guard(), which turns any exception into a status and a
+// thread-local message: collectives::Error into its own code (the enums have equal values,
+// checked below), std::bad_alloc into COLL_SYSTEM, anything else into COLL_INTERNAL. Arguments
+// the C++ layer cannot see (NULL comm or out pointers, enum values outside their range, counts
+// whose byte size overflows) are checked here and raised as Error(kInvalidArgument) naming the
+// function and the argument, so one path reports every failure.
+//
+// Thread-safety: as c_api.h says; the only state of this file is the per-thread last error.
+#include "collectives/c_api.h"
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "collectives/errors.h"
+#include "collectives/packing.h"
+#include "collectives/types.h"
+#include "src/c_api/c_api_internal.h"
+
+// The opaque handle of c_api.h: the C++ communicator and the options that only the C API uses.
+struct coll_comm {
+  std::unique_ptr<collectives::CollectiveCommunication> impl;
+  size_t bytes_per_pack = 0;  // coll_options.bytes_per_pack
+};
+
+namespace collectives::c_api {
+namespace {
+
+// The C enums mirror the C++ ones value for value; adding a value on one side fails here.
+#define COLLECTIVES_SAME_VALUE(c_value, cpp_value) \
+  static_assert(static_cast<int>(c_value) == static_cast<int>(cpp_value), #c_value)
+COLLECTIVES_SAME_VALUE(COLL_INVALID_ARGUMENT, ErrorCode::kInvalidArgument);
+COLLECTIVES_SAME_VALUE(COLL_INVALID_USAGE, ErrorCode::kInvalidUsage);
+COLLECTIVES_SAME_VALUE(COLL_SYSTEM, ErrorCode::kSystem);
+COLLECTIVES_SAME_VALUE(COLL_PEER_LOST, ErrorCode::kPeerLost);
+COLLECTIVES_SAME_VALUE(COLL_MISMATCH, ErrorCode::kMismatch);
+COLLECTIVES_SAME_VALUE(COLL_TIMEOUT, ErrorCode::kTimeout);
+COLLECTIVES_SAME_VALUE(COLL_UNAUTHENTICATED, ErrorCode::kUnauthenticated);
+COLLECTIVES_SAME_VALUE(COLL_ABORTED, ErrorCode::kAborted);
+COLLECTIVES_SAME_VALUE(COLL_NOT_SUPPORTED, ErrorCode::kNotSupported);
+COLLECTIVES_SAME_VALUE(COLL_INTERNAL, ErrorCode::kInternal);
+constexpr int kFirstError = COLL_INVALID_ARGUMENT;
+constexpr int kLastError = COLL_INTERNAL;
+
+COLLECTIVES_SAME_VALUE(COLL_FLOAT32, DataType::kFloat32);
+COLLECTIVES_SAME_VALUE(COLL_FLOAT64, DataType::kFloat64);
+COLLECTIVES_SAME_VALUE(COLL_FLOAT16, DataType::kFloat16);
+COLLECTIVES_SAME_VALUE(COLL_BFLOAT16, DataType::kBFloat16);
+COLLECTIVES_SAME_VALUE(COLL_INT8, DataType::kInt8);
+COLLECTIVES_SAME_VALUE(COLL_UINT8, DataType::kUInt8);
+COLLECTIVES_SAME_VALUE(COLL_INT32, DataType::kInt32);
+COLLECTIVES_SAME_VALUE(COLL_INT64, DataType::kInt64);
+static_assert(kNumDataTypes == COLL_INT64 + 1, "a DataType is missing from coll_dtype");
+
+COLLECTIVES_SAME_VALUE(COLL_SUM, ReduceOp::kSum);
+COLLECTIVES_SAME_VALUE(COLL_PROD, ReduceOp::kProd);
+COLLECTIVES_SAME_VALUE(COLL_MIN, ReduceOp::kMin);
+COLLECTIVES_SAME_VALUE(COLL_MAX, ReduceOp::kMax);
+COLLECTIVES_SAME_VALUE(COLL_AVG, ReduceOp::kAvg);
+static_assert(kNumReduceOps == COLL_AVG + 1, "a ReduceOp is missing from coll_op");
+
+COLLECTIVES_SAME_VALUE(COLL_IMPLEMENTATION_RING, Implementation::kRing);
+COLLECTIVES_SAME_VALUE(COLL_IMPLEMENTATION_NCCL, Implementation::kNccl);
+COLLECTIVES_SAME_VALUE(COLL_IMPLEMENTATION_AUTO, Implementation::kAuto);
+#undef COLLECTIVES_SAME_VALUE
+
+// The size of the first version of coll_options. When a field is appended, read it only where
+// options->struct_size >= offsetof(coll_options, field) + sizeof(field), and update the assert.
+constexpr size_t kOptionsV1Size = offsetof(coll_options, job_token) + sizeof(const char*);
+static_assert(kOptionsV1Size == sizeof(coll_options),
+              "coll_options grew: read the new fields only when struct_size covers them");
+
+thread_local std::string t_last_error;
+
+// Records the message of a failure; never throws (a failed allocation leaves a short message
+// that fits the string's inline buffer).
+void SetLastError(const char* function, const std::string& message) noexcept {
+  try {
+    t_last_error.assign(function);
+    t_last_error.append(": ");
+    t_last_error.append(message);
+  } catch (...) {
+    t_last_error.clear();
+    t_last_error = "out of memory";
+  }
+}
+
+coll_status StatusOf(ErrorCode code) {
+  const int value = static_cast<int>(code);
+  return value >= kFirstError && value <= kLastError ? static_cast<coll_status>(value)
+                                                     : COLL_INTERNAL;
+}
+
+// Runs `body`; returns COLL_OK, or the status of what it threw with the message recorded.
+template <typename Body>
+coll_status Guard(const char* function, Body&& body) noexcept {
+  try {
+    body();
+    return COLL_OK;
+  } catch (const Error& e) {
+    SetLastError(function, e.message());
+    return StatusOf(e.code());
+  } catch (const std::bad_alloc&) {
+    SetLastError(function, "out of memory");
+    return COLL_SYSTEM;
+  } catch (const std::exception& e) {
+    SetLastError(function, std::string("unexpected exception: ") + e.what());
+    return COLL_INTERNAL;
+  } catch (...) {
+    SetLastError(function, "unexpected exception of unknown type");
+    return COLL_INTERNAL;
+  }
+}
+
+[[noreturn]] void InvalidArgument(const std::string& message) {
+  throw Error(ErrorCode::kInvalidArgument, message);
+}
+
+template <typename T>
+T& NotNull(T* pointer, const char* name) {
+  if (pointer == nullptr) InvalidArgument(std::string(name) + " is NULL");
+  return *pointer;
+}
+
+CollectiveCommunication& CommOf(const coll_comm* comm) {
+  CollectiveCommunication* impl = NotNull(comm, "comm").impl.get();
+  if (impl == nullptr) InvalidArgument("comm has no communicator (internal state lost)");
+  return *impl;
+}
+
+DataType DataTypeOf(coll_dtype dtype) {
+  const int value = static_cast<int>(dtype);
+  if (value < 0 || value >= kNumDataTypes) {
+    InvalidArgument("dtype " + std::to_string(value) + " is not a coll_dtype (valid: 0.." +
+                    std::to_string(kNumDataTypes - 1) + ")");
+  }
+  return static_cast<DataType>(value);
+}
+
+ReduceOp ReduceOpOf(coll_op op) {
+  const int value = static_cast<int>(op);
+  if (value < 0 || value >= kNumReduceOps) {
+    InvalidArgument("op " + std::to_string(value) + " is not a coll_op (valid: 0.." +
+                    std::to_string(kNumReduceOps - 1) + ")");
+  }
+  return static_cast<ReduceOp>(value);
+}
+
+// A CPU tensor over a caller's buffer; checks that its byte size fits size_t.
+Tensor TensorOf(const char* name, const void* data, size_t count, DataType dtype) {
+  if (count > SIZE_MAX / SizeOf(dtype)) {
+    InvalidArgument(std::string(name) + " has " + std::to_string(count) + " elements of " +
+                    ToString(dtype) + ": more bytes than size_t holds");
+  }
+  return Tensor{const_cast<void*>(data), count, dtype};
+}
+
+// count * size(), checked.
+size_t TimesSize(const char* name, size_t count, int size) {
+  if (size > 0 && count > SIZE_MAX / size_t(size)) {
+    InvalidArgument(std::string(name) + " = " + std::to_string(count) + " times the size " +
+                    std::to_string(size) + " overflows size_t");
+  }
+  return count * size_t(size);
+}
+
+struct CreateOptions {
+  CommunicationOptions communication;
+  size_t bytes_per_pack = 0;
+};
+
+CreateOptions OptionsOf(const coll_options* options) {
+  coll_options defaults;
+  coll_options_init(&defaults);
+  if (options == nullptr) options = &defaults;
+  if (options->struct_size < kOptionsV1Size) {
+    InvalidArgument("options->struct_size is " + std::to_string(options->struct_size) +
+                    ", less than any coll_options (" + std::to_string(kOptionsV1Size) +
+                    " bytes): fill the options with coll_options_init first");
+  }
+  if (options->struct_size > sizeof(coll_options)) {
+    InvalidArgument("options->struct_size is " + std::to_string(options->struct_size) +
+                    " but this library knows a coll_options of " +
+                    std::to_string(sizeof(coll_options)) +
+                    " bytes: the program was built against a newer c_api.h than the library");
+  }
+  CreateOptions out;
+  const int implementation = static_cast<int>(options->implementation);
+  if (implementation < COLL_IMPLEMENTATION_RING || implementation > COLL_IMPLEMENTATION_AUTO) {
+    InvalidArgument("options->implementation " + std::to_string(implementation) +
+                    " is not a coll_implementation (valid: 0..2)");
+  }
+  out.communication.implementation = static_cast<Implementation>(implementation);
+  if (options->timeout_ms <= 0) {
+    InvalidArgument("options->timeout_ms is " + std::to_string(options->timeout_ms) +
+                    "; it must be positive");
+  }
+  out.communication.timeout = std::chrono::milliseconds(options->timeout_ms);
+  out.communication.bytes_per_pack = options->bytes_per_pack;
+  out.bytes_per_pack = options->bytes_per_pack;
+  if (options->job_token != nullptr) out.communication.job_token = options->job_token;
+  return out;
+}
+
+// The shared tail of the coll_comm_create* functions: clears *out, builds the spec and the
+// communicator, and hands it over.
+template <typename MakeSpec>
+coll_status Create(const char* function, const coll_options* options, coll_comm** out,
+                   MakeSpec&& make_spec) noexcept {
+  return Guard(function, [&] {
+    coll_comm*& result = NotNull(out, "out");
+    result = nullptr;
+    const CreateOptions create = OptionsOf(options);
+    const ClusterSpec spec = make_spec();
+    result =
+        WrapCommunication(CreateCommunication(spec, create.communication), create.bytes_per_pack);
+  });
+}
+
+}  // namespace
+
+coll_comm* WrapCommunication(std::unique_ptr<CollectiveCommunication> comm, size_t bytes_per_pack) {
+  auto wrapped = std::make_unique<coll_comm>();
+  wrapped->impl = std::move(comm);
+  wrapped->bytes_per_pack = bytes_per_pack;
+  return wrapped.release();
+}
+
+}  // namespace collectives::c_api
+
+using collectives::c_api::CommOf;
+using collectives::c_api::Create;
+using collectives::c_api::DataTypeOf;
+using collectives::c_api::Guard;
+using collectives::c_api::InvalidArgument;
+using collectives::c_api::NotNull;
+using collectives::c_api::ReduceOpOf;
+using collectives::c_api::TensorOf;
+using collectives::c_api::TimesSize;
+
+extern "C" {
+
+coll_status coll_options_init(coll_options* options) {
+  return Guard("coll_options_init", [&] {
+    coll_options& o = NotNull(options, "options");
+    o = coll_options{};
+    o.struct_size = sizeof(coll_options);
+    o.implementation = COLL_IMPLEMENTATION_AUTO;
+    o.timeout_ms = 300'000;
+    o.bytes_per_pack = 0;
+    o.job_token = nullptr;
+  });
+}
+
+coll_status coll_comm_create_from_env(const coll_options* options, coll_comm** out) {
+  return Create("coll_comm_create_from_env", options, out,
+                [] { return collectives::ClusterSpec::FromEnvironment(); });
+}
+
+coll_status coll_comm_create(int rank, int world_size, const char* master_addr,
+                             uint16_t master_port, const coll_options* options, coll_comm** out) {
+  return Create("coll_comm_create", options, out, [&] {
+    collectives::ClusterSpec spec;
+    spec.rank = rank;
+    spec.world_size = world_size;
+    spec.master_addr = master_addr != nullptr ? master_addr : "127.0.0.1";
+    spec.master_port = master_port;
+    spec.task_index = rank;
+    return spec;  // CreateCommunication validates it
+  });
+}
+
+coll_status coll_comm_create_from_tf_config(const char* tf_config_json, const coll_options* options,
+                                            coll_comm** out) {
+  return Create("coll_comm_create_from_tf_config", options, out, [&] {
+    NotNull(tf_config_json, "tf_config_json");
+    return collectives::ClusterSpec::FromTfConfig(tf_config_json);
+  });
+}
+
+coll_status coll_comm_destroy(coll_comm* comm) {
+  return Guard("coll_comm_destroy", [&] { delete comm; });
+}
+
+coll_status coll_comm_abort(coll_comm* comm) {
+  return Guard("coll_comm_abort", [&] { CommOf(comm).Abort(); });
+}
+
+coll_status coll_comm_rank(const coll_comm* comm, int* rank) {
+  return Guard("coll_comm_rank", [&] {
+    int& result = NotNull(rank, "rank");
+    result = CommOf(comm).rank();
+  });
+}
+
+coll_status coll_comm_size(const coll_comm* comm, int* size) {
+  return Guard("coll_comm_size", [&] {
+    int& result = NotNull(size, "size");
+    result = CommOf(comm).size();
+  });
+}
+
+coll_status coll_all_reduce(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                            coll_dtype dtype, coll_op op) {
+  return Guard("coll_all_reduce", [&] {
+    collectives::CollectiveCommunication& c = CommOf(comm);
+    const collectives::DataType type = DataTypeOf(dtype);
+    const collectives::ReduceOp reduce = ReduceOpOf(op);
+    c.AllReduce(TensorOf("sendbuff", sendbuff, count, type),
+                TensorOf("recvbuff", recvbuff, count, type), reduce);
+  });
+}
+
+coll_status coll_broadcast(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                           coll_dtype dtype, int root) {
+  return Guard("coll_broadcast", [&] {
+    collectives::CollectiveCommunication& c = CommOf(comm);
+    const collectives::DataType type = DataTypeOf(dtype);
+    c.Broadcast(TensorOf("sendbuff", sendbuff, count, type),
+                TensorOf("recvbuff", recvbuff, count, type), root);
+  });
+}
+
+coll_status coll_all_gather(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                            size_t count_per_rank, coll_dtype dtype) {
+  return Guard("coll_all_gather", [&] {
+    collectives::CollectiveCommunication& c = CommOf(comm);
+    const collectives::DataType type = DataTypeOf(dtype);
+    const size_t total = TimesSize("count_per_rank", count_per_rank, c.size());
+    c.AllGather(TensorOf("sendbuff", sendbuff, count_per_rank, type),
+                TensorOf("recvbuff", recvbuff, total, type));
+  });
+}
+
+coll_status coll_reduce_scatter(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                size_t recv_count, coll_dtype dtype, coll_op op) {
+  return Guard("coll_reduce_scatter", [&] {
+    collectives::CollectiveCommunication& c = CommOf(comm);
+    const collectives::DataType type = DataTypeOf(dtype);
+    const collectives::ReduceOp reduce = ReduceOpOf(op);
+    const size_t total = TimesSize("recv_count", recv_count, c.size());
+    c.ReduceScatter(TensorOf("sendbuff", sendbuff, total, type),
+                    TensorOf("recvbuff", recvbuff, recv_count, type), reduce);
+  });
+}
+
+coll_status coll_barrier(coll_comm* comm) {
+  return Guard("coll_barrier", [&] { CommOf(comm).Barrier(); });
+}
+
+coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                 size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack) {
+  return Guard("coll_all_reduce_many", [&] {
+    collectives::CollectiveCommunication& c = CommOf(comm);
+    const collectives::DataType type = DataTypeOf(dtype);
+    const collectives::ReduceOp reduce = ReduceOpOf(op);
+    if (n > 0) {
+      NotNull(buffers, "buffers");
+      NotNull(counts, "counts");
+    }
+    std::vector<collectives::Tensor> tensors;
+    tensors.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      const std::string name = "buffers[" + std::to_string(i) + "]";
+      if (buffers[i] == nullptr && counts[i] > 0) {
+        InvalidArgument(name + " is NULL but counts[" + std::to_string(i) + "] is " +
+                        std::to_string(counts[i]));
+      }
+      tensors.push_back(TensorOf(name.c_str(), buffers[i], counts[i], type));
+    }
+    collectives::packing::AllReduce(c, tensors, reduce,
+                                    bytes_per_pack != 0 ? bytes_per_pack : comm->bytes_per_pack);
+  });
+}
+
+const char* coll_last_error(void) { return collectives::c_api::t_last_error.c_str(); }
+
+const char* coll_status_string(coll_status status) {
+  const int value = static_cast<int>(status);
+  if (value == COLL_OK) return "ok";
+  if (value >= collectives::c_api::kFirstError && value <= collectives::c_api::kLastError) {
+    return collectives::ToString(static_cast<collectives::ErrorCode>(value));
+  }
+  return "unknown status";
+}
+
+}  // extern "C"

@@ -1,0 +1,725 @@
+// The C API: every collective checked element by element against a locally computed reference,
+// for world sizes 1 to 4 (ranks are threads, over real loopback TCP), through communicators made
+// both from a memory-store rendezvous (WrapCommunication) and by coll_comm_create /
+// coll_comm_create_from_tf_config on a real TCP store; the error paths (NULL pointers, enum
+// values out of range, bad options, counts that differ across ranks, malformed TF_CONFIG, abort)
+// return the documented status with a message naming the argument, never an exception; status
+// names; the last error is per thread.
+#include "collectives/c_api.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "src/c_api/c_api_internal.h"
+#include "tests/ring/collective_checks.h"
+
+namespace {
+
+using collectives::DataType;
+using collectives::ReduceOp;
+using collectives::SizeOf;
+using collectives::testing::Expected;
+using collectives::testing::InputValue;
+using collectives::testing::Load;
+using collectives::testing::Store;
+
+constexpr int64_t kTimeoutMs = 10'000;  // every failure here is seen in well under a second
+
+coll_dtype C(DataType d) { return static_cast<coll_dtype>(d); }
+coll_op C(ReduceOp o) { return static_cast<coll_op>(o); }
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A status compared with the message that came with it, for readable failures.
+#define EXPECT_STATUS(expected, call)                                                    \
+  do {                                                                                   \
+    const coll_status status_ = (call);                                                  \
+    EXPECT_EQ(status_, expected) << #call << ": " << coll_status_string(status_) << ": " \
+                                 << coll_last_error();                                   \
+  } while (0)
+#define EXPECT_OK(call) EXPECT_STATUS(COLL_OK, call)
+
+// Runs `size` ranks as threads, each with its own coll_comm over loopback TCP (rendezvous
+// through a memory store), and `body` on each in parallel; destroys the communicators.
+void RunRanks(int size, const std::function<void(coll_comm*, int)>& body,
+              size_t bytes_per_pack = 0) {
+  auto store = collectives::CreateMemoryStore();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      coll_comm* comm = nullptr;
+      try {
+        collectives::ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = size;
+        spec.master_port = 1;  // unused: the store is given
+        collectives::CommunicationOptions options;
+        options.timeout = std::chrono::milliseconds(kTimeoutMs);
+        comm = collectives::c_api::WrapCommunication(
+            collectives::CreateCommunication(spec, store, options), bytes_per_pack);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << " could not connect: " << e.what();
+        return;
+      }
+      body(comm, rank);
+      EXPECT_OK(coll_comm_destroy(comm));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// A port nobody listens on right now (bound and released; good enough on a test machine).
+uint16_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t length = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+coll_options TestOptions() {
+  coll_options options;
+  EXPECT_OK(coll_options_init(&options));
+  options.timeout_ms = kTimeoutMs;
+  return options;
+}
+
+// `count` elements of `dtype` and one guard byte.
+std::vector<uint8_t> Buffer(DataType dtype, size_t count) {
+  return std::vector<uint8_t>(count * SizeOf(dtype) + 1, 0xA5);
+}
+
+// Rank `rank`'s input for `op`: element i holds InputValue(op, dtype, rank, first + i).
+void Fill(DataType dtype, ReduceOp op, int rank, void* data, size_t count, size_t first = 0) {
+  for (size_t i = 0; i < count; ++i) Store(dtype, data, i, InputValue(op, dtype, rank, first + i));
+}
+
+// `value` as stored in `dtype` (what a buffer can hold of it).
+double Stored(DataType dtype, double value) {
+  uint64_t cell = 0;
+  Store(dtype, &cell, 0, value);
+  return Load(dtype, &cell, 0);
+}
+
+// The first wrong element of `got` against `want(i)`, if any, and the guard byte.
+template <typename Want>
+void ExpectElements(const std::string& what, DataType dtype, const std::vector<uint8_t>& got,
+                    size_t count, Want&& want) {
+  size_t wrong = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const double expected = want(i), value = Load(dtype, got.data(), i);
+    if (value != expected && wrong++ == 0) {
+      ADD_FAILURE() << what << ": element " << i << " is " << value << ", expected " << expected;
+    }
+  }
+  EXPECT_EQ(wrong, 0u) << what;
+  EXPECT_EQ(got.back(), 0xA5) << what << ": guard byte overwritten";
+}
+
+std::string Describe(const char* collective, int rank, DataType dtype, ReduceOp op, size_t count,
+                     bool in_place) {
+  return std::string("rank ") + std::to_string(rank) + " " + collective + " " +
+         collectives::ToString(dtype) + " " + collectives::ToString(op) +
+         " count=" + std::to_string(count) + (in_place ? " in-place" : "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collectives, per world size.
+// ---------------------------------------------------------------------------------------------
+
+class CApiCollectiveTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CApiCollectiveTest, AllReduceEveryDtypeAndOp) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    int got_rank = -1, got_size = -1;
+    EXPECT_OK(coll_comm_rank(comm, &got_rank));
+    EXPECT_OK(coll_comm_size(comm, &got_size));
+    EXPECT_EQ(got_rank, rank);
+    EXPECT_EQ(got_size, size);
+    // 17000 elements: past the small-message size for 4-byte types, so the ring (and, with 4
+    // ranks, halving-doubling) run as well as recursive doubling.
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{17000}}) {
+      for (int d = 0; d < collectives::kNumDataTypes; ++d) {
+        for (int o = 0; o < collectives::kNumReduceOps; ++o) {
+          for (bool in_place : {false, true}) {
+            const auto dtype = static_cast<DataType>(d);
+            const auto op = static_cast<ReduceOp>(o);
+            std::vector<uint8_t> send = Buffer(dtype, count), recv = Buffer(dtype, count);
+            std::vector<uint8_t>& input = in_place ? recv : send;
+            Fill(dtype, op, rank, input.data(), count);
+            EXPECT_OK(coll_all_reduce(comm, input.data(), recv.data(), count, C(dtype), C(op)));
+            ExpectElements(Describe("all_reduce", rank, dtype, op, count, in_place), dtype, recv,
+                           count, [&](size_t i) { return Expected(op, dtype, size, i); });
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CApiCollectiveTest, BroadcastFromEveryRoot) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    for (int root = 0; root < size; ++root) {
+      for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kInt32,
+                             DataType::kInt64, DataType::kUInt8}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{13}, size_t{40000}}) {
+          for (bool in_place : {false, true}) {
+            std::vector<uint8_t> send = Buffer(dtype, count), recv = Buffer(dtype, count);
+            std::vector<uint8_t>& input = in_place ? recv : send;
+            if (rank == root) Fill(dtype, ReduceOp::kSum, root, input.data(), count);
+            // Off the root, sendbuff is not read: NULL is allowed.
+            const void* sendbuff = rank == root ? input.data() : nullptr;
+            EXPECT_OK(coll_broadcast(comm, sendbuff, recv.data(), count, C(dtype), root));
+            ExpectElements(Describe("broadcast", rank, dtype, ReduceOp::kSum, count, in_place) +
+                               " root=" + std::to_string(root),
+                           dtype, recv, count, [&](size_t i) {
+                             return Stored(dtype, InputValue(ReduceOp::kSum, dtype, root, i));
+                           });
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CApiCollectiveTest, AllGather) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kInt32,
+                           DataType::kInt64, DataType::kInt8, DataType::kBFloat16}) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{10007}}) {
+        for (bool in_place : {false, true}) {
+          const size_t total = count * size_t(size);
+          std::vector<uint8_t> send = Buffer(dtype, count), recv = Buffer(dtype, total);
+          // In place: this rank's block of recv is the input.
+          uint8_t* input =
+              in_place ? recv.data() + size_t(rank) * count * SizeOf(dtype) : send.data();
+          Fill(dtype, ReduceOp::kSum, rank, input, count);
+          EXPECT_OK(coll_all_gather(comm, input, recv.data(), count, C(dtype)));
+          ExpectElements(Describe("all_gather", rank, dtype, ReduceOp::kSum, count, in_place),
+                         dtype, recv, total, [&](size_t i) {
+                           return Stored(
+                               dtype, InputValue(ReduceOp::kSum, dtype, int(i / count), i % count));
+                         });
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CApiCollectiveTest, ReduceScatter) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    for (DataType dtype :
+         {DataType::kFloat32, DataType::kFloat64, DataType::kInt32, DataType::kInt64}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg, ReduceOp::kProd}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{3}, size_t{10007}}) {
+          for (bool in_place : {false, true}) {
+            const size_t total = count * size_t(size);
+            std::vector<uint8_t> send = Buffer(dtype, total), recv = Buffer(dtype, count);
+            Fill(dtype, op, rank, send.data(), total);
+            // In place: the result lands in this rank's block of sendbuff.
+            uint8_t* output =
+                in_place ? send.data() + size_t(rank) * count * SizeOf(dtype) : recv.data();
+            EXPECT_OK(coll_reduce_scatter(comm, send.data(), output, count, C(dtype), C(op)));
+            std::vector<uint8_t> result(output, output + count * SizeOf(dtype));
+            result.push_back(in_place ? 0xA5 : recv.back());
+            ExpectElements(
+                Describe("reduce_scatter", rank, dtype, op, count, in_place), dtype, result, count,
+                [&](size_t i) { return Expected(op, dtype, size, size_t(rank) * count + i); });
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CApiCollectiveTest, BarrierWaitsForEveryRank) {
+  const int size = GetParam();
+  std::atomic<int> arrived{0};
+  RunRanks(size, [&](coll_comm* comm, int rank) {
+    for (int round = 1; round <= 3; ++round) {
+      // The last rank is late; nobody leaves the barrier before it arrived.
+      if (rank == size - 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      arrived.fetch_add(1);
+      EXPECT_OK(coll_barrier(comm));
+      EXPECT_GE(arrived.load(), round * size) << "rank " << rank << " round " << round;
+      EXPECT_OK(coll_barrier(comm));  // nobody starts the next round before everyone checked
+    }
+  });
+}
+
+TEST_P(CApiCollectiveTest, AllReduceManyOddSizesEqualsOneAllReducePerBuffer) {
+  const int size = GetParam();
+  const std::vector<std::vector<size_t>> lists = {
+      {}, {0}, {1}, {0, 1, 2, 3, 5, 7, 11, 13, 0, 17}, {1009, 0, 3, 4099, 1, 65537}};
+  RunRanks(size, [&](coll_comm* comm, int rank) {
+    for (const std::vector<size_t>& counts : lists) {
+      for (size_t bytes_per_pack : {size_t{0}, size_t{16}, size_t{4096}}) {
+        for (DataType dtype :
+             {DataType::kFloat32, DataType::kFloat64, DataType::kInt32, DataType::kInt64}) {
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
+            std::vector<std::vector<uint8_t>> storage;
+            std::vector<void*> buffers;
+            size_t first = 0;
+            for (size_t count : counts) {
+              storage.push_back(Buffer(dtype, count));
+              Fill(dtype, op, rank, storage.back().data(), count, first);
+              first += count;
+            }
+            for (size_t k = 0; k < counts.size(); ++k) {
+              // An empty buffer may be NULL.
+              buffers.push_back(counts[k] == 0 ? nullptr : storage[k].data());
+            }
+            EXPECT_OK(coll_all_reduce_many(comm, counts.empty() ? nullptr : buffers.data(),
+                                           counts.empty() ? nullptr : counts.data(), counts.size(),
+                                           C(dtype), C(op), bytes_per_pack));
+            first = 0;
+            for (size_t k = 0; k < counts.size(); ++k) {
+              ExpectElements(Describe("all_reduce_many", rank, dtype, op, counts[k], true) +
+                                 " buffer " + std::to_string(k) + " of " +
+                                 std::to_string(counts.size()) +
+                                 " bytes_per_pack=" + std::to_string(bytes_per_pack),
+                             dtype, storage[k], counts[k],
+                             [&](size_t i) { return Expected(op, dtype, size, first + i); });
+              first += counts[k];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CApiCollectiveTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& param_info) {
+                           return "world" + std::to_string(param_info.param);
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// Creation over a real TCP store.
+// ---------------------------------------------------------------------------------------------
+
+// Every rank all-reduces its rank + 1; the sum is size (size + 1) / 2.
+void ExpectRankSum(coll_comm* comm, int rank, int size) {
+  int got_rank = -1, got_size = -1;
+  EXPECT_OK(coll_comm_rank(comm, &got_rank));
+  EXPECT_OK(coll_comm_size(comm, &got_size));
+  EXPECT_EQ(got_rank, rank);
+  EXPECT_EQ(got_size, size);
+  int64_t value = rank + 1;
+  EXPECT_OK(coll_all_reduce(comm, &value, &value, 1, COLL_INT64, COLL_SUM));
+  EXPECT_EQ(value, int64_t{size} * (size + 1) / 2);
+}
+
+TEST(CApiCreateTest, CreateRendezvousesThroughRankZerosTcpStore) {
+  for (int size : {1, 2, 3}) {
+    const uint16_t port = size == 1 ? 0 : FreePort();
+    const coll_options options = TestOptions();
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < size; ++rank) {
+      threads.emplace_back([&, rank] {
+        coll_comm* comm = nullptr;
+        EXPECT_OK(coll_comm_create(rank, size, "127.0.0.1", port, &options, &comm));
+        if (comm == nullptr) return;
+        ExpectRankSum(comm, rank, size);
+        EXPECT_OK(coll_comm_destroy(comm));
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+}
+
+TEST(CApiCreateTest, NullOptionsAndNullAddressMeanDefaults) {
+  coll_comm* comm = nullptr;
+  EXPECT_OK(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm));
+  ASSERT_NE(comm, nullptr);
+  ExpectRankSum(comm, 0, 1);
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+TEST(CApiCreateTest, CreateFromTfConfig) {
+  const uint16_t port = FreePort();
+  const coll_options options = TestOptions();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      // The chief is rank 0 and hosts the store at its address; the worker is rank 1.
+      const std::string json = R"({"cluster": {"chief": ["127.0.0.1:)" + std::to_string(port) +
+                               R"("], "worker": ["127.0.0.1:1"]}, "task": {"type": ")" +
+                               (rank == 0 ? "chief" : "worker") + R"(", "index": 0}})";
+      coll_comm* comm = nullptr;
+      EXPECT_OK(coll_comm_create_from_tf_config(json.c_str(), &options, &comm));
+      if (comm == nullptr) return;
+      ExpectRankSum(comm, rank, 2);
+      EXPECT_OK(coll_comm_destroy(comm));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// Sets environment variables for one test and restores them after.
+class ScopedEnvironment {
+ public:
+  explicit ScopedEnvironment(const std::map<std::string, std::optional<std::string>>& values) {
+    for (const auto& [name, value] : values) {
+      const char* old = std::getenv(name.c_str());
+      saved_[name] = old ? std::optional<std::string>(old) : std::nullopt;
+      Set(name, value);
+    }
+  }
+  ~ScopedEnvironment() {
+    for (const auto& [name, value] : saved_) Set(name, value);
+  }
+
+ private:
+  static void Set(const std::string& name, const std::optional<std::string>& value) {
+    if (value) {
+      setenv(name.c_str(), value->c_str(), 1);
+    } else {
+      unsetenv(name.c_str());
+    }
+  }
+  std::map<std::string, std::optional<std::string>> saved_;
+};
+
+const std::map<std::string, std::optional<std::string>> kNoLauncher = {
+    {"TF_CONFIG", std::nullopt},
+    {"RANK", std::nullopt},
+    {"WORLD_SIZE", std::nullopt},
+    {"OMPI_COMM_WORLD_RANK", std::nullopt},
+    {"OMPI_COMM_WORLD_SIZE", std::nullopt},
+    {"COLLECTIVES_JOB_ID", std::nullopt}};
+
+TEST(CApiCreateTest, CreateFromAnEmptyEnvironmentIsOneRank) {
+  ScopedEnvironment env(kNoLauncher);
+  coll_comm* comm = nullptr;
+  EXPECT_OK(coll_comm_create_from_env(nullptr, &comm));
+  ASSERT_NE(comm, nullptr);
+  ExpectRankSum(comm, 0, 1);
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+TEST(CApiCreateTest, CreateFromAMalformedEnvironmentNamesTheVariable) {
+  std::map<std::string, std::optional<std::string>> values = kNoLauncher;
+  values["RANK"] = "one";
+  values["WORLD_SIZE"] = "2";
+  ScopedEnvironment env(values);
+  coll_comm* comm = reinterpret_cast<coll_comm*>(&values);  // must be cleared
+  EXPECT_EQ(coll_comm_create_from_env(nullptr, &comm), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(comm, nullptr);
+  EXPECT_TRUE(Contains(coll_last_error(), "coll_comm_create_from_env")) << coll_last_error();
+  EXPECT_TRUE(Contains(coll_last_error(), "RANK")) << coll_last_error();
+}
+
+TEST(CApiCreateTest, MalformedTfConfigIsAnInvalidArgument) {
+  const coll_options options = TestOptions();
+  for (const char* json :
+       {"not json", "{}", R"({"cluster": {"worker": ["127.0.0.1:1"]}})",
+        R"({"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 4}})",
+        R"({"cluster": {"worker": ["no port"]}, "task": {"type": "worker", "index": 0}})",
+        R"({"cluster": {"ps": ["h:1"]}, "task": {"type": "ps", "index": 0}})"}) {
+    coll_comm* comm = nullptr;
+    EXPECT_EQ(coll_comm_create_from_tf_config(json, &options, &comm), COLL_INVALID_ARGUMENT)
+        << json;
+    EXPECT_EQ(comm, nullptr);
+    EXPECT_TRUE(Contains(coll_last_error(), "coll_comm_create_from_tf_config: "))
+        << coll_last_error();
+    EXPECT_TRUE(Contains(coll_last_error(), "TF_CONFIG")) << json << ": " << coll_last_error();
+  }
+  coll_comm* comm = nullptr;
+  EXPECT_EQ(coll_comm_create_from_tf_config(nullptr, &options, &comm), COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "tf_config_json is NULL")) << coll_last_error();
+}
+
+TEST(CApiCreateTest, BadRankSizeOrPortIsAnInvalidArgument) {
+  coll_comm* comm = nullptr;
+  EXPECT_EQ(coll_comm_create(0, 2, "127.0.0.1", 0, nullptr, &comm), COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "master_port")) << coll_last_error();
+  EXPECT_EQ(coll_comm_create(2, 2, "127.0.0.1", 1, nullptr, &comm), COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "rank=2")) << coll_last_error();
+  EXPECT_EQ(coll_comm_create(0, 0, "127.0.0.1", 1, nullptr, &comm), COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "world_size=0")) << coll_last_error();
+  EXPECT_EQ(comm, nullptr);
+}
+
+TEST(CApiCreateTest, OptionsAreChecked) {
+  coll_options defaults;
+  ASSERT_EQ(coll_options_init(&defaults), COLL_OK);
+  EXPECT_EQ(defaults.struct_size, sizeof(coll_options));
+  EXPECT_EQ(defaults.implementation, COLL_IMPLEMENTATION_AUTO);
+  EXPECT_EQ(defaults.timeout_ms, 300'000);
+  EXPECT_EQ(defaults.bytes_per_pack, 0u);
+  EXPECT_EQ(defaults.job_token, nullptr);
+  EXPECT_EQ(coll_options_init(nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "coll_options_init: options is NULL"))
+      << coll_last_error();
+
+  struct Case {
+    const char* expect;
+    std::function<void(coll_options&)> change;
+  };
+  const Case cases[] = {
+      {"struct_size is 0", [](coll_options& o) { o.struct_size = 0; }},
+      {"newer c_api.h", [](coll_options& o) { o.struct_size = sizeof(coll_options) + 8; }},
+      {"implementation 7", [](coll_options& o) { o.implementation = coll_implementation(7); }},
+      {"timeout_ms is 0", [](coll_options& o) { o.timeout_ms = 0; }},
+      {"timeout_ms is -5", [](coll_options& o) { o.timeout_ms = -5; }},
+  };
+  for (const Case& c : cases) {
+    coll_options options = defaults;
+    c.change(options);
+    coll_comm* comm = nullptr;
+    EXPECT_EQ(coll_comm_create(0, 1, nullptr, 0, &options, &comm), COLL_INVALID_ARGUMENT)
+        << c.expect;
+    EXPECT_EQ(comm, nullptr);
+    EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << coll_last_error();
+  }
+}
+
+TEST(CApiCreateTest, NcclIsEitherBuiltInOrNotSupported) {
+  coll_options options = TestOptions();
+  options.implementation = COLL_IMPLEMENTATION_NCCL;
+  coll_comm* comm = nullptr;
+  const coll_status status = coll_comm_create(0, 1, nullptr, 0, &options, &comm);
+  if (status == COLL_NOT_SUPPORTED) {
+    EXPECT_EQ(comm, nullptr);
+    EXPECT_TRUE(Contains(coll_last_error(), "NCCL")) << coll_last_error();
+  } else {
+    EXPECT_OK(status);
+  }
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+// ---------------------------------------------------------------------------------------------
+
+TEST(CApiErrorTest, NullCommIsAnInvalidArgumentNamingTheFunction) {
+  float x = 0;
+  int value = 0;
+  void* buffers[1] = {&x};
+  const size_t counts[1] = {1};
+  const std::vector<std::pair<std::string, std::function<coll_status()>>> calls = {
+      {"coll_comm_abort", [] { return coll_comm_abort(nullptr); }},
+      {"coll_comm_rank", [&] { return coll_comm_rank(nullptr, &value); }},
+      {"coll_comm_size", [&] { return coll_comm_size(nullptr, &value); }},
+      {"coll_all_reduce",
+       [&] { return coll_all_reduce(nullptr, &x, &x, 1, COLL_FLOAT32, COLL_SUM); }},
+      {"coll_broadcast", [&] { return coll_broadcast(nullptr, &x, &x, 1, COLL_FLOAT32, 0); }},
+      {"coll_all_gather", [&] { return coll_all_gather(nullptr, &x, &x, 1, COLL_FLOAT32); }},
+      {"coll_reduce_scatter",
+       [&] { return coll_reduce_scatter(nullptr, &x, &x, 1, COLL_FLOAT32, COLL_SUM); }},
+      {"coll_barrier", [] { return coll_barrier(nullptr); }},
+      {"coll_all_reduce_many",
+       [&] {
+         return coll_all_reduce_many(nullptr, buffers, counts, 1, COLL_FLOAT32, COLL_SUM, 0);
+       }},
+  };
+  for (const auto& [name, call] : calls) {
+    EXPECT_EQ(call(), COLL_INVALID_ARGUMENT) << name;
+    EXPECT_EQ(std::string(coll_last_error()), name + ": comm is NULL");
+  }
+  EXPECT_EQ(coll_comm_destroy(nullptr), COLL_OK);
+}
+
+TEST(CApiErrorTest, NullOutPointersAreInvalidArguments) {
+  EXPECT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_create: out is NULL");
+  EXPECT_EQ(coll_comm_create_from_env(nullptr, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_create_from_env: out is NULL");
+  EXPECT_EQ(coll_comm_create_from_tf_config("{}", nullptr, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_create_from_tf_config: out is NULL");
+
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  EXPECT_EQ(coll_comm_rank(comm, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_rank: rank is NULL");
+  EXPECT_EQ(coll_comm_size(comm, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_size: size is NULL");
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+TEST(CApiErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x[4] = {1, 2, 3, 4};
+  void* buffers[2] = {x, nullptr};
+  const size_t counts[2] = {4, 3};
+  const coll_dtype bad_dtype = static_cast<coll_dtype>(99);
+  const coll_op bad_op = static_cast<coll_op>(42);
+  struct Case {
+    std::function<coll_status()> call;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {[&] { return coll_all_reduce(comm, x, x, 4, bad_dtype, COLL_SUM); }, "dtype 99"},
+      {[&] { return coll_all_reduce(comm, x, x, 4, COLL_FLOAT32, bad_op); }, "op 42"},
+      {[&] { return coll_broadcast(comm, x, x, 4, bad_dtype, 0); }, "dtype 99"},
+      {[&] { return coll_broadcast(comm, x, x, 4, COLL_FLOAT32, 1); }, "root 1"},
+      {[&] { return coll_all_gather(comm, x, x, 4, bad_dtype); }, "dtype 99"},
+      {[&] { return coll_reduce_scatter(comm, x, x, 4, bad_dtype, COLL_SUM); }, "dtype 99"},
+      {[&] { return coll_reduce_scatter(comm, x, x, 4, COLL_FLOAT32, bad_op); }, "op 42"},
+      {[&] { return coll_all_reduce_many(comm, buffers, counts, 1, bad_dtype, COLL_SUM, 0); },
+       "dtype 99"},
+      {[&] { return coll_all_reduce_many(comm, buffers, counts, 1, COLL_FLOAT32, bad_op, 0); },
+       "op 42"},
+      // NULL buffers with elements.
+      {[&] { return coll_all_reduce(comm, nullptr, x, 4, COLL_FLOAT32, COLL_SUM); }, "null"},
+      {[&] { return coll_all_reduce(comm, x, nullptr, 4, COLL_FLOAT32, COLL_SUM); }, "null"},
+      {[&] { return coll_all_gather(comm, x, nullptr, 4, COLL_FLOAT32); }, "null"},
+      {[&] { return coll_all_reduce_many(comm, nullptr, counts, 1, COLL_FLOAT32, COLL_SUM, 0); },
+       "buffers is NULL"},
+      {[&] { return coll_all_reduce_many(comm, buffers, nullptr, 1, COLL_FLOAT32, COLL_SUM, 0); },
+       "counts is NULL"},
+      {[&] { return coll_all_reduce_many(comm, buffers, counts, 2, COLL_FLOAT32, COLL_SUM, 0); },
+       "buffers[1] is NULL but counts[1] is 3"},
+      // Sizes whose bytes overflow size_t.
+      {[&] { return coll_all_reduce(comm, x, x, SIZE_MAX / 2, COLL_FLOAT32, COLL_SUM); },
+       "more bytes than size_t holds"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.call(), COLL_INVALID_ARGUMENT) << c.expect;
+    EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << c.expect << " / " << coll_last_error();
+  }
+  // None of them ran: the communicator still works.
+  EXPECT_OK(coll_all_reduce(comm, x, x, 4, COLL_FLOAT32, COLL_SUM));
+  EXPECT_EQ(x[3], 4.0f);
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+TEST(CApiErrorTest, CountsThatDifferAcrossRanksAreAMismatchThatSticks) {
+  std::atomic<int> mismatches{0};
+  RunRanks(2, [&](coll_comm* comm, int rank) {
+    std::vector<float> data(rank == 0 ? 10 : 12, 1.0f);
+    const coll_status status =
+        coll_all_reduce(comm, data.data(), data.data(), data.size(), COLL_FLOAT32, COLL_SUM);
+    const std::string message = coll_last_error();
+    EXPECT_NE(status, COLL_OK) << "rank " << rank;
+    if (status == COLL_MISMATCH) {
+      ++mismatches;
+      EXPECT_TRUE(Contains(message, "coll_all_reduce: ")) << message;
+      EXPECT_TRUE(Contains(message, "does not match")) << message;
+      EXPECT_TRUE(Contains(message, "all_reduce(f32, sum, count=1")) << message;
+    } else {
+      // The rank that did not see the mismatch first learns of it from its peer.
+      EXPECT_TRUE(status == COLL_ABORTED || status == COLL_PEER_LOST)
+          << coll_status_string(status) << ": " << message;
+    }
+    // The communicator is broken: later calls return the same status.
+    EXPECT_EQ(coll_barrier(comm), status) << coll_last_error();
+  });
+  EXPECT_GE(mismatches.load(), 1);
+}
+
+TEST(CApiErrorTest, AbortFromAnotherThreadEndsABlockedCollective) {
+  std::atomic<bool> rank0_done{false};
+  RunRanks(2, [&](coll_comm* comm, int rank) {
+    if (rank == 0) {
+      // Rank 1 never enters this barrier; a watchdog aborts it.
+      std::thread watchdog([comm] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        EXPECT_OK(coll_comm_abort(comm));
+      });
+      EXPECT_EQ(coll_barrier(comm), COLL_ABORTED) << coll_last_error();
+      watchdog.join();
+      EXPECT_OK(coll_comm_abort(comm));  // idempotent
+      EXPECT_EQ(coll_barrier(comm), COLL_ABORTED);
+      rank0_done = true;
+    } else {
+      while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const coll_status status = coll_barrier(comm);
+      EXPECT_TRUE(status == COLL_ABORTED || status == COLL_PEER_LOST)
+          << coll_status_string(status) << ": " << coll_last_error();
+    }
+  });
+}
+
+TEST(CApiErrorTest, OutOfMemoryIsASystemStatusNotAnException) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer allocators abort on a huge allocation instead of throwing";
+#else
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x = 0;
+  void* buffers[1] = {&x};
+  const size_t counts[1] = {1};
+  // 2^40 list entries: the list of tensors cannot be allocated (no buffer is read before).
+  EXPECT_EQ(coll_all_reduce_many(comm, buffers, counts, size_t{1} << 40, COLL_FLOAT32, COLL_SUM, 0),
+            COLL_SYSTEM);
+  EXPECT_TRUE(Contains(coll_last_error(), "out of memory")) << coll_last_error();
+  EXPECT_OK(coll_comm_destroy(comm));
+#endif
+}
+
+TEST(CApiErrorTest, StatusStringsNameEveryStatus) {
+  const std::map<coll_status, std::string> names = {
+      {COLL_OK, "ok"},
+      {COLL_INVALID_ARGUMENT, "invalid argument"},
+      {COLL_INVALID_USAGE, "invalid usage"},
+      {COLL_SYSTEM, "system error"},
+      {COLL_PEER_LOST, "peer lost"},
+      {COLL_MISMATCH, "mismatch"},
+      {COLL_TIMEOUT, "timeout"},
+      {COLL_UNAUTHENTICATED, "unauthenticated"},
+      {COLL_ABORTED, "aborted"},
+      {COLL_NOT_SUPPORTED, "not supported"},
+      {COLL_INTERNAL, "internal error"},
+  };
+  for (int value = COLL_OK; value <= COLL_INTERNAL; ++value) {
+    const auto status = static_cast<coll_status>(value);
+    ASSERT_EQ(names.count(status), 1u) << value;
+    EXPECT_EQ(std::string(coll_status_string(status)), names.at(status)) << value;
+  }
+  EXPECT_EQ(std::string(coll_status_string(static_cast<coll_status>(11))), "unknown status");
+  EXPECT_EQ(std::string(coll_status_string(static_cast<coll_status>(1000))), "unknown status");
+}
+
+TEST(CApiErrorTest, LastErrorIsPerThreadAndKeptOverSuccesses) {
+  std::string other_before, other_after;
+  std::thread([] { EXPECT_EQ(coll_options_init(nullptr), COLL_INVALID_ARGUMENT); }).join();
+  // A new thread has no error yet, whatever other threads did.
+  std::thread([&] {
+    other_before = coll_last_error();
+    EXPECT_EQ(coll_barrier(nullptr), COLL_INVALID_ARGUMENT);
+    other_after = coll_last_error();
+  }).join();
+  EXPECT_EQ(other_before, "");
+  EXPECT_EQ(other_after, "coll_barrier: comm is NULL");
+
+  EXPECT_EQ(coll_comm_rank(nullptr, nullptr), COLL_INVALID_ARGUMENT);
+  const std::string mine = coll_last_error();
+  EXPECT_TRUE(Contains(mine, "coll_comm_rank: ")) << mine;
+  std::thread([] { EXPECT_EQ(coll_barrier(nullptr), COLL_INVALID_ARGUMENT); }).join();
+  EXPECT_EQ(std::string(coll_last_error()), mine);  // another thread's failure is not mine
+  coll_options options;
+  EXPECT_OK(coll_options_init(&options));
+  EXPECT_EQ(std::string(coll_last_error()), mine);  // a success does not clear it
+}
+
+}  // namespace
