@@ -43,8 +43,16 @@ struct Worker {
   int status = -1;
 };
 
+// Where and how the workers run: by default on loopback; the network-namespace test runs each
+// rank inside `ip netns exec <namespace>` with the master's address in that network.
+struct Placement {
+  std::string master_addr = "127.0.0.1";
+  std::vector<std::string> namespaces;  // one per rank, or empty
+};
+
 // Starts `size` ring_worker processes with the given arguments.
-inline std::vector<Worker> Start(int size, const std::vector<std::string>& args) {
+inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
+                                 const Placement& placement = {}) {
   const std::string port = std::to_string(FreePort());
   const std::string binary = std::string(COLLECTIVES_TEST_BIN_DIR) + "/ring_worker";
   std::vector<Worker> workers(size);
@@ -57,13 +65,19 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args)
       close(pipe_fds[0]);
       setenv("RANK", std::to_string(rank).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_ADDR", placement.master_addr.c_str(), 1);
       setenv("MASTER_PORT", port.c_str(), 1);
       unsetenv("TF_CONFIG");
-      std::vector<char*> argv = {const_cast<char*>(binary.c_str())};
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      std::vector<std::string> command;
+      if (!placement.namespaces.empty()) {
+        command = {"ip", "netns", "exec", placement.namespaces[size_t(rank)]};
+      }
+      command.push_back(binary);
+      command.insert(command.end(), args.begin(), args.end());
+      std::vector<char*> argv;
+      for (std::string& a : command) argv.push_back(a.data());
       argv.push_back(nullptr);
-      execv(binary.c_str(), argv.data());
+      execvp(argv[0], argv.data());
       _exit(127);
     }
     close(pipe_fds[1]);
