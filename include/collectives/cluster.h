@@ -84,17 +84,22 @@ std::shared_ptr<Store> CreateFileStore(const std::string& directory);
 
 // A TCP store. With `is_server` this process hosts it on host:port (port 0 picks a free port;
 // see TcpStorePort) and also uses it as a client. Clients retry the connection until `timeout`.
-// Throws Error(kSystem) when the port cannot be bound, Error(kTimeout) when the server cannot
-// be reached in time.
+// Every connection proves `job_token` both ways (HMAC-SHA256 over fresh nonces; the token never
+// travels) before its first request: a server logs and closes a connection that cannot, and a
+// client raises Error(kUnauthenticated). Throws Error(kSystem) when the port cannot be bound,
+// Error(kTimeout) when the server cannot be reached in time.
 std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
-                                      std::chrono::milliseconds timeout);
+                                      std::chrono::milliseconds timeout,
+                                      const std::string& job_token = {});
 // The port a TCP store created by this process listens on (useful after port 0). Throws
 // Error(kInvalidArgument) if `store` is not a TCP store server.
 uint16_t TcpStorePort(const Store& store);
 
 // The store a ClusterSpec names: rank 0 hosts a TCP store at master_addr:master_port, the other
 // ranks connect to it. A single-rank spec gets a memory store.
-std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout);
+// `job_token` as for CreateTcpStore.
+std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout,
+                                      const std::string& job_token = {});
 
 }  // namespace collectives
 

@@ -9,11 +9,13 @@
 namespace collectives {
 
 std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
-                                      std::chrono::milliseconds timeout) {
+                                      std::chrono::milliseconds timeout,
+                                      const std::string& job_token) {
   if (is_server) {
-    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(host), port);
+    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(host), port,
+                                                     job_token);
   }
-  return std::make_shared<cluster::TcpStoreClient>(host, port, timeout);
+  return std::make_shared<cluster::TcpStoreClient>(host, port, timeout, job_token);
 }
 
 uint16_t TcpStorePort(const Store& store) {
@@ -24,10 +26,11 @@ uint16_t TcpStorePort(const Store& store) {
   return server->port();
 }
 
-std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout) {
+std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout,
+                                      const std::string& job_token) {
   spec.Validate();
   if (spec.world_size == 1) return CreateMemoryStore();
-  return CreateTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout);
+  return CreateTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout, job_token);
 }
 
 }  // namespace collectives

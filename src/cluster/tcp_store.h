@@ -9,6 +9,10 @@
 // server. The hosting process uses the table directly. The destructor stops the io_context, joins
 // the thread and closes every socket, whether clients are connected or not.
 //
+// Authentication: every connection starts with a mutual proof of the job token
+// (tcp_store_auth.h); a connection that fails it is logged with its address and closed, and
+// the server goes on. A session that has not finished the proof within 10 s is closed too.
+//
 // Client: a small pool of connections, so that a Get waiting on one connection never blocks a
 // Set from another thread. Each call takes an idle connection (or opens one), runs its
 // synchronous exchange on that connection's own io_context under a deadline (run_until; on the
@@ -34,8 +38,9 @@ namespace collectives::cluster {
 class TcpStoreServer final : public Store {
  public:
   // Resolves `host`, binds (SO_REUSEADDR) and listens on host:port (0: a free port), and starts
-  // the server thread. Throws Error(kSystem) when it cannot resolve or bind.
-  TcpStoreServer(const std::string& host, uint16_t port);
+  // the server thread. Throws Error(kSystem) when it cannot resolve or bind. Every connection
+  // must prove `token` (tcp_store_auth.h) before its first request.
+  TcpStoreServer(const std::string& host, uint16_t port, const std::string& token = {});
   ~TcpStoreServer() override;
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
@@ -54,9 +59,11 @@ class TcpStoreServer final : public Store {
 
 class TcpStoreClient final : public Store {
  public:
-  // Connects to host:port, retrying until `timeout`. Throws Error(kTimeout) naming the address
-  // and the last error when the server cannot be reached in time.
-  TcpStoreClient(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  // Connects to host:port, retrying until `timeout`, and proves `token` (tcp_store_auth.h).
+  // Throws Error(kTimeout) naming the address and the last error when the server cannot be
+  // reached in time, Error(kUnauthenticated) when the proofs fail either way.
+  TcpStoreClient(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+                 const std::string& token = {});
   ~TcpStoreClient() override;
   TcpStoreClient(const TcpStoreClient&) = delete;
   TcpStoreClient& operator=(const TcpStoreClient&) = delete;

@@ -14,6 +14,7 @@
 #include "src/cluster/host_port.h"
 #include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
+#include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 
 namespace collectives::cluster {
@@ -31,7 +32,8 @@ constexpr size_t kMaxIdleConnections = 4;
 // thread. Used by one thread at a time.
 class Connection {
  public:
-  enum class Result { kOk, kTimedOut, kFailed };
+  // kRejected: the server refused this client's proof of the token, or could not prove it.
+  enum class Result { kOk, kTimedOut, kFailed, kRejected };
 
   Connection() : socket_(io_) {}
 
@@ -57,6 +59,48 @@ class Connection {
       socket_.close(ignored);
     }
     return Result::kFailed;
+  }
+
+  // The client side of tcp_store_auth.h, right after Connect.
+  Result Authenticate(const std::string& token, Clock::time_point deadline, std::string* why) {
+    std::array<uint8_t, auth::kChallengeBytes> challenge{};
+    asio::error_code error = asio::error::would_block;
+    asio::async_read(socket_, asio::buffer(challenge),
+                     [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the server's challenge");
+    if (error) return Failed(why, error);
+    core::Nonce server_nonce;
+    if (!auth::DecodeChallenge(challenge, &server_nonce)) {
+      *why = "the server did not open with a store challenge (not a collectives TCP store?)";
+      return Result::kRejected;
+    }
+    const core::Nonce client_nonce = core::RandomNonce();
+    const core::Proof proof =
+        auth::StoreProof(token, client_nonce, server_nonce, auth::kClientRole);
+    std::array<asio::const_buffer, 2> response = {asio::buffer(client_nonce), asio::buffer(proof)};
+    error = asio::error::would_block;
+    asio::async_write(socket_, response, [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "sending the proof");
+    if (error) return Failed(why, error);
+    std::array<uint8_t, auth::kVerdictBytes> verdict{};
+    error = asio::error::would_block;
+    asio::async_read(socket_, asio::buffer(verdict),
+                     [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the verdict");
+    if (error == asio::error::eof || (!error && verdict[0] != 1)) {
+      *why = "the server rejected this client's proof of the job token (is "
+             "COLLECTIVES_JOB_TOKEN the same on every rank?)";
+      return Result::kRejected;
+    }
+    if (error) return Failed(why, error);
+    core::Proof server_proof;
+    std::memcpy(server_proof.data(), verdict.data() + 1, server_proof.size());
+    if (!core::ProofsEqual(server_proof, auth::StoreProof(token, client_nonce, server_nonce,
+                                                          auth::kServerRole))) {
+      *why = "the server could not prove that it holds the job token";
+      return Result::kRejected;
+    }
+    return Result::kOk;
   }
 
   // Sends a request and reads its reply (header into `*reply`, value into `*reply_value`).
@@ -124,8 +168,10 @@ class Connection {
 
 class TcpStoreClient::Impl {
  public:
-  Impl(const std::string& host, uint16_t port, std::chrono::milliseconds timeout)
-      : host_(StripBrackets(host)),
+  Impl(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+       std::string token)
+      : token_(std::move(token)),
+        host_(StripBrackets(host)),
         port_(port),
         timeout_(ClampTimeout(timeout)),
         io_timeout_(std::max(timeout_, kMinIoTimeout)),
@@ -239,7 +285,15 @@ class TcpStoreClient::Impl {
         Clock::time_point attempt_deadline = std::max(deadline, Clock::now() + kMinAttempt);
         auto connection = std::make_unique<Connection>();
         Connection::Result result = connection->Connect(endpoints, attempt_deadline, &last_error);
-        if (result == Connection::Result::kOk) return connection;
+        if (result == Connection::Result::kOk) {
+          result = connection->Authenticate(token_, std::max(attempt_deadline, DeadlineAfter(
+                                                                                   io_timeout_)),
+                                            &last_error);
+          if (result == Connection::Result::kOk) return connection;
+          if (result == Connection::Result::kRejected) {
+            throw Error(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
+          }
+        }
       }
       Clock::time_point now = Clock::now();
       if (now >= deadline) break;
@@ -251,6 +305,7 @@ class TcpStoreClient::Impl {
                                          " ms (last error: " + last_error + ")");
   }
 
+  const std::string token_;
   const std::string host_;
   const uint16_t port_;
   const std::chrono::milliseconds timeout_;     // for connecting
@@ -261,8 +316,8 @@ class TcpStoreClient::Impl {
 };
 
 TcpStoreClient::TcpStoreClient(const std::string& host, uint16_t port,
-                               std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>(host, port, timeout)) {}
+                               std::chrono::milliseconds timeout, const std::string& token)
+    : impl_(std::make_unique<Impl>(host, port, timeout, token)) {}
 
 TcpStoreClient::~TcpStoreClient() = default;
 

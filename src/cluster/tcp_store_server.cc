@@ -4,6 +4,7 @@
 // memory (aligned_alloc or operator new) from a libstdc++ macro, so every file must have seen
 // <bits/c++config.h> before Asio, or two files disagree and memory is freed the wrong way.
 #include <array>
+#include <cstring>
 #include <asio.hpp>
 #include <cstdio>
 #include <string>
@@ -17,6 +18,7 @@
 #include "src/cluster/memory_store.h"
 #include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
+#include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 
 namespace collectives::cluster {
@@ -39,7 +41,7 @@ std::string Describe(const tcp::endpoint& endpoint) {
 // thread once the constructor has started it.
 class TcpStoreServer::Impl {
  public:
-  Impl(const std::string& host, uint16_t port);
+  Impl(const std::string& host, uint16_t port, std::string token);
   ~Impl();
 
   MemoryStore& table() { return *table_; }
@@ -54,6 +56,7 @@ class TcpStoreServer::Impl {
   void Forget(Session* session) { sessions_.erase(session); }
   void RemoveWaiter(const std::string& key, Session* session);
 
+  const std::string token_;             // the job token every connection must prove
   std::string name_;                    // "TCP store server at host:port"
   std::unique_ptr<MemoryStore> table_;  // set once the port is known
   uint16_t port_ = 0;
@@ -77,7 +80,21 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     peer_ = ec ? "an unknown peer" : Describe(peer);
   }
 
-  void Start() { ReadHeader(); }
+  // Authenticates (tcp_store_auth.h), then serves requests.
+  void Start() {
+    server_nonce_ = core::RandomNonce();
+    challenge_ = auth::EncodeChallenge(server_nonce_);
+    timer_.expires_after(kAuthTimeout);
+    timer_.async_wait([self = shared_from_this()](const asio::error_code& ec) {
+      if (!ec && !self->authenticated_) self->Close("no proof of the job token within 10 s");
+    });
+    asio::async_write(socket_, asio::buffer(challenge_),
+                      [self = shared_from_this()](const asio::error_code& ec, size_t) {
+                        if (ec == asio::error::operation_aborted) return;
+                        if (ec) return self->Close("");
+                        self->ReadProof();
+                      });
+  }
 
   // Closes the socket; logs `reason` when it is not empty.
   void Close(const std::string& reason) {
@@ -107,6 +124,46 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   }
 
  private:
+  static constexpr std::chrono::seconds kAuthTimeout{10};
+
+  void ReadProof() {
+    asio::async_read(
+        socket_, asio::buffer(response_),
+        [self = shared_from_this()](const asio::error_code& ec, size_t bytes) {
+          if (ec == asio::error::operation_aborted) return;
+          if (ec) {
+            return self->Close(bytes == 0 ? "closed before proving the job token"
+                                          : "read failed during the proof: " + ec.message());
+          }
+          self->CheckProof();
+        });
+  }
+
+  void CheckProof() {
+    core::Nonce client_nonce;
+    core::Proof proof;
+    std::memcpy(client_nonce.data(), response_.data(), client_nonce.size());
+    std::memcpy(proof.data(), response_.data() + client_nonce.size(), proof.size());
+    const bool ok = core::ProofsEqual(
+        proof, auth::StoreProof(server_->token_, client_nonce, server_nonce_, auth::kClientRole));
+    verdict_.fill(0);
+    if (ok) {
+      verdict_[0] = 1;
+      const core::Proof mine =
+          auth::StoreProof(server_->token_, client_nonce, server_nonce_, auth::kServerRole);
+      std::memcpy(verdict_.data() + 1, mine.data(), mine.size());
+    }
+    asio::async_write(socket_, asio::buffer(verdict_),
+                      [self = shared_from_this(), ok](const asio::error_code& ec, size_t) {
+                        if (ec == asio::error::operation_aborted) return;
+                        if (!ok) return self->Close("failed the proof of the job token");
+                        if (ec) return self->Close("");
+                        self->authenticated_ = true;
+                        self->timer_.cancel();
+                        self->ReadHeader();
+                      });
+  }
+
   void ReadHeader() {
     asio::async_read(socket_, asio::buffer(header_bytes_),
                      [self = shared_from_this()](const asio::error_code& ec, size_t bytes) {
@@ -248,12 +305,18 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   wire::HeaderBytes reply_header_{};
   std::string reply_value_;
   std::array<uint8_t, 1> probe_{};  // the watching read of a parked Get
+  core::Nonce server_nonce_{};
+  std::array<uint8_t, auth::kChallengeBytes> challenge_{};
+  std::array<uint8_t, auth::kResponseBytes> response_{};
+  std::array<uint8_t, auth::kVerdictBytes> verdict_{};
+  bool authenticated_ = false;
   bool waiting_ = false;            // a Get is parked on key_
   uint64_t parks_ = 0;              // how many Gets were parked so far
 };
 
-TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port)
-    : name_("TCP store server at " + FormatHostPort(host, port)) {
+TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port, std::string token)
+    : token_(std::move(token)),
+      name_("TCP store server at " + FormatHostPort(host, port)) {
   asio::error_code ec;
   tcp::resolver resolver(io_);
   auto endpoints = resolver.resolve(host, std::to_string(port),
@@ -357,8 +420,8 @@ void TcpStoreServer::Impl::RemoveWaiter(const std::string& key, Session* session
   if (list.empty()) waiters_.erase(it);
 }
 
-TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port)
-    : impl_(std::make_unique<Impl>(host, port)) {}
+TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, const std::string& token)
+    : impl_(std::make_unique<Impl>(host, port, token)) {}
 
 TcpStoreServer::~TcpStoreServer() = default;
 

@@ -20,6 +20,14 @@ std::string HostOf(const std::string& address) {
   return host;
 }
 
+// The job token both the store and the fabric connections prove: the option, else
+// COLLECTIVES_JOB_TOKEN, else empty.
+std::string JobToken(const CommunicationOptions& options) {
+  if (!options.job_token.empty()) return options.job_token;
+  if (const char* env = std::getenv("COLLECTIVES_JOB_TOKEN")) return env;
+  return {};
+}
+
 }  // namespace
 
 const char* ToString(Implementation impl) {
@@ -42,7 +50,8 @@ Implementation ParseImplementation(const std::string& name) {
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options) {
   spec.Validate();
-  return CreateCommunication(spec, CreateStoreFor(spec, options.timeout), options);
+  return CreateCommunication(spec, CreateStoreFor(spec, options.timeout, JobToken(options)),
+                             options);
 }
 
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
@@ -57,10 +66,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
 
   transport::TcpFabricOptions tcp;
   tcp.job_id = spec.job_id;
-  tcp.token = options.job_token;
-  if (tcp.token.empty()) {
-    if (const char* env = std::getenv("COLLECTIVES_JOB_TOKEN")) tcp.token = env;
-  }
+  tcp.token = JobToken(options);
   tcp.timeout = options.timeout;
   // Every rank counts the communicators it has built on this store; building them in the same
   // order on every rank (as collectives require anyway) gives each its own key space.

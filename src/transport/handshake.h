@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "collectives/errors.h"
+#include "src/core/auth.h"
 #include "src/transport/connection.h"
 #include "src/transport/frame.h"
 
@@ -49,11 +50,13 @@ namespace collectives::transport {
 inline constexpr uint32_t kHelloMagic = 0x48534C43;
 inline constexpr size_t kHelloFixedBytes = 48;
 inline constexpr size_t kMaxJobIdBytes = 256;
-inline constexpr size_t kNonceBytes = 32;
-inline constexpr size_t kProofBytes = 32;
-
-using Nonce = std::array<uint8_t, kNonceBytes>;
-using Proof = std::array<uint8_t, kProofBytes>;
+// Nonces, proofs, RandomNonce() and the constant-time ProofsEqual() come from src/core/auth.h.
+using core::kNonceBytes;
+using core::kProofBytes;
+using core::Nonce;
+using core::Proof;
+using core::ProofsEqual;
+using core::RandomNonce;
 
 enum class HandshakeRole : uint8_t { kClient = 1, kServer = 2 };
 
@@ -75,16 +78,10 @@ std::vector<uint8_t> EncodeHello(const Hello& hello);
 // otherwise.
 std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes, std::string* why);
 
-// Fresh random bytes from OpenSSL. Throws Error(kSystem) if the generator fails.
-Nonce RandomNonce();
-
 // The proof `role` sends in a handshake between these ranks with these nonces.
 Proof ComputeProof(const std::string& token, const std::string& job_id, int32_t client_rank,
                    int32_t server_rank, const Nonce& client_nonce, const Nonce& server_nonce,
                    HandshakeRole role);
-
-// Constant-time comparison.
-bool ProofsEqual(const Proof& a, const Proof& b);
 
 // What both sides must agree on.
 struct HandshakeConfig {

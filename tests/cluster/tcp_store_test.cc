@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -20,6 +21,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 
 namespace collectives {
@@ -47,6 +49,35 @@ class RawClient {
 
   bool Send(const void* data, size_t bytes) {
     return send(fd_, data, bytes, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes);
+  }
+
+  bool Receive(void* data, size_t bytes) {
+    size_t got = 0;
+    while (got < bytes) {
+      const ssize_t n = recv(fd_, static_cast<char*>(data) + got, bytes - got, 0);
+      if (n <= 0) return false;
+      got += size_t(n);
+    }
+    return true;
+  }
+
+  // Runs the client side of the store's token proof (tcp_store_auth.h) with `token`; true if
+  // the server accepted it.
+  bool Authenticate(const std::string& token = "") {
+    std::array<uint8_t, cluster::auth::kChallengeBytes> challenge{};
+    core::Nonce server_nonce;
+    if (!Receive(challenge.data(), challenge.size()) ||
+        !cluster::auth::DecodeChallenge(challenge, &server_nonce)) {
+      return false;
+    }
+    const core::Nonce client_nonce = core::RandomNonce();
+    const core::Proof proof = cluster::auth::StoreProof(token, client_nonce, server_nonce,
+                                                        cluster::auth::kClientRole);
+    if (!Send(client_nonce.data(), client_nonce.size()) || !Send(proof.data(), proof.size())) {
+      return false;
+    }
+    std::array<uint8_t, cluster::auth::kVerdictBytes> verdict{};
+    return Receive(verdict.data(), verdict.size()) && verdict[0] == 1;
   }
 
   // True when the peer closed the connection within `timeout` (reads discard any bytes).
@@ -231,7 +262,8 @@ TEST(TcpStoreTest, GarbageFromAStrangerDoesNotBreakTheServer) {
 
   RawClient stranger(port);
   ASSERT_TRUE(stranger.connected());
-  std::string garbage = "GET / HTTP/1.1\r\nHost: example\r\n\r\n";
+  // Garbage where the token proof belongs (64 bytes or more): refused at once.
+  std::string garbage = "GET / HTTP/1.1\r\nHost: example\r\nUser-Agent: a stranger on the port\r\n\r\n";
   ASSERT_TRUE(stranger.Send(garbage.data(), garbage.size()));
   EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
 
@@ -275,6 +307,7 @@ TEST(TcpStoreTest, OversizeLengthsAreRejectedBeforeAllocating) {
     SCOPED_TRACE(c.what);
     RawClient stranger(port);
     ASSERT_TRUE(stranger.connected());
+    ASSERT_TRUE(stranger.Authenticate());
     wire::HeaderBytes bytes = wire::Encode(c.header);
     ASSERT_TRUE(stranger.Send(bytes.data(), bytes.size()));
     EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
@@ -289,6 +322,7 @@ TEST(TcpStoreTest, TruncatedRequestAndAbruptCloseAreHarmless) {
   uint16_t port = TcpStorePort(*server);
   {
     RawClient stranger(port);
+    ASSERT_TRUE(stranger.Authenticate());
     wire::Header header;
     header.code = static_cast<uint8_t>(wire::Op::kSet);
     header.key_bytes = 10;
@@ -299,11 +333,13 @@ TEST(TcpStoreTest, TruncatedRequestAndAbruptCloseAreHarmless) {
   }  // closes mid-request
   {
     RawClient half_header(port);
+    ASSERT_TRUE(half_header.Authenticate());
     ASSERT_TRUE(half_header.Send("\x43\x53", 2));
   }
   // A well-formed raw request gets a well-formed reply.
   {
     RawClient raw(port);
+    ASSERT_TRUE(raw.Authenticate());
     wire::Header header;
     header.code = static_cast<uint8_t>(wire::Op::kAdd);
     header.key_bytes = 3;
@@ -333,9 +369,11 @@ TEST(TcpStoreTest, ParkedGetOfAClientThatLeavesOrTalksOutOfTurn) {
   uint16_t port = TcpStorePort(*server);
   {
     RawClient leaver(port);
+    ASSERT_TRUE(leaver.Authenticate());
     SendGet(leaver, "later", 10000);
   }  // closes while its Get is parked
   RawClient talker(port);
+  ASSERT_TRUE(talker.Authenticate());
   SendGet(talker, "later", 10000);
   std::this_thread::sleep_for(milliseconds(20));
   ASSERT_TRUE(talker.Send("x", 1));  // a request before the reply of the last one
@@ -344,6 +382,40 @@ TEST(TcpStoreTest, ParkedGetOfAClientThatLeavesOrTalksOutOfTurn) {
   server->Set("later", "v");
   auto client = Client(*server);
   EXPECT_EQ(client->Get("later", kLong), "v");
+}
+
+// Every connection proves the job token both ways before its first request.
+TEST(TcpStoreAuthTest, AClientWithTheWrongTokenIsRefusedAndTheServerGoesOn) {
+  auto server = CreateTcpStore("127.0.0.1", 0, true, kLong, "the job's secret");
+  const uint16_t port = TcpStorePort(*server);
+  try {
+    CreateTcpStore("127.0.0.1", port, false, kLong, "a guess");
+    ADD_FAILURE() << "a client with the wrong token was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rejected"), std::string::npos) << e.what();
+  }
+  // A stranger that proves nothing never reaches the table.
+  RawClient stranger(port);
+  EXPECT_FALSE(stranger.Authenticate("another guess"));
+  EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
+  // The right token works, before and after.
+  auto client = CreateTcpStore("127.0.0.1", port, false, kLong, "the job's secret");
+  client->Set("k", "v");
+  EXPECT_EQ(server->Get("k", kLong), "v");
+  EXPECT_EQ(client->Get("k", kLong), "v");
+}
+
+TEST(TcpStoreAuthTest, AClientRefusesAServerThatCannotProveTheToken) {
+  // A server with another token: the client's proof fails there first; a server that accepted
+  // anything would still fail the client's check of the server's proof.
+  auto server = CreateTcpStore("127.0.0.1", 0, true, kLong, "server token");
+  try {
+    CreateTcpStore("127.0.0.1", TcpStorePort(*server), false, kLong, "client token");
+    ADD_FAILURE() << "the client trusted a server with another token";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+  }
 }
 
 TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {

@@ -4,7 +4,8 @@
 // valid-looking fabric handshake with a wrong proof, and half-open connections that send part of
 // a header and then nothing. The job's collectives all complete with correct results.
 //
-// Ports: the store's (master_port, open for the job's lifetime) and each rank's fabric listener
+// Ports: the store's (master_port, open for the job's lifetime; it asks every connection for a
+// proof of the job token, so a client without it learns nothing) and each rank's fabric listener
 // (published in the store; it is closed once the mesh is built, so connecting there is refused,
 // which the test accepts as the strongest outcome).
 #include <gtest/gtest.h>
@@ -107,6 +108,7 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
         spec.master_port = port;
         CommunicationOptions options;
         options.timeout = std::chrono::seconds(30);
+        options.job_token = "stranger-test-secret";
         auto comm = CreateCommunication(spec, options);
         ++ready;
         for (int i = 0; i < kIterations; ++i) {
@@ -137,10 +139,18 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
   }
 
   while (ready < kSize) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  // The stranger reads the fabric listeners' addresses from the store like a rank would.
+  // Without the job token the store tells a stranger nothing.
+  try {
+    CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5), "a guess");
+    ADD_FAILURE() << "the store served a client without the job token";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+  }
+  // The test (not the stranger) reads the fabric listeners' addresses, to aim at them too.
   std::vector<std::pair<std::string, uint16_t>> targets = {{"127.0.0.1", port}};
   {
-    auto client = CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5));
+    auto client = CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5),
+                                 "stranger-test-secret");
     for (int rank = 0; rank < kSize; ++rank) {
       const std::string address = client->Get("collectives/1/addr/" + std::to_string(rank),
                                               std::chrono::seconds(5));
