@@ -149,6 +149,11 @@ class CollectiveCommunication {
   // and peers see this rank's connections close. Safe from any thread; idempotent.
   virtual void Abort() = 0;
 
+  // The deadline of every call issued after this one (a call already issued keeps its own):
+  // CommunicationOptions::timeout until changed. For one slow call, set it, issue the call, and
+  // set it back. Thread-safe. Throws Error(kInvalidArgument) for a timeout <= 0.
+  virtual void SetTimeout(std::chrono::milliseconds timeout) = 0;
+
  protected:
   CollectiveCommunication() = default;
 };

@@ -2,6 +2,8 @@
 // algorithm per call, and the sticky first error.
 #include "src/ring/ring_communication.h"
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -54,6 +56,7 @@ class RingCommunication final : public CollectiveCommunication {
   void Barrier() override { RunBlocking(PrepareBarrier()); }
 
   void Abort() override;
+  void SetTimeout(std::chrono::milliseconds timeout) override;
 
  private:
   using Body = std::function<void(Context&)>;
@@ -66,6 +69,7 @@ class RingCommunication final : public CollectiveCommunication {
     core::CallTag tag;
     Body body;
     std::shared_ptr<core::WorkState> work;
+    std::chrono::milliseconds timeout;  // the communicator's when the call was issued
   };
 
   // Argument checks (throwing on the caller's thread) and the choice of algorithm.
@@ -82,7 +86,8 @@ class RingCommunication final : public CollectiveCommunication {
   // it and waits. Throws the call's Error.
   void RunBlocking(Prepared prepared);
   // Runs one call on this thread, which holds the fabric (busy_); returns its failure, if any.
-  std::optional<Error> Execute(const core::CallTag& tag, const Body& body);
+  std::optional<Error> Execute(const core::CallTag& tag, const Body& body,
+                               std::chrono::milliseconds timeout);
   // The progress thread: runs queued calls in order until the destructor stops it.
   void Run();
   // Records the first error (sticky) and breaks the fabric so that peers learn of it.
@@ -108,7 +113,8 @@ class RingCommunication final : public CollectiveCommunication {
   const size_t chunk_bytes_;
   const size_t small_message_bytes_;
   const size_t medium_message_bytes_;
-  const std::chrono::milliseconds timeout_;
+  // Milliseconds a call may take; read when a call is issued (SetTimeout changes later calls).
+  std::atomic<int64_t> timeout_ms_;
   // How long the thread driving the network polls before it sleeps.
   const std::chrono::microseconds spin_;
   // How long a thread handing a call over polls for the other side: a waiter in Work::Wait, and
@@ -152,7 +158,7 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
                                                        : kDefaultSmallMessageBytes),
       medium_message_bytes_(options.medium_message_bytes ? options.medium_message_bytes
                                                          : kDefaultMediumMessageBytes),
-      timeout_(options.timeout),
+      timeout_ms_(options.timeout.count()),
       spin_(SpinBudget(options.spin_us, fabric->size(), 1)),
       handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
       store_(std::move(store)),
@@ -185,7 +191,7 @@ void RingCommunication::Run() {
       queued_.fetch_sub(1, std::memory_order_release);
       busy_ = true;
     }
-    const std::optional<Error> failure = Execute(call.tag, call.body);
+    const std::optional<Error> failure = Execute(call.tag, call.body, call.timeout);
     {
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
@@ -194,13 +200,14 @@ void RingCommunication::Run() {
   }
 }
 
-std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body) {
+std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body,
+                                                std::chrono::milliseconds timeout) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) return broken_;
   }
   try {
-    fabric_->SetDeadline(transport::Clock::now() + timeout_);
+    fabric_->SetDeadline(transport::Clock::now() + timeout);
     Context ctx{*fabric_, tag, chunk_bytes_, staging_};
     body(ctx);
     return std::nullopt;
@@ -223,7 +230,8 @@ void RingCommunication::RunBlocking(Prepared prepared) {
   const core::CallTag tag{next_seq_++, prepared.descriptor};
   busy_ = true;
   lock.unlock();
-  const std::optional<Error> failure = Execute(tag, prepared.body);
+  const std::optional<Error> failure =
+      Execute(tag, prepared.body, std::chrono::milliseconds(timeout_ms_.load()));
   lock.lock();
   busy_ = false;
   const bool wake = !queue_.empty();
@@ -246,6 +254,15 @@ Error RingCommunication::Break(const Error& error) {
   return first;
 }
 
+void RingCommunication::SetTimeout(std::chrono::milliseconds timeout) {
+  if (timeout <= std::chrono::milliseconds(0)) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
+                                                 ": SetTimeout needs a positive timeout, got " +
+                                                 std::to_string(timeout.count()) + " ms");
+  }
+  timeout_ms_.store(timeout.count());
+}
+
 void RingCommunication::Abort() {
   Break(Error(ErrorCode::kAborted,
               "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller"));
@@ -260,7 +277,8 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
       return work;
     }
     queue_.push_back(
-        Call{core::CallTag{next_seq_++, prepared.descriptor}, std::move(prepared.body), work});
+        Call{core::CallTag{next_seq_++, prepared.descriptor}, std::move(prepared.body), work,
+             std::chrono::milliseconds(timeout_ms_.load())});
     queued_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();

@@ -432,6 +432,7 @@ class RecordingCommunication final : public CollectiveCommunication {
   }
   std::shared_ptr<Work> BarrierAsync() override { return inner_.BarrierAsync(); }
   void Abort() override { inner_.Abort(); }
+  void SetTimeout(std::chrono::milliseconds timeout) override { inner_.SetTimeout(timeout); }
 
   std::vector<Call> calls() {
     std::lock_guard<std::mutex> lock(mu_);

@@ -193,6 +193,40 @@ TEST(RingMismatchTest, DifferentCountsRaiseMismatchAndBreakTheCommunicator) {
   }
 }
 
+// SetTimeout changes the deadline of the calls issued after it: a call whose peer never comes
+// raises kTimeout after the short deadline, not the communicator's long one.
+TEST(RingTimeoutTest, SetTimeoutAppliesToTheNextCalls) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {
+    std::vector<float> data(100, 1.0f);
+    const Tensor t{data.data(), data.size(), DataType::kFloat32};
+    comm.AllReduce(t, ReduceOp::kSum);  // the long deadline is plenty
+    EXPECT_EQ(data[0], 2.0f);
+    try {
+      comm.SetTimeout(std::chrono::milliseconds(0));
+      ADD_FAILURE() << "a zero timeout was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    }
+    if (comm.rank() == 1) {  // never joins the next all-reduce; waits until rank 0 gave up
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return;
+    }
+    comm.SetTimeout(std::chrono::milliseconds(300));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.AllReduce(t, ReduceOp::kSum);
+      ADD_FAILURE() << "an all-reduce without its peer succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(waited, std::chrono::milliseconds(250));
+    EXPECT_LT(waited, std::chrono::milliseconds(1400));
+  });
+}
+
 // Abort from another thread wakes a rank blocked in a collective its peer never joins.
 TEST(RingAbortTest, AbortWakesABlockedCall) {
   RunRanks(Transport::kTcp, 2, {}, [](CollectiveCommunication& comm) {
