@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <stdexcept>
 #include <string_view>
 #include <thread>
@@ -41,7 +42,7 @@ using bench::CheckMpi;
 bool IsLauncherVariable(std::string_view entry) {
   static constexpr std::string_view kNames[] = {
       "RANK",       "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE",
-      "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"};
+      "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "COLLECTIVES_JOB_TOKEN"};
   const std::string_view name = entry.substr(0, entry.find('='));
   for (std::string_view known : kNames) {
     if (name == known) return true;
@@ -134,8 +135,41 @@ int RankFromEnvironment() {
   return 0;
 }
 
+namespace {
+
+// A fresh job token for the ranks this launcher starts, when the environment names none: the
+// launcher is the job's creator, so it shares the secret with its ranks and nobody else.
+std::string FreshJobToken() {
+  std::array<unsigned char, 16> bytes{};
+  FILE* random = std::fopen("/dev/urandom", "rb");
+  if (random == nullptr || std::fread(bytes.data(), 1, bytes.size(), random) != bytes.size()) {
+    if (random != nullptr) std::fclose(random);
+    throw std::runtime_error("cannot read /dev/urandom for a job token");
+  }
+  std::fclose(random);
+  std::string hex;
+  for (unsigned char b : bytes) {
+    static const char kDigits[] = "0123456789abcdef";
+    hex += kDigits[b >> 4];
+    hex += kDigits[b & 15];
+  }
+  return hex;
+}
+
+// The token the library will prove: the option, else COLLECTIVES_JOB_TOKEN, else empty.
+std::string JobToken(const CommunicationOptions& options) {
+  if (!options.job_token.empty()) return options.job_token;
+  const char* env = std::getenv("COLLECTIVES_JOB_TOKEN");
+  return env != nullptr ? env : "";
+}
+
+}  // namespace
+
 int RunLocalLauncher(const char* program, int world_size, char** argv,
                      std::chrono::milliseconds timeout) {
+  const char* inherited_token = std::getenv("COLLECTIVES_JOB_TOKEN");
+  const std::string token =
+      inherited_token != nullptr && *inherited_token != 0 ? inherited_token : FreshJobToken();
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
     throw std::runtime_error("pipe: " + std::string(std::strerror(errno)));
@@ -146,6 +180,7 @@ int RunLocalLauncher(const char* program, int world_size, char** argv,
                                     "WORLD_SIZE=" + std::to_string(world_size),
                                     "LOCAL_WORLD_SIZE=" + std::to_string(world_size),
                                     "MASTER_ADDR=127.0.0.1",
+                                    "COLLECTIVES_JOB_TOKEN=" + token,
                                     std::string(kLocalRankEnv) + "=" + std::to_string(rank)};
   };
 
@@ -224,7 +259,7 @@ std::unique_ptr<CollectiveCommunication> ConnectLocalRank(const std::string& job
   if (fd_text == nullptr) throw std::runtime_error(std::string(kPortFdEnv) + " is not set");
   const int fd = std::atoi(fd_text);
   std::shared_ptr<Store> store =
-      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout);
+      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout, JobToken(options));
   const uint16_t port = TcpStorePort(*store);
   const std::string line = std::to_string(port) + "\n";
   if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
@@ -244,12 +279,27 @@ std::unique_ptr<CollectiveCommunication> ConnectLocalRank(const std::string& job
 
 #ifdef COLLECTIVES_WITH_MPI
 std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_prefix,
-                                                        const CommunicationOptions& options,
+                                                        const CommunicationOptions& given,
                                                         std::string* launcher) {
   int rank = 0;
   int world_size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+
+  // No token given: rank 0, the store's creator, makes one and shares it over MPI, a channel
+  // only the job's ranks are on.
+  CommunicationOptions options = given;
+  options.job_token = JobToken(given);
+  if (options.job_token.empty()) {
+    std::array<char, 33> token{};
+    if (rank == 0) {
+      const std::string fresh = FreshJobToken();
+      std::copy(fresh.begin(), fresh.end(), token.begin());
+    }
+    CheckMpi(MPI_Bcast(token.data(), static_cast<int>(token.size()), MPI_CHAR, 0, MPI_COMM_WORLD),
+             "MPI_Bcast");
+    options.job_token = token.data();
+  }
 
   std::string address;
   if (const char* master = std::getenv("MASTER_ADDR"); master != nullptr && *master != '\0') {
@@ -280,7 +330,7 @@ std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_p
   std::string failure;
   if (rank == 0) {
     try {
-      store = CreateTcpStore(address, 0, /*is_server=*/true, options.timeout);
+      store = CreateTcpStore(address, 0, /*is_server=*/true, options.timeout, options.job_token);
       port = TcpStorePort(*store);
     } catch (const std::exception& e) {
       failure = e.what();
@@ -293,8 +343,8 @@ std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_p
                                  : "rank 0 could not host the rendezvous store");
   }
   if (rank != 0) {
-    store =
-        CreateTcpStore(address, static_cast<uint16_t>(port), /*is_server=*/false, options.timeout);
+    store = CreateTcpStore(address, static_cast<uint16_t>(port), /*is_server=*/false,
+                           options.timeout, options.job_token);
   }
   ClusterSpec spec;
   spec.rank = rank;
