@@ -126,6 +126,10 @@ class ReplicaContext {
   // tensors hold the result. Every local replica calls it with tensors of the same count and
   // dtype, in the same order. Local replicas reduce with the strategy's CrossDeviceOps; workers
   // then all-reduce through the packer (fused into buckets of bytes_per_pack).
+  // Any dtype and op (CPU tensors); kAvg is a sum divided once by NumReplicasInSync() (integer
+  // division for integer types). Every replica of every worker gets the same bits. Replicas that
+  // pass different counts, dtypes or ops get kMismatch; two replicas passing the same buffer
+  // kInvalidArgument.
   void AllReduce(ReduceOp op, const std::vector<Tensor>& tensors);
   // The same for one scalar: returns the reduction of `value` over every replica.
   double AllReduce(ReduceOp op, double value);
@@ -170,15 +174,31 @@ class Strategy {
   // calling thread, the others on threads the strategy keeps). Returns one result per local
   // replica. If any replica throws, the others are released from whatever cross-replica call they
   // wait in (they throw kAborted), and Run rethrows the first error once all have returned.
+  // A replica that waits longer than the timeout (MirroredOptions::timeout, or the
+  // communication timeout) for the others at a cross-replica call throws kTimeout; one whose
+  // call can never be met because another replica returned from fn without making it throws
+  // kMismatch at once.
+  // A failed Run with several local replicas or several workers breaks the strategy: later Run
+  // calls rethrow the same error, and with several workers the communicator is aborted, so that
+  // the other workers fail at once instead of waiting for collectives this one will not issue.
+  // With one replica and one worker an exception just propagates and the strategy stays usable.
+  //
+  // A replica's result is kept in its own std::optional until every replica has returned, so
+  // results need not be default-constructible, and replicas never write to a shared object
+  // (a PerReplica<bool> is a std::vector<bool>, whose elements share words).
+  // A function returning void gives a Run returning void.
   template <typename Fn>
-  auto Run(Fn&& fn) -> PerReplica<std::invoke_result_t<Fn&, ReplicaContext&>> {
+  auto Run(Fn&& fn) {
     using R = std::invoke_result_t<Fn&, ReplicaContext&>;
     if constexpr (std::is_void_v<R>) {
       RunEach([&](ReplicaContext& ctx) { fn(ctx); });
-      return {};
+      return;
     } else {
-      PerReplica<R> results(static_cast<size_t>(num_local_replicas()));
-      RunEach([&](ReplicaContext& ctx) { results[ctx.local_replica_id()] = fn(ctx); });
+      std::vector<std::optional<R>> slots(static_cast<size_t>(num_local_replicas()));
+      RunEach([&](ReplicaContext& ctx) { slots[ctx.local_replica_id()].emplace(fn(ctx)); });
+      PerReplica<R> results;
+      results.reserve(slots.size());
+      for (std::optional<R>& slot : slots) results.push_back(std::move(*slot));
       return results;
     }
   }
@@ -232,7 +252,7 @@ struct MirroredOptions {
   // Number of local CPU replicas (threads). 0: one per GPU when GPUs are present, else 1.
   int num_replicas = 0;
   // Explicit devices; overrides num_replicas when not empty.
-  std::vector<Device> devices;
+  std::vector<Device> devices{};
   CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
   // Packer bucket cap for cross-replica all-reduces. 0: packing::DefaultBytesPerPack().
   size_t bytes_per_pack = 0;
@@ -250,15 +270,15 @@ class MirroredStrategy : public Strategy {
 struct MultiWorkerOptions {
   // The workers. Default: ClusterSpec::FromEnvironment() (TF_CONFIG, RANK/WORLD_SIZE/MASTER_*, or
   // mpirun's OMPI_COMM_WORLD_*).
-  std::optional<ClusterSpec> cluster;
+  std::optional<ClusterSpec> cluster{};
   // Rendezvous store. Default: the one CreateCommunication makes for the cluster (a TCP store
   // hosted by worker 0). Tests pass a memory store to run workers as threads.
-  std::shared_ptr<Store> store;
+  std::shared_ptr<Store> store{};
   // Local replicas per worker and how they reduce among themselves, as for MirroredStrategy.
   int num_local_replicas = 1;
   CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
   // RING, NCCL or AUTO between workers, timeout, bytes_per_pack, job token.
-  CommunicationOptions communication;
+  CommunicationOptions communication{};
 };
 
 // Several workers (processes, maybe on several hosts), each with one or more local replicas.
@@ -318,6 +338,10 @@ class DistributedDataset {
 
  private:
   std::vector<size_t> Order(int64_t epoch) const;
+  // The shuffled order of the last epoch asked for, shared by the replicas' threads (ReplicaBatch
+  // is called from every replica at once) and by copies of this dataset. Null without shuffle.
+  struct OrderCache;
+  std::shared_ptr<OrderCache> order_cache_;
   size_t num_examples_;
   DatasetOptions options_;
   int num_replicas_;
@@ -350,7 +374,10 @@ class Optimizer {
   const std::string& name() const { return name_; }
 
   // Checkpoint support: named float state per variable (for Adam "m" and "v"), read from local
-  // replica 0, and written back to every local copy.
+  // replica 0, and written back to every local copy. Slots are created (zero) at a variable's
+  // first update, so only variables updated so far have them; SaveSlots lists them in the
+  // strategy's variable order. RestoreSlots replaces all slots and checks names and sizes
+  // (kInvalidArgument) before changing anything. Both are cross-replica calls.
   struct Slot {
     std::string name;  // "<variable>/<slot>", e.g. "dense/kernel/m"
     std::vector<float> value;

@@ -1,0 +1,542 @@
+// Checkpoints of a strategy's variables and an optimizer's state, and BackupAndRestore.
+//
+// The file `<directory>/checkpoint` (all integers little-endian):
+//
+//   magic      8 bytes "COLLCKPT"
+//   version    u32 (1)
+//   reserved   u32 (0)
+//   file_bytes u64: the size of the whole file, so that truncation is named as such
+//   epoch, step               i64, i64 (TrainingState)
+//   optimizer name            u32 length + bytes ("" when saved without an optimizer)
+//   optimizer iterations      i64
+//   entries                   u64 count, then per entry:
+//     kind u8 (0 variable, 1 optimizer slot), name (u32 length + bytes),
+//     rank u32, dims u64 x rank, count u64 (= product of dims), count x f32
+//   checksum   u32: CRC-32 (IEEE, as zlib's crc32) of every byte before it
+//
+// Saving (a collective): every worker serialises (the variables are identical everywhere, so the
+// bytes are too). The chief writes `checkpoint.tmp-<pid>` in the directory, fsyncs it, renames it
+// over `checkpoint` and fsyncs the directory: a crash leaves the old file or the new one, never a
+// torn one. Other workers write the same bytes to `.worker-<index>.tmp` and delete it. Then the
+// workers all-reduce the lowest failing rank, so that every worker throws if any failed.
+//
+// Restoring (a collective): the chief reads and verifies the file, then broadcasts a small header
+// {status, error code, size} and the bytes (or its error message), so other workers need no
+// shared file system and fail with the chief's error instead of hanging. Every worker parses the
+// bytes, checks them against its variables and the optimizer (names, shapes, slots) before it
+// changes anything, then assigns every local copy.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "collectives/strategy.h"
+#include "src/strategy/strategy_impl.h"
+
+namespace collectives::strategy {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the checkpoint writer copies integers and floats as they lie in memory");
+
+constexpr char kMagic[8] = {'C', 'O', 'L', 'L', 'C', 'K', 'P', 'T'};
+constexpr uint32_t kVersion = 1;
+constexpr char kFileName[] = "checkpoint";
+constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8;  // magic, version, reserved, file_bytes
+constexpr size_t kChecksumBytes = 4;
+
+// ---- CRC-32 (IEEE 802.3, reflected, polynomial 0xEDB88320), one table lookup per byte. ----
+
+std::array<uint32_t, 256> MakeCrcTable() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+
+uint32_t Crc32(const unsigned char* data, size_t bytes) {
+  static const std::array<uint32_t, 256> kTable = MakeCrcTable();
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < bytes; ++i) c = kTable[(c ^ data[i]) & 0xFFu] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+// ---- What a checkpoint holds. ----
+
+struct Entry {
+  enum Kind : uint8_t { kVariable = 0, kSlot = 1 };
+  Kind kind = kVariable;
+  std::string name;
+  std::vector<size_t> shape;
+  std::vector<float> values;
+};
+
+struct Contents {
+  TrainingState state;
+  std::string optimizer;
+  int64_t iterations = 0;
+  std::vector<Entry> entries;
+};
+
+// ---- Serialisation. ----
+
+class Writer {
+ public:
+  void Raw(const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    bytes_.insert(bytes_.end(), b, b + n);
+  }
+  template <typename T>
+  void Put(T value) {
+    Raw(&value, sizeof value);
+  }
+  void String(const std::string& s) {
+    Put(static_cast<uint32_t>(s.size()));
+    Raw(s.data(), s.size());
+  }
+  std::vector<unsigned char>& bytes() { return bytes_; }
+
+ private:
+  std::vector<unsigned char> bytes_;
+};
+
+std::vector<unsigned char> Serialize(const Contents& c) {
+  Writer w;
+  w.Raw(kMagic, sizeof kMagic);
+  w.Put<uint32_t>(kVersion);
+  w.Put<uint32_t>(0);
+  w.Put<uint64_t>(0);  // file_bytes, patched below
+  w.Put<int64_t>(c.state.epoch);
+  w.Put<int64_t>(c.state.step);
+  w.String(c.optimizer);
+  w.Put<int64_t>(c.iterations);
+  w.Put<uint64_t>(c.entries.size());
+  for (const Entry& e : c.entries) {
+    w.Put<uint8_t>(e.kind);
+    w.String(e.name);
+    w.Put<uint32_t>(static_cast<uint32_t>(e.shape.size()));
+    for (size_t d : e.shape) w.Put<uint64_t>(d);
+    w.Put<uint64_t>(e.values.size());
+    w.Raw(e.values.data(), e.values.size() * sizeof(float));
+  }
+  std::vector<unsigned char>& bytes = w.bytes();
+  const uint64_t total = bytes.size() + kChecksumBytes;
+  std::memcpy(bytes.data() + 16, &total, sizeof total);
+  const uint32_t crc = Crc32(bytes.data(), bytes.size());
+  w.Put<uint32_t>(crc);
+  return std::move(w.bytes());
+}
+
+[[noreturn]] void ThrowCorrupt(const std::string& path, const std::string& why) {
+  throw Error(ErrorCode::kInvalidArgument, "checkpoint " + path + " is corrupt: " + why);
+}
+
+// Reads a verified byte string; every read is bounds-checked and names what it was reading.
+class Reader {
+ public:
+  Reader(const std::vector<unsigned char>& bytes, size_t end, std::string path)
+      : bytes_(bytes), end_(end), path_(std::move(path)) {}
+
+  void Raw(void* out, size_t n, const char* what) {
+    if (n > end_ - pos_) {
+      Corrupt("truncated record: " + std::string(what) + " needs " + std::to_string(n) +
+              " bytes at offset " + std::to_string(pos_) + ", " + std::to_string(end_ - pos_) +
+              " remain");
+    }
+    if (n > 0) std::memcpy(out, bytes_.data() + pos_, n);
+    pos_ += n;
+  }
+  template <typename T>
+  T Get(const char* what) {
+    T value;
+    Raw(&value, sizeof value, what);
+    return value;
+  }
+  std::string String(const char* what) {
+    const uint32_t n = Get<uint32_t>(what);
+    if (n > end_ - pos_) {
+      Corrupt(std::string(what) + " claims " + std::to_string(n) + " bytes at offset " +
+              std::to_string(pos_) + ", " + std::to_string(end_ - pos_) + " remain");
+    }
+    std::string s(n, '\0');
+    Raw(s.data(), n, what);
+    return s;
+  }
+  size_t remaining() const { return end_ - pos_; }
+  [[noreturn]] void Corrupt(const std::string& why) const { ThrowCorrupt(path_, why); }
+
+ private:
+  const std::vector<unsigned char>& bytes_;
+  size_t end_;
+  size_t pos_ = 0;
+  std::string path_;
+};
+
+// Verifies and parses; throws kInvalidArgument naming `path` and what is wrong.
+Contents Parse(const std::vector<unsigned char>& bytes, const std::string& path) {
+  const auto corrupt = [&](const std::string& why) { ThrowCorrupt(path, why); };
+  if (bytes.size() < sizeof kMagic || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
+    corrupt("bad magic (not a checkpoint of this library)");
+  }
+  if (bytes.size() < kHeaderBytes + kChecksumBytes) {
+    corrupt("truncated: " + std::to_string(bytes.size()) + " bytes, shorter than the header");
+  }
+  uint32_t version;
+  std::memcpy(&version, bytes.data() + 8, 4);
+  if (version != kVersion) {
+    corrupt("format version " + std::to_string(version) + ", this library reads version " +
+            std::to_string(kVersion));
+  }
+  uint64_t file_bytes;
+  std::memcpy(&file_bytes, bytes.data() + 16, 8);
+  if (file_bytes != bytes.size()) {
+    corrupt(std::string(file_bytes > bytes.size() ? "truncated" : "trailing bytes") + ": the file has " +
+            std::to_string(bytes.size()) + " bytes, its header says " +
+            std::to_string(file_bytes));
+  }
+  const size_t body_end = bytes.size() - kChecksumBytes;
+  uint32_t stored;
+  std::memcpy(&stored, bytes.data() + body_end, 4);
+  const uint32_t computed = Crc32(bytes.data(), body_end);
+  if (stored != computed) {
+    char text[64];
+    std::snprintf(text, sizeof text, "checksum mismatch (stored %08x, computed %08x)", stored,
+                  computed);
+    corrupt(text);
+  }
+
+  Reader in(bytes, body_end, path);
+  std::array<unsigned char, kHeaderBytes> header;
+  in.Raw(header.data(), header.size(), "header");
+  Contents c;
+  c.state.epoch = in.Get<int64_t>("epoch");
+  c.state.step = in.Get<int64_t>("step");
+  c.optimizer = in.String("optimizer name");
+  c.iterations = in.Get<int64_t>("optimizer iterations");
+  const uint64_t count = in.Get<uint64_t>("entry count");
+  for (uint64_t i = 0; i < count; ++i) {
+    Entry e;
+    const uint8_t kind = in.Get<uint8_t>("entry kind");
+    if (kind > Entry::kSlot) in.Corrupt("entry " + std::to_string(i) + " has kind " + std::to_string(kind));
+    e.kind = static_cast<Entry::Kind>(kind);
+    e.name = in.String("entry name");
+    const uint32_t rank = in.Get<uint32_t>("entry rank");
+    if (rank > in.remaining() / 8) in.Corrupt("entry '" + e.name + "' has rank " + std::to_string(rank));
+    size_t product = 1;
+    for (uint32_t d = 0; d < rank; ++d) {
+      const uint64_t dim = in.Get<uint64_t>("entry dimension");
+      if (dim != 0 && product > std::numeric_limits<size_t>::max() / dim) {
+        in.Corrupt("entry '" + e.name + "' has too many elements");
+      }
+      product *= dim;
+      e.shape.push_back(dim);
+    }
+    const uint64_t values = in.Get<uint64_t>("entry count");
+    if (values != product) {
+      in.Corrupt("entry '" + e.name + "' has " + std::to_string(values) +
+                 " values for a shape of " + std::to_string(product) + " elements");
+    }
+    if (values > in.remaining() / sizeof(float)) {
+      in.Corrupt("entry '" + e.name + "' claims " + std::to_string(values) + " values, only " +
+                 std::to_string(in.remaining()) + " bytes remain");
+    }
+    e.values.resize(values);
+    in.Raw(e.values.data(), values * sizeof(float), "entry values");
+    c.entries.push_back(std::move(e));
+  }
+  if (in.remaining() != 0) {
+    in.Corrupt(std::to_string(in.remaining()) + " unexpected bytes after the last entry");
+  }
+  return c;
+}
+
+// ---- Files. ----
+
+[[noreturn]] void ThrowSystem(const std::string& what, const std::string& path, int error) {
+  throw Error(ErrorCode::kSystem, what + " " + path + ": " + std::strerror(error));
+}
+
+void CreateDirectory(const std::string& directory) {
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec) throw Error(ErrorCode::kSystem, "cannot create directory " + directory + ": " + ec.message());
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int Release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// Writes `bytes` to a new file at `path`; with `sync`, fsyncs it before closing.
+void WriteFile(const std::string& path, const std::vector<unsigned char>& bytes, bool sync) {
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) ThrowSystem("cannot create", path, errno);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ThrowSystem("cannot write", path, errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (sync && ::fsync(fd.get()) != 0) ThrowSystem("cannot fsync", path, errno);
+  if (::close(fd.Release()) != 0) ThrowSystem("cannot close", path, errno);
+}
+
+void SyncDirectory(const std::string& directory) {
+  Fd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) ThrowSystem("cannot open directory", directory, errno);
+  if (::fsync(fd.get()) != 0) ThrowSystem("cannot fsync directory", directory, errno);
+}
+
+// nullopt when the file does not exist.
+std::optional<std::vector<unsigned char>> ReadFile(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    ThrowSystem("cannot open", path, errno);
+  }
+  std::vector<unsigned char> bytes;
+  unsigned char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ThrowSystem("cannot read", path, errno);
+    }
+    if (n == 0) break;
+    bytes.insert(bytes.end(), buffer, buffer + n);
+  }
+  return bytes;
+}
+
+std::string PathOf(const std::string& directory) { return directory + "/" + kFileName; }
+
+std::string ShapeText(const std::vector<size_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Contents Collect(Strategy& strategy, const Optimizer* optimizer, TrainingState state) {
+  Contents c;
+  c.state = state;
+  for (MirroredVariable* v : strategy.variables()) {
+    const std::span<const float> value = std::as_const(*v).value(0);
+    c.entries.push_back(Entry{Entry::kVariable, v->name(), v->shape(), {value.begin(), value.end()}});
+  }
+  if (optimizer != nullptr) {
+    c.optimizer = optimizer->name();
+    c.iterations = optimizer->iterations();
+    for (Optimizer::Slot& slot : optimizer->SaveSlots()) {
+      const size_t n = slot.value.size();
+      c.entries.push_back(Entry{Entry::kSlot, std::move(slot.name), {n}, std::move(slot.value)});
+    }
+  }
+  return c;
+}
+
+// Checks `c` against the strategy's variables and the optimizer, then assigns them. Nothing is
+// changed unless everything matches.
+void Apply(Strategy& strategy, Optimizer* optimizer, const Contents& c, const std::string& path) {
+  const auto mismatch = [&](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "checkpoint " + path + " does not match the strategy: " + why);
+  };
+  std::map<std::string, const Entry*> saved;
+  std::vector<Optimizer::Slot> slots;
+  for (const Entry& e : c.entries) {
+    if (e.kind == Entry::kVariable) {
+      if (!saved.emplace(e.name, &e).second) mismatch("variable '" + e.name + "' appears twice");
+    } else if (optimizer != nullptr) {
+      slots.push_back(Optimizer::Slot{e.name, e.values});
+    }
+  }
+  const std::vector<MirroredVariable*> variables = strategy.variables();
+  for (MirroredVariable* v : variables) {
+    auto it = saved.find(v->name());
+    if (it == saved.end()) mismatch("variable '" + v->name() + "' is not in the checkpoint");
+    if (it->second->shape != v->shape()) {
+      mismatch("variable '" + v->name() + "' has shape " + ShapeText(it->second->shape) +
+               " in the checkpoint, " + ShapeText(v->shape()) + " in the strategy");
+    }
+  }
+  if (saved.size() != variables.size()) {
+    for (const auto& [name, entry] : saved) {
+      if (strategy.FindVariable(name) == nullptr) {
+        mismatch("the checkpoint has variable '" + name + "', which the strategy has not");
+      }
+    }
+  }
+  if (optimizer != nullptr && c.optimizer != optimizer->name()) {
+    mismatch(c.optimizer.empty()
+                 ? "it holds no optimizer state, and optimizer " + optimizer->name() + " was given"
+                 : "it holds the state of optimizer " + c.optimizer + ", not of " +
+                       optimizer->name());
+  }
+  // RestoreSlots checks the slots before changing anything; variables are assigned after it.
+  if (optimizer != nullptr) {
+    try {
+      optimizer->RestoreSlots(slots, c.iterations);
+    } catch (const Error& e) {
+      mismatch(e.message());
+    }
+  }
+  for (MirroredVariable* v : variables) v->Assign(saved.at(v->name())->values);
+}
+
+enum class Status : int64_t { kOk = 0, kMissing = 1, kFailed = 2 };
+
+}  // namespace
+
+void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::string& directory,
+                    TrainingState state) {
+  StrategyImpl& impl = strategy.impl();
+  impl.CheckCrossReplica("SaveCheckpoint");
+  const std::vector<unsigned char> bytes = Serialize(Collect(strategy, optimizer, state));
+  std::exception_ptr failure;
+  try {
+    CreateDirectory(directory);
+    if (strategy.IsChief()) {
+      const std::string temp = directory + "/" + kFileName + ".tmp-" + std::to_string(::getpid());
+      try {
+        WriteFile(temp, bytes, /*sync=*/true);
+        if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {
+          ThrowSystem("cannot rename " + temp + " to", PathOf(directory), errno);
+        }
+      } catch (...) {
+        ::unlink(temp.c_str());
+        throw;
+      }
+      SyncDirectory(directory);
+    } else {
+      const std::string temp =
+          directory + "/.worker-" + std::to_string(strategy.worker_index()) + ".tmp";
+      WriteFile(temp, bytes, /*sync=*/false);
+      if (::unlink(temp.c_str()) != 0) ThrowSystem("cannot delete", temp, errno);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (CollectiveCommunication* comm = strategy.communication()) {
+    // The lowest failing rank, or world size when none failed: every worker learns of a failure.
+    int64_t failed = failure ? strategy.worker_index() : strategy.num_workers();
+    comm->AllReduce(Tensor{&failed, 1, DataType::kInt64}, ReduceOp::kMin);
+    if (!failure && failed < strategy.num_workers()) {
+      throw Error(ErrorCode::kSystem, impl.who() + "SaveCheckpoint to " + directory +
+                                          " failed on worker " + std::to_string(failed) +
+                                          " (its error says why)");
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,
+                                               const std::string& directory) {
+  StrategyImpl& impl = strategy.impl();
+  impl.CheckCrossReplica("RestoreCheckpoint");
+  const std::string path = PathOf(directory);
+  // On the chief: the file, or the error to give every worker.
+  std::array<int64_t, 3> header = {static_cast<int64_t>(Status::kMissing), 0, 0};
+  std::vector<unsigned char> payload;
+  if (strategy.IsChief()) {
+    try {
+      std::optional<std::vector<unsigned char>> file = ReadFile(path);
+      if (file) {
+        Parse(*file, path);  // verify before telling the others it is good
+        payload = std::move(*file);
+        header[0] = static_cast<int64_t>(Status::kOk);
+      }
+    } catch (const Error& e) {
+      header[0] = static_cast<int64_t>(Status::kFailed);
+      header[1] = static_cast<int64_t>(e.code());
+      payload.assign(e.message().begin(), e.message().end());
+    }
+    header[2] = static_cast<int64_t>(payload.size());
+  }
+  if (CollectiveCommunication* comm = strategy.communication()) {
+    comm->Broadcast(Tensor{header.data(), header.size(), DataType::kInt64}, 0);
+    if (!strategy.IsChief()) payload.resize(static_cast<size_t>(header[2]));
+    if (!payload.empty()) {
+      comm->Broadcast(Tensor{payload.data(), payload.size(), DataType::kUInt8}, 0);
+    }
+  }
+  switch (static_cast<Status>(header[0])) {
+    case Status::kMissing: return std::nullopt;
+    case Status::kFailed: {
+      std::string message(payload.begin(), payload.end());
+      if (!strategy.IsChief()) message += " (read by the chief, worker 0)";
+      throw Error(static_cast<ErrorCode>(header[1]), message);
+    }
+    case Status::kOk: break;
+  }
+  const Contents contents = Parse(payload, path);
+  Apply(strategy, optimizer, contents, path);
+  return contents.state;
+}
+
+// ---- BackupAndRestore ----------------------------------------------------------------------
+
+BackupAndRestore::BackupAndRestore(Strategy& strategy, Optimizer* optimizer,
+                                   std::string directory, Options options)
+    : strategy_(strategy),
+      optimizer_(optimizer),
+      directory_(std::move(directory)),
+      options_(options) {
+  if (directory_.empty()) {
+    throw Error(ErrorCode::kInvalidArgument, "BackupAndRestore: the directory is empty");
+  }
+  if (options_.save_every_steps < 0) {
+    throw Error(ErrorCode::kInvalidArgument, "BackupAndRestore: save_every_steps must be >= 0");
+  }
+}
+
+TrainingState BackupAndRestore::OnTrainBegin() {
+  return RestoreCheckpoint(strategy_, optimizer_, directory_).value_or(TrainingState{});
+}
+
+void BackupAndRestore::OnStepEnd(int64_t epoch, int64_t step) {
+  if (options_.save_every_steps > 0 && (step + 1) % options_.save_every_steps == 0) {
+    SaveCheckpoint(strategy_, optimizer_, directory_, TrainingState{epoch, step + 1});
+  }
+}
+
+void BackupAndRestore::OnEpochEnd(int64_t epoch) {
+  SaveCheckpoint(strategy_, optimizer_, directory_, TrainingState{epoch + 1, 0});
+}
+
+void BackupAndRestore::OnTrainEnd() {
+  strategy_.Barrier();  // every worker has finished with the backup
+  if (!options_.delete_on_train_end || !strategy_.IsChief()) return;
+  const std::string path = PathOf(directory_);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) ThrowSystem("cannot delete", path, errno);
+}
+
+}  // namespace collectives::strategy

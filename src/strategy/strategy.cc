@@ -1,0 +1,220 @@
+// The public strategy classes of strategy.h: each builds a StrategyImpl configuration (devices,
+// cross-device reduction, communicator) and forwards to it. Also ReplicaContext, the names of
+// CrossDeviceOps and ComputeAverageLoss.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "collectives/strategy.h"
+#include "src/strategy/strategy_impl.h"
+
+namespace collectives::strategy {
+namespace {
+
+[[noreturn]] void Invalid(const std::string& message) {
+  throw Error(ErrorCode::kInvalidArgument, message);
+}
+
+// Local replicas are CPU threads until the NCCL issue brings GPU replicas.
+void RequireCpu(const char* strategy, const Device& device) {
+  if (device.kind != Device::Kind::kCpu) {
+    throw Error(ErrorCode::kNotSupported,
+                std::string(strategy) + ": device " + device.ToString() +
+                    " is not supported: replicas run on the CPU for now (GPU replicas arrive "
+                    "with the NCCL backend)");
+  }
+}
+
+// kAuto -> what it means for CPU replicas; kNccl is refused.
+CrossDeviceOps Resolve(const char* strategy, CrossDeviceOps ops) {
+  switch (ops) {
+    case CrossDeviceOps::kAuto: return CrossDeviceOps::kHierarchicalCopy;
+    case CrossDeviceOps::kReductionToOneDevice:
+    case CrossDeviceOps::kHierarchicalCopy: return ops;
+    case CrossDeviceOps::kNccl:
+      throw Error(ErrorCode::kNotSupported,
+                  std::string(strategy) +
+                      ": cross_device_ops nccl needs CUDA devices, and the local replicas are "
+                      "CPU threads; use hierarchical_copy or reduction_to_one_device");
+  }
+  Invalid(std::string(strategy) + ": unknown cross_device_ops " +
+          std::to_string(static_cast<int>(ops)));
+}
+
+int LocalReplicaCount(const char* strategy, int requested) {
+  constexpr int kMaxLocalReplicas = 1024;
+  if (requested < 0 || requested > kMaxLocalReplicas) {
+    Invalid(std::string(strategy) + ": " + std::to_string(requested) +
+            " local replicas (expected 0 for the default, or 1.." +
+            std::to_string(kMaxLocalReplicas) + ")");
+  }
+  return requested == 0 ? 1 : requested;  // 0: one per GPU; there are none yet
+}
+
+void RequirePositive(const char* strategy, std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0) {
+    Invalid(std::string(strategy) + ": timeout must be positive, got " +
+            std::to_string(timeout.count()) + " ms");
+  }
+}
+
+std::unique_ptr<StrategyImpl> SingleDevice(std::string name, Device device) {
+  RequireCpu(name == "default" ? "DefaultStrategy" : "OneDeviceStrategy", device);
+  StrategyImpl::Config config;
+  config.name = std::move(name);
+  config.devices = {device};
+  return std::make_unique<StrategyImpl>(std::move(config));
+}
+
+std::unique_ptr<StrategyImpl> Mirrored(const MirroredOptions& options) {
+  constexpr const char* kWho = "MirroredStrategy";
+  StrategyImpl::Config config;
+  config.name = "mirrored";
+  if (!options.devices.empty()) {
+    for (const Device& d : options.devices) RequireCpu(kWho, d);
+    config.devices = options.devices;
+  } else {
+    config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_replicas)),
+                          Device::Cpu());
+  }
+  config.cross_device_ops = Resolve(kWho, options.cross_device_ops);
+  RequirePositive(kWho, options.timeout);
+  config.timeout = options.timeout;
+  config.bytes_per_pack = options.bytes_per_pack;
+  return std::make_unique<StrategyImpl>(std::move(config));
+}
+
+std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
+  constexpr const char* kWho = "MultiWorkerMirroredStrategy";
+  StrategyImpl::Config config;
+  config.name = "multi_worker_mirrored";
+  config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_local_replicas)),
+                        Device::Cpu());
+  config.cross_device_ops = Resolve(kWho, options.cross_device_ops);
+  RequirePositive(kWho, options.communication.timeout);
+  config.timeout = options.communication.timeout;
+  config.bytes_per_pack = options.communication.bytes_per_pack;
+  const ClusterSpec spec = options.cluster ? *options.cluster : ClusterSpec::FromEnvironment();
+  spec.Validate();
+  config.worker_index = spec.rank;
+  config.num_workers = spec.world_size;
+  if (spec.world_size > 1) {
+    config.comm = options.store
+                      ? CreateCommunication(spec, std::move(options.store), options.communication)
+                      : CreateCommunication(spec, options.communication);
+  }
+  return std::make_unique<StrategyImpl>(std::move(config));
+}
+
+}  // namespace
+
+// ---- Names -------------------------------------------------------------------------------------
+
+const char* ToString(CrossDeviceOps ops) {
+  switch (ops) {
+    case CrossDeviceOps::kAuto: return "auto";
+    case CrossDeviceOps::kReductionToOneDevice: return "reduction_to_one_device";
+    case CrossDeviceOps::kHierarchicalCopy: return "hierarchical_copy";
+    case CrossDeviceOps::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+CrossDeviceOps ParseCrossDeviceOps(const std::string& name) {
+  // Our names, and TensorFlow's class names.
+  if (name == "auto") return CrossDeviceOps::kAuto;
+  if (name == "reduction_to_one_device" || name == "ReductionToOneDevice") {
+    return CrossDeviceOps::kReductionToOneDevice;
+  }
+  if (name == "hierarchical_copy" || name == "HierarchicalCopyAllReduce") {
+    return CrossDeviceOps::kHierarchicalCopy;
+  }
+  if (name == "nccl" || name == "NcclAllReduce") return CrossDeviceOps::kNccl;
+  Invalid("unknown cross_device_ops '" + name +
+          "' (expected auto, reduction_to_one_device, hierarchical_copy or nccl)");
+}
+
+// ---- ReplicaContext ----------------------------------------------------------------------------
+
+void ReplicaContext::AllReduce(ReduceOp op, const std::vector<Tensor>& tensors) {
+  strategy_->impl().AllReduce(local_replica_id_, op, tensors);
+}
+
+double ReplicaContext::AllReduce(ReduceOp op, double value) {
+  strategy_->impl().AllReduce(local_replica_id_, op, {Tensor{&value, 1, DataType::kFloat64}});
+  return value;
+}
+
+// ---- Strategy ----------------------------------------------------------------------------------
+
+Strategy::Strategy(std::unique_ptr<StrategyImpl> impl) : impl_(std::move(impl)) {
+  impl_->Attach(this);
+}
+Strategy::~Strategy() = default;
+
+const std::string& Strategy::name() const { return impl_->name(); }
+int Strategy::NumReplicasInSync() const { return impl_->NumReplicasInSync(); }
+int Strategy::num_local_replicas() const { return impl_->num_local_replicas(); }
+int Strategy::num_workers() const { return impl_->num_workers(); }
+int Strategy::worker_index() const { return impl_->worker_index(); }
+bool Strategy::IsChief() const { return impl_->IsChief(); }
+const std::vector<Device>& Strategy::devices() const { return impl_->devices(); }
+CrossDeviceOps Strategy::cross_device_ops() const { return impl_->cross_device_ops(); }
+CollectiveCommunication* Strategy::communication() const { return impl_->communication(); }
+
+void Strategy::RunEach(const std::function<void(ReplicaContext&)>& fn) { impl_->RunEach(fn); }
+
+double Strategy::Reduce(ReduceOp op, const PerReplica<double>& values) {
+  return impl_->Reduce(op, values);
+}
+std::vector<float> Strategy::Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values) {
+  return impl_->Reduce(op, values);
+}
+
+MirroredVariable& Strategy::CreateVariable(const std::string& name, std::vector<size_t> shape,
+                                           const Initializer& init) {
+  return impl_->CreateVariable(name, std::move(shape), init);
+}
+std::vector<MirroredVariable*> Strategy::variables() const { return impl_->variables(); }
+MirroredVariable* Strategy::FindVariable(const std::string& name) const {
+  return impl_->FindVariable(name);
+}
+
+void Strategy::BroadcastFromChief(const std::vector<Tensor>& values) {
+  impl_->BroadcastFromChief(values);
+}
+void Strategy::Barrier() { impl_->Barrier(); }
+
+DefaultStrategy::DefaultStrategy() : Strategy(SingleDevice("default", Device::Cpu())) {}
+
+OneDeviceStrategy::OneDeviceStrategy(Device device)
+    : Strategy(SingleDevice("one_device", device)) {}
+
+MirroredStrategy::MirroredStrategy(const MirroredOptions& options)
+    : Strategy(Mirrored(options)) {}
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options)
+    : Strategy(MultiWorker(std::move(options))) {}
+
+// ---- Loss scaling ------------------------------------------------------------------------------
+
+double ComputeAverageLoss(std::span<const float> per_example_losses, size_t global_batch_size,
+                          std::span<const float> sample_weights) {
+  if (global_batch_size == 0) Invalid("ComputeAverageLoss: global_batch_size must be > 0");
+  if (!sample_weights.empty() && sample_weights.size() != per_example_losses.size()) {
+    Invalid("ComputeAverageLoss: " + std::to_string(sample_weights.size()) +
+            " sample weights for " + std::to_string(per_example_losses.size()) + " losses");
+  }
+  double sum = 0;
+  if (sample_weights.empty()) {
+    for (float loss : per_example_losses) sum += loss;
+  } else {
+    for (size_t i = 0; i < per_example_losses.size(); ++i) {
+      sum += static_cast<double>(per_example_losses[i]) * sample_weights[i];
+    }
+  }
+  return sum / static_cast<double>(global_batch_size);
+}
+
+}  // namespace collectives::strategy

@@ -1,0 +1,410 @@
+// StrategyImpl: running the replicas, the cross-replica all-reduce, Reduce, variables.
+//
+// ReplicaContext::AllReduce of a list of tensors, on W workers of N local replicas each:
+//
+//   1. Enter: the N local replicas meet (LocalGroup::Enter), each publishing its list, and check
+//      that they agree (the same call, op, counts and dtypes, distinct buffers).
+//   2. Local reduction, by the strategy's CrossDeviceOps:
+//      - kReductionToOneDevice: replica 0 folds every replica's tensors into its own, in replica
+//        order (((t0 op t1) op t2) ...); the others wait.
+//      - kHierarchicalCopy: the list is seen as one concatenation of T elements cut into N
+//        contiguous slices; replica i folds slice i of every replica, in replica order, into its
+//        own buffer (a reduce-scatter through shared memory, all threads busy). Folding in the
+//        same order as kReductionToOneDevice makes the two give the same bits.
+//   3. With one worker: kAvg is finished (one division by N) by whoever reduced the elements;
+//      then every replica copies the elements it did not reduce (kReductionToOneDevice: all of
+//      replica 0's; kHierarchicalCopy: every other replica's slice, an all-gather).
+//      With several workers: under kHierarchicalCopy every replica first copies its slice into
+//      replica 0's buffers; then replica 0 alone all-reduces its buffers with the other workers
+//      through the packer (fused into buckets of bytes_per_pack, kSum for kAvg), divides once by
+//      NumReplicasInSync() for kAvg, and every other replica copies replica 0's result.
+//   4. A last Step, so that no replica returns (and lets its caller overwrite its buffers) while
+//      another still reads them.
+// Every element of the result is computed once, on one thread, and copied byte for byte to the
+// other replicas; the cross-worker all-reduce gives every worker the same bytes. So every replica
+// of every worker ends with the same bits, which keeps mirrored variables identical.
+//
+// One local replica: no rendezvous; with several workers the tensors go straight through the
+// packer (then the kAvg division); with one worker there is nothing to do but kAvg's division
+// by 1, which is skipped.
+#include "src/strategy/strategy_impl.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "collectives/errors.h"
+#include "collectives/packing.h"
+#include "src/core/kernels.h"
+
+namespace collectives::strategy {
+namespace {
+
+using internal::LocalGroup;
+
+// First element of part `k` of `total` elements cut into `parts` contiguous parts whose sizes
+// differ by at most one (the first total % parts parts have one more).
+size_t PartBegin(size_t total, int parts, int k) {
+  const size_t p = static_cast<size_t>(parts);
+  const size_t i = static_cast<size_t>(k);
+  return total / p * i + std::min(i, total % p);
+}
+
+// Calls fn(j, first, count) for every piece of elements [lo, hi) of the concatenation of
+// `tensors`: tensor j's elements [first, first + count).
+template <typename Fn>
+void ForEachPiece(const std::vector<Tensor>& tensors, size_t lo, size_t hi, Fn&& fn) {
+  size_t start = 0;  // index of tensor j's first element in the concatenation
+  for (size_t j = 0; j < tensors.size() && start < hi; ++j) {
+    const size_t end = start + tensors[j].count;
+    const size_t a = std::max(lo, start);
+    const size_t b = std::min(hi, end);
+    if (a < b) fn(j, a - start, b - a);
+    start = end;
+  }
+}
+
+unsigned char* Bytes(const Tensor& t, size_t first) {
+  return static_cast<unsigned char*>(t.data) + first * SizeOf(t.dtype);
+}
+
+// dst[0, count) = src[0][.] op src[1][.] op ... in source order, through a small stack block so
+// that dst may be one of the sources.
+void FoldInOrder(DataType dtype, ReduceOp op, unsigned char* dst,
+                 const std::vector<const unsigned char*>& src, size_t count) {
+  alignas(64) unsigned char block[4096];
+  const size_t elem = SizeOf(dtype);
+  const size_t per_block = sizeof(block) / elem;
+  for (size_t done = 0; done < count; done += per_block) {
+    const size_t n = std::min(per_block, count - done);
+    const size_t offset = done * elem;
+    std::memcpy(block, src[0] + offset, n * elem);
+    for (size_t k = 1; k < src.size(); ++k) core::Reduce(dtype, op, block, block, src[k] + offset, n);
+    std::memcpy(dst + offset, block, n * elem);
+  }
+}
+
+void CopyTensor(const Tensor& dst, const Tensor& src) {
+  if (dst.count > 0 && dst.data != src.data) std::memcpy(dst.data, src.data, dst.bytes());
+}
+
+ReduceOp WireOp(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
+
+}  // namespace
+
+StrategyImpl::StrategyImpl(Config config)
+    : name_(std::move(config.name)),
+      devices_(std::move(config.devices)),
+      cross_device_ops_(config.cross_device_ops),
+      timeout_(config.timeout),
+      bytes_per_pack_(config.bytes_per_pack),
+      worker_index_(config.worker_index),
+      num_workers_(config.num_workers),
+      who_(config.num_workers > 1 ? "worker " + std::to_string(config.worker_index) + " " : ""),
+      comm_(std::move(config.comm)),
+      seq_(devices_.size(), 0) {
+  if (devices_.size() > 1) {
+    group_ = std::make_unique<LocalGroup>(static_cast<int>(devices_.size()), timeout_, who_);
+    group_->SetFailureHook([this] {
+      if (comm_) comm_->Abort();
+    });
+  }
+}
+
+StrategyImpl::~StrategyImpl() = default;
+
+void StrategyImpl::CheckCrossReplica(const char* call) const {
+  if (in_run_.load(std::memory_order_relaxed)) {
+    throw Error(ErrorCode::kInvalidUsage,
+                who_ + call +
+                    " is a cross-replica call: call it outside Strategy::Run, not from a "
+                    "replica's function");
+  }
+}
+
+void StrategyImpl::Break(std::exception_ptr error) {
+  if (!broken_) broken_ = std::move(error);
+  if (comm_) comm_->Abort();
+}
+
+void StrategyImpl::RunEach(const std::function<void(ReplicaContext&)>& fn) {
+  if (in_run_.load(std::memory_order_relaxed)) {
+    throw Error(ErrorCode::kInvalidUsage,
+                who_ + "Strategy::Run called from inside Run (a replica's function)");
+  }
+  if (broken_) std::rethrow_exception(broken_);
+  in_run_.store(true, std::memory_order_relaxed);
+  struct Reset {
+    std::atomic<bool>& flag;
+    ~Reset() { flag.store(false, std::memory_order_relaxed); }
+  } reset{in_run_};
+
+  const int n = num_local_replicas();
+  auto body = [&](int r) {
+    ReplicaContext ctx(owner_, r, worker_index_ * n + r, NumReplicasInSync());
+    fn(ctx);
+  };
+  if (!group_) {
+    // One local replica: nothing local can be left half done; with several workers the others
+    // may wait for this one in a collective, so the communicator is aborted.
+    try {
+      body(0);
+    } catch (...) {
+      if (comm_) Break(std::current_exception());
+      throw;
+    }
+    return;
+  }
+  try {
+    group_->Run(body);
+  } catch (...) {
+    Break(std::current_exception());
+    throw;
+  }
+}
+
+void StrategyImpl::CheckTensors(int r, const LocalGroup::Call& call,
+                                const std::vector<Tensor>& tensors) const {
+  const auto where = [&] {
+    return who_ + "replica " + std::to_string(r) + ": " + LocalGroup::Describe(call) + ": ";
+  };
+  if (static_cast<unsigned>(call.op) >= static_cast<unsigned>(kNumReduceOps)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                where() + "unknown reduce op " + std::to_string(static_cast<int>(call.op)));
+  }
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    const Tensor& t = tensors[j];
+    if (static_cast<unsigned>(t.dtype) >= static_cast<unsigned>(kNumDataTypes)) {
+      throw Error(ErrorCode::kInvalidArgument, where() + "tensor " + std::to_string(j) +
+                                                   " has an unknown dtype " +
+                                                   std::to_string(static_cast<int>(t.dtype)));
+    }
+    if (t.device.kind != Device::Kind::kCpu) {
+      throw Error(ErrorCode::kNotSupported, where() + "tensor " + std::to_string(j) + " is on " +
+                                                t.device.ToString() +
+                                                "; the local replicas reduce CPU tensors only");
+    }
+    if (t.data == nullptr && t.count > 0) {
+      throw Error(ErrorCode::kInvalidArgument, where() + "tensor " + std::to_string(j) +
+                                                   " has null data and " +
+                                                   std::to_string(t.count) + " elements");
+    }
+  }
+}
+
+void StrategyImpl::CrossWorker(ReduceOp op, const std::vector<Tensor>& tensors) {
+  if (comm_) packing::AllReduce(*comm_, tensors, WireOp(op), bytes_per_pack_);
+  const size_t divisor = static_cast<size_t>(NumReplicasInSync());
+  if (op == ReduceOp::kAvg && divisor > 1) {
+    for (const Tensor& t : tensors) {
+      if (t.count > 0) core::DivideInPlace(t.dtype, t.data, t.count, divisor);
+    }
+  }
+}
+
+void StrategyImpl::AllReduce(int r, ReduceOp op, const std::vector<Tensor>& tensors) {
+  const LocalGroup::Call call{"all_reduce", ++seq_[r], op};
+  CheckTensors(r, call, tensors);
+  if (!group_) {
+    CrossWorker(op, tensors);
+    return;
+  }
+  group_->Enter(r, call, tensors);
+  try {
+    if (cross_device_ops_ == CrossDeviceOps::kReductionToOneDevice) {
+      ReduceToOneDevice(r, call, op, tensors);
+    } else {
+      HierarchicalCopy(r, call, op, tensors);
+    }
+  } catch (...) {
+    // Abort the group before the error leaves this call, even if the caller catches it.
+    group_->Fail(r, std::current_exception());
+    throw;
+  }
+}
+
+void StrategyImpl::ReduceToOneDevice(int r, const LocalGroup::Call& call, ReduceOp op,
+                                     const std::vector<Tensor>& tensors) {
+  const int n = group_->size();
+  if (r == 0) {
+    const ReduceOp wire = WireOp(op);
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      const Tensor& mine = tensors[j];
+      if (mine.count == 0) continue;
+      for (int k = 1; k < n; ++k) {
+        core::Reduce(mine.dtype, wire, mine.data, mine.data, group_->Published(k)[j].data,
+                     mine.count);
+      }
+    }
+    CrossWorker(op, tensors);
+  }
+  group_->Step(r, call, comm_ ? "replica 0 reduces and all-reduces across workers"
+                              : "replica 0 reduces");
+  if (r != 0) {
+    const std::vector<Tensor>& root = group_->Published(0);
+    for (size_t j = 0; j < tensors.size(); ++j) CopyTensor(tensors[j], root[j]);
+  }
+  group_->Step(r, call, "the replicas copy replica 0's result");
+}
+
+void StrategyImpl::HierarchicalCopy(int r, const LocalGroup::Call& call, ReduceOp op,
+                                    const std::vector<Tensor>& tensors) {
+  const int n = group_->size();
+  size_t total = 0;
+  for (const Tensor& t : tensors) total += t.count;
+  const size_t divisor = static_cast<size_t>(NumReplicasInSync());
+  const bool divide_here = !comm_ && op == ReduceOp::kAvg && divisor > 1;
+
+  // Reduce-scatter: this replica folds its slice of every replica into its own buffers.
+  std::vector<const unsigned char*> sources(static_cast<size_t>(n));
+  ForEachPiece(tensors, PartBegin(total, n, r), PartBegin(total, n, r + 1),
+               [&](size_t j, size_t first, size_t count) {
+                 for (int k = 0; k < n; ++k) sources[k] = Bytes(group_->Published(k)[j], first);
+                 unsigned char* dst = Bytes(tensors[j], first);
+                 FoldInOrder(tensors[j].dtype, WireOp(op), dst, sources, count);
+                 if (divide_here) core::DivideInPlace(tensors[j].dtype, dst, count, divisor);
+               });
+  group_->Step(r, call, "the replicas reduce their slices");
+
+  // Copies a slice of replica `from`'s buffers into replica `to`'s.
+  const auto copy_slice = [&](int from, int to, int slice) {
+    const std::vector<Tensor>& src = group_->Published(from);
+    const std::vector<Tensor>& dst = group_->Published(to);
+    ForEachPiece(tensors, PartBegin(total, n, slice), PartBegin(total, n, slice + 1),
+                 [&](size_t j, size_t first, size_t count) {
+                   std::memcpy(Bytes(dst[j], first), Bytes(src[j], first),
+                               count * SizeOf(tensors[j].dtype));
+                 });
+  };
+  if (!comm_) {
+    // All-gather: copy every slice this replica did not reduce from its owner.
+    for (int k = 0; k < n; ++k) {
+      if (k != r) copy_slice(k, r, k);
+    }
+    group_->Step(r, call, "the replicas copy each other's slices");
+    return;
+  }
+  if (r != 0) copy_slice(r, 0, r);  // gather the local result on replica 0
+  group_->Step(r, call, "the replicas gather their slices on replica 0");
+  if (r == 0) CrossWorker(op, tensors);
+  group_->Step(r, call, "replica 0 all-reduces across workers");
+  if (r != 0) {
+    const std::vector<Tensor>& root = group_->Published(0);
+    for (size_t j = 0; j < tensors.size(); ++j) CopyTensor(tensors[j], root[j]);
+  }
+  group_->Step(r, call, "the replicas copy replica 0's result");
+}
+
+double StrategyImpl::Reduce(ReduceOp op, const PerReplica<double>& values) {
+  CheckCrossReplica("Strategy::Reduce");
+  if (values.size() != devices_.size()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                who_ + "Strategy::Reduce got " + std::to_string(values.size()) +
+                    " values for " + std::to_string(devices_.size()) + " local replicas");
+  }
+  if (static_cast<unsigned>(op) >= static_cast<unsigned>(kNumReduceOps)) {
+    throw Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: unknown reduce op");
+  }
+  const ReduceOp wire = WireOp(op);
+  double acc = values[0];
+  for (size_t k = 1; k < values.size(); ++k) {
+    core::Reduce(DataType::kFloat64, wire, &acc, &acc, &values[k], 1);
+  }
+  if (comm_) comm_->AllReduce(Tensor{&acc, 1, DataType::kFloat64}, wire);
+  if (op == ReduceOp::kAvg) acc /= static_cast<double>(NumReplicasInSync());
+  return acc;
+}
+
+std::vector<float> StrategyImpl::Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values) {
+  CheckCrossReplica("Strategy::Reduce");
+  if (values.size() != devices_.size()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                who_ + "Strategy::Reduce got " + std::to_string(values.size()) +
+                    " vectors for " + std::to_string(devices_.size()) + " local replicas");
+  }
+  if (static_cast<unsigned>(op) >= static_cast<unsigned>(kNumReduceOps)) {
+    throw Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: unknown reduce op");
+  }
+  for (size_t k = 1; k < values.size(); ++k) {
+    if (values[k].size() != values[0].size()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  who_ + "Strategy::Reduce: replica 0's vector has " +
+                      std::to_string(values[0].size()) + " elements, replica " +
+                      std::to_string(k) + "'s " + std::to_string(values[k].size()));
+    }
+  }
+  const ReduceOp wire = WireOp(op);
+  std::vector<float> acc = values[0];
+  const size_t count = acc.size();
+  if (count > 0) {
+    for (size_t k = 1; k < values.size(); ++k) {
+      core::Reduce(DataType::kFloat32, wire, acc.data(), acc.data(), values[k].data(), count);
+    }
+  }
+  const Tensor t{acc.data(), count, DataType::kFloat32};
+  if (comm_ && count > 0) comm_->AllReduce(t, wire);
+  const size_t divisor = static_cast<size_t>(NumReplicasInSync());
+  if (op == ReduceOp::kAvg && divisor > 1 && count > 0) {
+    core::DivideInPlace(DataType::kFloat32, acc.data(), count, divisor);
+  }
+  return acc;
+}
+
+MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vector<size_t> shape,
+                                               const Initializer& init) {
+  CheckCrossReplica("Strategy::CreateVariable");
+  if (name.empty()) {
+    throw Error(ErrorCode::kInvalidArgument, who_ + "CreateVariable: the name is empty");
+  }
+  if (by_name_.count(name) != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                who_ + "CreateVariable: a variable named '" + name + "' already exists");
+  }
+  if (!init) {
+    throw Error(ErrorCode::kInvalidArgument,
+                who_ + "CreateVariable('" + name + "'): the initializer is empty");
+  }
+  auto variable = std::make_unique<MirroredVariable>(name, std::move(shape), num_local_replicas());
+  if (IsChief()) {
+    try {
+      init(variable->value(0));
+    } catch (...) {
+      // The other workers wait for the broadcast below; release them.
+      if (comm_) comm_->Abort();
+      throw;
+    }
+  }
+  if (comm_ && variable->count() > 0) comm_->Broadcast(variable->tensor(0), 0);
+  const std::span<const float> value = std::as_const(*variable).value(0);
+  for (int r = 1; r < num_local_replicas(); ++r) {
+    std::copy(value.begin(), value.end(), variable->value(r).begin());
+  }
+  MirroredVariable& out = *variable;
+  variables_.push_back(std::move(variable));
+  by_name_.emplace(name, &out);
+  return out;
+}
+
+std::vector<MirroredVariable*> StrategyImpl::variables() const {
+  std::vector<MirroredVariable*> out;
+  out.reserve(variables_.size());
+  for (const auto& v : variables_) out.push_back(v.get());
+  return out;
+}
+
+MirroredVariable* StrategyImpl::FindVariable(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
+}
+
+void StrategyImpl::BroadcastFromChief(const std::vector<Tensor>& values) {
+  CheckCrossReplica("Strategy::BroadcastFromChief");
+  if (comm_) packing::Broadcast(*comm_, values, 0, bytes_per_pack_);
+}
+
+void StrategyImpl::Barrier() {
+  CheckCrossReplica("Strategy::Barrier");
+  if (comm_) comm_->Barrier();
+}
+
+}  // namespace collectives::strategy

@@ -1,0 +1,124 @@
+// StrategyImpl: what every strategy is underneath (the public classes of strategy.h only pick a
+// configuration): the local replicas (a LocalGroup), the communicator between workers, the
+// mirrored variables, and the cross-replica reductions.
+//
+// Thread-safety: as Strategy. The cross-replica-context methods (RunEach, Reduce,
+// CreateVariable, BroadcastFromChief, Barrier, ...) are called from the owner's thread, outside
+// RunEach; they throw kInvalidUsage when called from inside. AllReduce is called by the local
+// replicas of a running RunEach, each with its own local_replica.
+#ifndef COLLECTIVES_SRC_STRATEGY_STRATEGY_IMPL_H_
+#define COLLECTIVES_SRC_STRATEGY_STRATEGY_IMPL_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/communication.h"
+#include "collectives/strategy.h"
+#include "src/strategy/local_group.h"
+
+namespace collectives::strategy {
+
+class StrategyImpl {
+ public:
+  struct Config {
+    std::string name;              // "default", "one_device", "mirrored", "multi_worker_mirrored"
+    std::vector<Device> devices;   // one per local replica (CPU today)
+    CrossDeviceOps cross_device_ops = CrossDeviceOps::kHierarchicalCopy;  // resolved, never kAuto
+    std::chrono::milliseconds timeout{300'000};
+    size_t bytes_per_pack = 0;     // for the cross-worker packer
+    int worker_index = 0;
+    int num_workers = 1;
+    std::unique_ptr<CollectiveCommunication> comm;  // null with one worker
+  };
+  explicit StrategyImpl(Config config);
+  ~StrategyImpl();
+  StrategyImpl(const StrategyImpl&) = delete;
+  StrategyImpl& operator=(const StrategyImpl&) = delete;
+
+  // Set by Strategy's constructor: the public object ReplicaContexts point at.
+  void Attach(Strategy* owner) { owner_ = owner; }
+
+  const std::string& name() const { return name_; }
+  int num_local_replicas() const { return static_cast<int>(devices_.size()); }
+  int num_workers() const { return num_workers_; }
+  int worker_index() const { return worker_index_; }
+  int NumReplicasInSync() const { return num_workers_ * num_local_replicas(); }
+  // The worker with rank 0 is the chief. ClusterSpec::FromTfConfig gives rank 0 to the "chief"
+  // task when TF_CONFIG lists one (then the workers follow in list order), else to worker 0; so
+  // rank 0 is TensorFlow's chief in both cases, and worker 0 under torchrun or mpirun.
+  bool IsChief() const { return worker_index_ == 0; }
+  const std::vector<Device>& devices() const { return devices_; }
+  CrossDeviceOps cross_device_ops() const { return cross_device_ops_; }
+  CollectiveCommunication* communication() const { return comm_.get(); }
+  size_t bytes_per_pack() const { return bytes_per_pack_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // "worker 1 " with several workers, "" with one: the prefix of this worker's messages.
+  const std::string& who() const { return who_; }
+
+  void RunEach(const std::function<void(ReplicaContext&)>& fn);
+  void AllReduce(int local_replica, ReduceOp op, const std::vector<Tensor>& tensors);
+
+  double Reduce(ReduceOp op, const PerReplica<double>& values);
+  std::vector<float> Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values);
+
+  MirroredVariable& CreateVariable(const std::string& name, std::vector<size_t> shape,
+                                   const Initializer& init);
+  std::vector<MirroredVariable*> variables() const;
+  MirroredVariable* FindVariable(const std::string& name) const;
+
+  void BroadcastFromChief(const std::vector<Tensor>& values);
+  void Barrier();
+
+  // Throws kInvalidUsage naming `call` when called from inside RunEach.
+  void CheckCrossReplica(const char* call) const;
+  // Marks the strategy broken by `error` and aborts the communicator, so that the other
+  // workers, which may wait in a collective this worker will never issue, fail at once.
+  void Break(std::exception_ptr error);
+
+ private:
+  void ReduceToOneDevice(int r, const internal::LocalGroup::Call& call, ReduceOp op,
+                         const std::vector<Tensor>& tensors);
+  void HierarchicalCopy(int r, const internal::LocalGroup::Call& call, ReduceOp op,
+                        const std::vector<Tensor>& tensors);
+  // Replica 0's cross-worker step: all-reduce its tensors (which hold the local reduction) over
+  // the workers through the packer, then finish kAvg.
+  void CrossWorker(ReduceOp op, const std::vector<Tensor>& tensors);
+  void CheckTensors(int r, const internal::LocalGroup::Call& call,
+                    const std::vector<Tensor>& tensors) const;
+
+  Strategy* owner_ = nullptr;
+  const std::string name_;
+  const std::vector<Device> devices_;
+  const CrossDeviceOps cross_device_ops_;
+  const std::chrono::milliseconds timeout_;
+  const size_t bytes_per_pack_;
+  const int worker_index_;
+  const int num_workers_;
+  const std::string who_;
+  std::unique_ptr<CollectiveCommunication> comm_;
+  // Null with one local replica (RunEach then calls fn on the caller's thread).
+  std::unique_ptr<internal::LocalGroup> group_;
+
+  std::atomic<bool> in_run_{false};
+  // The first error of a RunEach with several replicas or workers: later RunEach calls rethrow
+  // it (a strategy whose replicas stopped at different points cannot be used again).
+  std::exception_ptr broken_;
+  // Cross-replica calls made so far by each local replica (element r written only by replica r).
+  std::vector<uint64_t> seq_;
+
+  std::deque<std::unique_ptr<MirroredVariable>> variables_;
+  std::map<std::string, MirroredVariable*> by_name_;
+};
+
+}  // namespace collectives::strategy
+
+#endif  // COLLECTIVES_SRC_STRATEGY_STRATEGY_IMPL_H_

@@ -1,0 +1,94 @@
+// MirroredVariable (one float32 copy per local replica) and the initializers.
+//
+// GlorotUniform draws from std::mt19937_64, whose output the standard fixes, and maps each
+// 64-bit draw to [0, 1) itself (top 53 bits x 2^-53), instead of using
+// std::uniform_real_distribution, whose algorithm is implementation-defined: the same seed gives
+// the same weights with every standard library.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+
+#include "collectives/errors.h"
+#include "collectives/strategy.h"
+
+namespace collectives::strategy {
+namespace {
+
+size_t CountOf(const std::string& name, const std::vector<size_t>& shape) {
+  size_t count = 1;
+  for (size_t d : shape) {
+    if (d != 0 && count > std::numeric_limits<size_t>::max() / sizeof(float) / d) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "variable '" + name + "': its shape has more elements than memory can hold");
+    }
+    count *= d;
+  }
+  return count;
+}
+
+}  // namespace
+
+MirroredVariable::MirroredVariable(std::string name, std::vector<size_t> shape,
+                                   int num_local_replicas)
+    : name_(std::move(name)), shape_(std::move(shape)), count_(CountOf(name_, shape_)) {
+  if (num_local_replicas < 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "variable '" + name_ + "': " + std::to_string(num_local_replicas) +
+                    " local replicas (need at least 1)");
+  }
+  copies_.assign(static_cast<size_t>(num_local_replicas), std::vector<float>(count_, 0.0f));
+}
+
+std::span<float> MirroredVariable::value(int local_replica) {
+  if (local_replica < 0 || local_replica >= num_local_replicas()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "variable '" + name_ + "': no local replica " + std::to_string(local_replica) +
+                    " (there are " + std::to_string(num_local_replicas()) + ")");
+  }
+  return copies_[static_cast<size_t>(local_replica)];
+}
+
+std::span<const float> MirroredVariable::value(int local_replica) const {
+  return const_cast<MirroredVariable*>(this)->value(local_replica);
+}
+
+Tensor MirroredVariable::tensor(int local_replica) {
+  return Tensor{data(local_replica), count_, DataType::kFloat32, Device::Cpu()};
+}
+
+void MirroredVariable::Assign(std::span<const float> value) {
+  if (value.size() != count_) {
+    throw Error(ErrorCode::kInvalidArgument, "variable '" + name_ + "': Assign of " +
+                                                 std::to_string(value.size()) +
+                                                 " values to " + std::to_string(count_) +
+                                                 " elements");
+  }
+  for (std::vector<float>& copy : copies_) std::copy(value.begin(), value.end(), copy.begin());
+}
+
+Initializer Zeros() {
+  return [](std::span<float> value) { std::fill(value.begin(), value.end(), 0.0f); };
+}
+
+Initializer Constant(float c) {
+  return [c](std::span<float> value) { std::fill(value.begin(), value.end(), c); };
+}
+
+Initializer GlorotUniform(size_t fan_in, size_t fan_out, uint64_t seed) {
+  if (fan_in + fan_out == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "GlorotUniform: fan_in + fan_out must be > 0");
+  }
+  const double limit = std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
+  return [limit, seed](std::span<float> value) {
+    std::mt19937_64 rng(seed);
+    for (float& v : value) {
+      const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)
+      v = static_cast<float>((2.0 * u - 1.0) * limit);
+    }
+  };
+}
+
+}  // namespace collectives::strategy

@@ -1,0 +1,667 @@
+// Strategies: configuration and errors, Run (results, parallel replicas on persistent threads,
+// the first error propagated and the other replicas released, timeouts, mismatched calls),
+// ReplicaContext::AllReduce against a reference element by element (every CrossDeviceOps, 1..8
+// local replicas, odd sizes, several and mixed dtypes, every op; then 2-3 workers x 1-3 replicas
+// as threads over loopback TCP), Strategy::Reduce, CreateVariable and BroadcastFromChief.
+#include "collectives/strategy.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "src/core/kernels.h"
+#include "tests/strategy/strategy_test_util.h"
+
+namespace collectives::strategy {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::BitEqual;
+using testing::ExpectError;
+using testing::ExpectErrorPtr;
+using testing::RunWorkers;
+using testing::RunWorkersCatching;
+
+constexpr CrossDeviceOps kR2O = CrossDeviceOps::kReductionToOneDevice;
+constexpr CrossDeviceOps kHC = CrossDeviceOps::kHierarchicalCopy;
+
+// ---- Configuration -----------------------------------------------------------------------------
+
+TEST(StrategyConfigTest, DefaultAndOneDevice) {
+  DefaultStrategy d;
+  EXPECT_EQ(d.name(), "default");
+  EXPECT_EQ(d.NumReplicasInSync(), 1);
+  EXPECT_EQ(d.num_workers(), 1);
+  EXPECT_EQ(d.worker_index(), 0);
+  EXPECT_TRUE(d.IsChief());
+  EXPECT_EQ(d.communication(), nullptr);
+  EXPECT_EQ(d.devices(), std::vector<Device>{Device::Cpu()});
+  OneDeviceStrategy one;
+  EXPECT_EQ(one.name(), "one_device");
+  EXPECT_EQ(one.NumReplicasInSync(), 1);
+  ExpectError(ErrorCode::kNotSupported, {"OneDeviceStrategy", "cuda:0", "NCCL"},
+              [] { OneDeviceStrategy gpu(Device::Cuda(0)); });
+}
+
+TEST(StrategyConfigTest, Mirrored) {
+  MirroredStrategy m({.num_replicas = 3});
+  EXPECT_EQ(m.name(), "mirrored");
+  EXPECT_EQ(m.NumReplicasInSync(), 3);
+  EXPECT_EQ(m.num_local_replicas(), 3);
+  EXPECT_EQ(m.cross_device_ops(), kHC);  // kAuto on CPU replicas
+  MirroredStrategy by_devices({.devices = {Device::Cpu(), Device::Cpu()},
+                               .cross_device_ops = kR2O});
+  EXPECT_EQ(by_devices.num_local_replicas(), 2);
+  EXPECT_EQ(by_devices.cross_device_ops(), kR2O);
+  MirroredStrategy defaulted;
+  EXPECT_EQ(defaulted.num_local_replicas(), 1);
+  ExpectError(ErrorCode::kNotSupported, {"nccl needs CUDA devices"}, [] {
+    MirroredStrategy s({.num_replicas = 2, .cross_device_ops = CrossDeviceOps::kNccl});
+  });
+  ExpectError(ErrorCode::kNotSupported, {"cuda:1"},
+              [] { MirroredStrategy s({.devices = {Device::Cpu(), Device::Cuda(1)}}); });
+  ExpectError(ErrorCode::kInvalidArgument, {"-2 local replicas"},
+              [] { MirroredStrategy s({.num_replicas = -2}); });
+  ExpectError(ErrorCode::kInvalidArgument, {"timeout"},
+              [] { MirroredStrategy s({.num_replicas = 2, .timeout = 0ms}); });
+}
+
+TEST(StrategyConfigTest, CrossDeviceOpsNames) {
+  for (CrossDeviceOps ops : {CrossDeviceOps::kAuto, kR2O, kHC, CrossDeviceOps::kNccl}) {
+    EXPECT_EQ(ParseCrossDeviceOps(ToString(ops)), ops);
+  }
+  EXPECT_EQ(ParseCrossDeviceOps("HierarchicalCopyAllReduce"), kHC);
+  EXPECT_EQ(ParseCrossDeviceOps("ReductionToOneDevice"), kR2O);
+  EXPECT_EQ(ParseCrossDeviceOps("NcclAllReduce"), CrossDeviceOps::kNccl);
+  ExpectError(ErrorCode::kInvalidArgument, {"'ring'"}, [] { ParseCrossDeviceOps("ring"); });
+}
+
+TEST(StrategyConfigTest, MultiWorkerLayoutAndChief) {
+  RunWorkers(3, 2, kHC, [](Strategy& s, int rank) {
+    EXPECT_EQ(s.name(), "multi_worker_mirrored");
+    EXPECT_EQ(s.num_workers(), 3);
+    EXPECT_EQ(s.worker_index(), rank);
+    EXPECT_EQ(s.NumReplicasInSync(), 6);
+    EXPECT_EQ(s.IsChief(), rank == 0);
+    ASSERT_NE(s.communication(), nullptr);
+    EXPECT_EQ(s.communication()->size(), 3);
+    auto ids = s.Run([](ReplicaContext& ctx) { return ctx.replica_id_in_sync_group(); });
+    EXPECT_EQ(ids, (std::vector<int>{2 * rank, 2 * rank + 1}));
+  });
+}
+
+TEST(StrategyConfigTest, TfConfigChiefIsRankZeroAndChief) {
+  // TF_CONFIG with a "chief" task: the chief is rank 0 and IsChief; worker 0 is rank 1.
+  const auto tf_config = [](const char* type) {
+    return std::string(R"({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},)") +
+           R"( "task": {"type": ")" + type + R"(", "index": 0}})";
+  };
+  auto store = CreateMemoryStore();
+  std::vector<int> chief(2, -1);
+  std::vector<std::thread> threads;
+  for (const char* type : {"chief", "worker"}) {
+    threads.emplace_back([&, type] {
+      try {
+        MultiWorkerOptions options;
+        options.cluster = ClusterSpec::FromTfConfig(tf_config(type));
+        options.store = store;
+        options.communication.timeout = 20s;
+        MultiWorkerMirroredStrategy s(options);
+        chief[s.worker_index()] = s.IsChief() ? 1 : 0;
+        EXPECT_EQ(s.worker_index(), std::string(type) == "chief" ? 0 : 1);
+        s.Barrier();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << type << ": " << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(chief, (std::vector<int>{1, 0}));
+}
+
+// ---- Run ---------------------------------------------------------------------------------------
+
+TEST(StrategyRunTest, OneResultPerReplica) {
+  MirroredStrategy s({.num_replicas = 4});
+  auto out = s.Run([](ReplicaContext& ctx) {
+    EXPECT_EQ(ctx.num_replicas_in_sync(), 4);
+    EXPECT_EQ(ctx.replica_id_in_sync_group(), ctx.local_replica_id());
+    return 10 * ctx.local_replica_id();
+  });
+  EXPECT_EQ(out, (std::vector<int>{0, 10, 20, 30}));
+  // vector<bool> results: every replica writes its own slot.
+  auto odd = s.Run([](ReplicaContext& ctx) { return ctx.local_replica_id() % 2 == 1; });
+  EXPECT_EQ(odd, (std::vector<bool>{false, true, false, true}));
+  // void functions
+  std::atomic<int> calls{0};
+  s.Run([&](ReplicaContext&) { ++calls; });
+  EXPECT_EQ(calls.load(), 4);
+}
+
+TEST(StrategyRunTest, ReplicasRunInParallelOnPersistentThreads) {
+  constexpr int kN = 6;
+  MirroredStrategy s({.num_replicas = kN});
+  std::vector<std::thread::id> first(kN), second(kN);
+  for (auto* ids : {&first, &second}) {
+    // Every replica waits until all have started: run one after another, this would never end
+    // (it gives up after 10 s and fails instead).
+    std::atomic<int> arrived{0};
+    auto met = s.Run([&](ReplicaContext& ctx) {
+      (*ids)[ctx.local_replica_id()] = std::this_thread::get_id();
+      ++arrived;
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (arrived.load() < kN && std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield();
+      }
+      return arrived.load() == kN;
+    });
+    EXPECT_EQ(met, std::vector<bool>(kN, true));
+  }
+  EXPECT_EQ(first[0], std::this_thread::get_id());  // replica 0 on the caller's thread
+  EXPECT_EQ(first, second);                          // the same threads every step
+  EXPECT_EQ(std::set<std::thread::id>(first.begin(), first.end()).size(), size_t{kN});
+}
+
+TEST(StrategyRunTest, FirstErrorComesBackAndBlockedReplicasAreReleased) {
+  for (CrossDeviceOps ops : {kR2O, kHC}) {
+    MirroredStrategy s({.num_replicas = 4, .cross_device_ops = ops});  // default timeout: 300 s
+    std::mutex mu;
+    std::vector<std::string> others;
+    const auto start = std::chrono::steady_clock::now();
+    ExpectError(ErrorCode::kInvalidUsage, {"boom from replica 2"}, [&] {
+      s.Run([&](ReplicaContext& ctx) {
+        if (ctx.local_replica_id() == 2) {
+          std::this_thread::sleep_for(20ms);  // the others are blocked in AllReduce by now
+          throw Error(ErrorCode::kInvalidUsage, "boom from replica 2");
+        }
+        float x = 1;
+        try {
+          ctx.AllReduce(ReduceOp::kSum, {Tensor{&x, 1}});
+        } catch (const Error& e) {
+          std::lock_guard<std::mutex> lock(mu);
+          others.push_back(e.what());
+          throw;
+        }
+      });
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+    ASSERT_EQ(others.size(), 3u);
+    for (const std::string& what : others) {
+      EXPECT_NE(what.find("[aborted]"), std::string::npos) << what;
+      EXPECT_NE(what.find("all_reduce #1 aborted because replica 2 failed"), std::string::npos)
+          << what;
+      EXPECT_NE(what.find("boom from replica 2"), std::string::npos) << what;
+    }
+    // Sticky: the strategy stays broken with the same error.
+    ExpectError(ErrorCode::kInvalidUsage, {"boom from replica 2"},
+                [&] { s.Run([](ReplicaContext&) {}); });
+  }
+}
+
+TEST(StrategyRunTest, NonLibraryExceptionsPropagateUnchanged) {
+  MirroredStrategy s({.num_replicas = 2});
+  EXPECT_THROW(s.Run([](ReplicaContext& ctx) {
+    if (ctx.local_replica_id() == 1) throw std::out_of_range("mine");
+  }),
+               std::out_of_range);
+  // With one replica nothing is left half done: the strategy stays usable.
+  DefaultStrategy d;
+  EXPECT_THROW(d.Run([](ReplicaContext&) { throw std::out_of_range("x"); }), std::out_of_range);
+  EXPECT_EQ(d.Run([](ReplicaContext&) { return 5; }), std::vector<int>{5});
+}
+
+TEST(StrategyRunTest, AReplicaThatIsLateTimesOut) {
+  MirroredStrategy s({.num_replicas = 3, .timeout = 100ms});
+  const auto start = std::chrono::steady_clock::now();
+  ExpectError(ErrorCode::kTimeout, {"timed out after 100 ms in all_reduce #1", "replica 2"}, [&] {
+    s.Run([&](ReplicaContext& ctx) {
+      if (ctx.local_replica_id() == 2) {
+        std::this_thread::sleep_for(400ms);  // skips the collective, and is slow
+        return;
+      }
+      double v = 1;
+      ctx.AllReduce(ReduceOp::kSum, {Tensor{&v, 1, DataType::kFloat64}});
+    });
+  });
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, 100ms);
+  EXPECT_LT(took, 3s);
+}
+
+TEST(StrategyRunTest, AReplicaThatSkipsACallFailsAtOnce) {
+  MirroredStrategy s({.num_replicas = 3});  // default timeout: 300 s
+  const auto start = std::chrono::steady_clock::now();
+  ExpectError(ErrorCode::kMismatch,
+              {"all_reduce #2 can never complete", "replica 1 returned from its function"}, [&] {
+                s.Run([&](ReplicaContext& ctx) {
+                  ctx.AllReduce(ReduceOp::kSum, 1.0);
+                  if (ctx.local_replica_id() == 1) return;
+                  ctx.AllReduce(ReduceOp::kSum, 1.0);
+                });
+              });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+TEST(StrategyRunTest, ReplicasThatDisagreeOnACallGetMismatch) {
+  {
+    MirroredStrategy s({.num_replicas = 2});
+    ExpectError(ErrorCode::kMismatch, {"all_reduce #1", "sum", "max"}, [&] {
+      s.Run([&](ReplicaContext& ctx) {
+        ctx.AllReduce(ctx.local_replica_id() == 0 ? ReduceOp::kSum : ReduceOp::kMax, 1.0);
+      });
+    });
+  }
+  {
+    MirroredStrategy s({.num_replicas = 3});
+    ExpectError(ErrorCode::kMismatch, {"tensor 1 has 4 x f32 on replica 0 but 5 x f32 on replica 2"},
+                [&] {
+                  s.Run([&](ReplicaContext& ctx) {
+                    std::vector<float> a(3), b(ctx.local_replica_id() == 2 ? 5 : 4);
+                    ctx.AllReduce(ReduceOp::kSum, {Tensor{a.data(), a.size()},
+                                                   Tensor{b.data(), b.size()}});
+                  });
+                });
+  }
+  {
+    MirroredStrategy s({.num_replicas = 2});
+    std::vector<float> shared(4);
+    ExpectError(ErrorCode::kInvalidArgument, {"the same buffer"}, [&] {
+      s.Run([&](ReplicaContext& ctx) {
+        ctx.AllReduce(ReduceOp::kSum, {Tensor{shared.data(), shared.size()}});
+      });
+    });
+  }
+}
+
+TEST(StrategyRunTest, CrossReplicaCallsInsideRunAreRefused) {
+  MirroredStrategy s({.num_replicas = 2});
+  ExpectError(ErrorCode::kInvalidUsage, {"called from inside Run"}, [&] {
+    s.Run([&](ReplicaContext&) { s.Run([](ReplicaContext&) {}); });
+  });
+  MirroredStrategy t({.num_replicas = 1});
+  ExpectError(ErrorCode::kInvalidUsage, {"Strategy::CreateVariable is a cross-replica call"}, [&] {
+    t.Run([&](ReplicaContext&) { t.CreateVariable("v", {1}, Zeros()); });
+  });
+  ExpectError(ErrorCode::kInvalidUsage, {"Strategy::Reduce"}, [&] {
+    t.Run([&](ReplicaContext&) { t.Reduce(ReduceOp::kSum, PerReplica<double>{1.0}); });
+  });
+}
+
+TEST(StrategyRunTest, UnsupportedTensorsAreRefused) {
+  MirroredStrategy s({.num_replicas = 2});
+  ExpectError(ErrorCode::kNotSupported, {"all_reduce #1: tensor 0 is on cuda:0"}, [&] {
+    s.Run([&](ReplicaContext& ctx) {
+      float x = 0;
+      ctx.AllReduce(ReduceOp::kSum, {Tensor{&x, 1, DataType::kFloat32, Device::Cuda(0)}});
+    });
+  });
+  DefaultStrategy d;
+  ExpectError(ErrorCode::kInvalidArgument, {"null data"}, [&] {
+    d.Run([&](ReplicaContext& ctx) { ctx.AllReduce(ReduceOp::kSum, {Tensor{nullptr, 3}}); });
+  });
+}
+
+// ---- AllReduce, local replicas -----------------------------------------------------------------
+
+// A value of replica r, tensor j, element i: not integers, so sums round, and the order of the
+// additions shows in the bits.
+double Input(int r, size_t j, size_t i) {
+  return std::sin(static_cast<double>(r * 7919 + static_cast<int>(j) * 104729) + 0.37 * i) *
+         (1.0 + static_cast<double>(r));
+}
+
+struct Lists {
+  // data[r][j]: replica r's tensor j, as bytes.
+  std::vector<std::vector<std::vector<unsigned char>>> data;
+  std::vector<DataType> dtypes;
+  std::vector<size_t> counts;
+
+  Lists(int replicas, std::vector<DataType> ts, std::vector<size_t> cs, int first_replica = 0)
+      : dtypes(std::move(ts)), counts(std::move(cs)) {
+    data.resize(static_cast<size_t>(replicas));
+    for (int r = 0; r < replicas; ++r) {
+      for (size_t j = 0; j < counts.size(); ++j) {
+        std::vector<unsigned char> bytes(counts[j] * SizeOf(dtypes[j]));
+        for (size_t i = 0; i < counts[j]; ++i) Put(bytes.data(), dtypes[j], i,
+                                                      Input(first_replica + r, j, i));
+        data[r].push_back(std::move(bytes));
+      }
+    }
+  }
+  static void Put(unsigned char* p, DataType t, size_t i, double v) {
+    switch (t) {
+      case DataType::kFloat32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
+      case DataType::kFloat64: reinterpret_cast<double*>(p)[i] = v; break;
+      case DataType::kInt32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v * 1000); break;
+      default: FAIL() << "dtype not used here";
+    }
+  }
+  std::vector<Tensor> TensorsOf(int r) {
+    std::vector<Tensor> out;
+    for (size_t j = 0; j < counts.size(); ++j) {
+      out.push_back(Tensor{data[r][j].data(), counts[j], dtypes[j]});
+    }
+    return out;
+  }
+  // The expected result: fold in replica order with the library's kernels, then kAvg's division.
+  std::vector<std::vector<unsigned char>> Reference(ReduceOp op, size_t divisor) const {
+    std::vector<std::vector<unsigned char>> out = data[0];
+    const ReduceOp fold = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    for (size_t j = 0; j < counts.size(); ++j) {
+      if (counts[j] == 0) continue;
+      for (size_t r = 1; r < data.size(); ++r) {
+        core::Reduce(dtypes[j], fold, out[j].data(), out[j].data(), data[r][j].data(), counts[j]);
+      }
+      if (op == ReduceOp::kAvg && divisor > 1) {
+        core::DivideInPlace(dtypes[j], out[j].data(), counts[j], divisor);
+      }
+    }
+    return out;
+  }
+};
+
+struct LocalCase {
+  CrossDeviceOps ops;
+  int replicas;
+};
+
+class StrategyLocalAllReduceTest : public ::testing::TestWithParam<LocalCase> {};
+
+TEST_P(StrategyLocalAllReduceTest, MatchesAFoldInReplicaOrderBitForBit) {
+  const LocalCase c = GetParam();
+  MirroredStrategy s({.num_replicas = c.replicas, .cross_device_ops = c.ops});
+  // Odd sizes: empty, one element, primes, fewer elements than replicas, not divisible by N, and
+  // more than one 4 KiB block.
+  const std::vector<size_t> counts = {0, 1, 7, 13, 2, 1031, 3000, 0, 5};
+  for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kInt32}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+      SCOPED_TRACE(::testing::Message() << ToString(dtype) << " " << ToString(op));
+      Lists lists(c.replicas, std::vector<DataType>(counts.size(), dtype), counts);
+      const auto expected = lists.Reference(op, static_cast<size_t>(c.replicas));
+      s.Run([&](ReplicaContext& ctx) {
+        ctx.AllReduce(op, lists.TensorsOf(ctx.local_replica_id()));
+      });
+      for (int r = 0; r < c.replicas; ++r) {
+        for (size_t j = 0; j < counts.size(); ++j) {
+          ASSERT_EQ(lists.data[r][j], expected[j]) << "replica " << r << " tensor " << j;
+        }
+      }
+    }
+  }
+  // Mixed dtypes in one call, and a scalar.
+  Lists mixed(c.replicas, {DataType::kFloat64, DataType::kFloat32, DataType::kFloat64},
+              {11, 29, 3});
+  const auto expected = mixed.Reference(ReduceOp::kSum, 1);
+  auto scalars = s.Run([&](ReplicaContext& ctx) {
+    ctx.AllReduce(ReduceOp::kSum, mixed.TensorsOf(ctx.local_replica_id()));
+    return ctx.AllReduce(ReduceOp::kAvg, static_cast<double>(ctx.local_replica_id()));
+  });
+  for (int r = 0; r < c.replicas; ++r) {
+    for (size_t j = 0; j < 3; ++j) EXPECT_EQ(mixed.data[r][j], expected[j]);
+    EXPECT_EQ(scalars[r], (c.replicas - 1) / 2.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Replicas, StrategyLocalAllReduceTest,
+                         ::testing::Values(LocalCase{kR2O, 1}, LocalCase{kR2O, 2},
+                                           LocalCase{kR2O, 3}, LocalCase{kR2O, 5},
+                                           LocalCase{kR2O, 8}, LocalCase{kHC, 1},
+                                           LocalCase{kHC, 2}, LocalCase{kHC, 3},
+                                           LocalCase{kHC, 4}, LocalCase{kHC, 7},
+                                           LocalCase{kHC, 8}),
+                         [](const ::testing::TestParamInfo<LocalCase>& p) {
+                           return std::string(p.param.ops == kR2O ? "ReductionToOneDevice"
+                                                                     : "HierarchicalCopy") +
+                                  "_" + std::to_string(p.param.replicas);
+                         });
+
+TEST(StrategyAllReduceTest, BothCrossDeviceOpsGiveTheSameBits) {
+  const std::vector<size_t> counts = {1000, 17};
+  std::vector<std::vector<std::vector<unsigned char>>> results;
+  for (CrossDeviceOps ops : {kR2O, kHC}) {
+    MirroredStrategy s({.num_replicas = 5, .cross_device_ops = ops});
+    Lists lists(5, {DataType::kFloat32, DataType::kFloat32}, counts);
+    s.Run([&](ReplicaContext& ctx) {
+      ctx.AllReduce(ReduceOp::kAvg, lists.TensorsOf(ctx.local_replica_id()));
+    });
+    results.push_back(lists.data[3]);
+  }
+  EXPECT_EQ(results[0], results[1]);
+}
+
+// ---- AllReduce, several workers ----------------------------------------------------------------
+
+struct WorkerCase {
+  int workers;
+  int local;
+  CrossDeviceOps ops;
+};
+
+class StrategyMultiWorkerAllReduceTest : public ::testing::TestWithParam<WorkerCase> {};
+
+TEST_P(StrategyMultiWorkerAllReduceTest, EveryReplicaOfEveryWorkerGetsTheSameExactResult) {
+  const WorkerCase c = GetParam();
+  const int n = c.workers * c.local;
+  // Integer-valued floats: sums are exact in any order, so the reference is exact too.
+  const std::vector<size_t> counts = {0, 1, 13, 1031, 3};
+  const auto value = [](int g, size_t j, size_t i) {
+    return static_cast<double>(static_cast<int>((g * 37 + j * 11 + i * 5) % 23) - 11);
+  };
+  std::vector<std::vector<std::vector<float>>> results(static_cast<size_t>(n));
+  std::vector<std::vector<std::vector<double>>> results64(static_cast<size_t>(n));
+  std::vector<double> scalars(static_cast<size_t>(n));
+  RunWorkers(
+      c.workers, c.local, c.ops,
+      [&](Strategy& s, int) {
+        s.Run([&](ReplicaContext& ctx) {
+          const int g = ctx.replica_id_in_sync_group();
+          std::vector<std::vector<float>> mine;
+          std::vector<std::vector<double>> mine64;
+          std::vector<Tensor> tensors, tensors64;
+          for (size_t j = 0; j < counts.size(); ++j) {
+            mine.emplace_back(counts[j]);
+            mine64.emplace_back(counts[j]);
+            for (size_t i = 0; i < counts[j]; ++i) {
+              mine[j][i] = static_cast<float>(value(g, j, i));
+              mine64[j][i] = value(g, j, i) + 0.5 * g;
+            }
+          }
+          for (size_t j = 0; j < counts.size(); ++j) {
+            tensors.push_back(Tensor{mine[j].data(), counts[j]});
+            tensors64.push_back(Tensor{mine64[j].data(), counts[j], DataType::kFloat64});
+          }
+          ctx.AllReduce(ReduceOp::kSum, tensors);
+          ctx.AllReduce(ReduceOp::kMax, tensors64);
+          scalars[g] = ctx.AllReduce(ReduceOp::kAvg, static_cast<double>(g));
+          results[g] = mine;
+          results64[g] = mine64;
+        });
+      },
+      [](MultiWorkerOptions& o) { o.communication.bytes_per_pack = 256; });  // several buckets
+  for (size_t j = 0; j < counts.size(); ++j) {
+    for (size_t i = 0; i < counts[j]; ++i) {
+      double sum = 0, max = -1e300;
+      for (int g = 0; g < n; ++g) {
+        sum += value(g, j, i);
+        max = std::max(max, value(g, j, i) + 0.5 * g);
+      }
+      for (int g = 0; g < n; ++g) {
+        ASSERT_EQ(results[g][j][i], static_cast<float>(sum)) << "replica " << g << " t" << j;
+        ASSERT_EQ(results64[g][j][i], max) << "replica " << g << " t" << j;
+      }
+    }
+  }
+  for (int g = 0; g < n; ++g) EXPECT_EQ(scalars[g], (n - 1) / 2.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, StrategyMultiWorkerAllReduceTest,
+    ::testing::Values(WorkerCase{2, 1, kHC}, WorkerCase{2, 2, kHC}, WorkerCase{2, 3, kR2O},
+                      WorkerCase{3, 1, kR2O}, WorkerCase{3, 2, kR2O}, WorkerCase{3, 3, kHC},
+                      WorkerCase{2, 2, kR2O}, WorkerCase{3, 2, kHC}),
+    [](const ::testing::TestParamInfo<WorkerCase>& p) {
+      return std::to_string(p.param.workers) + "x" + std::to_string(p.param.local) + "_" +
+             (p.param.ops == kR2O ? "ReductionToOneDevice" : "HierarchicalCopy");
+    });
+
+TEST(StrategyMultiWorkerTest, FloatSumsAreBitIdenticalEverywhere) {
+  // Non-integer inputs: the order of additions differs from any simple reference, but every
+  // replica of every worker must hold the same bits.
+  std::vector<std::vector<float>> results(6);
+  RunWorkers(2, 3, kHC, [&](Strategy& s, int) {
+    s.Run([&](ReplicaContext& ctx) {
+      const int g = ctx.replica_id_in_sync_group();
+      std::vector<float> v(2500);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(Input(g, 0, i));
+      ctx.AllReduce(ReduceOp::kAvg, {Tensor{v.data(), v.size()}});
+      results[g] = v;
+    });
+  });
+  for (int g = 1; g < 6; ++g) EXPECT_TRUE(BitEqual(results[g], results[0])) << "replica " << g;
+  double worst = 0;
+  for (size_t i = 0; i < results[0].size(); ++i) {
+    double mean = 0;
+    for (int g = 0; g < 6; ++g) mean += static_cast<float>(Input(g, 0, i));
+    worst = std::max(worst, std::abs(results[0][i] - mean / 6));
+  }
+  EXPECT_LT(worst, 1e-5);
+}
+
+TEST(StrategyMultiWorkerTest, AFailingReplicaReleasesTheOtherWorkers) {
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = RunWorkersCatching(2, 2, kHC, [](Strategy& s, int rank) {
+    s.Run([&](ReplicaContext& ctx) {
+      if (rank == 1 && ctx.local_replica_id() == 1) {
+        throw Error(ErrorCode::kInvalidArgument, "worker 1 replica 1 gives up");
+      }
+      ctx.AllReduce(ReduceOp::kSum, 1.0);
+    });
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // not the 20 s timeout
+  ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument, {"gives up"});
+  ASSERT_TRUE(errors[0]);  // worker 0 sees its peer go away
+  try {
+    std::rethrow_exception(errors[0]);
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.code() == ErrorCode::kPeerLost || e.code() == ErrorCode::kAborted) << e.what();
+  }
+}
+
+// ---- Reduce, variables, broadcast --------------------------------------------------------------
+
+TEST(StrategyReduceTest, LocalReplicas) {
+  MirroredStrategy s({.num_replicas = 3});
+  const PerReplica<double> v = {1.5, -2.0, 4.0};
+  EXPECT_EQ(s.Reduce(ReduceOp::kSum, v), 3.5);
+  EXPECT_EQ(s.Reduce(ReduceOp::kAvg, v), 3.5 / 3);
+  EXPECT_EQ(s.Reduce(ReduceOp::kMax, v), 4.0);
+  EXPECT_EQ(s.Reduce(ReduceOp::kMin, v), -2.0);
+  const PerReplica<std::vector<float>> vectors = {{1, 2}, {3, 4}, {5, 9}};
+  EXPECT_EQ(s.Reduce(ReduceOp::kSum, vectors), (std::vector<float>{9, 15}));
+  EXPECT_EQ(s.Reduce(ReduceOp::kAvg, vectors), (std::vector<float>{3, 5}));
+  ExpectError(ErrorCode::kInvalidArgument, {"2 values for 3 local replicas"},
+              [&] { s.Reduce(ReduceOp::kSum, PerReplica<double>{1, 2}); });
+  ExpectError(ErrorCode::kInvalidArgument, {"replica 2's 1"}, [&] {
+    s.Reduce(ReduceOp::kSum, PerReplica<std::vector<float>>{{1, 2}, {3, 4}, {5}});
+  });
+}
+
+TEST(StrategyReduceTest, AcrossWorkers) {
+  RunWorkers(2, 2, kHC, [](Strategy& s, int rank) {
+    // Replica g holds g + 1: 1, 2 on worker 0 and 3, 4 on worker 1.
+    const PerReplica<double> v = {2.0 * rank + 1, 2.0 * rank + 2};
+    EXPECT_EQ(s.Reduce(ReduceOp::kSum, v), 10.0);
+    EXPECT_EQ(s.Reduce(ReduceOp::kAvg, v), 2.5);
+    EXPECT_EQ(s.Reduce(ReduceOp::kMax, v), 4.0);
+    EXPECT_EQ(s.Reduce(ReduceOp::kMin, v), 1.0);
+    const PerReplica<std::vector<float>> vectors = {{float(rank), 1}, {2, float(-rank)}};
+    EXPECT_EQ(s.Reduce(ReduceOp::kSum, vectors), (std::vector<float>{5, 1}));
+    // The losses a Run returns, reduced: the mean loss of the global batch.
+    auto shares = s.Run([](ReplicaContext& ctx) {
+      const std::vector<float> losses = {float(ctx.replica_id_in_sync_group()), 1.0f};
+      return ComputeAverageLoss(losses, 8);
+    });
+    EXPECT_DOUBLE_EQ(s.Reduce(ReduceOp::kSum, shares), (0 + 1 + 2 + 3 + 4.0) / 8);
+  });
+}
+
+TEST(StrategyVariableTest, CopiesAreIdenticalEverywhereAndTheChiefsInitWins) {
+  std::vector<std::vector<float>> seen(6);
+  RunWorkers(3, 2, kR2O, [&](Strategy& s, int rank) {
+    // Every worker passes a different initializer; only the chief's may count.
+    MirroredVariable& w = s.CreateVariable("dense/kernel", {3, 5}, [rank](std::span<float> v) {
+      for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(100 * rank + i) + 0.25f;
+    });
+    MirroredVariable& b = s.CreateVariable("dense/bias", {5}, GlorotUniform(3, 5, 11 + rank));
+    MirroredVariable& empty = s.CreateVariable("empty", {0, 4}, Constant(1.0f));
+    EXPECT_EQ(w.count(), 15u);
+    EXPECT_EQ(w.shape(), (std::vector<size_t>{3, 5}));
+    EXPECT_EQ(empty.count(), 0u);
+    EXPECT_EQ(w.num_local_replicas(), 2);
+    for (int r = 0; r < 2; ++r) {
+      for (size_t i = 0; i < 15; ++i) EXPECT_EQ(w.value(r)[i], static_cast<float>(i) + 0.25f);
+    }
+    EXPECT_TRUE(BitEqual(b.value(0), b.value(1)));
+    seen[2 * rank] = {b.value(0).begin(), b.value(0).end()};
+    seen[2 * rank + 1] = {b.value(1).begin(), b.value(1).end()};
+    EXPECT_EQ(s.variables(), (std::vector<MirroredVariable*>{&w, &b, &empty}));
+    EXPECT_EQ(s.FindVariable("dense/bias"), &b);
+    EXPECT_EQ(s.FindVariable("nope"), nullptr);
+    ExpectError(ErrorCode::kInvalidArgument, {"'dense/bias' already exists"},
+                [&] { s.CreateVariable("dense/bias", {1}, Zeros()); });
+  });
+  // Glorot with seed 11 (the chief's), on every copy of every worker.
+  std::vector<float> glorot(5);
+  GlorotUniform(3, 5, 11)(glorot);
+  const float limit = std::sqrt(6.0f / 8);
+  for (float x : glorot) EXPECT_LE(std::abs(x), limit);
+  for (const auto& copy : seen) EXPECT_TRUE(BitEqual(copy, glorot));
+}
+
+TEST(StrategyVariableTest, AssignAndAccess) {
+  MirroredStrategy s({.num_replicas = 3});
+  MirroredVariable& v = s.CreateVariable("v", {2, 2}, Constant(3.0f));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(v.value(r)[3], 3.0f);
+  const std::vector<float> next = {1, 2, 3, 4};
+  v.Assign(next);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(BitEqual(v.value(r), next));
+    const Tensor t = v.tensor(r);
+    EXPECT_EQ(t.data, v.data(r));
+    EXPECT_EQ(t.count, 4u);
+  }
+  ExpectError(ErrorCode::kInvalidArgument, {"Assign of 3 values to 4"},
+              [&] { v.Assign(std::vector<float>{1, 2, 3}); });
+  ExpectError(ErrorCode::kInvalidArgument, {"no local replica 3"}, [&] { v.value(3); });
+  ExpectError(ErrorCode::kInvalidArgument, {"initializer is empty"},
+              [&] { s.CreateVariable("w", {1}, Initializer{}); });
+}
+
+TEST(StrategyBroadcastTest, FromTheChief) {
+  RunWorkers(3, 1, kHC, [](Strategy& s, int rank) {
+    std::vector<float> a(300, static_cast<float>(rank));
+    std::vector<double> b(7, 10.0 + rank);
+    s.BroadcastFromChief({Tensor{a.data(), a.size()}, Tensor{b.data(), b.size(), DataType::kFloat64}});
+    EXPECT_EQ(a, std::vector<float>(300, 0.0f));
+    EXPECT_EQ(b, std::vector<double>(7, 10.0));
+    s.Barrier();
+  });
+  DefaultStrategy d;  // one worker: nothing to do
+  float x = 4;
+  d.BroadcastFromChief({Tensor{&x, 1}});
+  d.Barrier();
+  EXPECT_EQ(x, 4.0f);
+}
+
+}  // namespace
+}  // namespace collectives::strategy
