@@ -86,7 +86,7 @@ struct CommunicationOptions {
   // sides' nonces); it never travels. Empty: taken from COLLECTIVES_JOB_TOKEN, else none (the
   // proof then only checks the job id).
   // Default: "".
-  std::string job_token;
+  std::string job_token{};
 };
 
 // A handle on one asynchronous collective.
