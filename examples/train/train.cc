@@ -1,0 +1,527 @@
+// train: the training demo. Fashion-MNIST with the Keras guide's model (784-256-256-10, ReLU,
+// logits; Adam; sparse categorical cross-entropy from logits), written as a custom training loop
+// over the strategy layer, so that the same program runs on one device, on several local
+// replicas, and on several workers:
+//
+//   train --strategy default
+//   train --strategy mirrored --replicas 4 --cross-device hierarchical_copy
+//   RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker &
+//   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker
+//   MASTER_PORT=29500 mpirun -np 2 train --strategy multi_worker --replicas 2
+//   TF_CONFIG='{"cluster":{"worker":["h0:p","h1:p"]},"task":{"type":"worker","index":0}}' train ...
+//
+// One step, on every replica (Strategy::Run): gather the replica's share of the global batch
+// (DistributedDataset), forward, per-example losses, backward of their sum scaled by 1 / global
+// batch (what ComputeAverageLoss computes, so that gradients summed over replicas are those of
+// the global batch's mean loss), then Adam::ApplyGradients, which sums the gradients over every
+// replica of every worker and applies the same update to every copy.
+//
+// Output (the chief only; other workers print nothing but errors), as Keras prints it: per epoch
+// a progress bar with the running loss and accuracy over every replica, the validation loss and
+// accuracy on the test set at the epoch's end, the epoch's time and samples per second; at the
+// end the test accuracy and the throughput. With --checkpoint-dir, Keras' BackupAndRestore:
+// resume from the backup at the start, save at every epoch's end (and every
+// --save-every-steps steps), delete it when training ends.
+//
+// Exit status: 0 on success; 1 on any error (the message names the worker); 2 on a bad command
+// line.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "collectives/strategy.h"
+#include "examples/train/fashion_mnist.h"
+#include "examples/train/mlp.h"
+
+namespace {
+
+namespace co = collectives;
+namespace st = collectives::strategy;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string strategy = "default";
+  int replicas = 0;
+  std::string communication = "auto";
+  std::string cross_device = "auto";
+  size_t batch_per_replica = 64;
+  size_t global_batch = 0;
+  int epochs = 5;
+  float learning_rate = 1e-3f;
+  uint64_t seed = 42;
+  std::string checkpoint_dir;
+  int64_t save_every_steps = 0;
+  size_t train_limit = 0;
+  size_t test_limit = 0;
+  size_t max_steps_per_epoch = 0;
+  std::string data_dir = train::kDefaultDataDir;
+  std::string save_weights;
+  bool quiet_progress = false;
+  double timeout_s = 300;
+  int throttle_ms = 0;
+};
+
+// "worker 1" in error messages: this process's rank as soon as it is known.
+std::string g_worker = "worker 0";
+
+// Only the chief prints; every other worker is silent but for errors.
+bool g_chief = true;
+__attribute__((format(printf, 1, 2))) void Say(const char* format, ...) {
+  if (!g_chief) return;
+  va_list args;
+  va_start(args, format);
+  std::vprintf(format, args);
+  va_end(args);
+  std::fflush(stdout);
+}
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  const st::CrossDeviceOps cross_device = st::ParseCrossDeviceOps(o.cross_device);
+  if ((o.strategy == "default" || o.strategy == "one_device") && o.replicas > 1) {
+    throw co::Error(co::ErrorCode::kInvalidArgument,
+                    "--replicas " + std::to_string(o.replicas) + " needs --strategy mirrored or " +
+                        "multi_worker (" + o.strategy + " has one replica)");
+  }
+  if (o.strategy == "default") return std::make_unique<st::DefaultStrategy>();
+  if (o.strategy == "one_device") return std::make_unique<st::OneDeviceStrategy>();
+  if (o.strategy == "mirrored") {
+    st::MirroredOptions options;
+    options.num_replicas = o.replicas;
+    options.cross_device_ops = cross_device;
+    options.timeout = timeout;
+    return std::make_unique<st::MirroredStrategy>(options);
+  }
+  // multi_worker: the cluster from TF_CONFIG, RANK/WORLD_SIZE/MASTER_*, or mpirun's variables.
+  const co::ClusterSpec cluster = co::ClusterSpec::FromEnvironment();
+  g_worker = "worker " + std::to_string(cluster.rank);
+  st::MultiWorkerOptions options;
+  options.cluster = cluster;
+  options.num_local_replicas = std::max(1, o.replicas);
+  options.cross_device_ops = cross_device;
+  options.communication.implementation = co::ParseImplementation(o.communication);
+  options.communication.timeout = timeout;
+  return std::make_unique<st::MultiWorkerMirroredStrategy>(std::move(options));
+}
+
+// Running sums of one replica over the steps of an epoch.
+struct Totals {
+  double loss_sum = 0;
+  double correct = 0;
+  double count = 0;
+};
+
+// What one local replica owns: scratch for forward and backward, and its running sums.
+struct Replica {
+  Replica(const train::Mlp& model, size_t max_batch) : workspace(model, max_batch) {}
+  train::MlpWorkspace workspace;
+  std::vector<const float*> params;
+  Totals totals;
+};
+
+// Points `replica.params` at its copy of every variable (cheap; done per step so that nothing
+// depends on a copy's storage never moving).
+void BindParams(Replica& replica, const std::vector<st::MirroredVariable*>& vars, int local) {
+  replica.params.resize(vars.size());
+  for (size_t p = 0; p < vars.size(); ++p) replica.params[p] = vars[p]->data(local);
+}
+
+// Sums of loss, correct and count over every replica of every worker. Collective.
+Totals ReduceTotals(st::Strategy& strategy, const st::PerReplica<Totals>& totals) {
+  st::PerReplica<double> loss, correct, count;
+  for (const Totals& t : totals) {
+    loss.push_back(t.loss_sum);
+    correct.push_back(t.correct);
+    count.push_back(t.count);
+  }
+  return {strategy.Reduce(co::ReduceOp::kSum, loss), strategy.Reduce(co::ReduceOp::kSum, correct),
+          strategy.Reduce(co::ReduceOp::kSum, count)};
+}
+
+// Loss and accuracy of the model on `data`: every worker takes a contiguous shard, splits it over
+// its local replicas, each evaluates its part with its own copy of the weights (all copies are
+// equal). Collective.
+Totals Evaluate(st::Strategy& strategy, std::vector<Replica>& replicas,
+                const std::vector<st::MirroredVariable*>& vars, const train::ImageDataset& data) {
+  const size_t workers = static_cast<size_t>(strategy.num_workers());
+  const size_t worker = static_cast<size_t>(strategy.worker_index());
+  const size_t begin = data.count * worker / workers;
+  const size_t end = data.count * (worker + 1) / workers;
+  const size_t locals = replicas.size();
+  const st::PerReplica<Totals> totals = strategy.Run([&](st::ReplicaContext& ctx) {
+    const auto local = static_cast<size_t>(ctx.local_replica_id());
+    Replica& replica = replicas[local];
+    BindParams(replica, vars, ctx.local_replica_id());
+    Totals sums;
+    const size_t first = begin + (end - begin) * local / locals;
+    const size_t last = begin + (end - begin) * (local + 1) / locals;
+    train::MlpWorkspace& ws = replica.workspace;
+    for (size_t i = first; i < last; i += ws.max_batch()) {
+      const size_t n = std::min(ws.max_batch(), last - i);
+      data.GatherRange(i, n, ws.x(), ws.labels());
+      const train::BatchStats stats = ws.Forward(replica.params, n);
+      sums.loss_sum += stats.loss_sum;
+      sums.correct += static_cast<double>(stats.correct);
+      sums.count += static_cast<double>(stats.count);
+    }
+    return sums;
+  });
+  return ReduceTotals(strategy, totals);
+}
+
+// A 52-bit hash of this replica's copy of every variable: equal on every replica when the copies
+// are bit-identical.
+double WeightsHash(const std::vector<st::MirroredVariable*>& vars, int local) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (const st::MirroredVariable* v : vars) {
+    const auto bytes = std::as_bytes(v->value(local));
+    for (std::byte b : bytes) h = (h ^ static_cast<uint8_t>(b)) * 1099511628211ull;
+  }
+  return static_cast<double>(h & ((uint64_t{1} << 52) - 1));
+}
+
+// Keras' progress bar: "117/235 [==============>...............] - ETA: 1s - loss: ... ". In
+// place on a terminal; when stdout is not one, a line at every quarter of the epoch, so that logs
+// stay short. Only the chief shows one.
+class ProgressBar {
+ public:
+  ProgressBar(size_t total, bool enabled, bool quiet)
+      : total_(total), enabled_(enabled), quiet_(quiet), tty_(::isatty(STDOUT_FILENO) == 1) {}
+
+  // After step `done` (1-based) of the epoch, with the running metrics.
+  void Update(size_t done, double elapsed_s, size_t steps_run, double loss, double accuracy) {
+    if (!enabled_ || quiet_) return;
+    const size_t quarter = done * 4 / total_;
+    if (!tty_ && (quarter == last_quarter_ || done >= total_)) return;
+    last_quarter_ = quarter;
+    const double per_step = steps_run > 0 ? elapsed_s / static_cast<double>(steps_run) : 0.0;
+    char line[256];
+    std::snprintf(line, sizeof line, "%s - ETA: %.0fs - loss: %.4f - accuracy: %.4f",
+                  Bar(done).c_str(), per_step * static_cast<double>(total_ - done), loss, accuracy);
+    Print(line, /*final=*/false);
+  }
+
+  // The epoch's summary line.
+  void Finish(size_t done, double elapsed_s, size_t steps_run, double loss, double accuracy,
+              double val_loss, double val_accuracy, double samples_per_s) {
+    if (!enabled_) return;
+    const double ms_per_step =
+        steps_run > 0 ? 1000.0 * elapsed_s / static_cast<double>(steps_run) : 0.0;
+    char line[384];
+    std::snprintf(line, sizeof line,
+                  "%s - %.0fs %.0fms/step - loss: %.4f - accuracy: %.4f - val_loss: %.4f - "
+                  "val_accuracy: %.4f - %.0f samples/s",
+                  Bar(done).c_str(), elapsed_s, ms_per_step, loss, accuracy, val_loss, val_accuracy,
+                  samples_per_s);
+    Print(line, /*final=*/true);
+  }
+
+ private:
+  std::string Bar(size_t done) const {
+    constexpr size_t kWidth = 30;
+    const size_t digits = std::to_string(total_).size();
+    std::string s = std::to_string(done);
+    s.insert(0, digits > s.size() ? digits - s.size() : 0, ' ');
+    s += "/" + std::to_string(total_) + " [";
+    const size_t filled = total_ > 0 ? kWidth * done / total_ : kWidth;
+    if (filled >= kWidth) {
+      s.append(kWidth, '=');
+    } else {
+      s.append(filled, '=');
+      s += '>';
+      s.append(kWidth - filled - 1, '.');
+    }
+    return s + "]";
+  }
+
+  void Print(const std::string& line, bool final) {
+    if (tty_) {
+      std::string padded = line;
+      if (padded.size() < last_length_) padded.append(last_length_ - padded.size(), ' ');
+      std::printf("\r%s%s", padded.c_str(), final ? "\n" : "");
+      last_length_ = final ? 0 : line.size();
+    } else {
+      std::printf("%s\n", line.c_str());
+    }
+    std::fflush(stdout);
+  }
+
+  size_t total_;
+  bool enabled_;
+  bool quiet_;
+  bool tty_;
+  size_t last_quarter_ = 0;
+  size_t last_length_ = 0;
+};
+
+// Whether step `done` (1-based) of `total` reduces the running metrics: every ~2% of the epoch,
+// at every quarter, and at the end. Depends only on (done, total), so every worker reduces at
+// the same steps.
+bool IsReportStep(size_t done, size_t total) {
+  const size_t every = std::max<size_t>(1, total / 50);
+  return done % every == 0 || done == total || done * 4 / total != (done - 1) * 4 / total;
+}
+
+// Raw little-endian floats of every variable (replica 0's copy), in creation order.
+void SaveWeights(const std::string& path, const std::vector<st::MirroredVariable*>& vars) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  for (const st::MirroredVariable* v : vars) {
+    const auto value = v->value(0);
+    out.write(reinterpret_cast<const char*>(value.data()),
+              static_cast<std::streamsize>(value.size_bytes()));
+  }
+  out.close();
+  if (!out) throw std::runtime_error("cannot write weights to " + path);
+}
+
+std::string Describe(const st::Strategy& s) {
+  char text[256];
+  std::snprintf(text, sizeof text, "%s, %d replica%s in sync (%d local x %d worker%s)",
+                s.name().c_str(), s.NumReplicasInSync(), s.NumReplicasInSync() == 1 ? "" : "s",
+                s.num_local_replicas(), s.num_workers(), s.num_workers() == 1 ? "" : "s");
+  std::string out = text;
+  if (s.num_local_replicas() > 1) {
+    out += std::string(", cross-device ops ") + st::ToString(s.cross_device_ops());
+  }
+  if (s.communication() != nullptr) {
+    out += std::string(", communication ") + co::ToString(s.communication()->implementation());
+  }
+  return out;
+}
+
+int Train(const Options& o) {
+  Eigen::setNbThreads(1);  // one core per replica; the strategy runs replicas in parallel
+  std::unique_ptr<st::Strategy> strategy_owner = MakeStrategy(o);
+  st::Strategy& strategy = *strategy_owner;
+  g_worker = "worker " + std::to_string(strategy.worker_index());
+  const bool chief = strategy.IsChief();
+  g_chief = chief;
+
+  const size_t replicas_in_sync = static_cast<size_t>(strategy.NumReplicasInSync());
+  const size_t global_batch =
+      o.global_batch > 0 ? o.global_batch : o.batch_per_replica * replicas_in_sync;
+  if (global_batch == 0 || global_batch % replicas_in_sync != 0) {
+    throw co::Error(co::ErrorCode::kInvalidArgument,
+                    "global batch " + std::to_string(global_batch) +
+                        " is not a positive multiple of the " + std::to_string(replicas_in_sync) +
+                        " replicas in sync");
+  }
+
+  const train::ImageDataset train_set = train::LoadFashionMnist(o.data_dir, "train", o.train_limit);
+  const train::ImageDataset test_set = train::LoadFashionMnist(o.data_dir, "t10k", o.test_limit);
+  Say("data: Fashion-MNIST from %s: %zu training, %zu test examples of %zux%zu\n",
+      o.data_dir.c_str(), train_set.count, test_set.count, train_set.rows, train_set.cols);
+  Say("strategy: %s\n", Describe(strategy).c_str());
+
+  // The model's variables, "inside the scope": the chief initialises, every copy receives it.
+  const train::Mlp model({train_set.features(), 256, 256, 10});
+  std::vector<st::MirroredVariable*> vars;
+  for (size_t p = 0; p < model.num_parameters(); ++p) {
+    const std::vector<size_t> shape = model.ParameterShape(p);
+    const st::Initializer init =
+        p % 2 == 0 ? st::GlorotUniform(shape[0], shape[1], o.seed + p / 2) : st::Zeros();
+    vars.push_back(&strategy.CreateVariable(model.ParameterName(p), shape, init));
+  }
+  st::Adam adam(strategy, {.learning_rate = o.learning_rate});
+
+  st::DistributedDataset data(strategy, train_set.count,
+                              {.global_batch_size = global_batch,
+                               .drop_remainder = false,
+                               .shuffle = true,
+                               .seed = o.seed});
+  const size_t steps = o.max_steps_per_epoch > 0
+                           ? std::min(o.max_steps_per_epoch, data.steps_per_epoch())
+                           : data.steps_per_epoch();
+  Say("model: MLP %zu-256-256-10, %zu parameters; Adam, learning rate %g; global batch %zu "
+      "(%zu per replica), %zu steps per epoch\n",
+      model.num_inputs(), model.TotalParameterCount(), static_cast<double>(o.learning_rate),
+      global_batch, data.per_replica_batch_size(), steps);
+
+  std::vector<Replica> replicas;
+  replicas.reserve(static_cast<size_t>(strategy.num_local_replicas()));
+  for (int r = 0; r < strategy.num_local_replicas(); ++r) {
+    replicas.emplace_back(model, std::max<size_t>(data.per_replica_batch_size(), 256));
+  }
+
+  std::optional<st::BackupAndRestore> backup;
+  st::TrainingState start;
+  if (!o.checkpoint_dir.empty()) {
+    backup.emplace(strategy, &adam, o.checkpoint_dir,
+                   st::BackupAndRestore::Options{.save_every_steps = o.save_every_steps});
+    start = backup->OnTrainBegin();
+    if (start == st::TrainingState{}) {
+      Say("checkpoint: none in %s; starting fresh\n", o.checkpoint_dir.c_str());
+    } else {
+      Say("restored from checkpoint: epoch %lld, step %lld (%s; optimizer iterations %lld)\n",
+          static_cast<long long>(start.epoch + 1), static_cast<long long>(start.step),
+          o.checkpoint_dir.c_str(), static_cast<long long>(adam.iterations()));
+    }
+    if (start.step >= static_cast<int64_t>(steps)) start = {start.epoch + 1, 0};
+  }
+
+  double train_seconds = 0;
+  double train_samples = 0;
+  for (int64_t epoch = start.epoch; epoch < o.epochs; ++epoch) {
+    Say("Epoch %lld/%d\n", static_cast<long long>(epoch + 1), o.epochs);
+    const size_t first_step = epoch == start.epoch ? static_cast<size_t>(start.step) : 0;
+    for (Replica& r : replicas) r.totals = {};
+    ProgressBar bar(steps, chief, o.quiet_progress);
+    Totals running;
+    double epoch_samples = 0;
+    const Clock::time_point epoch_start = Clock::now();
+
+    for (size_t step = first_step; step < steps; ++step) {
+      const size_t step_batch = data.GlobalBatchSize(step);
+      const float loss_scale = 1.0f / static_cast<float>(step_batch);
+      strategy.Run([&](st::ReplicaContext& ctx) {
+        const int local = ctx.local_replica_id();
+        Replica& replica = replicas[static_cast<size_t>(local)];
+        BindParams(replica, vars, local);
+        train::MlpWorkspace& ws = replica.workspace;
+        const std::vector<size_t> batch = data.ReplicaBatch(epoch, step, local);
+        train_set.Gather(batch, ws.x(), ws.labels());
+        const train::BatchStats stats = ws.Forward(replica.params, batch.size());
+        ws.Backward(replica.params, batch.size(), loss_scale);
+        adam.ApplyGradients(ctx, vars, ws.gradients());
+        replica.totals.loss_sum += stats.loss_sum;
+        replica.totals.correct += static_cast<double>(stats.correct);
+        replica.totals.count += static_cast<double>(stats.count);
+      });
+      epoch_samples += static_cast<double>(step_batch);
+      if (o.throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.throttle_ms));
+      if (backup) backup->OnStepEnd(epoch, static_cast<int64_t>(step));
+      if (IsReportStep(step + 1, steps)) {
+        st::PerReplica<Totals> sums;
+        for (const Replica& r : replicas) sums.push_back(r.totals);
+        running = ReduceTotals(strategy, sums);
+        const double n = std::max(running.count, 1.0);
+        bar.Update(step + 1, Seconds(Clock::now() - epoch_start), step + 1 - first_step,
+                   running.loss_sum / n, running.correct / n);
+      }
+    }
+    const double epoch_seconds = Seconds(Clock::now() - epoch_start);
+    train_seconds += epoch_seconds;
+    train_samples += epoch_samples;
+
+    const Totals val = Evaluate(strategy, replicas, vars, test_set);
+    const double n = std::max(running.count, 1.0);
+    const double vn = std::max(val.count, 1.0);
+    bar.Finish(steps, epoch_seconds, steps - first_step, running.loss_sum / n, running.correct / n,
+               val.loss_sum / vn, val.correct / vn,
+               epoch_seconds > 0 ? epoch_samples / epoch_seconds : 0.0);
+    if (backup) backup->OnEpochEnd(epoch);
+  }
+  if (backup) backup->OnTrainEnd();
+
+  // Every copy on every replica of every worker must hold the same weights, bit for bit.
+  const st::PerReplica<double> hashes = strategy.Run(
+      [&](st::ReplicaContext& ctx) { return WeightsHash(vars, ctx.local_replica_id()); });
+  if (strategy.Reduce(co::ReduceOp::kMin, hashes) != strategy.Reduce(co::ReduceOp::kMax, hashes)) {
+    throw co::Error(co::ErrorCode::kInternal, "the replicas' weights differ after training");
+  }
+  if (replicas_in_sync > 1) Say("weights: identical on all %zu replicas\n", replicas_in_sync);
+
+  const Totals test = Evaluate(strategy, replicas, vars, test_set);
+  const double tn = std::max(test.count, 1.0);
+  Say("test loss: %.4f - test accuracy: %.4f (%.0f examples)\n", test.loss_sum / tn,
+      test.correct / tn, test.count);
+  if (train_seconds > 0) {
+    Say("throughput: %.0f samples/s (strategy %s, %d replica%s x %d worker%s, global batch %zu, "
+        "%.0f samples in %.2fs)\n",
+        train_samples / train_seconds, strategy.name().c_str(), strategy.num_local_replicas(),
+        strategy.num_local_replicas() == 1 ? "" : "s", strategy.num_workers(),
+        strategy.num_workers() == 1 ? "" : "s", global_batch, train_samples, train_seconds);
+  }
+  if (chief && !o.save_weights.empty()) {
+    SaveWeights(o.save_weights, vars);
+    Say("weights: written to %s\n", o.save_weights.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // A peer that dies must surface as an error from the library, never as a silent SIGPIPE.
+  std::signal(SIGPIPE, SIG_IGN);
+
+  Options o;
+  CLI::App app{"Fashion-MNIST training demo over the collectives strategy layer"};
+  app.add_option("--strategy", o.strategy, "default, one_device, mirrored or multi_worker")
+      ->check(CLI::IsMember(
+          {"default", "one_device", "mirrored", "multi_worker", "multi_worker_mirrored"}))
+      ->capture_default_str();
+  app.add_option("--replicas", o.replicas,
+                 "local replicas (threads) of mirrored and multi_worker; 0: the strategy's default")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  app.add_option("--communication", o.communication, "between workers: ring, nccl or auto")
+      ->check(CLI::IsMember({"ring", "nccl", "auto"}))
+      ->capture_default_str();
+  app.add_option("--cross-device", o.cross_device,
+                 "between local replicas: auto, reduction_to_one_device, hierarchical_copy, nccl")
+      ->check(CLI::IsMember({"auto", "reduction_to_one_device", "hierarchical_copy", "nccl"}))
+      ->capture_default_str();
+  app.add_option("--batch-per-replica", o.batch_per_replica,
+                 "examples per replica per step; global batch = this x replicas in sync")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--global-batch", o.global_batch,
+                 "fix the global batch instead (a multiple of the replicas in sync)");
+  app.add_option("--epochs", o.epochs, "epochs")
+      ->check(CLI::Range(0, 100000))
+      ->capture_default_str();
+  app.add_option("--learning-rate", o.learning_rate, "Adam's learning rate")->capture_default_str();
+  app.add_option("--seed", o.seed, "initialisation and shuffle seed")->capture_default_str();
+  app.add_option("--checkpoint-dir", o.checkpoint_dir,
+                 "back up and restore here (resume at start, save every epoch)");
+  app.add_option("--save-every-steps", o.save_every_steps,
+                 "with --checkpoint-dir, also save every N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--train-limit", o.train_limit, "use only the first N training examples");
+  app.add_option("--test-limit", o.test_limit, "use only the first N test examples");
+  app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch, "stop each epoch after N steps");
+  app.add_option("--data-dir", o.data_dir, "folder of the IDX files")->capture_default_str();
+  app.add_option("--save-weights", o.save_weights,
+                 "the chief writes the final weights here (raw little-endian floats)");
+  app.add_flag("--quiet-progress", o.quiet_progress, "print only the per-epoch summary lines");
+  app.add_option("--timeout", o.timeout_s, "seconds a replica or worker waits for its peers")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--throttle-ms", o.throttle_ms,
+                 "sleep this long after every step: slows a demonstration down so that a worker "
+                 "can be killed mid-epoch (scripts/kill-restart.sh)")
+      ->check(CLI::NonNegativeNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help is a ParseError too
+  }
+  if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
+
+  try {
+    return Train(o);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "train: %s: error: %s\n", g_worker.c_str(), e.what());
+    return 1;
+  }
+}
