@@ -165,16 +165,25 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
 // the two. The p2 remaining ranks (virtual rank v) then run log2(p2) rounds: in round k, v
 // exchanges its whole vector with v ^ 2^k and reduces. Unfold: each odd rank sends the result to
 // the even rank that dropped out. Every reduction is computed as (lower rank's data) op (higher
-// rank's data) on both partners, so every rank ends with the same bits.
-void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv_ptr, size_t count,
+// rank's data) on both partners, so every rank ends with the same bits. Partial results stay in
+// staging and only the last round writes the caller's buffer, so a call that fails (a mismatch
+// found at any round, a lost peer) leaves that buffer untouched.
+void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
                                 DataType dtype, ReduceOp op) {
   const int n = ctx.size();
   const int r = ctx.rank();
   const size_t bytes = count * SizeOf(dtype);
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
   auto* recv = static_cast<uint8_t*>(recv_ptr);
-  CopyUnlessSame(recv, send, bytes);
-  if (n == 1) return;
-  uint8_t* other = ctx.staging.Get(bytes);
+  if (n == 1) {
+    CopyUnlessSame(recv, send, bytes);
+    return;
+  }
+  // Partial results live in `acc` (staging), never in `recv`: the last reduction writes `recv`,
+  // so a call that fails part-way (a mismatch, a lost peer) leaves the caller's buffer as it was.
+  uint8_t* const acc = ctx.staging.Get(2 * bytes);
+  uint8_t* const other = acc + bytes;
+  const uint8_t* current = send;  // this rank's partial result so far
 
   int p2 = 1;
   while (p2 * 2 <= n) p2 *= 2;
@@ -183,13 +192,14 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv_ptr, 
   if (r < 2 * rem) {
     if (r % 2 == 0) {
       Connection& partner = ctx.peer(r + 1);
-      partner.WaitSend(partner.PostSend(ctx.tag, recv, bytes));
+      partner.WaitSend(partner.PostSend(ctx.tag, send, bytes));
       partner.WaitRecv(partner.PostRecv(ctx.tag, recv, bytes));
       return;
     }
     Connection& partner = ctx.peer(r - 1);
     partner.WaitRecv(partner.PostRecv(ctx.tag, other, bytes));
-    core::Reduce(dtype, op, recv, other, recv, count);
+    core::Reduce(dtype, op, acc, other, send, count);
+    current = acc;
     virtual_rank = r / 2;
   } else {
     virtual_rank = r - rem;
@@ -199,15 +209,17 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv_ptr, 
   for (int mask = 1; mask < p2; mask <<= 1) {
     const int partner_rank = real_rank(virtual_rank ^ mask);
     Connection& partner = ctx.peer(partner_rank);
-    const uint64_t sent = partner.PostSend(ctx.tag, recv, bytes);
+    const uint64_t sent = partner.PostSend(ctx.tag, current, bytes);
     const uint64_t received = partner.PostRecv(ctx.tag, other, bytes);
     partner.WaitRecv(received);
     partner.WaitSend(sent);
+    uint8_t* out = mask * 2 < p2 ? acc : recv;  // the last round writes the caller's buffer
     if (partner_rank < r) {
-      core::Reduce(dtype, op, recv, other, recv, count);
+      core::Reduce(dtype, op, out, other, current, count);
     } else {
-      core::Reduce(dtype, op, recv, recv, other, count);
+      core::Reduce(dtype, op, out, current, other, count);
     }
+    current = out;
   }
   if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, recv, count, n);
   if (r < 2 * rem) {

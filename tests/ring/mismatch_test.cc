@@ -6,10 +6,13 @@
 // r-th dtype, the r-th op, ...), every rank finds the difference in the header of the first frame
 // it receives, before any byte reaches its buffer: the test checks that the buffer of an in-place
 // all-reduce is untouched.
-// When only one rank differs, a rank whose own peers agree with it may have reduced their data
-// into its buffer before the abort from the detecting rank reaches it; and a broadcast root only
-// sends, so it may return before it hears of the mismatch and raises at its next call. The test
-// therefore asserts the error at the mismatched call or at the barrier after it.
+// When only one rank differs, the small all-reduces of this test still leave every buffer
+// untouched (recursive doubling writes the caller's buffer only in its last round, which no rank
+// reaches). The ring algorithms of larger messages reduce into the buffer step by step, so there a
+// rank whose own neighbours agree may hold partial sums of the matching ranks' data when the abort
+// reaches it. A broadcast root only sends, so it may return before it hears of the mismatch and
+// raise at its next call: the test asserts the error at the mismatched call or at the barrier
+// after it.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -119,8 +122,9 @@ TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
     if (call.collective != "all_reduce") {
       EXPECT_EQ(send, send_before) << "rank " << comm.rank() << ": the send buffer was written";
     }
-    if (all_differ && differ != Differ::kRoot && differ != Differ::kCollective) {
-      // In-place all-reduces whose every peer differs: nothing may reach the buffer.
+    if (differ != Differ::kRoot && differ != Differ::kCollective) {
+      // In-place all-reduces of small messages (recursive doubling, which writes the buffer only
+      // in its last round): nothing may reach the buffer, whichever ranks differ.
       EXPECT_TRUE(raised_at_call) << "rank " << comm.rank() << ": " << error;
       EXPECT_EQ(send, send_before) << "rank " << comm.rank() << ": the buffer was written: "
                                    << error;
