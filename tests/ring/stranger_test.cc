@@ -43,9 +43,9 @@ bool Connect(asio::io_context& io, tcp::socket& socket, const std::string& host,
   return !ec;
 }
 
-void Attack(const std::string& host, uint16_t port, std::vector<tcp::socket>& half_open,
-            StrangerReport& report, std::mt19937& rng) {
-  asio::io_context io;
+// `io` outlives every socket made here, the half-open ones kept in `half_open` included.
+void Attack(asio::io_context& io, const std::string& host, uint16_t port,
+            std::vector<tcp::socket>& half_open, StrangerReport& report, std::mt19937& rng) {
   asio::error_code ec;
   // Garbage.
   {
@@ -161,9 +161,12 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
     }
   }
   StrangerReport report;
+  asio::io_context io;  // before half_open: destroyed after the sockets
   std::vector<tcp::socket> half_open;
   std::mt19937 rng(7);
-  for (const auto& [host, target_port] : targets) Attack(host, target_port, half_open, report, rng);
+  for (const auto& [host, target_port] : targets) {
+    Attack(io, host, target_port, half_open, report, rng);
+  }
   attacked = true;
 
   for (std::thread& t : ranks) t.join();
