@@ -5,6 +5,10 @@
 
 #include "collectives/communication.h"
 #include "src/ring/ring_communication.h"
+#if defined(COLLECTIVES_WITH_NCCL)
+#include "src/nccl/nccl_communication.h"
+#include "src/nccl/nccl_loader.h"
+#endif
 #include "src/transport/tcp_fabric.h"
 
 namespace collectives {
@@ -58,10 +62,24 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, std::shared_ptr<Store> store, const CommunicationOptions& options) {
   spec.Validate();
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
+  // kAuto is RING today: choosing NCCL for CUDA tensors (and RING for CPU ones) per call, across
+  // devices, is future work.
   if (options.implementation == Implementation::kNccl) {
+#if defined(COLLECTIVES_WITH_NCCL)
+    // Fails with Error(kNotSupported) before touching the store when NCCL or a GPU is missing.
+    nccl::LoadNccl();
+    // The generation as for RING below: one key space per communicator built on this store.
+    const int64_t generation =
+        store->Add(spec.job_id + "/generation/" + std::to_string(spec.rank), 1);
+    return nccl::CreateNcclCommunication(spec.rank, spec.world_size, std::move(store),
+                                         spec.job_id + "/nccl/" + std::to_string(generation),
+                                         options);
+#else
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(spec.rank) +
-                    ": the NCCL implementation is not built into this library");
+                    ": the NCCL implementation is not built into this library "
+                    "(configure with -DCOLLECTIVES_WITH_NCCL=ON)");
+#endif
   }
 
   transport::TcpFabricOptions tcp;
