@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "src/core/arguments.h"
 #include "src/nccl/nccl_loader.h"
 
 namespace collectives::nccl {
@@ -327,7 +328,7 @@ class NcclCommunication final : public CollectiveCommunication {
   using IssueFn = std::function<ncclResult_t(const NcclApi&, ncclComm_t, cudaStream_t)>;
 
   std::string Where(const char* collective) const {
-    return "rank " + std::to_string(rank_) + ": " + collective + ": ";
+    return core::ArgumentPrefix(rank_, collective);
   }
 
   static std::string Detail(DataType dtype, const std::string& extra, size_t count) {
@@ -352,29 +353,15 @@ class NcclCommunication final : public CollectiveCommunication {
                   where + "is on " + t.device.ToString() +
                       " but this communicator uses cuda:" + std::to_string(shared_->device));
     }
-    if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  where + "has an unknown dtype " + std::to_string(int(t.dtype)));
-    }
-    if (t.data == nullptr && t.count > 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  where + "has null data and " + std::to_string(t.count) + " elements");
-    }
+    core::CheckTensorData(where, t);
   }
 
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const {
-    if (send.dtype != recv.dtype) {
-      throw Error(ErrorCode::kInvalidArgument, Where(collective) + "send is " +
-                                                   ToString(send.dtype) + " but recv is " +
-                                                   ToString(recv.dtype));
-    }
+    core::CheckSameDtype(Where(collective), send, recv);
   }
 
   void CheckOp(const char* collective, ReduceOp op) const {
-    if (static_cast<unsigned>(op) >= kNumReduceOps) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  Where(collective) + "unknown reduce op " + std::to_string(int(op)));
-    }
+    core::CheckReduceOp(Where(collective), op);
   }
 
   // Issues one collective on the stream, in the order calls enter (under shared_->mu), and

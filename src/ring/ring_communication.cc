@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "src/core/arguments.h"
 #include "src/core/call.h"
 #include "src/core/work.h"
 #include "src/ring/algorithms.h"
@@ -287,42 +288,27 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
 
 void RingCommunication::CheckTensor(const char* collective, const char* name,
                                     const Tensor& t) const {
-  const std::string where =
-      "rank " + std::to_string(rank_) + ": " + collective + ": " + name + " tensor ";
+  const std::string where = core::ArgumentPrefix(rank_, collective) + name + " tensor ";
   if (t.device.kind != Device::Kind::kCpu) {
     throw Error(ErrorCode::kNotSupported,
                 where + "is on " + t.device.ToString() + "; RING takes CPU tensors only");
   }
-  if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
-    throw Error(ErrorCode::kInvalidArgument,
-                where + "has an unknown dtype " + std::to_string(int(t.dtype)));
-  }
-  if (t.data == nullptr && t.count > 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                where + "has null data and " + std::to_string(t.count) + " elements");
-  }
+  core::CheckTensorData(where, t);
 }
 
 void RingCommunication::CheckSameType(const char* collective, const Tensor& send,
                                       const Tensor& recv) const {
-  if (send.dtype != recv.dtype) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(rank_) + ": " + collective + ": send is " +
-                    ToString(send.dtype) + " but recv is " + ToString(recv.dtype));
-  }
+  core::CheckSameDtype(core::ArgumentPrefix(rank_, collective), send, recv);
 }
 
 void CheckOp(int rank, const char* collective, ReduceOp op) {
-  if (static_cast<unsigned>(op) >= kNumReduceOps) {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) + ": " + collective +
-                                                 ": unknown reduce op " + std::to_string(int(op)));
-  }
+  core::CheckReduceOp(core::ArgumentPrefix(rank, collective), op);
 }
 
 std::string CountMismatch(int rank, const char* collective, const std::string& expected,
                           size_t got) {
-  return "rank " + std::to_string(rank) + ": " + collective + ": " + expected + ", got " +
-         std::to_string(got) + " elements";
+  return core::ArgumentPrefix(rank, collective) + expected + ", got " + std::to_string(got) +
+         " elements";
 }
 
 void RingCommunication::CheckWholeIsSizeTimesBlock(const char* collective,
