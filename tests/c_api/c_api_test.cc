@@ -28,6 +28,7 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "src/c_api/c_api_internal.h"
+#include "tests/free_port.h"
 #include "tests/ring/collective_checks.h"
 
 namespace {
@@ -36,6 +37,7 @@ using collectives::DataType;
 using collectives::ReduceOp;
 using collectives::SizeOf;
 using collectives::testing::Expected;
+using collectives::testing::FreePort;
 using collectives::testing::InputValue;
 using collectives::testing::Load;
 using collectives::testing::Store;
@@ -87,18 +89,6 @@ void RunRanks(int size, const std::function<void(coll_comm*, int)>& body,
   for (std::thread& t : threads) t.join();
 }
 
-// A port nobody listens on right now (bound and released; good enough on a test machine).
-uint16_t FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  close(fd);
-  return ntohs(address.sin_port);
-}
 
 coll_options TestOptions() {
   coll_options options;

@@ -22,12 +22,14 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/tcp_store_auth.h"
+#include "tests/free_port.h"
 #include "src/cluster/tcp_store_wire.h"
 
 namespace collectives {
 namespace {
 
 using std::chrono::milliseconds;
+using collectives::testing::FreePort;
 using Clock = std::chrono::steady_clock;
 namespace wire = cluster::wire;
 
@@ -100,18 +102,6 @@ class RawClient {
   bool connected_ = false;
 };
 
-// A port that was free a moment ago.
-uint16_t FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  close(fd);
-  return ntohs(address.sin_port);
-}
 
 std::shared_ptr<Store> Server() { return CreateTcpStore("127.0.0.1", 0, true, kLong); }
 

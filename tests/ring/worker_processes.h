@@ -19,22 +19,12 @@
 #include <thread>
 #include <vector>
 
+#include "tests/free_port.h"
+
 namespace collectives::testing {
 
 using Clock = std::chrono::steady_clock;
 
-// A port nobody listens on right now (bound and released; good enough on a test machine).
-inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 struct Worker {
   pid_t pid = -1;
