@@ -156,13 +156,6 @@ std::string FreshJobToken() {
   return hex;
 }
 
-// The token the library will prove: the option, else COLLECTIVES_JOB_TOKEN, else empty.
-std::string JobToken(const CommunicationOptions& options) {
-  if (!options.job_token.empty()) return options.job_token;
-  const char* env = std::getenv("COLLECTIVES_JOB_TOKEN");
-  return env != nullptr ? env : "";
-}
-
 }  // namespace
 
 int RunLocalLauncher(const char* program, int world_size, char** argv,
@@ -259,7 +252,7 @@ std::unique_ptr<CollectiveCommunication> ConnectLocalRank(const std::string& job
   if (fd_text == nullptr) throw std::runtime_error(std::string(kPortFdEnv) + " is not set");
   const int fd = std::atoi(fd_text);
   std::shared_ptr<Store> store =
-      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout, JobToken(options));
+      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout, ResolveJobToken(options));
   const uint16_t port = TcpStorePort(*store);
   const std::string line = std::to_string(port) + "\n";
   if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
@@ -289,7 +282,7 @@ std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_p
   // No token given: rank 0, the store's creator, makes one and shares it over MPI, a channel
   // only the job's ranks are on.
   CommunicationOptions options = given;
-  options.job_token = JobToken(given);
+  options.job_token = ResolveJobToken(given);
   if (options.job_token.empty()) {
     std::array<char, 33> token{};
     if (rank == 0) {

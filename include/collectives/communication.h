@@ -160,6 +160,11 @@ class CollectiveCommunication {
 
 // Builds a communicator for this process's rank of `spec`, rendezvousing through the store the
 // spec names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed.
+// The job token a communicator built with `options` proves on every connection, the store's
+// included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty. For callers that create
+// the store themselves (CreateTcpStore) and pass it to CreateCommunication.
+std::string ResolveJobToken(const CommunicationOptions& options);
+
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options = {});
 

@@ -24,15 +24,13 @@ std::string HostOf(const std::string& address) {
   return host;
 }
 
-// The job token both the store and the fabric connections prove: the option, else
-// COLLECTIVES_JOB_TOKEN, else empty.
-std::string JobToken(const CommunicationOptions& options) {
+}  // namespace
+
+std::string ResolveJobToken(const CommunicationOptions& options) {
   if (!options.job_token.empty()) return options.job_token;
   if (const char* env = std::getenv("COLLECTIVES_JOB_TOKEN")) return env;
   return {};
 }
-
-}  // namespace
 
 const char* ToString(Implementation impl) {
   switch (impl) {
@@ -54,7 +52,7 @@ Implementation ParseImplementation(const std::string& name) {
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options) {
   spec.Validate();
-  return CreateCommunication(spec, CreateStoreFor(spec, options.timeout, JobToken(options)),
+  return CreateCommunication(spec, CreateStoreFor(spec, options.timeout, ResolveJobToken(options)),
                              options);
 }
 
@@ -84,7 +82,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
 
   transport::TcpFabricOptions tcp;
   tcp.job_id = spec.job_id;
-  tcp.token = JobToken(options);
+  tcp.token = ResolveJobToken(options);
   tcp.timeout = options.timeout;
   // Every rank counts the communicators it has built on this store; building them in the same
   // order on every rank (as collectives require anyway) gives each its own key space.
