@@ -30,6 +30,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/store_common.h"
+#include "src/core/files.h"
 
 namespace collectives {
 namespace cluster {
@@ -65,27 +66,6 @@ std::string EncodeKey(const std::string& key) {
   name += Hex(digest, digest_bytes);
   return name;
 }
-
-// Closes a file descriptor when it goes out of scope.
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  int get() const { return fd_; }
-  // Closes now, returning close()'s result.
-  int Close() {
-    int rc = ::close(fd_);
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
 
 class FileStore : public Store {
  public:
@@ -129,7 +109,7 @@ class FileStore : public Store {
   int64_t Add(const std::string& key, int64_t delta) override {
     CheckKey(name_, key);
     std::string lock_path = directory_ + "/lock." + EncodeKey(key);
-    FileDescriptor lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    core::UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
     if (lock.get() < 0) ThrowSystem("open", lock_path);
     while (::flock(lock.get(), LOCK_EX) != 0) {
       if (errno != EINTR) ThrowSystem("lock", lock_path);
@@ -157,7 +137,7 @@ class FileStore : public Store {
 
   // Reads the whole file at `path` into `*value`; false if it does not exist.
   bool ReadIfExists(const std::string& path, std::string* value) const {
-    FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (fd.get() < 0) {
       if (errno == ENOENT) return false;
       ThrowSystem("open", path);
@@ -183,18 +163,10 @@ class FileStore : public Store {
   // Writes `value` to a temp file in the folder, fsyncs it and renames it to `path`.
   void WriteAtomically(const std::string& path, const std::string& value) {
     std::string temp = temp_prefix_ + std::to_string(temp_counter_.fetch_add(1));
-    FileDescriptor fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    core::UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
     if (fd.get() < 0) ThrowSystem("create", temp);
     try {
-      size_t written = 0;
-      while (written < value.size()) {
-        ssize_t n = ::write(fd.get(), value.data() + written, value.size() - written);
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          ThrowSystem("write", temp);
-        }
-        written += static_cast<size_t>(n);
-      }
+      if (!core::WriteAll(fd.get(), value.data(), value.size())) ThrowSystem("write", temp);
       if (::fsync(fd.get()) != 0) ThrowSystem("fsync", temp);
       if (fd.Close() != 0) ThrowSystem("close", temp);
       if (::rename(temp.c_str(), path.c_str()) != 0) ThrowSystem("rename onto", path);

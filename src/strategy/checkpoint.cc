@@ -44,6 +44,7 @@
 
 #include "collectives/errors.h"
 #include "collectives/strategy.h"
+#include "src/core/files.h"
 #include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
@@ -278,47 +279,26 @@ void CreateDirectory(const std::string& directory) {
   if (ec) throw Error(ErrorCode::kSystem, "cannot create directory " + directory + ": " + ec.message());
 }
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int Release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
-
 // Writes `bytes` to a new file at `path`; with `sync`, fsyncs it before closing.
 void WriteFile(const std::string& path, const std::vector<unsigned char>& bytes, bool sync) {
-  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  core::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) ThrowSystem("cannot create", path, errno);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ThrowSystem("cannot write", path, errno);
-    }
-    done += static_cast<size_t>(n);
+  if (!core::WriteAll(fd.get(), bytes.data(), bytes.size())) {
+    ThrowSystem("cannot write", path, errno);
   }
   if (sync && ::fsync(fd.get()) != 0) ThrowSystem("cannot fsync", path, errno);
-  if (::close(fd.Release()) != 0) ThrowSystem("cannot close", path, errno);
+  if (fd.Close() != 0) ThrowSystem("cannot close", path, errno);
 }
 
 void SyncDirectory(const std::string& directory) {
-  Fd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  core::UniqueFd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) ThrowSystem("cannot open directory", directory, errno);
   if (::fsync(fd.get()) != 0) ThrowSystem("cannot fsync directory", directory, errno);
 }
 
 // nullopt when the file does not exist.
 std::optional<std::vector<unsigned char>> ReadFile(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return std::nullopt;
     ThrowSystem("cannot open", path, errno);
