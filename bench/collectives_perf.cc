@@ -134,6 +134,7 @@ struct Config {
   bool check = false;
   std::string csv_path;
   std::string impl = "ring";
+  std::string algorithm;  // CommunicationOptions::algorithm
   int root = 0;
   bool in_place = false;
   size_t chunk_bytes = 0;
@@ -611,6 +612,7 @@ struct Session {
 CommunicationOptions MakeOptions(const Config& config) {
   CommunicationOptions options;
   options.implementation = ParseImplementation(config.impl);
+  options.algorithm = config.algorithm;
   options.chunk_bytes = config.chunk_bytes;
   options.small_message_bytes = config.small_message_bytes;
   options.medium_message_bytes = config.medium_message_bytes;
@@ -905,7 +907,9 @@ class Sweep {
     PrintBuildHeader("collectives_perf", COLLECTIVES_PERF_BUILD_TYPE);
     std::printf("# world size %d  hosts %zu  launched by %s\n", world_size_, hosts,
                 session_.launcher.c_str());
-    std::printf("# implementation %s  transport %s\n", ToString(comm_.implementation()),
+    std::printf("# implementation %s  algorithm %s  hosts' link %s\n",
+                ToString(comm_.implementation()),
+                config_.algorithm.empty() ? "chosen per call" : config_.algorithm.c_str(),
                 hosts == 1 ? "TCP loopback (one host)" : "TCP");
     std::printf("# chunk bytes %s  small-message bytes %s  spin us %s  timeout %.0f s\n",
                 config_.chunk_bytes == 0 ? "default" : std::to_string(config_.chunk_bytes).c_str(),
@@ -939,6 +943,7 @@ class Sweep {
       line1 += "   mpi time  mpi busbw  ours/mpi";
       line2 += "                (us)     (GB/s)    (time)";
     }
+    line1 += "  algorithm";
     std::printf("#\n# %s\n%s\n%s\n", ToString(collective), line1.c_str(), line2.c_str());
     std::fflush(stdout);
   }
@@ -967,8 +972,14 @@ class Sweep {
         line += Format(" %10s %10s %9s", "n/a", "n/a", "n/a");
       }
     }
+    line += "  " + AlgorithmOf(row);
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
+  }
+
+  // The all-reduce algorithm the communicator runs at this size (the same on every rank).
+  std::string AlgorithmOf(const Row& row) const {
+    return row.collective == Collective::kAllReduce ? comm_.AllReduceAlgorithm(row.bytes) : "-";
   }
 
   void WriteCsvHeader() {
@@ -976,7 +987,7 @@ class Sweep {
     *csv_ << "collective,world_size,size_bytes,count,dtype,op,root,time_us,algbw_gbps,"
              "busbw_gbps,wrong";
     if (config_.baseline == "mpi") *csv_ << ",mpi_time_us,mpi_busbw_gbps,time_ratio_ours_over_mpi";
-    *csv_ << "\n";
+    *csv_ << ",algorithm\n";
   }
 
   // Columns that do not apply (op of a broadcast, time of a skipped size) are left empty.
@@ -1000,7 +1011,7 @@ class Sweep {
         *csv_ << ",,,";
       }
     }
-    *csv_ << '\n';
+    *csv_ << ',' << AlgorithmOf(row) << '\n';
     csv_->flush();
   }
 
@@ -1055,6 +1066,9 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
                "Verify one extra call per size element by element on every rank; exit 2 on any "
                "wrong element");
   app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
+  app.add_option("--algorithm", config.algorithm,
+                 "Force the all-reduce algorithm (CommunicationOptions::algorithm): ring, "
+                 "recursive_doubling, halving_doubling, shm, two_level; default: chosen per call");
   app.add_option("--impl", config.impl, "Implementation")
       ->capture_default_str()
       ->check(CLI::IsMember({"ring", "auto"}));

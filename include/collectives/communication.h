@@ -32,7 +32,7 @@ namespace collectives {
 enum class Implementation {
   kRing,  // TCP between processes; ring algorithms, latency-optimal ones for small messages
   kNccl,  // NVIDIA NCCL on CUDA tensors
-  kAuto,  // chosen per call; today RING (NCCL arrives with the NCCL backend)
+  kAuto,  // chosen per call: shared memory inside a host, TCP across hosts (see CreateCommunication)
 };
 const char* ToString(Implementation impl);
 Implementation ParseImplementation(const std::string& name);  // "ring", "nccl", "auto"
@@ -73,6 +73,13 @@ struct CommunicationOptions {
   // beat the ring up to there); 1 never uses it; SIZE_MAX always does.
   // Default: 0.
   size_t medium_message_bytes = 0;
+
+  // Forces the all-reduce algorithm, for measurements (NCCL_ALGO's role): "ring",
+  // "recursive_doubling", "halving_doubling" (RING and AUTO), "shm" (AUTO with every rank on one
+  // host), "two_level" (AUTO with several hosts of as many ranks each). Empty: chosen per call.
+  // An algorithm the communicator cannot run raises Error(kNotSupported) when it is built.
+  // Default: "".
+  std::string algorithm{};
 
   // How long a waiter polls before it sleeps, in microseconds. Polling cuts the latency of
   // small collectives (~11 us vs ~65 us for an 8-byte loopback round trip) but steals a core a
@@ -145,6 +152,14 @@ class CollectiveCommunication {
   }
   virtual void Barrier() { BarrierAsync()->Wait(); }
 
+  // The name of the algorithm an all-reduce of `bytes` bytes runs on this communicator: "ring",
+  // "recursive_doubling", "halving_doubling", "shm", "shm_small", "two_level", "nccl". Every
+  // rank makes the same choice. For benchmarks and logs.
+  virtual std::string AllReduceAlgorithm(size_t bytes) const {
+    (void)bytes;
+    return ToString(implementation());
+  }
+
   // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),
   // and peers see this rank's connections close. Safe from any thread; idempotent.
   virtual void Abort() = 0;
@@ -160,6 +175,11 @@ class CollectiveCommunication {
 
 // Builds a communicator for this process's rank of `spec`, rendezvousing through the store the
 // spec names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed.
+// RING connects every pair of ranks over TCP. AUTO does too, and also groups the ranks by host
+// (host name and boot id, or $COLLECTIVES_HOST_ID): the ranks of one host share a POSIX
+// shared-memory segment, and AUTO runs a call there when every rank is on one host, or in two
+// levels (inside each host, then across hosts among ranks of the same local index) when there
+// are several hosts of as many ranks each. COLLECTIVES_SHM=0 turns shared memory off.
 // The job token a communicator built with `options` proves on every connection, the store's
 // included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty. For callers that create
 // the store themselves (CreateTcpStore) and pass it to CreateCommunication.

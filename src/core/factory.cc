@@ -4,6 +4,7 @@
 #include <string>
 
 #include "collectives/communication.h"
+#include "src/hierarchical/planner.h"
 #include "src/ring/ring_communication.h"
 #if defined(COLLECTIVES_WITH_NCCL)
 #include "src/nccl/nccl_communication.h"
@@ -60,8 +61,8 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, std::shared_ptr<Store> store, const CommunicationOptions& options) {
   spec.Validate();
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
-  // kAuto is RING today: choosing NCCL for CUDA tensors (and RING for CPU ones) per call, across
-  // devices, is future work.
+  // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host);
+  // choosing NCCL for CUDA tensors per call, across devices, is future work.
   if (options.implementation == Implementation::kNccl) {
 #if defined(COLLECTIVES_WITH_NCCL)
     // Fails with Error(kNotSupported) before touching the store when NCCL or a GPU is missing.
@@ -95,7 +96,13 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
     tcp.bind_host = transport::LocalAddressToward(spec.master_addr);
   }
   auto fabric = transport::ConnectTcpFabric(spec.rank, spec.world_size, *store, tcp);
-  return ring::CreateRingCommunication(std::move(fabric), std::move(store), options);
+  std::unique_ptr<ring::Planner> planner;
+  if (options.implementation == Implementation::kAuto) {
+    planner = hierarchical::CreatePlanner(spec.rank, spec.world_size, *store, spec.job_id,
+                                          tcp.key_prefix, options);
+  }
+  return ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
+                                       std::move(planner));
 }
 
 }  // namespace collectives

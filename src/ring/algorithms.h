@@ -44,6 +44,8 @@ struct Context {
   // Largest payload of one pipelined frame.
   size_t chunk_bytes;
   Staging& staging;
+  // When the call must be done (the fabric throws past it; other transports check it too).
+  transport::Clock::time_point deadline = transport::Clock::time_point::max();
 
   int rank() const { return fabric.rank(); }
   int size() const { return fabric.size(); }

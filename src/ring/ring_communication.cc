@@ -26,12 +26,15 @@ using core::CollectiveKind;
 class RingCommunication final : public CollectiveCommunication {
  public:
   RingCommunication(std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
-                    const CommunicationOptions& options);
+                    const CommunicationOptions& options, std::unique_ptr<Planner> planner);
   ~RingCommunication() override;
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  Implementation implementation() const override { return Implementation::kRing; }
+  Implementation implementation() const override {
+    return planner_ ? Implementation::kAuto : Implementation::kRing;
+  }
+  std::string AllReduceAlgorithm(size_t bytes) const override;
 
   std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
                                        ReduceOp op) override;
@@ -60,7 +63,10 @@ class RingCommunication final : public CollectiveCommunication {
   void SetTimeout(std::chrono::milliseconds timeout) override;
 
  private:
-  using Body = std::function<void(Context&)>;
+  using Body = Planner::Body;
+  enum class Algorithm { kRecursiveDoubling, kHalvingDoubling, kRing };
+  // The ring's all-reduce algorithm for `bytes` (forced by options.algorithm, or by size).
+  Algorithm ChooseAllReduce(size_t bytes) const;
   // A validated call, ready to run: what every rank must agree on, and what to run.
   struct Prepared {
     CallDescriptor descriptor;
@@ -114,6 +120,7 @@ class RingCommunication final : public CollectiveCommunication {
   const size_t chunk_bytes_;
   const size_t small_message_bytes_;
   const size_t medium_message_bytes_;
+  const std::string algorithm_;  // options.algorithm
   // Milliseconds a call may take; read when a call is issued (SetTimeout changes later calls).
   std::atomic<int64_t> timeout_ms_;
   // How long the thread driving the network polls before it sleeps.
@@ -122,6 +129,7 @@ class RingCommunication final : public CollectiveCommunication {
   // the idle progress thread watching the queue. Both run beside the thread driving the network.
   const std::chrono::microseconds handoff_spin_;
   std::shared_ptr<Store> store_;
+  std::unique_ptr<Planner> planner_;           // may be null
   std::unique_ptr<transport::Fabric> fabric_;  // used by the progress thread only (and Abort)
   Staging staging_;                            // progress thread only
 
@@ -151,7 +159,8 @@ std::chrono::microseconds SpinBudget(int spin_us, int world_size, int threads_pe
 
 RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
                                      std::shared_ptr<Store> store,
-                                     const CommunicationOptions& options)
+                                     const CommunicationOptions& options,
+                                     std::unique_ptr<Planner> planner)
     : rank_(fabric->rank()),
       size_(fabric->size()),
       chunk_bytes_(options.chunk_bytes ? options.chunk_bytes : kDefaultChunkBytes),
@@ -159,10 +168,12 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
                                                        : kDefaultSmallMessageBytes),
       medium_message_bytes_(options.medium_message_bytes ? options.medium_message_bytes
                                                          : kDefaultMediumMessageBytes),
+      algorithm_(options.algorithm),
       timeout_ms_(options.timeout.count()),
       spin_(SpinBudget(options.spin_us, fabric->size(), 1)),
       handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
       store_(std::move(store)),
+      planner_(std::move(planner)),
       fabric_(std::move(fabric)) {
   fabric_->SetSpin(spin_);
   thread_ = std::thread([this] { Run(); });
@@ -208,8 +219,9 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
     if (broken_) return broken_;
   }
   try {
-    fabric_->SetDeadline(transport::Clock::now() + timeout);
-    Context ctx{*fabric_, tag, chunk_bytes_, staging_};
+    const auto deadline = transport::Clock::now() + timeout;
+    fabric_->SetDeadline(deadline);
+    Context ctx{*fabric_, tag, chunk_bytes_, staging_, deadline};
     body(ctx);
     return std::nullopt;
   } catch (const Error& e) {
@@ -252,6 +264,7 @@ Error RingCommunication::Break(const Error& error) {
     }
   }
   fabric_->Abort(first);
+  if (planner_) planner_->Abort(first);
   return first;
 }
 
@@ -338,14 +351,10 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                               recv.count));
   }
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, op, 0, send.count};
-  // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
-  // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
-  enum class Algorithm { kRecursiveDoubling, kHalvingDoubling, kRing };
-  const bool power_of_two = size_ >= 4 && (size_ & (size_ - 1)) == 0;
-  const Algorithm algorithm =
-      send.bytes() <= small_message_bytes_ ? Algorithm::kRecursiveDoubling
-      : power_of_two && send.bytes() <= medium_message_bytes_ ? Algorithm::kHalvingDoubling
-                                                              : Algorithm::kRing;
+  if (planner_) {
+    if (Body body = planner_->AllReduce(send, recv, op)) return Prepared{call, std::move(body)};
+  }
+  const Algorithm algorithm = ChooseAllReduce(send.bytes());
   return Prepared{call, [send, recv, op, algorithm](Context& ctx) {
     switch (algorithm) {
       case Algorithm::kRecursiveDoubling:
@@ -382,6 +391,11 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
                             recv.count};
   const bool small = recv.bytes() <= small_message_bytes_;
   const void* source = rank_ == root ? send.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Broadcast(source, recv, root)) {
+      return Prepared{call, std::move(body)};
+    }
+  }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
     if (small) {
       TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
@@ -398,6 +412,9 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
   CheckWholeIsSizeTimesBlock(kName, "recv", recv, "send", send);
   const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
                             send.count};
+  if (planner_) {
+    if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
+  }
   return Prepared{call, [send, recv](Context& ctx) {
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
   }};
@@ -411,6 +428,11 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
   CheckOp(rank_, kName, op);
   CheckWholeIsSizeTimesBlock(kName, "send", send, "recv", recv);
   const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
+  if (planner_) {
+    if (Body body = planner_->ReduceScatter(send, recv, op)) {
+      return Prepared{call, std::move(body)};
+    }
+  }
   return Prepared{call, [send, recv, op](Context& ctx) {
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
   }};
@@ -418,7 +440,35 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
 
 RingCommunication::Prepared RingCommunication::PrepareBarrier() const {
   const CallDescriptor call{CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0};
+  if (planner_) {
+    if (Body body = planner_->Barrier()) return Prepared{call, std::move(body)};
+  }
   return Prepared{call, [](Context& ctx) { ring::Barrier(ctx); }};
+}
+
+RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) const {
+  if (algorithm_ == "recursive_doubling") return Algorithm::kRecursiveDoubling;
+  if (algorithm_ == "ring") return Algorithm::kRing;
+  const bool power_of_two = size_ >= 4 && (size_ & (size_ - 1)) == 0;
+  if (algorithm_ == "halving_doubling" && power_of_two) return Algorithm::kHalvingDoubling;
+  // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
+  // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
+  if (bytes <= small_message_bytes_) return Algorithm::kRecursiveDoubling;
+  if (power_of_two && bytes <= medium_message_bytes_) return Algorithm::kHalvingDoubling;
+  return Algorithm::kRing;
+}
+
+std::string RingCommunication::AllReduceAlgorithm(size_t bytes) const {
+  if (planner_) {
+    std::string name = planner_->AllReduceAlgorithm(bytes);
+    if (!name.empty()) return name;
+  }
+  switch (ChooseAllReduce(bytes)) {
+    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
+    case Algorithm::kHalvingDoubling: return "halving_doubling";
+    case Algorithm::kRing: return "ring";
+  }
+  return "?";
 }
 
 std::shared_ptr<Work> RingCommunication::AllReduceAsync(const Tensor& send, const Tensor& recv,
@@ -446,9 +496,19 @@ std::shared_ptr<Work> RingCommunication::BarrierAsync() { return Submit(PrepareB
 
 std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
-    const CommunicationOptions& options) {
+    const CommunicationOptions& options, std::unique_ptr<Planner> planner) {
   if (!fabric) throw Error(ErrorCode::kInvalidArgument, "CreateRingCommunication: no fabric");
-  return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), options);
+  if (!options.algorithm.empty() && !planner && !IsRingAlgorithm(options.algorithm)) {
+    throw Error(ErrorCode::kNotSupported,
+                "rank " + std::to_string(fabric->rank()) + ": algorithm '" + options.algorithm +
+                    "' is not one of RING's (ring, recursive_doubling, halving_doubling)");
+  }
+  return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), options,
+                                             std::move(planner));
+}
+
+bool IsRingAlgorithm(const std::string& name) {
+  return name == "ring" || name == "recursive_doubling" || name == "halving_doubling";
 }
 
 }  // namespace collectives::ring

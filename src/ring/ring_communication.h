@@ -5,10 +5,13 @@
 #ifndef COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
 #define COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
 
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "src/ring/algorithms.h"
 #include "src/transport/connection.h"
 
 namespace collectives::ring {
@@ -19,11 +22,37 @@ inline constexpr size_t kDefaultSmallMessageBytes = 64 * 1024;
 inline constexpr size_t kDefaultMediumMessageBytes = 8 * 1024 * 1024;
 inline constexpr int kDefaultSpinUs = 50;
 
+// A layer above the ring that may take calls over (the hierarchical layer: shared memory, the
+// two-level plan). Each method is called on the caller's thread after the argument checks and
+// returns the body to run on the progress thread, or an empty one to leave the call to the
+// ring's own algorithms. Every rank must decide the same way for the same call.
+class Planner {
+ public:
+  using Body = std::function<void(Context&)>;
+  virtual ~Planner() = default;
+  // `algorithm` is CommunicationOptions::algorithm when it names one of the planner's.
+  virtual Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  // `source` is the root's send data (null elsewhere).
+  virtual Body Broadcast(const void* source, const Tensor& recv, int root) = 0;
+  virtual Body AllGather(const Tensor& send, const Tensor& recv) = 0;
+  virtual Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  virtual Body Barrier() = 0;
+  // The name of the planner's algorithm for an all-reduce of `bytes`, "" when it leaves it to
+  // the ring.
+  virtual std::string AllReduceAlgorithm(size_t bytes) const = 0;
+  // Breaks whatever the planner's bodies wait on, with `error`. Any thread.
+  virtual void Abort(const Error& error) = 0;
+};
+
 // Takes over `fabric` (already connected). `store` is kept alive as long as the communicator
-// (rank 0 may host it); it may be null.
+// (rank 0 may host it); it may be null. With a `planner` the communicator reports
+// Implementation::kAuto and offers the planner every call first.
 std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
-    const CommunicationOptions& options);
+    const CommunicationOptions& options, std::unique_ptr<Planner> planner = nullptr);
+
+// The ring's own all-reduce algorithms, by the names of CommunicationOptions::algorithm.
+bool IsRingAlgorithm(const std::string& name);
 
 }  // namespace collectives::ring
 

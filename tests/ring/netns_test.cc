@@ -69,7 +69,20 @@ class Hosts {
   std::string Namespace(int h) const { return "coll" + tag_ + "-h" + std::to_string(h); }
   std::string Interface(int h) const { return "ce" + tag_ + "-" + std::to_string(h); }
   std::string Address(int h) const { return subnet_ + "." + std::to_string(h + 1); }
-  Placement OneRankPerHost() const { return Placement{Address(0), namespaces_}; }
+  // Each namespace is a host of its own (COLLECTIVES_HOST_ID), as on separate machines.
+  Placement OneRankPerHost() const { return Placement{Address(0), namespaces_, namespaces_}; }
+  // `per_host` ranks in each of the first `hosts` namespaces: shared memory inside each, TCP
+  // across them (the two-level plan).
+  Placement RanksPerHost(int hosts, int per_host) const {
+    Placement placement{Address(0), {}, {}};
+    for (int h = 0; h < hosts; ++h) {
+      for (int i = 0; i < per_host; ++i) {
+        placement.namespaces.push_back(namespaces_[size_t(h)]);
+        placement.host_ids.push_back(namespaces_[size_t(h)]);
+      }
+    }
+    return placement;
+  }
 
  private:
   std::string tag_, subnet_, bridge_, why_;

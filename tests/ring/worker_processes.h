@@ -38,6 +38,8 @@ struct Worker {
 struct Placement {
   std::string master_addr = "127.0.0.1";
   std::vector<std::string> namespaces;  // one per rank, or empty
+  // COLLECTIVES_HOST_ID of each rank (pretend hosts), or empty for the real host's identity.
+  std::vector<std::string> host_ids;
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -58,6 +60,9 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       setenv("MASTER_ADDR", placement.master_addr.c_str(), 1);
       setenv("MASTER_PORT", port.c_str(), 1);
       unsetenv("TF_CONFIG");
+      if (!placement.host_ids.empty()) {
+        setenv("COLLECTIVES_HOST_ID", placement.host_ids[size_t(rank)].c_str(), 1);
+      }
       std::vector<std::string> command;
       if (!placement.namespaces.empty()) {
         command = {"ip", "netns", "exec", placement.namespaces[size_t(rank)]};

@@ -1,0 +1,233 @@
+// The AUTO planner: topology, the shared-memory group, and the choice per call.
+#include "src/hierarchical/planner.h"
+
+#include <cstdlib>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "src/hierarchical/shm_group.h"
+#include "src/ring/algorithms.h"
+
+namespace collectives::hierarchical {
+namespace {
+
+// A view of some ranks of a fabric as a fabric of their own (the ranks of one local index
+// across hosts). Connections are the parent's, so frames still carry the parent's call tags.
+class SubFabric final : public transport::Fabric {
+ public:
+  SubFabric(transport::Fabric& parent, const std::vector<int>& ranks, int me)
+      : parent_(parent), ranks_(ranks), me_(me) {}
+  int rank() const override { return me_; }
+  int size() const override { return int(ranks_.size()); }
+  transport::Connection& connection(int peer) override {
+    return parent_.connection(ranks_[size_t(peer)]);
+  }
+  void SetDeadline(transport::Clock::time_point deadline) override {
+    parent_.SetDeadline(deadline);
+  }
+  void SetSpin(std::chrono::microseconds spin) override { parent_.SetSpin(spin); }
+  void Abort(const Error& error) override { parent_.Abort(error); }
+
+ private:
+  transport::Fabric& parent_;
+  const std::vector<int>& ranks_;
+  const int me_;
+};
+
+enum class Plan { kRing, kShm, kTwoLevel };
+
+class HierarchicalPlanner final : public ring::Planner {
+ public:
+  HierarchicalPlanner(int rank, int size, Topology topology, std::unique_ptr<ShmGroup> group,
+                      Plan plan, const CommunicationOptions& options)
+      : rank_(rank),
+        size_(size),
+        topology_(std::move(topology)),
+        group_(std::move(group)),
+        plan_(plan),
+        small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
+                                                         : ring::kDefaultSmallMessageBytes) {
+    // The ranks of this rank's local index, one per host, and this rank's place among them.
+    const int local = topology_.local_index[size_t(rank)];
+    for (size_t h = 0; h < topology_.hosts.size(); ++h) {
+      if (topology_.host_of[size_t(rank)] == int(h)) cross_me_ = int(cross_ranks_.size());
+      cross_ranks_.push_back(topology_.hosts[h][size_t(local)]);
+    }
+  }
+
+  Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    if (plan_ == Plan::kShm) {
+      ShmGroup* group = group_.get();
+      return [group, send, recv, op](ring::Context& ctx) {
+        group->AllReduce(ctx.tag, ctx.deadline, send.data, recv.data, send.count, send.dtype, op);
+      };
+    }
+    if (plan_ == Plan::kTwoLevel) {
+      // Inside the host: each local rank reduces its slice of every step; across hosts: the
+      // ranks of each local index all-reduce their slices at once (all of a host's ranks cross
+      // the network together, each with 1/L of the bytes); inside the host again: everyone
+      // copies every slice out. kAvg sums across hosts and divides once by the world size.
+      ShmGroup* group = group_.get();
+      const std::vector<int>* cross_ranks = &cross_ranks_;
+      const int cross_me = cross_me_;
+      const size_t small = small_message_bytes_;
+      const size_t world = size_t(size_);
+      return [=](ring::Context& ctx) {
+        SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+        ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+        const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+        const size_t es = SizeOf(send.dtype);
+        const auto hook = [&](void* slice, size_t count) {
+          if (count * es <= small) {
+            ring::RecursiveDoublingAllReduce(cross, slice, slice, count, send.dtype, cross_op);
+          } else {
+            ring::RingAllReduce(cross, slice, slice, count, send.dtype, cross_op);
+          }
+        };
+        group->AllReduce(ctx.tag, ctx.deadline, send.data, recv.data, send.count, send.dtype, op,
+                         hook, world);
+      };
+    }
+    return {};
+  }
+
+  Body Broadcast(const void* source, const Tensor& recv, int root) override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup* group = group_.get();
+    const int root_index = topology_.local_index[size_t(root)];
+    return [group, source, recv, root_index](ring::Context& ctx) {
+      group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index);
+    };
+  }
+
+  Body AllGather(const Tensor& send, const Tensor& recv) override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup* group = group_.get();
+    return [group, send, recv](ring::Context& ctx) {
+      group->AllGather(ctx.tag, ctx.deadline, send.data, recv.data, send.bytes());
+    };
+  }
+
+  Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup* group = group_.get();
+    return [group, send, recv, op](ring::Context& ctx) {
+      group->ReduceScatter(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, recv.dtype,
+                           op);
+    };
+  }
+
+  Body Barrier() override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup* group = group_.get();
+    return [group](ring::Context& ctx) { group->Barrier(ctx.tag, ctx.deadline); };
+  }
+
+  std::string AllReduceAlgorithm(size_t bytes) const override {
+    switch (plan_) {
+      case Plan::kShm: return bytes <= group_->small_bytes() ? "shm_small" : "shm";
+      case Plan::kTwoLevel: return "two_level";
+      case Plan::kRing: return "";
+    }
+    return "";
+  }
+
+  void Abort(const Error& error) override {
+    if (group_) group_->Abort(error);
+  }
+
+ private:
+  const int rank_;
+  const int size_;
+  const Topology topology_;
+  const std::unique_ptr<ShmGroup> group_;  // null without shared memory
+  const Plan plan_;
+  const size_t small_message_bytes_;
+  std::vector<int> cross_ranks_;
+  int cross_me_ = 0;
+};
+
+}  // namespace
+
+Topology Topology::FromIdentities(const std::vector<std::string>& identities) {
+  Topology t;
+  std::map<std::string, int> host_index;
+  t.host_of.resize(identities.size());
+  t.local_index.resize(identities.size());
+  for (size_t r = 0; r < identities.size(); ++r) {
+    const auto [it, fresh] = host_index.emplace(identities[r], int(t.hosts.size()));
+    if (fresh) t.hosts.emplace_back();
+    std::vector<int>& ranks = t.hosts[size_t(it->second)];
+    t.host_of[r] = it->second;
+    t.local_index[r] = int(ranks.size());
+    ranks.push_back(int(r));
+  }
+  return t;
+}
+
+bool Topology::Uniform() const {
+  for (const auto& ranks : hosts) {
+    if (ranks.size() != hosts.front().size()) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
+                                             const std::string& job_id,
+                                             const std::string& key_prefix,
+                                             const CommunicationOptions& options) {
+  store.Set(key_prefix + "/host/" + std::to_string(rank), HostIdentity());
+  std::vector<std::string> identities;
+  for (int r = 0; r < size; ++r) {
+    identities.push_back(store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout));
+  }
+  Topology topology = Topology::FromIdentities(identities);
+  const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];
+
+  const char* shm_env = std::getenv("COLLECTIVES_SHM");
+  const bool shm_allowed = shm_env == nullptr || std::string(shm_env) != "0";
+  // Every rank decides from the same facts: the topology, and whether shared memory is on
+  // (which the launcher sets alike for every rank).
+  Plan plan = Plan::kRing;
+  if (shm_allowed && local.size() >= 2) {
+    if (topology.hosts.size() == 1) {
+      plan = Plan::kShm;
+    } else if (topology.Uniform()) {
+      plan = Plan::kTwoLevel;
+    }
+  }
+  const std::string& forced = options.algorithm;
+  const auto refuse = [&](const std::string& why) {
+    return Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank) + ": algorithm '" +
+                                               forced + "' " + why);
+  };
+  if (forced == "shm" && plan != Plan::kShm) {
+    throw refuse("needs every rank on one host and shared memory on");
+  } else if (forced == "two_level" && plan != Plan::kTwoLevel) {
+    throw refuse("needs several hosts of as many ranks each (two or more) and shared memory on");
+  } else if (ring::IsRingAlgorithm(forced)) {
+    plan = Plan::kRing;  // the ring's algorithms over TCP, as forced
+  } else if (!forced.empty() && forced != "shm" && forced != "two_level") {
+    throw refuse("is unknown (ring, recursive_doubling, halving_doubling, shm, two_level)");
+  }
+
+  std::unique_ptr<ShmGroup> group;
+  if (plan != Plan::kRing) {
+    ShmGroupOptions shm;
+    shm.job_id = job_id;
+    shm.key_prefix = key_prefix;
+    shm.timeout = options.timeout;
+    // Busy-poll only when every rank of the host can have a core.
+    const unsigned cores = std::thread::hardware_concurrency();
+    const int spin_us = options.spin_us >= 0 ? options.spin_us
+                        : cores >= local.size() ? ring::kDefaultSpinUs
+                                                : 0;
+    shm.spin = std::chrono::microseconds(spin_us);
+    group = ShmGroup::Create(rank, local, store, shm);
+  }
+  return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
+                                               plan, options);
+}
+
+}  // namespace collectives::hierarchical

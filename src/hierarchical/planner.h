@@ -1,0 +1,44 @@
+// AUTO's planner: groups the ranks by host, builds this host's shared-memory group, and decides
+// per call whether a collective runs in shared memory (every rank on one host), in two levels
+// (several hosts of as many ranks each: inside each host, then across hosts among the ranks of
+// the same local index, then inside again), or on the ring over TCP.
+//
+// Thread-safety: as ring::Planner.
+#ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
+#define COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "src/ring/ring_communication.h"
+
+namespace collectives::hierarchical {
+
+// Where every rank lives: the hosts in order of their lowest rank, and each rank's host and
+// index inside it.
+struct Topology {
+  std::vector<std::vector<int>> hosts;  // the ranks of each host, ascending
+  std::vector<int> host_of;             // rank -> host
+  std::vector<int> local_index;         // rank -> position among its host's ranks
+
+  // From every rank's host identity (rank order).
+  static Topology FromIdentities(const std::vector<std::string>& identities);
+  // Every host has the same number of ranks.
+  bool Uniform() const;
+};
+
+// Collective over the ranks: publishes this rank's HostIdentity() under "<key_prefix>/host/R",
+// reads everyone's, and builds the shared-memory group of this host when it has two ranks or
+// more and COLLECTIVES_SHM is not "0". Throws Error(kNotSupported) when options.algorithm names
+// a plan this topology cannot run.
+std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
+                                             const std::string& job_id,
+                                             const std::string& key_prefix,
+                                             const CommunicationOptions& options);
+
+}  // namespace collectives::hierarchical
+
+#endif  // COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_

@@ -1,0 +1,656 @@
+// ShmGroup: the segment, its set-up and clean-up, the waits, and the collectives over it. The
+// protocol is described in shm_group.h.
+#include "src/hierarchical/shm_group.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "src/core/kernels.h"
+#include "src/transport/fabric_errors.h"
+
+namespace collectives::hierarchical {
+namespace {
+
+constexpr uint64_t kMagic = 0x316d6873'6c6c6f63ULL;  // "collshm1"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kPage = 4096;
+// How long a sleeping waiter sleeps before it looks at the deadline, the broken flag and the
+// liveness of the member it waits for.
+constexpr int kSleepSliceMs = 20;
+
+// A CallTag as it sits in shared memory.
+struct WireTag {
+  uint64_t seq;
+  uint64_t count;
+  int32_t root;
+  uint8_t kind;
+  uint8_t dtype;
+  uint8_t op;
+  uint8_t pad;
+
+  static WireTag Of(const core::CallTag& t) {
+    return WireTag{t.seq, t.call.count, t.call.root, uint8_t(t.call.kind), uint8_t(t.call.dtype),
+                   uint8_t(t.call.op), 0};
+  }
+  core::CallTag ToTag() const {
+    return core::CallTag{seq, core::CallDescriptor{core::CollectiveKind(kind), DataType(dtype),
+                                                   ReduceOp(op), root, count}};
+  }
+  bool operator==(const WireTag&) const = default;
+};
+
+// One member's control block: written by its member only (but for `sleepers`), read by all.
+struct alignas(64) Control {
+  std::atomic<uint32_t> arrived;   // the last step whose input is in this member's slot
+  std::atomic<uint32_t> reduced;   // the last step whose slice this member has reduced
+  std::atomic<uint32_t> done;      // the last step this member finished reading
+  std::atomic<uint32_t> sleepers;  // waiters asleep on one of the three words above
+  int32_t pid;
+  WireTag tag[2];  // the call of the last step in each buffer
+  alignas(64) pthread_mutex_t alive;  // held by the member's keeper thread while it lives
+};
+
+struct Header {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t members;
+  uint64_t slot_bytes;
+  std::atomic<uint32_t> attached;
+  alignas(64) std::atomic<uint32_t> broken;  // 0: sound; 1: being written; 2: written
+  int32_t broken_code;
+  int32_t broken_rank;
+  char broken_message[1024];
+};
+static_assert(sizeof(Header) <= kPage);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, long(timeout_ms % 1000) * 1'000'000};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Step counters wrap; a is at or past b when the signed distance is not negative.
+bool Reached(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string SystemMessage(const std::string& what) {
+  return what + ": " + std::strerror(errno);
+}
+
+// Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
+// nearly equal parts (the first count % parts get one more).
+struct Part {
+  size_t offset;
+  size_t length;
+};
+Part PartOf(size_t count, int parts, int part) {
+  const size_t base = count / size_t(parts);
+  const size_t extra = count % size_t(parts);
+  const size_t p = size_t(part);
+  return Part{p * base + std::min(p, extra), base + (p < extra ? 1 : 0)};
+}
+
+}  // namespace
+
+// The mapping, the keeper thread that holds this member's liveness mutex, and the words.
+struct ShmGroup::Segment {
+  std::string name;
+  void* base = MAP_FAILED;
+  size_t bytes = 0;
+  size_t members = 0;
+  size_t slot_bytes = 0;
+  int index = 0;
+
+  std::thread keeper;
+  std::mutex keeper_mu;
+  std::condition_variable keeper_cv;
+  bool keeper_locked = false;  // guarded by keeper_mu
+  bool keeper_stop = false;    // guarded by keeper_mu
+
+  static size_t ControlOffset() { return kPage; }
+  static size_t DataOffset(size_t members) {
+    return RoundUp(ControlOffset() + members * sizeof(Control), kPage);
+  }
+  static size_t TotalBytes(size_t members, size_t slot_bytes) {
+    return DataOffset(members) + members * 2 * slot_bytes;
+  }
+
+  Header& header() const { return *static_cast<Header*>(base); }
+  Control& control(int i) const {
+    return reinterpret_cast<Control*>(static_cast<uint8_t*>(base) + ControlOffset())[i];
+  }
+  uint8_t* slot(int i, uint32_t step) const {
+    return static_cast<uint8_t*>(base) + DataOffset(members) +
+           (size_t(i) * 2 + (step & 1)) * slot_bytes;
+  }
+
+  ~Segment() {
+    if (keeper.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(keeper_mu);
+        keeper_stop = true;
+      }
+      keeper_cv.notify_all();
+      keeper.join();
+    }
+    if (base != MAP_FAILED) munmap(base, bytes);
+  }
+
+  // Starts the thread that holds this member's liveness mutex for the group's lifetime (a
+  // thread that ends would mark it as its owner's death).
+  void StartKeeper() {
+    keeper = std::thread([this] {
+      pthread_mutex_t* alive = &control(index).alive;
+      pthread_mutex_lock(alive);
+      std::unique_lock<std::mutex> lock(keeper_mu);
+      keeper_locked = true;
+      keeper_cv.notify_all();
+      keeper_cv.wait(lock, [this] { return keeper_stop; });
+      pthread_mutex_unlock(alive);
+    });
+    std::unique_lock<std::mutex> lock(keeper_mu);
+    keeper_cv.wait(lock, [this] { return keeper_locked; });
+  }
+};
+
+std::string HostIdentity() {
+  if (const char* id = std::getenv("COLLECTIVES_HOST_ID"); id != nullptr && *id != '\0') {
+    return id;
+  }
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  return std::string(host) + "/" + boot;
+}
+
+ShmGroup::ShmGroup(int rank, std::vector<int> members, int index, const ShmGroupOptions& options)
+    : rank_(rank),
+      members_(std::move(members)),
+      index_(index),
+      slot_bytes_(RoundUp(std::max<size_t>(options.slot_bytes, kPage), 64)),
+      small_bytes_(std::min(options.small_bytes, slot_bytes_)),
+      spin_(options.spin),
+      segment_(std::make_unique<Segment>()) {}
+
+ShmGroup::~ShmGroup() = default;
+
+std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& members,
+                                           Store& store, const ShmGroupOptions& options) {
+  const auto it = std::find(members.begin(), members.end(), rank);
+  if (it == members.end() || !std::is_sorted(members.begin(), members.end())) {
+    throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) +
+                                          ": shared-memory group members must be ascending and "
+                                          "include this rank");
+  }
+  const int index = int(it - members.begin());
+  std::unique_ptr<ShmGroup> group(new ShmGroup(rank, members, index, options));
+  Segment& seg = *group->segment_;
+  seg.members = members.size();
+  seg.slot_bytes = group->slot_bytes_;
+  seg.index = index;
+  seg.bytes = Segment::TotalBytes(seg.members, seg.slot_bytes);
+  const std::string prefix = "rank " + std::to_string(rank) + ": shared memory: ";
+  const std::string key = options.key_prefix + "/shm/" + std::to_string(members.front());
+
+  int fd = -1;
+  if (index == 0) {
+    std::random_device random;
+    const uint64_t nonce = (uint64_t(random()) << 32) ^ random();
+    seg.name = "/collectives-" +
+               Hex(std::hash<std::string>{}(options.job_id + "\n" + options.key_prefix)).substr(8) +
+               "-" + std::to_string(members.front()) + "-" + Hex(nonce);
+    fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) throw Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name));
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, off_t(seg.bytes)) != 0) {
+      const Error error(ErrorCode::kSystem, prefix + SystemMessage("sizing " + seg.name));
+      close(fd);
+      shm_unlink(seg.name.c_str());
+      throw error;
+    }
+  } else {
+    seg.name = store.Get(key, options.timeout);
+    fd = shm_open(seg.name.c_str(), O_RDWR, 0);
+    if (fd < 0) throw Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name));
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0 ||
+        size_t(st.st_size) != seg.bytes) {
+      close(fd);
+      throw Error(ErrorCode::kUnauthenticated,
+                  prefix + "segment " + seg.name +
+                      " is not this job's (another owner, open to others, or the wrong size)");
+    }
+  }
+  seg.base = mmap(nullptr, seg.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_errno = errno;
+  close(fd);
+  if (seg.base == MAP_FAILED) {
+    errno = map_errno;
+    if (index == 0) shm_unlink(seg.name.c_str());
+    throw Error(ErrorCode::kSystem, prefix + SystemMessage("mmap " + seg.name));
+  }
+
+  Header& header = seg.header();
+  if (index == 0) {
+    header.version = kVersion;
+    header.members = uint32_t(seg.members);
+    header.slot_bytes = seg.slot_bytes;
+    header.attached.store(0);
+    header.broken.store(0);
+    header.magic = kMagic;
+    store.Set(key, seg.name);
+  } else if (header.magic != kMagic || header.version != kVersion ||
+             header.members != seg.members || header.slot_bytes != seg.slot_bytes) {
+    throw Error(ErrorCode::kUnauthenticated,
+                prefix + "segment " + seg.name + " does not have this group's layout");
+  }
+
+  // This member's block: counters at zero, the liveness mutex held, its slots touched once so
+  // that the first collective does not pay the page faults.
+  Control& own = seg.control(index);
+  own.arrived.store(0);
+  own.reduced.store(0);
+  own.done.store(0);
+  own.sleepers.store(0);
+  own.pid = int32_t(getpid());
+  std::memset(own.tag, 0, sizeof own.tag);
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  pthread_mutex_init(&own.alive, &attr);
+  pthread_mutexattr_destroy(&attr);
+  seg.StartKeeper();
+  std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
+  std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
+
+  // The last member to attach removes the name: from then on only the mappings hold the
+  // segment, and the kernel frees it when the last member exits, however it exits.
+  if (header.attached.fetch_add(1) + 1 == seg.members) shm_unlink(seg.name.c_str());
+  const auto deadline = Clock::now() + options.timeout;
+  while (header.attached.load() < seg.members) {
+    if (Clock::now() >= deadline) {
+      shm_unlink(seg.name.c_str());
+      std::string missing;
+      for (size_t i = 0; i < seg.members; ++i) {
+        if (seg.control(int(i)).pid == 0) missing += " " + std::to_string(members[i]);
+      }
+      throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing +
+                                           " did not attach to segment " + seg.name + " in " +
+                                           std::to_string(options.timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return group;
+}
+
+// One collective's view of the group: its tag and deadline, and the waits and publications
+// every algorithm is made of.
+class ShmGroup::Step {
+ public:
+  Step(ShmGroup& group, const core::CallTag& tag, Clock::time_point deadline)
+      : g_(group), seg_(*group.segment_), tag_(tag), wire_(WireTag::Of(tag)), deadline_(deadline) {
+    ThrowIfBroken();
+  }
+
+  int me() const { return g_.index_; }
+  int n() const { return g_.size(); }
+  uint8_t* own_slot(uint32_t s) const { return seg_.slot(me(), s); }
+  const uint8_t* slot(int j, uint32_t s) const { return seg_.slot(j, s); }
+
+  // The next step's number; waits until this member may overwrite its buffer for it (every
+  // member has finished the step before the last).
+  uint32_t Begin(bool writes) {
+    const uint32_t s = ++g_.step_;
+    if (writes) {
+      for (int j = 0; j < n(); ++j) {
+        if (j != me()) Await(j, &Control::done, s - 2, "the release of a shared slot");
+      }
+    }
+    return s;
+  }
+  // This member's slot for step s holds its input.
+  void Arrive(uint32_t s) {
+    seg_.control(me()).tag[s & 1] = wire_;
+    Publish(&Control::arrived, s);
+  }
+  // Member j's input for step s is in its slot and belongs to the same call.
+  void AwaitArrival(int j, uint32_t s) {
+    Await(j, &Control::arrived, s, "its input");
+    const WireTag theirs = seg_.control(j).tag[s & 1];
+    if (!(theirs == wire_)) {
+      Fail(Error(ErrorCode::kMismatch,
+                 "rank " + std::to_string(g_.rank_) + ": shared-memory step from rank " +
+                     std::to_string(g_.members_[size_t(j)]) + " does not match: expected " +
+                     tag_.ToString() + ", got " + theirs.ToTag().ToString()));
+    }
+  }
+  void AwaitEveryArrival(uint32_t s) {
+    for (int j = 0; j < n(); ++j) {
+      if (j != me()) AwaitArrival(j, s);
+    }
+  }
+  void Reduced(uint32_t s) { Publish(&Control::reduced, s); }
+  void AwaitReduced(int j, uint32_t s) { Await(j, &Control::reduced, s, "its reduced slice"); }
+  void Done(uint32_t s) { Publish(&Control::done, s); }
+
+  // Breaks the group with `error` (or the error that broke it first) and throws it.
+  [[noreturn]] void Fail(const Error& error) { throw g_.BreakWith(error); }
+
+ private:
+  void ThrowIfBroken() {
+    if (seg_.header().broken.load(std::memory_order_acquire) != 0) throw g_.BrokenError();
+  }
+
+  void Publish(std::atomic<uint32_t> Control::*word, uint32_t s) {
+    Control& own = seg_.control(me());
+    (own.*word).store(s, std::memory_order_seq_cst);
+    if (own.sleepers.load(std::memory_order_seq_cst) != 0) FutexWakeAll(&(own.*word));
+  }
+
+  // Waits until member j's `word` reaches step s: polls for the spin budget, then sleeps on the
+  // word in slices, checking the broken flag, the deadline and j's liveness between them.
+  void Await(int j, std::atomic<uint32_t> Control::*word, uint32_t s, const char* what) {
+    Control& theirs = seg_.control(j);
+    std::atomic<uint32_t>& w = theirs.*word;
+    if (Reached(w.load(std::memory_order_acquire), s)) return;
+    const Header& header = seg_.header();
+    if (g_.spin_.count() > 0) {
+      const auto until = Clock::now() + g_.spin_;
+      for (int i = 1;; ++i) {
+        if (Reached(w.load(std::memory_order_acquire), s)) return;
+        if ((i & 63) == 0) {
+          if (header.broken.load(std::memory_order_relaxed) != 0) ThrowIfBroken();
+          if (Clock::now() >= until) break;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+    } else {
+      // More members than cores: hand the core over a few times (to the member we wait for,
+      // most likely) before paying a futex sleep and wake-up.
+      for (int i = 0; i < 16; ++i) {
+        if (Reached(w.load(std::memory_order_acquire), s)) return;
+        sched_yield();
+      }
+    }
+    for (auto last_check = Clock::now();;) {
+      theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t seen = w.load(std::memory_order_seq_cst);
+      if (!Reached(seen, s)) FutexWait(&w, seen, kSleepSliceMs);
+      theirs.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (Reached(w.load(std::memory_order_acquire), s)) return;
+      ThrowIfBroken();
+      const auto now = Clock::now();
+      if (now >= deadline_) {
+        Fail(Error(ErrorCode::kTimeout,
+                   "rank " + std::to_string(g_.rank_) + ": deadline passed while waiting for " +
+                       tag_.ToString() + " (" + what + ", in shared memory) from rank " +
+                       std::to_string(g_.members_[size_t(j)])));
+      }
+      if (now - last_check >= std::chrono::milliseconds(100)) {
+        last_check = now;
+        CheckAlive(j);
+      }
+    }
+  }
+
+  // Throws kPeerLost when member j's process died or its communicator is gone.
+  void CheckAlive(int j) {
+    pthread_mutex_t* alive = &seg_.control(j).alive;
+    const int rc = pthread_mutex_trylock(alive);
+    if (rc == EBUSY) return;
+    std::string reason;
+    if (rc == 0) {
+      pthread_mutex_unlock(alive);
+      reason = "it left the shared-memory group: its communicator was destroyed";
+    } else {
+      if (rc == EOWNERDEAD) pthread_mutex_unlock(alive);  // left unrecoverable: still dead
+      reason = "its process died while in shared memory";
+    }
+    Fail(transport::PeerLostError(g_.rank_, g_.members_[size_t(j)], reason, &tag_, false));
+  }
+
+  ShmGroup& g_;
+  Segment& seg_;
+  const core::CallTag tag_;
+  const WireTag wire_;
+  const Clock::time_point deadline_;
+};
+
+Error ShmGroup::BrokenError() const {
+  const Header& header = segment_->header();
+  // The breaker writes the error between 1 and 2; it takes microseconds.
+  while (header.broken.load(std::memory_order_acquire) == 1) std::this_thread::yield();
+  const std::string message(header.broken_message,
+                            strnlen(header.broken_message, sizeof header.broken_message));
+  if (header.broken_rank == rank_) return Error(ErrorCode(header.broken_code), message);
+  transport::AbortPayload payload;
+  payload.code = ErrorCode(header.broken_code);
+  payload.culprit = header.broken_rank;
+  payload.message = message;
+  return transport::AbortReceivedError(rank_, payload);
+}
+
+Error ShmGroup::BreakWith(const Error& error) {
+  Header& header = segment_->header();
+  uint32_t expected = 0;
+  if (!header.broken.compare_exchange_strong(expected, 1)) return BrokenError();
+  header.broken_code = int32_t(error.code());
+  header.broken_rank = rank_;
+  const std::string& message = error.message();
+  const size_t n = std::min(message.size(), sizeof header.broken_message - 1);
+  std::memcpy(header.broken_message, message.data(), n);
+  header.broken_message[n] = '\0';
+  header.broken.store(2, std::memory_order_seq_cst);
+  for (int j = 0; j < size(); ++j) {
+    Control& c = segment_->control(j);
+    FutexWakeAll(&c.arrived);
+    FutexWakeAll(&c.reduced);
+    FutexWakeAll(&c.done);
+  }
+  return error;
+}
+
+void ShmGroup::Abort(const Error& error) { BreakWith(error); }
+
+void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                         void* recv, size_t count, DataType dtype, ReduceOp op,
+                         const SliceHook& cross, size_t avg_divisor) {
+  Step step(*this, tag, deadline);
+  const size_t es = SizeOf(dtype);
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  const int n = size();
+  const int me = index_;
+  const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  const size_t divisor = avg_divisor != 0 ? avg_divisor : size_t(n);
+
+  if (count * es <= small_bytes_ && !cross) {
+    // One synchronisation: everyone reduces everything, in member order, so the results are
+    // identical bit for bit.
+    const uint32_t s = step.Begin(true);
+    if (count != 0) std::memcpy(step.own_slot(s), in, count * es);
+    step.Arrive(s);
+    step.AwaitEveryArrival(s);
+    if (count != 0) {
+      if (n == 1) {
+        std::memmove(out, step.slot(0, s), count * es);
+      } else {
+        core::Reduce(dtype, kernel_op, out, step.slot(0, s), step.slot(1, s), count);
+        for (int j = 2; j < n; ++j) core::Reduce(dtype, kernel_op, out, out, step.slot(j, s), count);
+      }
+      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, out, count, divisor);
+    }
+    step.Done(s);
+    return;
+  }
+
+  const size_t per_step = slot_bytes_ / es;
+  size_t offset = 0;
+  do {
+    const size_t c = std::min(per_step, count - offset);
+    const uint32_t s = step.Begin(true);
+    uint8_t* mine = step.own_slot(s);
+    if (c != 0) std::memcpy(mine, in + offset * es, c * es);
+    step.Arrive(s);
+    step.AwaitEveryArrival(s);
+    // This member's slice: reduced from every member's slot into its own, in place. It is the
+    // only one that reads this slice of any slot, and the only one that computes it, so every
+    // member ends with the same bits whatever the order.
+    const Part own = PartOf(c, n, me);
+    uint8_t* acc = mine + own.offset * es;
+    for (int j = 0; j < n && own.length != 0; ++j) {
+      if (j != me) core::Reduce(dtype, kernel_op, acc, acc, step.slot(j, s) + own.offset * es,
+                                own.length);
+    }
+    if (cross && own.length != 0) cross(acc, own.length);
+    if (op == ReduceOp::kAvg && own.length != 0) {
+      core::DivideInPlace(dtype, acc, own.length, divisor);
+    }
+    step.Reduced(s);
+    for (int k = 0; k < n; ++k) {
+      const int j = (me + k) % n;  // start with our own slice: it is ready
+      const Part part = PartOf(c, n, j);
+      if (j != me) step.AwaitReduced(j, s);
+      if (part.length != 0) {
+        std::memcpy(out + (offset + part.offset) * es, step.slot(j, s) + part.offset * es,
+                    part.length * es);
+      }
+    }
+    step.Done(s);
+    offset += c;
+  } while (offset < count);
+}
+
+void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                         void* recv, size_t bytes, int root) {
+  Step step(*this, tag, deadline);
+  const bool is_root = root == index_;
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  size_t offset = 0;
+  do {
+    const size_t c = std::min(slot_bytes_, bytes - offset);
+    const uint32_t s = step.Begin(is_root);
+    // Everyone publishes its call; the root checks every member's and then says so ("reduced"),
+    // the others check the root's and wait for that word. A member that runs another call (or
+    // names another root) breaks the group before anyone writes into a caller's buffer.
+    if (is_root) {
+      if (c != 0) std::memcpy(step.own_slot(s), in + offset, c);
+      step.Arrive(s);
+      step.AwaitEveryArrival(s);
+      step.Reduced(s);
+      if (c != 0 && in != out) std::memcpy(out + offset, in + offset, c);
+    } else {
+      step.Arrive(s);
+      step.AwaitArrival(root, s);
+      step.AwaitReduced(root, s);
+      if (c != 0) std::memcpy(out + offset, step.slot(root, s), c);
+    }
+    step.Done(s);
+    offset += c;
+  } while (offset < bytes);
+}
+
+void ShmGroup::AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                         void* recv, size_t bytes) {
+  Step step(*this, tag, deadline);
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  const int n = size();
+  size_t offset = 0;
+  do {
+    const size_t c = std::min(slot_bytes_, bytes - offset);
+    const uint32_t s = step.Begin(true);
+    if (c != 0) std::memcpy(step.own_slot(s), in + offset, c);
+    step.Arrive(s);
+    step.AwaitEveryArrival(s);
+    for (int j = 0; j < n && c != 0; ++j) {
+      std::memmove(out + size_t(j) * bytes + offset, step.slot(j, s), c);
+    }
+    step.Done(s);
+    offset += c;
+  } while (offset < bytes);
+}
+
+void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadline,
+                             const void* send, void* recv, size_t count, DataType dtype,
+                             ReduceOp op) {
+  Step step(*this, tag, deadline);
+  const size_t es = SizeOf(dtype);
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  const int n = size();
+  const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  // Each step carries the same c elements of every block, block by block.
+  const size_t per_step = std::max<size_t>(1, slot_bytes_ / (es * size_t(n)));
+  size_t offset = 0;
+  do {
+    const size_t c = std::min(per_step, count - offset);
+    const uint32_t s = step.Begin(true);
+    uint8_t* mine = step.own_slot(s);
+    for (int b = 0; b < n && c != 0; ++b) {
+      std::memcpy(mine + size_t(b) * c * es, in + (size_t(b) * count + offset) * es, c * es);
+    }
+    step.Arrive(s);
+    step.AwaitEveryArrival(s);
+    if (c != 0) {
+      const size_t at = size_t(index_) * c * es;
+      uint8_t* dst = out + offset * es;
+      if (n == 1) {
+        std::memmove(dst, step.slot(0, s) + at, c * es);
+      } else {
+        core::Reduce(dtype, kernel_op, dst, step.slot(0, s) + at, step.slot(1, s) + at, c);
+        for (int j = 2; j < n; ++j) {
+          core::Reduce(dtype, kernel_op, dst, dst, step.slot(j, s) + at, c);
+        }
+      }
+      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, dst, c, size_t(n));
+    }
+    step.Done(s);
+    offset += c;
+  } while (offset < count);
+}
+
+void ShmGroup::Barrier(const core::CallTag& tag, Clock::time_point deadline) {
+  Step step(*this, tag, deadline);
+  const uint32_t s = step.Begin(false);
+  step.Arrive(s);
+  step.AwaitEveryArrival(s);
+  step.Done(s);
+}
+
+}  // namespace collectives::hierarchical

@@ -1,0 +1,142 @@
+// The intra-host transport: the ranks of one host share one POSIX shared-memory segment and run
+// collectives through it, without TCP and without any copy through the kernel.
+//
+// Segment: created by the group's first member with O_EXCL and mode 0600 (never readable by
+// another user; a member refuses a segment another user owns or that others may read), named
+// after the job and a random nonce published through the (authenticated) store. The last
+// member to attach unlinks the name, so nothing is left in /dev/shm however the job ends later;
+// a member that gives up during set-up unlinks it too.
+//
+// Layout: a header (the group's broken flag and the error that broke it), one control block per
+// member (step counters, the call descriptor of its last steps, a liveness mutex), then two data
+// slots of `slot_bytes` per member. A collective is cut into steps of at most one slot each; a
+// step writes into the member's slot (buffer step % 2), publishes a counter, and reads the other
+// members' slots once their counters say the step is there. Double buffering lets step s+1 be
+// written while the others still read step s; a member writes its buffer for step s only once
+// every member has finished step s - 2.
+//
+// All-reduce, large: each member copies its chunk into its slot, then reduces its own slice of
+// the chunk straight from every member's slot (in place, in its own slot), then every member
+// copies every reduced slice out. Small: each member copies its input in and reduces all of them
+// itself (one synchronisation instead of two). Broadcast: the root copies in, the others out.
+// All-gather: each copies its block in, and all blocks out. Reduce-scatter: each copies its
+// chunk of every block in and reduces its own block from all slots.
+//
+// Checks: every step carries the call's tag (sequence number and descriptor); a member that
+// finds another member's tag different breaks the group with Error(kMismatch) naming both calls,
+// before anything is written into a caller's buffer. A waiter polls for the spin budget, then
+// sleeps on a futex, waking every 20 ms to check the deadline, the broken flag, and whether the
+// member it waits for is alive (a robust mutex each member's keeper thread holds: its owner's
+// death marks it, even when the process is not reaped yet).
+//
+// Thread-safety: the collectives are called by one thread at a time (the communicator's
+// progress thread); Abort from any thread.
+#ifndef COLLECTIVES_SRC_HIERARCHICAL_SHM_GROUP_H_
+#define COLLECTIVES_SRC_HIERARCHICAL_SHM_GROUP_H_
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "collectives/types.h"
+#include "src/core/call.h"
+
+namespace collectives::hierarchical {
+
+using Clock = std::chrono::steady_clock;
+
+// Bytes of one data slot when the options say 0: 1 MiB kept the copies in the last-level cache
+// on the development machine while cutting a 64 MiB call into only 64 steps.
+inline constexpr size_t kDefaultSlotBytes = 1 << 20;
+// All-reduces of at most this many bytes use the one-synchronisation algorithm.
+inline constexpr size_t kDefaultShmSmallBytes = 16 * 1024;
+
+struct ShmGroupOptions {
+  // Names the segment, with `key_prefix` (the communicator's key space in the store).
+  std::string job_id = "collectives";
+  std::string key_prefix = "collectives";
+  size_t slot_bytes = kDefaultSlotBytes;
+  size_t small_bytes = kDefaultShmSmallBytes;
+  // How long a waiter busy-polls before it sleeps.
+  std::chrono::microseconds spin{50};
+  // Set-up limit (store lookups, waiting for every member to attach).
+  std::chrono::milliseconds timeout{60'000};
+};
+
+class ShmGroup {
+ public:
+  // Collective over `members` (the global ranks of this host, ascending; `rank` is one of them):
+  // creates or attaches the segment. Throws Error(kTimeout) naming the members that did not
+  // attach, Error(kSystem) when shared memory cannot be had, Error(kUnauthenticated) for a
+  // segment that is not ours alone.
+  static std::unique_ptr<ShmGroup> Create(int rank, const std::vector<int>& members, Store& store,
+                                          const ShmGroupOptions& options);
+  ~ShmGroup();
+  ShmGroup(const ShmGroup&) = delete;
+  ShmGroup& operator=(const ShmGroup&) = delete;
+
+  int index() const { return index_; }  // this rank's position among the members
+  int size() const { return int(members_.size()); }
+  const std::vector<int>& members() const { return members_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  size_t small_bytes() const { return small_bytes_; }
+
+  // Every collective below runs to completion among the members, for the call `tag`, and
+  // throws Error (kMismatch, kPeerLost, kTimeout past `deadline`, kAborted) after breaking the
+  // group so that every member raises.
+
+  // recv = op over members of send (count elements). `cross`, when given, is called on every
+  // slice this member reduced (in shared memory, op applied, kAvg not yet divided) before the
+  // members read it: the two-level plan all-reduces it across hosts there. kAvg divides by
+  // `avg_divisor` (0: size()).
+  using SliceHook = std::function<void(void* slice, size_t count)>;
+  void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                 void* recv, size_t count, DataType dtype, ReduceOp op,
+                 const SliceHook& cross = {}, size_t avg_divisor = 0);
+  // recv = the root member's send (`root` is a member index).
+  void Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                 void* recv, size_t bytes, int root);
+  // recv = the members' send blocks (bytes each) in member order.
+  void AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                 void* recv, size_t bytes);
+  // recv (count elements) = block index() of op over members of send (size() * count).
+  void ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                     void* recv, size_t count, DataType dtype, ReduceOp op);
+  void Barrier(const core::CallTag& tag, Clock::time_point deadline);
+
+  // Breaks the group with `error`: every member's pending and later call raises. Any thread.
+  void Abort(const Error& error);
+
+ private:
+  struct Segment;
+  ShmGroup(int rank, std::vector<int> members, int index, const ShmGroupOptions& options);
+
+  class Step;
+  friend class Step;
+  // The error that broke the group, as this member raises it.
+  Error BrokenError() const;
+  // Breaks the group with `error` unless it is broken already; returns the first error.
+  Error BreakWith(const Error& error);
+
+  const int rank_;
+  const std::vector<int> members_;
+  const int index_;
+  const size_t slot_bytes_;
+  const size_t small_bytes_;
+  const std::chrono::microseconds spin_;
+  std::unique_ptr<Segment> segment_;
+  uint32_t step_ = 0;  // the last step this member ran (progress thread only)
+};
+
+// This host's identity: $COLLECTIVES_HOST_ID when set (tests pretend several hosts on one
+// machine with it), else the host name and the kernel's boot id.
+std::string HostIdentity();
+
+}  // namespace collectives::hierarchical
+
+#endif  // COLLECTIVES_SRC_HIERARCHICAL_SHM_GROUP_H_
