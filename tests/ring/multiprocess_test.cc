@@ -1,9 +1,11 @@
-// RING across real processes on loopback: the test starts ring_worker N times with torchrun-style
-// environment variables and checks every collective in every process. Faults between processes
-// are in fault_test.cc.
+// Real processes on one host: the test starts ring_worker N times with torchrun-style
+// environment variables and checks every collective in every process, with RING (TCP over
+// loopback) and with AUTO (shared memory: the worker must report the "shm" algorithm). Faults
+// between processes are in fault_test.cc.
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/ring/worker_processes.h"
@@ -12,22 +14,34 @@ namespace {
 
 using namespace collectives::testing;
 
-class MultiProcessTest : public ::testing::TestWithParam<int> {};
+using MultiProcessParam = std::tuple<int, std::string>;  // world size, implementation
+
+class MultiProcessTest : public ::testing::TestWithParam<MultiProcessParam> {};
 
 TEST_P(MultiProcessTest, EveryCollectiveIsExactInEveryProcess) {
-  const int size = GetParam();
-  std::vector<Worker> workers = Start(size, {"check", "1000003"});
+  const auto& [size, implementation] = GetParam();
+  Placement placement;
+  placement.implementation = implementation;
+  std::vector<Worker> workers = Start(size, {"check", "1000003"}, placement);
   const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
   KillAll(workers);
   ASSERT_TRUE(finished) << "workers did not finish in time";
+  const bool shm = implementation == "auto";
   for (int rank = 0; rank < size; ++rank) {
     const int status = workers[rank].status;
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
         << "rank " << rank << " status " << status << ": " << workers[rank].output;
     EXPECT_NE(workers[rank].output.find("0 wrong"), std::string::npos) << workers[rank].output;
+    EXPECT_EQ(workers[rank].output.find("algorithm shm") != std::string::npos, shm)
+        << workers[rank].output;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ring, MultiProcessTest, ::testing::Values(2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(
+    Processes, MultiProcessTest,
+    ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("ring", "auto")),
+    [](const ::testing::TestParamInfo<MultiProcessParam>& info) {
+      return std::get<1>(info.param) + "_" + std::to_string(std::get<0>(info.param)) + "ranks";
+    });
 
 }  // namespace

@@ -3,6 +3,9 @@
 // TF_CONFIG-free torchrun-style variables, as on real machines. Needs root (CAP_NET_ADMIN) and
 // iproute2; where namespaces cannot be made the tests skip and say why.
 //   - every collective is exact across the three hosts;
+//   - with 2 pretend hosts x 2 ranks and 2 x 3 (ranks of one namespace share a host identity),
+//     AUTO runs the two-level all-reduce (shared memory inside, TCP across) and every collective
+//     is exact;
 //   - the link of one host is cut (`ip link set ... down`) in the middle of an all-reduce loop:
 //     every rank raises an error (timeout, or the abort of a rank that timed out) within the
 //     collective deadline + 2 s; none hangs.
@@ -103,6 +106,32 @@ TEST(NetnsTest, EveryCollectiveIsExactAcrossThreeHosts) {
     EXPECT_NE(workers[rank].output.find("0 wrong"), std::string::npos) << workers[rank].output;
   }
 }
+
+class TwoLevelTest : public ::testing::TestWithParam<int> {};  // ranks per host
+
+TEST_P(TwoLevelTest, EveryCollectiveIsExactOnTwoHosts) {
+  Hosts hosts;
+  if (!hosts.why_not().empty()) GTEST_SKIP() << hosts.why_not();
+  const int per_host = GetParam();
+  const int size = 2 * per_host;
+  std::vector<Worker> workers = Start(size, {"check", "300007"}, hosts.RanksPerHost(2, per_host));
+  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < size; ++rank) {
+    const int status = workers[rank].status;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << rank << " status " << status << ": " << workers[rank].output;
+    EXPECT_NE(workers[rank].output.find("0 wrong"), std::string::npos) << workers[rank].output;
+    EXPECT_NE(workers[rank].output.find("algorithm two_level"), std::string::npos)
+        << workers[rank].output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Netns, TwoLevelTest, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "2hosts_x" + std::to_string(info.param);
+                         });
 
 TEST(NetnsTest, CuttingAHostsLinkMakesEveryRankRaiseWithinTheDeadline) {
   Hosts hosts;

@@ -7,6 +7,8 @@
 //                              all_reduce of 4 Mi floats = 16 MiB) in a loop, printing "ready"
 //                              after the first; on an Error prints "error <code> <message>" and
 //                              exits 20 + code
+// RING_WORKER_IMPL=ring|auto (default auto) picks the implementation; in check mode the worker
+// also prints the all-reduce algorithm of the large size ("algorithm <name>").
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -22,6 +24,9 @@ int main(int argc, char** argv) {
   try {
     CommunicationOptions options;
     options.timeout = std::chrono::seconds(60);
+    if (const char* impl = std::getenv("RING_WORKER_IMPL")) {
+      options.implementation = ParseImplementation(impl);
+    }
     if (mode == "loop" && argc > 4) options.timeout = std::chrono::milliseconds(std::stol(argv[4]));
     auto comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);
     if (mode == "check") {
@@ -29,6 +34,8 @@ int main(int argc, char** argv) {
       std::vector<std::string> failures;
       const size_t wrong = testing::CheckMatrix(*comm, large, &failures);
       for (const std::string& f : failures) std::fprintf(stderr, "%s\n", f.c_str());
+      std::printf("rank %d: algorithm %s\n", comm->rank(),
+                  comm->AllReduceAlgorithm(large * sizeof(float)).c_str());
       std::printf("rank %d: %zu wrong\n", comm->rank(), wrong);
       return wrong == 0 ? 0 : 1;
     }

@@ -40,6 +40,8 @@ struct Placement {
   std::vector<std::string> namespaces;  // one per rank, or empty
   // COLLECTIVES_HOST_ID of each rank (pretend hosts), or empty for the real host's identity.
   std::vector<std::string> host_ids;
+  // RING_WORKER_IMPL: "ring" (TCP only) or "auto" (shared memory inside a host).
+  std::string implementation = "auto";
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -60,6 +62,7 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       setenv("MASTER_ADDR", placement.master_addr.c_str(), 1);
       setenv("MASTER_PORT", port.c_str(), 1);
       unsetenv("TF_CONFIG");
+      setenv("RING_WORKER_IMPL", placement.implementation.c_str(), 1);
       if (!placement.host_ids.empty()) {
         setenv("COLLECTIVES_HOST_ID", placement.host_ids[size_t(rank)].c_str(), 1);
       }
