@@ -160,6 +160,14 @@ class CollectiveCommunication {
     return ToString(implementation());
   }
 
+  // Splits this communicator as ncclCommSplit and MPI_Comm_split do. A collective: every rank
+  // calls it, in the same place of the call sequence. The ranks that pass the same color >= 0
+  // get a new communicator of their own, ranked by key (ties by rank in this one); a negative
+  // color gets nullptr. The new communicator has its own connections (and shared memory), the
+  // options of this one, and lives independently of it. Implementations that cannot split
+  // throw Error(kNotSupported).
+  virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);
+
   // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),
   // and peers see this rank's connections close. Safe from any thread; idempotent.
   virtual void Abort() = 0;

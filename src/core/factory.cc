@@ -25,6 +25,41 @@ std::string HostOf(const std::string& address) {
   return host;
 }
 
+// Where a communicator's ranks meet: the job, the key space in the store, and the address this
+// rank listens on.
+struct Rendezvous {
+  std::string job_id;
+  std::string key_prefix;
+  std::string bind_host = "127.0.0.1";
+};
+
+// The TCP mesh (and, for AUTO, the planner with this host's shared memory) under `rendezvous`;
+// a Split builds its communicators the same way under a key space of their own.
+std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared_ptr<Store> store,
+                                                 const Rendezvous& rendezvous,
+                                                 const CommunicationOptions& options) {
+  transport::TcpFabricOptions tcp;
+  tcp.job_id = rendezvous.job_id;
+  tcp.token = ResolveJobToken(options);
+  tcp.timeout = options.timeout;
+  tcp.key_prefix = rendezvous.key_prefix;
+  tcp.bind_host = rendezvous.bind_host;
+  auto fabric = transport::ConnectTcpFabric(rank, size, *store, tcp);
+  std::unique_ptr<ring::Planner> planner;
+  if (options.implementation == Implementation::kAuto) {
+    planner = hierarchical::CreatePlanner(rank, size, *store, rendezvous.job_id,
+                                          rendezvous.key_prefix, options);
+  }
+  ring::SplitBuilder split = [store, rendezvous, options](int new_rank, int new_size,
+                                                          const std::string& key_suffix) {
+    Rendezvous sub = rendezvous;
+    sub.key_prefix += key_suffix;
+    return Connect(new_rank, new_size, store, sub, options);
+  };
+  return ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
+                                       std::move(planner), std::move(split));
+}
+
 }  // namespace
 
 std::string ResolveJobToken(const CommunicationOptions& options) {
@@ -81,28 +116,27 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
 #endif
   }
 
-  transport::TcpFabricOptions tcp;
-  tcp.job_id = spec.job_id;
-  tcp.token = ResolveJobToken(options);
-  tcp.timeout = options.timeout;
   // Every rank counts the communicators it has built on this store; building them in the same
   // order on every rank (as collectives require anyway) gives each its own key space.
   const int64_t generation =
       store->Add(spec.job_id + "/generation/" + std::to_string(spec.rank), 1);
-  tcp.key_prefix = spec.job_id + "/" + std::to_string(generation);
+  Rendezvous rendezvous;
+  rendezvous.job_id = spec.job_id;
+  rendezvous.key_prefix = spec.job_id + "/" + std::to_string(generation);
   if (!spec.addresses.empty()) {
-    tcp.bind_host = HostOf(spec.addresses[spec.rank]);
+    rendezvous.bind_host = HostOf(spec.addresses[spec.rank]);
   } else if (spec.world_size > 1) {
-    tcp.bind_host = transport::LocalAddressToward(spec.master_addr);
+    rendezvous.bind_host = transport::LocalAddressToward(spec.master_addr);
   }
-  auto fabric = transport::ConnectTcpFabric(spec.rank, spec.world_size, *store, tcp);
-  std::unique_ptr<ring::Planner> planner;
-  if (options.implementation == Implementation::kAuto) {
-    planner = hierarchical::CreatePlanner(spec.rank, spec.world_size, *store, spec.job_id,
-                                          tcp.key_prefix, options);
-  }
-  return ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
-                                       std::move(planner));
+  return Connect(spec.rank, spec.world_size, std::move(store), rendezvous, options);
+}
+
+std::unique_ptr<CollectiveCommunication> CollectiveCommunication::Split(int color, int key) {
+  (void)color;
+  (void)key;
+  throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank()) + ": " +
+                                            ToString(implementation()) +
+                                            " communicators cannot be split");
 }
 
 }  // namespace collectives

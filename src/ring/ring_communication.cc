@@ -2,6 +2,7 @@
 // algorithm per call, and the sticky first error.
 #include "src/ring/ring_communication.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -11,6 +12,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "src/core/arguments.h"
 #include "src/core/call.h"
@@ -26,7 +29,8 @@ using core::CollectiveKind;
 class RingCommunication final : public CollectiveCommunication {
  public:
   RingCommunication(std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
-                    const CommunicationOptions& options, std::unique_ptr<Planner> planner);
+                    const CommunicationOptions& options, std::unique_ptr<Planner> planner,
+                    SplitBuilder split);
   ~RingCommunication() override;
 
   int rank() const override { return rank_; }
@@ -59,6 +63,7 @@ class RingCommunication final : public CollectiveCommunication {
   }
   void Barrier() override { RunBlocking(PrepareBarrier()); }
 
+  std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
   void Abort() override;
   void SetTimeout(std::chrono::milliseconds timeout) override;
 
@@ -130,6 +135,9 @@ class RingCommunication final : public CollectiveCommunication {
   const std::chrono::microseconds handoff_spin_;
   std::shared_ptr<Store> store_;
   std::unique_ptr<Planner> planner_;           // may be null
+  const SplitBuilder split_;                   // may be empty
+  uint64_t splits_ = 0;                        // Split calls so far; guarded by split_mu_
+  std::mutex split_mu_;
   std::unique_ptr<transport::Fabric> fabric_;  // used by the progress thread only (and Abort)
   Staging staging_;                            // progress thread only
 
@@ -160,7 +168,7 @@ std::chrono::microseconds SpinBudget(int spin_us, int world_size, int threads_pe
 RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
                                      std::shared_ptr<Store> store,
                                      const CommunicationOptions& options,
-                                     std::unique_ptr<Planner> planner)
+                                     std::unique_ptr<Planner> planner, SplitBuilder split)
     : rank_(fabric->rank()),
       size_(fabric->size()),
       chunk_bytes_(options.chunk_bytes ? options.chunk_bytes : kDefaultChunkBytes),
@@ -174,6 +182,7 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
       store_(std::move(store)),
       planner_(std::move(planner)),
+      split_(std::move(split)),
       fabric_(std::move(fabric)) {
   fabric_->SetSpin(spin_);
   thread_ = std::thread([this] { Run(); });
@@ -275,6 +284,30 @@ void RingCommunication::SetTimeout(std::chrono::milliseconds timeout) {
                                                  std::to_string(timeout.count()) + " ms");
   }
   timeout_ms_.store(timeout.count());
+}
+
+std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int key) {
+  if (!split_) {
+    throw Error(ErrorCode::kNotSupported,
+                "rank " + std::to_string(rank_) +
+                    ": split: this communicator was built without a rendezvous store");
+  }
+  // Every rank learns every (color, key) through this communicator: the split is itself a
+  // collective, checked like any other.
+  std::lock_guard<std::mutex> lock(split_mu_);
+  int64_t mine[2] = {color, key};
+  std::vector<int64_t> all(2 * size_t(size_));
+  AllGather(Tensor{mine, 2, DataType::kInt64}, Tensor{all.data(), all.size(), DataType::kInt64});
+  const uint64_t split = ++splits_;
+  if (color < 0) return nullptr;
+  std::vector<std::pair<int64_t, int>> members;  // (key, rank) of every rank of this color
+  for (int r = 0; r < size_; ++r) {
+    if (all[2 * size_t(r)] == color) members.emplace_back(all[2 * size_t(r) + 1], r);
+  }
+  std::sort(members.begin(), members.end());
+  const auto me = std::find(members.begin(), members.end(), std::make_pair(int64_t(key), rank_));
+  return split_(int(me - members.begin()), int(members.size()),
+                "/split" + std::to_string(split) + "/" + std::to_string(color));
 }
 
 void RingCommunication::Abort() {
@@ -496,7 +529,7 @@ std::shared_ptr<Work> RingCommunication::BarrierAsync() { return Submit(PrepareB
 
 std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
-    const CommunicationOptions& options, std::unique_ptr<Planner> planner) {
+    const CommunicationOptions& options, std::unique_ptr<Planner> planner, SplitBuilder split) {
   if (!fabric) throw Error(ErrorCode::kInvalidArgument, "CreateRingCommunication: no fabric");
   if (!options.algorithm.empty() && !planner && !IsRingAlgorithm(options.algorithm)) {
     throw Error(ErrorCode::kNotSupported,
@@ -504,7 +537,7 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
                     "' is not one of RING's (ring, recursive_doubling, halving_doubling)");
   }
   return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), options,
-                                             std::move(planner));
+                                             std::move(planner), std::move(split));
 }
 
 bool IsRingAlgorithm(const std::string& name) {

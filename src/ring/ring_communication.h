@@ -44,12 +44,19 @@ class Planner {
   virtual void Abort(const Error& error) = 0;
 };
 
+// Builds the communicator of a Split: this rank's new rank and size, and a suffix that gives its
+// rendezvous keys a space of their own (the factory knows the store and the job).
+using SplitBuilder = std::function<std::unique_ptr<CollectiveCommunication>(
+    int rank, int size, const std::string& key_suffix)>;
+
 // Takes over `fabric` (already connected). `store` is kept alive as long as the communicator
 // (rank 0 may host it); it may be null. With a `planner` the communicator reports
-// Implementation::kAuto and offers the planner every call first.
+// Implementation::kAuto and offers the planner every call first. Without `split` (a fabric
+// built by hand, as in tests), Split throws Error(kNotSupported).
 std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
-    const CommunicationOptions& options, std::unique_ptr<Planner> planner = nullptr);
+    const CommunicationOptions& options, std::unique_ptr<Planner> planner = nullptr,
+    SplitBuilder split = {});
 
 // The ring's own all-reduce algorithms, by the names of CommunicationOptions::algorithm.
 bool IsRingAlgorithm(const std::string& name);

@@ -79,7 +79,8 @@ TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
   const auto [differ, size, all_differ, transport] = GetParam();
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(10);
-  RunRanks(transport, size, options, [&, differ = differ, size = size, all_differ = all_differ](
+  RunRanks(transport, size, options, [&, differ = differ, size = size, all_differ = all_differ,
+                                      transport = transport](
                                          CollectiveCommunication& comm) {
     const Call call = CallFor(differ, comm.rank(), size, all_differ);
     const size_t bytes = call.count * SizeOf(call.dtype);
@@ -129,6 +130,15 @@ TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
       EXPECT_EQ(send, send_before) << "rank " << comm.rank() << ": the buffer was written: "
                                    << error;
     }
+    if (transport == Transport::kAuto) {
+      // Shared memory checks every member's call before any step writes a caller's buffer,
+      // whatever differs and whichever ranks differ: the call itself raises, and neither buffer
+      // changed.
+      EXPECT_TRUE(raised_at_call) << "rank " << comm.rank() << ": " << error;
+      EXPECT_EQ(send, send_before) << "rank " << comm.rank() << ": send was written: " << error;
+      EXPECT_EQ(recv, std::vector<uint8_t>(recv.size(), 0xa5))
+          << "rank " << comm.rank() << ": recv was written: " << error;
+    }
   });
 }
 
@@ -136,7 +146,7 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& param_info) {
   const auto& [differ, size, all_differ, transport] = param_info.param;
   return std::string(Name(differ)) + "_" + std::to_string(size) + "ranks_" +
          (all_differ ? "all_differ" : "one_differs") + "_" +
-         (transport == Transport::kTcp ? "tcp" : "inproc");
+         TransportName(transport);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -144,7 +154,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(Differ::kCount, Differ::kDtype, Differ::kOp,
                                          Differ::kCollective, Differ::kRoot),
                        ::testing::Values(2, 4), ::testing::Bool(),
-                       ::testing::Values(Transport::kInProcess, Transport::kTcp)),
+                       ::testing::Values(Transport::kInProcess, Transport::kTcp,
+                                         Transport::kAuto)),
     ParamName);
 
 }  // namespace

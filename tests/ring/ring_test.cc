@@ -38,7 +38,9 @@ struct MatrixParam {
 
 std::string Name(const ::testing::TestParamInfo<MatrixParam>& info) {
   const MatrixParam& p = info.param;
-  std::string name = p.transport == Transport::kTcp ? "Tcp" : "InProcess";
+  std::string name = p.transport == Transport::kTcp        ? "Tcp"
+                     : p.transport == Transport::kInProcess ? "InProcess"
+                                                            : "AutoShm";
   name += std::to_string(p.size) + "Ranks";
   switch (p.algorithms) {
     case Algorithms::kDefault: return name + "Default";
@@ -93,6 +95,8 @@ std::vector<MatrixParam> MatrixParams() {
       }
     }
   }
+  // AUTO on one host: shared memory; the ring's algorithm options do not apply.
+  for (int size = 1; size <= 8; ++size) params.push_back({Transport::kAuto, size, Algorithms::kDefault});
   return params;
 }
 

@@ -1,6 +1,7 @@
 // Runs N ranks as threads of the test process, each with its own communicator, over the
-// in-process transport or over real loopback TCP (rendezvous through a memory store): shared by
-// the ring and packing tests.
+// in-process transport, over real loopback TCP (RING), or through AUTO (shared memory, as the
+// ranks share a host), with rendezvous through a memory store: shared by the ring and packing
+// tests.
 #ifndef COLLECTIVES_TESTS_RING_RUN_RANKS_H_
 #define COLLECTIVES_TESTS_RING_RUN_RANKS_H_
 
@@ -19,7 +20,11 @@
 
 namespace collectives::testing {
 
-enum class Transport { kInProcess, kTcp };
+enum class Transport { kInProcess, kTcp, kAuto };
+
+inline const char* TransportName(Transport t) {
+  return t == Transport::kInProcess ? "inproc" : t == Transport::kTcp ? "tcp" : "auto";
+}
 
 // Builds `size` communicators (one per thread) and runs `body` on each, in parallel. An exception
 // escaping body is reported as a gtest failure of that rank.
@@ -44,7 +49,10 @@ inline void RunRanks(Transport transport, int size, const CommunicationOptions& 
           spec.rank = rank;
           spec.world_size = size;
           spec.master_port = 1;  // unused: the store is given
-          comm = CreateCommunication(spec, store, options);
+          CommunicationOptions chosen = options;
+          chosen.implementation =
+              transport == Transport::kTcp ? Implementation::kRing : Implementation::kAuto;
+          comm = CreateCommunication(spec, store, chosen);
         }
         body(*comm);
       } catch (const std::exception& e) {

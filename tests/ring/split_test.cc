@@ -1,0 +1,94 @@
+// Split(color, key), as ncclCommSplit: ranks as threads over a memory store, with RING and AUTO.
+//   - even and odd ranks split apart, ranked by key (reversed here): the new ranks and sizes are
+//     right, and an all-reduce in each part sums only that part's ranks, exactly;
+//   - a negative color gets no communicator, the others still split;
+//   - the intra-host / inter-host pair of the two-level plan: color = host, then color = local
+//     index; both communicators work, and the parent keeps working after the split;
+//   - a communicator built over a hand-made fabric cannot split (kNotSupported).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "src/transport/inproc_fabric.h"
+#include "tests/ring/run_ranks.h"
+
+namespace {
+
+using namespace collectives;
+using namespace collectives::testing;
+
+// Sums each rank's (rank + 1) over the communicator `comm` that `members` (parent ranks) form.
+void ExpectSumOf(CollectiveCommunication& comm, int parent_rank,
+                 const std::vector<int>& members) {
+  std::vector<int64_t> value(5, parent_rank + 1);
+  comm.AllReduce(Tensor{value.data(), value.size(), DataType::kInt64}, ReduceOp::kSum);
+  int64_t expected = 0;
+  for (int r : members) expected += r + 1;
+  for (int64_t v : value) EXPECT_EQ(v, expected) << "parent rank " << parent_rank;
+}
+
+class SplitTest : public ::testing::TestWithParam<Transport> {};
+
+TEST_P(SplitTest, EvenAndOddRanksSplitApartRankedByKey) {
+  constexpr int kSize = 5;
+  RunRanks(GetParam(), kSize, {}, [](CollectiveCommunication& comm) {
+    const int color = comm.rank() % 2;
+    auto part = comm.Split(color, -comm.rank());
+    ASSERT_NE(part, nullptr);
+    std::vector<int> members;  // by key: descending parent rank
+    for (int r = kSize - 1; r >= 0; --r) {
+      if (r % 2 == color) members.push_back(r);
+    }
+    EXPECT_EQ(part->size(), int(members.size()));
+    EXPECT_EQ(members[size_t(part->rank())], comm.rank());
+    ExpectSumOf(*part, comm.rank(), members);
+    ExpectSumOf(comm, comm.rank(), {0, 1, 2, 3, 4});  // the parent still works
+  });
+}
+
+TEST_P(SplitTest, NegativeColorGetsNothingAndTheOthersStillSplit) {
+  RunRanks(GetParam(), 4, {}, [](CollectiveCommunication& comm) {
+    auto part = comm.Split(comm.rank() == 2 ? -1 : 7, comm.rank());
+    if (comm.rank() == 2) {
+      EXPECT_EQ(part, nullptr);
+      return;
+    }
+    ASSERT_NE(part, nullptr);
+    EXPECT_EQ(part->size(), 3);
+    ExpectSumOf(*part, comm.rank(), {0, 1, 3});
+  });
+}
+
+TEST_P(SplitTest, IntraHostAndInterHostCommunicatorsOfTheTwoLevelPlan) {
+  // 2 pretend hosts of 3 ranks: ranks 0-2 and 3-5.
+  RunRanks(GetParam(), 6, {}, [](CollectiveCommunication& comm) {
+    const int host = comm.rank() / 3, local = comm.rank() % 3;
+    auto intra = comm.Split(host, local);
+    auto inter = comm.Split(local, host);
+    ASSERT_NE(intra, nullptr);
+    ASSERT_NE(inter, nullptr);
+    EXPECT_EQ(intra->rank(), local);
+    EXPECT_EQ(inter->rank(), host);
+    ExpectSumOf(*intra, comm.rank(), {host * 3, host * 3 + 1, host * 3 + 2});
+    ExpectSumOf(*inter, comm.rank(), {local, local + 3});
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Split, SplitTest, ::testing::Values(Transport::kTcp, Transport::kAuto),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return std::string(TransportName(info.param));
+                         });
+
+TEST(SplitWithoutStoreTest, IsNotSupported) {
+  RunRanks(Transport::kInProcess, 1, {}, [](CollectiveCommunication& comm) {
+    try {
+      comm.Split(0, 0);
+      ADD_FAILURE() << "split without a store succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
+    }
+  });
+}
+
+}  // namespace
