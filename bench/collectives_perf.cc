@@ -135,6 +135,7 @@ struct Config {
   std::string csv_path;
   std::string impl = "ring";
   std::string algorithm;  // CommunicationOptions::algorithm
+  int pretend_hosts = 0;  // with --local: cut the ranks into this many pretend hosts
   int root = 0;
   bool in_place = false;
   size_t chunk_bytes = 0;
@@ -1096,6 +1097,10 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));
+  app.add_option("--pretend-hosts", config.pretend_hosts,
+                 "With --local: cut the ranks into this many pretend hosts of consecutive ranks "
+                 "(COLLECTIVES_HOST_ID), so that AUTO plans in two levels over loopback TCP")
+      ->check(CLI::Range(0, 4096));
   app.add_option("--baseline", config.baseline,
                  "Also time the matching MPI collective (needs an MPI build, under mpirun)")
       ->capture_default_str()
@@ -1152,6 +1157,9 @@ int Main(int argc, char** argv) {
   }
 
   if (config.local > 0 && !local_child) {
+    if (config.pretend_hosts > 0) {
+      setenv("COLLECTIVES_PERF_PRETEND_HOSTS", std::to_string(config.pretend_hosts).c_str(), 1);
+    }
     return RunLocalLauncher("collectives_perf", config.local, argv,
                             config.timeout() + std::chrono::seconds(10));
   }

@@ -167,14 +167,22 @@ int RunLocalLauncher(const char* program, int world_size, char** argv,
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
     throw std::runtime_error("pipe: " + std::string(std::strerror(errno)));
   }
+  // COLLECTIVES_PERF_PRETEND_HOSTS=H: ranks are cut into H pretend hosts of consecutive ranks
+  // (COLLECTIVES_HOST_ID), so that AUTO plans as on H machines while TCP runs over loopback.
+  const char* pretend = std::getenv("COLLECTIVES_PERF_PRETEND_HOSTS");
+  const int hosts = pretend != nullptr ? std::max(0, std::atoi(pretend)) : 0;
   auto common = [&](int rank) {
-    return std::vector<std::string>{"RANK=" + std::to_string(rank),
+    std::vector<std::string> env{"RANK=" + std::to_string(rank),
                                     "LOCAL_RANK=" + std::to_string(rank),
                                     "WORLD_SIZE=" + std::to_string(world_size),
                                     "LOCAL_WORLD_SIZE=" + std::to_string(world_size),
                                     "MASTER_ADDR=127.0.0.1",
                                     "COLLECTIVES_JOB_TOKEN=" + token,
                                     std::string(kLocalRankEnv) + "=" + std::to_string(rank)};
+    if (hosts > 0) {
+      env.push_back("COLLECTIVES_HOST_ID=pretend-" + std::to_string(rank * hosts / world_size));
+    }
+    return env;
   };
 
   std::vector<pid_t> pids(static_cast<size_t>(world_size), -1);

@@ -47,7 +47,7 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   auto fabric = transport::ConnectTcpFabric(rank, size, *store, tcp);
   std::unique_ptr<ring::Planner> planner;
   if (options.implementation == Implementation::kAuto) {
-    planner = hierarchical::CreatePlanner(rank, size, *store, rendezvous.job_id,
+    planner = hierarchical::CreatePlanner(rank, size, *fabric, *store, rendezvous.job_id,
                                           rendezvous.key_prefix, options);
   }
   ring::SplitBuilder split = [store, rendezvous, options](int new_rank, int new_size,

@@ -518,6 +518,12 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
     return;
   }
 
+  // Who reduces: every member its slice, or, for a small message that must also cross hosts,
+  // the first member alone (one crossing of the whole message beats n crossings of slivers).
+  const int owners = cross && count * es <= small_bytes_ ? 1 : n;
+  const auto part_of = [owners](size_t c, int j) {
+    return j < owners ? PartOf(c, owners, j) : Part{0, 0};
+  };
   const size_t per_step = slot_bytes_ / es;
   size_t offset = 0;
   do {
@@ -530,7 +536,7 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
     // This member's slice: reduced from every member's slot into its own, in place. It is the
     // only one that reads this slice of any slot, and the only one that computes it, so every
     // member ends with the same bits whatever the order.
-    const Part own = PartOf(c, n, me);
+    const Part own = part_of(c, me);
     uint8_t* acc = mine + own.offset * es;
     for (int j = 0; j < n && own.length != 0; ++j) {
       if (j != me) core::Reduce(dtype, kernel_op, acc, acc, step.slot(j, s) + own.offset * es,
@@ -543,7 +549,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
     step.Reduced(s);
     for (int k = 0; k < n; ++k) {
       const int j = (me + k) % n;  // start with our own slice: it is ready
-      const Part part = PartOf(c, n, j);
+      const Part part = part_of(c, j);
+      if (part.length == 0) continue;
       if (j != me) step.AwaitReduced(j, s);
       if (part.length != 0) {
         std::memcpy(out + (offset + part.offset) * es, step.slot(j, s) + part.offset * es,

@@ -7,7 +7,8 @@
 //                              all_reduce of 4 Mi floats = 16 MiB) in a loop, printing "ready"
 //                              after the first; on an Error prints "error <code> <message>" and
 //                              exits 20 + code
-// RING_WORKER_IMPL=ring|auto (default auto) picks the implementation; in check mode the worker
+// RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
+// forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,9 @@ int main(int argc, char** argv) {
     options.timeout = std::chrono::seconds(60);
     if (const char* impl = std::getenv("RING_WORKER_IMPL")) {
       options.implementation = ParseImplementation(impl);
+    }
+    if (const char* algorithm = std::getenv("RING_WORKER_ALGORITHM")) {
+      options.algorithm = algorithm;
     }
     if (mode == "loop" && argc > 4) options.timeout = std::chrono::milliseconds(std::stol(argv[4]));
     auto comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);

@@ -42,6 +42,8 @@ struct Placement {
   std::vector<std::string> host_ids;
   // RING_WORKER_IMPL: "ring" (TCP only) or "auto" (shared memory inside a host).
   std::string implementation = "auto";
+  // RING_WORKER_ALGORITHM (CommunicationOptions::algorithm), or empty to let AUTO choose.
+  std::string algorithm;
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -63,6 +65,9 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       setenv("MASTER_PORT", port.c_str(), 1);
       unsetenv("TF_CONFIG");
       setenv("RING_WORKER_IMPL", placement.implementation.c_str(), 1);
+      if (!placement.algorithm.empty()) {
+        setenv("RING_WORKER_ALGORITHM", placement.algorithm.c_str(), 1);
+      }
       if (!placement.host_ids.empty()) {
         setenv("COLLECTIVES_HOST_ID", placement.host_ids[size_t(rank)].c_str(), 1);
       }
