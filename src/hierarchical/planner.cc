@@ -182,11 +182,39 @@ class HierarchicalPlanner final : public ring::Planner {
   }
 
   Body Broadcast(const void* source, const Tensor& recv, int root) override {
-    if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
     const int root_index = topology_.local_index[size_t(root)];
-    return [group, source, recv, root_index](ring::Context& ctx) {
-      group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index);
+    if (plan_ == Plan::kShm) {
+      return [group, source, recv, root_index](ring::Context& ctx) {
+        group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index);
+      };
+    }
+    if (plan_ != Plan::kTwoLevel) return {};
+    // Two levels, pipelined step by step: the ranks of the root's local index (one per host)
+    // carry each step across hosts (a tree for small steps, a chain for large ones) straight
+    // into their slots, and each of them broadcasts it inside its host from there.
+    const int root_host = topology_.host_of[size_t(root)];
+    const bool crosses = topology_.local_index[size_t(rank_)] == root_index;
+    const std::vector<int>* cross_ranks = &cross_ranks_;
+    const int cross_me = cross_me_;
+    const size_t small = small_message_bytes_;
+    return [=](ring::Context& ctx) {
+      if (!crosses) {
+        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), root_index);
+        return;
+      }
+      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      const auto* from = static_cast<const uint8_t*>(source);
+      const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
+        const void* send = from != nullptr ? from + offset : nullptr;
+        if (bytes <= small) {
+          ring::TreeBroadcast(cross, send, slot, bytes, root_host);
+        } else {
+          ring::ChainBroadcast(cross, send, slot, bytes, root_host);
+        }
+      };
+      group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index, fill);
     };
   }
 

@@ -563,7 +563,7 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
 }
 
 void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                         void* recv, size_t bytes, int root) {
+                         void* recv, size_t bytes, int root, const ChunkSource& fill) {
   Step step(*this, tag, deadline);
   const bool is_root = root == index_;
   const auto* in = static_cast<const uint8_t*>(send);
@@ -576,11 +576,20 @@ void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, c
     // the others check the root's and wait for that word. A member that runs another call (or
     // names another root) breaks the group before anyone writes into a caller's buffer.
     if (is_root) {
-      if (c != 0) std::memcpy(step.own_slot(s), in + offset, c);
+      uint8_t* slot = step.own_slot(s);
+      if (fill) {
+        fill(slot, offset, c);
+      } else if (c != 0) {
+        std::memcpy(slot, in + offset, c);
+      }
       step.Arrive(s);
       step.AwaitEveryArrival(s);
       step.Reduced(s);
-      if (c != 0 && in != out) std::memcpy(out + offset, in + offset, c);
+      if (c != 0 && fill) {
+        std::memcpy(out + offset, slot, c);
+      } else if (c != 0 && in != out) {
+        std::memcpy(out + offset, in + offset, c);
+      }
     } else {
       step.Arrive(s);
       step.AwaitArrival(root, s);
