@@ -1,0 +1,347 @@
+// AUTO through the public API, with ranks as threads of this process (so every rank is on one
+// host) rendezvousing through a memory store: the default options build an AUTO communicator
+// that runs every collective in shared memory, exact for every collective x dtype x op x count x
+// in-place at world sizes 1 to 8; it reports "shm_small"/"shm"; forcing the ring still gives
+// exact results; plans the topology cannot run, and unknown names, are refused with
+// kNotSupported; COLLECTIVES_SHM=0 turns shared memory off; several asynchronous calls in flight
+// complete exactly; a mismatch and an Abort raise on every rank.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "tests/ring/collective_checks.h"
+#include "tests/ring/run_ranks.h"
+
+namespace collectives {
+namespace {
+
+using testing::CheckCollective;
+using testing::CheckMatrix;
+using testing::RunRanks;
+using testing::Transport;
+
+// The environment AUTO reads, as the tests need it; restored afterwards. Set before any rank
+// thread starts and restored after they all ended.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
+      old_ = old;
+      had_ = true;
+    }
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+
+ private:
+  std::string name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+// Every rank on one host with shared memory on, whatever the caller's environment says.
+struct OneHost {
+  ScopedEnv shm{"COLLECTIVES_SHM", nullptr};
+  ScopedEnv host{"COLLECTIVES_HOST_ID", nullptr};
+};
+
+// Builds `size` communicators through the public factory on one memory store and returns, per
+// rank, the message of what its construction threw (codes: its code, or 0 when it succeeded).
+std::vector<std::string> ConstructionErrors(int size, const CommunicationOptions& options,
+                                            std::vector<ErrorCode>* codes) {
+  auto store = CreateMemoryStore();
+  std::vector<std::string> messages(static_cast<size_t>(size));
+  codes->assign(size_t(size), ErrorCode(0));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      ClusterSpec spec;
+      spec.rank = rank;
+      spec.world_size = size;
+      spec.master_port = 1;  // unused: the store is given
+      try {
+        auto comm = CreateCommunication(spec, store, options);
+        messages[size_t(rank)] = "built (" + comm->AllReduceAlgorithm(8) + ")";
+      } catch (const Error& e) {
+        (*codes)[size_t(rank)] = e.code();
+        messages[size_t(rank)] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return messages;
+}
+
+class AutoMatrixTest : public ::testing::TestWithParam<int> {};
+
+// The default options: AUTO, shared memory for every collective, exact on every rank.
+TEST_P(AutoMatrixTest, DefaultOptionsRunEveryCollectiveExactlyInSharedMemory) {
+  OneHost one_host;
+  const int size = GetParam();
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  // More than one 1 MiB slot of f32 on few ranks (several steps), less on many (2 cores).
+  const size_t large = size <= 4 ? 600'011 : 300'007;
+  RunRanks(Transport::kAuto, size, options, [&](CollectiveCommunication& comm) {
+    EXPECT_EQ(comm.implementation(), Implementation::kAuto);
+    EXPECT_EQ(comm.size(), size);
+    if (size >= 2) {
+      EXPECT_EQ(comm.AllReduceAlgorithm(8), "shm_small");
+      EXPECT_EQ(comm.AllReduceAlgorithm(64 << 20), "shm");
+    }
+    std::vector<std::string> failures;
+    const size_t wrong = CheckMatrix(comm, large, &failures);
+    EXPECT_EQ(wrong, 0u) << "rank " << comm.rank() << ": "
+                         << (failures.empty() ? "" : failures.front());
+    comm.Barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, AutoMatrixTest, ::testing::Range(1, 9),
+                         [](const ::testing::TestParamInfo<int>& param) {
+                           return std::to_string(param.param) + "Ranks";
+                         });
+
+// "shm" forced on one host is what AUTO picks anyway; "ring" and "recursive_doubling" forced run
+// over TCP, report it, and stay exact.
+TEST(AutoAlgorithmTest, ForcedAlgorithmsThatTheTopologyCanRunAreExact) {
+  OneHost one_host;
+  struct Case {
+    std::string algorithm;
+    std::string small;  // AllReduceAlgorithm(8)
+    std::string large;  // AllReduceAlgorithm(64 MiB)
+  };
+  for (const Case& c : {Case{"shm", "shm_small", "shm"}, Case{"ring", "ring", "ring"},
+                        Case{"recursive_doubling", "recursive_doubling", "recursive_doubling"}}) {
+    SCOPED_TRACE(c.algorithm);
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(60);
+    options.algorithm = c.algorithm;
+    RunRanks(Transport::kAuto, 3, options, [&](CollectiveCommunication& comm) {
+      EXPECT_EQ(comm.implementation(), Implementation::kAuto);
+      EXPECT_EQ(comm.AllReduceAlgorithm(8), c.small);
+      EXPECT_EQ(comm.AllReduceAlgorithm(64 << 20), c.large);
+      std::vector<std::string> failures;
+      const size_t wrong = CheckMatrix(comm, 10'007, &failures);
+      EXPECT_EQ(wrong, 0u) << "rank " << comm.rank() << ": "
+                           << (failures.empty() ? "" : failures.front());
+    });
+  }
+}
+
+// A plan this topology cannot run, or a name no implementation knows, is refused on every rank
+// when the communicator is built.
+TEST(AutoAlgorithmTest, UnrunnableOrUnknownAlgorithmsAreNotSupported) {
+  OneHost one_host;
+  struct Case {
+    std::string algorithm;
+    int size;
+  };
+  for (const Case& c : {Case{"two_level", 2}, Case{"two_level", 4}, Case{"bogus", 2},
+                        Case{"bogus", 1}, Case{"SHM", 2}}) {
+    SCOPED_TRACE(c.algorithm + " on " + std::to_string(c.size) + " ranks");
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(20);
+    options.algorithm = c.algorithm;
+    std::vector<ErrorCode> codes;
+    const std::vector<std::string> messages = ConstructionErrors(c.size, options, &codes);
+    for (int r = 0; r < c.size; ++r) {
+      EXPECT_EQ(codes[size_t(r)], ErrorCode::kNotSupported) << "rank " << r << ": "
+                                                            << messages[size_t(r)];
+      EXPECT_NE(messages[size_t(r)].find("'" + c.algorithm + "'"), std::string::npos)
+          << messages[size_t(r)];
+    }
+  }
+}
+
+// COLLECTIVES_SHM=0: AUTO falls back to the ring's choices (and refuses a forced "shm"), still
+// exact.
+TEST(AutoAlgorithmTest, SharedMemoryOffFallsBackToTheRing) {
+  ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
+  ScopedEnv shm("COLLECTIVES_SHM", "0");
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  RunRanks(Transport::kAuto, 3, options, [&](CollectiveCommunication& comm) {
+    EXPECT_EQ(comm.implementation(), Implementation::kAuto);
+    EXPECT_EQ(comm.AllReduceAlgorithm(8), "recursive_doubling");
+    EXPECT_EQ(comm.AllReduceAlgorithm(64 << 20), "ring");
+    for (const std::string& c : testing::AllCollectives()) {
+      for (bool in_place : {false, true}) {
+        const auto r = CheckCollective(comm, c, DataType::kFloat32, ReduceOp::kSum, 1001,
+                                       in_place, 2);
+        EXPECT_EQ(r.wrong, 0u) << r.first;
+      }
+    }
+  });
+  options.algorithm = "shm";
+  std::vector<ErrorCode> codes;
+  const std::vector<std::string> messages = ConstructionErrors(2, options, &codes);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[size_t(r)], ErrorCode::kNotSupported) << messages[size_t(r)];
+  }
+}
+
+// Several asynchronous calls of every kind in flight at once, waited on out of order: each
+// result exact.
+TEST(AutoAsyncTest, MixedCallsInFlightAreExact) {
+  OneHost one_host;
+  for (int size : {2, 4}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(60);
+    RunRanks(Transport::kAuto, size, options, [&](CollectiveCommunication& comm) {
+      const int n = comm.size();
+      const int rank = comm.rank();
+      ASSERT_EQ(comm.AllReduceAlgorithm(8), "shm_small");
+      constexpr int kRounds = 3;
+      std::vector<std::shared_ptr<Work>> works;
+      std::vector<std::vector<float>> reduced;     // all-reduce, in place
+      std::vector<std::vector<int32_t>> gathered;  // all-gather
+      std::vector<std::vector<int32_t>> gather_in;
+      std::vector<std::vector<double>> broadcast;  // from rank (round % n)
+      std::vector<std::vector<float>> scatter_in, scatter_out;
+      reduced.reserve(kRounds * 2);
+      for (int k = 0; k < kRounds; ++k) {
+        for (size_t count : {size_t(3 + k), size_t(70'001 + 1000 * k)}) {  // shm_small and shm
+          reduced.emplace_back(count, float(rank + k));
+          Tensor t{reduced.back().data(), count, DataType::kFloat32};
+          works.push_back(comm.AllReduceAsync(t, t, ReduceOp::kSum));
+        }
+        const size_t gcount = 1000 + size_t(k);
+        gather_in.emplace_back(gcount, rank * 10 + k);
+        gathered.emplace_back(gcount * size_t(n), -1);
+        works.push_back(comm.AllGatherAsync(
+            Tensor{gather_in.back().data(), gcount, DataType::kInt32},
+            Tensor{gathered.back().data(), gathered.back().size(), DataType::kInt32}));
+        const int root = k % n;
+        broadcast.emplace_back(5000 + size_t(k), rank == root ? double(k) + 0.5 : -1.0);
+        Tensor b{broadcast.back().data(), broadcast.back().size(), DataType::kFloat64};
+        works.push_back(comm.BroadcastAsync(b, b, root));
+        const size_t scount = 777;
+        scatter_in.emplace_back(scount * size_t(n));
+        for (size_t i = 0; i < scatter_in.back().size(); ++i) {
+          scatter_in.back()[i] = float((i + size_t(rank)) % 5);
+        }
+        scatter_out.emplace_back(scount, -1.0f);
+        works.push_back(comm.ReduceScatterAsync(
+            Tensor{scatter_in.back().data(), scatter_in.back().size(), DataType::kFloat32},
+            Tensor{scatter_out.back().data(), scount, DataType::kFloat32}, ReduceOp::kMax));
+        works.push_back(comm.BarrierAsync());
+      }
+      // Waited on from the last to the first.
+      for (size_t w = works.size(); w-- > 0;) works[w]->Wait();
+      for (const auto& w : works) EXPECT_TRUE(w->Done());
+      int sum_ranks = 0;
+      for (int r = 0; r < n; ++r) sum_ranks += r;
+      for (int k = 0; k < kRounds; ++k) {
+        for (int j = 0; j < 2; ++j) {
+          const float want = float(sum_ranks + n * k);
+          for (float v : reduced[size_t(2 * k + j)]) {
+            ASSERT_EQ(v, want) << "all-reduce " << k << "/" << j << " on rank " << rank;
+          }
+        }
+        for (int r = 0; r < n; ++r) {
+          for (size_t i = 0; i < gather_in[size_t(k)].size(); ++i) {
+            ASSERT_EQ(gathered[size_t(k)][size_t(r) * gather_in[size_t(k)].size() + i],
+                      r * 10 + k)
+                << "all-gather " << k << " on rank " << rank;
+          }
+        }
+        for (double v : broadcast[size_t(k)]) {
+          ASSERT_EQ(v, double(k) + 0.5) << "broadcast " << k << " on rank " << rank;
+        }
+        for (size_t i = 0; i < scatter_out[size_t(k)].size(); ++i) {
+          const size_t global = size_t(rank) * scatter_out[size_t(k)].size() + i;
+          float want = 0;
+          for (int r = 0; r < n; ++r) want = std::max(want, float((global + size_t(r)) % 5));
+          ASSERT_EQ(scatter_out[size_t(k)][i], want) << "reduce-scatter " << k << " on rank "
+                                                     << rank;
+        }
+      }
+    });
+  }
+}
+
+// Ranks that all-reduce different counts raise kMismatch naming both calls, and the
+// communicator stays broken.
+TEST(AutoFailureTest, MismatchRaisesOnEveryRank) {
+  OneHost one_host;
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(10);
+  RunRanks(Transport::kAuto, 3, options, [](CollectiveCommunication& comm) {
+    ASSERT_EQ(comm.AllReduceAlgorithm(400), "shm_small");
+    std::vector<float> data(comm.rank() == 1 ? 120 : 100, 1.0f);
+    try {
+      comm.AllReduce(Tensor{data.data(), data.size(), DataType::kFloat32}, ReduceOp::kSum);
+      ADD_FAILURE() << "rank " << comm.rank() << ": mismatched all-reduce succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+      EXPECT_NE(std::string(e.what()).find("count=100"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("count=120"), std::string::npos) << e.what();
+    }
+    for (float v : data) ASSERT_EQ(v, 1.0f) << "rank " << comm.rank() << ": data written";
+    try {
+      comm.Barrier();
+      ADD_FAILURE() << "a broken communicator ran a barrier";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+    }
+  });
+}
+
+// Abort wakes a rank blocked in a shared-memory collective its peer never joins, and the peer's
+// next call raises kAborted too.
+TEST(AutoFailureTest, AbortWakesABlockedSharedMemoryCall) {
+  OneHost one_host;
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(20);
+  RunRanks(Transport::kAuto, 2, options, [](CollectiveCommunication& comm) {
+    std::vector<float> data(1000, 1.0f);
+    const Tensor t{data.data(), data.size(), DataType::kFloat32};
+    if (comm.rank() == 1) {  // joins only after rank 0 aborted
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      try {
+        comm.AllReduce(t, ReduceOp::kSum);
+        ADD_FAILURE() << "rank 1: an all-reduce with an aborted peer succeeded";
+      } catch (const Error& e) {
+        EXPECT_TRUE(e.code() == ErrorCode::kAborted || e.code() == ErrorCode::kPeerLost)
+            << e.what();
+      }
+      return;
+    }
+    auto work = comm.AllReduceAsync(t, t, ReduceOp::kSum);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_FALSE(work->Done());
+    const auto start = std::chrono::steady_clock::now();
+    comm.Abort();
+    try {
+      work->Wait();
+      ADD_FAILURE() << "an aborted call succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // until rank 1 has tried
+  });
+}
+
+}  // namespace
+}  // namespace collectives

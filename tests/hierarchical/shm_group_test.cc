@@ -1,0 +1,972 @@
+// ShmGroup, the intra-host shared-memory transport, with its members as threads of this process
+// (rendezvous through a memory store): every collective is exact, for every dtype and op, member
+// counts 1 to 8, empty, single-element, prime and uneven counts and counts that take many steps
+// of a small slot, in place and not, and bit-identical on every member; members that call
+// different collectives raise kMismatch before anything reaches a caller's buffer; Abort,
+// deadlines and a member that leaves raise on every member, naming the rank concerned; the
+// segment's name is gone from /dev/shm once everyone attached (or set-up gave up), and a segment
+// open to other users is refused.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/errors.h"
+#include "collectives/types.h"
+#include "src/core/call.h"
+#include "src/hierarchical/shm_group.h"
+#include "tests/ring/collective_checks.h"
+
+namespace collectives {
+namespace {
+
+using hierarchical::Clock;
+using hierarchical::ShmGroup;
+using hierarchical::ShmGroupOptions;
+using testing::Expected;
+using testing::InputValue;
+using testing::Load;
+
+constexpr uint8_t kGuard = 0xA5;     // bytes around every buffer
+constexpr uint8_t kSentinel = 0x5A;  // a recv buffer's contents before a call that must fail
+constexpr size_t kGuardBytes = 16;
+
+// A key space of its own for every group a test builds.
+std::string UniquePrefix(const std::string& what) {
+  static std::atomic<int> counter{0};
+  return "shm_group_test/" + std::to_string(getpid()) + "/" + what + "/" +
+         std::to_string(counter.fetch_add(1));
+}
+
+ShmGroupOptions Options(const std::string& what, size_t slot_bytes, size_t small_bytes,
+                        int members) {
+  ShmGroupOptions options;
+  options.key_prefix = UniquePrefix(what);
+  options.job_id = "job-" + options.key_prefix;
+  options.slot_bytes = slot_bytes;
+  options.small_bytes = small_bytes;
+  // Busy-poll only when every member can have a core, as the planner does.
+  options.spin = std::chrono::microseconds(
+      std::thread::hardware_concurrency() >= unsigned(members) ? 50 : 0);
+  options.timeout = std::chrono::seconds(20);
+  return options;
+}
+
+std::vector<int> Ranks(int n, int first = 0, int stride = 1) {
+  std::vector<int> ranks;
+  for (int i = 0; i < n; ++i) ranks.push_back(first + i * stride);
+  return ranks;
+}
+
+// The /dev/shm path of a POSIX shared-memory name ("/collectives-...").
+std::string DevShmPath(const std::string& name) { return "/dev/shm" + name; }
+
+bool ShmNameExists(const std::string& name) {
+  struct stat st {};
+  return ::stat(DevShmPath(name).c_str(), &st) == 0;
+}
+
+// One member: its group and the sequence number of its last call.
+struct Member {
+  std::unique_ptr<ShmGroup> group;
+  uint64_t seq = 0;
+
+  core::CallTag Tag(core::CollectiveKind kind, DataType dtype, ReduceOp op, int root,
+                    size_t count) {
+    return core::CallTag{++seq, core::CallDescriptor{kind, dtype, op, root, uint64_t(count)}};
+  }
+};
+
+// Builds the group on one thread per member (Create is collective), then runs `body(member,
+// index)` on those threads. An exception escaping Create or body fails the test.
+void RunMembers(const std::vector<int>& ranks, const ShmGroupOptions& options,
+                const std::function<void(Member&, int)>& body,
+                std::shared_ptr<Store> store = nullptr) {
+  if (!store) store = CreateMemoryStore();
+  std::vector<Member> members(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        members[i].group = ShmGroup::Create(ranks[i], ranks, *store, options);
+        ASSERT_EQ(members[i].group->index(), int(i));
+        ASSERT_EQ(members[i].group->size(), int(ranks.size()));
+        body(members[i], int(i));
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "member " << i << " (rank " << ranks[i] << ") threw: " << e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// A buffer of `bytes` with guard bytes on both sides.
+struct Guarded {
+  explicit Guarded(size_t n, uint8_t fill = 0) : bytes(n), storage(n + 2 * kGuardBytes, kGuard) {
+    std::memset(data(), fill, n);
+  }
+  uint8_t* data() { return storage.data() + kGuardBytes; }
+  bool GuardsIntact() const {
+    for (size_t i = 0; i < kGuardBytes; ++i) {
+      if (storage[i] != kGuard || storage[kGuardBytes + bytes + i] != kGuard) return false;
+    }
+    return true;
+  }
+  bool AllEqual(uint8_t v) {
+    for (size_t i = 0; i < bytes; ++i) {
+      if (data()[i] != v) return false;
+    }
+    return true;
+  }
+  size_t bytes;
+  std::vector<uint8_t> storage;
+};
+
+uint64_t Fnv(const uint8_t* data, size_t n) {
+  uint64_t h = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; ++i) h = (h ^ data[i]) * 1099511628211ULL;
+  return h;
+}
+
+// Element i of a buffer of `dtype` as stored (so that the reference rounds like the data does).
+double Stored(DataType dtype, double v) {
+  uint64_t cell = 0;
+  testing::Store(dtype, &cell, 0, v);
+  return Load(dtype, &cell, 0);
+}
+
+// The result of one call on one member: wrong elements (first described) and a hash of the
+// result, which must be the same on every member for all-reduce, broadcast and all-gather.
+struct Outcome {
+  size_t wrong = 0;
+  std::string first;
+  uint64_t hash = 0;
+  void Note(const std::string& what) {
+    if (wrong++ == 0) first = what;
+  }
+};
+
+// Runs one collective on `m` (member `me` of `n`) with the inputs of collective_checks.h (member
+// index as the rank) and checks it element by element.
+Outcome RunAndCheck(Member& m, int me, int n, const std::string& collective, DataType dtype,
+                    ReduceOp op, size_t count, bool in_place, int root = 0) {
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  const size_t es = SizeOf(dtype);
+  const std::string what = collective + " " + ToString(dtype) + " " + ToString(op) +
+                           " count=" + std::to_string(count) + (in_place ? " in-place" : "") +
+                           " on member " + std::to_string(me) + " of " + std::to_string(n);
+  Outcome out;
+  auto element_check = [&](const uint8_t* data, size_t i, double want) {
+    const double got = Load(dtype, data, i);
+    if (!(got == want)) {
+      out.Note(what + ": element " + std::to_string(i) + " is " + std::to_string(got) +
+               ", expected " + std::to_string(want));
+    }
+  };
+  if (collective == "all_reduce") {
+    Guarded send(count * es), recv(count * es, kSentinel);
+    Guarded& input = in_place ? recv : send;
+    for (size_t i = 0; i < count; ++i) {
+      testing::Store(dtype, input.data(), i, InputValue(op, dtype, me, i));
+    }
+    m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, dtype, op, 0, count), deadline,
+                       input.data(), recv.data(), count, dtype, op);
+    for (size_t i = 0; i < count; ++i) element_check(recv.data(), i, Expected(op, dtype, n, i));
+    if (!recv.GuardsIntact() || !send.GuardsIntact()) out.Note(what + ": guard overwritten");
+    out.hash = Fnv(recv.data(), recv.bytes);
+  } else if (collective == "broadcast") {
+    Guarded send(count * es), recv(count * es, kSentinel);
+    Guarded& input = in_place ? recv : send;
+    if (me == root) {
+      for (size_t i = 0; i < count; ++i) {
+        testing::Store(dtype, input.data(), i, InputValue(op, dtype, root, i));
+      }
+    }
+    m.group->Broadcast(m.Tag(core::CollectiveKind::kBroadcast, dtype, ReduceOp::kSum, root, count),
+                       deadline, me == root ? input.data() : nullptr, recv.data(), count * es,
+                       root);
+    for (size_t i = 0; i < count; ++i) {
+      element_check(recv.data(), i, Stored(dtype, InputValue(op, dtype, root, i)));
+    }
+    if (!recv.GuardsIntact() || !send.GuardsIntact()) out.Note(what + ": guard overwritten");
+    out.hash = Fnv(recv.data(), recv.bytes);
+  } else if (collective == "all_gather") {
+    Guarded send(count * es), recv(count * es * size_t(n), kSentinel);
+    uint8_t* input = in_place ? recv.data() + size_t(me) * count * es : send.data();
+    for (size_t i = 0; i < count; ++i) {
+      testing::Store(dtype, input, i, InputValue(op, dtype, me, i));
+    }
+    m.group->AllGather(m.Tag(core::CollectiveKind::kAllGather, dtype, ReduceOp::kSum, 0, count),
+                       deadline, input, recv.data(), count * es);
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < count; ++i) {
+        element_check(recv.data(), size_t(r) * count + i, Stored(dtype, InputValue(op, dtype, r, i)));
+      }
+    }
+    if (!recv.GuardsIntact() || !send.GuardsIntact()) out.Note(what + ": guard overwritten");
+    out.hash = Fnv(recv.data(), recv.bytes);
+  } else if (collective == "reduce_scatter") {
+    Guarded send(count * es * size_t(n)), recv(count * es, kSentinel);
+    for (size_t i = 0; i < count * size_t(n); ++i) {
+      testing::Store(dtype, send.data(), i, InputValue(op, dtype, me, i));
+    }
+    uint8_t* output = in_place ? send.data() + size_t(me) * count * es : recv.data();
+    m.group->ReduceScatter(m.Tag(core::CollectiveKind::kReduceScatter, dtype, op, 0, count),
+                           deadline, send.data(), output, count, dtype, op);
+    for (size_t i = 0; i < count; ++i) {
+      element_check(output, i, Expected(op, dtype, n, size_t(me) * count + i));
+    }
+    if (!recv.GuardsIntact() || !send.GuardsIntact()) out.Note(what + ": guard overwritten");
+    out.hash = 0;  // each member holds its own block
+  } else if (collective == "barrier") {
+    m.group->Barrier(m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0),
+                     deadline);
+  }
+  return out;
+}
+
+std::vector<DataType> AllDataTypes() { return testing::AllDataTypes(); }
+std::vector<ReduceOp> AllReduceOps() { return testing::AllReduceOps(); }
+
+struct GroupConfig {
+  const char* name;
+  size_t slot_bytes;
+  size_t small_bytes;
+};
+
+// Every collective x dtype x op x count x in-place on `n` members, then the per-member hashes
+// compared: the results of all-reduce, broadcast and all-gather are the same bytes everywhere.
+void RunMatrix(int n, const GroupConfig& config) {
+  const std::vector<int> ranks = Ranks(n, 3, 2);  // global ranks 3, 5, 7, ...: not the indices
+  const ShmGroupOptions options = Options(config.name, config.slot_bytes, config.small_bytes, n);
+  std::vector<std::vector<uint64_t>> hashes(static_cast<size_t>(n));
+  std::vector<size_t> wrong(size_t(n), 0);
+  std::vector<std::vector<std::string>> failures(static_cast<size_t>(n));
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    const size_t slot = m.group->slot_bytes();
+    auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
+                   int root) {
+      Outcome out = RunAndCheck(m, me, n, c, d, o, count, in_place, root);
+      wrong[size_t(me)] += out.wrong;
+      if (out.wrong > 0 && failures[size_t(me)].size() < 5) failures[size_t(me)].push_back(out.first);
+      hashes[size_t(me)].push_back(out.hash);
+    };
+    for (const std::string c : {"all_reduce", "reduce_scatter", "broadcast", "all_gather"}) {
+      const bool reduces = c == "all_reduce" || c == "reduce_scatter";
+      for (DataType d : AllDataTypes()) {
+        const size_t es = SizeOf(d);
+        // More than two slots' worth (several steps, both buffers reused), and not a multiple
+        // of the member count or of the elements per slot.
+        const size_t many = (c == "all_gather" ? 2 * slot : 5 * slot / 2) / es + 2 * size_t(n) + 1;
+        const std::vector<size_t> counts = {0, 1, 13, size_t(n) * 5 + 1, many};
+        for (ReduceOp o : AllReduceOps()) {
+          if (!reduces && o != ReduceOp::kSum) continue;
+          for (size_t count : counts) {
+            for (bool in_place : {false, true}) {
+              const int root = c == "broadcast" ? int((count + size_t(in_place)) % size_t(n)) : 0;
+              run(c, d, o, count, in_place, root);
+            }
+          }
+        }
+      }
+    }
+    run("barrier", DataType::kUInt8, ReduceOp::kSum, 0, false, 0);
+    // Calls after the barrier still line up.
+    run("all_reduce", DataType::kInt32, ReduceOp::kSum, 3 * slot / 4 + 1, true, 0);
+  });
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(wrong[size_t(i)], 0u) << config.name << ", " << n << " members: "
+                                    << (failures[size_t(i)].empty() ? "" : failures[size_t(i)][0]);
+  }
+  for (int i = 1; i < n; ++i) {
+    ASSERT_EQ(hashes[size_t(i)].size(), hashes[0].size());
+    for (size_t k = 0; k < hashes[0].size(); ++k) {
+      EXPECT_EQ(hashes[size_t(i)][k], hashes[0][k])
+          << config.name << ", " << n << " members: call " << k << " differs on member " << i;
+    }
+  }
+}
+
+class ShmGroupMatrixTest : public ::testing::TestWithParam<int> {};
+
+// Slot of 4 KiB, small all-reduces up to the slot: counts up to 4 KiB take the one-sync path,
+// larger ones are cut into many steps of the two-sync path.
+TEST_P(ShmGroupMatrixTest, EveryCollectiveIsExactWithSmallAllReducesAndManySteps) {
+  RunMatrix(GetParam(), {"small_and_steps", 4096, 4096});
+}
+
+// small_bytes 0: every non-empty all-reduce takes the two-sync path (each member reduces its
+// slice), even a single element, with members whose slices are empty.
+TEST_P(ShmGroupMatrixTest, EveryCollectiveIsExactWithTheLargeAllReduceAtEverySize) {
+  RunMatrix(GetParam(), {"large_only", 4096, 0});
+}
+
+INSTANTIATE_TEST_SUITE_P(Members, ShmGroupMatrixTest, ::testing::Range(1, 9),
+                         [](const ::testing::TestParamInfo<int>& param) {
+                           return std::to_string(param.param) + "Members";
+                         });
+
+// With the default slot (1 MiB): a 2.5 MiB all-reduce, broadcast and all-gather, and random
+// floats, so that the order of reduction matters: every member must still hold the same bits.
+TEST(ShmGroupTest, DefaultSlotAndRandomFloatsAreBitIdenticalOnEveryMember) {
+  constexpr int n = 3;
+  ShmGroupOptions options = Options("default_slot", hierarchical::kDefaultSlotBytes,
+                                    hierarchical::kDefaultShmSmallBytes, n);
+  std::vector<std::vector<uint64_t>> hashes(n);
+  std::vector<size_t> wrong(n, 0);
+  RunMembers(Ranks(n), options, [&](Member& m, int me) {
+    EXPECT_EQ(m.group->slot_bytes(), hierarchical::kDefaultSlotBytes);
+    EXPECT_EQ(m.group->small_bytes(), hierarchical::kDefaultShmSmallBytes);
+    const size_t big = 5 * hierarchical::kDefaultSlotBytes / 2 / sizeof(float) + 3;
+    Outcome o = RunAndCheck(m, me, n, "all_reduce", DataType::kFloat32, ReduceOp::kSum, big, false);
+    wrong[size_t(me)] += o.wrong;
+    hashes[size_t(me)].push_back(o.hash);
+    o = RunAndCheck(m, me, n, "broadcast", DataType::kInt64, ReduceOp::kSum, big / 2, true, 2);
+    wrong[size_t(me)] += o.wrong;
+    hashes[size_t(me)].push_back(o.hash);
+    o = RunAndCheck(m, me, n, "all_gather", DataType::kFloat16, ReduceOp::kSum, big / 3, false);
+    wrong[size_t(me)] += o.wrong;
+    hashes[size_t(me)].push_back(o.hash);
+    o = RunAndCheck(m, me, n, "reduce_scatter", DataType::kFloat32, ReduceOp::kMax, big / 3, true);
+    wrong[size_t(me)] += o.wrong;
+    // Random inputs of every float type, small and large, sum, prod and avg.
+    std::mt19937 random(1234 + unsigned(me));
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    for (DataType d : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
+                       DataType::kBFloat16}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kAvg}) {
+        for (size_t count : {size_t(777), size_t(300'001)}) {
+          std::vector<uint8_t> buf(count * SizeOf(d));
+          for (size_t i = 0; i < count; ++i) testing::Store(d, buf.data(), i, uniform(random));
+          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count),
+                             Clock::now() + std::chrono::seconds(30), buf.data(), buf.data(),
+                             count, d, op);
+          hashes[size_t(me)].push_back(Fnv(buf.data(), buf.size()));
+        }
+      }
+    }
+  });
+  for (int i = 0; i < n; ++i) EXPECT_EQ(wrong[size_t(i)], 0u) << "member " << i;
+  for (int i = 1; i < n; ++i) EXPECT_EQ(hashes[size_t(i)], hashes[0]) << "member " << i;
+}
+
+// ---- Mismatches: every member raises kMismatch, and no caller's recv buffer was touched. ----
+
+struct MismatchCase {
+  std::string name;
+  // Runs member `me`'s (mismatched) call into `recv` (kRecvBytes, filled with the sentinel).
+  std::function<void(Member&, int me, uint8_t* recv)> call;
+};
+
+constexpr size_t kRecvBytes = 64 * 1024;
+
+void ExpectMismatch(const MismatchCase& c, size_t slot_bytes, size_t small_bytes) {
+  constexpr int n = 3;
+  const std::vector<int> ranks = {2, 4, 6};
+  ShmGroupOptions options = Options("mismatch_" + c.name, slot_bytes, small_bytes, n);
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    // One good call first: the mismatch comes on a later step with both buffers in use.
+    Outcome warmup = RunAndCheck(m, me, n, "all_reduce", DataType::kFloat32, ReduceOp::kSum,
+                                 1000, false);
+    EXPECT_EQ(warmup.wrong, 0u) << warmup.first;
+    Guarded recv(kRecvBytes, kSentinel);
+    const auto start = Clock::now();
+    try {
+      c.call(m, me, recv.data());
+      ADD_FAILURE() << c.name << ": member " << me << "'s mismatched call succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << c.name << ", member " << me << ": " << e.what();
+      EXPECT_NE(e.message().find("does not match"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << c.name;
+    EXPECT_TRUE(recv.AllEqual(kSentinel))
+        << c.name << ": member " << me << "'s recv buffer was written before the mismatch";
+    EXPECT_TRUE(recv.GuardsIntact()) << c.name;
+    // The group stays broken.
+    try {
+      m.group->Barrier(m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0),
+                       Clock::now() + std::chrono::seconds(5));
+      ADD_FAILURE() << c.name << ": a broken group ran a barrier";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+    }
+  });
+}
+
+std::vector<MismatchCase> MismatchCases() {
+  using core::CollectiveKind;
+  const auto deadline = [] { return Clock::now() + std::chrono::seconds(10); };
+  std::vector<MismatchCase> cases;
+  // Counts differ (member 1: one more element); f32 with a 4 KiB slot and small_bytes 4096:
+  // 1024 elements take the small path and 1025 the large one, 3000 take several steps.
+  for (size_t base : {size_t(10), size_t(1024), size_t(3000)}) {
+    cases.push_back({"all_reduce_count_" + std::to_string(base), [base, deadline](Member& m, int me, uint8_t* recv) {
+                       const size_t count = base + (me == 1 ? 1 : 0);
+                       std::vector<float> send(count, 1.0f);
+                       m.group->AllReduce(m.Tag(CollectiveKind::kAllReduce, DataType::kFloat32,
+                                                ReduceOp::kSum, 0, count),
+                                          deadline(), send.data(), recv, count,
+                                          DataType::kFloat32, ReduceOp::kSum);
+                     }});
+  }
+  // Member 2 reduces with another op; member 0 with another dtype (the same bytes).
+  cases.push_back({"all_reduce_op_and_dtype", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t count = 500;
+                     const DataType d = me == 0 ? DataType::kInt32 : DataType::kFloat32;
+                     const ReduceOp op = me == 2 ? ReduceOp::kMax : ReduceOp::kSum;
+                     std::vector<float> send(count, 1.0f);
+                     m.group->AllReduce(m.Tag(CollectiveKind::kAllReduce, d, op, 0, count),
+                                        deadline(), send.data(), recv, count, d, op);
+                   }});
+  // Different kinds: member 1 broadcasts (as a non-root) while the others all-reduce.
+  cases.push_back({"all_reduce_vs_broadcast", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t count = 200;
+                     std::vector<float> send(count, 1.0f);
+                     if (me == 1) {
+                       m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kFloat32,
+                                                ReduceOp::kSum, 0, count),
+                                          deadline(), nullptr, recv, count * 4, 0);
+                     } else {
+                       m.group->AllReduce(m.Tag(CollectiveKind::kAllReduce, DataType::kFloat32,
+                                                ReduceOp::kSum, 0, count),
+                                          deadline(), send.data(), recv, count,
+                                          DataType::kFloat32, ReduceOp::kSum);
+                     }
+                   }});
+  // Member 0 all-gathers, the others reduce-scatter (same count, same bytes in the slot).
+  cases.push_back({"all_gather_vs_reduce_scatter", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t count = 100;
+                     std::vector<float> send(3 * count, 1.0f);
+                     if (me == 0) {
+                       m.group->AllGather(m.Tag(CollectiveKind::kAllGather, DataType::kFloat32,
+                                                ReduceOp::kSum, 0, count),
+                                          deadline(), send.data(), recv, count * 4);
+                     } else {
+                       m.group->ReduceScatter(m.Tag(CollectiveKind::kReduceScatter,
+                                                    DataType::kFloat32, ReduceOp::kSum, 0, count),
+                                              deadline(), send.data(), recv, count,
+                                              DataType::kFloat32, ReduceOp::kSum);
+                     }
+                   }});
+  // Member 2 enters a barrier while the others broadcast from member 0.
+  cases.push_back({"broadcast_vs_barrier", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t bytes = 4000;
+                     std::vector<uint8_t> send(bytes, 7);
+                     if (me == 2) {
+                       m.group->Barrier(m.Tag(CollectiveKind::kBarrier, DataType::kUInt8,
+                                              ReduceOp::kSum, 0, 0),
+                                        deadline());
+                     } else {
+                       m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kUInt8,
+                                                ReduceOp::kSum, 0, bytes),
+                                          deadline(), send.data(), recv, bytes, 0);
+                     }
+                   }});
+  // Roots differ: member 0 says root 0, members 1 and 2 say root 1 (more than a slot).
+  cases.push_back({"broadcast_root", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t bytes = 10'000;
+                     std::vector<uint8_t> send(bytes, 7);
+                     const int root = me == 0 ? 0 : 1;
+                     m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kUInt8,
+                                              ReduceOp::kSum, root, bytes),
+                                        deadline(), send.data(), recv, bytes, root);
+                   }});
+  // Roots differ so that every member thinks another one is the root: 0 -> 1, 1 -> 2, 2 -> 0.
+  cases.push_back({"broadcast_root_cycle", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t bytes = 100;
+                     const int root = (me + 1) % 3;
+                     m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kUInt8,
+                                              ReduceOp::kSum, root, bytes),
+                                        deadline(), nullptr, recv, bytes, root);
+                   }});
+  // Broadcast counts differ: the root sends more than the others expect.
+  cases.push_back({"broadcast_count", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t bytes = me == 0 ? 9000 : 8000;
+                     std::vector<uint8_t> send(bytes, 7);
+                     m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kUInt8,
+                                              ReduceOp::kSum, 0, bytes),
+                                        deadline(), send.data(), recv, bytes, 0);
+                   }});
+  // All-gather counts differ.
+  cases.push_back({"all_gather_count", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t count = me == 2 ? 1500 : 1400;
+                     std::vector<float> send(count, 1.0f);
+                     m.group->AllGather(m.Tag(CollectiveKind::kAllGather, DataType::kFloat32,
+                                              ReduceOp::kSum, 0, count),
+                                        deadline(), send.data(), recv, count * 4);
+                   }});
+  // Reduce-scatter counts differ.
+  cases.push_back({"reduce_scatter_count", [deadline](Member& m, int me, uint8_t* recv) {
+                     const size_t count = me == 1 ? 2000 : 1999;
+                     std::vector<float> send(3 * count, 1.0f);
+                     m.group->ReduceScatter(m.Tag(CollectiveKind::kReduceScatter,
+                                                  DataType::kFloat32, ReduceOp::kSum, 0, count),
+                                            deadline(), send.data(), recv, count,
+                                            DataType::kFloat32, ReduceOp::kSum);
+                   }});
+  // Sequence numbers differ (member 0 skipped a call number).
+  cases.push_back({"sequence", [deadline](Member& m, int me, uint8_t* recv) {
+                     if (me == 0) ++m.seq;
+                     const size_t count = 64;
+                     std::vector<float> send(count, 1.0f);
+                     m.group->AllReduce(m.Tag(CollectiveKind::kAllReduce, DataType::kFloat32,
+                                              ReduceOp::kSum, 0, count),
+                                        deadline(), send.data(), recv, count, DataType::kFloat32,
+                                        ReduceOp::kSum);
+                   }});
+  return cases;
+}
+
+TEST(ShmGroupMismatchTest, DifferentCallsRaiseMismatchEverywhereWithoutWritingRecv) {
+  for (const MismatchCase& c : MismatchCases()) {
+    SCOPED_TRACE(c.name);
+    ExpectMismatch(c, 4096, 4096);
+  }
+}
+
+TEST(ShmGroupMismatchTest, DifferentCallsRaiseMismatchOnTheLargeAllReducePath) {
+  for (const MismatchCase& c : MismatchCases()) {
+    SCOPED_TRACE(c.name);
+    ExpectMismatch(c, 4096, 0);
+  }
+}
+
+// ---- Abort, deadlines, a member that leaves. ----
+
+// Members 0 and 1 wait in an all-reduce member 2 never joins; another thread aborts member 0's
+// group: member 0 raises the abort's own error, member 1 the same code naming member 0's rank,
+// and member 2's later call raises too.
+TEST(ShmGroupFailureTest, AbortFromAnotherThreadRaisesOnEveryMember) {
+  for (ErrorCode code : {ErrorCode::kAborted, ErrorCode::kInvalidUsage}) {
+    const std::vector<int> ranks = {1, 4, 8};
+    ShmGroupOptions options = Options("abort", 4096, 4096, 3);
+    std::atomic<ShmGroup*> aborted_group{nullptr};
+    std::atomic<bool> abort_done{false};
+    std::thread aborter;
+    RunMembers(ranks, options, [&](Member& m, int me) {
+      if (me == 0) {
+        aborted_group = m.group.get();
+        aborter = std::thread([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          aborted_group.load()->Abort(Error(code, "stopped by the test"));
+          abort_done = true;
+        });
+      }
+      if (me == 2) {
+        while (!abort_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      std::vector<float> data(5000, 1.0f);
+      const auto start = Clock::now();
+      try {
+        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                 ReduceOp::kSum, 0, data.size()),
+                           Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
+                           data.size(), DataType::kFloat32, ReduceOp::kSum);
+        ADD_FAILURE() << "member " << me << ": an aborted all-reduce succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), code) << "member " << me << ": " << e.what();
+        EXPECT_NE(e.message().find("stopped by the test"), std::string::npos) << e.what();
+        if (me == 0) {
+          EXPECT_EQ(e.message(), "stopped by the test");
+        } else {
+          EXPECT_NE(e.message().find("rank 1 aborted"), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find("rank " + std::to_string(ranks[size_t(me)])),
+                    std::string::npos)
+              << e.what();
+        }
+      }
+      if (me != 2) {
+        EXPECT_LT(Clock::now() - start, std::chrono::seconds(2)) << "member " << me;
+      }
+      for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+    });
+    aborter.join();
+  }
+}
+
+// Member 2 never calls: the others raise kTimeout after the deadline (not much later), naming
+// the rank they waited for.
+TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
+  const std::vector<int> ranks = {3, 5, 9};
+  ShmGroupOptions options = Options("timeout", 4096, 4096, 3);
+  std::atomic<int> finished{0};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 2) {  // keeps its group (alive, attached) until the others gave up
+      while (finished < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    for (size_t count : {size_t(10), size_t(5000)}) {  // the small path, then (broken) the large
+      std::vector<float> data(count, 1.0f);
+      const auto start = Clock::now();
+      const auto timeout = std::chrono::milliseconds(400);
+      try {
+        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                 ReduceOp::kSum, 0, count),
+                           start + timeout, data.data(), data.data(), count, DataType::kFloat32,
+                           ReduceOp::kSum);
+        ADD_FAILURE() << "member " << me << ": an all-reduce without member 2 succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+        EXPECT_NE(e.message().find("from rank 9"), std::string::npos) << e.what();
+      }
+      const auto elapsed = Clock::now() - start;
+      if (count == 10) {
+        // The other member may raise at once once the first one broke the group, but no one
+        // raises before the deadline.
+        EXPECT_GE(elapsed, timeout - std::chrono::milliseconds(50)) << "member " << me;
+      }
+      EXPECT_LT(elapsed, timeout + std::chrono::seconds(1)) << "member " << me;
+    }
+    ++finished;
+  });
+}
+
+// Member 2's group is destroyed (its communicator went away) while the others wait for it: they
+// raise kPeerLost within about a second, naming its rank.
+TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
+  const std::vector<int> ranks = {3, 5, 9};
+  ShmGroupOptions options = Options("peer_lost", 4096, 4096, 3);
+  std::atomic<bool> destroying{false};
+  std::atomic<int64_t> destroying_at{0};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 2) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      destroying_at = Clock::now().time_since_epoch().count();
+      destroying = true;
+      m.group.reset();
+      return;
+    }
+    std::vector<float> data(3000, 1.0f);
+    try {
+      m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                               ReduceOp::kSum, 0, data.size()),
+                         Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
+                         data.size(), DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "member " << me << ": an all-reduce without member 2 succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+      EXPECT_NE(e.message().find("lost rank 9"), std::string::npos) << e.what();
+    }
+    ASSERT_TRUE(destroying) << "member " << me << " raised before member 2 left";
+    const auto since = Clock::now() - Clock::time_point(Clock::duration(destroying_at.load()));
+    EXPECT_LT(since, std::chrono::milliseconds(1200)) << "member " << me;
+    for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+  });
+}
+
+// Member 2 is another process that attaches and then exits without leaving the group (its
+// keeper thread dies with it, holding the liveness mutex): the others, waiting for it, raise
+// kPeerLost naming it within about a second. The members rendezvous through a file store.
+TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
+  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::vector<int> ranks = {0, 1, 2};
+  ShmGroupOptions options = Options("process_died", 4096, 4096, 3);
+  options.timeout = std::chrono::seconds(10);
+  // Forked before this test starts any thread, so the child may start its own.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int rc = 0;
+    try {
+      auto store = CreateFileStore(dir);
+      auto group = ShmGroup::Create(2, ranks, *store, options);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      _exit(0);  // the group is never destroyed: the process just ends
+    } catch (...) {
+      rc = 3;
+    }
+    _exit(rc);
+  }
+  auto store = CreateFileStore(dir);
+  std::vector<std::thread> threads;
+  for (int me = 0; me < 2; ++me) {
+    threads.emplace_back([&, me] {
+      Member m;
+      try {
+        m.group = ShmGroup::Create(ranks[size_t(me)], ranks, *store, options);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "member " << me << ": " << e.what();
+        return;
+      }
+      const auto start = Clock::now();
+      std::vector<float> data(3000, 1.0f);
+      try {
+        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                 ReduceOp::kSum, 0, data.size()),
+                           Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
+                           data.size(), DataType::kFloat32, ReduceOp::kSum);
+        ADD_FAILURE() << "member " << me << ": an all-reduce with a dead member succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+        EXPECT_NE(e.message().find("lost rank 2"), std::string::npos) << e.what();
+        EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
+      }
+      // The child exits about 300 ms after everyone attached.
+      EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(1500)) << "member " << me;
+      for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  std::filesystem::remove_all(dir);
+}
+
+// A long random sequence of every kind of call (the same on every member: one seed), with
+// counts on both sides of the small path and of the slot, so that steps of different shapes
+// (broadcasts whose non-roots do not wait for the slots' release, barriers, one- and two-sync
+// all-reduces) follow each other through the two buffers: every result exact.
+TEST(ShmGroupTest, RandomSequenceOfMixedCallsIsExact) {
+  for (int n : {2, 3, 5, 8}) {
+    for (bool spin : {false, true}) {
+      SCOPED_TRACE(std::to_string(n) + " members, spin " + (spin ? "on" : "off"));
+      ShmGroupOptions options = Options("random", 4096, 2048, n);
+      options.spin = std::chrono::microseconds(spin ? 50 : 0);
+      std::vector<size_t> wrong(size_t(n), 0);
+      std::vector<std::string> first(static_cast<size_t>(n));
+      std::vector<std::vector<uint64_t>> hashes(static_cast<size_t>(n));
+      RunMembers(Ranks(n), options, [&](Member& m, int me) {
+        std::mt19937 random(777 + unsigned(n));  // the same sequence on every member
+        const std::vector<std::string> kinds = {"all_reduce", "broadcast", "all_gather",
+                                                "reduce_scatter", "barrier"};
+        for (int call = 0; call < 300; ++call) {
+          const std::string& c = kinds[random() % kinds.size()];
+          const DataType d = DataType(random() % kNumDataTypes);
+          const ReduceOp o = c == "all_reduce" || c == "reduce_scatter"
+                                 ? ReduceOp(random() % kNumReduceOps)
+                                 : ReduceOp::kSum;
+          const size_t count = random() % 4 == 0 ? random() % 3000 : random() % 300;
+          const bool in_place = random() % 2 == 0;
+          const int root = int(random() % unsigned(n));
+          Outcome out = RunAndCheck(m, me, n, c, d, o, count, in_place, root);
+          wrong[size_t(me)] += out.wrong;
+          if (out.wrong > 0 && first[size_t(me)].empty()) first[size_t(me)] = out.first;
+          hashes[size_t(me)].push_back(out.hash);
+        }
+      });
+      for (int i = 0; i < n; ++i) EXPECT_EQ(wrong[size_t(i)], 0u) << first[size_t(i)];
+      for (int i = 1; i < n; ++i) EXPECT_EQ(hashes[size_t(i)], hashes[0]) << "member " << i;
+    }
+  }
+}
+
+// ---- The segment: its name, its mode, set-up that fails. ----
+
+// Once Create returned everywhere, the name in the store is gone from /dev/shm; the group
+// still works through the mappings.
+TEST(ShmGroupSegmentTest, NameIsUnlinkedOnceEveryMemberAttached) {
+  for (int n : {1, 2, 4}) {
+    const std::vector<int> ranks = Ranks(n, 7, 3);
+    ShmGroupOptions options = Options("unlinked", 4096, 4096, n);
+    auto store = CreateMemoryStore();
+    std::atomic<int> created{0};
+    RunMembers(
+        ranks, options,
+        [&](Member& m, int me) {
+          ++created;
+          // Past a barrier every member has returned from Create, the last to attach included.
+          m.group->Barrier(m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8,
+                                 ReduceOp::kSum, 0, 0),
+                           Clock::now() + std::chrono::seconds(10));
+          if (me == 0) {
+            const std::string name =
+                store->Get(options.key_prefix + "/shm/" + std::to_string(ranks[0]),
+                           std::chrono::seconds(1));
+            EXPECT_EQ(name.rfind("/collectives-", 0), 0u) << name;
+            EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " is still there";
+          }
+          Outcome o = RunAndCheck(m, me, n, "all_reduce", DataType::kInt32, ReduceOp::kSum,
+                                  3001, false);
+          EXPECT_EQ(o.wrong, 0u) << o.first;
+        },
+        store);
+    EXPECT_EQ(created, n);
+  }
+}
+
+// A segment another user could read, published under the group's key, is refused by a member
+// that attaches (kUnauthenticated), even when it is otherwise a faithful copy of the group's
+// real segment (so the mode is the only fault); so are a copy without the group's layout and
+// one of the wrong size. The same copy with mode 0600 is accepted: the control.
+TEST(ShmGroupSegmentTest, ForeignSegmentOpenToOthersOrNotOursIsRefused) {
+  ShmGroupOptions options = Options("foreign", 4096, 4096, 2);
+  options.timeout = std::chrono::seconds(10);
+  auto store = CreateMemoryStore();
+  // Member 0 creates the real segment and waits for member 1, which attaches at the end.
+  std::unique_ptr<ShmGroup> first;
+  std::thread creator([&] {
+    try {
+      first = ShmGroup::Create(0, {0, 1}, *store, options);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "member 0: " << e.what();
+    }
+  });
+  const std::string real = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(5));
+  std::vector<uint8_t> image;
+  {
+    const int fd = shm_open(real.c_str(), O_RDONLY, 0);
+    ASSERT_GE(fd, 0) << "shm_open " << real << ": " << std::strerror(errno);
+    struct stat st {};
+    ASSERT_EQ(fstat(fd, &st), 0);
+    image.resize(size_t(st.st_size));
+    void* map = mmap(nullptr, image.size(), PROT_READ, MAP_SHARED, fd, 0);
+    ASSERT_NE(map, MAP_FAILED);
+    // Member 0 publishes the name before it counts itself attached: wait for its count (the
+    // header's `attached`, after magic, version, members and slot_bytes) so that the copy holds
+    // it and a member attaching to the copy completes the pair.
+    const auto* attached = reinterpret_cast<const std::atomic<uint32_t>*>(
+        static_cast<const uint8_t*>(map) + 24);
+    for (int i = 0; i < 5000 && attached->load() != 1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_EQ(attached->load(), 1u) << "the header layout changed: update this test";
+    std::memcpy(image.data(), map, image.size());
+    munmap(map, image.size());
+    close(fd);
+  }
+
+  struct Case {
+    const char* what;
+    mode_t mode;
+    bool accepted;
+    bool scramble_header;
+    size_t bytes;  // 0: the real size
+  };
+  const Case cases[] = {
+      {"mode 0644", 0644, false, false, 0},
+      {"mode 0604", 0604, false, false, 0},
+      {"mode 0640", 0640, false, false, 0},
+      {"another layout", 0600, false, true, 0},
+      {"the wrong size", 0600, false, false, image.size() + 4096},
+      {"a faithful copy, mode 0600", 0600, true, false, 0},
+  };
+  int k = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    ShmGroupOptions fake_options = options;
+    fake_options.key_prefix += "/fake" + std::to_string(k);
+    const std::string name = "/collectives-test-foreign-" + std::to_string(getpid()) + "-" +
+                             std::to_string(k++);
+    shm_unlink(name.c_str());
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, c.mode);
+    ASSERT_GE(fd, 0) << "shm_open " << name << ": " << std::strerror(errno);
+    ASSERT_EQ(fchmod(fd, c.mode), 0);  // whatever the umask
+    std::vector<uint8_t> bytes = image;
+    if (c.scramble_header) bytes[0] ^= 0xFF;  // the magic number
+    bytes.resize(c.bytes != 0 ? c.bytes : image.size(), 0);
+    ASSERT_EQ(write(fd, bytes.data(), bytes.size()), ssize_t(bytes.size()));
+    close(fd);
+    store->Set(fake_options.key_prefix + "/shm/0", name);
+    try {
+      auto group = ShmGroup::Create(1, {0, 1}, *store, fake_options);
+      EXPECT_TRUE(c.accepted) << "a segment with " << c.what << " was accepted";
+      EXPECT_FALSE(ShmNameExists(name)) << "the last member to attach unlinks the name";
+    } catch (const Error& e) {
+      EXPECT_FALSE(c.accepted) << e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+      EXPECT_NE(e.message().find(name), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("rank 1"), std::string::npos) << e.what();
+      EXPECT_EQ(shm_unlink(name.c_str()), 0) << name;
+    }
+  }
+  // The real member 1 completes the real group.
+  auto second = ShmGroup::Create(1, {0, 1}, *store, options);
+  creator.join();
+  EXPECT_TRUE(first && second);
+  EXPECT_FALSE(ShmNameExists(real));
+}
+
+// The first member creates its segment with mode 0600 whatever the umask; checked on a group
+// whose second member has not attached yet (the name still exists then).
+TEST(ShmGroupSegmentTest, SegmentIsCreatedWithMode0600) {
+  const mode_t old_umask = umask(0);  // the most permissive umask: the library must not rely on it
+  ShmGroupOptions options = Options("mode", 4096, 4096, 2);
+  auto store = CreateMemoryStore();
+  std::unique_ptr<ShmGroup> first;
+  std::thread creator([&] { first = ShmGroup::Create(0, {0, 1}, *store, options); });
+  const std::string name =
+      store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(5));
+  struct stat st {};
+  ASSERT_EQ(::stat(DevShmPath(name).c_str(), &st), 0) << DevShmPath(name);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << std::oct << (st.st_mode & 0777);
+  EXPECT_EQ(st.st_uid, geteuid());
+  umask(old_umask);
+  auto second = ShmGroup::Create(1, {0, 1}, *store, options);
+  creator.join();
+  ASSERT_TRUE(first && second);
+  EXPECT_FALSE(ShmNameExists(name));
+}
+
+// Members {0, 1}, only member 0 calls Create: kTimeout naming member 1 after the set-up timeout,
+// and the segment's name is removed.
+TEST(ShmGroupSegmentTest, SetUpTimeoutRemovesTheSegment) {
+  ShmGroupOptions options = Options("setup_timeout", 4096, 4096, 2);
+  options.timeout = std::chrono::milliseconds(300);
+  auto store = CreateMemoryStore();
+  const auto start = Clock::now();
+  try {
+    auto group = ShmGroup::Create(0, {0, 1}, *store, options);
+    ADD_FAILURE() << "a group of two was built by one member";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("ranks 1 did not attach"), std::string::npos) << e.what();
+  }
+  const auto elapsed = Clock::now() - start;
+  EXPECT_GE(elapsed, options.timeout);
+  EXPECT_LT(elapsed, options.timeout + std::chrono::seconds(1));
+  const std::string name = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(1));
+  EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
+}
+
+// Members {0, 1}, only member 1 calls Create: the name never appears in the store; kTimeout.
+TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
+  ShmGroupOptions options = Options("attach_timeout", 4096, 4096, 2);
+  options.timeout = std::chrono::milliseconds(300);
+  auto store = CreateMemoryStore();
+  const auto start = Clock::now();
+  try {
+    auto group = ShmGroup::Create(1, {0, 1}, *store, options);
+    ADD_FAILURE() << "a group of two was built by one member";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+  }
+  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(1));
+}
+
+// Members must be ascending and include the caller.
+TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
+  ShmGroupOptions options = Options("bad_members", 4096, 4096, 2);
+  auto store = CreateMemoryStore();
+  for (const auto& [rank, members] :
+       std::vector<std::pair<int, std::vector<int>>>{{2, {0, 1}}, {1, {1, 0}}}) {
+    try {
+      auto group = ShmGroup::Create(rank, members, *store, options);
+      ADD_FAILURE() << "rank " << rank << " built a group it is not properly part of";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInternal) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace collectives
