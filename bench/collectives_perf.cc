@@ -136,6 +136,8 @@ struct Config {
   std::string impl = "ring";
   std::string algorithm;  // CommunicationOptions::algorithm
   int pretend_hosts = 0;  // with --local: cut the ranks into this many pretend hosts
+  // Other configurations timed in the same run, round for round: "impl" or "impl:algorithm".
+  std::vector<std::string> versus;
   int root = 0;
   bool in_place = false;
   size_t chunk_bytes = 0;
@@ -604,8 +606,15 @@ std::optional<double> TimeMpiBaseline(Collective collective, DataType dtype, Red
 // Bootstrap: build this rank's communicator.
 // ---------------------------------------------------------------------------------------------
 
+// A configuration timed beside ours (--versus): its name and its communicator.
+struct Versus {
+  std::string name;
+  std::unique_ptr<CollectiveCommunication> comm;
+};
+
 struct Session {
   std::unique_ptr<CollectiveCommunication> comm;
+  std::vector<Versus> versus;
   std::string launcher;  // how the ranks were started, for the header
   bool mpi = false;      // MPI is initialised and the MPI baseline is available
 };
@@ -622,11 +631,24 @@ CommunicationOptions MakeOptions(const Config& config) {
   return options;
 }
 
+// The --versus communicators, built on the same job after the main one (same order everywhere).
+void ConnectVersus(const Config& config, const Job& job, Session& session) {
+  for (const std::string& item : config.versus) {
+    const size_t colon = item.find(':');
+    CommunicationOptions options = MakeOptions(config);
+    options.implementation = ParseImplementation(item.substr(0, colon));
+    options.algorithm = colon == std::string::npos ? "" : item.substr(colon + 1);
+    session.versus.push_back(Versus{item, job.Connect(options)});
+  }
+}
+
 // A rank started by the --local launcher.
 Session BootstrapLocalChild(const Config& config) {
   Session session;
   session.launcher = "--local " + std::to_string(config.local) + " (processes on one host)";
-  session.comm = ConnectLocalRank("collectives_perf", config.local, MakeOptions(config));
+  const Job job = JoinLocalJob("collectives_perf", config.local, MakeOptions(config));
+  session.comm = job.Connect(MakeOptions(config));
+  ConnectVersus(config, job, session);
   return session;
 }
 
@@ -635,7 +657,9 @@ Session BootstrapLocalChild(const Config& config) {
 Session BootstrapMpi(const Config& config) {
   Session session;
   session.mpi = true;
-  session.comm = ConnectMpiRank("collectives_perf", MakeOptions(config), &session.launcher);
+  const Job job = JoinMpiJob("collectives_perf", MakeOptions(config), &session.launcher);
+  session.comm = job.Connect(MakeOptions(config));
+  ConnectVersus(config, job, session);
   return session;
 }
 #endif  // COLLECTIVES_WITH_MPI
@@ -658,7 +682,12 @@ Session BootstrapFromEnvironment(const Config& config) {
   } else {
     session.launcher = "single process";
   }
-  session.comm = CreateCommunication(ClusterSpec::FromEnvironment(), MakeOptions(config));
+  Job job;
+  job.spec = ClusterSpec::FromEnvironment();
+  job.job_token = ResolveJobToken(MakeOptions(config));
+  job.store = CreateStoreFor(job.spec, config.timeout(), job.job_token);
+  session.comm = job.Connect(MakeOptions(config));
+  ConnectVersus(config, job, session);
   return session;
 }
 
@@ -678,6 +707,7 @@ struct Row {
   double algbw = 0;  // GB/s
   double busbw = 0;  // GB/s
   std::optional<int64_t> wrong;
+  std::vector<double> versus_time_us;  // one per --versus configuration
   bool has_baseline = false;  // a baseline was asked for (columns are printed)
   std::optional<double> baseline_time_us;
   double baseline_busbw = 0;
@@ -779,22 +809,23 @@ class Sweep {
         }
         break;
     }
-    auto run_once = [&] {
+    auto run_on = [&](CollectiveCommunication& comm) {
       switch (collective) {
         case Collective::kAllReduce:
-          comm_.AllReduce(send, recv, op);
+          comm.AllReduce(send, recv, op);
           break;
         case Collective::kBroadcast:
-          comm_.Broadcast(send, recv, config_.root);
+          comm.Broadcast(send, recv, config_.root);
           break;
         case Collective::kAllGather:
-          comm_.AllGather(send, recv);
+          comm.AllGather(send, recv);
           break;
         case Collective::kReduceScatter:
-          comm_.ReduceScatter(send, recv, op);
+          comm.ReduceScatter(send, recv, op);
           break;
       }
     };
+    auto run_once = [&] { run_on(comm_); };
 
     // The timed calls see the check data too: defined values of this dtype (no denormals or
     // NaNs left over from a previous dtype).
@@ -815,18 +846,24 @@ class Sweep {
     // `repeat` rounds of `iters` timed calls; with a baseline, ours and MPI's rounds alternate
     // so that both see the same machine. Each round's time is the slowest rank's (the same
     // value on every rank); the row reports the median round.
-    auto time_ours = [&] {
-      comm_.Barrier();
+    auto time_on = [&](CollectiveCommunication& comm, int warmup) {
+      for (int i = 0; i < warmup; ++i) run_on(comm);
+      comm.Barrier();
       const Clock::time_point start = Clock::now();
-      for (int i = 0; i < config_.iters; ++i) run_once();
+      for (int i = 0; i < config_.iters; ++i) run_on(comm);
       double seconds = std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
-      comm_.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
+      comm.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
       return seconds;
     };
     std::vector<double> ours;
     std::vector<double> theirs;
+    std::vector<std::vector<double>> versus(session_.versus.size());
     for (int round = 0; round < config_.repeat; ++round) {
-      ours.push_back(time_ours());
+      ours.push_back(time_on(comm_, 0));
+      for (size_t v = 0; v < versus.size(); ++v) {
+        versus[v].push_back(
+            time_on(*session_.versus[v].comm, round == 0 ? config_.warmup_iters : 0));
+      }
 #ifdef COLLECTIVES_WITH_MPI
       if (row.has_baseline) {
         const std::optional<double> mpi_seconds = TimeMpiBaseline(
@@ -840,6 +877,7 @@ class Sweep {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
+    for (const std::vector<double>& rounds : versus) row.versus_time_us.push_back(median(rounds) * 1e6);
     const double seconds = median(ours);
     row.time_us = seconds * 1e6;
     row.algbw = static_cast<double>(row.bytes) / seconds / 1e9;
@@ -922,6 +960,11 @@ class Sweep {
     std::printf("# iterations %d x %d rounds (median)  warm-up %d  check %s  buffers %s\n",
                 config_.iters, config_.repeat, config_.warmup_iters, config_.check ? "on" : "off",
                 config_.in_place ? "in-place" : "out-of-place");
+    for (const Versus& v : session_.versus) {
+      std::printf("# versus %s: timed round for round with ours on the same buffers; "
+                  "ratio = our time / its time\n",
+                  v.name.c_str());
+    }
     if (config_.baseline == "mpi") {
       std::printf(
           "# baseline: the matching MPI collective on the same buffers, same iterations "
@@ -943,6 +986,9 @@ class Sweep {
     if (config_.baseline == "mpi") {
       line1 += "   mpi time  mpi busbw  ours/mpi";
       line2 += "                (us)     (GB/s)    (time)";
+    }
+    for (const Versus& v : session_.versus) {
+      line1 += Format(" %14s %6s", (v.name + " us").c_str(), "ratio");
     }
     line1 += "  algorithm";
     std::printf("#\n# %s\n%s\n%s\n", ToString(collective), line1.c_str(), line2.c_str());
@@ -973,6 +1019,7 @@ class Sweep {
         line += Format(" %10s %10s %9s", "n/a", "n/a", "n/a");
       }
     }
+    for (double t : row.versus_time_us) line += Format(" %14.2f %6.2f", t, row.time_us / t);
     line += "  " + AlgorithmOf(row);
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
@@ -988,6 +1035,9 @@ class Sweep {
     *csv_ << "collective,world_size,size_bytes,count,dtype,op,root,time_us,algbw_gbps,"
              "busbw_gbps,wrong";
     if (config_.baseline == "mpi") *csv_ << ",mpi_time_us,mpi_busbw_gbps,time_ratio_ours_over_mpi";
+    for (const Versus& v : session_.versus) {
+      *csv_ << ',' << v.name << "_time_us,time_ratio_ours_over_" << v.name;
+    }
     *csv_ << ",algorithm\n";
   }
 
@@ -1010,6 +1060,13 @@ class Sweep {
                         row.time_us / *row.baseline_time_us);
       } else {
         *csv_ << ",,,";
+      }
+    }
+    for (size_t v = 0; v < session_.versus.size(); ++v) {
+      if (v < row.versus_time_us.size()) {
+        *csv_ << Format(",%.3f,%.4f", row.versus_time_us[v], row.time_us / row.versus_time_us[v]);
+      } else {
+        *csv_ << ",,";
       }
     }
     *csv_ << ',' << AlgorithmOf(row) << '\n';
@@ -1097,6 +1154,11 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));
+  app.add_option("--versus", config.versus,
+                 "Also time these configurations round for round with ours, in the same run: "
+                 "IMPL or IMPL:ALGORITHM, comma-separated (ring, auto:shm, auto:two_level, "
+                 "ring:recursive_doubling, ...)")
+      ->delimiter(',');
   app.add_option("--pretend-hosts", config.pretend_hosts,
                  "With --local: cut the ranks into this many pretend hosts of consecutive ranks "
                  "(COLLECTIVES_HOST_ID), so that AUTO plans in two levels over loopback TCP")
@@ -1189,6 +1251,7 @@ int Main(int argc, char** argv) {
       Sweep sweep(config, session, csv.get());
       rc = sweep.Run();
     }
+    session.versus.clear();
     session.comm.reset();
     finalize();
     return rc;

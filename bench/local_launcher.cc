@@ -248,40 +248,41 @@ int RunLocalLauncher(const char* program, int world_size, char** argv,
   return result;
 }
 
-std::unique_ptr<CollectiveCommunication> ConnectLocalRank(const std::string& job_prefix,
-                                                          int world_size,
-                                                          const CommunicationOptions& options) {
+Job JoinLocalJob(const std::string& job_prefix, int world_size,
+                 const CommunicationOptions& options) {
+  Job job;
+  job.job_token = ResolveJobToken(options);
   if (RankFromEnvironment() != 0) {
-    ClusterSpec spec = ClusterSpec::FromEnvironment();  // RANK, WORLD_SIZE, MASTER_*
-    spec.job_id = job_prefix + "-" + std::to_string(spec.master_port);
-    return CreateCommunication(spec, options);
+    job.spec = ClusterSpec::FromEnvironment();  // RANK, WORLD_SIZE, MASTER_*
+    job.spec.job_id = job_prefix + "-" + std::to_string(job.spec.master_port);
+    job.spec.Validate();
+    job.store = CreateStoreFor(job.spec, options.timeout, job.job_token);
+    return job;
   }
   const char* fd_text = std::getenv(kPortFdEnv);
   if (fd_text == nullptr) throw std::runtime_error(std::string(kPortFdEnv) + " is not set");
   const int fd = std::atoi(fd_text);
-  std::shared_ptr<Store> store =
-      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout, ResolveJobToken(options));
-  const uint16_t port = TcpStorePort(*store);
+  job.store =
+      CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, options.timeout, job.job_token);
+  const uint16_t port = TcpStorePort(*job.store);
   const std::string line = std::to_string(port) + "\n";
   if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
     throw std::runtime_error("cannot report the store's port to the launcher: " +
                              std::string(std::strerror(errno)));
   }
   close(fd);
-  ClusterSpec spec;
-  spec.rank = 0;
-  spec.world_size = world_size;
-  spec.master_addr = "127.0.0.1";
-  spec.master_port = port;
-  spec.job_id = job_prefix + "-" + std::to_string(port);
-  spec.Validate();
-  return CreateCommunication(spec, store, options);
+  job.spec.rank = 0;
+  job.spec.world_size = world_size;
+  job.spec.master_addr = "127.0.0.1";
+  job.spec.master_port = port;
+  job.spec.job_id = job_prefix + "-" + std::to_string(port);
+  job.spec.Validate();
+  return job;
 }
 
 #ifdef COLLECTIVES_WITH_MPI
-std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_prefix,
-                                                        const CommunicationOptions& given,
-                                                        std::string* launcher) {
+Job JoinMpiJob(const std::string& job_prefix, const CommunicationOptions& given,
+               std::string* launcher) {
   int rank = 0;
   int world_size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -347,18 +348,20 @@ std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_p
     store = CreateTcpStore(address, static_cast<uint16_t>(port), /*is_server=*/false,
                            options.timeout, options.job_token);
   }
-  ClusterSpec spec;
-  spec.rank = rank;
-  spec.world_size = world_size;
-  spec.master_addr = address;
-  spec.master_port = static_cast<uint16_t>(port);
-  spec.job_id = job_prefix + "-" + std::to_string(port);
-  spec.Validate();
+  Job job;
+  job.spec.rank = rank;
+  job.spec.world_size = world_size;
+  job.spec.master_addr = address;
+  job.spec.master_port = static_cast<uint16_t>(port);
+  job.spec.job_id = job_prefix + "-" + std::to_string(port);
+  job.spec.Validate();
+  job.store = std::move(store);
+  job.job_token = options.job_token;
 
   if (launcher != nullptr) {
     *launcher = "mpirun (MPI bootstrap, store at " + address + ":" + std::to_string(port) + ")";
   }
-  return CreateCommunication(spec, store, options);
+  return job;
 }
 #endif  // COLLECTIVES_WITH_MPI
 

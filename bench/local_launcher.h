@@ -49,19 +49,41 @@ int RankFromEnvironment();
 int RunLocalLauncher(const char* program, int world_size, char** argv,
                      std::chrono::milliseconds timeout);
 
+// This rank's place in a job and the job's store: enough to build communicators, the first and
+// any later ones (each in its own key space of the store, e.g. with other options, to time them
+// against the first in the same run).
+struct Job {
+  ClusterSpec spec;
+  std::shared_ptr<Store> store;
+  std::string job_token;  // the token the store was built with
+
+  // A communicator of this job with `options` (its job_token replaced by the job's). Every
+  // rank must connect the same communicators in the same order.
+  std::unique_ptr<CollectiveCommunication> Connect(CommunicationOptions options) const {
+    options.job_token = job_token;
+    return CreateCommunication(spec, store, options);
+  }
+};
+
 // In a rank started by RunLocalLauncher: rank 0 hosts the store and reports its port, the others
-// read MASTER_PORT; all connect with `options`. The job id is `job_prefix`-port.
-std::unique_ptr<CollectiveCommunication> ConnectLocalRank(const std::string& job_prefix,
-                                                          int world_size,
-                                                          const CommunicationOptions& options);
+// read MASTER_PORT. The job id is `job_prefix`-port; the store uses `options`' timeout and token.
+Job JoinLocalJob(const std::string& job_prefix, int world_size,
+                 const CommunicationOptions& options);
+inline std::unique_ptr<CollectiveCommunication> ConnectLocalRank(
+    const std::string& job_prefix, int world_size, const CommunicationOptions& options) {
+  return JoinLocalJob(job_prefix, world_size, options).Connect(options);
+}
 
 #ifdef COLLECTIVES_WITH_MPI
 // Under an MPI launcher, MPI initialised: rank 0 hosts the store on a port the kernel picks and
 // broadcasts it. The store's address is MASTER_ADDR if set, else 127.0.0.1 when every rank
 // shares this host, else rank 0's host name. `launcher` gets a description for the header.
-std::unique_ptr<CollectiveCommunication> ConnectMpiRank(const std::string& job_prefix,
-                                                        const CommunicationOptions& options,
-                                                        std::string* launcher);
+Job JoinMpiJob(const std::string& job_prefix, const CommunicationOptions& options,
+               std::string* launcher);
+inline std::unique_ptr<CollectiveCommunication> ConnectMpiRank(
+    const std::string& job_prefix, const CommunicationOptions& options, std::string* launcher) {
+  return JoinMpiJob(job_prefix, options, launcher).Connect(options);
+}
 #endif
 
 }  // namespace collectives::perf
