@@ -47,7 +47,7 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   auto fabric = transport::ConnectTcpFabric(rank, size, *store, tcp);
   std::unique_ptr<ring::Planner> planner;
   if (options.implementation == Implementation::kAuto) {
-    planner = hierarchical::CreatePlanner(rank, size, *fabric, *store, rendezvous.job_id,
+    planner = hierarchical::CreatePlanner(rank, size, *store, rendezvous.job_id,
                                           rendezvous.key_prefix, options);
   }
   ring::SplitBuilder split = [store, rendezvous, options](int new_rank, int new_size,
@@ -56,8 +56,11 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
     sub.key_prefix += key_suffix;
     return Connect(new_rank, new_size, store, sub, options);
   };
-  return ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
-                                       std::move(planner), std::move(split));
+  ring::Planner* const planner_view = planner.get();
+  auto comm = ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
+                                            std::move(planner), std::move(split));
+  if (planner_view != nullptr) hierarchical::Calibrate(*planner_view, *comm);
+  return comm;
 }
 
 }  // namespace

@@ -41,98 +41,29 @@ class SubFabric final : public transport::Fabric {
 
 enum class Plan { kRing, kShm, kTwoLevel };
 
+// Seconds of one all-reduce of n bytes in one plan: latency + n / bandwidth.
+struct PlanCost {
+  double latency = 0;
+  double seconds_per_byte = 0;
+  double Seconds(size_t bytes) const { return latency + double(bytes) * seconds_per_byte; }
+};
+
 int CeilLog2(int p) {
   int steps = 0;
   while ((1 << steps) < p) ++steps;
   return steps;
 }
 
-// Measures this rank's LinkCosts: round trips of 8 B and 1 MiB with the rank of the same local
-// index on the neighbouring host (hosts paired 0-1, 2-3, ...; the last of an odd number of
-// hosts measures no link and leaves it to the others), barriers and one copy in shared memory. Frames carry a tag no collective uses (sequence numbers count up from 0).
-LinkCosts MeasureOwnCosts(int rank, transport::Fabric& fabric, ShmGroup& group,
-                          const Topology& topology, std::chrono::milliseconds timeout) {
-  using Clock = std::chrono::steady_clock;
-  LinkCosts costs;
-  const auto deadline = Clock::now() + timeout;
-  fabric.SetDeadline(deadline);
-  const int host = topology.host_of[size_t(rank)];
-  const int partner_host = host % 2 == 0 ? host + 1 : host - 1;
-  const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
-  if (partner_host < int(topology.hosts.size())) {
-    const int partner =
-        topology.hosts[size_t(partner_host)][size_t(topology.local_index[size_t(rank)])];
-    transport::Connection& link = fabric.connection(partner);
-    std::vector<uint8_t> buffer(1 << 20);
-    const auto one_way = [&](size_t bytes, int rounds) {
-      const core::CallTag tag{UINT64_MAX - 1, core::CallDescriptor{core::CollectiveKind::kBarrier,
-                                                                   DataType::kUInt8,
-                                                                   ReduceOp::kSum, 0, bytes}};
-      const auto start = Clock::now();
-      for (int i = 0; i < rounds; ++i) {
-        if (host < partner_host) {
-          link.WaitSend(link.PostSend(tag, buffer.data(), bytes));
-          link.WaitRecv(link.PostRecv(tag, buffer.data(), bytes));
-        } else {
-          link.WaitRecv(link.PostRecv(tag, buffer.data(), bytes));
-          link.WaitSend(link.PostSend(tag, buffer.data(), bytes));
-        }
-      }
-      return seconds(Clock::now() - start) / (2.0 * rounds);
-    };
-    one_way(8, 5);  // warm-up
-    costs.net_latency = one_way(8, 20);
-    const double big = one_way(buffer.size(), 4);
-    costs.net_bandwidth = double(buffer.size()) / std::max(big - costs.net_latency, 1e-9);
-  }
-  const core::CallTag barrier{UINT64_MAX - 2, core::CallDescriptor{
-                                                  core::CollectiveKind::kBarrier,
-                                                  DataType::kUInt8, ReduceOp::kSum, 0, 0}};
-  for (int i = 0; i < 5; ++i) group.Barrier(barrier, deadline);
-  auto start = Clock::now();
-  for (int i = 0; i < 20; ++i) group.Barrier(barrier, deadline);
-  costs.shm_latency = seconds(Clock::now() - start) / 20.0;
-  std::vector<uint8_t> from(4 << 20, 1), to(4 << 20);
-  std::memcpy(to.data(), from.data(), from.size());
-  start = Clock::now();
-  std::memcpy(to.data(), from.data(), from.size());
-  costs.shm_bandwidth = double(from.size()) / std::max(seconds(Clock::now() - start), 1e-9);
-  return costs;
-}
-
-// Every rank's figures through the store; the slowest of each, so that every rank decides alike.
-LinkCosts AgreeOnCosts(int rank, int size, Store& store, const std::string& key_prefix,
-                       const LinkCosts& own, std::chrono::milliseconds timeout) {
-  std::ostringstream out;
-  out.precision(17);
-  out << own.net_latency << ' ' << own.net_bandwidth << ' ' << own.shm_latency << ' '
-      << own.shm_bandwidth;
-  store.Set(key_prefix + "/costs/" + std::to_string(rank), out.str());
-  LinkCosts agreed{0, 1e300, 0, 1e300};
-  for (int r = 0; r < size; ++r) {
-    std::istringstream in(store.Get(key_prefix + "/costs/" + std::to_string(r), timeout));
-    LinkCosts c;
-    in >> c.net_latency >> c.net_bandwidth >> c.shm_latency >> c.shm_bandwidth;
-    agreed.net_latency = std::max(agreed.net_latency, c.net_latency);
-    if (c.net_latency > 0) agreed.net_bandwidth = std::min(agreed.net_bandwidth, c.net_bandwidth);
-    agreed.shm_latency = std::max(agreed.shm_latency, c.shm_latency);
-    agreed.shm_bandwidth = std::min(agreed.shm_bandwidth, c.shm_bandwidth);
-  }
-  return agreed;
-}
-
 class HierarchicalPlanner final : public ring::Planner {
  public:
   HierarchicalPlanner(int rank, int size, Topology topology, std::unique_ptr<ShmGroup> group,
-                      Plan plan, bool forced, const LinkCosts& costs,
-                      const CommunicationOptions& options)
+                      Plan plan, bool forced, const CommunicationOptions& options)
       : rank_(rank),
         size_(size),
         topology_(std::move(topology)),
         group_(std::move(group)),
         plan_(plan),
         forced_(forced),
-        costs_(costs),
         small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
                                                          : ring::kDefaultSmallMessageBytes),
         medium_message_bytes_(options.medium_message_bytes ? options.medium_message_bytes
@@ -255,15 +186,24 @@ class HierarchicalPlanner final : public ring::Planner {
   }
 
  private:
-  // Whether the two-level plan beats the flat ring at this size by the measured costs (always
-  // when forced).
+  friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm);
+
+  // Whether an all-reduce of `bytes` runs in two levels: always when forced or being measured
+  // so, never while the flat ring is measured, else when the model says it is cheaper.
   bool TwoLevelPays(size_t bytes) const {
     if (forced_) return true;
-    return TwoLevelAllReduceCost(costs_, topology_, bytes, group_->slot_bytes(),
-                                 group_->small_bytes()) <=
-           FlatAllReduceCost(costs_, topology_, bytes, small_message_bytes_,
-                             medium_message_bytes_);
+    switch (measuring_) {
+      case Measuring::kTwoLevel: return true;
+      case Measuring::kFlat: return false;
+      case Measuring::kNothing: break;
+    }
+    return two_level_.Seconds(bytes) <= flat_.Seconds(bytes);
   }
+
+  enum class Measuring { kNothing, kTwoLevel, kFlat };
+  Measuring measuring_ = Measuring::kFlat;  // until calibrated: the flat ring
+  PlanCost two_level_;
+  PlanCost flat_;
 
   const int rank_;
   const int size_;
@@ -271,7 +211,6 @@ class HierarchicalPlanner final : public ring::Planner {
   const std::unique_ptr<ShmGroup> group_;  // null without shared memory
   const Plan plan_;
   const bool forced_;  // options.algorithm named the plan
-  const LinkCosts costs_;
   const size_t small_message_bytes_;
   const size_t medium_message_bytes_;
   std::vector<int> cross_ranks_;
@@ -303,58 +242,21 @@ bool Topology::Uniform() const {
   return true;
 }
 
-double FlatAllReduceCost(const LinkCosts& c, const Topology& topology, size_t bytes,
-                         size_t small_message_bytes, size_t medium_message_bytes) {
-  const int p = int(topology.host_of.size());
-  if (p <= 1) return 0;
-  const double n = double(bytes);
-  const bool power_of_two = (p & (p - 1)) == 0;
-  // Every step is taken as crossing hosts; the L ranks of a host share its link.
-  const double beta = c.net_bandwidth / double(topology.hosts.front().size());
-  if (bytes <= small_message_bytes) {
-    const int steps = CeilLog2(p) + (power_of_two ? 0 : 1);
-    return steps * (c.net_latency + n / beta);
-  }
-  const double volume = 2.0 * (p - 1) / p * n / beta;
-  if (power_of_two && p >= 4 && bytes <= medium_message_bytes) {
-    return 2.0 * CeilLog2(p) * c.net_latency + volume;
-  }
-  return 2.0 * (p - 1) * c.net_latency + volume;
-}
-
-double TwoLevelAllReduceCost(const LinkCosts& c, const Topology& topology, size_t bytes,
-                             size_t slot_bytes, size_t small_bytes) {
-  const int hosts = int(topology.hosts.size());
-  const double local = double(topology.hosts.front().size());
-  const double n = double(bytes);
-  const double steps = std::max(1.0, std::ceil(n / double(slot_bytes)));
-  // Inside: three synchronisations per step; a copy in, a reduction of 1/L of the step from L
-  // slots, a copy out.
-  const double inside = 3.0 * steps * c.shm_latency + 3.0 * n / c.shm_bandwidth;
-  // Across: the first local rank alone for a small message, else all L ranks at once, each
-  // with 1/L of the bytes over the shared link (recursive doubling or the ring among hosts).
-  const bool leader = bytes <= small_bytes;
-  const double per_rank = leader ? n : n / local;
-  const double share = leader ? c.net_bandwidth : c.net_bandwidth / local;
-  double across;
-  if (per_rank / steps <= 64.0 * 1024) {
-    across = steps * CeilLog2(hosts) * c.net_latency + CeilLog2(hosts) * per_rank / share;
-  } else {
-    across = steps * 2.0 * (hosts - 1) * c.net_latency +
-             2.0 * (hosts - 1) / hosts * per_rank / share;
-  }
-  return inside + across;
-}
-
-std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, transport::Fabric& fabric,
-                                             Store& store,
+std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options) {
-  store.Set(key_prefix + "/host/" + std::to_string(rank), HostIdentity());
+  // "<host>\n<machine>": the host AUTO plans by (pretended or real), and the machine the
+  // process really runs on, whose ranks compete for its cores.
+  const std::string machine = MachineIdentity();
+  store.Set(key_prefix + "/host/" + std::to_string(rank), HostIdentity() + "\n" + machine);
   std::vector<std::string> identities;
+  size_t ranks_on_machine = 0;
   for (int r = 0; r < size; ++r) {
-    identities.push_back(store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout));
+    const std::string both = store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout);
+    const size_t newline = both.find('\n');
+    identities.push_back(both.substr(0, newline));
+    if (newline != std::string::npos && both.substr(newline + 1) == machine) ++ranks_on_machine;
   }
   Topology topology = Topology::FromIdentities(identities);
   const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];
@@ -392,23 +294,59 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, transport::Fabr
     shm.job_id = job_id;
     shm.key_prefix = key_prefix;
     shm.timeout = options.timeout;
-    // Busy-poll only when every rank of the host can have a core.
+    if (const char* slot = std::getenv("COLLECTIVES_SHM_SLOT_BYTES")) {
+      shm.slot_bytes = std::strtoull(slot, nullptr, 10);
+    }
+    // Busy-poll only when every rank on this machine can have a core (pretend hosts share
+    // one machine's cores: a rank polling shared memory would starve its TCP partner).
     const unsigned cores = std::thread::hardware_concurrency();
     const int spin_us = options.spin_us >= 0 ? options.spin_us
-                        : cores >= local.size() ? ring::kDefaultSpinUs
-                                                : 0;
+                        : cores >= std::max(ranks_on_machine, local.size()) ? ring::kDefaultSpinUs
+                                                                            : 0;
     shm.spin = std::chrono::microseconds(spin_us);
     group = ShmGroup::Create(rank, local, store, shm);
   }
-  LinkCosts costs;
-  const bool two_level_forced = forced == "two_level";
-  if (plan == Plan::kTwoLevel && !two_level_forced) {
-    costs = AgreeOnCosts(rank, size, store, key_prefix,
-                         MeasureOwnCosts(rank, fabric, *group, topology, options.timeout),
-                         options.timeout);
-  }
   return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
-                                               plan, two_level_forced, costs, options);
+                                               plan, forced == "two_level", options);
+}
+
+void Calibrate(ring::Planner& base, CollectiveCommunication& comm) {
+  auto* planner = dynamic_cast<HierarchicalPlanner*>(&base);
+  if (planner == nullptr || planner->plan_ != Plan::kTwoLevel || planner->forced_) return;
+  // Each plan, end to end through this communicator: 8 B (latency) and 4 MiB (bandwidth), each
+  // warmed up first (buffers, connections, pages), the median of 3 rounds, the slowest rank's
+  // figure (an all-reduce of the times, so every rank holds the same numbers and decides alike).
+  using Clock = std::chrono::steady_clock;
+  std::vector<float> buffer(size_t{1} << 20, 0.0f);
+  const auto round = [&](size_t count, int calls) {
+    const Tensor t{buffer.data(), count, DataType::kFloat32};
+    comm.Barrier();
+    const auto start = Clock::now();
+    for (int i = 0; i < calls; ++i) comm.AllReduce(t, ReduceOp::kSum);
+    return std::chrono::duration<double>(Clock::now() - start).count() / calls;
+  };
+  const auto median_of_3 = [&](size_t count, int calls) {
+    double r[3] = {round(count, calls), round(count, calls), round(count, calls)};
+    std::sort(r, r + 3);
+    return r[1];
+  };
+  double times[4];
+  for (int plan = 0; plan < 2; ++plan) {
+    planner->measuring_ = plan == 0 ? HierarchicalPlanner::Measuring::kTwoLevel
+                                    : HierarchicalPlanner::Measuring::kFlat;
+    round(2, 3);  // warm-up
+    round(buffer.size(), 1);
+    times[2 * plan] = median_of_3(2, 10);
+    times[2 * plan + 1] = median_of_3(buffer.size(), 2);
+  }
+  comm.AllReduce(Tensor{times, 4, DataType::kFloat64}, ReduceOp::kMax);
+  const double bytes = double(buffer.size() * sizeof(float));
+  const auto fit = [&](double small, double large) {
+    return PlanCost{small, std::max(large - small, 0.0) / bytes};
+  };
+  planner->two_level_ = fit(times[0], times[1]);
+  planner->flat_ = fit(times[2], times[3]);
+  planner->measuring_ = HierarchicalPlanner::Measuring::kNothing;
 }
 
 }  // namespace collectives::hierarchical

@@ -30,33 +30,23 @@ struct Topology {
   bool Uniform() const;
 };
 
-// The cost model AUTO decides with across hosts: latency (s) and bandwidth (bytes/s) of the TCP
-// link between hosts and of shared memory, measured once when the communicator is built (the
-// slowest rank's figures, so that every rank holds the same ones).
-struct LinkCosts {
-  double net_latency = 0, net_bandwidth = 1;
-  double shm_latency = 0, shm_bandwidth = 1;
-};
-
-// Estimated seconds of an all-reduce of `bytes` over `topology`: flat over TCP (with the ring's
-// algorithm for that size) and in two levels.
-double FlatAllReduceCost(const LinkCosts& costs, const Topology& topology, size_t bytes,
-                         size_t small_message_bytes, size_t medium_message_bytes);
-double TwoLevelAllReduceCost(const LinkCosts& costs, const Topology& topology, size_t bytes,
-                             size_t slot_bytes, size_t small_bytes);
-
 // Collective over the ranks: publishes this rank's HostIdentity() under "<key_prefix>/host/R",
 // reads everyone's, and builds the shared-memory group of this host when it has two ranks or
-// more and COLLECTIVES_SHM is not "0". With several hosts of as many ranks each, it measures the
-// LinkCosts (ping-pong with the rank of the same local index on a neighbouring host over
-// `fabric`, barriers and a copy in shared memory) and decides each all-reduce between the flat
-// ring and the two-level plan by them. Throws Error(kNotSupported) when options.algorithm names
-// a plan this topology cannot run.
-std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, transport::Fabric& fabric,
-                                             Store& store,
+// more and COLLECTIVES_SHM is not "0". Throws Error(kNotSupported) when options.algorithm names
+// a plan this topology cannot run. With several hosts of as many ranks each, the planner runs
+// all-reduces on the flat ring until Calibrate.
+std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options);
+
+// With several hosts of as many ranks each (and no algorithm forced): measures the cost model
+// AUTO decides all-reduces by, through `comm` (the communicator `planner` belongs to; a
+// collective call, made once right after it is built): the latency and bandwidth of each plan,
+// the two-level one and the flat ring, end to end (8 B and 4 MiB all-reduces, the slowest
+// rank's time), so that oversubscribed cores and shared links count as they will. Every rank
+// then holds the same figures and makes the same choice. A no-op for other planners.
+void Calibrate(ring::Planner& planner, CollectiveCommunication& comm);
 
 }  // namespace collectives::hierarchical
 

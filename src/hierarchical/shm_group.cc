@@ -187,6 +187,10 @@ std::string HostIdentity() {
   if (const char* id = std::getenv("COLLECTIVES_HOST_ID"); id != nullptr && *id != '\0') {
     return id;
   }
+  return MachineIdentity();
+}
+
+std::string MachineIdentity() {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   std::string boot;

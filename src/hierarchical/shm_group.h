@@ -138,8 +138,10 @@ class ShmGroup {
 };
 
 // This host's identity: $COLLECTIVES_HOST_ID when set (tests pretend several hosts on one
-// machine with it), else the host name and the kernel's boot id.
+// machine with it), else MachineIdentity().
 std::string HostIdentity();
+// The machine's own identity: its host name and the kernel's boot id.
+std::string MachineIdentity();
 
 }  // namespace collectives::hierarchical
 
