@@ -48,11 +48,6 @@ struct PlanCost {
   double Seconds(size_t bytes) const { return latency + double(bytes) * seconds_per_byte; }
 };
 
-int CeilLog2(int p) {
-  int steps = 0;
-  while ((1 << steps) < p) ++steps;
-  return steps;
-}
 
 class HierarchicalPlanner final : public ring::Planner {
  public:
@@ -316,7 +311,6 @@ void Calibrate(ring::Planner& base, CollectiveCommunication& comm) {
   // Each plan, end to end through this communicator: 8 B (latency) and 4 MiB (bandwidth), each
   // warmed up first (buffers, connections, pages), the median of 3 rounds, the slowest rank's
   // figure (an all-reduce of the times, so every rank holds the same numbers and decides alike).
-  using Clock = std::chrono::steady_clock;
   std::vector<float> buffer(size_t{1} << 20, 0.0f);
   const auto round = [&](size_t count, int calls) {
     const Tensor t{buffer.data(), count, DataType::kFloat32};

@@ -232,9 +232,10 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   if (index == 0) {
     std::random_device random;
     const uint64_t nonce = (uint64_t(random()) << 32) ^ random();
-    seg.name = "/collectives-" +
-               Hex(std::hash<std::string>{}(options.job_id + "\n" + options.key_prefix)).substr(8) +
-               "-" + std::to_string(members.front()) + "-" + Hex(nonce);
+    const std::string job = options.job_id + "\n" + options.key_prefix;
+    seg.name = "/collectives-";
+    seg.name.append(Hex(std::hash<std::string>{}(job)), 8, 8);
+    seg.name.append("-").append(std::to_string(members.front())).append("-").append(Hex(nonce));
     fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) throw Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name));
     if (fchmod(fd, 0600) != 0 || ftruncate(fd, off_t(seg.bytes)) != 0) {
@@ -308,7 +309,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       shm_unlink(seg.name.c_str());
       std::string missing;
       for (size_t i = 0; i < seg.members; ++i) {
-        if (seg.control(int(i)).pid == 0) missing += " " + std::to_string(members[i]);
+        if (seg.control(int(i)).pid == 0) missing.append(" ").append(std::to_string(members[i]));
       }
       throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing +
                                            " did not attach to segment " + seg.name + " in " +
@@ -534,32 +535,49 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
     const size_t c = std::min(per_step, count - offset);
     const uint32_t s = step.Begin(true);
     uint8_t* mine = step.own_slot(s);
-    if (c != 0) std::memcpy(mine, in + offset * es, c * es);
+    // This member's slice is reduced by this member alone, from every member's slot, so every
+    // member ends with the same bits whatever the order. Without a crossing, its own input for
+    // that slice is read straight from `send` and the result written straight into `recv` (then
+    // copied into the slot for the others): the slot only needs the other slices.
+    const Part own = part_of(c, me);
+    const size_t own_begin = own.offset * es, own_end = (own.offset + own.length) * es;
+    const uint8_t* step_in = in + offset * es;
+    uint8_t* step_out = out + offset * es;
+    if (cross) {
+      if (c != 0) std::memcpy(mine, step_in, c * es);
+    } else if (c != 0) {
+      std::memcpy(mine, step_in, own_begin);
+      std::memcpy(mine + own_end, step_in + own_end, c * es - own_end);
+    }
     step.Arrive(s);
     step.AwaitEveryArrival(s);
-    // This member's slice: reduced from every member's slot into its own, in place. It is the
-    // only one that reads this slice of any slot, and the only one that computes it, so every
-    // member ends with the same bits whatever the order.
-    const Part own = part_of(c, me);
-    uint8_t* acc = mine + own.offset * es;
-    for (int j = 0; j < n && own.length != 0; ++j) {
-      if (j != me) core::Reduce(dtype, kernel_op, acc, acc, step.slot(j, s) + own.offset * es,
-                                own.length);
-    }
-    if (cross && own.length != 0) cross(acc, own.length);
-    if (op == ReduceOp::kAvg && own.length != 0) {
-      core::DivideInPlace(dtype, acc, own.length, divisor);
+    if (own.length != 0) {
+      uint8_t* acc = cross ? mine + own_begin : step_out + own_begin;
+      const uint8_t* first = cross ? acc : step_in + own_begin;
+      bool reduced = false;
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        core::Reduce(dtype, kernel_op, acc, reduced ? acc : first, step.slot(j, s) + own_begin,
+                     own.length);
+        reduced = true;
+      }
+      if (!reduced && acc != first) std::memcpy(acc, first, own.length * es);
+      if (cross) cross(acc, own.length);
+      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, acc, own.length, divisor);
+      if (cross) {
+        std::memcpy(step_out + own_begin, acc, own.length * es);
+      } else {
+        std::memcpy(mine + own_begin, acc, own.length * es);
+      }
     }
     step.Reduced(s);
-    for (int k = 0; k < n; ++k) {
-      const int j = (me + k) % n;  // start with our own slice: it is ready
+    for (int k = 1; k < n; ++k) {
+      const int j = (me + k) % n;
       const Part part = part_of(c, j);
       if (part.length == 0) continue;
-      if (j != me) step.AwaitReduced(j, s);
-      if (part.length != 0) {
-        std::memcpy(out + (offset + part.offset) * es, step.slot(j, s) + part.offset * es,
-                    part.length * es);
-      }
+      step.AwaitReduced(j, s);
+      std::memcpy(step_out + part.offset * es, step.slot(j, s) + part.offset * es,
+                  part.length * es);
     }
     step.Done(s);
     offset += c;
