@@ -145,10 +145,31 @@ class HierarchicalPlanner final : public ring::Planner {
   }
 
   Body AllGather(const Tensor& send, const Tensor& recv) override {
-    if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
-    return [group, send, recv](ring::Context& ctx) {
-      group->AllGather(ctx.tag, ctx.deadline, send.data, recv.data, send.bytes());
+    if (plan_ == Plan::kShm) {
+      return [group, send, recv](ring::Context& ctx) {
+        group->AllGather(ctx.tag, ctx.deadline, send.data, recv.data, send.bytes());
+      };
+    }
+    if (plan_ != Plan::kTwoLevel) return {};
+    // Two levels, step by step: the ranks of each local index gather their blocks' step across
+    // hosts (a ring among hosts) straight into their slots, then every rank copies every slot's
+    // pieces to their ranks' places. Each block crosses hosts once per host, not once per rank.
+    const std::vector<int>* cross_ranks = &cross_ranks_;
+    const int cross_me = cross_me_;
+    const Topology* topology = &topology_;
+    return [=](ring::Context& ctx) {
+      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      const auto* from = static_cast<const uint8_t*>(send.data);
+      const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
+        ring::RingAllGather(cross, from + offset, slot, bytes, DataType::kUInt8);
+      };
+      const auto rank_of = [topology](int host, int member) {
+        return size_t(topology->hosts[size_t(host)][size_t(member)]);
+      };
+      group->AllGatherPieces(ctx.tag, ctx.deadline, recv.data, send.bytes(),
+                             int(topology->hosts.size()), fill, rank_of);
     };
   }
 

@@ -644,6 +644,31 @@ void ShmGroup::AllGather(const core::CallTag& tag, Clock::time_point deadline, c
   } while (offset < bytes);
 }
 
+void ShmGroup::AllGatherPieces(const core::CallTag& tag, Clock::time_point deadline, void* recv,
+                               size_t block_bytes, int parts, const ChunkSource& fill,
+                               const RankOf& rank_of) {
+  Step step(*this, tag, deadline);
+  auto* out = static_cast<uint8_t*>(recv);
+  const int n = size();
+  const size_t per_step = std::max<size_t>(1, slot_bytes_ / size_t(parts));
+  size_t offset = 0;
+  do {
+    const size_t c = std::min(per_step, block_bytes - offset);
+    const uint32_t s = step.Begin(true);
+    if (c != 0) fill(step.own_slot(s), offset, c);
+    step.Arrive(s);
+    step.AwaitEveryArrival(s);
+    for (int j = 0; j < n && c != 0; ++j) {
+      for (int h = 0; h < parts; ++h) {
+        std::memcpy(out + rank_of(h, j) * block_bytes + offset, step.slot(j, s) + size_t(h) * c,
+                    c);
+      }
+    }
+    step.Done(s);
+    offset += c;
+  } while (offset < block_bytes);
+}
+
 void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadline,
                              const void* send, void* recv, size_t count, DataType dtype,
                              ReduceOp op) {

@@ -108,6 +108,14 @@ class ShmGroup {
   // recv = the members' send blocks (bytes each) in member order.
   void AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                  void* recv, size_t bytes);
+  // The inside half of a two-level all-gather. Every step, fill(slot, offset, bytes) puts
+  // `parts` pieces of `bytes` into this member's slot (piece h: bytes [offset, offset + bytes)
+  // of block `rank_of(h, index())`, gathered across hosts); then every member copies every
+  // member's pieces out, piece h of member j to recv + rank_of(h, j) * block_bytes + offset.
+  using RankOf = std::function<size_t(int piece, int member)>;
+  void AllGatherPieces(const core::CallTag& tag, Clock::time_point deadline, void* recv,
+                       size_t block_bytes, int parts, const ChunkSource& fill,
+                       const RankOf& rank_of);
   // recv (count elements) = block index() of op over members of send (size() * count).
   void ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                      void* recv, size_t count, DataType dtype, ReduceOp op);
