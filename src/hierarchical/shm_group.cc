@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <climits>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -59,15 +60,18 @@ struct WireTag {
 };
 
 // One member's control block: written by its member only (but for `sleepers`), read by all.
+// The counters and the tags share one cache line, so that a reader that sees an arrival finds
+// the tag that goes with it in the same transfer.
 struct alignas(64) Control {
   std::atomic<uint32_t> arrived;   // the last step whose input is in this member's slot
   std::atomic<uint32_t> reduced;   // the last step whose slice this member has reduced
   std::atomic<uint32_t> done;      // the last step this member finished reading
   std::atomic<uint32_t> sleepers;  // waiters asleep on one of the three words above
-  int32_t pid;
-  WireTag tag[2];  // the call of the last step in each buffer
-  alignas(64) pthread_mutex_t alive;  // held by the member's keeper thread while it lives
+  WireTag tag[2];                  // the call of the last step in each buffer
+  alignas(64) int32_t pid;
+  pthread_mutex_t alive;  // held by the member's keeper thread while it lives
 };
+static_assert(offsetof(Control, pid) == 64, "counters and tags fill exactly one cache line");
 
 struct Header {
   uint64_t magic;
@@ -338,10 +342,11 @@ class ShmGroup::Step {
   // member has finished the step before the last).
   uint32_t Begin(bool writes) {
     const uint32_t s = ++g_.step_;
-    if (writes) {
+    if (writes && !Reached(g_.known_done_, s - 2)) {
       for (int j = 0; j < n(); ++j) {
         if (j != me()) Await(j, &Control::done, s - 2, "the release of a shared slot");
       }
+      g_.known_done_ = s - 2;
     }
     return s;
   }
@@ -365,6 +370,7 @@ class ShmGroup::Step {
     for (int j = 0; j < n(); ++j) {
       if (j != me()) AwaitArrival(j, s);
     }
+    if (!Reached(g_.known_done_, s - 1)) g_.known_done_ = s - 1;
   }
   void Reduced(uint32_t s) { Publish(&Control::reduced, s); }
   void AwaitReduced(int j, uint32_t s) { Await(j, &Control::reduced, s, "its reduced slice"); }

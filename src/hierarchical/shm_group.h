@@ -143,6 +143,10 @@ class ShmGroup {
   const std::chrono::microseconds spin_;
   std::unique_ptr<Segment> segment_;
   uint32_t step_ = 0;  // the last step this member ran (progress thread only)
+  // A step every member is known to have finished (progress thread only): a member publishes
+  // its arrival at step s only after finishing step s - 1, so having seen every arrival at s
+  // tells as much without reading their counters again.
+  uint32_t known_done_ = 0;
 };
 
 // This host's identity: $COLLECTIVES_HOST_ID when set (tests pretend several hosts on one
