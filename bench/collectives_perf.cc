@@ -859,11 +859,15 @@ class Sweep {
     std::vector<double> theirs;
     std::vector<std::vector<double>> versus(session_.versus.size());
     for (int round = 0; round < config_.repeat; ++round) {
-      ours.push_back(time_on(comm_, 0));
+      // With --versus, ours runs first in even rounds and last in odd ones, so that neither
+      // side always follows the other (the first timed after a pause ran a few % slower).
+      const bool ours_last = round % 2 == 1 && !versus.empty();
+      if (!ours_last) ours.push_back(time_on(comm_, 0));
       for (size_t v = 0; v < versus.size(); ++v) {
         versus[v].push_back(
             time_on(*session_.versus[v].comm, round == 0 ? config_.warmup_iters : 0));
       }
+      if (ours_last) ours.push_back(time_on(comm_, 0));
 #ifdef COLLECTIVES_WITH_MPI
       if (row.has_baseline) {
         const std::optional<double> mpi_seconds = TimeMpiBaseline(
