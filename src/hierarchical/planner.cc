@@ -48,7 +48,6 @@ struct PlanCost {
   double Seconds(size_t bytes) const { return latency + double(bytes) * seconds_per_byte; }
 };
 
-
 class HierarchicalPlanner final : public ring::Planner {
  public:
   HierarchicalPlanner(int rank, int size, Topology topology, std::unique_ptr<ShmGroup> group,
@@ -177,8 +176,7 @@ class HierarchicalPlanner final : public ring::Planner {
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
     return [group, send, recv, op](ring::Context& ctx) {
-      group->ReduceScatter(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, recv.dtype,
-                           op);
+      group->ReduceScatter(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, recv.dtype, op);
     };
   }
 
@@ -190,9 +188,12 @@ class HierarchicalPlanner final : public ring::Planner {
 
   std::string AllReduceAlgorithm(size_t bytes) const override {
     switch (plan_) {
-      case Plan::kShm: return bytes <= group_->small_bytes() ? "shm_small" : "shm";
-      case Plan::kTwoLevel: return TwoLevelPays(bytes) ? "two_level" : "";
-      case Plan::kRing: return "";
+      case Plan::kShm:
+        return bytes <= group_->small_bytes() ? "shm_small" : "shm";
+      case Plan::kTwoLevel:
+        return TwoLevelPays(bytes) ? "two_level" : "";
+      case Plan::kRing:
+        return "";
     }
     return "";
   }
@@ -209,9 +210,12 @@ class HierarchicalPlanner final : public ring::Planner {
   bool TwoLevelPays(size_t bytes) const {
     if (forced_) return true;
     switch (measuring_) {
-      case Measuring::kTwoLevel: return true;
-      case Measuring::kFlat: return false;
-      case Measuring::kNothing: break;
+      case Measuring::kTwoLevel:
+        return true;
+      case Measuring::kFlat:
+        return false;
+      case Measuring::kNothing:
+        break;
     }
     return two_level_.Seconds(bytes) <= flat_.Seconds(bytes);
   }
@@ -291,8 +295,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   }
   const std::string& forced = options.algorithm;
   const auto refuse = [&](const std::string& why) {
-    return Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank) + ": algorithm '" +
-                                               forced + "' " + why);
+    return Error(ErrorCode::kNotSupported,
+                 "rank " + std::to_string(rank) + ": algorithm '" + forced + "' " + why);
   };
   if (forced == "shm" && plan != Plan::kShm) {
     throw refuse("needs every rank on one host and shared memory on");
@@ -316,7 +320,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).
     const unsigned cores = std::thread::hardware_concurrency();
-    const int spin_us = options.spin_us >= 0 ? options.spin_us
+    const int spin_us = options.spin_us >= 0                                ? options.spin_us
                         : cores >= std::max(ranks_on_machine, local.size()) ? ring::kDefaultSpinUs
                                                                             : 0;
     shm.spin = std::chrono::microseconds(spin_us);

@@ -49,8 +49,13 @@ struct WireTag {
   uint8_t pad;
 
   static WireTag Of(const core::CallTag& t) {
-    return WireTag{t.seq, t.call.count, t.call.root, uint8_t(t.call.kind), uint8_t(t.call.dtype),
-                   uint8_t(t.call.op), 0};
+    return WireTag{t.seq,
+                   t.call.count,
+                   t.call.root,
+                   uint8_t(t.call.kind),
+                   uint8_t(t.call.dtype),
+                   uint8_t(t.call.op),
+                   0};
   }
   core::CallTag ToTag() const {
     return core::CallTag{seq, core::CallDescriptor{core::CollectiveKind(kind), DataType(dtype),
@@ -107,9 +112,7 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
-std::string SystemMessage(const std::string& what) {
-  return what + ": " + std::strerror(errno);
-}
+std::string SystemMessage(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 // Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
 // nearly equal parts (the first count % parts get one more).
@@ -214,8 +217,8 @@ ShmGroup::ShmGroup(int rank, std::vector<int> members, int index, const ShmGroup
 
 ShmGroup::~ShmGroup() = default;
 
-std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& members,
-                                           Store& store, const ShmGroupOptions& options) {
+std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& members, Store& store,
+                                           const ShmGroupOptions& options) {
   const auto it = std::find(members.begin(), members.end(), rank);
   if (it == members.end() || !std::is_sorted(members.begin(), members.end())) {
     throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) +
@@ -315,8 +318,8 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       for (size_t i = 0; i < seg.members; ++i) {
         if (seg.control(int(i)).pid == 0) missing.append(" ").append(std::to_string(members[i]));
       }
-      throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing +
-                                           " did not attach to segment " + seg.name + " in " +
+      throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing + " did not attach to segment " +
+                                           seg.name + " in " +
                                            std::to_string(options.timeout.count()) + " ms");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -521,7 +524,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
         std::memmove(out, step.slot(0, s), count * es);
       } else {
         core::Reduce(dtype, kernel_op, out, step.slot(0, s), step.slot(1, s), count);
-        for (int j = 2; j < n; ++j) core::Reduce(dtype, kernel_op, out, out, step.slot(j, s), count);
+        for (int j = 2; j < n; ++j)
+          core::Reduce(dtype, kernel_op, out, out, step.slot(j, s), count);
       }
       if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, out, count, divisor);
     }
@@ -666,8 +670,7 @@ void ShmGroup::AllGatherPieces(const core::CallTag& tag, Clock::time_point deadl
     step.AwaitEveryArrival(s);
     for (int j = 0; j < n && c != 0; ++j) {
       for (int h = 0; h < parts; ++h) {
-        std::memcpy(out + rank_of(h, j) * block_bytes + offset, step.slot(j, s) + size_t(h) * c,
-                    c);
+        std::memcpy(out + rank_of(h, j) * block_bytes + offset, step.slot(j, s) + size_t(h) * c, c);
       }
     }
     step.Done(s);
@@ -675,9 +678,8 @@ void ShmGroup::AllGatherPieces(const core::CallTag& tag, Clock::time_point deadl
   } while (offset < block_bytes);
 }
 
-void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadline,
-                             const void* send, void* recv, size_t count, DataType dtype,
-                             ReduceOp op) {
+void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                             void* recv, size_t count, DataType dtype, ReduceOp op) {
   Step step(*this, tag, deadline);
   const size_t es = SizeOf(dtype);
   const auto* in = static_cast<const uint8_t*>(send);

@@ -95,19 +95,19 @@ class ShmGroup {
   // members read it: the two-level plan all-reduces it across hosts there. kAvg divides by
   // `avg_divisor` (0: size()).
   using SliceHook = std::function<void(void* slice, size_t count)>;
-  void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                 void* recv, size_t count, DataType dtype, ReduceOp op,
-                 const SliceHook& cross = {}, size_t avg_divisor = 0);
+  void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
+                 size_t count, DataType dtype, ReduceOp op, const SliceHook& cross = {},
+                 size_t avg_divisor = 0);
   // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
   // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
   // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives
   // them from another host there, or sends them out).
   using ChunkSource = std::function<void(uint8_t* slot, size_t offset, size_t bytes)>;
-  void Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                 void* recv, size_t bytes, int root, const ChunkSource& fill = {});
+  void Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
+                 size_t bytes, int root, const ChunkSource& fill = {});
   // recv = the members' send blocks (bytes each) in member order.
-  void AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                 void* recv, size_t bytes);
+  void AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
+                 size_t bytes);
   // The inside half of a two-level all-gather. Every step, fill(slot, offset, bytes) puts
   // `parts` pieces of `bytes` into this member's slot (piece h: bytes [offset, offset + bytes)
   // of block `rank_of(h, index())`, gathered across hosts); then every member copies every

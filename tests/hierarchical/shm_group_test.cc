@@ -6,9 +6,10 @@
 // deadlines and a member that leaves raise on every member, naming the rank concerned; the
 // segment's name is gone from /dev/shm once everyone attached (or set-up gave up), and a segment
 // open to other users is refused.
-#include <gtest/gtest.h>
+#include "src/hierarchical/shm_group.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -31,7 +32,6 @@
 #include "collectives/errors.h"
 #include "collectives/types.h"
 #include "src/core/call.h"
-#include "src/hierarchical/shm_group.h"
 #include "tests/ring/collective_checks.h"
 
 namespace collectives {
@@ -63,8 +63,8 @@ ShmGroupOptions Options(const std::string& what, size_t slot_bytes, size_t small
   options.slot_bytes = slot_bytes;
   options.small_bytes = small_bytes;
   // Busy-poll only when every member can have a core, as the planner does.
-  options.spin = std::chrono::microseconds(
-      std::thread::hardware_concurrency() >= unsigned(members) ? 50 : 0);
+  options.spin =
+      std::chrono::microseconds(std::thread::hardware_concurrency() >= unsigned(members) ? 50 : 0);
   options.timeout = std::chrono::seconds(20);
   return options;
 }
@@ -217,7 +217,8 @@ Outcome RunAndCheck(Member& m, int me, int n, const std::string& collective, Dat
                        deadline, input, recv.data(), count * es);
     for (int r = 0; r < n; ++r) {
       for (size_t i = 0; i < count; ++i) {
-        element_check(recv.data(), size_t(r) * count + i, Stored(dtype, InputValue(op, dtype, r, i)));
+        element_check(recv.data(), size_t(r) * count + i,
+                      Stored(dtype, InputValue(op, dtype, r, i)));
       }
     }
     if (!recv.GuardsIntact() || !send.GuardsIntact()) out.Note(what + ": guard overwritten");
@@ -265,7 +266,8 @@ void RunMatrix(int n, const GroupConfig& config) {
                    int root) {
       Outcome out = RunAndCheck(m, me, n, c, d, o, count, in_place, root);
       wrong[size_t(me)] += out.wrong;
-      if (out.wrong > 0 && failures[size_t(me)].size() < 5) failures[size_t(me)].push_back(out.first);
+      if (out.wrong > 0 && failures[size_t(me)].size() < 5)
+        failures[size_t(me)].push_back(out.first);
       hashes[size_t(me)].push_back(out.hash);
     };
     for (const std::string c : {"all_reduce", "reduce_scatter", "broadcast", "all_gather"}) {
@@ -292,8 +294,9 @@ void RunMatrix(int n, const GroupConfig& config) {
     run("all_reduce", DataType::kInt32, ReduceOp::kSum, 3 * slot / 4 + 1, true, 0);
   });
   for (int i = 0; i < n; ++i) {
-    EXPECT_EQ(wrong[size_t(i)], 0u) << config.name << ", " << n << " members: "
-                                    << (failures[size_t(i)].empty() ? "" : failures[size_t(i)][0]);
+    EXPECT_EQ(wrong[size_t(i)], 0u)
+        << config.name << ", " << n
+        << " members: " << (failures[size_t(i)].empty() ? "" : failures[size_t(i)][0]);
   }
   for (int i = 1; i < n; ++i) {
     ASSERT_EQ(hashes[size_t(i)].size(), hashes[0].size());
@@ -349,15 +352,15 @@ TEST(ShmGroupTest, DefaultSlotAndRandomFloatsAreBitIdenticalOnEveryMember) {
     // Random inputs of every float type, small and large, sum, prod and avg.
     std::mt19937 random(1234 + unsigned(me));
     std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-    for (DataType d : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
-                       DataType::kBFloat16}) {
+    for (DataType d :
+         {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16}) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kAvg}) {
         for (size_t count : {size_t(777), size_t(300'001)}) {
           std::vector<uint8_t> buf(count * SizeOf(d));
           for (size_t i = 0; i < count; ++i) testing::Store(d, buf.data(), i, uniform(random));
           m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count),
-                             Clock::now() + std::chrono::seconds(30), buf.data(), buf.data(),
-                             count, d, op);
+                             Clock::now() + std::chrono::seconds(30), buf.data(), buf.data(), count,
+                             d, op);
           hashes[size_t(me)].push_back(Fnv(buf.data(), buf.size()));
         }
       }
@@ -383,8 +386,8 @@ void ExpectMismatch(const MismatchCase& c, size_t slot_bytes, size_t small_bytes
   ShmGroupOptions options = Options("mismatch_" + c.name, slot_bytes, small_bytes, n);
   RunMembers(ranks, options, [&](Member& m, int me) {
     // One good call first: the mismatch comes on a later step with both buffers in use.
-    Outcome warmup = RunAndCheck(m, me, n, "all_reduce", DataType::kFloat32, ReduceOp::kSum,
-                                 1000, false);
+    Outcome warmup =
+        RunAndCheck(m, me, n, "all_reduce", DataType::kFloat32, ReduceOp::kSum, 1000, false);
     EXPECT_EQ(warmup.wrong, 0u) << warmup.first;
     Guarded recv(kRecvBytes, kSentinel);
     const auto start = Clock::now();
@@ -401,8 +404,9 @@ void ExpectMismatch(const MismatchCase& c, size_t slot_bytes, size_t small_bytes
     EXPECT_TRUE(recv.GuardsIntact()) << c.name;
     // The group stays broken.
     try {
-      m.group->Barrier(m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0),
-                       Clock::now() + std::chrono::seconds(5));
+      m.group->Barrier(
+          m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0),
+          Clock::now() + std::chrono::seconds(5));
       ADD_FAILURE() << c.name << ": a broken group ran a barrier";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
@@ -417,13 +421,14 @@ std::vector<MismatchCase> MismatchCases() {
   // Counts differ (member 1: one more element); f32 with a 4 KiB slot and small_bytes 4096:
   // 1024 elements take the small path and 1025 the large one, 3000 take several steps.
   for (size_t base : {size_t(10), size_t(1024), size_t(3000)}) {
-    cases.push_back({"all_reduce_count_" + std::to_string(base), [base, deadline](Member& m, int me, uint8_t* recv) {
+    cases.push_back({"all_reduce_count_" + std::to_string(base),
+                     [base, deadline](Member& m, int me, uint8_t* recv) {
                        const size_t count = base + (me == 1 ? 1 : 0);
                        std::vector<float> send(count, 1.0f);
                        m.group->AllReduce(m.Tag(CollectiveKind::kAllReduce, DataType::kFloat32,
                                                 ReduceOp::kSum, 0, count),
-                                          deadline(), send.data(), recv, count,
-                                          DataType::kFloat32, ReduceOp::kSum);
+                                          deadline(), send.data(), recv, count, DataType::kFloat32,
+                                          ReduceOp::kSum);
                      }});
   }
   // Member 2 reduces with another op; member 0 with another dtype (the same bytes).
@@ -436,49 +441,49 @@ std::vector<MismatchCase> MismatchCases() {
                                         deadline(), send.data(), recv, count, d, op);
                    }});
   // Different kinds: member 1 broadcasts (as a non-root) while the others all-reduce.
-  cases.push_back({"all_reduce_vs_broadcast", [deadline](Member& m, int me, uint8_t* recv) {
-                     const size_t count = 200;
-                     std::vector<float> send(count, 1.0f);
-                     if (me == 1) {
-                       m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kFloat32,
-                                                ReduceOp::kSum, 0, count),
-                                          deadline(), nullptr, recv, count * 4, 0);
-                     } else {
-                       m.group->AllReduce(m.Tag(CollectiveKind::kAllReduce, DataType::kFloat32,
-                                                ReduceOp::kSum, 0, count),
-                                          deadline(), send.data(), recv, count,
-                                          DataType::kFloat32, ReduceOp::kSum);
-                     }
-                   }});
+  cases.push_back(
+      {"all_reduce_vs_broadcast", [deadline](Member& m, int me, uint8_t* recv) {
+         const size_t count = 200;
+         std::vector<float> send(count, 1.0f);
+         if (me == 1) {
+           m.group->Broadcast(
+               m.Tag(CollectiveKind::kBroadcast, DataType::kFloat32, ReduceOp::kSum, 0, count),
+               deadline(), nullptr, recv, count * 4, 0);
+         } else {
+           m.group->AllReduce(
+               m.Tag(CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, count),
+               deadline(), send.data(), recv, count, DataType::kFloat32, ReduceOp::kSum);
+         }
+       }});
   // Member 0 all-gathers, the others reduce-scatter (same count, same bytes in the slot).
-  cases.push_back({"all_gather_vs_reduce_scatter", [deadline](Member& m, int me, uint8_t* recv) {
-                     const size_t count = 100;
-                     std::vector<float> send(3 * count, 1.0f);
-                     if (me == 0) {
-                       m.group->AllGather(m.Tag(CollectiveKind::kAllGather, DataType::kFloat32,
-                                                ReduceOp::kSum, 0, count),
-                                          deadline(), send.data(), recv, count * 4);
-                     } else {
-                       m.group->ReduceScatter(m.Tag(CollectiveKind::kReduceScatter,
-                                                    DataType::kFloat32, ReduceOp::kSum, 0, count),
-                                              deadline(), send.data(), recv, count,
-                                              DataType::kFloat32, ReduceOp::kSum);
-                     }
-                   }});
+  cases.push_back(
+      {"all_gather_vs_reduce_scatter", [deadline](Member& m, int me, uint8_t* recv) {
+         const size_t count = 100;
+         std::vector<float> send(3 * count, 1.0f);
+         if (me == 0) {
+           m.group->AllGather(
+               m.Tag(CollectiveKind::kAllGather, DataType::kFloat32, ReduceOp::kSum, 0, count),
+               deadline(), send.data(), recv, count * 4);
+         } else {
+           m.group->ReduceScatter(
+               m.Tag(CollectiveKind::kReduceScatter, DataType::kFloat32, ReduceOp::kSum, 0, count),
+               deadline(), send.data(), recv, count, DataType::kFloat32, ReduceOp::kSum);
+         }
+       }});
   // Member 2 enters a barrier while the others broadcast from member 0.
-  cases.push_back({"broadcast_vs_barrier", [deadline](Member& m, int me, uint8_t* recv) {
-                     const size_t bytes = 4000;
-                     std::vector<uint8_t> send(bytes, 7);
-                     if (me == 2) {
-                       m.group->Barrier(m.Tag(CollectiveKind::kBarrier, DataType::kUInt8,
-                                              ReduceOp::kSum, 0, 0),
-                                        deadline());
-                     } else {
-                       m.group->Broadcast(m.Tag(CollectiveKind::kBroadcast, DataType::kUInt8,
-                                                ReduceOp::kSum, 0, bytes),
-                                          deadline(), send.data(), recv, bytes, 0);
-                     }
-                   }});
+  cases.push_back(
+      {"broadcast_vs_barrier", [deadline](Member& m, int me, uint8_t* recv) {
+         const size_t bytes = 4000;
+         std::vector<uint8_t> send(bytes, 7);
+         if (me == 2) {
+           m.group->Barrier(m.Tag(CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0),
+                            deadline());
+         } else {
+           m.group->Broadcast(
+               m.Tag(CollectiveKind::kBroadcast, DataType::kUInt8, ReduceOp::kSum, 0, bytes),
+               deadline(), send.data(), recv, bytes, 0);
+         }
+       }});
   // Roots differ: member 0 says root 0, members 1 and 2 say root 1 (more than a slot).
   cases.push_back({"broadcast_root", [deadline](Member& m, int me, uint8_t* recv) {
                      const size_t bytes = 10'000;
@@ -617,10 +622,9 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
       const auto start = Clock::now();
       const auto timeout = std::chrono::milliseconds(400);
       try {
-        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                 ReduceOp::kSum, 0, count),
-                           start + timeout, data.data(), data.data(), count, DataType::kFloat32,
-                           ReduceOp::kSum);
+        m.group->AllReduce(
+            m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, count),
+            start + timeout, data.data(), data.data(), count, DataType::kFloat32, ReduceOp::kSum);
         ADD_FAILURE() << "member " << me << ": an all-reduce without member 2 succeeded";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
@@ -638,6 +642,27 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
   });
 }
 
+// An all-reduce among members one of which is gone: raises kPeerLost with a message that holds
+// `lost` (and `reason`, when not empty), and leaves the data untouched.
+void ExpectAllReduceLosesPeer(Member& m, int me, const std::string& lost,
+                              const std::string& reason) {
+  std::vector<float> data(3000, 1.0f);
+  try {
+    m.group->AllReduce(
+        m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, data.size()),
+        Clock::now() + std::chrono::seconds(20), data.data(), data.data(), data.size(),
+        DataType::kFloat32, ReduceOp::kSum);
+    ADD_FAILURE() << "member " << me << ": an all-reduce with a member gone succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+    EXPECT_NE(e.message().find(lost), std::string::npos) << e.what();
+    if (!reason.empty()) {
+      EXPECT_NE(e.message().find(reason), std::string::npos) << e.what();
+    }
+  }
+  for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+}
+
 // Member 2's group is destroyed (its communicator went away) while the others wait for it: they
 // raise kPeerLost within about a second, naming its rank.
 TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
@@ -653,21 +678,10 @@ TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
       m.group.reset();
       return;
     }
-    std::vector<float> data(3000, 1.0f);
-    try {
-      m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                               ReduceOp::kSum, 0, data.size()),
-                         Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
-                         data.size(), DataType::kFloat32, ReduceOp::kSum);
-      ADD_FAILURE() << "member " << me << ": an all-reduce without member 2 succeeded";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
-      EXPECT_NE(e.message().find("lost rank 9"), std::string::npos) << e.what();
-    }
+    ExpectAllReduceLosesPeer(m, me, "lost rank 9", "");
     ASSERT_TRUE(destroying) << "member " << me << " raised before member 2 left";
     const auto since = Clock::now() - Clock::time_point(Clock::duration(destroying_at.load()));
     EXPECT_LT(since, std::chrono::milliseconds(1200)) << "member " << me;
-    for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
   });
 }
 
@@ -708,21 +722,9 @@ TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
         return;
       }
       const auto start = Clock::now();
-      std::vector<float> data(3000, 1.0f);
-      try {
-        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                 ReduceOp::kSum, 0, data.size()),
-                           Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
-                           data.size(), DataType::kFloat32, ReduceOp::kSum);
-        ADD_FAILURE() << "member " << me << ": an all-reduce with a dead member succeeded";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
-        EXPECT_NE(e.message().find("lost rank 2"), std::string::npos) << e.what();
-        EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
-      }
+      ExpectAllReduceLosesPeer(m, me, "lost rank 2", "died");
       // The child exits about 300 ms after everyone attached.
       EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(1500)) << "member " << me;
-      for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
     });
   }
   for (std::thread& t : threads) t.join();
@@ -785,18 +787,17 @@ TEST(ShmGroupSegmentTest, NameIsUnlinkedOnceEveryMemberAttached) {
         [&](Member& m, int me) {
           ++created;
           // Past a barrier every member has returned from Create, the last to attach included.
-          m.group->Barrier(m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8,
-                                 ReduceOp::kSum, 0, 0),
-                           Clock::now() + std::chrono::seconds(10));
+          m.group->Barrier(
+              m.Tag(core::CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0),
+              Clock::now() + std::chrono::seconds(10));
           if (me == 0) {
-            const std::string name =
-                store->Get(options.key_prefix + "/shm/" + std::to_string(ranks[0]),
-                           std::chrono::seconds(1));
+            const std::string name = store->Get(
+                options.key_prefix + "/shm/" + std::to_string(ranks[0]), std::chrono::seconds(1));
             EXPECT_EQ(name.rfind("/collectives-", 0), 0u) << name;
             EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " is still there";
           }
-          Outcome o = RunAndCheck(m, me, n, "all_reduce", DataType::kInt32, ReduceOp::kSum,
-                                  3001, false);
+          Outcome o =
+              RunAndCheck(m, me, n, "all_reduce", DataType::kInt32, ReduceOp::kSum, 3001, false);
           EXPECT_EQ(o.wrong, 0u) << o.first;
         },
         store);
@@ -834,8 +835,8 @@ TEST(ShmGroupSegmentTest, ForeignSegmentOpenToOthersOrNotOursIsRefused) {
     // Member 0 publishes the name before it counts itself attached: wait for its count (the
     // header's `attached`, after magic, version, members and slot_bytes) so that the copy holds
     // it and a member attaching to the copy completes the pair.
-    const auto* attached = reinterpret_cast<const std::atomic<uint32_t>*>(
-        static_cast<const uint8_t*>(map) + 24);
+    const auto* attached =
+        reinterpret_cast<const std::atomic<uint32_t>*>(static_cast<const uint8_t*>(map) + 24);
     for (int i = 0; i < 5000 && attached->load() != 1; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -865,8 +866,8 @@ TEST(ShmGroupSegmentTest, ForeignSegmentOpenToOthersOrNotOursIsRefused) {
     SCOPED_TRACE(c.what);
     ShmGroupOptions fake_options = options;
     fake_options.key_prefix += "/fake" + std::to_string(k);
-    const std::string name = "/collectives-test-foreign-" + std::to_string(getpid()) + "-" +
-                             std::to_string(k++);
+    const std::string name =
+        "/collectives-test-foreign-" + std::to_string(getpid()) + "-" + std::to_string(k++);
     shm_unlink(name.c_str());
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, c.mode);
     ASSERT_GE(fd, 0) << "shm_open " << name << ": " << std::strerror(errno);
@@ -904,8 +905,7 @@ TEST(ShmGroupSegmentTest, SegmentIsCreatedWithMode0600) {
   auto store = CreateMemoryStore();
   std::unique_ptr<ShmGroup> first;
   std::thread creator([&] { first = ShmGroup::Create(0, {0, 1}, *store, options); });
-  const std::string name =
-      store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(5));
+  const std::string name = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(5));
   struct stat st {};
   ASSERT_EQ(::stat(DevShmPath(name).c_str(), &st), 0) << DevShmPath(name);
   EXPECT_EQ(st.st_mode & 0777, 0600u) << std::oct << (st.st_mode & 0777);

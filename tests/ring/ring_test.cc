@@ -96,7 +96,8 @@ std::vector<MatrixParam> MatrixParams() {
     }
   }
   // AUTO on one host: shared memory; the ring's algorithm options do not apply.
-  for (int size = 1; size <= 8; ++size) params.push_back({Transport::kAuto, size, Algorithms::kDefault});
+  for (int size = 1; size <= 8; ++size)
+    params.push_back({Transport::kAuto, size, Algorithms::kDefault});
   return params;
 }
 

@@ -19,8 +19,7 @@ using namespace collectives;
 using namespace collectives::testing;
 
 // Sums each rank's (rank + 1) over the communicator `comm` that `members` (parent ranks) form.
-void ExpectSumOf(CollectiveCommunication& comm, int parent_rank,
-                 const std::vector<int>& members) {
+void ExpectSumOf(CollectiveCommunication& comm, int parent_rank, const std::vector<int>& members) {
   std::vector<int64_t> value(5, parent_rank + 1);
   comm.AllReduce(Tensor{value.data(), value.size(), DataType::kInt64}, ReduceOp::kSum);
   int64_t expected = 0;
