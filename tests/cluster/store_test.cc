@@ -33,8 +33,8 @@ std::filesystem::path TempRoot() {
 
 enum class Kind { kMemory, kFile, kTcpServer, kTcpClient };
 
-std::string KindName(const testing::TestParamInfo<Kind>& info) {
-  switch (info.param) {
+std::string KindName(const testing::TestParamInfo<Kind>& param_info) {
+  switch (param_info.param) {
     case Kind::kMemory:
       return "Memory";
     case Kind::kFile:

@@ -131,8 +131,8 @@ TEST_P(TwoLevelTest, EveryCollectiveIsExactOnTwoHosts) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Netns, TwoLevelTest, ::testing::Values(2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return "2hosts_x" + std::to_string(info.param);
+                         [](const ::testing::TestParamInfo<int>& param_info) {
+                           return "2hosts_x" + std::to_string(param_info.param);
                          });
 
 TEST(NetnsTest, CuttingAHostsLinkMakesEveryRankRaiseWithinTheDeadline) {

@@ -36,8 +36,8 @@ struct MatrixParam {
   Algorithms algorithms;
 };
 
-std::string Name(const ::testing::TestParamInfo<MatrixParam>& info) {
-  const MatrixParam& p = info.param;
+std::string Name(const ::testing::TestParamInfo<MatrixParam>& param_info) {
+  const MatrixParam& p = param_info.param;
   std::string name = p.transport == Transport::kTcp        ? "Tcp"
                      : p.transport == Transport::kInProcess ? "InProcess"
                                                             : "AutoShm";

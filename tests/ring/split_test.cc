@@ -75,8 +75,8 @@ TEST_P(SplitTest, IntraHostAndInterHostCommunicatorsOfTheTwoLevelPlan) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Split, SplitTest, ::testing::Values(Transport::kTcp, Transport::kAuto),
-                         [](const ::testing::TestParamInfo<Transport>& info) {
-                           return std::string(TransportName(info.param));
+                         [](const ::testing::TestParamInfo<Transport>& param_info) {
+                           return std::string(TransportName(param_info.param));
                          });
 
 TEST(SplitWithoutStoreTest, IsNotSupported) {
