@@ -37,11 +37,12 @@ TEST_P(MultiProcessTest, EveryCollectiveIsExactInEveryProcess) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Processes, MultiProcessTest,
-    ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values("ring", "auto")),
-    [](const ::testing::TestParamInfo<MultiProcessParam>& param_info) {
-      return std::get<1>(param_info.param) + "_" + std::to_string(std::get<0>(param_info.param)) + "ranks";
-    });
+INSTANTIATE_TEST_SUITE_P(Processes, MultiProcessTest,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values("ring", "auto")),
+                         [](const ::testing::TestParamInfo<MultiProcessParam>& param_info) {
+                           return std::get<1>(param_info.param) + "_" +
+                                  std::to_string(std::get<0>(param_info.param)) + "ranks";
+                         });
 
 }  // namespace

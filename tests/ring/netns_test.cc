@@ -46,14 +46,14 @@ class Hosts {
     for (int h = 0; h < kHosts; ++h) {
       const std::string ns = Namespace(h), outer = "cv" + tag_ + "-" + std::to_string(h);
       const std::string inner = Interface(h);
-      const bool ok = Shell("ip netns add " + ns) == 0 &&
-                      Shell("ip link add " + outer + " type veth peer name " + inner) == 0 &&
-                      Shell("ip link set " + inner + " netns " + ns) == 0 &&
-                      Shell("ip link set " + outer + " master " + bridge_ + " up") == 0 &&
-                      Shell("ip netns exec " + ns + " ip addr add " + Address(h) + "/24 dev " +
-                          inner) == 0 &&
-                      Shell("ip netns exec " + ns + " ip link set " + inner + " up") == 0 &&
-                      Shell("ip netns exec " + ns + " ip link set lo up") == 0;
+      const bool ok =
+          Shell("ip netns add " + ns) == 0 &&
+          Shell("ip link add " + outer + " type veth peer name " + inner) == 0 &&
+          Shell("ip link set " + inner + " netns " + ns) == 0 &&
+          Shell("ip link set " + outer + " master " + bridge_ + " up") == 0 &&
+          Shell("ip netns exec " + ns + " ip addr add " + Address(h) + "/24 dev " + inner) == 0 &&
+          Shell("ip netns exec " + ns + " ip link set " + inner + " up") == 0 &&
+          Shell("ip netns exec " + ns + " ip link set lo up") == 0;
       namespaces_.push_back(ns);
       if (!ok) {
         why_ = "cannot set up network namespace " + ns;
@@ -73,11 +73,18 @@ class Hosts {
   std::string Interface(int h) const { return "ce" + tag_ + "-" + std::to_string(h); }
   std::string Address(int h) const { return subnet_ + "." + std::to_string(h + 1); }
   // Each namespace is a host of its own (COLLECTIVES_HOST_ID), as on separate machines.
-  Placement OneRankPerHost() const { return Placement{Address(0), namespaces_, namespaces_}; }
+  Placement OneRankPerHost() const {
+    Placement placement;
+    placement.master_addr = Address(0);
+    placement.namespaces = namespaces_;
+    placement.host_ids = namespaces_;
+    return placement;
+  }
   // `per_host` ranks in each of the first `hosts` namespaces: shared memory inside each, TCP
   // across them (the two-level plan).
   Placement RanksPerHost(int hosts, int per_host) const {
-    Placement placement{Address(0), {}, {}};
+    Placement placement;
+    placement.master_addr = Address(0);
     for (int h = 0; h < hosts; ++h) {
       for (int i = 0; i < per_host; ++i) {
         placement.namespaces.push_back(namespaces_[size_t(h)]);
@@ -155,7 +162,7 @@ TEST(NetnsTest, CuttingAHostsLinkMakesEveryRankRaiseWithinTheDeadline) {
   }
   ASSERT_TRUE(ready) << "the workers never started their loop";
   ASSERT_EQ(Shell("ip netns exec " + hosts.Namespace(kCut) + " ip link set " +
-                hosts.Interface(kCut) + " down"),
+                  hosts.Interface(kCut) + " down"),
             0);
   const auto cut_at = Clock::now();
   const bool all_exited = WaitAll(workers, All(Hosts::kHosts),
