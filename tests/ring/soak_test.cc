@@ -70,7 +70,11 @@ TEST(SoakTest, TwentyThousandMixedCollectivesAreExactAndMemoryStaysFlat) {
   std::printf("resident memory: %.1f MiB after %d calls, %.1f MiB after %d\n",
               rss_after_warmup * mib, kWarmup, rss_at_end * mib, kCalls);
   // Flat: allocator noise of a few MiB at most (4 ranks' largest buffers are ~3 MiB each).
+  // Under AddressSanitizer freed blocks wait in its quarantine (up to 256 MiB), so resident
+  // memory says nothing there; LeakSanitizer checks for leaks at exit instead.
+#if !defined(__SANITIZE_ADDRESS__)
   EXPECT_LT(rss_at_end, rss_after_warmup + (size_t{8} << 20));
+#endif
 }
 
 }  // namespace
