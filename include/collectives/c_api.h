@@ -88,7 +88,7 @@ typedef enum coll_op {
 typedef enum coll_implementation {
   COLL_IMPLEMENTATION_RING = 0, /* TCP between processes; CPU buffers */
   COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL (COLL_NOT_SUPPORTED where it is not built in) */
-  COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call; today RING */
+  COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call: shared memory inside a host, TCP across */
   COLL_IMPLEMENTATION_FORCE_INT_ = 0x7fffffff
 } coll_implementation;
 
