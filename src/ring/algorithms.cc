@@ -12,7 +12,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "src/core/kernels.h"
 
@@ -538,6 +542,27 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
   }
   if (position == 0) CopyUnlessSame(recv, send, bytes);
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
+}
+
+void AgreeOnCall(Context& ctx) {
+  const int n = ctx.size();
+  const int r = ctx.rank();
+  // The measurement switch that turns the frame checks off (tcp_fabric.cc) turns this off too.
+  static const bool skip = [] {
+    const char* value = std::getenv("COLLECTIVES_UNSAFE_SKIP_CALL_CHECK");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  if (n == 1 || skip) return;
+  std::vector<std::pair<Connection*, uint64_t>> receives, sends;
+  receives.reserve(size_t(n - 1));
+  sends.reserve(size_t(n - 1));
+  for (int k = 1; k < n; ++k) {
+    Connection& peer = ctx.peer((r + k) % n);
+    receives.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
+    sends.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
+  }
+  for (const auto& [peer, ticket] : receives) peer->WaitRecv(ticket);
+  for (const auto& [peer, ticket] : sends) peer->WaitSend(ticket);
 }
 
 void Barrier(Context& ctx) {

@@ -87,6 +87,12 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
 // Returns once every rank has entered (recursive doubling of empty frames).
 void Barrier(Context& ctx);
 
+// Every rank sends an empty frame carrying the call's tag to every other and receives theirs:
+// every rank compares its call with every other's directly, so a mismatch raises on every rank
+// before an algorithm that writes the caller's buffer early (the ring, halving-doubling, the
+// broadcasts, all-gather, reduce-scatter) has written anything. One round of empty frames.
+void AgreeOnCall(Context& ctx);
+
 }  // namespace collectives::ring
 
 #endif  // COLLECTIVES_SRC_RING_ALGORITHMS_H_

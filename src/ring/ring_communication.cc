@@ -399,8 +399,10 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
       case Algorithm::kRecursiveDoubling:
         return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kHalvingDoubling:
+        AgreeOnCall(ctx);
         return HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kRing:
+        AgreeOnCall(ctx);
         return RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     }
   }};
@@ -436,6 +438,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
     }
   }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
+    AgreeOnCall(ctx);
     if (small) {
       TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
     } else {
@@ -455,6 +458,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
   return Prepared{call, [send, recv](Context& ctx) {
+    AgreeOnCall(ctx);
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
   }};
 }
@@ -473,6 +477,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
     }
   }
   return Prepared{call, [send, recv, op](Context& ctx) {
+    AgreeOnCall(ctx);
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
   }};
 }
