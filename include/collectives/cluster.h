@@ -37,6 +37,10 @@ struct ClusterSpec {
   // A name every rank of the job agrees on; keys in the store are prefixed with it, and it
   // travels in the connection handshake so that two jobs sharing a host never cross.
   std::string job_id = "collectives";
+  // The job's shared secret, proven on every connection (see CommunicationOptions::job_token,
+  // which wins when set). FromEnvironment takes it from COLLECTIVES_JOB_TOKEN; it is never read
+  // from TF_CONFIG, a variable that launchers and logs tend to print. Empty: none.
+  std::string job_token;
 
   // Parses TensorFlow's TF_CONFIG JSON:
   //   {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", "h2:p"]},

@@ -90,8 +90,8 @@ struct CommunicationOptions {
   int spin_us = -1;
 
   // The job's shared secret. Every connection proves knowledge of it (HMAC-SHA256 over both
-  // sides' nonces); it never travels. Empty: taken from COLLECTIVES_JOB_TOKEN, else none (the
-  // proof then only checks the job id).
+  // sides' nonces); it never travels. Empty: the ClusterSpec's job_token, else
+  // COLLECTIVES_JOB_TOKEN, else none (the proof then only checks the job id).
   // Default: "".
   std::string job_token{};
 };
@@ -192,6 +192,9 @@ class CollectiveCommunication {
 // included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty. For callers that create
 // the store themselves (CreateTcpStore) and pass it to CreateCommunication.
 std::string ResolveJobToken(const CommunicationOptions& options);
+// The same for a communicator of `spec`: options.job_token, else spec.job_token, else
+// $COLLECTIVES_JOB_TOKEN, else empty.
+std::string ResolveJobToken(const ClusterSpec& spec, const CommunicationOptions& options);
 
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options = {});

@@ -314,6 +314,7 @@ ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string
              Find(env, "OMPI_COMM_WORLD_SIZE") != nullptr) {
     spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
   }
+  if (const std::string* token = Find(env, "COLLECTIVES_JOB_TOKEN")) spec.job_token = *token;
   if (const std::string* job_id = Find(env, "COLLECTIVES_JOB_ID")) {
     if (job_id->empty()) Invalid("environment variable COLLECTIVES_JOB_ID is set but empty");
     if (job_id_from_tf_config && *job_id != spec.job_id) {

@@ -29,6 +29,7 @@ std::string HostOf(const std::string& address) {
 // rank listens on.
 struct Rendezvous {
   std::string job_id;
+  std::string token;  // the job token every connection proves
   std::string key_prefix;
   std::string bind_host = "127.0.0.1";
 };
@@ -40,7 +41,7 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
                                                  const CommunicationOptions& options) {
   transport::TcpFabricOptions tcp;
   tcp.job_id = rendezvous.job_id;
-  tcp.token = ResolveJobToken(options);
+  tcp.token = rendezvous.token;
   tcp.timeout = options.timeout;
   tcp.key_prefix = rendezvous.key_prefix;
   tcp.bind_host = rendezvous.bind_host;
@@ -66,7 +67,12 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
 }  // namespace
 
 std::string ResolveJobToken(const CommunicationOptions& options) {
+  return ResolveJobToken(ClusterSpec{}, options);
+}
+
+std::string ResolveJobToken(const ClusterSpec& spec, const CommunicationOptions& options) {
   if (!options.job_token.empty()) return options.job_token;
+  if (!spec.job_token.empty()) return spec.job_token;
   if (const char* env = std::getenv("COLLECTIVES_JOB_TOKEN")) return env;
   return {};
 }
@@ -91,7 +97,8 @@ Implementation ParseImplementation(const std::string& name) {
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options) {
   spec.Validate();
-  return CreateCommunication(spec, CreateStoreFor(spec, options.timeout, ResolveJobToken(options)),
+  return CreateCommunication(spec,
+                             CreateStoreFor(spec, options.timeout, ResolveJobToken(spec, options)),
                              options);
 }
 
@@ -125,6 +132,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
       store->Add(spec.job_id + "/generation/" + std::to_string(spec.rank), 1);
   Rendezvous rendezvous;
   rendezvous.job_id = spec.job_id;
+  rendezvous.token = ResolveJobToken(spec, options);
   rendezvous.key_prefix = spec.job_id + "/" + std::to_string(generation);
   if (!spec.addresses.empty()) {
     rendezvous.bind_host = HostOf(spec.addresses[spec.rank]);

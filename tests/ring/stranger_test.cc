@@ -8,6 +8,7 @@
 // proof of the job token, so a client without it learns nothing) and each rank's fabric listener
 // (published in the store; it is closed once the mesh is built, so connecting there is refused,
 // which the test accepts as the strongest outcome).
+// Then the token as part of the ClusterSpec: proven like one from the options or the environment.
 #include <gtest/gtest.h>
 
 #include <asio.hpp>
@@ -178,6 +179,54 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
   EXPECT_GE(report.connections, 5) << "the stranger did not reach the store";
   std::printf("stranger: %d connections accepted, %d refused (closed fabric listeners)\n",
               report.connections, report.refused);
+}
+
+// The job token can come with the ClusterSpec (as FromEnvironment reads COLLECTIVES_JOB_TOKEN):
+// ranks whose specs carry the same token form the job; a rank whose spec carries another is
+// refused by the store with kUnauthenticated, and the others time out waiting for it.
+TEST(JobTokenTest, TheClusterSpecsTokenIsProvenOnEveryConnection) {
+  for (const bool same : {true, false}) {
+    const uint16_t port = uint16_t(FreePort());
+    std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
+    std::vector<bool> summed(2, false);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = 2;
+        spec.master_port = port;
+        spec.job_token = rank == 1 && !same ? "another-secret" : "the-job-secret";
+        CommunicationOptions options;
+        options.timeout = std::chrono::seconds(3);
+        try {
+          auto comm = CreateCommunication(spec, options);
+          std::vector<float> data(10, 1.0f);
+          comm->AllReduce(Tensor{data.data(), data.size(), DataType::kFloat32}, ReduceOp::kSum);
+          summed[size_t(rank)] = data[9] == 2.0f;
+        } catch (const Error& e) {
+          codes[size_t(rank)] = e.code();
+        }
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    if (same) {
+      EXPECT_TRUE(summed[0] && summed[1]) << "ranks sharing the spec's token did not connect";
+    } else {
+      EXPECT_EQ(codes[1], ErrorCode::kUnauthenticated) << "the stranger's token was accepted";
+      EXPECT_EQ(codes[0], ErrorCode::kTimeout);
+    }
+  }
+}
+
+TEST(JobTokenTest, FromEnvironmentReadsTheTokenAndOptionsWin) {
+  const ClusterSpec spec = ClusterSpec::FromEnvironment(
+      {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"COLLECTIVES_JOB_TOKEN", "from-env"}});
+  EXPECT_EQ(spec.job_token, "from-env");
+  CommunicationOptions options;
+  EXPECT_EQ(ResolveJobToken(spec, options), "from-env");
+  options.job_token = "from-options";
+  EXPECT_EQ(ResolveJobToken(spec, options), "from-options");
 }
 
 }  // namespace
