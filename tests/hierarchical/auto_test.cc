@@ -4,8 +4,8 @@
 // in-place at world sizes 1 to 8; it reports "shm_small"/"shm"; forcing the ring still gives
 // exact results; plans the topology cannot run, and unknown names, are refused with
 // kNotSupported; COLLECTIVES_SHM=0 turns shared memory off; several asynchronous calls in flight
-// complete exactly; an Abort raises on every rank. (Mismatches under AUTO: tests/ring/
-// mismatch_test.cc.)
+// complete exactly. (Mismatches and Abort under AUTO: tests/ring/mismatch_test.cc and
+// ring_test.cc.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -278,42 +278,6 @@ TEST(AutoAsyncTest, MixedCallsInFlightAreExact) {
       }
     });
   }
-}
-
-// Abort wakes a rank blocked in a shared-memory collective its peer never joins, and the peer's
-// next call raises kAborted too.
-TEST(AutoFailureTest, AbortWakesABlockedSharedMemoryCall) {
-  OneHost one_host;
-  CommunicationOptions options;
-  options.timeout = std::chrono::seconds(20);
-  RunRanks(Transport::kAuto, 2, options, [](CollectiveCommunication& comm) {
-    std::vector<float> data(1000, 1.0f);
-    const Tensor t{data.data(), data.size(), DataType::kFloat32};
-    if (comm.rank() == 1) {  // joins only after rank 0 aborted
-      std::this_thread::sleep_for(std::chrono::milliseconds(800));
-      try {
-        comm.AllReduce(t, ReduceOp::kSum);
-        ADD_FAILURE() << "rank 1: an all-reduce with an aborted peer succeeded";
-      } catch (const Error& e) {
-        EXPECT_TRUE(e.code() == ErrorCode::kAborted || e.code() == ErrorCode::kPeerLost)
-            << e.what();
-      }
-      return;
-    }
-    auto work = comm.AllReduceAsync(t, t, ReduceOp::kSum);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    EXPECT_FALSE(work->Done());
-    const auto start = std::chrono::steady_clock::now();
-    comm.Abort();
-    try {
-      work->Wait();
-      ADD_FAILURE() << "an aborted call succeeded";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
-    }
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
-    std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // until rank 1 has tried
-  });
 }
 
 }  // namespace

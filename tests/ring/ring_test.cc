@@ -232,29 +232,41 @@ TEST(RingTimeoutTest, SetTimeoutAppliesToTheNextCalls) {
   });
 }
 
-// Abort from another thread wakes a rank blocked in a collective its peer never joins.
+// Abort from another thread wakes a rank blocked in a collective its peer has not joined, over
+// TCP and in shared memory (AUTO), and the peer's later call raises too.
 TEST(RingAbortTest, AbortWakesABlockedCall) {
-  RunRanks(Transport::kTcp, 2, {}, [](CollectiveCommunication& comm) {
-    if (comm.rank() == 1) {  // never joins the all-reduce, but keeps its connections open
-      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-      return;
-    }
-    std::vector<float> data(1000, 1.0f);
-    auto work = comm.AllReduceAsync(Tensor{data.data(), data.size(), DataType::kFloat32},
-                                    Tensor{data.data(), data.size(), DataType::kFloat32},
-                                    ReduceOp::kSum);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    EXPECT_FALSE(work->Done());
-    const auto start = std::chrono::steady_clock::now();
-    comm.Abort();
-    try {
-      work->Wait();
-      ADD_FAILURE() << "an aborted call succeeded";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
-    }
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
-  });
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(20);
+    RunRanks(transport, 2, options, [](CollectiveCommunication& comm) {
+      std::vector<float> data(1000, 1.0f);
+      const Tensor t{data.data(), data.size(), DataType::kFloat32};
+      if (comm.rank() == 1) {  // joins only after rank 0 aborted
+        std::this_thread::sleep_for(std::chrono::milliseconds(800));
+        try {
+          comm.AllReduce(t, ReduceOp::kSum);
+          ADD_FAILURE() << "rank 1: an all-reduce with an aborted peer succeeded";
+        } catch (const Error& e) {
+          EXPECT_TRUE(e.code() == ErrorCode::kAborted || e.code() == ErrorCode::kPeerLost)
+              << e.what();
+        }
+        return;
+      }
+      auto work = comm.AllReduceAsync(t, t, ReduceOp::kSum);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      EXPECT_FALSE(work->Done());
+      const auto start = std::chrono::steady_clock::now();
+      comm.Abort();
+      try {
+        work->Wait();
+        ADD_FAILURE() << "an aborted call succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      }
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // until rank 1 has tried
+    });
+  }
 }
 
 // A call whose peer never shows up ends with kTimeout after the deadline, not a hang.
