@@ -88,6 +88,8 @@ free_port() {
 start_job() {
   local name=$1 ckpt=$2 port i
   port=$(free_port)
+  # A fresh job token unless one is given: every connection of the job proves it.
+  export COLLECTIVES_JOB_TOKEN=${COLLECTIVES_JOB_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
   for i in 0 1; do
     (
       env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \

@@ -44,6 +44,8 @@ run_workers() {
   local port work pids=() rc=0 i
   port=$(free_port)
   work=$(mktemp -d)
+  # A fresh job token unless one is given: every connection of the job proves it.
+  export COLLECTIVES_JOB_TOKEN=${COLLECTIVES_JOB_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
   for ((i = 1; i < n; ++i)); do
     env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
       RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
