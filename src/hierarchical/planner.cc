@@ -266,25 +266,33 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options) {
-  // "<host>\n<machine>": the host AUTO plans by (pretended or real), and the machine the
-  // process really runs on, whose ranks compete for its cores.
+  // "<shm>\n<host>\n<machine>": whether this rank allows shared memory (COLLECTIVES_SHM), the
+  // host AUTO plans by (pretended or real), and the machine the process really runs on, whose
+  // ranks compete for its cores. Every rank decides from what every rank published, so they
+  // decide alike even when one rank's environment differs: shared memory only if all allow it.
+  const char* shm_env = std::getenv("COLLECTIVES_SHM");
+  const bool shm_here = shm_env == nullptr || std::string(shm_env) != "0";
   const std::string machine = MachineIdentity();
-  store.Set(key_prefix + "/host/" + std::to_string(rank), HostIdentity() + "\n" + machine);
+  store.Set(key_prefix + "/host/" + std::to_string(rank),
+            std::string(shm_here ? "1" : "0") + "\n" + HostIdentity() + "\n" + machine);
   std::vector<std::string> identities;
   size_t ranks_on_machine = 0;
+  bool shm_allowed = true;
   for (int r = 0; r < size; ++r) {
-    const std::string both = store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout);
-    const size_t newline = both.find('\n');
-    identities.push_back(both.substr(0, newline));
-    if (newline != std::string::npos && both.substr(newline + 1) == machine) ++ranks_on_machine;
+    const std::string all = store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout);
+    const size_t first = all.find('\n');
+    const size_t second = all.find('\n', first == std::string::npos ? all.size() : first + 1);
+    if (first == std::string::npos || second == std::string::npos) {
+      throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) +
+                                            ": malformed host record of rank " + std::to_string(r));
+    }
+    shm_allowed = shm_allowed && all.compare(0, first, "1") == 0;
+    identities.push_back(all.substr(first + 1, second - first - 1));
+    if (all.compare(second + 1, std::string::npos, machine) == 0) ++ranks_on_machine;
   }
   Topology topology = Topology::FromIdentities(identities);
   const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];
 
-  const char* shm_env = std::getenv("COLLECTIVES_SHM");
-  const bool shm_allowed = shm_env == nullptr || std::string(shm_env) != "0";
-  // Every rank decides from the same facts: the topology, and whether shared memory is on
-  // (which the launcher sets alike for every rank).
   Plan plan = Plan::kRing;
   if (shm_allowed && local.size() >= 2) {
     if (topology.hosts.size() == 1) {

@@ -45,4 +45,23 @@ INSTANTIATE_TEST_SUITE_P(Processes, MultiProcessTest,
                                   std::to_string(std::get<0>(param_info.param)) + "ranks";
                          });
 
+// One rank's environment turns shared memory off (COLLECTIVES_SHM=0): every rank learns it at
+// set-up and they all run over TCP, exactly, instead of half of them waiting in shared memory.
+TEST(MultiProcessShmTest, OneRankWithoutSharedMemoryTurnsItOffForAll) {
+  constexpr int kSize = 3;
+  Placement placement;
+  placement.shm_off_rank = 1;
+  std::vector<Worker> workers = Start(kSize, {"check", "100003"}, placement);
+  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < kSize; ++rank) {
+    const Worker& w = workers[rank];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("0 wrong"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("algorithm shm"), std::string::npos) << w.output;
+  }
+}
+
 }  // namespace

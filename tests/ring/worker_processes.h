@@ -44,6 +44,8 @@ struct Placement {
   std::string implementation = "auto";
   // RING_WORKER_ALGORITHM (CommunicationOptions::algorithm), or empty to let AUTO choose.
   std::string algorithm;
+  // The rank started with COLLECTIVES_SHM=0, or -1 for none.
+  int shm_off_rank = -1;
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -65,6 +67,7 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       setenv("MASTER_PORT", port.c_str(), 1);
       unsetenv("TF_CONFIG");
       setenv("RING_WORKER_IMPL", placement.implementation.c_str(), 1);
+      if (rank == placement.shm_off_rank) setenv("COLLECTIVES_SHM", "0", 1);
       if (!placement.algorithm.empty()) {
         setenv("RING_WORKER_ALGORITHM", placement.algorithm.c_str(), 1);
       }
