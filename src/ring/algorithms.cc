@@ -147,6 +147,7 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
 
   for (size_t t = 0; t < items; ++t) {
     window.Wait(t);
+    if (t == 0) ctx.AgreeBeforeWriting();
     const size_t s = t / chunks;
     const Range chunk = chunk_of(recv_block(s), t % chunks);
     uint8_t* out = recv + chunk.offset * es;
@@ -544,7 +545,7 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
 }
 
-void AgreeOnCall(Context& ctx) {
+CallAgreement::CallAgreement(Context& ctx) {
   const int n = ctx.size();
   const int r = ctx.rank();
   // The measurement switch that turns the frame checks off (tcp_fabric.cc) turns this off too.
@@ -553,16 +554,24 @@ void AgreeOnCall(Context& ctx) {
     return value != nullptr && std::string(value) == "1";
   }();
   if (n == 1 || skip) return;
-  std::vector<std::pair<Connection*, uint64_t>> receives, sends;
-  receives.reserve(size_t(n - 1));
-  sends.reserve(size_t(n - 1));
+  receives_.reserve(size_t(n - 1));
+  sends_.reserve(size_t(n - 1));
   for (int k = 1; k < n; ++k) {
     Connection& peer = ctx.peer((r + k) % n);
-    receives.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
-    sends.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
+    receives_.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
+    sends_.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
   }
-  for (const auto& [peer, ticket] : receives) peer->WaitRecv(ticket);
-  for (const auto& [peer, ticket] : sends) peer->WaitSend(ticket);
+}
+
+void CallAgreement::Wait() {
+  if (done_) return;
+  done_ = true;
+  for (const auto& [peer, ticket] : receives_) peer->WaitRecv(ticket);
+  for (const auto& [peer, ticket] : sends_) peer->WaitSend(ticket);
+}
+
+void Context::AgreeBeforeWriting() {
+  if (agreement != nullptr) agreement->Wait();
 }
 
 void Barrier(Context& ctx) {

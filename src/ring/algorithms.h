@@ -25,6 +25,8 @@ namespace collectives::ring {
 // chunk-sized staging slots.
 inline constexpr size_t kStagingSlots = 4;
 
+class CallAgreement;
+
 // A growable scratch buffer owned by the communicator and reused by every call.
 class Staging {
  public:
@@ -46,6 +48,12 @@ struct Context {
   Staging& staging;
   // When the call must be done (the fabric throws past it; other transports check it too).
   transport::Clock::time_point deadline = transport::Clock::time_point::max();
+  // The call agreement in flight (see CallAgreement), or null: an algorithm that writes the
+  // caller's buffer waits for it just before its first write.
+  CallAgreement* agreement = nullptr;
+
+  // Waits for the agreement, if any, once; throws its mismatch.
+  void AgreeBeforeWriting();
 
   int rank() const { return fabric.rank(); }
   int size() const { return fabric.size(); }
@@ -90,8 +98,19 @@ void Barrier(Context& ctx);
 // Every rank sends an empty frame carrying the call's tag to every other and receives theirs:
 // every rank compares its call with every other's directly, so a mismatch raises on every rank
 // before an algorithm that writes the caller's buffer early (the ring, halving-doubling, the
-// broadcasts, all-gather, reduce-scatter) has written anything. One round of empty frames.
-void AgreeOnCall(Context& ctx);
+// broadcasts, all-gather, reduce-scatter) has written anything. One round of empty frames,
+// posted by the constructor; Wait (also called by Context::AgreeBeforeWriting) completes it.
+// The ring all-reduce waits only before its first write, so the round overlaps its first sends.
+// COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 (a measurement switch) turns it off.
+class CallAgreement {
+ public:
+  explicit CallAgreement(Context& ctx);
+  void Wait();
+
+ private:
+  std::vector<std::pair<transport::Connection*, uint64_t>> receives_, sends_;
+  bool done_ = false;
+};
 
 }  // namespace collectives::ring
 

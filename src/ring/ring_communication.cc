@@ -399,11 +399,16 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
       case Algorithm::kRecursiveDoubling:
         return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kHalvingDoubling:
-        AgreeOnCall(ctx);
+        CallAgreement(ctx).Wait();
         return HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
-      case Algorithm::kRing:
-        AgreeOnCall(ctx);
-        return RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+      case Algorithm::kRing: {
+        // Posted now, waited for just before the ring's first write into recv.
+        CallAgreement agreement(ctx);
+        ctx.agreement = &agreement;
+        RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+        ctx.agreement = nullptr;
+        return agreement.Wait();
+      }
     }
   }};
 }
@@ -438,7 +443,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
     }
   }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
-    AgreeOnCall(ctx);
+    CallAgreement(ctx).Wait();
     if (small) {
       TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
     } else {
@@ -458,7 +463,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
   return Prepared{call, [send, recv](Context& ctx) {
-    AgreeOnCall(ctx);
+    CallAgreement(ctx).Wait();
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
   }};
 }
@@ -477,7 +482,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
     }
   }
   return Prepared{call, [send, recv, op](Context& ctx) {
-    AgreeOnCall(ctx);
+    CallAgreement(ctx).Wait();
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
   }};
 }
