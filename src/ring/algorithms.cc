@@ -276,6 +276,7 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
       last_send = partner.PostSend(ctx.tag, source + (give.offset + give_chunks.Offset(c)) * es,
                                    give_chunks.Length(c) * es);
     }
+    if (!reduce) ctx.AgreeBeforeWriting();  // these receives land in recv
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
       uint8_t* dst = reduce ? staging + (c % kStagingSlots) * slot_elems * es
                             : recv + (take.offset + take_chunks.Offset(c)) * es;
@@ -284,6 +285,7 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     for (size_t c = 0; c < take_chunks.parts; ++c) {
       window.Wait(c);
       if (reduce) {
+        ctx.AgreeBeforeWriting();
         const size_t offset = (take.offset + take_chunks.Offset(c)) * es;
         const uint8_t* theirs = staging + (c % kStagingSlots) * slot_elems * es;
         // (lower rank's data) op (higher rank's data), as everywhere in this file.

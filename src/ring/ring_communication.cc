@@ -399,13 +399,15 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
       case Algorithm::kRecursiveDoubling:
         return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kHalvingDoubling:
-        CallAgreement(ctx).Wait();
-        return HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kRing: {
-        // Posted now, waited for just before the ring's first write into recv.
+        // Posted now, waited for just before the algorithm's first write into recv.
         CallAgreement agreement(ctx);
         ctx.agreement = &agreement;
-        RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+        if (algorithm == Algorithm::kRing) {
+          RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+        } else {
+          HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+        }
         ctx.agreement = nullptr;
         return agreement.Wait();
       }
