@@ -188,7 +188,7 @@ TEST(JobTokenTest, TheClusterSpecsTokenIsProvenOnEveryConnection) {
   for (const bool same : {true, false}) {
     const uint16_t port = uint16_t(FreePort());
     std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
-    std::vector<bool> summed(2, false);
+    std::vector<int> summed(2, 0);  // not vector<bool>: its bits share words across threads
     std::vector<std::thread> ranks;
     for (int rank = 0; rank < 2; ++rank) {
       ranks.emplace_back([&, rank] {
@@ -203,7 +203,7 @@ TEST(JobTokenTest, TheClusterSpecsTokenIsProvenOnEveryConnection) {
           auto comm = CreateCommunication(spec, options);
           std::vector<float> data(10, 1.0f);
           comm->AllReduce(Tensor{data.data(), data.size(), DataType::kFloat32}, ReduceOp::kSum);
-          summed[size_t(rank)] = data[9] == 2.0f;
+          summed[size_t(rank)] = data[9] == 2.0f ? 1 : 0;
         } catch (const Error& e) {
           codes[size_t(rank)] = e.code();
         }
@@ -211,7 +211,8 @@ TEST(JobTokenTest, TheClusterSpecsTokenIsProvenOnEveryConnection) {
     }
     for (std::thread& t : ranks) t.join();
     if (same) {
-      EXPECT_TRUE(summed[0] && summed[1]) << "ranks sharing the spec's token did not connect";
+      EXPECT_TRUE(summed[0] == 1 && summed[1] == 1)
+          << "ranks sharing the spec's token did not connect";
     } else {
       EXPECT_EQ(codes[1], ErrorCode::kUnauthenticated) << "the stranger's token was accepted";
       EXPECT_EQ(codes[0], ErrorCode::kTimeout);
