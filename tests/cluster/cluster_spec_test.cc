@@ -8,11 +8,13 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "tests/scoped_env.h"
 
 namespace collectives {
 namespace {
 
 using Env = std::map<std::string, std::string>;
+using testing::ScopedEnv;
 
 // Runs `body`, expects Error(kInvalidArgument) whose message contains every one of `parts`.
 template <typename Body>
@@ -342,30 +344,6 @@ TEST(EnvironmentTest, HalfOfAPairIsMissing) {
   ExpectBadEnv(Env{{"WORLD_SIZE", "1"}}, {"RANK"});
   ExpectBadEnv(Env{{"OMPI_COMM_WORLD_SIZE", "1"}}, {"OMPI_COMM_WORLD_RANK"});
 }
-
-// Sets (or unsets, with nullptr) an environment variable for the life of the object.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = getenv(name)) old_ = old;
-    if (value != nullptr) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 TEST(EnvironmentTest, RealEnvironment) {
   ScopedEnv tf("TF_CONFIG", nullptr);

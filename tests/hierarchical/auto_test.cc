@@ -21,6 +21,7 @@
 #include "collectives/communication.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
+#include "tests/scoped_env.h"
 
 namespace collectives {
 namespace {
@@ -28,36 +29,8 @@ namespace {
 using testing::CheckCollective;
 using testing::CheckMatrix;
 using testing::RunRanks;
+using testing::ScopedEnv;
 using testing::Transport;
-
-// The environment AUTO reads, as the tests need it; restored afterwards. Set before any rank
-// thread starts and restored after they all ended.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      had_ = true;
-    }
-    if (value != nullptr) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_.c_str(), old_.c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-
- private:
-  std::string name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 // Every rank on one host with shared memory on, whatever the caller's environment says.
 struct OneHost {
