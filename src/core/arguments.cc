@@ -9,14 +9,20 @@ std::string ArgumentPrefix(int rank, const char* collective) {
   return "rank " + std::to_string(rank) + ": " + collective + ": ";
 }
 
-void CheckTensorData(const std::string& where, const Tensor& t) {
+std::string TensorPrefix(int rank, const char* collective, const char* name) {
+  return ArgumentPrefix(rank, collective) + name + " tensor ";
+}
+
+void CheckTensorData(int rank, const char* collective, const char* name, const Tensor& t) {
   if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
-    throw Error(ErrorCode::kInvalidArgument,
-                where + "has an unknown dtype " + std::to_string(int(t.dtype)));
+    throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +
+                                                 "has an unknown dtype " +
+                                                 std::to_string(int(t.dtype)));
   }
   if (t.data == nullptr && t.count > 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                where + "has null data and " + std::to_string(t.count) + " elements");
+    throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +
+                                                 "has null data and " +
+                                                 std::to_string(t.count) + " elements");
   }
 }
 

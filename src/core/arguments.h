@@ -14,9 +14,13 @@ namespace collectives::core {
 // "rank R: <collective>: ", the start of every argument error.
 std::string ArgumentPrefix(int rank, const char* collective);
 
+// "rank R: <collective>: <name> tensor ", the start of an error about one tensor.
+std::string TensorPrefix(int rank, const char* collective, const char* name);
+
 // Throws Error(kInvalidArgument) when `t`'s dtype is not a DataType or its data is null with
-// count > 0. `where` names the tensor ("rank 0: all_reduce: send tensor ").
-void CheckTensorData(const std::string& where, const Tensor& t);
+// count > 0, naming the tensor as TensorPrefix does. Builds no string unless it throws: it runs
+// on every call.
+void CheckTensorData(int rank, const char* collective, const char* name, const Tensor& t);
 
 // Throws Error(kInvalidArgument) when send and recv have different dtypes; `prefix` as above.
 void CheckSameDtype(const std::string& prefix, const Tensor& send, const Tensor& recv);

@@ -343,17 +343,18 @@ class NcclCommunication final : public CollectiveCommunication {
   }
 
   void CheckTensor(const char* collective, const char* name, const Tensor& t) const {
-    const std::string where = Where(collective) + name + " tensor ";
     if (t.device.kind != Device::Kind::kCuda) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  where + "is on " + t.device.ToString() + "; NCCL takes CUDA tensors only");
+      throw Error(ErrorCode::kInvalidArgument, core::TensorPrefix(rank_, collective, name) +
+                                                   "is on " + t.device.ToString() +
+                                                   "; NCCL takes CUDA tensors only");
     }
     if (t.device.index != shared_->device) {
       throw Error(ErrorCode::kInvalidArgument,
-                  where + "is on " + t.device.ToString() +
-                      " but this communicator uses cuda:" + std::to_string(shared_->device));
+                  core::TensorPrefix(rank_, collective, name) + "is on " +
+                      t.device.ToString() + " but this communicator uses cuda:" +
+                      std::to_string(shared_->device));
     }
-    core::CheckTensorData(where, t);
+    core::CheckTensorData(rank_, collective, name, t);
   }
 
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const {

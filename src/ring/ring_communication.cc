@@ -334,18 +334,12 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
 
 void RingCommunication::CheckTensor(const char* collective, const char* name,
                                     const Tensor& t) const {
-  // The usual case without building a message (a string per call showed in an 8-byte
-  // all-reduce's profile); the checks below word the faults.
-  if (t.device.kind == Device::Kind::kCpu && static_cast<unsigned>(t.dtype) < unsigned(kNumDataTypes) &&
-      (t.data != nullptr || t.count == 0)) {
-    return;
-  }
-  const std::string where = core::ArgumentPrefix(rank_, collective) + name + " tensor ";
   if (t.device.kind != Device::Kind::kCpu) {
-    throw Error(ErrorCode::kNotSupported,
-                where + "is on " + t.device.ToString() + "; RING takes CPU tensors only");
+    throw Error(ErrorCode::kNotSupported, core::TensorPrefix(rank_, collective, name) + "is on " +
+                                              t.device.ToString() +
+                                              "; RING takes CPU tensors only");
   }
-  core::CheckTensorData(where, t);
+  core::CheckTensorData(rank_, collective, name, t);
 }
 
 void RingCommunication::CheckSameType(const char* collective, const Tensor& send,
