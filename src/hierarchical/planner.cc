@@ -2,11 +2,8 @@
 #include "src/hierarchical/planner.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <map>
-#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -59,9 +56,7 @@ class HierarchicalPlanner final : public ring::Planner {
         plan_(plan),
         forced_(forced),
         small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
-                                                         : ring::kDefaultSmallMessageBytes),
-        medium_message_bytes_(options.medium_message_bytes ? options.medium_message_bytes
-                                                           : ring::kDefaultMediumMessageBytes) {
+                                                         : ring::kDefaultSmallMessageBytes) {
     // The ranks of this rank's local index, one per host, and this rank's place among them.
     const int local = topology_.local_index[size_t(rank)];
     for (size_t h = 0; h < topology_.hosts.size(); ++h) {
@@ -232,7 +227,6 @@ class HierarchicalPlanner final : public ring::Planner {
   const Plan plan_;
   const bool forced_;  // options.algorithm named the plan
   const size_t small_message_bytes_;
-  const size_t medium_message_bytes_;
   std::vector<int> cross_ranks_;
   int cross_me_ = 0;
 };
