@@ -147,7 +147,6 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
 
   for (size_t t = 0; t < items; ++t) {
     window.Wait(t);
-    if (t == 0) ctx.AgreeBeforeWriting();
     const size_t s = t / chunks;
     const Range chunk = chunk_of(recv_block(s), t % chunks);
     uint8_t* out = recv + chunk.offset * es;
@@ -276,7 +275,6 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
       last_send = partner.PostSend(ctx.tag, source + (give.offset + give_chunks.Offset(c)) * es,
                                    give_chunks.Length(c) * es);
     }
-    if (!reduce) ctx.AgreeBeforeWriting();  // these receives land in recv
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
       uint8_t* dst = reduce ? staging + (c % kStagingSlots) * slot_elems * es
                             : recv + (take.offset + take_chunks.Offset(c)) * es;
@@ -285,7 +283,6 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     for (size_t c = 0; c < take_chunks.parts; ++c) {
       window.Wait(c);
       if (reduce) {
-        ctx.AgreeBeforeWriting();
         const size_t offset = (take.offset + take_chunks.Offset(c)) * es;
         const uint8_t* theirs = staging + (c % kStagingSlots) * slot_elems * es;
         // (lower rank's data) op (higher rank's data), as everywhere in this file.
@@ -547,7 +544,7 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
 }
 
-CallAgreement::CallAgreement(Context& ctx) {
+void AgreeOnCall(Context& ctx) {
   const int n = ctx.size();
   const int r = ctx.rank();
   // The measurement switch that turns the frame checks off (tcp_fabric.cc) turns this off too.
@@ -556,24 +553,16 @@ CallAgreement::CallAgreement(Context& ctx) {
     return value != nullptr && std::string(value) == "1";
   }();
   if (n == 1 || skip) return;
-  receives_.reserve(size_t(n - 1));
-  sends_.reserve(size_t(n - 1));
+  std::vector<std::pair<Connection*, uint64_t>> receives, sends;
+  receives.reserve(size_t(n - 1));
+  sends.reserve(size_t(n - 1));
   for (int k = 1; k < n; ++k) {
     Connection& peer = ctx.peer((r + k) % n);
-    receives_.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
-    sends_.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
+    receives.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
+    sends.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
   }
-}
-
-void CallAgreement::Wait() {
-  if (done_) return;
-  done_ = true;
-  for (const auto& [peer, ticket] : receives_) peer->WaitRecv(ticket);
-  for (const auto& [peer, ticket] : sends_) peer->WaitSend(ticket);
-}
-
-void Context::AgreeBeforeWriting() {
-  if (agreement != nullptr) agreement->Wait();
+  for (const auto& [peer, ticket] : receives) peer->WaitRecv(ticket);
+  for (const auto& [peer, ticket] : sends) peer->WaitSend(ticket);
 }
 
 void Barrier(Context& ctx) {

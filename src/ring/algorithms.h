@@ -25,8 +25,6 @@ namespace collectives::ring {
 // chunk-sized staging slots.
 inline constexpr size_t kStagingSlots = 4;
 
-class CallAgreement;
-
 // A growable scratch buffer owned by the communicator and reused by every call.
 class Staging {
  public:
@@ -48,12 +46,6 @@ struct Context {
   Staging& staging;
   // When the call must be done (the fabric throws past it; other transports check it too).
   transport::Clock::time_point deadline = transport::Clock::time_point::max();
-  // The call agreement in flight (see CallAgreement), or null: an algorithm that writes the
-  // caller's buffer waits for it just before its first write.
-  CallAgreement* agreement = nullptr;
-
-  // Waits for the agreement, if any, once; throws its mismatch.
-  void AgreeBeforeWriting();
 
   int rank() const { return fabric.rank(); }
   int size() const { return fabric.size(); }
@@ -99,18 +91,11 @@ void Barrier(Context& ctx);
 // every rank compares its call with every other's directly, so a mismatch raises on every rank
 // before an algorithm that writes the caller's buffer early (the ring, halving-doubling, the
 // broadcasts, all-gather, reduce-scatter) has written anything. One round of empty frames,
-// posted by the constructor; Wait (also called by Context::AgreeBeforeWriting) completes it.
-// The ring all-reduce waits only before its first write, so the round overlaps its first sends.
+// completed before the algorithm sends anything: a rank that aborts on a mismatch then has no
+// data of ours unread, which would make its kernel reset the connection and drop its abort
+// frame (overlapping the round with the first chunks gave peer-lost instead of mismatch).
 // COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 (a measurement switch) turns it off.
-class CallAgreement {
- public:
-  explicit CallAgreement(Context& ctx);
-  void Wait();
-
- private:
-  std::vector<std::pair<transport::Connection*, uint64_t>> receives_, sends_;
-  bool done_ = false;
-};
+void AgreeOnCall(Context& ctx);
 
 }  // namespace collectives::ring
 

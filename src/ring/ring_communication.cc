@@ -393,18 +393,11 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
       case Algorithm::kRecursiveDoubling:
         return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kHalvingDoubling:
-      case Algorithm::kRing: {
-        // Posted now, waited for just before the algorithm's first write into recv.
-        CallAgreement agreement(ctx);
-        ctx.agreement = &agreement;
-        if (algorithm == Algorithm::kRing) {
-          RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
-        } else {
-          HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
-        }
-        ctx.agreement = nullptr;
-        return agreement.Wait();
-      }
+        AgreeOnCall(ctx);
+        return HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
+      case Algorithm::kRing:
+        AgreeOnCall(ctx);
+        return RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     }
   }};
 }
@@ -439,7 +432,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
     }
   }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
-    CallAgreement(ctx).Wait();
+    AgreeOnCall(ctx);
     if (small) {
       TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
     } else {
@@ -459,7 +452,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
   return Prepared{call, [send, recv](Context& ctx) {
-    CallAgreement(ctx).Wait();
+    AgreeOnCall(ctx);
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
   }};
 }
@@ -478,7 +471,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
     }
   }
   return Prepared{call, [send, recv, op](Context& ctx) {
-    CallAgreement(ctx).Wait();
+    AgreeOnCall(ctx);
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
   }};
 }

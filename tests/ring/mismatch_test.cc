@@ -7,7 +7,7 @@
 // halving-doubling, the chain, all-gather, reduce-scatter), the mismatched call itself raises on
 // every rank and neither its send nor its recv buffer changed: recursive doubling writes the
 // caller's buffer only in its last round, which no rank reaches, and every other TCP algorithm
-// first has every rank compare its call with every other's (CallAgreement); shared memory checks
+// first has every rank compare its call with every other's (AgreeOnCall); shared memory checks
 // every member's call before any step writes.
 #include <gtest/gtest.h>
 
