@@ -92,74 +92,195 @@ uint8_t* Staging::Get(size_t bytes) {
   return data_.get();
 }
 
-// Ring all-reduce.
+namespace {
+
+// Ring reduce-scatter over n blocks of a vector, block b being the elements
+// [blocks.Offset(b), blocks.Offset(b) + blocks.Length(b)) of `send`: `out` receives the final
+// value of block r (divided by n for kAvg).
 //
-// Schedule: 2(n-1) steps. At step s rank r sends block (r - s) mod n and receives block
-// (r - s - 1) mod n. Steps 0 .. n-2 are the reduce-scatter: the received chunk lands in a
-// staging slot and is reduced with this rank's own contribution (from `send`) into `recv`; after
-// step n-2 rank r holds the final value of block (r + 1) mod n (divided by n for kAvg). Steps
-// n-1 .. 2n-3 are the all-gather: chunks are received straight into `recv`. Every chunk
-// received at step s is forwarded at step s+1 as soon as it is ready, so sending, receiving
-// and reducing overlap across chunks.
+// Schedule: n-1 steps; at step s rank r sends block (r - s - 1) mod n and receives block
+// (r - s - 2) mod n, so its last step receives block r, which it reduces into `out`. Partial
+// sums never touch `out`: a received chunk is reduced in its staging slot and forwarded from
+// there, so the slot is free only once that forward has left. To keep that wait free of cycles,
+// the blocks are processed in iterations of kSlices slices each (of at most chunk_bytes; a
+// slice of a shorter block is clipped to it): within an iteration the frames go step by step,
+// and a slot is reused kStagingSlots items later while a forward happens kSlices items later,
+// so kSlices < kStagingSlots bounds every chain of waits (each hop around the ring moves it
+// kStagingSlots - kSlices items back, down to the first items, whose slots are free from the
+// start).
 //
-// Items t = s * chunks + c are processed in order. Up to kStagingSlots receives are posted
-// ahead; item t uses staging slot t % kStagingSlots, which is free again once item t is
-// reduced. Sends never wait on anything but their data, so there is no cycle of waits.
-// Step 0 sends straight from `send`; later steps send from `recv`, which is why the result is
-// the same bits on every rank (block b's final value is computed once, by its owner).
-void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
-                   DataType dtype, ReduceOp op) {
+// Why a mismatched call writes nothing, with no agreement round: the transport checks every
+// frame's tag against this rank's call before it reads the payload, and a rank forwards a
+// partial sum only after its frame passed that check. The last-step frame that rank r receives
+// was thus checked hop by hop by r-1, r-2, ..., r+2, each against its left neighbour, and r
+// checks it against its own call: a chain of equal calls through all n ranks. A rank whose call
+// differs breaks every such chain, so no rank reaches its first write into `out`, and all learn
+// of the mismatch from the abort of the rank that saw it.
+void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_t* out,
+                         DataType dtype, ReduceOp op) {
+  constexpr size_t kSlices = kStagingSlots / 2;
   const int n = ctx.size();
   const int r = ctx.rank();
   const size_t es = SizeOf(dtype);
-  const auto* send = static_cast<const uint8_t*>(send_ptr);
-  auto* recv = static_cast<uint8_t*>(recv_ptr);
-  if (n == 1) return CopyUnlessSame(recv, send, count * es);
-
-  const Split blocks{count, static_cast<size_t>(n)};
-  const size_t chunks = std::max<size_t>(1, CeilDiv(blocks.Length(0) * es, ctx.chunk_bytes));
-  const size_t slot_bytes = CeilDiv(blocks.Length(0), chunks) * es;
+  const size_t slice_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
+  const size_t iteration_elems = kSlices * slice_elems;
+  const size_t iterations = std::max<size_t>(1, CeilDiv(blocks.Length(0), iteration_elems));
+  const size_t slot_bytes = slice_elems * es;
   uint8_t* staging = ctx.staging.Get(slot_bytes * kStagingSlots);
-  const size_t steps = 2 * static_cast<size_t>(n - 1);
-  const size_t items = steps * chunks;
+  const size_t steps = static_cast<size_t>(n - 1);
+  const size_t items = iterations * steps * kSlices;  // as many sends as receives
 
-  auto chunk_of = [&](int block, size_t c) {
+  auto send_block = [&](size_t s) { return size_t(Mod(int64_t{r} - int64_t(s) - 1, n)); };
+  auto recv_block = [&](size_t s) { return size_t(Mod(int64_t{r} - int64_t(s) - 2, n)); };
+  auto step_of = [&](size_t t) { return (t / kSlices) % steps; };
+  // Item t = (iteration, step, slice), in wire order; its elements within `block`.
+  auto range_of = [&](size_t t, size_t block) {
+    const size_t length = blocks.Length(block);
+    const size_t begin = std::min(length, (t / (kSlices * steps)) * iteration_elems);
+    const Split slices{std::min(length, begin + iteration_elems) - begin, kSlices};
+    return Range{begin + slices.Offset(t % kSlices), slices.Length(t % kSlices)};
+  };
+  auto slot = [&](size_t t) { return staging + (t % kStagingSlots) * slot_bytes; };
+
+  Connection& right = ctx.right();
+  Connection& left = ctx.left();
+  std::array<uint64_t, kStagingSlots> recv_ticket{};
+  std::array<uint64_t, kStagingSlots> forward_ticket{};  // 0: the slot has no send in flight
+  uint64_t last_send = 0;
+  size_t next_send = 0;
+  size_t posted = 0;
+
+  // Sends go out in wire order: a step-0 slice straight from `send`, a later one from the slot
+  // of the item it forwards (kSlices items back) once that item is reduced.
+  auto post_sends = [&](size_t processed) {
+    for (; next_send < items; ++next_send) {
+      const size_t step = step_of(next_send);
+      const size_t block = send_block(step);
+      const Range range = range_of(next_send, block);
+      if (step == 0) {
+        const size_t offset = blocks.Offset(block) + range.offset;
+        last_send = right.PostSend(ctx.tag, send + offset * es, range.length * es);
+      } else {
+        const size_t source = next_send - kSlices;
+        if (source >= processed) break;
+        last_send = right.PostSend(ctx.tag, slot(source), range.length * es);
+        forward_ticket[source % kStagingSlots] = last_send;
+      }
+    }
+  };
+  // Receives are posted up to kStagingSlots ahead, each once its slot's forward has left (not a
+  // ReceiveWindow: here a slot frees when a send completes, not when the item is consumed).
+  auto post_receives = [&](size_t processed, bool must_post_next) {
+    for (; posted < items && posted < processed + kStagingSlots; ++posted) {
+      uint64_t& pending = forward_ticket[posted % kStagingSlots];
+      if (pending != 0) {
+        if (must_post_next && posted == processed) {
+          right.WaitSend(pending);
+        } else if (!right.TestSend(pending)) {
+          break;
+        }
+        pending = 0;
+      }
+      const Range range = range_of(posted, recv_block(step_of(posted)));
+      recv_ticket[posted % kStagingSlots] = left.PostRecv(ctx.tag, slot(posted), range.length * es);
+    }
+  };
+
+  post_sends(0);
+  for (size_t t = 0; t < items; ++t) {
+    post_receives(t, /*must_post_next=*/true);
+    left.WaitRecv(recv_ticket[t % kStagingSlots]);
+    const size_t step = step_of(t);
+    const size_t block = recv_block(step);
+    const Range range = range_of(t, block);
+    const uint8_t* own = send + (blocks.Offset(block) + range.offset) * es;
+    if (step + 1 == steps) {
+      uint8_t* result = out + range.offset * es;
+      core::Reduce(dtype, op, result, own, slot(t), range.length);
+      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, result, range.length, n);
+    } else {
+      core::Reduce(dtype, op, slot(t), own, slot(t), range.length);
+    }
+    post_sends(t + 1);
+    post_receives(t + 1, /*must_post_next=*/false);
+  }
+  right.WaitSend(last_send);
+}
+
+// Ring all-gather over n blocks of `recv` laid out by `blocks`: block r comes from
+// `own_source` (copied to its place unless already there), every other block from its rank.
+//
+// Schedule: n-1 steps; at step s rank r sends block (r - s) mod n and receives block
+// (r - s - 1) mod n straight into `recv`, forwarding each chunk at step s+1 as soon as it has
+// arrived. Every block is cut into as many chunks as the largest needs, so both ends of a frame
+// agree on its size. Step 0 sends from `own_source`, so the copy of the own block (when not in
+// place) overlaps the first transfer.
+void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Split blocks,
+                     size_t es) {
+  const int n = ctx.size();
+  const int r = ctx.rank();
+  uint8_t* own = recv + blocks.Offset(size_t(r)) * es;
+  const size_t own_bytes = blocks.Length(size_t(r)) * es;
+  if (n == 1) return CopyUnlessSame(own, own_source, own_bytes);
+
+  const size_t chunks = std::max<size_t>(1, CeilDiv(blocks.Length(0) * es, ctx.chunk_bytes));
+  const size_t items = size_t(n - 1) * chunks;
+  auto chunk_of = [&](size_t block, size_t c) {
     const Split in_block{blocks.Length(block), chunks};
     return Range{blocks.Offset(block) + in_block.Offset(c), in_block.Length(c)};
   };
-  auto recv_block = [&](size_t s) { return Mod(int64_t{r} - int64_t(s) - 1, n); };
+  auto recv_chunk = [&](size_t t) {
+    return chunk_of(size_t(Mod(int64_t{r} - int64_t(t / chunks) - 1, n)), t % chunks);
+  };
 
   Connection& right = ctx.right();
   Connection& left = ctx.left();
   uint64_t last_send = 0;
   for (size_t c = 0; c < chunks; ++c) {
-    const Range chunk = chunk_of(r, c);
-    last_send = right.PostSend(ctx.tag, send + chunk.offset * es, chunk.length * es);
+    const Range chunk = chunk_of(size_t(r), c);
+    last_send = right.PostSend(
+        ctx.tag, own_source + (chunk.offset - blocks.Offset(size_t(r))) * es, chunk.length * es);
   }
+  CopyUnlessSame(own, own_source, own_bytes);
 
   ReceiveWindow window(left, ctx.tag, items, [&](size_t t) {
-    const size_t s = t / chunks;
-    const Range chunk = chunk_of(recv_block(s), t % chunks);
-    uint8_t* dst = s < static_cast<size_t>(n - 1) ? staging + (t % kStagingSlots) * slot_bytes
-                                                  : recv + chunk.offset * es;
-    return Destination{dst, chunk.length * es};
+    const Range chunk = recv_chunk(t);
+    return Destination{recv + chunk.offset * es, chunk.length * es};
   });
-
   for (size_t t = 0; t < items; ++t) {
     window.Wait(t);
-    const size_t s = t / chunks;
-    const Range chunk = chunk_of(recv_block(s), t % chunks);
-    uint8_t* out = recv + chunk.offset * es;
-    if (s < static_cast<size_t>(n - 1)) {
-      core::Reduce(dtype, op, out, send + chunk.offset * es,
-                   staging + (t % kStagingSlots) * slot_bytes, chunk.length);
-      if (s == static_cast<size_t>(n - 2) && op == ReduceOp::kAvg) {
-        core::DivideInPlace(dtype, out, chunk.length, n);
-      }
+    if (t / chunks + 1 < size_t(n - 1)) {
+      const Range chunk = recv_chunk(t);
+      last_send = right.PostSend(ctx.tag, recv + chunk.offset * es, chunk.length * es);
     }
-    if (s + 1 < steps) last_send = right.PostSend(ctx.tag, out, chunk.length * es);
   }
   right.WaitSend(last_send);
+}
+
+}  // namespace
+
+// Ring all-reduce.
+//
+// Reduce-scatter, then all-gather, both around the ring over the same n blocks of near-equal
+// size (block b: Split{count, n}): ReduceScatterBlocks leaves the final value of block r (divided
+// by n for kAvg) in recv at block r's place, and AllGatherBlocks circulates every final block
+// into every rank's recv. Block b's final value is computed once, by rank b, and copied
+// everywhere else, which is why the result is the same bits on every rank.
+//
+// No separate agreement round: the reduce-scatter keeps its partial sums in staging, so the
+// first write into `recv` is the last reduce-scatter step, whose frame vouches for every rank
+// (see ReduceScatterBlocks); a mismatched call raises on every rank with `recv` untouched.
+void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
+                   DataType dtype, ReduceOp op) {
+  const int n = ctx.size();
+  const size_t es = SizeOf(dtype);
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  auto* recv = static_cast<uint8_t*>(recv_ptr);
+  if (n == 1) return CopyUnlessSame(recv, send, count * es);
+  const Split blocks{count, static_cast<size_t>(n)};
+  uint8_t* own = recv + blocks.Offset(size_t(ctx.rank())) * es;
+  ReduceScatterBlocks(ctx, send, blocks, own, dtype, op);
+  AllGatherBlocks(ctx, own, recv, blocks, es);
 }
 
 // Recursive-doubling all-reduce.
@@ -238,13 +359,20 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_p
 // recursive halving: rank r starts responsible for blocks [0, p); in the step with distance
 // d = p/2, p/4, ..., 1 it exchanges with partner r ^ d, keeps the half of its current range
 // whose blocks have bit d equal to its own (the lower half when r & d == 0), sends the other
-// half from `recv`, receives the partner's contribution to the kept half chunk by chunk through
-// the staging slots, and reduces it into `recv`. After log2(p) steps rank r holds the final
-// value of block r (divided by p for kAvg), computed there alone, so every rank ends with the
-// same bits. All-gather by recursive doubling: with d = 1, 2, ..., p/2 rank r sends its range to
-// r ^ d and receives the adjacent range of the same size straight into `recv`. Each exchange is
-// cut into chunks of at most chunk_bytes; sends are posted at once and never wait on receives,
-// so the two partners of a step cannot block each other.
+// half of its partial sums, receives the partner's contribution to the kept half chunk by chunk
+// through staging slots, and reduces it. The first step reads `send` (so an out-of-place call
+// needs no copy); the partial sums of the steps before the last live in `acc`, a staging buffer
+// of the first kept half; the last step (d = 1) writes block r's final value (divided by p for
+// kAvg) into `recv`, computed there alone, so every rank ends with the same bits. All-gather by
+// recursive doubling: with d = 1, 2, ..., p/2 rank r sends its range to r ^ d and receives the
+// adjacent range of the same size straight into `recv`. Each exchange is cut into chunks of at
+// most chunk_bytes; sends are posted at once and never wait on receives, so the two partners of
+// a step cannot block each other.
+//
+// A mismatched call writes nothing, with no agreement round: as in the ring (see
+// ReduceScatterBlocks), a rank sends partial sums only from frames whose tags it checked, so the
+// last halving frame that reaches rank r carries checks between every rank and the ones it
+// exchanged with, which link all p ranks, before anything is written into `recv`.
 void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
                               DataType dtype, ReduceOp op) {
   const int p = ctx.size();
@@ -260,36 +388,43 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     return Range{blocks.Offset(size_t(lo)), blocks.Offset(size_t(hi)) - blocks.Offset(size_t(lo))};
   };
   const size_t slot_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
-  uint8_t* staging = ctx.staging.Get(slot_elems * es * kStagingSlots);
+  const size_t slots_bytes = slot_elems * es * kStagingSlots;
+  const Range first_keep = (r & (p / 2)) == 0 ? span(0, p / 2) : span(p / 2, p);
+  uint8_t* staging = ctx.staging.Get(slots_bytes + first_keep.length * es);
+  uint8_t* acc = staging + slots_bytes;
+  // Where element `offset` of this rank's partial sums lives: `send` before the first step,
+  // `acc` after it.
+  auto partial = [&](bool first, size_t offset) -> const uint8_t* {
+    return first ? send + offset * es : acc + (offset - first_keep.offset) * es;
+  };
 
-  // Sends `give` (read from `source`) to `partner` and receives the partner's frames for `take`,
-  // both cut into chunks of at most slot_elems. With `reduce`, a received chunk lands in a
-  // staging slot and recv[take] = source[take] op it; without, it lands in recv directly.
-  // `source` is `send` in the first step (so an out-of-place call needs no copy) and `recv` after.
-  auto exchange = [&](Connection& partner, const uint8_t* source, Range give, Range take,
-                      bool reduce) {
+  // Sends `give` (read from `from`) to `partner` and receives the partner's frames for `take`,
+  // both cut into chunks of at most slot_elems. With `mine`, a received chunk lands in a
+  // staging slot and to[c] = mine[c] op it; without, it lands in `to` directly.
+  auto exchange = [&](Connection& partner, const uint8_t* from, Range give, uint8_t* to,
+                      const uint8_t* mine, Range take) {
     const Split give_chunks{give.length, std::max<size_t>(1, CeilDiv(give.length, slot_elems))};
     const Split take_chunks{take.length, std::max<size_t>(1, CeilDiv(take.length, slot_elems))};
     uint64_t last_send = 0;
     for (size_t c = 0; c < give_chunks.parts; ++c) {
-      last_send = partner.PostSend(ctx.tag, source + (give.offset + give_chunks.Offset(c)) * es,
+      last_send = partner.PostSend(ctx.tag, from + give_chunks.Offset(c) * es,
                                    give_chunks.Length(c) * es);
     }
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
-      uint8_t* dst = reduce ? staging + (c % kStagingSlots) * slot_elems * es
-                            : recv + (take.offset + take_chunks.Offset(c)) * es;
+      uint8_t* dst = mine != nullptr ? staging + (c % kStagingSlots) * slot_elems * es
+                                     : to + take_chunks.Offset(c) * es;
       return Destination{dst, take_chunks.Length(c) * es};
     });
     for (size_t c = 0; c < take_chunks.parts; ++c) {
       window.Wait(c);
-      if (reduce) {
-        const size_t offset = (take.offset + take_chunks.Offset(c)) * es;
+      if (mine != nullptr) {
+        const size_t offset = take_chunks.Offset(c) * es;
         const uint8_t* theirs = staging + (c % kStagingSlots) * slot_elems * es;
         // (lower rank's data) op (higher rank's data), as everywhere in this file.
         if (partner.peer() < r) {
-          core::Reduce(dtype, op, recv + offset, theirs, source + offset, take_chunks.Length(c));
+          core::Reduce(dtype, op, to + offset, theirs, mine + offset, take_chunks.Length(c));
         } else {
-          core::Reduce(dtype, op, recv + offset, source + offset, theirs, take_chunks.Length(c));
+          core::Reduce(dtype, op, to + offset, mine + offset, theirs, take_chunks.Length(c));
         }
       }
     }
@@ -303,7 +438,11 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     const bool keep_lower = (r & d) == 0;
     const Range keep = keep_lower ? span(lo, mid) : span(mid, hi);
     const Range give = keep_lower ? span(mid, hi) : span(lo, mid);
-    exchange(ctx.peer(r ^ d), d == p / 2 ? send : recv, give, keep, /*reduce=*/true);
+    const bool first = d == p / 2;
+    // The last step writes the caller's buffer; the others, `acc` (in place after the first).
+    uint8_t* to = d == 1 ? recv + keep.offset * es : acc + (keep.offset - first_keep.offset) * es;
+    exchange(ctx.peer(r ^ d), partial(first, give.offset), give, to, partial(first, keep.offset),
+             keep);
     if (keep_lower) {
       hi = mid;
     } else {
@@ -318,166 +457,31 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     const int width = hi - lo;
     const bool partner_above = (r & d) == 0;
     const int other_lo = partner_above ? hi : lo - width;
-    exchange(ctx.peer(r ^ d), recv, span(lo, hi), span(other_lo, other_lo + width),
-             /*reduce=*/false);
+    const Range mine = span(lo, hi);
+    const Range theirs = span(other_lo, other_lo + width);
+    exchange(ctx.peer(r ^ d), recv + mine.offset * es, mine, recv + theirs.offset * es,
+             /*mine=*/nullptr, theirs);
     lo = std::min(lo, other_lo);
     hi = lo + 2 * width;
   }
 }
 
-// Ring reduce-scatter.
-//
-// Schedule: n-1 steps; at step s rank r sends block (r - s - 1) mod n and receives block
-// (r - s - 2) mod n, so its last step receives block r, which it reduces into `recv`. Unlike
-// all-reduce there is no tensor-sized buffer for the partial sums of the other blocks (`send`
-// is read-only), so a received chunk is reduced in its staging slot and forwarded from there;
-// the slot is free only once that forward has left. To keep that wait free of cycles, the
-// tensor is processed in iterations of kSlices slices per block: within an iteration the
-// frames go step by step, and a slot is reused kStagingSlots items later while a forward
-// happens kSlices items later, so kSlices < kStagingSlots bounds every chain of waits (each
-// hop around the ring moves it kStagingSlots - kSlices items back, down to the first items,
-// whose slots are free from the start).
-void RingReduceScatter(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
-                       DataType dtype, ReduceOp op) {
-  constexpr size_t kSlices = kStagingSlots / 2;
-  const int n = ctx.size();
-  const int r = ctx.rank();
-  const size_t es = SizeOf(dtype);
-  const auto* send = static_cast<const uint8_t*>(send_ptr);
-  auto* recv = static_cast<uint8_t*>(recv_ptr);
-  if (n == 1) return CopyUnlessSame(recv, send, count * es);
-
-  const size_t slice_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
-  const size_t iteration_elems = kSlices * slice_elems;
-  const size_t iterations = std::max<size_t>(1, CeilDiv(count, iteration_elems));
-  const size_t slot_bytes = slice_elems * es;
-  uint8_t* staging = ctx.staging.Get(slot_bytes * kStagingSlots);
-  const size_t steps = static_cast<size_t>(n - 1);
-  const size_t items = iterations * steps * kSlices;  // as many sends as receives
-
-  // Item t = (iteration, step, slice), in wire order.
-  struct Item {
-    size_t step;
-    Range range;  // within a block
-  };
-  auto item_of = [&](size_t t) {
-    const size_t slice = t % kSlices;
-    const size_t step = (t / kSlices) % steps;
-    const size_t iteration = t / (kSlices * steps);
-    const size_t begin = iteration * iteration_elems;
-    const Split slices{std::min(count, begin + iteration_elems) - std::min(count, begin), kSlices};
-    return Item{step, Range{begin + slices.Offset(slice), slices.Length(slice)}};
-  };
-  auto send_block = [&](size_t s) { return Mod(int64_t{r} - int64_t(s) - 1, n); };
-  auto recv_block = [&](size_t s) { return Mod(int64_t{r} - int64_t(s) - 2, n); };
-  auto slot = [&](size_t t) { return staging + (t % kStagingSlots) * slot_bytes; };
-
-  Connection& right = ctx.right();
-  Connection& left = ctx.left();
-  std::array<uint64_t, kStagingSlots> recv_ticket{};
-  std::array<uint64_t, kStagingSlots> forward_ticket{};  // 0: the slot has no send in flight
-  uint64_t last_send = 0;
-  size_t next_send = 0;
-  size_t posted = 0;
-
-  // Sends go out in wire order: a step-0 slice straight from `send`, a later one from the slot
-  // of the item it forwards (kSlices items back) once that item is reduced.
-  auto post_sends = [&](size_t processed) {
-    for (; next_send < items; ++next_send) {
-      const Item item = item_of(next_send);
-      if (item.step == 0) {
-        const size_t offset = size_t(send_block(0)) * count + item.range.offset;
-        last_send = right.PostSend(ctx.tag, send + offset * es, item.range.length * es);
-      } else {
-        const size_t source = next_send - kSlices;
-        if (source >= processed) break;
-        last_send = right.PostSend(ctx.tag, slot(source), item.range.length * es);
-        forward_ticket[source % kStagingSlots] = last_send;
-      }
-    }
-  };
-  // Receives are posted up to kStagingSlots ahead, each once its slot's forward has left (not a
-  // ReceiveWindow: here a slot frees when a send completes, not when the item is consumed).
-  auto post_receives = [&](size_t processed, bool must_post_next) {
-    for (; posted < items && posted < processed + kStagingSlots; ++posted) {
-      uint64_t& pending = forward_ticket[posted % kStagingSlots];
-      if (pending != 0) {
-        if (must_post_next && posted == processed) {
-          right.WaitSend(pending);
-        } else if (!right.TestSend(pending)) {
-          break;
-        }
-        pending = 0;
-      }
-      recv_ticket[posted % kStagingSlots] =
-          left.PostRecv(ctx.tag, slot(posted), item_of(posted).range.length * es);
-    }
-  };
-
-  post_sends(0);
-  for (size_t t = 0; t < items; ++t) {
-    post_receives(t, /*must_post_next=*/true);
-    left.WaitRecv(recv_ticket[t % kStagingSlots]);
-    const Item item = item_of(t);
-    const uint8_t* own = send + (size_t(recv_block(item.step)) * count + item.range.offset) * es;
-    if (item.step + 1 == steps) {
-      uint8_t* out = recv + item.range.offset * es;
-      core::Reduce(dtype, op, out, own, slot(t), item.range.length);
-      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, out, item.range.length, n);
-    } else {
-      core::Reduce(dtype, op, slot(t), own, slot(t), item.range.length);
-    }
-    post_sends(t + 1);
-    post_receives(t + 1, /*must_post_next=*/false);
-  }
-  right.WaitSend(last_send);
+// Ring reduce-scatter: the blocks are the ranks' shares of `send` (count elements each), and
+// rank r's share of the result goes to `recv` (see ReduceScatterBlocks, which also says why no
+// agreement round is needed).
+void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                       ReduceOp op) {
+  const size_t n = size_t(ctx.size());
+  if (n == 1) return CopyUnlessSame(recv, send, count * SizeOf(dtype));
+  ReduceScatterBlocks(ctx, static_cast<const uint8_t*>(send), Split{n * count, n},
+                      static_cast<uint8_t*>(recv), dtype, op);
 }
 
-// Ring all-gather.
-//
-// Schedule: n-1 steps; at step s rank r sends block (r - s) mod n and receives block
-// (r - s - 1) mod n straight into `recv`, forwarding each chunk at step s+1 as soon as it has
-// arrived. Step 0 sends from `send`, so the copy of the own block into `recv` (when not in
-// place) overlaps the first transfer.
-void RingAllGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
-                   DataType dtype) {
-  const int n = ctx.size();
-  const int r = ctx.rank();
-  const size_t es = SizeOf(dtype);
-  const size_t block_bytes = count * es;
-  const auto* send = static_cast<const uint8_t*>(send_ptr);
-  auto* recv = static_cast<uint8_t*>(recv_ptr);
-  uint8_t* own = recv + size_t(r) * block_bytes;
-  if (n == 1) return CopyUnlessSame(own, send, block_bytes);
-
-  const Split chunk_split{count, std::max<size_t>(1, CeilDiv(block_bytes, ctx.chunk_bytes))};
-  const size_t chunks = chunk_split.parts;
-  const size_t items = size_t(n - 1) * chunks;
-  auto recv_block = [&](size_t s) { return Mod(int64_t{r} - int64_t(s) - 1, n); };
-  auto where = [&](size_t t) {
-    const size_t c = t % chunks;
-    return recv + (size_t(recv_block(t / chunks)) * count + chunk_split.Offset(c)) * es;
-  };
-
-  Connection& right = ctx.right();
-  Connection& left = ctx.left();
-  uint64_t last_send = 0;
-  for (size_t c = 0; c < chunks; ++c) {
-    last_send = right.PostSend(ctx.tag, send + chunk_split.Offset(c) * es,
-                               chunk_split.Length(c) * es);
-  }
-  CopyUnlessSame(own, send, block_bytes);
-
-  ReceiveWindow window(left, ctx.tag, items, [&](size_t t) {
-    return Destination{where(t), chunk_split.Length(t % chunks) * es};
-  });
-  for (size_t t = 0; t < items; ++t) {
-    window.Wait(t);
-    if (t / chunks + 1 < size_t(n - 1)) {
-      last_send = right.PostSend(ctx.tag, where(t), chunk_split.Length(t % chunks) * es);
-    }
-  }
-  right.WaitSend(last_send);
+// Ring all-gather: block r of `recv` (count elements) comes from `send` (see AllGatherBlocks).
+void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype) {
+  const size_t n = size_t(ctx.size());
+  AllGatherBlocks(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv),
+                  Split{n * count, n}, SizeOf(dtype));
 }
 
 // Chain broadcast: the ranks in the order root, root+1, ..., root-1 form a chain; the message

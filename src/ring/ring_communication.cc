@@ -393,10 +393,8 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
       case Algorithm::kRecursiveDoubling:
         return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kHalvingDoubling:
-        AgreeOnCall(ctx);
         return HalvingDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
       case Algorithm::kRing:
-        AgreeOnCall(ctx);
         return RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     }
   }};
@@ -471,7 +469,6 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
     }
   }
   return Prepared{call, [send, recv, op](Context& ctx) {
-    AgreeOnCall(ctx);
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
   }};
 }

@@ -34,6 +34,9 @@
 #include <optional>
 #include <vector>
 
+#include <poll.h>
+#include <sys/socket.h>
+
 #include "src/transport/fabric_errors.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
@@ -46,6 +49,12 @@ using asio::ip::tcp;
 constexpr size_t kMaxBatch = 32;  // frames per gathered write (2 buffers each, <= IOV 64)
 constexpr std::chrono::microseconds kDefaultSpin{50};
 constexpr std::chrono::milliseconds kAbortBudget{100};
+// After its abort frames, a shutdown half-closes every connection and reads (and drops) what the
+// peers still send until each closes its side too (it breaks on the abort frame and shuts down
+// in turn), for at most this long. Closing with unread bytes, or with bytes still on their way,
+// makes the kernel reset the connection, and a reset can overtake the abort frame: the peer
+// would report this rank as lost instead of the error that broke the job.
+constexpr std::chrono::milliseconds kLingerBudget{200};
 // A write that fails because the peer closed or reset does not break the fabric at once when the
 // connection's header read is armed: the peer may have closed because it failed itself, and its
 // abort frame (naming the rank at fault) is then already on its way in on the same connection.
@@ -332,6 +341,9 @@ class TcpFabric final : public Fabric {
   void ThrowIfBroken();
   // Sends the abort frames (bounded by kAbortBudget) and closes every socket. Driving thread.
   void RunShutdown();
+  // Half-closes every open connection and drops what arrives until each peer closes its side
+  // (bounded by kLingerBudget). Driving thread, during the shutdown.
+  void Linger();
   // Drives the io_context until `done()` (throwing on error or past the deadline); `head`
   // names the operation reported on timeout.
   template <typename Done>
@@ -924,11 +936,46 @@ void TcpFabric::RunShutdown() {
     };
     while (pending() && Clock::now() < until) io_.run_one_until(until);
   }
+  Linger();
   for (auto& connection : connections_) {
     if (connection) connection->Close();
   }
   // Let the cancelled operations finish now, so none runs later on freed user buffers.
   io_.poll();
+}
+
+void TcpFabric::Linger() {
+  std::vector<pollfd> open;
+  for (auto& connection : connections_) {
+    if (!connection || connection->closed_ || connection->peer_closed_) continue;
+    asio::error_code ec;
+    // Not in the middle of a frame: a cut frame would be a malformed stream to the peer.
+    if (connection->abort_write_ != TcpConnection::AbortWrite::kPending &&
+        connection->abort_write_ != TcpConnection::AbortWrite::kWriting &&
+        !connection->write_in_flight_) {
+      connection->socket_.shutdown(tcp::socket::shutdown_send, ec);
+    }
+    open.push_back(pollfd{connection->socket_.native_handle(), POLLIN, 0});
+  }
+  const auto until = Clock::now() + kLingerBudget;
+  std::array<uint8_t, 64 << 10> scratch;
+  while (!open.empty()) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now());
+    if (left.count() <= 0) break;
+    const int ready = ::poll(open.data(), open.size(), static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) break;
+    std::erase_if(open, [&](const pollfd& fd) {
+      if (fd.revents == 0) return false;
+      for (;;) {
+        const ssize_t got = ::recv(fd.fd, scratch.data(), scratch.size(), MSG_DONTWAIT);
+        if (got > 0) continue;
+        if (got < 0 && errno == EINTR) continue;
+        // 0: the peer closed its side. EAGAIN: nothing more for now. Anything else: gone.
+        return got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK);
+      }
+    });
+  }
 }
 
 template <typename Done>

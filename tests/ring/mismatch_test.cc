@@ -139,7 +139,7 @@ INSTANTIATE_TEST_SUITE_P(
     Ring, MismatchTest,
     ::testing::Combine(::testing::Values(Differ::kCount, Differ::kDtype, Differ::kOp,
                                          Differ::kCollective, Differ::kRoot),
-                       ::testing::Values(2, 4), ::testing::Bool(),
+                       ::testing::Values(2, 3, 4), ::testing::Bool(),
                        ::testing::Values(Transport::kInProcess, Transport::kTcp,
                                          Transport::kAuto),
                        ::testing::Values(size_t{1000}, size_t{100000})),
