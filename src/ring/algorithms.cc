@@ -216,7 +216,7 @@ void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_
 // agree on its size. Step 0 sends from `own_source`, so the copy of the own block (when not in
 // place) overlaps the first transfer.
 void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Split blocks,
-                     size_t es) {
+                     size_t es, CallAgreement* agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
   uint8_t* own = recv + blocks.Offset(size_t(r)) * es;
@@ -241,6 +241,7 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
     last_send = right.PostSend(
         ctx.tag, own_source + (chunk.offset - blocks.Offset(size_t(r))) * es, chunk.length * es);
   }
+  if (agreement != nullptr) agreement->Wait();
   CopyUnlessSame(own, own_source, own_bytes);
 
   ReceiveWindow window(left, ctx.tag, items, [&](size_t t) {
@@ -280,7 +281,7 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
   const Split blocks{count, static_cast<size_t>(n)};
   uint8_t* own = recv + blocks.Offset(size_t(ctx.rank())) * es;
   ReduceScatterBlocks(ctx, send, blocks, own, dtype, op);
-  AllGatherBlocks(ctx, own, recv, blocks, es);
+  AllGatherBlocks(ctx, own, recv, blocks, es, /*agreement=*/nullptr);
 }
 
 // Recursive-doubling all-reduce.
@@ -478,16 +479,20 @@ void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count,
 }
 
 // Ring all-gather: block r of `recv` (count elements) comes from `send` (see AllGatherBlocks).
-void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype) {
+void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                   CallAgreement* agreement) {
   const size_t n = size_t(ctx.size());
   AllGatherBlocks(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv),
-                  Split{n * count, n}, SizeOf(dtype));
+                  Split{n * count, n}, SizeOf(dtype), agreement);
 }
 
 // Chain broadcast: the ranks in the order root, root+1, ..., root-1 form a chain; the message
 // is cut into chunks, and each rank forwards chunk k to its successor as soon as it has it, so
-// all links of the chain are busy at once and the time approaches one message transfer.
-void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t bytes, int root) {
+// all links of the chain are busy at once and the time approaches one message transfer. With
+// `agreement`, the root sends at once (from `send`) and waits for it only before its own copy;
+// the others wait for it before their first receive into `recv`.
+void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t bytes, int root,
+                    CallAgreement* agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
   const auto* send = static_cast<const uint8_t*>(send_ptr);
@@ -504,8 +509,10 @@ void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t b
         last_send = next->PostSend(ctx.tag, send + chunk_split.Offset(c), chunk_split.Length(c));
       }
     }
+    if (agreement != nullptr) agreement->Wait();
     CopyUnlessSame(recv, send, bytes);
   } else {
+    if (agreement != nullptr) agreement->Wait();
     ReceiveWindow window(ctx.left(), ctx.tag, chunks, [&](size_t c) {
       return Destination{recv + chunk_split.Offset(c), chunk_split.Length(c)};
     });
@@ -521,14 +528,16 @@ void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t b
 
 // Binomial-tree broadcast. With ranks renumbered so the root is 0 (position p), p receives the
 // whole message from p minus its lowest set bit, then sends it to p + 2^k for every 2^k below
-// that bit (largest subtree first): ceil(log2 n) hops.
-void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root) {
+// that bit (largest subtree first): ceil(log2 n) hops. `agreement` as for ChainBroadcast.
+void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
+                   CallAgreement* agreement) {
   const int n = ctx.size();
   const int position = Mod(int64_t{ctx.rank()} - root, n);
   auto real_rank = [&](int p) { return (p + root) % n; };
   int mask = 1;
   while (mask < n) {
     if (position & mask) {
+      if (agreement != nullptr) agreement->Wait();
       Connection& parent = ctx.peer(real_rank(position - mask));
       parent.WaitRecv(parent.PostRecv(ctx.tag, recv, bytes));
       break;
@@ -544,11 +553,14 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
       sends[num_sends++] = {&child, child.PostSend(ctx.tag, source, bytes)};
     }
   }
-  if (position == 0) CopyUnlessSame(recv, send, bytes);
+  if (position == 0) {
+    if (agreement != nullptr) agreement->Wait();
+    CopyUnlessSame(recv, send, bytes);
+  }
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
 }
 
-void AgreeOnCall(Context& ctx) {
+CallAgreement::CallAgreement(Context& ctx) {
   const int n = ctx.size();
   const int r = ctx.rank();
   // The measurement switch that turns the frame checks off (tcp_fabric.cc) turns this off too.
@@ -557,16 +569,20 @@ void AgreeOnCall(Context& ctx) {
     return value != nullptr && std::string(value) == "1";
   }();
   if (n == 1 || skip) return;
-  std::vector<std::pair<Connection*, uint64_t>> receives, sends;
-  receives.reserve(size_t(n - 1));
-  sends.reserve(size_t(n - 1));
+  receives_.reserve(size_t(n - 1));
+  sends_.reserve(size_t(n - 1));
   for (int k = 1; k < n; ++k) {
     Connection& peer = ctx.peer((r + k) % n);
-    receives.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
-    sends.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
+    receives_.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
+    sends_.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
   }
-  for (const auto& [peer, ticket] : receives) peer->WaitRecv(ticket);
-  for (const auto& [peer, ticket] : sends) peer->WaitSend(ticket);
+}
+
+void CallAgreement::Wait() {
+  if (done_) return;
+  for (const auto& [peer, ticket] : receives_) peer->WaitRecv(ticket);
+  for (const auto& [peer, ticket] : sends_) peer->WaitSend(ticket);
+  done_ = true;
 }
 
 void Barrier(Context& ctx) {

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "collectives/types.h"
@@ -75,27 +76,47 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t
 void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                        ReduceOp op);
 
+// Every rank sends an empty frame carrying the call's tag to every other and receives theirs, so
+// every rank compares its call with every other's directly. For the algorithms that write the
+// caller's buffer before a frame checked through every rank has reached them (all-gather and
+// the broadcasts; the all-reduces and reduce-scatter need none, see algorithms.cc): the
+// constructor posts the round and the algorithm goes on sending from the caller's read-only
+// `send`; Wait() returns once every peer's call matched (it throws kMismatch otherwise), and the
+// algorithm calls it before its first write into `recv`. The peers' data queues behind their
+// empty frames meanwhile, so the round costs about one hop that overlaps the first transfer.
+// A rank that aborts on a mismatch may then hold our data unread; the TCP fabric's shutdown
+// drains it so that its abort frame is not lost to a connection reset.
+// COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 (a measurement switch) turns the round off.
+class CallAgreement {
+ public:
+  explicit CallAgreement(Context& ctx);
+  CallAgreement(const CallAgreement&) = delete;
+  CallAgreement& operator=(const CallAgreement&) = delete;
+  // Idempotent.
+  void Wait();
+
+ private:
+  std::vector<std::pair<transport::Connection*, uint64_t>> receives_;
+  std::vector<std::pair<transport::Connection*, uint64_t>> sends_;
+  bool done_ = false;
+};
+
 // recv (size * count elements) = the ranks' send blocks (count elements each) in rank order.
-void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype);
+// With `agreement`, its Wait() comes before the first write into recv.
+void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                   CallAgreement* agreement = nullptr);
 
 // recv = root's send (bytes each), pipelined in chunks along the chain root, root+1, ...
-void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root);
+// `agreement` as for RingAllGather.
+void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
+                    CallAgreement* agreement = nullptr);
 
 // The same along a binomial tree, whole message per hop: for small messages.
-void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root);
+void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
+                   CallAgreement* agreement = nullptr);
 
 // Returns once every rank has entered (recursive doubling of empty frames).
 void Barrier(Context& ctx);
-
-// Every rank sends an empty frame carrying the call's tag to every other and receives theirs:
-// every rank compares its call with every other's directly, so a mismatch raises on every rank
-// before an algorithm that writes the caller's buffer early (the ring, halving-doubling, the
-// broadcasts, all-gather, reduce-scatter) has written anything. One round of empty frames,
-// completed before the algorithm sends anything: a rank that aborts on a mismatch then has no
-// data of ours unread, which would make its kernel reset the connection and drop its abort
-// frame (overlapping the round with the first chunks gave peer-lost instead of mismatch).
-// COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 (a measurement switch) turns it off.
-void AgreeOnCall(Context& ctx);
 
 }  // namespace collectives::ring
 

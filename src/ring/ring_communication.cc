@@ -430,12 +430,13 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
     }
   }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
-    AgreeOnCall(ctx);
+    CallAgreement agreement(ctx);
     if (small) {
-      TreeBroadcast(ctx, source, recv.data, recv.bytes(), root);
+      TreeBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
     } else {
-      ChainBroadcast(ctx, source, recv.data, recv.bytes(), root);
+      ChainBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
     }
+    agreement.Wait();
   }};
 }
 
@@ -450,8 +451,9 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
   return Prepared{call, [send, recv](Context& ctx) {
-    AgreeOnCall(ctx);
-    RingAllGather(ctx, send.data, recv.data, send.count, send.dtype);
+    CallAgreement agreement(ctx);
+    RingAllGather(ctx, send.data, recv.data, send.count, send.dtype, &agreement);
+    agreement.Wait();
   }};
 }
 
