@@ -94,6 +94,13 @@ struct CommunicationOptions {
   // COLLECTIVES_JOB_TOKEN, else none (the proof then only checks the job id).
   // Default: "".
   std::string job_token{};
+
+  // The address this rank's data listener binds to. Empty: $COLLECTIVES_LISTEN_ADDRESS when set,
+  // else the host the ClusterSpec names for this rank (TF_CONFIG's cluster addresses), else the
+  // local address that routes toward master_addr: never every interface unless asked.
+  // "0.0.0.0" or "::" asks for every interface (peers are then told this host's name).
+  // Default: "".
+  std::string listen_address{};
 };
 
 // A handle on one asynchronous collective.

@@ -134,7 +134,12 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
   rendezvous.job_id = spec.job_id;
   rendezvous.token = ResolveJobToken(spec, options);
   rendezvous.key_prefix = spec.job_id + "/" + std::to_string(generation);
-  if (!spec.addresses.empty()) {
+  const char* listen_env = std::getenv("COLLECTIVES_LISTEN_ADDRESS");
+  if (!options.listen_address.empty()) {
+    rendezvous.bind_host = options.listen_address;
+  } else if (listen_env != nullptr && *listen_env != '\0') {
+    rendezvous.bind_host = listen_env;
+  } else if (!spec.addresses.empty()) {
     rendezvous.bind_host = HostOf(spec.addresses[spec.rank]);
   } else if (spec.world_size > 1) {
     rendezvous.bind_host = transport::LocalAddressToward(spec.master_addr);
