@@ -3,8 +3,9 @@
 // Connection interface; none of them knows about sockets.
 //
 // Memory: besides the caller's buffers, an algorithm uses only the Context's staging area,
-// which holds at most kStagingSlots chunks (plus one small-message buffer). No algorithm ever
-// copies a whole tensor.
+// which holds at most kStagingSlots chunks, plus, for the two algorithms meant for bounded sizes,
+// their partial results: recursive doubling two copies of the (small) message, halving-doubling
+// half of the (medium) message. The ring algorithms never hold more than the chunks.
 //
 // Thread-safety: a Context is used by one thread.
 #ifndef COLLECTIVES_SRC_RING_ALGORITHMS_H_

@@ -3,12 +3,14 @@
 // both calls, and the communicator stays broken.
 //
 // Whether one rank differs or all do ("all differ": rank r uses count base + 4r, the r-th dtype,
-// the r-th op, ...), at a small size (recursive doubling, the tree) and a large one (the ring,
-// halving-doubling, the chain, all-gather, reduce-scatter), the mismatched call itself raises on
-// every rank and neither its send nor its recv buffer changed: recursive doubling writes the
-// caller's buffer only in its last round, which no rank reaches, and every other TCP algorithm
-// first has every rank compare its call with every other's (AgreeOnCall); shared memory checks
-// every member's call before any step writes.
+// the r-th op, ...), at a small size (recursive doubling, the tree) and a large one (the ring at
+// 2 and 3 ranks, halving-doubling at 4, the chain, all-gather, reduce-scatter), the mismatched
+// call itself raises on every rank and neither its send nor its recv buffer changed: recursive
+// doubling writes the caller's buffer only in its last round, which no rank reaches; the ring,
+// halving-doubling and reduce-scatter keep partial sums in staging until a frame checked hop by
+// hop through every rank arrives; all-gather and the broadcasts wait, before their first write,
+// for a round in which every rank compares its call with every other's (CallAgreement); shared
+// memory checks every member's call before any step writes.
 #include <gtest/gtest.h>
 
 #include <cstring>
