@@ -30,7 +30,24 @@ std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::mill
                                       const std::string& job_token) {
   spec.Validate();
   if (spec.world_size == 1) return CreateMemoryStore();
-  return CreateTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout, job_token);
+  // With the world size and the rank, a job that sets no token gets one: rank 0 generates it
+  // and the others enrol for it (tcp_store_auth.h).
+  if (spec.rank == 0) {
+    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(spec.master_addr),
+                                                     spec.master_port, job_token, spec.world_size);
+  }
+  return std::make_shared<cluster::TcpStoreClient>(spec.master_addr, spec.master_port, timeout,
+                                                   job_token, spec.rank);
 }
+
+namespace cluster {
+
+std::string StoreJobToken(const Store& store) {
+  if (const auto* server = dynamic_cast<const TcpStoreServer*>(&store)) return server->job_token();
+  if (const auto* client = dynamic_cast<const TcpStoreClient*>(&store)) return client->job_token();
+  return {};
+}
+
+}  // namespace cluster
 
 }  // namespace collectives
