@@ -370,9 +370,9 @@ class TcpStoreClient::Impl {
         if (result == Connection::Result::kOk) {
           result = connection->Authenticate(token_, io_deadline, &last_error);
           if (result == Connection::Result::kOk) return connection;
-          if (result == Connection::Result::kRejected) {
-            throw Error(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
-          }
+        }
+        if (result == Connection::Result::kRejected) {
+          throw Error(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
         }
       }
       Clock::time_point now = Clock::now();
