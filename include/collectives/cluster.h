@@ -84,6 +84,9 @@ std::shared_ptr<Store> CreateMemoryStore();
 
 // A store of files in `directory` (a folder every rank can see, e.g. on a shared file system).
 // The folder is created if missing. Values are written atomically (temp file, then rename).
+// When the job sets no token, CreateCommunication proves the one in <directory>/.job-token,
+// which the first rank creates (mode 0600, 32 random bytes in hex); a token file that another
+// user owns or that group or others may read raises Error(kUnauthenticated).
 std::shared_ptr<Store> CreateFileStore(const std::string& directory);
 
 // A TCP store. With `is_server` this process hosts it on host:port (port 0 picks a free port;

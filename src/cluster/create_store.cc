@@ -4,6 +4,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store.h"
 
 namespace collectives {
@@ -43,9 +44,8 @@ std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::mill
 namespace cluster {
 
 std::string StoreJobToken(const Store& store) {
-  if (const auto* server = dynamic_cast<const TcpStoreServer*>(&store)) return server->job_token();
-  if (const auto* client = dynamic_cast<const TcpStoreClient*>(&store)) return client->job_token();
-  return {};
+  const auto* source = dynamic_cast<const JobTokenSource*>(&store);
+  return source != nullptr ? source->JobToken() : std::string();
 }
 
 }  // namespace cluster

@@ -14,7 +14,7 @@
 // the server goes on. A session that has not finished the proof within 10 s is closed too.
 // When the job sets no token, a server that knows the world size generates one and clients of
 // a rank enrol for it (trust on first use, once per rank; tcp_store_auth.h); StoreJobToken then
-// gives the generated token to the communicator, so that the fabric proves it too.
+// (job_token.h) gives the generated token to the communicator, so that the fabric proves it too.
 //
 // Client: a small pool of connections, so that a Get waiting on one connection never blocks a
 // Set from another thread. Each call takes an idle connection (or opens one), runs its
@@ -35,10 +35,11 @@
 #include <string>
 
 #include "collectives/cluster.h"
+#include "src/cluster/job_token.h"
 
 namespace collectives::cluster {
 
-class TcpStoreServer final : public Store {
+class TcpStoreServer final : public Store, public JobTokenSource {
  public:
   // Resolves `host`, binds (SO_REUSEADDR) and listens on host:port (0: a free port), and starts
   // the server thread. Throws Error(kSystem) when it cannot resolve or bind. Every connection
@@ -54,7 +55,7 @@ class TcpStoreServer final : public Store {
   // The port it listens on.
   uint16_t port() const;
   // The token every connection proves (given, generated or empty, as above).
-  const std::string& job_token() const;
+  std::string JobToken() const override;
 
   void Set(const std::string& key, const std::string& value) override;
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
@@ -65,7 +66,7 @@ class TcpStoreServer final : public Store {
   std::unique_ptr<Impl> impl_;
 };
 
-class TcpStoreClient final : public Store {
+class TcpStoreClient final : public Store, public JobTokenSource {
  public:
   // Connects to host:port, retrying until `timeout`, and proves `token` (tcp_store_auth.h).
   // With an empty `token` and `rank` >= 0, it first enrols for `rank` and receives the token
@@ -85,17 +86,12 @@ class TcpStoreClient final : public Store {
   int64_t Add(const std::string& key, int64_t delta) override;
 
   // The token this client proves: the one given, else the one it enrolled for, else empty.
-  const std::string& job_token() const;
+  std::string JobToken() const override;
 
  private:
   class Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// The job token a store's connections prove: a TCP store's (given, generated or enrolled, see
-// above), a file store's (given or from its .job-token file); empty for every other store.
-// CreateCommunication proves it on the fabric when the job sets no token.
-std::string StoreJobToken(const Store& store);
 
 }  // namespace collectives::cluster
 

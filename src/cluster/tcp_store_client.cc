@@ -404,7 +404,7 @@ TcpStoreClient::TcpStoreClient(const std::string& host, uint16_t port,
                                int rank)
     : impl_(std::make_unique<Impl>(host, port, timeout, token, rank)) {}
 
-const std::string& TcpStoreClient::job_token() const { return impl_->token(); }
+std::string TcpStoreClient::JobToken() const { return impl_->token(); }
 
 TcpStoreClient::~TcpStoreClient() = default;
 

@@ -515,7 +515,7 @@ TcpStoreServer::~TcpStoreServer() = default;
 
 uint16_t TcpStoreServer::port() const { return impl_->port(); }
 
-const std::string& TcpStoreServer::job_token() const { return impl_->token(); }
+std::string TcpStoreServer::JobToken() const { return impl_->token(); }
 
 void TcpStoreServer::Set(const std::string& key, const std::string& value) {
   impl_->table().Set(key, value);

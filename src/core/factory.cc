@@ -4,7 +4,7 @@
 #include <string>
 
 #include "collectives/communication.h"
-#include "src/cluster/tcp_store.h"
+#include "src/cluster/job_token.h"
 #include "src/hierarchical/planner.h"
 #include "src/ring/ring_communication.h"
 #if defined(COLLECTIVES_WITH_NCCL)

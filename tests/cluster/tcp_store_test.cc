@@ -24,6 +24,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 #include "tests/free_port.h"

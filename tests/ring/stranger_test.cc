@@ -16,6 +16,7 @@
 
 #include <asio.hpp>
 #include <atomic>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "collectives/communication.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store.h"
 #include "src/transport/handshake.h"
 #include "tests/ring/worker_processes.h"
@@ -303,6 +305,36 @@ TEST(JobTokenTest, WithNoTokenAnywhereTheStoreGeneratesOneThatEveryRankProves) {
     EXPECT_EQ(tokens[size_t(rank)].size(), 32u) << "rank " << rank;
     EXPECT_EQ(tokens[size_t(rank)], tokens[0]) << "rank " << rank;
   }
+}
+
+// The same through a file store: the folder's .job-token, made by the first rank to ask.
+TEST(JobTokenTest, AFileStoreJobWithNoTokenProvesTheFoldersToken) {
+  const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
+  constexpr int kSize = 3;
+  std::string folder = "/tmp/stranger_test.XXXXXX";
+  ASSERT_NE(mkdtemp(folder.data()), nullptr);
+  std::vector<std::string> failures(kSize);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kSize; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        ClusterSpec spec = NoTokenSpec(rank, kSize, 1);
+        CommunicationOptions options;
+        options.implementation = Implementation::kRing;
+        options.timeout = std::chrono::seconds(30);
+        auto comm = CreateCommunication(spec, CreateFileStore(folder), options);
+        failures[size_t(rank)] = CheckedAllReduces(*comm, 5);
+      } catch (const std::exception& e) {
+        failures[size_t(rank)] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_EQ(failures[size_t(rank)], "") << "rank " << rank;
+  }
+  EXPECT_EQ(access((folder + "/.job-token").c_str(), F_OK), 0) << "no token file in " << folder;
+  std::filesystem::remove_all(folder);
 }
 
 // Rank 2 reaches the store through a wrapper, which hides the token it enrolled for, so its
