@@ -84,14 +84,18 @@ std::shared_ptr<Store> CreateMemoryStore();
 
 // A store of files in `directory` (a folder every rank can see, e.g. on a shared file system).
 // The folder is created if missing. Values are written atomically (temp file, then rename).
+// When the job sets no token, CreateCommunication proves the one in <directory>/.job-token,
+// which the first rank creates (mode 0600, 32 random bytes in hex); a token file that another
+// user owns or that group or others may read raises Error(kUnauthenticated).
 std::shared_ptr<Store> CreateFileStore(const std::string& directory);
 
 // A TCP store. With `is_server` this process hosts it on host:port (port 0 picks a free port;
 // see TcpStorePort) and also uses it as a client. Clients retry the connection until `timeout`.
 // Every connection proves `job_token` both ways (HMAC-SHA256 over fresh nonces; the token never
 // travels) before its first request: a server logs and closes a connection that cannot, and a
-// client raises Error(kUnauthenticated). Throws Error(kSystem) when the port cannot be bound,
-// Error(kTimeout) when the server cannot be reached in time.
+// client raises Error(kUnauthenticated). An empty `job_token` is the key here (every job that
+// sets none shares it); CreateStoreFor does better. Throws Error(kSystem) when the port cannot
+// be bound, Error(kTimeout) when the server cannot be reached in time.
 std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
                                       std::chrono::milliseconds timeout,
                                       const std::string& job_token = {});
@@ -101,7 +105,11 @@ uint16_t TcpStorePort(const Store& store);
 
 // The store a ClusterSpec names: rank 0 hosts a TCP store at master_addr:master_port, the other
 // ranks connect to it. A single-rank spec gets a memory store.
-// `job_token` as for CreateTcpStore.
+// `job_token` as for CreateTcpStore, except when it is empty: rank 0 then generates a random
+// token and each other rank enrols for it once, on its first connection (the token travels
+// once, in clear, to each rank; a stranger who enrols first for a rank takes its place, and the
+// real rank raises Error(kUnauthenticated) naming the rank). CreateCommunication proves that
+// token on every connection. On a network you do not trust, set COLLECTIVES_JOB_TOKEN.
 std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::milliseconds timeout,
                                       const std::string& job_token = {});
 

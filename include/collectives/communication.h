@@ -91,7 +91,9 @@ struct CommunicationOptions {
 
   // The job's shared secret. Every connection proves knowledge of it (HMAC-SHA256 over both
   // sides' nonces); it never travels. Empty: the ClusterSpec's job_token, else
-  // COLLECTIVES_JOB_TOKEN, else none (the proof then only checks the job id).
+  // COLLECTIVES_JOB_TOKEN, else the token the store's creator generated and each rank enrolled
+  // for (CreateStoreFor; it travels once, in clear, to each rank), else none (a store that has
+  // no token: the proof then only checks the job id).
   // Default: "".
   std::string job_token{};
 
@@ -196,7 +198,8 @@ class CollectiveCommunication {
 // levels (inside each host, then across hosts among ranks of the same local index) when there
 // are several hosts of as many ranks each. COLLECTIVES_SHM=0 turns shared memory off.
 // The job token a communicator built with `options` proves on every connection, the store's
-// included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty. For callers that create
+// included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty (CreateCommunication
+// then proves the token its store generated or enrolled for, if any). For callers that create
 // the store themselves (CreateTcpStore) and pass it to CreateCommunication.
 std::string ResolveJobToken(const CommunicationOptions& options);
 // The same for a communicator of `spec`: options.job_token, else spec.job_token, else

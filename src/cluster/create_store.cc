@@ -4,6 +4,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store.h"
 
 namespace collectives {
@@ -30,7 +31,23 @@ std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::mill
                                       const std::string& job_token) {
   spec.Validate();
   if (spec.world_size == 1) return CreateMemoryStore();
-  return CreateTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout, job_token);
+  // With the world size and the rank, a job that sets no token gets one: rank 0 generates it
+  // and the others enrol for it (tcp_store_auth.h).
+  if (spec.rank == 0) {
+    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(spec.master_addr),
+                                                     spec.master_port, job_token, spec.world_size);
+  }
+  return std::make_shared<cluster::TcpStoreClient>(spec.master_addr, spec.master_port, timeout,
+                                                   job_token, spec.rank);
 }
+
+namespace cluster {
+
+std::string StoreJobToken(const Store& store) {
+  const auto* source = dynamic_cast<const JobTokenSource*>(&store);
+  return source != nullptr ? source->JobToken() : std::string();
+}
+
+}  // namespace cluster
 
 }  // namespace collectives

@@ -6,7 +6,14 @@
 //               under 255 bytes and never contain '/' or other special characters);
 //   lock.<k>    taken with flock(LOCK_EX) around the read-modify-write of Add;
 //   .tmp.*      a value being written: Set writes a temp file, fsyncs it and renames it over
-//               key.<k>, so a reader sees the old value or the new one, never a torn one.
+//               key.<k>, so a reader sees the old value or the new one, never a torn one;
+//   .job-token  the job token of a job that sets none (StoreJobToken, job_token.h): 32 random
+//               bytes as 64 hex digits, mode 0600. The first rank to ask writes it to a temp
+//               file (O_CREAT|O_EXCL, 0600) and links it to .job-token (link(2) fails when the
+//               name exists, so one rank wins and nobody reads a half-written token); the
+//               others read it. A token file that another user owns or that group or others may
+//               read or write is refused with Error(kUnauthenticated): whoever can read it can
+//               join the job. Created only when asked, so a job that sets a token never has one.
 // Get polls for the file with a backoff from 1 ms doubling to 50 ms. flock locks belong to the
 // open file description, so Add excludes other threads of this process as well as other
 // processes (Linux NFS maps flock onto POSIX byte-range locks).
@@ -21,7 +28,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <random>
 #include <string>
 #include <system_error>
@@ -29,7 +38,9 @@
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/job_token.h"
 #include "src/cluster/store_common.h"
+#include "src/core/auth.h"
 #include "src/core/files.h"
 
 namespace collectives {
@@ -67,7 +78,7 @@ std::string EncodeKey(const std::string& key) {
   return name;
 }
 
-class FileStore : public Store {
+class FileStore : public Store, public JobTokenSource {
  public:
   explicit FileStore(std::string directory)
       : directory_(std::move(directory)), name_("file store at '" + directory_ + "'") {
@@ -124,6 +135,11 @@ class FileStore : public Store {
     return sum;
   }
 
+  std::string JobToken() const override {
+    std::call_once(token_once_, [this] { token_ = LoadOrCreateToken(); });
+    return token_;
+  }
+
  private:
   std::string ValuePath(const std::string& key) const {
     return directory_ + "/key." + EncodeKey(key);
@@ -176,10 +192,81 @@ class FileStore : public Store {
     }
   }
 
+  // The folder's .job-token: read when it exists, else created (see the file comment).
+  std::string LoadOrCreateToken() const {
+    const std::string path = directory_ + "/.job-token";
+    for (;;) {
+      core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+      if (fd.get() >= 0) return ReadToken(fd.get(), path);
+      if (errno != ENOENT) ThrowSystem("open", path);
+      const core::Nonce random = core::RandomNonce();  // RAND_bytes
+      const std::string token = Hex(random.data(), random.size());
+      const std::string temp = temp_prefix_ + std::to_string(temp_counter_.fetch_add(1));
+      core::UniqueFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+      if (out.get() < 0) ThrowSystem("create", temp);
+      int linked = -1;
+      int link_error = 0;
+      if (core::WriteAll(out.get(), token.data(), token.size()) && ::fsync(out.get()) == 0 &&
+          out.Close() == 0) {
+        linked = ::link(temp.c_str(), path.c_str());
+        link_error = errno;
+      } else {
+        link_error = errno;
+      }
+      ::unlink(temp.c_str());
+      if (linked == 0) return token;
+      if (link_error != EEXIST) {
+        errno = link_error;
+        ThrowSystem("create", path);
+      }
+      // Another rank linked its token first: read that one.
+    }
+  }
+
+  std::string ReadToken(int fd, const std::string& path) const {
+    struct stat info {};
+    if (::fstat(fd, &info) != 0) ThrowSystem("stat", path);
+    const std::string refuse = name_ + ": refusing the job token in '" + path + "': ";
+    if (!S_ISREG(info.st_mode)) {
+      throw Error(ErrorCode::kUnauthenticated, refuse + "it is not a regular file");
+    }
+    if (info.st_uid != ::geteuid()) {
+      throw Error(ErrorCode::kUnauthenticated,
+                  refuse + "it is owned by uid " + std::to_string(info.st_uid) +
+                      ", not by this process's uid " + std::to_string(::geteuid()));
+    }
+    if ((info.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+      char mode[8];
+      std::snprintf(mode, sizeof(mode), "%04o", unsigned(info.st_mode & 07777));
+      throw Error(
+          ErrorCode::kUnauthenticated,
+          refuse + "group or others may read or write it (mode " + mode + "; it must be 0600)");
+    }
+    std::string token(2 * core::kNonceBytes + 2, '\0');
+    size_t got = 0;
+    for (;;) {
+      const ssize_t n = ::read(fd, token.data() + got, token.size() - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) ThrowSystem("read", path);
+      if (n == 0 || (got += size_t(n)) == token.size()) break;
+    }
+    token.resize(got);
+    if (!token.empty() && token.back() == '\n') token.pop_back();  // written by hand
+    const bool hex = token.size() == 2 * core::kNonceBytes &&
+                     token.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
+    if (!hex) {
+      throw Error(ErrorCode::kUnauthenticated,
+                  refuse + "it does not hold 64 hex digits (a token this store writes)");
+    }
+    return token;
+  }
+
   const std::string directory_;
   const std::string name_;
   std::string temp_prefix_;  // "<dir>/.tmp.<pid>.<random>."; set once in the constructor
-  std::atomic<uint64_t> temp_counter_{0};
+  mutable std::atomic<uint64_t> temp_counter_{0};
+  mutable std::once_flag token_once_;
+  mutable std::string token_;  // written once, under token_once_
 };
 
 }  // namespace

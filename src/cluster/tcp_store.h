@@ -12,6 +12,9 @@
 // Authentication: every connection starts with a mutual proof of the job token
 // (tcp_store_auth.h); a connection that fails it is logged with its address and closed, and
 // the server goes on. A session that has not finished the proof within 10 s is closed too.
+// When the job sets no token, a server that knows the world size generates one and clients of
+// a rank enrol for it (trust on first use, once per rank; tcp_store_auth.h); StoreJobToken then
+// (job_token.h) gives the generated token to the communicator, so that the fabric proves it too.
 //
 // Client: a small pool of connections, so that a Get waiting on one connection never blocks a
 // Set from another thread. Each call takes an idle connection (or opens one), runs its
@@ -32,21 +35,27 @@
 #include <string>
 
 #include "collectives/cluster.h"
+#include "src/cluster/job_token.h"
 
 namespace collectives::cluster {
 
-class TcpStoreServer final : public Store {
+class TcpStoreServer final : public Store, public JobTokenSource {
  public:
   // Resolves `host`, binds (SO_REUSEADDR) and listens on host:port (0: a free port), and starts
   // the server thread. Throws Error(kSystem) when it cannot resolve or bind. Every connection
-  // must prove `token` (tcp_store_auth.h) before its first request.
-  TcpStoreServer(const std::string& host, uint16_t port, const std::string& token = {});
+  // must prove the job token (tcp_store_auth.h) before its first request: `token`; when it is
+  // empty and `world_size` > 1, 32 random bytes generated here, which ranks 1..world_size-1 may
+  // each enrol for once; when both are unset, the empty token (no enrolment).
+  TcpStoreServer(const std::string& host, uint16_t port, const std::string& token = {},
+                 int world_size = 0);
   ~TcpStoreServer() override;
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
 
   // The port it listens on.
   uint16_t port() const;
+  // The token every connection proves (given, generated or empty, as above).
+  std::string JobToken() const override;
 
   void Set(const std::string& key, const std::string& value) override;
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
@@ -57,13 +66,17 @@ class TcpStoreServer final : public Store {
   std::unique_ptr<Impl> impl_;
 };
 
-class TcpStoreClient final : public Store {
+class TcpStoreClient final : public Store, public JobTokenSource {
  public:
   // Connects to host:port, retrying until `timeout`, and proves `token` (tcp_store_auth.h).
-  // Throws Error(kTimeout) naming the address and the last error when the server cannot be
-  // reached in time, Error(kUnauthenticated) when the proofs fail either way.
+  // With an empty `token` and `rank` >= 0, it first enrols for `rank` and receives the token
+  // the server generated; it proves that token on every later connection (reconnects never
+  // enrol again). With an empty token and no rank, it proves the empty token. Throws
+  // Error(kTimeout) naming the address and the last error when the server cannot be reached in
+  // time, Error(kUnauthenticated) when the proofs fail either way or the enrolment is refused
+  // (the message names the rank and, when another peer enrolled for it first, that peer).
   TcpStoreClient(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
-                 const std::string& token = {});
+                 const std::string& token = {}, int rank = -1);
   ~TcpStoreClient() override;
   TcpStoreClient(const TcpStoreClient&) = delete;
   TcpStoreClient& operator=(const TcpStoreClient&) = delete;
@@ -71,6 +84,9 @@ class TcpStoreClient final : public Store {
   void Set(const std::string& key, const std::string& value) override;
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
   int64_t Add(const std::string& key, int64_t delta) override;
+
+  // The token this client proves: the one given, else the one it enrolled for, else empty.
+  std::string JobToken() const override;
 
  private:
   class Impl;

@@ -61,24 +61,82 @@ class Connection {
     return Result::kFailed;
   }
 
-  // The client side of tcp_store_auth.h, right after Connect.
-  Result Authenticate(const std::string& token, Clock::time_point deadline, std::string* why) {
+  // The client side of tcp_store_auth.h, right after Connect: reads the server's challenge.
+  Result ReadChallenge(Clock::time_point deadline, std::string* why) {
     std::array<uint8_t, auth::kChallengeBytes> challenge{};
     asio::error_code error = asio::error::would_block;
     asio::async_read(socket_, asio::buffer(challenge),
                      [&error](const asio::error_code& ec, size_t) { error = ec; });
     if (!RunUntil(deadline)) return TimedOut(why, "waiting for the server's challenge");
     if (error) return Failed(why, error);
-    core::Nonce server_nonce;
-    if (!auth::DecodeChallenge(challenge, &server_nonce)) {
+    if (!auth::DecodeChallenge(challenge, &server_nonce_)) {
       *why = "the server did not open with a store challenge (not a collectives TCP store?)";
       return Result::kRejected;
     }
+    return Result::kOk;
+  }
+
+  // After ReadChallenge, for a client that holds no token: enrols for `rank` and returns the
+  // job token in `*token`. kRejected with the reason in `*why` when the server refuses.
+  Result Enrol(int rank, Clock::time_point deadline, std::string* token, std::string* why) {
+    const auth::Response request = auth::EncodeEnrolment(uint32_t(rank));
+    asio::error_code error = asio::error::would_block;
+    asio::async_write(socket_, asio::buffer(request),
+                      [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "sending the enrolment request");
+    if (error) return Failed(why, error);
+    std::array<uint8_t, auth::kEnrolReplyHeaderBytes> header{};
+    error = asio::error::would_block;
+    asio::async_read(socket_, asio::buffer(header),
+                     [&error](const asio::error_code& ec, size_t) { error = ec; });
+    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the enrolment reply");
+    if (error) return Failed(why, error);
+    const std::string malformed = auth::CheckEnrolReply(header);
+    if (!malformed.empty()) {
+      *why = "malformed enrolment reply: " + malformed;
+      return Result::kRejected;
+    }
+    std::string payload(header[2], '\0');
+    if (!payload.empty()) {
+      error = asio::error::would_block;
+      asio::async_read(socket_, asio::buffer(payload),
+                       [&error](const asio::error_code& ec, size_t) { error = ec; });
+      if (!RunUntil(deadline)) return TimedOut(why, "reading the enrolment reply");
+      if (error) return Failed(why, error);
+    }
+    if (header[0] == auth::kEnrolled) {
+      *token = std::move(payload);
+      return Result::kOk;
+    }
+    const std::string who = "rank " + std::to_string(rank) + "'s enrolment in the job's store";
+    switch (static_cast<auth::EnrolRefusal>(header[1])) {
+      case auth::EnrolRefusal::kTaken:
+        *why = who + " was already taken by " + Printable(payload) +
+               "; a stranger may be on the store's port; set COLLECTIVES_JOB_TOKEN to a shared "
+               "secret";
+        break;
+      case auth::EnrolRefusal::kRankOutOfRange:
+        *why = who +
+               " was refused: the rank is outside the job's (is the world size the same "
+               "on every rank?)";
+        break;
+      default:
+        *why = who +
+               " was refused: the store holds a job token and this rank has none (set "
+               "COLLECTIVES_JOB_TOKEN to the same secret on every rank)";
+        break;
+    }
+    return Result::kRejected;
+  }
+
+  // After ReadChallenge (and Enrol): proves `token` and checks the server's proof.
+  Result Authenticate(const std::string& token, Clock::time_point deadline, std::string* why) {
+    const core::Nonce& server_nonce = server_nonce_;
     const core::Nonce client_nonce = core::RandomNonce();
     const core::Proof proof =
         auth::StoreProof(token, client_nonce, server_nonce, auth::kClientRole);
     std::array<asio::const_buffer, 2> response = {asio::buffer(client_nonce), asio::buffer(proof)};
-    error = asio::error::would_block;
+    asio::error_code error = asio::error::would_block;
     asio::async_write(socket_, response, [&error](const asio::error_code& ec, size_t) { error = ec; });
     if (!RunUntil(deadline)) return TimedOut(why, "sending the proof");
     if (error) return Failed(why, error);
@@ -160,17 +218,28 @@ class Connection {
     return Result::kFailed;
   }
 
+  // Text from the server, for a message: printable ASCII kept, other bytes as '?'.
+  static std::string Printable(std::string text) {
+    for (char& c : text) {
+      if (c < 0x20 || c > 0x7e) c = '?';
+    }
+    return text;
+  }
+
   asio::io_context io_;
   tcp::socket socket_;
+  core::Nonce server_nonce_{};  // from the challenge
 };
 
 }  // namespace
 
 class TcpStoreClient::Impl {
  public:
-  Impl(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
-       std::string token)
+  Impl(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, std::string token,
+       int rank)
       : token_(std::move(token)),
+        enrol_(token_.empty() && rank >= 0),
+        rank_(rank),
         host_(StripBrackets(host)),
         port_(port),
         timeout_(ClampTimeout(timeout)),
@@ -186,6 +255,8 @@ class TcpStoreClient::Impl {
     }
     Release(Open());
   }
+
+  const std::string& token() const { return token_; }
 
   void Set(const std::string& key, const std::string& value) {
     CheckKey(name_, key);
@@ -285,14 +356,23 @@ class TcpStoreClient::Impl {
         Clock::time_point attempt_deadline = std::max(deadline, Clock::now() + kMinAttempt);
         auto connection = std::make_unique<Connection>();
         Connection::Result result = connection->Connect(endpoints, attempt_deadline, &last_error);
+        const Clock::time_point io_deadline =
+            std::max(attempt_deadline, DeadlineAfter(io_timeout_));
         if (result == Connection::Result::kOk) {
-          result = connection->Authenticate(token_, std::max(attempt_deadline, DeadlineAfter(
-                                                                                   io_timeout_)),
-                                            &last_error);
+          result = connection->ReadChallenge(io_deadline, &last_error);
+        }
+        if (result == Connection::Result::kOk && enrol_) {
+          // Only the constructor's Open gets here: once the token arrived, enrol_ is false and
+          // a retry or a later connection proves the token instead of enrolling again.
+          result = connection->Enrol(rank_, io_deadline, &token_, &last_error);
+          if (result == Connection::Result::kOk) enrol_ = false;
+        }
+        if (result == Connection::Result::kOk) {
+          result = connection->Authenticate(token_, io_deadline, &last_error);
           if (result == Connection::Result::kOk) return connection;
-          if (result == Connection::Result::kRejected) {
-            throw Error(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
-          }
+        }
+        if (result == Connection::Result::kRejected) {
+          throw Error(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
         }
       }
       Clock::time_point now = Clock::now();
@@ -305,7 +385,11 @@ class TcpStoreClient::Impl {
                                          " ms (last error: " + last_error + ")");
   }
 
-  const std::string token_;
+  // The token every connection proves, and whether this client must still enrol for it (as
+  // rank_). Written only while the constructor runs (its Open), constant afterwards.
+  std::string token_;
+  bool enrol_;
+  const int rank_;
   const std::string host_;
   const uint16_t port_;
   const std::chrono::milliseconds timeout_;     // for connecting
@@ -316,8 +400,11 @@ class TcpStoreClient::Impl {
 };
 
 TcpStoreClient::TcpStoreClient(const std::string& host, uint16_t port,
-                               std::chrono::milliseconds timeout, const std::string& token)
-    : impl_(std::make_unique<Impl>(host, port, timeout, token)) {}
+                               std::chrono::milliseconds timeout, const std::string& token,
+                               int rank)
+    : impl_(std::make_unique<Impl>(host, port, timeout, token, rank)) {}
+
+std::string TcpStoreClient::JobToken() const { return impl_->token(); }
 
 TcpStoreClient::~TcpStoreClient() = default;
 

@@ -4,9 +4,10 @@
 // memory (aligned_alloc or operator new) from a libstdc++ macro, so every file must have seen
 // <bits/c++config.h> before Asio, or two files disagree and memory is freed the wrong way.
 #include <array>
-#include <cstring>
 #include <asio.hpp>
 #include <cstdio>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -41,11 +42,12 @@ std::string Describe(const tcp::endpoint& endpoint) {
 // thread once the constructor has started it.
 class TcpStoreServer::Impl {
  public:
-  Impl(const std::string& host, uint16_t port, std::string token);
+  Impl(const std::string& host, uint16_t port, std::string token, int world_size);
   ~Impl();
 
   MemoryStore& table() { return *table_; }
   uint16_t port() const { return port_; }
+  const std::string& token() const { return token_; }
 
  private:
   class Session;
@@ -55,8 +57,17 @@ class TcpStoreServer::Impl {
   void OnKeySet(const std::string& key);
   void Forget(Session* session) { sessions_.erase(session); }
   void RemoveWaiter(const std::string& key, Session* session);
+  // On the io thread: hands the generated token to `peer` for `rank` (returns it), or refuses
+  // (returns nullopt with the reason, the address that took the rank, and a line for the log).
+  std::optional<std::string> Enrol(uint32_t rank, const std::string& peer,
+                                   auth::EnrolRefusal* reason, std::string* taken_by,
+                                   std::string* why);
 
-  const std::string token_;             // the job token every connection must prove
+  // The job token every connection must prove: the one given, else one generated when a world
+  // size was given, else empty. Set by the constructor, constant afterwards.
+  std::string token_;
+  const bool enrolling_;  // the token was generated: ranks 1..world_size_-1 enrol for it
+  const int world_size_;
   std::string name_;                    // "TCP store server at host:port"
   std::unique_ptr<MemoryStore> table_;  // set once the port is known
   uint16_t port_ = 0;
@@ -66,6 +77,10 @@ class TcpStoreServer::Impl {
   // Only the io thread touches these two.
   std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;
   std::unordered_map<std::string, std::vector<std::weak_ptr<Session>>> waiters_;
+  // Only the io thread touches these two: the address each rank enrolled from ("" not yet),
+  // indexed by rank, and how many have.
+  std::vector<std::string> enrolled_from_;
+  int enrolled_count_ = 0;
   std::thread thread_;
 };
 
@@ -140,6 +155,15 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   }
 
   void CheckProof() {
+    uint32_t rank = 0;
+    switch (auth::ClassifyResponse(response_, &rank)) {
+      case auth::ResponseKind::kProof:
+        break;
+      case auth::ResponseKind::kEnrolment:
+        return HandleEnrolment(rank);
+      case auth::ResponseKind::kMalformedEnrolment:
+        return Close("malformed enrolment request (padding is not zero)");
+    }
     core::Nonce client_nonce;
     core::Proof proof;
     std::memcpy(client_nonce.data(), response_.data(), client_nonce.size());
@@ -161,6 +185,26 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
                         self->authenticated_ = true;
                         self->timer_.cancel();
                         self->ReadHeader();
+                      });
+  }
+
+  // An enrolment request for `rank` (tcp_store_auth.h): the token, then the proof as usual on
+  // this connection; or a refusal, logged, and the connection closed.
+  void HandleEnrolment(uint32_t rank) {
+    if (enrol_seen_) return Close("a second enrolment request on one connection");
+    enrol_seen_ = true;
+    auth::EnrolRefusal reason = auth::EnrolRefusal::kNone;
+    std::string taken_by, why;
+    std::optional<std::string> token = server_->Enrol(rank, peer_, &reason, &taken_by, &why);
+    enrol_reply_ = token ? auth::EncodeEnrolReply(auth::kEnrolled, reason, *token)
+                         : auth::EncodeEnrolReply(auth::kEnrolRefused, reason, taken_by);
+    const bool ok = token.has_value();
+    asio::async_write(socket_, asio::buffer(enrol_reply_),
+                      [self = shared_from_this(), ok, why](const asio::error_code& ec, size_t) {
+                        if (ec == asio::error::operation_aborted) return;
+                        if (!ok) return self->Close(why);
+                        if (ec) return self->Close("");
+                        self->ReadProof();
                       });
   }
 
@@ -309,14 +353,25 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   std::array<uint8_t, auth::kChallengeBytes> challenge_{};
   std::array<uint8_t, auth::kResponseBytes> response_{};
   std::array<uint8_t, auth::kVerdictBytes> verdict_{};
+  std::vector<uint8_t> enrol_reply_;
+  bool enrol_seen_ = false;  // this connection has sent its one enrolment request
   bool authenticated_ = false;
   bool waiting_ = false;            // a Get is parked on key_
   uint64_t parks_ = 0;              // how many Gets were parked so far
 };
 
-TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port, std::string token)
+TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port, std::string token,
+                           int world_size)
     : token_(std::move(token)),
+      enrolling_(token_.empty() && world_size > 1),
+      world_size_(world_size),
       name_("TCP store server at " + FormatHostPort(host, port)) {
+  if (enrolling_) {
+    const core::Nonce random = core::RandomNonce();  // RAND_bytes
+    static_assert(core::kNonceBytes == auth::kGeneratedTokenBytes);
+    token_.assign(reinterpret_cast<const char*>(random.data()), random.size());
+    enrolled_from_.resize(size_t(world_size));
+  }
   asio::error_code ec;
   tcp::resolver resolver(io_);
   auto endpoints = resolver.resolve(host, std::to_string(port),
@@ -409,6 +464,38 @@ void TcpStoreServer::Impl::OnKeySet(const std::string& key) {
   }
 }
 
+std::optional<std::string> TcpStoreServer::Impl::Enrol(uint32_t rank, const std::string& peer,
+                                                       auth::EnrolRefusal* reason,
+                                                       std::string* taken_by, std::string* why) {
+  const std::string who = "enrolment for rank " + std::to_string(rank);
+  if (!enrolling_) {
+    // The empty key of a store that was given neither a token nor a world size is no secret.
+    if (token_.empty()) return token_;
+    *reason = auth::EnrolRefusal::kNotEnrolling;
+    *why = who +
+           " refused: this store holds the job's token, the client has none (is "
+           "COLLECTIVES_JOB_TOKEN set on every rank?)";
+    return std::nullopt;
+  }
+  if (rank < 1 || rank >= uint32_t(world_size_)) {
+    *reason = auth::EnrolRefusal::kRankOutOfRange;
+    *why = who + " refused: the job's ranks that enrol are 1.." + std::to_string(world_size_ - 1);
+    return std::nullopt;
+  }
+  std::string& from = enrolled_from_[rank];
+  if (!from.empty()) {
+    *reason = auth::EnrolRefusal::kTaken;
+    *taken_by = from;
+    *why = who + " refused: " + from + " enrolled for it already" +
+           (enrolled_count_ == world_size_ - 1 ? " (every rank has enrolled)" : "") +
+           "; a stranger may be on this port (set COLLECTIVES_JOB_TOKEN to a shared secret)";
+    return std::nullopt;
+  }
+  from = peer;
+  ++enrolled_count_;
+  return token_;
+}
+
 void TcpStoreServer::Impl::RemoveWaiter(const std::string& key, Session* session) {
   auto it = waiters_.find(key);
   if (it == waiters_.end()) return;
@@ -420,12 +507,15 @@ void TcpStoreServer::Impl::RemoveWaiter(const std::string& key, Session* session
   if (list.empty()) waiters_.erase(it);
 }
 
-TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, const std::string& token)
-    : impl_(std::make_unique<Impl>(host, port, token)) {}
+TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, const std::string& token,
+                               int world_size)
+    : impl_(std::make_unique<Impl>(host, port, token, world_size)) {}
 
 TcpStoreServer::~TcpStoreServer() = default;
 
 uint16_t TcpStoreServer::port() const { return impl_->port(); }
+
+std::string TcpStoreServer::JobToken() const { return impl_->token(); }
 
 void TcpStoreServer::Set(const std::string& key, const std::string& value) {
   impl_->table().Set(key, value);

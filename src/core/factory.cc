@@ -4,6 +4,7 @@
 #include <string>
 
 #include "collectives/communication.h"
+#include "src/cluster/job_token.h"
 #include "src/hierarchical/planner.h"
 #include "src/ring/ring_communication.h"
 #if defined(COLLECTIVES_WITH_NCCL)
@@ -133,6 +134,9 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
   Rendezvous rendezvous;
   rendezvous.job_id = spec.job_id;
   rendezvous.token = ResolveJobToken(spec, options);
+  // A job that sets no token proves the one its TCP store generated (rank 0) or enrolled for
+  // (the other ranks), rather than the empty token every stranger knows.
+  if (rendezvous.token.empty()) rendezvous.token = cluster::StoreJobToken(*store);
   rendezvous.key_prefix = spec.job_id + "/" + std::to_string(generation);
   const char* listen_env = std::getenv("COLLECTIVES_LISTEN_ADDRESS");
   if (!options.listen_address.empty()) {

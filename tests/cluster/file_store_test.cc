@@ -2,6 +2,7 @@
 // encoding, atomic Add across processes, and errors that name the path.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,9 +11,12 @@
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/job_token.h"
 
 namespace collectives {
 namespace {
@@ -46,6 +50,67 @@ std::set<std::string> Names(const fs::path& directory) {
     names.insert(entry.path().filename().string());
   }
   return names;
+}
+
+// A job that sets no token: the first store to ask writes <dir>/.job-token, every other reads it.
+TEST(FileStoreTokenTest, RanksRacingForTheTokenAllGetTheOneFile) {
+  TempDir temp;
+  EXPECT_FALSE(fs::exists(temp.path() / ".job-token"));  // only made when asked
+  constexpr int kRanks = 8;
+  std::vector<std::string> tokens(kRanks);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    ranks.emplace_back([&, rank] {
+      tokens[size_t(rank)] = cluster::StoreJobToken(*CreateFileStore(temp.path().string()));
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (const std::string& token : tokens) EXPECT_EQ(token, tokens[0]);
+  EXPECT_EQ(tokens[0].size(), 64u);
+  EXPECT_EQ(tokens[0].find_first_not_of("0123456789abcdef"), std::string::npos) << tokens[0];
+  struct stat info {};
+  ASSERT_EQ(stat((temp.path() / ".job-token").c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 0777, 0600u);
+  std::set<std::string> names = Names(temp.path());
+  EXPECT_EQ(names, std::set<std::string>{".job-token"}) << "temp files left behind";
+  // Another folder, another token.
+  TempDir other;
+  EXPECT_NE(cluster::StoreJobToken(*CreateFileStore(other.path().string())), tokens[0]);
+}
+
+TEST(FileStoreTokenTest, ATokenFileOthersMayReadOrAnotherUserOwnsIsRefused) {
+  TempDir temp;
+  const fs::path path = temp.path() / ".job-token";
+  const std::string token = cluster::StoreJobToken(*CreateFileStore(temp.path().string()));
+  auto refused = [&](const std::string& want) {
+    try {
+      cluster::StoreJobToken(*CreateFileStore(temp.path().string()));
+      ADD_FAILURE() << "accepted; expected: " << want;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+      EXPECT_NE(e.message().find(want), std::string::npos) << e.message();
+    }
+  };
+  ASSERT_EQ(chmod(path.c_str(), 0640), 0);
+  refused("mode 0640");
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  EXPECT_EQ(cluster::StoreJobToken(*CreateFileStore(temp.path().string())), token);
+  if (geteuid() == 0) {  // only root can give a file away
+    ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
+    refused("owned by uid 65534");
+    ASSERT_EQ(chown(path.c_str(), 0, 0), 0);
+  }
+  {
+    std::ofstream out(path, std::ios::trunc);
+    out << "not a token\n";
+  }
+  refused("64 hex digits");
+  // A token written by hand (openssl rand -hex 32 > .job-token) is taken as it is.
+  {
+    std::ofstream out(path, std::ios::trunc);
+    out << std::string(64, 'a') << "\n";
+  }
+  EXPECT_EQ(cluster::StoreJobToken(*CreateFileStore(temp.path().string())), std::string(64, 'a'));
 }
 
 TEST(FileStoreTest, CreatesMissingParents) {

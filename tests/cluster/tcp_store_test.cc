@@ -1,6 +1,8 @@
 // Tests of the TCP store beyond what every store does (store_test.cc): many clients, a client
 // that starts before its server, strangers that send garbage or huge lengths, shutdown with
 // clients connected, and the store a ClusterSpec names.
+#include "src/cluster/tcp_store.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -15,15 +17,17 @@
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store_auth.h"
-#include "tests/free_port.h"
 #include "src/cluster/tcp_store_wire.h"
+#include "tests/free_port.h"
 
 namespace collectives {
 namespace {
@@ -65,16 +69,20 @@ class RawClient {
 
   // Runs the client side of the store's token proof (tcp_store_auth.h) with `token`; true if
   // the server accepted it.
-  bool Authenticate(const std::string& token = "") {
+  bool Authenticate(const std::string& token = "") { return ReadChallenge() && Prove(token); }
+
+  // The first half of it: reads the server's challenge; true if it is one.
+  bool ReadChallenge() {
     std::array<uint8_t, cluster::auth::kChallengeBytes> challenge{};
-    core::Nonce server_nonce;
-    if (!Receive(challenge.data(), challenge.size()) ||
-        !cluster::auth::DecodeChallenge(challenge, &server_nonce)) {
-      return false;
-    }
+    return Receive(challenge.data(), challenge.size()) &&
+           cluster::auth::DecodeChallenge(challenge, &server_nonce_);
+  }
+
+  // The second half (after ReadChallenge, and after an enrolment): proves `token`.
+  bool Prove(const std::string& token) {
     const core::Nonce client_nonce = core::RandomNonce();
-    const core::Proof proof = cluster::auth::StoreProof(token, client_nonce, server_nonce,
-                                                        cluster::auth::kClientRole);
+    const core::Proof proof =
+        cluster::auth::StoreProof(token, client_nonce, server_nonce_, cluster::auth::kClientRole);
     if (!Send(client_nonce.data(), client_nonce.size()) || !Send(proof.data(), proof.size())) {
       return false;
     }
@@ -100,6 +108,7 @@ class RawClient {
  private:
   int fd_;
   bool connected_ = false;
+  core::Nonce server_nonce_{};
 };
 
 
@@ -406,6 +415,200 @@ TEST(TcpStoreAuthTest, AClientRefusesAServerThatCannotProveTheToken) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
   }
+}
+
+// Enrolment (tcp_store_auth.h): a job that sets no token gets one from the store's creator.
+
+ClusterSpec JobSpec(int rank, int world_size, uint16_t port) {
+  ClusterSpec spec;
+  spec.rank = rank;
+  spec.world_size = world_size;
+  spec.master_addr = "127.0.0.1";
+  spec.master_port = port;
+  return spec;
+}
+
+// What CreateStoreFor's rank would get, but for any rank a stranger cares to name.
+std::string EnrolmentError(uint16_t port, int rank) {
+  try {
+    cluster::TcpStoreClient stranger("127.0.0.1", port, kLong, "", rank);
+    return "enrolled";
+  } catch (const Error& e) {
+    return e.code() == ErrorCode::kUnauthenticated ? e.message() : "wrong code: " + e.message();
+  }
+}
+
+TEST(TcpStoreEnrolTest, EveryRankEnrolsOnceForTheGeneratedTokenAndReconnectsWithIt) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
+  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong);
+  auto two = CreateStoreFor(JobSpec(2, 3, port), kLong);
+  const std::string token = cluster::StoreJobToken(*server);
+  EXPECT_EQ(token.size(), cluster::auth::kGeneratedTokenBytes);
+  EXPECT_NE(token, std::string(token.size(), '\0'));
+  EXPECT_EQ(cluster::StoreJobToken(*one), token);
+  EXPECT_EQ(cluster::StoreJobToken(*two), token);
+  one->Set("k", "v");
+  EXPECT_EQ(two->Get("k", kLong), "v");
+  // A parked Get holds rank 1's connection, so its Set opens another: with the token it got,
+  // not by enrolling again (which the server would refuse).
+  auto parked = std::async(std::launch::async, [&] { return one->Get("later", kLong); });
+  std::this_thread::sleep_for(milliseconds(50));
+  one->Set("later", "set on a second connection");
+  EXPECT_EQ(parked.get(), "set on a second connection");
+  // Another server generates another token.
+  auto other = CreateStoreFor(JobSpec(0, 3, FreePort()), kLong);
+  EXPECT_NE(cluster::StoreJobToken(*other), token);
+}
+
+TEST(TcpStoreEnrolTest, AStrangerWhoEnrolsFirstTakesTheRankAndTheRealRankIsRefused) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
+  cluster::TcpStoreClient stranger("127.0.0.1", port, kLong, "", 2);
+  try {
+    CreateStoreFor(JobSpec(2, 3, port), kLong);
+    ADD_FAILURE() << "rank 2 enrolled twice";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+    EXPECT_NE(e.message().find("rank 2's enrolment in the job's store was already taken by "
+                               "127.0.0.1:"),
+              std::string::npos)
+        << e.message();
+    EXPECT_NE(e.message().find("COLLECTIVES_JOB_TOKEN"), std::string::npos) << e.message();
+  }
+  // The other rank is not disturbed.
+  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong);
+  one->Set("k", "v");
+  EXPECT_EQ(server->Get("k", kLong), "v");
+}
+
+TEST(TcpStoreEnrolTest, OnceEveryRankEnrolledEnrolmentIsClosed) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
+  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong);
+  auto two = CreateStoreFor(JobSpec(2, 3, port), kLong);
+  for (int rank : {1, 2}) {
+    const std::string error = EnrolmentError(port, rank);
+    EXPECT_NE(error.find("rank " + std::to_string(rank) +
+                         "'s enrolment in the job's store was "
+                         "already taken by 127.0.0.1:"),
+              std::string::npos)
+        << error;
+  }
+  for (int rank : {0, 3, 1000}) {
+    const std::string error = EnrolmentError(port, rank);
+    EXPECT_NE(error.find("rank is outside the job's"), std::string::npos) << error;
+  }
+  one->Set("still", "serving");
+  EXPECT_EQ(two->Get("still", kLong), "serving");
+}
+
+TEST(TcpStoreEnrolTest, TheEmptyTokenOpensNothingOnAServerThatGeneratedOne) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(JobSpec(0, 2, port), kLong);
+  try {
+    CreateTcpStore("127.0.0.1", port, false, kLong);  // no token, no rank: proves ""
+    ADD_FAILURE() << "the empty token was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+  }
+  RawClient stranger(port);
+  EXPECT_FALSE(stranger.Authenticate(""));
+  EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
+  auto one = CreateStoreFor(JobSpec(1, 2, port), kLong);
+  one->Set("k", "v");
+  EXPECT_EQ(server->Get("k", kLong), "v");
+}
+
+TEST(TcpStoreEnrolTest, AServerWithAJobTokenEnrolsNobody) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong, "the job's secret");
+  EXPECT_EQ(cluster::StoreJobToken(*server), "the job's secret");
+  const std::string error = EnrolmentError(port, 1);
+  EXPECT_NE(error.find("the store holds a job token and this rank has none"), std::string::npos)
+      << error;
+  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong, "the job's secret");
+  EXPECT_EQ(cluster::StoreJobToken(*one), "the job's secret");
+}
+
+TEST(TcpStoreEnrolTest, AServerWithoutWorldSizeOrTokenKeepsTheEmptyToken) {
+  auto server = Server();  // CreateTcpStore: today's behaviour
+  const uint16_t port = TcpStorePort(*server);
+  EXPECT_EQ(cluster::StoreJobToken(*server), "");
+  auto plain = Client(*server);
+  auto enrolled = CreateStoreFor(JobSpec(1, 3, port), kLong);  // gets the empty token
+  EXPECT_EQ(cluster::StoreJobToken(*enrolled), "");
+  enrolled->Set("k", "v");
+  EXPECT_EQ(plain->Get("k", kLong), "v");
+  EXPECT_EQ(cluster::StoreJobToken(*CreateMemoryStore()), "");
+}
+
+// The server's side of the enrolment handshake against bytes a stranger makes up: every bad
+// request closes that connection only.
+TEST(TcpStoreEnrolTest, MalformedEnrolmentsCloseTheConnectionAndTheServerGoesOn) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
+  auto reply_of = [](RawClient& raw) {
+    std::array<uint8_t, cluster::auth::kEnrolReplyHeaderBytes> header{};
+    EXPECT_TRUE(raw.Receive(header.data(), header.size()));
+    std::string payload(header[2], '\0');
+    EXPECT_TRUE(raw.Receive(payload.data(), payload.size()));
+    return std::make_pair(header, payload);
+  };
+  {
+    SCOPED_TRACE("rank out of range: refused with its reason, then closed");
+    RawClient raw(port);
+    ASSERT_TRUE(raw.ReadChallenge());
+    const auto request = cluster::auth::EncodeEnrolment(7);
+    ASSERT_TRUE(raw.Send(request.data(), request.size()));
+    const auto [header, payload] = reply_of(raw);
+    EXPECT_EQ(header[0], cluster::auth::kEnrolRefused);
+    EXPECT_EQ(header[1], uint8_t(cluster::auth::EnrolRefusal::kRankOutOfRange));
+    EXPECT_TRUE(raw.ClosedByPeerWithin(milliseconds(2000)));
+  }
+  {
+    SCOPED_TRACE("enrolment magic with padding that is not zero");
+    RawClient raw(port);
+    ASSERT_TRUE(raw.ReadChallenge());
+    auto request = cluster::auth::EncodeEnrolment(1);
+    request[40] = 1;
+    ASSERT_TRUE(raw.Send(request.data(), request.size()));
+    EXPECT_TRUE(raw.ClosedByPeerWithin(milliseconds(2000)));
+  }
+  {
+    SCOPED_TRACE("a short enrolment request, then the client leaves");
+    RawClient raw(port);
+    ASSERT_TRUE(raw.ReadChallenge());
+    const auto request = cluster::auth::EncodeEnrolment(1);
+    ASSERT_TRUE(raw.Send(request.data(), 6));
+  }
+  {
+    SCOPED_TRACE("a second enrolment on the connection that got the token");
+    RawClient raw(port);
+    ASSERT_TRUE(raw.ReadChallenge());
+    const auto request = cluster::auth::EncodeEnrolment(1);
+    ASSERT_TRUE(raw.Send(request.data(), request.size()));
+    const auto [header, token] = reply_of(raw);
+    EXPECT_EQ(header[0], cluster::auth::kEnrolled);
+    EXPECT_EQ(token, cluster::StoreJobToken(*server));
+    ASSERT_TRUE(raw.Send(request.data(), request.size()));
+    EXPECT_TRUE(raw.ClosedByPeerWithin(milliseconds(2000)));
+  }
+  {
+    SCOPED_TRACE("rank 2 enrols raw and proves the token it got");
+    RawClient raw(port);
+    ASSERT_TRUE(raw.ReadChallenge());
+    const auto request = cluster::auth::EncodeEnrolment(2);
+    ASSERT_TRUE(raw.Send(request.data(), request.size()));
+    const auto [header, token] = reply_of(raw);
+    ASSERT_EQ(header[0], cluster::auth::kEnrolled);
+    EXPECT_TRUE(raw.Prove(token));
+  }
+  // Every rank has enrolled (rank 1 on the connection closed above); the table still serves.
+  EXPECT_NE(EnrolmentError(port, 1).find("already taken"), std::string::npos);
+  cluster::TcpStoreClient holder("127.0.0.1", port, kLong, cluster::StoreJobToken(*server));
+  holder.Set("k", "v");
+  EXPECT_EQ(server->Get("k", kLong), "v");
 }
 
 TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {

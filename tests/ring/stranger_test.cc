@@ -9,10 +9,14 @@
 // (published in the store; it is closed once the mesh is built, so connecting there is refused,
 // which the test accepts as the strongest outcome).
 // Then the token as part of the ClusterSpec: proven like one from the options or the environment.
+// Then a job that sets no token anywhere: the store's creator generates one, the other ranks
+// enrol for it, and every connection proves it; a stranger who enrols first takes a rank's
+// place (loudly), one who comes later is refused.
 #include <gtest/gtest.h>
 
 #include <asio.hpp>
 #include <atomic>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -22,8 +26,11 @@
 #include "collectives/communication.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/job_token.h"
+#include "src/cluster/tcp_store.h"
 #include "src/transport/handshake.h"
 #include "tests/ring/worker_processes.h"
+#include "tests/scoped_env.h"
 
 namespace collectives::testing {
 namespace {
@@ -228,6 +235,235 @@ TEST(JobTokenTest, FromEnvironmentReadsTheTokenAndOptionsWin) {
   EXPECT_EQ(ResolveJobToken(spec, options), "from-env");
   options.job_token = "from-options";
   EXPECT_EQ(ResolveJobToken(spec, options), "from-options");
+}
+
+ClusterSpec NoTokenSpec(int rank, int world_size, uint16_t port) {
+  ClusterSpec spec;
+  spec.rank = rank;
+  spec.world_size = world_size;
+  spec.master_addr = "127.0.0.1";
+  spec.master_port = port;
+  return spec;
+}
+
+// `iterations` checked all-reduces of varied sizes; "" or what went wrong.
+std::string CheckedAllReduces(CollectiveCommunication& comm, int iterations) {
+  const int size = comm.size();
+  for (int i = 0; i < iterations; ++i) {
+    const size_t count = 1 + size_t(i) * 997 % 20000;
+    std::vector<float> data(count);
+    for (size_t k = 0; k < count; ++k) data[k] = float((comm.rank() + 1) * (k % 13) + i % 7);
+    comm.AllReduce(Tensor{data.data(), count, DataType::kFloat32}, ReduceOp::kSum);
+    for (size_t k = 0; k < count; ++k) {
+      const float want = float(size * (size + 1) / 2 * (k % 13) + size * (i % 7));
+      if (data[k] != want) {
+        return "iteration " + std::to_string(i) + " element " + std::to_string(k) + ": " +
+               std::to_string(data[k]) + " != " + std::to_string(want);
+      }
+    }
+  }
+  return "";
+}
+
+// How a stranger's enrolment for `rank` ends: "enrolled", or the kUnauthenticated message.
+std::string StrangerEnrols(uint16_t port, int rank) {
+  try {
+    cluster::TcpStoreClient stranger("127.0.0.1", port, std::chrono::seconds(5), "", rank);
+    return "enrolled";
+  } catch (const Error& e) {
+    return e.code() == ErrorCode::kUnauthenticated ? e.message() : "wrong code: " + e.message();
+  }
+}
+
+// The store path of CreateCommunication(spec, options), spelled out to read the token the
+// store gives the communicator.
+TEST(JobTokenTest, WithNoTokenAnywhereTheStoreGeneratesOneThatEveryRankProves) {
+  const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
+  constexpr int kSize = 3;
+  const uint16_t port = FreePort();
+  std::vector<std::string> tokens(kSize), failures(kSize);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kSize; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        const ClusterSpec spec = NoTokenSpec(rank, kSize, port);
+        CommunicationOptions options;
+        options.implementation = Implementation::kRing;
+        options.timeout = std::chrono::seconds(30);
+        auto store = CreateStoreFor(spec, options.timeout, ResolveJobToken(spec, options));
+        tokens[size_t(rank)] = cluster::StoreJobToken(*store);
+        auto comm = CreateCommunication(spec, store, options);
+        failures[size_t(rank)] = CheckedAllReduces(*comm, 20);
+      } catch (const std::exception& e) {
+        failures[size_t(rank)] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_EQ(failures[size_t(rank)], "") << "rank " << rank;
+    EXPECT_EQ(tokens[size_t(rank)].size(), 32u) << "rank " << rank;
+    EXPECT_EQ(tokens[size_t(rank)], tokens[0]) << "rank " << rank;
+  }
+}
+
+// The same through a file store: the folder's .job-token, made by the first rank to ask.
+TEST(JobTokenTest, AFileStoreJobWithNoTokenProvesTheFoldersToken) {
+  const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
+  constexpr int kSize = 3;
+  std::string folder = "/tmp/stranger_test.XXXXXX";
+  ASSERT_NE(mkdtemp(folder.data()), nullptr);
+  std::vector<std::string> failures(kSize);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kSize; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        ClusterSpec spec = NoTokenSpec(rank, kSize, 1);
+        CommunicationOptions options;
+        options.implementation = Implementation::kRing;
+        options.timeout = std::chrono::seconds(30);
+        auto comm = CreateCommunication(spec, CreateFileStore(folder), options);
+        failures[size_t(rank)] = CheckedAllReduces(*comm, 5);
+      } catch (const std::exception& e) {
+        failures[size_t(rank)] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_EQ(failures[size_t(rank)], "") << "rank " << rank;
+  }
+  EXPECT_EQ(access((folder + "/.job-token").c_str(), F_OK), 0) << "no token file in " << folder;
+  std::filesystem::remove_all(folder);
+}
+
+// Rank 2 reaches the store through a wrapper, which hides the token it enrolled for, so its
+// fabric proves the empty token: the others, proving the generated one, do not let it in.
+TEST(JobTokenTest, AFabricPeerThatProvesTheEmptyTokenIsRefused) {
+  class Wrapper : public Store {
+   public:
+    explicit Wrapper(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+    void Set(const std::string& key, const std::string& value) override { inner_->Set(key, value); }
+    std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+      return inner_->Get(key, timeout);
+    }
+    int64_t Add(const std::string& key, int64_t delta) override { return inner_->Add(key, delta); }
+
+   private:
+    std::shared_ptr<Store> inner_;
+  };
+  const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
+  constexpr int kSize = 3;
+  const uint16_t port = FreePort();
+  std::vector<ErrorCode> codes(kSize, ErrorCode::kInternal);
+  std::vector<int> connected(kSize, 0);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kSize; ++rank) {
+    ranks.emplace_back([&, rank] {
+      const ClusterSpec spec = NoTokenSpec(rank, kSize, port);
+      CommunicationOptions options;
+      options.implementation = Implementation::kRing;
+      options.timeout = std::chrono::seconds(3);
+      try {
+        std::shared_ptr<Store> store = CreateStoreFor(spec, options.timeout);
+        if (rank == 2) store = std::make_shared<Wrapper>(store);
+        auto comm = CreateCommunication(spec, store, options);
+        connected[size_t(rank)] = 1;
+      } catch (const Error& e) {
+        codes[size_t(rank)] = e.code();
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  int unauthenticated = 0;
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_EQ(connected[size_t(rank)], 0) << "rank " << rank << " formed a job with rank 2";
+    unauthenticated += codes[size_t(rank)] == ErrorCode::kUnauthenticated ? 1 : 0;
+  }
+  EXPECT_GE(unauthenticated, 1) << "no rank saw a failed proof";
+}
+
+TEST(JobTokenTest, AStrangerWhoEnrolsFirstTakesTheRanksPlaceAndTheRankSaysSo) {
+  const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
+  constexpr int kSize = 3;
+  const uint16_t port = FreePort();
+  std::vector<ErrorCode> codes(kSize, ErrorCode::kInternal);
+  std::vector<std::string> messages(kSize);
+  auto run_rank = [&](int rank) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(3);
+    try {
+      auto comm = CreateCommunication(NoTokenSpec(rank, kSize, port), options);
+    } catch (const Error& e) {
+      codes[size_t(rank)] = e.code();
+      messages[size_t(rank)] = e.message();
+    }
+  };
+  std::vector<std::thread> ranks;
+  ranks.emplace_back(run_rank, 0);
+  // The stranger's client retries until rank 0's store is up, and enrols for rank 2.
+  cluster::TcpStoreClient stranger("127.0.0.1", port, std::chrono::seconds(10), "", 2);
+  ranks.emplace_back(run_rank, 1);
+  ranks.emplace_back(run_rank, 2);
+  for (std::thread& t : ranks) t.join();
+  EXPECT_EQ(codes[2], ErrorCode::kUnauthenticated) << messages[2];
+  EXPECT_NE(messages[2].find("rank 2's enrolment in the job's store was already taken by "
+                             "127.0.0.1:"),
+            std::string::npos)
+      << messages[2];
+  // The job cannot form without its rank 2; it fails in bounded time rather than hanging.
+  EXPECT_NE(codes[0], ErrorCode::kInternal) << messages[0];
+  EXPECT_NE(codes[1], ErrorCode::kInternal) << messages[1];
+}
+
+TEST(JobTokenTest, AStrangerWhoEnrolsAfterTheJobFormedIsRefusedAndTheJobGoesOn) {
+  const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
+  constexpr int kSize = 3;
+  const uint16_t port = FreePort();
+  std::atomic<int> ready{0};
+  std::atomic<bool> refused{false};
+  std::vector<std::string> failures(kSize);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kSize; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        CommunicationOptions options;
+        options.implementation = Implementation::kRing;
+        options.timeout = std::chrono::seconds(30);
+        auto comm = CreateCommunication(NoTokenSpec(rank, kSize, port), options);
+        ++ready;
+        while (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        failures[size_t(rank)] = CheckedAllReduces(*comm, 50);
+      } catch (const std::exception& e) {
+        failures[size_t(rank)] = e.what();
+        ++ready;
+      }
+    });
+  }
+  while (ready < kSize) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int rank = 1; rank < kSize; ++rank) {
+    const std::string error = StrangerEnrols(port, rank);
+    EXPECT_NE(error.find("rank " + std::to_string(rank) +
+                         "'s enrolment in the job's store was "
+                         "already taken by 127.0.0.1:"),
+              std::string::npos)
+        << error;
+  }
+  for (int rank : {0, kSize}) {
+    const std::string error = StrangerEnrols(port, rank);
+    EXPECT_NE(error.find("outside the job's"), std::string::npos) << error;
+  }
+  try {
+    CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5));  // the empty token
+    ADD_FAILURE() << "the store served a client that proved the empty token";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+  }
+  refused = true;
+  for (std::thread& t : ranks) t.join();
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_EQ(failures[size_t(rank)], "") << "rank " << rank;
+  }
 }
 
 }  // namespace
