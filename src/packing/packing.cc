@@ -59,15 +59,16 @@ namespace {
 //     4    200x256K       93.2      93.6  116.7  115.6  117.2  118.8
 //     4    resnet50      181       176    180    180    211    228
 //
-// Small tensors gain from any cap of 1 MiB or more (1000x4K: 4-4.5x on 2 ranks, 7-8x on 4).
-// Lists of large tensors lose from large caps: every byte of a fused bucket is copied twice,
-// and a tensor at least as large as the cap is reduced in place instead; at 16 and 64 MiB
-// ResNet-50 (25.6 M parameters, most of them in tensors of 1-9 MiB) copies nearly everything
-// and loses 15-40%. 1 MiB and 4 MiB tie within run-to-run noise (5-10% here); we take 4 MiB
-// because it issues fewer collectives (32 instead of 66 for ResNet-50), which matters more
-// on a real network, where a collective's fixed latency is larger than on loopback. Two
-// fusion buffers of 4 MiB per calling thread is a small price.
-constexpr size_t kDefaultBytesPerPack = size_t{4} << 20;
+// 1 MiB was the fastest cap for every workload and rank count of packing_perf on the 2-core
+// development machine (the README's table): small tensors gain from any cap of 1 MiB or more
+// (1000x4K: 10x on 2 ranks, 16x on 4), and lists of large tensors lose from larger caps, where
+// every byte of a fused bucket is copied twice and each bucket's all-reduce is a larger one:
+// 200x256K took 1.7x (2 ranks) and 1.8x (4 ranks) longer at 4 MiB than at 1 MiB, ResNet-50
+// 10% longer, and 16 and 64 MiB lost 40-100%. Earlier measurements had 1 and 4 MiB tied, and 4
+// was chosen for issuing fewer collectives; once the ring algorithms lost their separate call
+// agreement round the smaller buckets pulled ahead. On a network where one collective's fixed
+// latency is far above loopback's, a larger cap may pay: bytes_per_pack is the knob.
+constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 
 // "rank 3: packing all_reduce: tensor 7 "
 std::string Where(const CollectiveCommunication& comm, const char* collective, size_t index) {
