@@ -1,13 +1,15 @@
 // Fuzz target: every decoder of bytes that arrive from the network before anything is trusted:
-// the frame header, the abort payload, the fixed part of the handshake hello, and the TCP
-// store's request and reply headers. A decoder may refuse input (with a reason) but never crash,
+// the frame header, the abort payload, the fixed part of the handshake hello, the TCP store's
+// request and reply headers, and the store's enrolment request and reply header. A decoder may refuse input (with a reason) but never crash,
 // read out of bounds or accept something it cannot re-encode to the same bytes.
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
@@ -66,6 +68,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     (void)cluster::wire::CheckReply(header);
     if (cluster::wire::Encode(header) != bytes) Fail("a store header does not round-trip");
+  }
+  if (size >= cluster::auth::kResponseBytes) {
+    cluster::auth::Response response;
+    std::memcpy(response.data(), data, response.size());
+    uint32_t rank = 0;
+    if (cluster::auth::ClassifyResponse(response, &rank) ==
+            cluster::auth::ResponseKind::kEnrolment &&
+        cluster::auth::EncodeEnrolment(rank) != response) {
+      Fail("an enrolment request does not re-encode to the same bytes");
+    }
+  }
+  if (size >= cluster::auth::kEnrolReplyHeaderBytes) {
+    std::array<uint8_t, cluster::auth::kEnrolReplyHeaderBytes> reply;
+    std::memcpy(reply.data(), data, reply.size());
+    if (cluster::auth::CheckEnrolReply(reply).empty() &&
+        reply[2] > cluster::auth::kMaxEnrolPayloadBytes) {
+      Fail("an enrolment reply with an unbounded payload passed the check");
+    }
   }
   return 0;
 }
