@@ -212,8 +212,8 @@ template <typename T>
 constexpr size_t kChunk = kChunkBytes / sizeof(T);
 
 template <typename T, typename Op>
-[[gnu::always_inline]] inline void LoopDistinct(T* __restrict dst, const T* __restrict a, const T* __restrict b, size_t count,
-                  Op op) {
+[[gnu::always_inline]] inline void LoopDistinct(T* __restrict dst, const T* __restrict a,
+                                                const T* __restrict b, size_t count, Op op) {
   size_t i = 0;
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) dst[i + j] = op(a[i + j], b[i + j]);
@@ -222,7 +222,8 @@ template <typename T, typename Op>
 }
 
 template <typename T, typename Op>
-[[gnu::always_inline]] inline void LoopIntoA(T* __restrict dst_a, const T* __restrict b, size_t count, Op op) {
+[[gnu::always_inline]] inline void LoopIntoA(T* __restrict dst_a, const T* __restrict b,
+                                             size_t count, Op op) {
   size_t i = 0;
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) dst_a[i + j] = op(dst_a[i + j], b[i + j]);
@@ -231,7 +232,8 @@ template <typename T, typename Op>
 }
 
 template <typename T, typename Op>
-[[gnu::always_inline]] inline void LoopIntoB(T* __restrict dst_b, const T* __restrict a, size_t count, Op op) {
+[[gnu::always_inline]] inline void LoopIntoB(T* __restrict dst_b, const T* __restrict a,
+                                             size_t count, Op op) {
   size_t i = 0;
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) dst_b[i + j] = op(a[i + j], dst_b[i + j]);
@@ -414,8 +416,8 @@ template <typename Op>
   const __m256i rounded = _mm256_srli_epi32(
       _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
   const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
-  const __m256i is_nan = _mm256_cmpgt_epi32(
-      _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));
   const __m256i halves = _mm256_blendv_epi8(rounded, nan, is_nan);
   // Pack the 8 32-bit lanes (each < 2^16) to 16 bits: packus works per 128-bit half, so
   // gather quadwords 0 and 2 into the low half afterwards.

@@ -238,8 +238,8 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
   uint64_t last_send = 0;
   for (size_t c = 0; c < chunks; ++c) {
     const Range chunk = chunk_of(size_t(r), c);
-    last_send = right.PostSend(
-        ctx.tag, own_source + (chunk.offset - blocks.Offset(size_t(r))) * es, chunk.length * es);
+    last_send = right.PostSend(ctx.tag, own_source + (chunk.offset - blocks.Offset(size_t(r))) * es,
+                               chunk.length * es);
   }
   if (agreement != nullptr) agreement->Wait();
   CopyUnlessSame(own, own_source, own_bytes);
@@ -271,8 +271,8 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
 // No separate agreement round: the reduce-scatter keeps its partial sums in staging, so the
 // first write into `recv` is the last reduce-scatter step, whose frame vouches for every rank
 // (see ReduceScatterBlocks); a mismatched call raises on every rank with `recv` untouched.
-void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
-                   DataType dtype, ReduceOp op) {
+void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count, DataType dtype,
+                   ReduceOp op) {
   const int n = ctx.size();
   const size_t es = SizeOf(dtype);
   const auto* send = static_cast<const uint8_t*>(send_ptr);
@@ -408,8 +408,8 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     const Split take_chunks{take.length, std::max<size_t>(1, CeilDiv(take.length, slot_elems))};
     uint64_t last_send = 0;
     for (size_t c = 0; c < give_chunks.parts; ++c) {
-      last_send = partner.PostSend(ctx.tag, from + give_chunks.Offset(c) * es,
-                                   give_chunks.Length(c) * es);
+      last_send =
+          partner.PostSend(ctx.tag, from + give_chunks.Offset(c) * es, give_chunks.Length(c) * es);
     }
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
       uint8_t* dst = mine != nullptr ? staging + (c % kStagingSlots) * slot_elems * es

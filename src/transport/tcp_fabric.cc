@@ -23,6 +23,9 @@
 // that wakes it, and the driving thread does the shutdown before it throws.
 #include "src/transport/tcp_fabric.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <array>
 #include <asio.hpp>
@@ -33,9 +36,6 @@
 #include <mutex>
 #include <optional>
 #include <vector>
-
-#include <poll.h>
-#include <sys/socket.h>
 
 #include "src/transport/fabric_errors.h"
 #include "src/transport/frame.h"
@@ -189,7 +189,9 @@ class TcpFabric;
 class TcpConnection final : public Connection {
  public:
   TcpConnection(TcpFabric* fabric, int peer, tcp::socket socket)
-      : fabric_(fabric), peer_(peer), socket_(std::move(socket)),
+      : fabric_(fabric),
+        peer_(peer),
+        socket_(std::move(socket)),
         write_failure_timer_(socket_.get_executor()) {}
 
   int peer() const override { return peer_; }

@@ -28,12 +28,14 @@
 #include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 #include "tests/free_port.h"
+#include "tests/loopback_spec.h"
 
 namespace collectives {
 namespace {
 
-using std::chrono::milliseconds;
 using collectives::testing::FreePort;
+using collectives::testing::LoopbackSpec;
+using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 namespace wire = cluster::wire;
 
@@ -110,7 +112,6 @@ class RawClient {
   bool connected_ = false;
   core::Nonce server_nonce_{};
 };
-
 
 std::shared_ptr<Store> Server() { return CreateTcpStore("127.0.0.1", 0, true, kLong); }
 
@@ -262,7 +263,8 @@ TEST(TcpStoreTest, GarbageFromAStrangerDoesNotBreakTheServer) {
   RawClient stranger(port);
   ASSERT_TRUE(stranger.connected());
   // Garbage where the token proof belongs (64 bytes or more): refused at once.
-  std::string garbage = "GET / HTTP/1.1\r\nHost: example\r\nUser-Agent: a stranger on the port\r\n\r\n";
+  std::string garbage =
+      "GET / HTTP/1.1\r\nHost: example\r\nUser-Agent: a stranger on the port\r\n\r\n";
   ASSERT_TRUE(stranger.Send(garbage.data(), garbage.size()));
   EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
 
@@ -419,15 +421,6 @@ TEST(TcpStoreAuthTest, AClientRefusesAServerThatCannotProveTheToken) {
 
 // Enrolment (tcp_store_auth.h): a job that sets no token gets one from the store's creator.
 
-ClusterSpec JobSpec(int rank, int world_size, uint16_t port) {
-  ClusterSpec spec;
-  spec.rank = rank;
-  spec.world_size = world_size;
-  spec.master_addr = "127.0.0.1";
-  spec.master_port = port;
-  return spec;
-}
-
 // What CreateStoreFor's rank would get, but for any rank a stranger cares to name.
 std::string EnrolmentError(uint16_t port, int rank) {
   try {
@@ -440,9 +433,9 @@ std::string EnrolmentError(uint16_t port, int rank) {
 
 TEST(TcpStoreEnrolTest, EveryRankEnrolsOnceForTheGeneratedTokenAndReconnectsWithIt) {
   const uint16_t port = FreePort();
-  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
-  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong);
-  auto two = CreateStoreFor(JobSpec(2, 3, port), kLong);
+  auto server = CreateStoreFor(LoopbackSpec(0, 3, port), kLong);
+  auto one = CreateStoreFor(LoopbackSpec(1, 3, port), kLong);
+  auto two = CreateStoreFor(LoopbackSpec(2, 3, port), kLong);
   const std::string token = cluster::StoreJobToken(*server);
   EXPECT_EQ(token.size(), cluster::auth::kGeneratedTokenBytes);
   EXPECT_NE(token, std::string(token.size(), '\0'));
@@ -457,16 +450,16 @@ TEST(TcpStoreEnrolTest, EveryRankEnrolsOnceForTheGeneratedTokenAndReconnectsWith
   one->Set("later", "set on a second connection");
   EXPECT_EQ(parked.get(), "set on a second connection");
   // Another server generates another token.
-  auto other = CreateStoreFor(JobSpec(0, 3, FreePort()), kLong);
+  auto other = CreateStoreFor(LoopbackSpec(0, 3, FreePort()), kLong);
   EXPECT_NE(cluster::StoreJobToken(*other), token);
 }
 
 TEST(TcpStoreEnrolTest, AStrangerWhoEnrolsFirstTakesTheRankAndTheRealRankIsRefused) {
   const uint16_t port = FreePort();
-  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
+  auto server = CreateStoreFor(LoopbackSpec(0, 3, port), kLong);
   cluster::TcpStoreClient stranger("127.0.0.1", port, kLong, "", 2);
   try {
-    CreateStoreFor(JobSpec(2, 3, port), kLong);
+    CreateStoreFor(LoopbackSpec(2, 3, port), kLong);
     ADD_FAILURE() << "rank 2 enrolled twice";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
@@ -477,16 +470,16 @@ TEST(TcpStoreEnrolTest, AStrangerWhoEnrolsFirstTakesTheRankAndTheRealRankIsRefus
     EXPECT_NE(e.message().find("COLLECTIVES_JOB_TOKEN"), std::string::npos) << e.message();
   }
   // The other rank is not disturbed.
-  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong);
+  auto one = CreateStoreFor(LoopbackSpec(1, 3, port), kLong);
   one->Set("k", "v");
   EXPECT_EQ(server->Get("k", kLong), "v");
 }
 
 TEST(TcpStoreEnrolTest, OnceEveryRankEnrolledEnrolmentIsClosed) {
   const uint16_t port = FreePort();
-  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
-  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong);
-  auto two = CreateStoreFor(JobSpec(2, 3, port), kLong);
+  auto server = CreateStoreFor(LoopbackSpec(0, 3, port), kLong);
+  auto one = CreateStoreFor(LoopbackSpec(1, 3, port), kLong);
+  auto two = CreateStoreFor(LoopbackSpec(2, 3, port), kLong);
   for (int rank : {1, 2}) {
     const std::string error = EnrolmentError(port, rank);
     EXPECT_NE(error.find("rank " + std::to_string(rank) +
@@ -505,7 +498,7 @@ TEST(TcpStoreEnrolTest, OnceEveryRankEnrolledEnrolmentIsClosed) {
 
 TEST(TcpStoreEnrolTest, TheEmptyTokenOpensNothingOnAServerThatGeneratedOne) {
   const uint16_t port = FreePort();
-  auto server = CreateStoreFor(JobSpec(0, 2, port), kLong);
+  auto server = CreateStoreFor(LoopbackSpec(0, 2, port), kLong);
   try {
     CreateTcpStore("127.0.0.1", port, false, kLong);  // no token, no rank: proves ""
     ADD_FAILURE() << "the empty token was accepted";
@@ -515,19 +508,19 @@ TEST(TcpStoreEnrolTest, TheEmptyTokenOpensNothingOnAServerThatGeneratedOne) {
   RawClient stranger(port);
   EXPECT_FALSE(stranger.Authenticate(""));
   EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(2000)));
-  auto one = CreateStoreFor(JobSpec(1, 2, port), kLong);
+  auto one = CreateStoreFor(LoopbackSpec(1, 2, port), kLong);
   one->Set("k", "v");
   EXPECT_EQ(server->Get("k", kLong), "v");
 }
 
 TEST(TcpStoreEnrolTest, AServerWithAJobTokenEnrolsNobody) {
   const uint16_t port = FreePort();
-  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong, "the job's secret");
+  auto server = CreateStoreFor(LoopbackSpec(0, 3, port), kLong, "the job's secret");
   EXPECT_EQ(cluster::StoreJobToken(*server), "the job's secret");
   const std::string error = EnrolmentError(port, 1);
   EXPECT_NE(error.find("the store holds a job token and this rank has none"), std::string::npos)
       << error;
-  auto one = CreateStoreFor(JobSpec(1, 3, port), kLong, "the job's secret");
+  auto one = CreateStoreFor(LoopbackSpec(1, 3, port), kLong, "the job's secret");
   EXPECT_EQ(cluster::StoreJobToken(*one), "the job's secret");
 }
 
@@ -536,7 +529,7 @@ TEST(TcpStoreEnrolTest, AServerWithoutWorldSizeOrTokenKeepsTheEmptyToken) {
   const uint16_t port = TcpStorePort(*server);
   EXPECT_EQ(cluster::StoreJobToken(*server), "");
   auto plain = Client(*server);
-  auto enrolled = CreateStoreFor(JobSpec(1, 3, port), kLong);  // gets the empty token
+  auto enrolled = CreateStoreFor(LoopbackSpec(1, 3, port), kLong);  // gets the empty token
   EXPECT_EQ(cluster::StoreJobToken(*enrolled), "");
   enrolled->Set("k", "v");
   EXPECT_EQ(plain->Get("k", kLong), "v");
@@ -547,7 +540,7 @@ TEST(TcpStoreEnrolTest, AServerWithoutWorldSizeOrTokenKeepsTheEmptyToken) {
 // request closes that connection only.
 TEST(TcpStoreEnrolTest, MalformedEnrolmentsCloseTheConnectionAndTheServerGoesOn) {
   const uint16_t port = FreePort();
-  auto server = CreateStoreFor(JobSpec(0, 3, port), kLong);
+  auto server = CreateStoreFor(LoopbackSpec(0, 3, port), kLong);
   auto reply_of = [](RawClient& raw) {
     std::array<uint8_t, cluster::auth::kEnrolReplyHeaderBytes> header{};
     EXPECT_TRUE(raw.Receive(header.data(), header.size()));

@@ -1,7 +1,8 @@
 // Fuzz target: every decoder of bytes that arrive from the network before anything is trusted:
 // the frame header, the abort payload, the fixed part of the handshake hello, the TCP store's
-// request and reply headers, and the store's enrolment request and reply header. A decoder may refuse input (with a reason) but never crash,
-// read out of bounds or accept something it cannot re-encode to the same bytes.
+// request and reply headers, and the store's enrolment request and reply header. A decoder may
+// refuse input (with a reason) but never crash, read out of bounds or accept something it cannot
+// re-encode to the same bytes.
 #include <array>
 #include <cstddef>
 #include <cstdint>

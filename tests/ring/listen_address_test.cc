@@ -11,6 +11,7 @@
 #include "collectives/communication.h"
 #include "collectives/errors.h"
 #include "tests/free_port.h"
+#include "tests/loopback_spec.h"
 #include "tests/scoped_env.h"
 
 namespace collectives::testing {
@@ -31,11 +32,7 @@ Outcome RunTwoRanks(const std::string& listen) {
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < 2; ++rank) {
     ranks.emplace_back([&, rank] {
-      ClusterSpec spec;
-      spec.rank = rank;
-      spec.world_size = 2;
-      spec.master_addr = "127.0.0.1";
-      spec.master_port = port;
+      ClusterSpec spec = LoopbackSpec(rank, 2, port);
       spec.job_token = "listen-test";
       CommunicationOptions options;
       options.implementation = Implementation::kRing;

@@ -29,6 +29,7 @@
 #include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store.h"
 #include "src/transport/handshake.h"
+#include "tests/loopback_spec.h"
 #include "tests/ring/worker_processes.h"
 #include "tests/scoped_env.h"
 
@@ -127,9 +128,8 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
           for (size_t k = 0; k < count; ++k) {
             const float want = float(6 * (k % 13) + 3 * (i % 7));
             if (data[k] != want) {
-              failures[rank] = "iteration " + std::to_string(i) + " element " +
-                               std::to_string(k) + ": " + std::to_string(data[k]) +
-                               " != " + std::to_string(want);
+              failures[rank] = "iteration " + std::to_string(i) + " element " + std::to_string(k) +
+                               ": " + std::to_string(data[k]) + " != " + std::to_string(want);
               return;
             }
           }
@@ -157,11 +157,11 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
   // The test (not the stranger) reads the fabric listeners' addresses, to aim at them too.
   std::vector<std::pair<std::string, uint16_t>> targets = {{"127.0.0.1", port}};
   {
-    auto client = CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5),
-                                 "stranger-test-secret");
+    auto client =
+        CreateTcpStore("127.0.0.1", port, false, std::chrono::seconds(5), "stranger-test-secret");
     for (int rank = 0; rank < kSize; ++rank) {
-      const std::string address = client->Get("collectives/1/addr/" + std::to_string(rank),
-                                              std::chrono::seconds(5));
+      const std::string address =
+          client->Get("collectives/1/addr/" + std::to_string(rank), std::chrono::seconds(5));
       std::string why;
       const auto parsed = cluster::ParseHostPort(address, &why);
       ASSERT_TRUE(parsed.has_value()) << address << ": " << why;
@@ -237,15 +237,6 @@ TEST(JobTokenTest, FromEnvironmentReadsTheTokenAndOptionsWin) {
   EXPECT_EQ(ResolveJobToken(spec, options), "from-options");
 }
 
-ClusterSpec NoTokenSpec(int rank, int world_size, uint16_t port) {
-  ClusterSpec spec;
-  spec.rank = rank;
-  spec.world_size = world_size;
-  spec.master_addr = "127.0.0.1";
-  spec.master_port = port;
-  return spec;
-}
-
 // `iterations` checked all-reduces of varied sizes; "" or what went wrong.
 std::string CheckedAllReduces(CollectiveCommunication& comm, int iterations) {
   const int size = comm.size();
@@ -286,7 +277,7 @@ TEST(JobTokenTest, WithNoTokenAnywhereTheStoreGeneratesOneThatEveryRankProves) {
   for (int rank = 0; rank < kSize; ++rank) {
     ranks.emplace_back([&, rank] {
       try {
-        const ClusterSpec spec = NoTokenSpec(rank, kSize, port);
+        const ClusterSpec spec = LoopbackSpec(rank, kSize, port);
         CommunicationOptions options;
         options.implementation = Implementation::kRing;
         options.timeout = std::chrono::seconds(30);
@@ -318,7 +309,7 @@ TEST(JobTokenTest, AFileStoreJobWithNoTokenProvesTheFoldersToken) {
   for (int rank = 0; rank < kSize; ++rank) {
     ranks.emplace_back([&, rank] {
       try {
-        ClusterSpec spec = NoTokenSpec(rank, kSize, 1);
+        ClusterSpec spec = LoopbackSpec(rank, kSize, 1);
         CommunicationOptions options;
         options.implementation = Implementation::kRing;
         options.timeout = std::chrono::seconds(30);
@@ -360,7 +351,7 @@ TEST(JobTokenTest, AFabricPeerThatProvesTheEmptyTokenIsRefused) {
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < kSize; ++rank) {
     ranks.emplace_back([&, rank] {
-      const ClusterSpec spec = NoTokenSpec(rank, kSize, port);
+      const ClusterSpec spec = LoopbackSpec(rank, kSize, port);
       CommunicationOptions options;
       options.implementation = Implementation::kRing;
       options.timeout = std::chrono::seconds(3);
@@ -393,7 +384,7 @@ TEST(JobTokenTest, AStrangerWhoEnrolsFirstTakesTheRanksPlaceAndTheRankSaysSo) {
     CommunicationOptions options;
     options.timeout = std::chrono::seconds(3);
     try {
-      auto comm = CreateCommunication(NoTokenSpec(rank, kSize, port), options);
+      auto comm = CreateCommunication(LoopbackSpec(rank, kSize, port), options);
     } catch (const Error& e) {
       codes[size_t(rank)] = e.code();
       messages[size_t(rank)] = e.message();
@@ -430,7 +421,7 @@ TEST(JobTokenTest, AStrangerWhoEnrolsAfterTheJobFormedIsRefusedAndTheJobGoesOn) 
         CommunicationOptions options;
         options.implementation = Implementation::kRing;
         options.timeout = std::chrono::seconds(30);
-        auto comm = CreateCommunication(NoTokenSpec(rank, kSize, port), options);
+        auto comm = CreateCommunication(LoopbackSpec(rank, kSize, port), options);
         ++ready;
         while (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(1));
         failures[size_t(rank)] = CheckedAllReduces(*comm, 50);
