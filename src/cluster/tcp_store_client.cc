@@ -64,11 +64,9 @@ class Connection {
   // The client side of tcp_store_auth.h, right after Connect: reads the server's challenge.
   Result ReadChallenge(Clock::time_point deadline, std::string* why) {
     std::array<uint8_t, auth::kChallengeBytes> challenge{};
-    asio::error_code error = asio::error::would_block;
-    asio::async_read(socket_, asio::buffer(challenge),
-                     [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the server's challenge");
-    if (error) return Failed(why, error);
+    const Result read =
+        ReadAll(asio::buffer(challenge), deadline, "waiting for the server's challenge", why);
+    if (read != Result::kOk) return read;
     if (!auth::DecodeChallenge(challenge, &server_nonce_)) {
       *why = "the server did not open with a store challenge (not a collectives TCP store?)";
       return Result::kRejected;
@@ -80,17 +78,11 @@ class Connection {
   // job token in `*token`. kRejected with the reason in `*why` when the server refuses.
   Result Enrol(int rank, Clock::time_point deadline, std::string* token, std::string* why) {
     const auth::Response request = auth::EncodeEnrolment(uint32_t(rank));
-    asio::error_code error = asio::error::would_block;
-    asio::async_write(socket_, asio::buffer(request),
-                      [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "sending the enrolment request");
-    if (error) return Failed(why, error);
+    Result step = WriteAll(asio::buffer(request), deadline, "sending the enrolment request", why);
+    if (step != Result::kOk) return step;
     std::array<uint8_t, auth::kEnrolReplyHeaderBytes> header{};
-    error = asio::error::would_block;
-    asio::async_read(socket_, asio::buffer(header),
-                     [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the enrolment reply");
-    if (error) return Failed(why, error);
+    step = ReadAll(asio::buffer(header), deadline, "waiting for the enrolment reply", why);
+    if (step != Result::kOk) return step;
     const std::string malformed = auth::CheckEnrolReply(header);
     if (!malformed.empty()) {
       *why = "malformed enrolment reply: " + malformed;
@@ -98,11 +90,8 @@ class Connection {
     }
     std::string payload(header[2], '\0');
     if (!payload.empty()) {
-      error = asio::error::would_block;
-      asio::async_read(socket_, asio::buffer(payload),
-                       [&error](const asio::error_code& ec, size_t) { error = ec; });
-      if (!RunUntil(deadline)) return TimedOut(why, "reading the enrolment reply");
-      if (error) return Failed(why, error);
+      step = ReadAll(asio::buffer(payload), deadline, "reading the enrolment reply", why);
+      if (step != Result::kOk) return step;
     }
     if (header[0] == auth::kEnrolled) {
       *token = std::move(payload);
@@ -131,29 +120,27 @@ class Connection {
 
   // After ReadChallenge (and Enrol): proves `token` and checks the server's proof.
   Result Authenticate(const std::string& token, Clock::time_point deadline, std::string* why) {
-    const core::Nonce& server_nonce = server_nonce_;
     const core::Nonce client_nonce = core::RandomNonce();
     const core::Proof proof =
-        auth::StoreProof(token, client_nonce, server_nonce, auth::kClientRole);
+        auth::StoreProof(token, client_nonce, server_nonce_, auth::kClientRole);
     std::array<asio::const_buffer, 2> response = {asio::buffer(client_nonce), asio::buffer(proof)};
-    asio::error_code error = asio::error::would_block;
-    asio::async_write(socket_, response, [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "sending the proof");
-    if (error) return Failed(why, error);
+    const Result sent = WriteAll(response, deadline, "sending the proof", why);
+    if (sent != Result::kOk) return sent;
     std::array<uint8_t, auth::kVerdictBytes> verdict{};
-    error = asio::error::would_block;
-    asio::async_read(socket_, asio::buffer(verdict),
-                     [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the verdict");
+    asio::error_code error;
+    const Result read =
+        ReadAll(asio::buffer(verdict), deadline, "waiting for the verdict", why, &error);
+    if (read == Result::kTimedOut) return read;
     if (error == asio::error::eof || (!error && verdict[0] != 1)) {
-      *why = "the server rejected this client's proof of the job token (is "
-             "COLLECTIVES_JOB_TOKEN the same on every rank?)";
+      *why =
+          "the server rejected this client's proof of the job token (is "
+          "COLLECTIVES_JOB_TOKEN the same on every rank?)";
       return Result::kRejected;
     }
-    if (error) return Failed(why, error);
+    if (read != Result::kOk) return read;
     core::Proof server_proof;
     std::memcpy(server_proof.data(), verdict.data() + 1, server_proof.size());
-    if (!core::ProofsEqual(server_proof, auth::StoreProof(token, client_nonce, server_nonce,
+    if (!core::ProofsEqual(server_proof, auth::StoreProof(token, client_nonce, server_nonce_,
                                                           auth::kServerRole))) {
       *why = "the server could not prove that it holds the job token";
       return Result::kRejected;
@@ -168,17 +155,12 @@ class Connection {
     wire::HeaderBytes request_bytes = wire::Encode(request);
     std::array<asio::const_buffer, 3> out = {asio::buffer(request_bytes), asio::buffer(key),
                                              asio::buffer(value)};
-    asio::error_code error = asio::error::would_block;
-    asio::async_write(socket_, out, [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "sending the request");
-    if (error) return Failed(why, error);
+    Result step = WriteAll(out, deadline, "sending the request", why);
+    if (step != Result::kOk) return step;
 
     wire::HeaderBytes reply_bytes{};
-    error = asio::error::would_block;
-    asio::async_read(socket_, asio::buffer(reply_bytes),
-                     [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "waiting for the reply");
-    if (error) return Failed(why, error);
+    step = ReadAll(asio::buffer(reply_bytes), deadline, "waiting for the reply", why);
+    if (step != Result::kOk) return step;
     *reply = wire::Decode(reply_bytes);
     std::string malformed = wire::CheckReply(*reply);
     if (!malformed.empty()) {
@@ -187,15 +169,40 @@ class Connection {
     }
     reply_value->resize(reply->value_bytes);  // bounded by CheckReply
     if (reply->value_bytes == 0) return Result::kOk;
-    error = asio::error::would_block;
-    asio::async_read(socket_, asio::buffer(*reply_value),
+    return ReadAll(asio::buffer(*reply_value), deadline, "reading the reply", why);
+  }
+
+ private:
+  // Writes / reads all of `buffers` by `deadline`: kOk, kTimedOut (`doing` names the step in
+  // `*why`) or kFailed (the transport's error in `*why`, and in `*error_out` when given).
+  template <typename Buffers>
+  Result WriteAll(const Buffers& buffers, Clock::time_point deadline, const char* doing,
+                  std::string* why) {
+    asio::error_code error = asio::error::would_block;
+    asio::async_write(socket_, buffers,
+                      [&error](const asio::error_code& ec, size_t) { error = ec; });
+    return Finish(error, deadline, doing, why);
+  }
+
+  template <typename Buffers>
+  Result ReadAll(const Buffers& buffers, Clock::time_point deadline, const char* doing,
+                 std::string* why, asio::error_code* error_out = nullptr) {
+    asio::error_code error = asio::error::would_block;
+    asio::async_read(socket_, buffers,
                      [&error](const asio::error_code& ec, size_t) { error = ec; });
-    if (!RunUntil(deadline)) return TimedOut(why, "reading the reply");
+    const Result result = Finish(error, deadline, doing, why);
+    if (error_out != nullptr) *error_out = error;
+    return result;
+  }
+
+  // Runs the pending operation, whose handler writes `error`, to its end.
+  Result Finish(const asio::error_code& error, Clock::time_point deadline, const char* doing,
+                std::string* why) {
+    if (!RunUntil(deadline)) return TimedOut(why, doing);
     if (error) return Failed(why, error);
     return Result::kOk;
   }
 
- private:
   // Runs the one pending operation until it completes (true) or `deadline` passes (false; the
   // socket is then closed and the operation's handler has run with operation_aborted).
   bool RunUntil(Clock::time_point deadline) {
