@@ -8,15 +8,26 @@
 #include "src/cluster/tcp_store.h"
 
 namespace collectives {
+namespace {
+
+// The server or a client; with the job's world size and this client's rank, a job that sets no
+// token gets one (rank 0's server generates it and the clients enrol for it, tcp_store_auth.h).
+std::shared_ptr<Store> MakeTcpStore(const std::string& host, uint16_t port, bool is_server,
+                                    std::chrono::milliseconds timeout, const std::string& job_token,
+                                    int world_size, int rank) {
+  if (is_server) {
+    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(host), port, job_token,
+                                                     world_size);
+  }
+  return std::make_shared<cluster::TcpStoreClient>(host, port, timeout, job_token, rank);
+}
+
+}  // namespace
 
 std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
                                       std::chrono::milliseconds timeout,
                                       const std::string& job_token) {
-  if (is_server) {
-    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(host), port,
-                                                     job_token);
-  }
-  return std::make_shared<cluster::TcpStoreClient>(host, port, timeout, job_token);
+  return MakeTcpStore(host, port, is_server, timeout, job_token, /*world_size=*/0, /*rank=*/-1);
 }
 
 uint16_t TcpStorePort(const Store& store) {
@@ -31,14 +42,8 @@ std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::mill
                                       const std::string& job_token) {
   spec.Validate();
   if (spec.world_size == 1) return CreateMemoryStore();
-  // With the world size and the rank, a job that sets no token gets one: rank 0 generates it
-  // and the others enrol for it (tcp_store_auth.h).
-  if (spec.rank == 0) {
-    return std::make_shared<cluster::TcpStoreServer>(cluster::StripBrackets(spec.master_addr),
-                                                     spec.master_port, job_token, spec.world_size);
-  }
-  return std::make_shared<cluster::TcpStoreClient>(spec.master_addr, spec.master_port, timeout,
-                                                   job_token, spec.rank);
+  return MakeTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout, job_token,
+                      spec.world_size, spec.rank);
 }
 
 namespace cluster {

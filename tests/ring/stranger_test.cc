@@ -110,11 +110,7 @@ TEST(StrangerTest, ARunningJobIgnoresStrangersOnEveryPort) {
   for (int rank = 0; rank < kSize; ++rank) {
     ranks.emplace_back([&, rank] {
       try {
-        ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = kSize;
-        spec.master_addr = "127.0.0.1";
-        spec.master_port = port;
+        const ClusterSpec spec = LoopbackSpec(rank, kSize, port);
         CommunicationOptions options;
         options.timeout = std::chrono::seconds(30);
         options.job_token = "stranger-test-secret";
@@ -199,10 +195,7 @@ TEST(JobTokenTest, TheClusterSpecsTokenIsProvenOnEveryConnection) {
     std::vector<std::thread> ranks;
     for (int rank = 0; rank < 2; ++rank) {
       ranks.emplace_back([&, rank] {
-        ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = 2;
-        spec.master_port = port;
+        ClusterSpec spec = LoopbackSpec(rank, 2, port);
         spec.job_token = rank == 1 && !same ? "another-secret" : "the-job-secret";
         CommunicationOptions options;
         options.timeout = std::chrono::seconds(3);
