@@ -21,6 +21,15 @@
 #include "src/core/kernels.h"
 
 namespace collectives::ring {
+
+uint8_t* Staging::Get(size_t bytes) {
+  if (bytes > bytes_) {
+    data_ = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+    bytes_ = bytes;
+  }
+  return data_.get();
+}
+
 namespace {
 
 using transport::Connection;
@@ -81,18 +90,6 @@ struct Destination {
   uint8_t* data;
   size_t bytes;
 };
-
-}  // namespace
-
-uint8_t* Staging::Get(size_t bytes) {
-  if (bytes > bytes_) {
-    data_ = std::make_unique_for_overwrite<uint8_t[]>(bytes);
-    bytes_ = bytes;
-  }
-  return data_.get();
-}
-
-namespace {
 
 // Ring reduce-scatter over n blocks of a vector, block b being the elements
 // [blocks.Offset(b), blocks.Offset(b) + blocks.Length(b)) of `send`: `out` receives the final
