@@ -59,6 +59,10 @@ size_t ParseBytes(const std::string& text) {
   return static_cast<size_t>(value) << shift;
 }
 
+std::function<std::string(std::string)> BytesSuffix() {
+  return [](std::string text) { return std::to_string(ParseBytes(text)); };
+}
+
 std::vector<std::string> SplitList(const std::string& text) {
   std::vector<std::string> parts;
   std::stringstream stream(text);

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,11 @@ namespace collectives::bench {
 // "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
 // Throws CLI::ValidationError on anything else.
 size_t ParseBytes(const std::string& text);
+
+// A CLI11 transform for a numeric option that takes a size: rewrites "512K" as "524288" (by
+// ParseBytes, whose ValidationError CLI11 reports) before CLI11 converts it, so size flags
+// accept what -b and -e accept.
+std::function<std::string(std::string)> BytesSuffix();
 
 // The non-empty items of a comma-separated list.
 std::vector<std::string> SplitList(const std::string& text);

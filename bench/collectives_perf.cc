@@ -144,6 +144,7 @@ struct Config {
   size_t small_message_bytes = 0;
   size_t medium_message_bytes = 0;
   int spin_us = -1;
+  int yield_us = -1;
   double timeout_s = 120;
   int local = 0;
   std::string baseline = "none";
@@ -627,6 +628,7 @@ CommunicationOptions MakeOptions(const Config& config) {
   options.small_message_bytes = config.small_message_bytes;
   options.medium_message_bytes = config.medium_message_bytes;
   options.spin_us = config.spin_us;
+  options.yield_us = config.yield_us;
   options.timeout = config.timeout();
   return options;
 }
@@ -954,12 +956,14 @@ class Sweep {
                 ToString(comm_.implementation()),
                 config_.algorithm.empty() ? "chosen per call" : config_.algorithm.c_str(),
                 hosts == 1 ? "TCP loopback (one host)" : "TCP");
-    std::printf("# chunk bytes %s  small-message bytes %s  spin us %s  timeout %.0f s\n",
+    std::printf(
+        "# chunk bytes %s  small-message bytes %s  spin us %s  yield us %s  timeout %.0f s\n",
                 config_.chunk_bytes == 0 ? "default" : std::to_string(config_.chunk_bytes).c_str(),
                 config_.small_message_bytes == 0
                     ? "default"
                     : std::to_string(config_.small_message_bytes).c_str(),
                 config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
+                config_.yield_us < 0 ? "default" : std::to_string(config_.yield_us).c_str(),
                 config_.timeout_s);
     std::printf("# iterations %d x %d rounds (median)  warm-up %d  check %s  buffers %s\n",
                 config_.iters, config_.repeat, config_.warmup_iters, config_.check ? "on" : "off",
@@ -1140,15 +1144,21 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--chunk-bytes", config.chunk_bytes,
-                 "CommunicationOptions::chunk_bytes (0: library default)")
-      ->capture_default_str();
+                 "CommunicationOptions::chunk_bytes (0: library default; 512K, ...)")
+      ->capture_default_str()
+      ->transform(bench::BytesSuffix());
   app.add_option("--medium-bytes", config.medium_message_bytes,
                  "CommunicationOptions::medium_message_bytes (0: library default; 1: never "
-                 "halving-doubling)");
+                 "halving-doubling)")
+      ->transform(bench::BytesSuffix());
   app.add_option("--small-bytes", config.small_message_bytes,
                  "CommunicationOptions::small_message_bytes (0: library default)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->transform(bench::BytesSuffix());
   app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--yield-us", config.yield_us, "CommunicationOptions::yield_us (-1: default)")
       ->capture_default_str()
       ->check(CLI::Range(-1, 1 << 30));
   app.add_option("--timeout", config.timeout_s,

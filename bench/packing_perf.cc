@@ -119,6 +119,7 @@ struct Config {
   bool mean = false;
   std::string csv_path;
   int spin_us = -1;
+  int yield_us = -1;
   size_t chunk_bytes = 0;
   size_t small_message_bytes = 0;
   double timeout_s = 120;
@@ -444,6 +445,7 @@ CommunicationOptions MakeOptions(const Config& config) {
   options.chunk_bytes = config.chunk_bytes;
   options.small_message_bytes = config.small_message_bytes;
   options.spin_us = config.spin_us;
+  options.yield_us = config.yield_us;
   options.timeout = config.timeout();
   return options;
 }
@@ -480,12 +482,17 @@ int Main(int argc, char** argv) {
                "Report the mean step time of the slowest rank instead of the median");
   app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
   app.add_option("--chunk-bytes", config.chunk_bytes,
-                 "CommunicationOptions::chunk_bytes (0: library default)")
-      ->capture_default_str();
+                 "CommunicationOptions::chunk_bytes (0: library default; 512K, ...)")
+      ->capture_default_str()
+      ->transform(bench::BytesSuffix());
   app.add_option("--small-bytes", config.small_message_bytes,
                  "CommunicationOptions::small_message_bytes (0: library default)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->transform(bench::BytesSuffix());
   app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 30));
+  app.add_option("--yield-us", config.yield_us, "CommunicationOptions::yield_us (-1: default)")
       ->capture_default_str()
       ->check(CLI::Range(-1, 1 << 30));
   app.add_option("--timeout", config.timeout_s,

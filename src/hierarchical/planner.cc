@@ -27,7 +27,9 @@ class SubFabric final : public transport::Fabric {
   void SetDeadline(transport::Clock::time_point deadline) override {
     parent_.SetDeadline(deadline);
   }
-  void SetSpin(std::chrono::microseconds spin) override { parent_.SetSpin(spin); }
+  void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override {
+    parent_.SetSpin(spin, yield);
+  }
   void Abort(const Error& error) override { parent_.Abort(error); }
 
  private:

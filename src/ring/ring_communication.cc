@@ -128,8 +128,10 @@ class RingCommunication final : public CollectiveCommunication {
   const std::string algorithm_;  // options.algorithm
   // Milliseconds a call may take; read when a call is issued (SetTimeout changes later calls).
   std::atomic<int64_t> timeout_ms_;
-  // How long the thread driving the network polls before it sleeps.
+  // How long the thread driving the network polls before it sleeps: plain polls, then polls
+  // with a yield between them.
   const std::chrono::microseconds spin_;
+  const std::chrono::microseconds yield_;
   // How long a thread handing a call over polls for the other side: a waiter in Work::Wait, and
   // the idle progress thread watching the queue. Both run beside the thread driving the network.
   const std::chrono::microseconds handoff_spin_;
@@ -179,12 +181,13 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       algorithm_(options.algorithm),
       timeout_ms_(options.timeout.count()),
       spin_(SpinBudget(options.spin_us, fabric->size(), 1)),
+      yield_(options.yield_us >= 0 ? options.yield_us : kDefaultYieldUs),
       handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
       store_(std::move(store)),
       planner_(std::move(planner)),
       split_(std::move(split)),
       fabric_(std::move(fabric)) {
-  fabric_->SetSpin(spin_);
+  fabric_->SetSpin(spin_, yield_);
   thread_ = std::thread([this] { Run(); });
 }
 

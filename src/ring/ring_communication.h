@@ -21,6 +21,7 @@ inline constexpr size_t kDefaultChunkBytes = 512 * 1024;
 inline constexpr size_t kDefaultSmallMessageBytes = 64 * 1024;
 inline constexpr size_t kDefaultMediumMessageBytes = 8 * 1024 * 1024;
 inline constexpr int kDefaultSpinUs = 50;
+inline constexpr int kDefaultYieldUs = 10000;
 
 // A layer above the ring that may take calls over (the hierarchical layer: shared memory, the
 // two-level plan). Each method is called on the caller's thread after the argument checks and

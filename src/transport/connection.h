@@ -69,8 +69,9 @@ class Fabric {
   // is quoted in the error message.
   virtual void SetDeadline(Clock::time_point deadline) = 0;
 
-  // How long a Wait* polls before it sleeps in the kernel (0: never polls).
-  virtual void SetSpin(std::chrono::microseconds spin) = 0;
+  // How long a Wait* polls before it sleeps in the kernel (`spin`; 0: never polls), and how
+  // long after that it goes on polling with a sched_yield between polls (`yield`; 0: none).
+  virtual void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) = 0;
 
   // Breaks the fabric with `error`: tells every peer (best effort: an abort frame carrying the
   // code and message, then closing the connections), and makes every pending and later call

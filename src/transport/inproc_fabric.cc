@@ -132,7 +132,7 @@ class InProcFabric final : public Fabric {
     deadline_ = deadline;
   }
 
-  void SetSpin(std::chrono::microseconds) override {}  // nothing to poll: waits sleep at once
+  void SetSpin(std::chrono::microseconds, std::chrono::microseconds) override {}  // nothing to poll: waits sleep at once
 
   void Abort(const Error& error) override {
     {

@@ -17,13 +17,14 @@
 // the connection (HandlerMemory), so the steady state allocates nothing per frame
 // (tcp_alloc_test checks it).
 //
-// Waiting: Wait* poll the io_context for the spin budget, then sleep in run_one_until up to the
-// deadline. Abort from another thread records the error; if the fabric is idle, that thread
+// Waiting: Wait* poll the io_context for the spin budget, then poll with a sched_yield between
+// polls for the yield budget, then sleep in run_one_until up to the deadline. Abort from another thread records the error; if the fabric is idle, that thread
 // sends the abort frames and closes at once; if a thread is driving it, Abort posts a no-op
 // that wakes it, and the driving thread does the shutdown before it throws.
 #include "src/transport/tcp_fabric.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -328,7 +329,7 @@ class TcpFabric final : public Fabric {
   int size() const override { return size_; }
   Connection& connection(int peer) override;
   void SetDeadline(Clock::time_point deadline) override;
-  void SetSpin(std::chrono::microseconds spin) override;
+  void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override;
   void Abort(const Error& error) override;
 
  private:
@@ -362,6 +363,7 @@ class TcpFabric final : public Fabric {
   std::vector<std::unique_ptr<TcpConnection>> connections_;
   Clock::time_point deadline_ = Clock::time_point::max();
   std::chrono::microseconds spin_ = kDefaultSpin;
+  std::chrono::microseconds yield_{0};
 
   std::mutex drive_mu_;
   bool shut_down_ = false;
@@ -873,9 +875,10 @@ void TcpFabric::SetDeadline(Clock::time_point deadline) {
   deadline_ = deadline;
 }
 
-void TcpFabric::SetSpin(std::chrono::microseconds spin) {
+void TcpFabric::SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) {
   std::lock_guard<std::mutex> lock(drive_mu_);
   spin_ = std::max(spin, std::chrono::microseconds(0));
+  yield_ = std::max(yield, std::chrono::microseconds(0));
 }
 
 void TcpFabric::Break(const Error& error, std::optional<AbortPayload> payload, int skip_peer) {
@@ -984,15 +987,18 @@ template <typename Done>
 void TcpFabric::Drive(Done done, TcpConnection& connection, bool sending) {
   if (done()) return;
   const auto spin_end = Clock::now() + spin_;
+  const auto yield_end = spin_end + yield_;
   for (;;) {
     ThrowIfBroken();
     if (done()) return;
     const auto now = Clock::now();
     if (now >= deadline_) ThrowTimeout(connection, sending);
     if (now < spin_end) {
-      // No yield here: under CFS a yield can hand the core to an unrelated busy process for a
-      // whole time slice (milliseconds); the spin budget itself bounds what spinning costs.
       io_.poll();
+    } else if (now < yield_end) {
+      // Still runnable, so data that arrives needs no wake-up; the yield lets any thread with
+      // work (a peer rank on this core, the kernel's softirq thread) run first.
+      if (io_.poll() == 0) sched_yield();
     } else {
       io_.run_one_until(deadline_);
     }

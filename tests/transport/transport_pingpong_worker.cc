@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
     collectives::transport::TcpFabricOptions options;
     options.timeout = std::chrono::milliseconds(30'000);
     auto fabric = collectives::transport::ConnectTcpFabric(rank, 2, *store, options);
-    if (spin_us >= 0) fabric->SetSpin(std::chrono::microseconds(spin_us));
+    if (spin_us >= 0) fabric->SetSpin(std::chrono::microseconds(spin_us), std::chrono::microseconds(0));
     fabric->SetDeadline(Clock::now() + std::chrono::seconds(120));
     Connection& peer = fabric->connection(1 - rank);
 
