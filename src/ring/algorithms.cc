@@ -557,6 +557,21 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
 }
 
+void SmallBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root) {
+  if (ctx.rank() == root) {
+    return RecursiveDoublingAllReduce(ctx, send, recv, bytes, DataType::kUInt8, ReduceOp::kMax);
+  }
+  const std::vector<uint8_t> zeros(bytes);
+  RecursiveDoublingAllReduce(ctx, zeros.data(), recv, bytes, DataType::kUInt8, ReduceOp::kMax);
+}
+
+void SmallAllGather(Context& ctx, const void* send, void* recv, size_t block_bytes) {
+  const size_t bytes = size_t(ctx.size()) * block_bytes;
+  std::vector<uint8_t> mine(bytes);
+  CopyUnlessSame(mine.data() + size_t(ctx.rank()) * block_bytes, send, block_bytes);
+  RecursiveDoublingAllReduce(ctx, mine.data(), recv, bytes, DataType::kUInt8, ReduceOp::kMax);
+}
+
 CallAgreement::CallAgreement(Context& ctx) {
   const int n = ctx.size();
   const int r = ctx.rank();

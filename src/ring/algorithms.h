@@ -116,6 +116,15 @@ void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, in
 void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
                    CallAgreement* agreement = nullptr);
 
+// Broadcast and all-gather of small messages, where the agreement round above would cost as
+// much as the transfer: each rank contributes a vector of the result's size holding what it
+// owns (the root its message; a rank its block) and zeros elsewhere, and a recursive-doubling
+// all-reduce of those bytes with max (max(b, 0) = b for unsigned bytes) leaves exactly the
+// result on every rank. It inherits that all-reduce's safety: no round, and a mismatched call
+// writes nothing. ceil(log2 p) (+ 2) exchanges of the whole result.
+void SmallBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root);
+void SmallAllGather(Context& ctx, const void* send, void* recv, size_t block_bytes);
+
 // Returns once every rank has entered (recursive doubling of empty frames).
 void Barrier(Context& ctx);
 

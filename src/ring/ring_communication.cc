@@ -433,12 +433,9 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
     }
   }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
+    if (small) return SmallBroadcast(ctx, source, recv.data, recv.bytes(), root);
     CallAgreement agreement(ctx);
-    if (small) {
-      TreeBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
-    } else {
-      ChainBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
-    }
+    ChainBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
     agreement.Wait();
   }};
 }
@@ -453,7 +450,9 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
   if (planner_) {
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
-  return Prepared{call, [send, recv](Context& ctx) {
+  const bool small = recv.bytes() <= small_message_bytes_;
+  return Prepared{call, [send, recv, small](Context& ctx) {
+    if (small) return SmallAllGather(ctx, send.data, recv.data, send.bytes());
     CallAgreement agreement(ctx);
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype, &agreement);
     agreement.Wait();

@@ -63,12 +63,12 @@ TEST_P(CollectiveMatrixTest, EveryCollectiveDtypeOpAndCountIsExactOnEveryRank) {
       large = 1'000'003;
       break;
     case Algorithms::kRingTinyChunks:
-      options.small_message_bytes = 1;  // every non-empty all-reduce and broadcast takes the ring
+      options.small_message_bytes = 1;  // every non-empty all-reduce, broadcast, all-gather: ring
       options.chunk_bytes = 24;         // several chunks per block even for a handful of elements
       large = 1'001;
       break;
     case Algorithms::kSmallMessage:
-      options.small_message_bytes = SIZE_MAX;  // recursive doubling and the tree at every size
+      options.small_message_bytes = SIZE_MAX;  // recursive doubling at every size
       large = 100'003;
       break;
     case Algorithms::kHalvingDoubling:
