@@ -94,8 +94,8 @@ struct CommunicationOptions {
   // arriving segment a kernel wake-up (on a virtual machine, an interrupt to a halted core);
   // a yielding one is still runnable, and hands its core to any thread that has work, which
   // is what Open MPI does when cores are oversubscribed (mpi_yield_when_idle). 4 ranks on 2
-  // cores: 1 MiB broadcast 690 -> 410 us, all-gather 650 -> 430 us. -1: 10 ms; 0: sleep at
-  // once when the spin ends.
+  // cores: 1 MiB broadcast 690 -> 410 us, all-gather 650 -> 430 us. -1: $COLLECTIVES_YIELD_US
+  // if set, else 10 ms; 0: sleep at once when the spin ends.
   // Default: -1.
   int yield_us = -1;
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -167,6 +168,18 @@ std::chrono::microseconds SpinBudget(int spin_us, int world_size, int threads_pe
       cores >= unsigned(world_size * threads_per_rank) ? kDefaultSpinUs : 0);
 }
 
+// options.yield_us, else $COLLECTIVES_YIELD_US (for tuning a job without rebuilding it), else
+// the default.
+std::chrono::microseconds YieldBudget(int yield_us) {
+  if (yield_us >= 0) return std::chrono::microseconds(yield_us);
+  if (const char* env = std::getenv("COLLECTIVES_YIELD_US")) {
+    char* end = nullptr;
+    const long value = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && value >= 0) return std::chrono::microseconds(value);
+  }
+  return std::chrono::microseconds(kDefaultYieldUs);
+}
+
 RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
                                      std::shared_ptr<Store> store,
                                      const CommunicationOptions& options,
@@ -181,7 +194,7 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       algorithm_(options.algorithm),
       timeout_ms_(options.timeout.count()),
       spin_(SpinBudget(options.spin_us, fabric->size(), 1)),
-      yield_(options.yield_us >= 0 ? options.yield_us : kDefaultYieldUs),
+      yield_(YieldBudget(options.yield_us)),
       handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
       store_(std::move(store)),
       planner_(std::move(planner)),
