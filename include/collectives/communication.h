@@ -60,8 +60,9 @@ struct CommunicationOptions {
   // Default: 0.
   size_t chunk_bytes = 0;
 
-  // All-reduces, broadcasts and all-gathers whose result has at most this many bytes use the
-  // latency-optimal algorithm (recursive doubling) instead of the ring or the chain. 0 picks
+  // All-reduces, broadcasts and all-gathers whose result, and reduce-scatters whose input, has
+  // at most this many bytes use the latency-optimal algorithm (recursive doubling) instead of
+  // the ring or the chain. 0 picks
   // the default (64 KiB); SIZE_MAX forces it always, 1 practically never.
   // Default: 0.
   size_t small_message_bytes = 0;

@@ -572,6 +572,15 @@ void SmallAllGather(Context& ctx, const void* send, void* recv, size_t block_byt
   RecursiveDoublingAllReduce(ctx, mine.data(), recv, bytes, DataType::kUInt8, ReduceOp::kMax);
 }
 
+void SmallReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                        ReduceOp op) {
+  const size_t n = size_t(ctx.size());
+  const size_t block_bytes = count * SizeOf(dtype);
+  std::vector<uint8_t> whole(n * block_bytes);
+  RecursiveDoublingAllReduce(ctx, send, whole.data(), n * count, dtype, op);
+  CopyUnlessSame(recv, whole.data() + size_t(ctx.rank()) * block_bytes, block_bytes);
+}
+
 CallAgreement::CallAgreement(Context& ctx) {
   const int n = ctx.size();
   const int r = ctx.rank();

@@ -125,6 +125,13 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
 void SmallBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root);
 void SmallAllGather(Context& ctx, const void* send, void* recv, size_t block_bytes);
 
+// Reduce-scatter of a small `send`: the recursive-doubling all-reduce of all of it into a
+// scratch vector, of which rank r keeps block r. Its n - 1 unneeded blocks cost little where
+// latency dominates (ceil(log2 p) exchanges instead of the ring's p - 1 steps), and recv is
+// written only once the all-reduce has succeeded.
+void SmallReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                        ReduceOp op);
+
 // Returns once every rank has entered (recursive doubling of empty frames).
 void Barrier(Context& ctx);
 

@@ -485,7 +485,9 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
       return Prepared{call, std::move(body)};
     }
   }
-  return Prepared{call, [send, recv, op](Context& ctx) {
+  const bool small = send.bytes() <= small_message_bytes_;
+  return Prepared{call, [send, recv, op, small](Context& ctx) {
+    if (small) return SmallReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
   }};
 }

@@ -269,10 +269,15 @@ TEST(RingAbortTest, AbortWakesABlockedCall) {
   }
 }
 
-// A call whose peer never shows up ends with kTimeout after the deadline, not a hang.
-TEST(RingTimeoutTest, SilentPeerRaisesTimeout) {
+// A call whose peer never shows up ends with kTimeout after the deadline, not a hang, whether
+// the waiter sleeps at once (yield_us 0), yields for the default 10 ms first, or would yield
+// for a minute (the deadline ends the yielding phase too).
+class RingSilentPeerTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RingSilentPeerTest, RaisesTimeoutAtTheDeadline) {
   CommunicationOptions options;
   options.timeout = std::chrono::milliseconds(500);
+  options.yield_us = GetParam();
   RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {
     if (comm.rank() == 1) {
       std::this_thread::sleep_for(std::chrono::seconds(2));
@@ -291,6 +296,13 @@ TEST(RingTimeoutTest, SilentPeerRaisesTimeout) {
     EXPECT_LT(elapsed, std::chrono::milliseconds(2500));
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Yield, RingSilentPeerTest, ::testing::Values(0, -1, 60'000'000),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 0    ? std::string("SleepAtOnce")
+                                  : info.param < 0   ? std::string("DefaultYield")
+                                                     : std::string("YieldForAMinute");
+                         });
 
 }  // namespace
 }  // namespace collectives
