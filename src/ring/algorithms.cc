@@ -358,7 +358,8 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_p
 // d = p/2, p/4, ..., 1 it exchanges with partner r ^ d, keeps the half of its current range
 // whose blocks have bit d equal to its own (the lower half when r & d == 0), sends the other
 // half of its partial sums, receives the partner's contribution to the kept half chunk by chunk
-// through staging slots, and reduces it. The first step reads `send` (so an out-of-place call
+// (straight into where the sum goes, or through staging slots where that is where its own
+// partial sums are), and reduces it. The first step reads `send` (so an out-of-place call
 // needs no copy); the partial sums of the steps before the last live in `acc`, a staging buffer
 // of the first kept half; the last step (d = 1) writes block r's final value (divided by p for
 // kAvg) into `recv`, computed there alone, so every rank ends with the same bits. All-gather by
@@ -397,10 +398,15 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
   };
 
   // Sends `give` (read from `from`) to `partner` and receives the partner's frames for `take`,
-  // both cut into chunks of at most slot_elems. With `mine`, a received chunk lands in a
-  // staging slot and to[c] = mine[c] op it; without, it lands in `to` directly.
+  // both cut into chunks of at most slot_elems. With `mine`, to[c] = mine[c] op the received
+  // chunk: the chunk lands in `to` itself and is reduced there in place, unless `to` is `mine`
+  // (the middle steps, and an in-place call's only step at p = 2), where it lands in a staging
+  // slot first. Without `mine`, it lands in `to`. Landing in `to` saves a pass over the slots
+  // and uses the in-place kernel; the payload is still read only after its frame's header
+  // matched this call, so the last step's first write into `recv` comes no earlier than before.
   auto exchange = [&](Connection& partner, const uint8_t* from, Range give, uint8_t* to,
                       const uint8_t* mine, Range take) {
+    const bool via_slots = mine != nullptr && mine == to;
     const Split give_chunks{give.length, std::max<size_t>(1, CeilDiv(give.length, slot_elems))};
     const Split take_chunks{take.length, std::max<size_t>(1, CeilDiv(take.length, slot_elems))};
     uint64_t last_send = 0;
@@ -409,15 +415,16 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
           partner.PostSend(ctx.tag, from + give_chunks.Offset(c) * es, give_chunks.Length(c) * es);
     }
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
-      uint8_t* dst = mine != nullptr ? staging + (c % kStagingSlots) * slot_elems * es
-                                     : to + take_chunks.Offset(c) * es;
+      uint8_t* dst = via_slots ? staging + (c % kStagingSlots) * slot_elems * es
+                               : to + take_chunks.Offset(c) * es;
       return Destination{dst, take_chunks.Length(c) * es};
     });
     for (size_t c = 0; c < take_chunks.parts; ++c) {
       window.Wait(c);
       if (mine != nullptr) {
         const size_t offset = take_chunks.Offset(c) * es;
-        const uint8_t* theirs = staging + (c % kStagingSlots) * slot_elems * es;
+        const uint8_t* theirs =
+            via_slots ? staging + (c % kStagingSlots) * slot_elems * es : to + offset;
         // (lower rank's data) op (higher rank's data), as everywhere in this file.
         if (partner.peer() < r) {
           core::Reduce(dtype, op, to + offset, theirs, mine + offset, take_chunks.Length(c));
