@@ -7,7 +7,9 @@
 //
 // Thread-safety: PlanBuckets is pure. AllReduce / Broadcast of a list call the communicator from
 // the calling thread and, like any collective, must be issued in the same order on every rank
-// with the same list of (dtype, device, count).
+// with the same list of (dtype, device, count). A list that differs is caught when the plan fuses
+// tensors (one 16-byte all-reduce of a hash of the list comes first; every rank then raises
+// kMismatch, nothing written); unfused, each tensor's own collective catches it.
 #ifndef COLLECTIVES_PACKING_H_
 #define COLLECTIVES_PACKING_H_
 

@@ -30,6 +30,7 @@
 #include "collectives/packing.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -88,6 +89,45 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
                                                    std::to_string(t.count) +
                                                    " elements: more bytes than size_t holds");
     }
+  }
+}
+
+// Lists that differ across ranks but plan into buckets of the same sizes (tensors of 100 and 200
+// elements on one rank, 200 and 100 on another) would be reduced into each other's tensors, and
+// no frame would tell: a fused bucket's collective carries only its total count. So when a plan
+// fuses tensors, every rank first all-reduces, with max, (h, ~h) for a hash h of its list's
+// (dtype, count) sequence: all lists hash alike exactly when every rank gets back its own pair
+// (a rank below the largest h sees a larger max(h); the one with the largest h sees max(~h)
+// from a smaller h). Then every rank raises kMismatch before anything is packed or written.
+// Lists that are not fused need no check: each tensor's own collective carries its count.
+// Cost: one 16-byte all-reduce per packed call that fuses.
+void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
+                     const std::vector<Tensor>& tensors, const std::vector<Bucket>& plan) {
+  const auto fuses = [&](const Bucket& bucket) {
+    return std::count_if(bucket.begin(), bucket.end(),
+                         [&](size_t i) { return tensors[i].count > 0; }) > 1;
+  };
+  if (std::none_of(plan.begin(), plan.end(), fuses)) return;
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over (dtype, count) of every tensor
+  const auto mix = [&h](uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= (value >> (8 * byte)) & 0xffu;
+      h *= 0x100000001b3ull;
+    }
+  };
+  mix(tensors.size());
+  for (const Tensor& t : tensors) {
+    mix(static_cast<uint64_t>(t.dtype));
+    mix(t.count);
+  }
+  int64_t pair[2] = {std::bit_cast<int64_t>(h), std::bit_cast<int64_t>(~h)};
+  comm.AllReduce(Tensor{pair, 2, DataType::kInt64}, ReduceOp::kMax);
+  if (pair[0] != std::bit_cast<int64_t>(h) || pair[1] != std::bit_cast<int64_t>(~h)) {
+    throw Error(ErrorCode::kMismatch,
+                "rank " + std::to_string(comm.rank()) + ": packing " + collective + ": the list of " +
+                    std::to_string(tensors.size()) +
+                    " tensors differs from another rank's (dtype and count of each tensor, in "
+                    "order); nothing was reduced or written");
   }
 }
 
@@ -399,7 +439,9 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
   const BucketRunner runner{/*pack=*/true, /*unpack=*/true,
                             [&](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
                             [&](const Tensor& t) { comm.AllReduce(t, t, op); }};
-  RunBuckets(runner, tensors, PlanBuckets(SpecsOf(tensors), bytes_per_pack), comm.size(), schedule);
+  const std::vector<Bucket> plan = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
+  CheckListsAgree(comm, "all_reduce", tensors, plan);
+  RunBuckets(runner, tensors, plan, comm.size(), schedule);
 }
 
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
@@ -416,7 +458,9 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
   const BucketRunner runner{/*pack=*/is_root, /*unpack=*/!is_root,
                             [&](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
                             [&](const Tensor& t) { comm.Broadcast(t, t, root); }};
-  RunBuckets(runner, tensors, PlanBuckets(SpecsOf(tensors), bytes_per_pack), comm.size(), schedule);
+  const std::vector<Bucket> plan = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
+  CheckListsAgree(comm, "broadcast", tensors, plan);
+  RunBuckets(runner, tensors, plan, comm.size(), schedule);
 }
 
 }  // namespace internal

@@ -394,6 +394,53 @@ TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
   }
 }
 
+// Lists that differ across ranks but bucket alike (100 + 200 floats on one rank, 200 + 100 on
+// the others: one 300-float bucket everywhere) would mix tensors without any frame noticing.
+// Every rank raises kMismatch naming the list, nothing is written, and the communicator still
+// works; with lists that agree, the same call goes through.
+TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    for (int size : {2, 3}) {
+      for (int odd_one : {0, size - 1}) {
+        CommunicationOptions options;
+        options.timeout = std::chrono::seconds(30);
+        RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+          const bool odd = comm.rank() == odd_one;
+          std::vector<float> a(odd ? 200 : 100, float(comm.rank() + 1));
+          std::vector<float> b(odd ? 100 : 200, float(comm.rank() + 1));
+          const std::vector<Tensor> list = {Tensor{a.data(), a.size(), DataType::kFloat32},
+                                            Tensor{b.data(), b.size(), DataType::kFloat32}};
+          for (bool broadcast : {false, true}) {
+            try {
+              if (broadcast) {
+                packing::Broadcast(comm, list, 0, 4096);
+              } else {
+                packing::AllReduce(comm, list, ReduceOp::kSum, 4096);
+              }
+              ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were "
+                            << (broadcast ? "broadcast" : "reduced");
+            } catch (const Error& e) {
+              EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+              EXPECT_NE(std::string(e.what()).find("list of 2 tensors differs"), std::string::npos)
+                  << e.what();
+            }
+            for (float v : a) ASSERT_EQ(v, float(comm.rank() + 1)) << "a was written";
+            for (float v : b) ASSERT_EQ(v, float(comm.rank() + 1)) << "b was written";
+          }
+          // The communicator is not broken, and lists that agree go through.
+          std::vector<float> c(100, 1.0f), d(200, 2.0f);
+          packing::AllReduce(comm,
+                             {Tensor{c.data(), c.size(), DataType::kFloat32},
+                              Tensor{d.data(), d.size(), DataType::kFloat32}},
+                             ReduceOp::kSum, 4096);
+          for (float v : c) ASSERT_EQ(v, float(comm.size()));
+          for (float v : d) ASSERT_EQ(v, 2.0f * float(comm.size()));
+        });
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The schedule, seen through a communicator that records what the packer issues.
 // ---------------------------------------------------------------------------------------------
@@ -491,15 +538,26 @@ TEST(PackingScheduleTest, SingleTensorsInPlaceBoundedInFlightBuffersWithinTheCap
           internal::AllReduce(comm, tensors, ReduceOp::kSum, cap, schedule);
         }
         const std::vector<RecordingCommunication::Call> all = comm.calls();
-        const std::vector<RecordingCommunication::Call> calls(all.begin() + long(before),
-                                                              all.end());
-        // One call per bucket that has bytes, in plan order.
+        std::vector<RecordingCommunication::Call> calls(all.begin() + long(before), all.end());
+        // One call per bucket that has bytes, in plan order, after the lists' agreement check
+        // (a 2 x i64 max all-reduce) when some bucket fuses tensors.
         std::vector<Bucket> plan = PlanBuckets(specs, cap);
         std::erase_if(plan, [&](const Bucket& b) {
           size_t bytes = 0;
           for (size_t i : b) bytes += tensors[i].bytes();
           return bytes == 0;
         });
+        const bool fuses = std::any_of(plan.begin(), plan.end(), [&](const Bucket& b) {
+          return std::count_if(b.begin(), b.end(), [&](size_t i) { return tensors[i].count > 0; }) >
+                 1;
+        });
+        if (fuses) {
+          ASSERT_FALSE(calls.empty());
+          EXPECT_STREQ(calls.front().kind, "all_reduce");
+          EXPECT_EQ(calls.front().tensor.dtype, DataType::kInt64);
+          EXPECT_EQ(calls.front().tensor.count, 2u);
+          calls.erase(calls.begin());
+        }
         ASSERT_EQ(calls.size(), plan.size()) << "cap " << cap;
         std::set<void*> fusion_buffers;
         for (size_t k = 0; k < plan.size(); ++k) {
