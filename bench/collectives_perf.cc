@@ -958,13 +958,12 @@ class Sweep {
                 hosts == 1 ? "TCP loopback (one host)" : "TCP");
     std::printf(
         "# chunk bytes %s  small-message bytes %s  spin us %s  yield us %s  timeout %.0f s\n",
-                config_.chunk_bytes == 0 ? "default" : std::to_string(config_.chunk_bytes).c_str(),
-                config_.small_message_bytes == 0
-                    ? "default"
-                    : std::to_string(config_.small_message_bytes).c_str(),
-                config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
-                config_.yield_us < 0 ? "default" : std::to_string(config_.yield_us).c_str(),
-                config_.timeout_s);
+        config_.chunk_bytes == 0 ? "default" : std::to_string(config_.chunk_bytes).c_str(),
+        config_.small_message_bytes == 0 ? "default"
+                                         : std::to_string(config_.small_message_bytes).c_str(),
+        config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
+        config_.yield_us < 0 ? "default" : std::to_string(config_.yield_us).c_str(),
+        config_.timeout_s);
     std::printf("# iterations %d x %d rounds (median)  warm-up %d  check %s  buffers %s\n",
                 config_.iters, config_.repeat, config_.warmup_iters, config_.check ? "on" : "off",
                 config_.in_place ? "in-place" : "out-of-place");

@@ -124,8 +124,8 @@ void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
   comm.AllReduce(Tensor{pair, 2, DataType::kInt64}, ReduceOp::kMax);
   if (pair[0] != std::bit_cast<int64_t>(h) || pair[1] != std::bit_cast<int64_t>(~h)) {
     throw Error(ErrorCode::kMismatch,
-                "rank " + std::to_string(comm.rank()) + ": packing " + collective + ": the list of " +
-                    std::to_string(tensors.size()) +
+                "rank " + std::to_string(comm.rank()) + ": packing " + collective +
+                    ": the list of " + std::to_string(tensors.size()) +
                     " tensors differs from another rank's (dtype and count of each tensor, in "
                     "order); nothing was reduced or written");
   }

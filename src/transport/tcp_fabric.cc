@@ -18,9 +18,10 @@
 // (tcp_alloc_test checks it).
 //
 // Waiting: Wait* poll the io_context for the spin budget, then poll with a sched_yield between
-// polls for the yield budget, then sleep in run_one_until up to the deadline. Abort from another thread records the error; if the fabric is idle, that thread
-// sends the abort frames and closes at once; if a thread is driving it, Abort posts a no-op
-// that wakes it, and the driving thread does the shutdown before it throws.
+// polls for the yield budget, then sleep in run_one_until up to the deadline. Abort from another
+// thread records the error; if the fabric is idle, that thread sends the abort frames and closes at
+// once; if a thread is driving it, Abort posts a no-op that wakes it, and the driving thread does
+// the shutdown before it throws.
 #include "src/transport/tcp_fabric.h"
 
 #include <poll.h>

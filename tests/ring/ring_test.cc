@@ -299,9 +299,9 @@ TEST_P(RingSilentPeerTest, RaisesTimeoutAtTheDeadline) {
 
 INSTANTIATE_TEST_SUITE_P(Yield, RingSilentPeerTest, ::testing::Values(0, -1, 60'000'000),
                          [](const ::testing::TestParamInfo<int>& info) {
-                           return info.param == 0    ? std::string("SleepAtOnce")
-                                  : info.param < 0   ? std::string("DefaultYield")
-                                                     : std::string("YieldForAMinute");
+                           return info.param == 0  ? std::string("SleepAtOnce")
+                                  : info.param < 0 ? std::string("DefaultYield")
+                                                   : std::string("YieldForAMinute");
                          });
 
 }  // namespace
