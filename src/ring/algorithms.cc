@@ -292,7 +292,7 @@ void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t co
 // staging and only the last round writes the caller's buffer, so a call that fails (a mismatch
 // found at any round, a lost peer) leaves that buffer untouched.
 void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
-                                DataType dtype, ReduceOp op) {
+                                DataType dtype, ReduceOp op, uint8_t* scratch) {
   const int n = ctx.size();
   const int r = ctx.rank();
   const size_t bytes = count * SizeOf(dtype);
@@ -304,7 +304,7 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_p
   }
   // Partial results live in `acc` (staging), never in `recv`: the last reduction writes `recv`,
   // so a call that fails part-way (a mismatch, a lost peer) leaves the caller's buffer as it was.
-  uint8_t* const acc = ctx.staging.Get(2 * bytes);
+  uint8_t* const acc = scratch != nullptr ? scratch : ctx.staging.Get(2 * bytes);
   uint8_t* const other = acc + bytes;
   const uint8_t* current = send;  // this rank's partial result so far
 
@@ -564,28 +564,36 @@ void TreeBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int
   for (size_t i = 0; i < num_sends; ++i) sends[i].first->WaitSend(sends[i].second);
 }
 
+// The small collectives keep their extra vector (a rank's contribution, or the whole reduced
+// input) in staging behind the all-reduce's own 2 x `bytes`, so a call allocates nothing once
+// the staging area has grown to the largest small message.
 void SmallBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root) {
   if (ctx.rank() == root) {
     return RecursiveDoublingAllReduce(ctx, send, recv, bytes, DataType::kUInt8, ReduceOp::kMax);
   }
-  const std::vector<uint8_t> zeros(bytes);
-  RecursiveDoublingAllReduce(ctx, zeros.data(), recv, bytes, DataType::kUInt8, ReduceOp::kMax);
+  uint8_t* const scratch = ctx.staging.Get(3 * bytes);
+  uint8_t* const zeros = scratch + 2 * bytes;
+  if (bytes > 0) std::memset(zeros, 0, bytes);
+  RecursiveDoublingAllReduce(ctx, zeros, recv, bytes, DataType::kUInt8, ReduceOp::kMax, scratch);
 }
 
 void SmallAllGather(Context& ctx, const void* send, void* recv, size_t block_bytes) {
   const size_t bytes = size_t(ctx.size()) * block_bytes;
-  std::vector<uint8_t> mine(bytes);
-  CopyUnlessSame(mine.data() + size_t(ctx.rank()) * block_bytes, send, block_bytes);
-  RecursiveDoublingAllReduce(ctx, mine.data(), recv, bytes, DataType::kUInt8, ReduceOp::kMax);
+  uint8_t* const scratch = ctx.staging.Get(3 * bytes);
+  uint8_t* const mine = scratch + 2 * bytes;
+  if (bytes > 0) std::memset(mine, 0, bytes);
+  CopyUnlessSame(mine + size_t(ctx.rank()) * block_bytes, send, block_bytes);
+  RecursiveDoublingAllReduce(ctx, mine, recv, bytes, DataType::kUInt8, ReduceOp::kMax, scratch);
 }
 
 void SmallReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                         ReduceOp op) {
   const size_t n = size_t(ctx.size());
   const size_t block_bytes = count * SizeOf(dtype);
-  std::vector<uint8_t> whole(n * block_bytes);
-  RecursiveDoublingAllReduce(ctx, send, whole.data(), n * count, dtype, op);
-  CopyUnlessSame(recv, whole.data() + size_t(ctx.rank()) * block_bytes, block_bytes);
+  uint8_t* const scratch = ctx.staging.Get(3 * n * block_bytes);
+  uint8_t* const whole = scratch + 2 * n * block_bytes;
+  RecursiveDoublingAllReduce(ctx, send, whole, n * count, dtype, op, scratch);
+  CopyUnlessSame(recv, whole + size_t(ctx.rank()) * block_bytes, block_bytes);
 }
 
 CallAgreement::CallAgreement(Context& ctx) {

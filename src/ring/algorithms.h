@@ -62,9 +62,10 @@ void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, Dat
                    ReduceOp op);
 
 // The same result in ceil(log2 p) + 2 exchanges of the whole message (recursive doubling, with
-// a fold for non-powers of two): for small messages, where latency dominates.
+// a fold for non-powers of two): for small messages, where latency dominates. Its partial
+// results use 2 x the message bytes of `scratch`, or of ctx.staging when null.
 void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
-                                DataType dtype, ReduceOp op);
+                                DataType dtype, ReduceOp op, uint8_t* scratch = nullptr);
 
 // The same result in 2 log2(p) steps that move as many bytes as the ring's 2(p-1): reduce-scatter
 // by recursive halving, then all-gather by recursive doubling (Rabenseifner). Fewer steps than
