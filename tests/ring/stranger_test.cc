@@ -17,6 +17,7 @@
 #include <asio.hpp>
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -249,6 +250,24 @@ std::string CheckedAllReduces(CollectiveCommunication& comm, int iterations) {
   return "";
 }
 
+// Runs body(rank) on one thread per rank of `size` and joins them; each rank's entry is what its
+// body returned ("" for success) or what it threw.
+std::vector<std::string> OnRankThreads(int size, const std::function<std::string(int)>& body) {
+  std::vector<std::string> failures(static_cast<size_t>(size));
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < size; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        failures[size_t(rank)] = body(rank);
+      } catch (const std::exception& e) {
+        failures[size_t(rank)] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  return failures;
+}
+
 // How a stranger's enrolment for `rank` ends: "enrolled", or the kUnauthenticated message.
 std::string StrangerEnrols(uint16_t port, int rank) {
   try {
@@ -265,25 +284,17 @@ TEST(JobTokenTest, WithNoTokenAnywhereTheStoreGeneratesOneThatEveryRankProves) {
   const ScopedEnv no_token("COLLECTIVES_JOB_TOKEN", nullptr);
   constexpr int kSize = 3;
   const uint16_t port = FreePort();
-  std::vector<std::string> tokens(kSize), failures(kSize);
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < kSize; ++rank) {
-    ranks.emplace_back([&, rank] {
-      try {
-        const ClusterSpec spec = LoopbackSpec(rank, kSize, port);
-        CommunicationOptions options;
-        options.implementation = Implementation::kRing;
-        options.timeout = std::chrono::seconds(30);
-        auto store = CreateStoreFor(spec, options.timeout, ResolveJobToken(spec, options));
-        tokens[size_t(rank)] = cluster::StoreJobToken(*store);
-        auto comm = CreateCommunication(spec, store, options);
-        failures[size_t(rank)] = CheckedAllReduces(*comm, 20);
-      } catch (const std::exception& e) {
-        failures[size_t(rank)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : ranks) t.join();
+  std::vector<std::string> tokens(kSize);
+  const std::vector<std::string> failures = OnRankThreads(kSize, [&](int rank) {
+    const ClusterSpec spec = LoopbackSpec(rank, kSize, port);
+    CommunicationOptions options;
+    options.implementation = Implementation::kRing;
+    options.timeout = std::chrono::seconds(30);
+    auto store = CreateStoreFor(spec, options.timeout, ResolveJobToken(spec, options));
+    tokens[size_t(rank)] = cluster::StoreJobToken(*store);
+    auto comm = CreateCommunication(spec, store, options);
+    return CheckedAllReduces(*comm, 20);
+  });
   for (int rank = 0; rank < kSize; ++rank) {
     EXPECT_EQ(failures[size_t(rank)], "") << "rank " << rank;
     EXPECT_EQ(tokens[size_t(rank)].size(), 32u) << "rank " << rank;
@@ -297,23 +308,14 @@ TEST(JobTokenTest, AFileStoreJobWithNoTokenProvesTheFoldersToken) {
   constexpr int kSize = 3;
   std::string folder = "/tmp/stranger_test.XXXXXX";
   ASSERT_NE(mkdtemp(folder.data()), nullptr);
-  std::vector<std::string> failures(kSize);
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < kSize; ++rank) {
-    ranks.emplace_back([&, rank] {
-      try {
-        ClusterSpec spec = LoopbackSpec(rank, kSize, 1);
-        CommunicationOptions options;
-        options.implementation = Implementation::kRing;
-        options.timeout = std::chrono::seconds(30);
-        auto comm = CreateCommunication(spec, CreateFileStore(folder), options);
-        failures[size_t(rank)] = CheckedAllReduces(*comm, 5);
-      } catch (const std::exception& e) {
-        failures[size_t(rank)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : ranks) t.join();
+  const std::vector<std::string> failures = OnRankThreads(kSize, [&](int rank) {
+    CommunicationOptions options;
+    options.implementation = Implementation::kRing;
+    options.timeout = std::chrono::seconds(30);
+    auto comm =
+        CreateCommunication(LoopbackSpec(rank, kSize, 1), CreateFileStore(folder), options);
+    return CheckedAllReduces(*comm, 5);
+  });
   for (int rank = 0; rank < kSize; ++rank) {
     EXPECT_EQ(failures[size_t(rank)], "") << "rank " << rank;
   }
