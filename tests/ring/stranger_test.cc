@@ -312,8 +312,7 @@ TEST(JobTokenTest, AFileStoreJobWithNoTokenProvesTheFoldersToken) {
     CommunicationOptions options;
     options.implementation = Implementation::kRing;
     options.timeout = std::chrono::seconds(30);
-    auto comm =
-        CreateCommunication(LoopbackSpec(rank, kSize, 1), CreateFileStore(folder), options);
+    auto comm = CreateCommunication(LoopbackSpec(rank, kSize, 1), CreateFileStore(folder), options);
     return CheckedAllReduces(*comm, 5);
   });
   for (int rank = 0; rank < kSize; ++rank) {
