@@ -100,14 +100,9 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
 // (a rank below the largest h sees a larger max(h); the one with the largest h sees max(~h)
 // from a smaller h). Then every rank raises kMismatch before anything is packed or written.
 // Lists that are not fused need no check: each tensor's own collective carries its count.
-// Cost: one 16-byte all-reduce per packed call that fuses.
+// Cost: one 16-byte all-reduce per packed call that fuses (RunBuckets calls it then).
 void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
-                     const std::vector<Tensor>& tensors, const std::vector<Bucket>& plan) {
-  const auto fuses = [&](const Bucket& bucket) {
-    return std::count_if(bucket.begin(), bucket.end(),
-                         [&](size_t i) { return tensors[i].count > 0; }) > 1;
-  };
-  if (std::none_of(plan.begin(), plan.end(), fuses)) return;
+                     const std::vector<Tensor>& tensors) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over (dtype, count) of every tensor
   const auto mix = [&h](uint64_t value) {
     for (int byte = 0; byte < 8; ++byte) {
@@ -337,11 +332,14 @@ void RunOverlapped(const BucketRunner& runner, const Buckets& buckets) {
   }
 }
 
-void RunBuckets(const BucketRunner& runner, const std::vector<Tensor>& tensors,
-                const std::vector<Bucket>& planned, int world_size, internal::Schedule schedule) {
+void RunBuckets(CollectiveCommunication& comm, const char* collective, const BucketRunner& runner,
+                const std::vector<Tensor>& tensors, size_t bytes_per_pack,
+                internal::Schedule schedule) {
+  const std::vector<Bucket> planned = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
   const Buckets buckets(runner, tensors, planned);
   if (buckets.size() == 0) return;
-  if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(world_size);
+  if (buckets.fusion_bytes() > 0) CheckListsAgree(comm, collective, tensors);
+  if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(comm.size());
   if (buckets.size() == 1 || schedule == internal::Schedule::kSerial) {
     RunSerial(runner, buckets);
   } else {
@@ -439,9 +437,7 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
   const BucketRunner runner{/*pack=*/true, /*unpack=*/true,
                             [&](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
                             [&](const Tensor& t) { comm.AllReduce(t, t, op); }};
-  const std::vector<Bucket> plan = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
-  CheckListsAgree(comm, "all_reduce", tensors, plan);
-  RunBuckets(runner, tensors, plan, comm.size(), schedule);
+  RunBuckets(comm, "all_reduce", runner, tensors, bytes_per_pack, schedule);
 }
 
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
@@ -458,9 +454,7 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
   const BucketRunner runner{/*pack=*/is_root, /*unpack=*/!is_root,
                             [&](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
                             [&](const Tensor& t) { comm.Broadcast(t, t, root); }};
-  const std::vector<Bucket> plan = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
-  CheckListsAgree(comm, "broadcast", tensors, plan);
-  RunBuckets(runner, tensors, plan, comm.size(), schedule);
+  RunBuckets(comm, "broadcast", runner, tensors, bytes_per_pack, schedule);
 }
 
 }  // namespace internal
