@@ -23,6 +23,7 @@
 //    values compare equal).
 #include "src/core/kernels.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <string>
@@ -211,10 +212,24 @@ constexpr size_t kChunkBytes = 256;
 template <typename T>
 constexpr size_t kChunk = kChunkBytes / sizeof(T);
 
+// Elements to do one by one before `p` reaches a 64-byte boundary (0 when p is not aligned to
+// its element, where no peeling helps). The loops peel them first, so that the vector loop's
+// accesses through p never straddle two cache lines: malloc aligns only to 16 bytes, and with
+// that offset every other 32-byte load of an AVX2 loop is split across two lines, which cost
+// a third of the speed in cache (f32 sum in place, 256 KiB, both buffers at +16: 53% of memcpy;
+// aligned: 80%; tests/kernels_test covers every offset).
+template <typename T>
+size_t HeadToAlign(const T* p, size_t count) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if (address % sizeof(T) != 0) return 0;
+  return std::min(count, ((64 - address % 64) % 64) / sizeof(T));
+}
+
 template <typename T, typename Op>
 [[gnu::always_inline]] inline void LoopDistinct(T* __restrict dst, const T* __restrict a,
                                                 const T* __restrict b, size_t count, Op op) {
   size_t i = 0;
+  for (const size_t head = HeadToAlign(a, count); i < head; ++i) dst[i] = op(a[i], b[i]);
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) dst[i + j] = op(a[i + j], b[i + j]);
   }
@@ -225,6 +240,7 @@ template <typename T, typename Op>
 [[gnu::always_inline]] inline void LoopIntoA(T* __restrict dst_a, const T* __restrict b,
                                              size_t count, Op op) {
   size_t i = 0;
+  for (const size_t head = HeadToAlign(dst_a, count); i < head; ++i) dst_a[i] = op(dst_a[i], b[i]);
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) dst_a[i + j] = op(dst_a[i + j], b[i + j]);
   }
@@ -235,6 +251,7 @@ template <typename T, typename Op>
 [[gnu::always_inline]] inline void LoopIntoB(T* __restrict dst_b, const T* __restrict a,
                                              size_t count, Op op) {
   size_t i = 0;
+  for (const size_t head = HeadToAlign(dst_b, count); i < head; ++i) dst_b[i] = op(a[i], dst_b[i]);
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) dst_b[i + j] = op(a[i + j], dst_b[i + j]);
   }
@@ -244,6 +261,7 @@ template <typename T, typename Op>
 template <typename T, typename Op>
 [[gnu::always_inline]] inline void LoopAllSame(T* __restrict data, size_t count, Op op) {
   size_t i = 0;
+  for (const size_t head = HeadToAlign(data, count); i < head; ++i) data[i] = op(data[i], data[i]);
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) data[i + j] = op(data[i + j], data[i + j]);
   }
@@ -496,6 +514,7 @@ void ReduceWithOp(DataType dtype, void* dst, const void* a, const void* b, size_
 template <typename T, typename F>
 [[gnu::always_inline]] inline void TransformInPlace(T* __restrict data, size_t count, F f) {
   size_t i = 0;
+  for (const size_t head = HeadToAlign(data, count); i < head; ++i) data[i] = f(data[i]);
   for (; i + kChunk<T> <= count; i += kChunk<T>) {
     for (size_t j = 0; j < kChunk<T>; ++j) data[i + j] = f(data[i + j]);
   }

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "collectives/errors.h"
+#include "src/core/aligned_bytes.h"
 #include "src/packing/schedule.h"
 
 namespace collectives::packing {
@@ -142,7 +143,7 @@ std::vector<TensorSpec> SpecsOf(const std::vector<Tensor>& tensors) {
 constexpr size_t kMaxCachedBytes = size_t{64} << 20;
 
 struct CachedBuffer {
-  std::unique_ptr<uint8_t[]> data;
+  core::AlignedBytes data;
   size_t bytes = 0;
 };
 thread_local CachedBuffer tls_fusion_cache[2];
@@ -165,7 +166,7 @@ class FusionBuffer {
         buffer_ = std::move(home_);
       } else {
         home_ = CachedBuffer{};  // free the small one first: never both alive
-        buffer_.data = std::make_unique_for_overwrite<uint8_t[]>(bytes_);
+        buffer_.data = core::AllocateAligned(bytes_);
         buffer_.bytes = bytes_;
       }
       home_.bytes = 0;

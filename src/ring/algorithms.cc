@@ -24,7 +24,7 @@ namespace collectives::ring {
 
 uint8_t* Staging::Get(size_t bytes) {
   if (bytes > bytes_) {
-    data_ = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+    data_ = core::AllocateAligned(bytes);
     bytes_ = bytes;
   }
   return data_.get();

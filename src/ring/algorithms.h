@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "collectives/types.h"
+#include "src/core/aligned_bytes.h"
 #include "src/core/call.h"
 #include "src/transport/connection.h"
 
@@ -30,12 +31,12 @@ inline constexpr size_t kStagingSlots = 4;
 // A growable scratch buffer owned by the communicator and reused by every call.
 class Staging {
  public:
-  // A buffer of at least `bytes`; the contents are unspecified.
+  // A buffer of at least `bytes`, 64-byte aligned; the contents are unspecified.
   uint8_t* Get(size_t bytes);
   size_t capacity() const { return bytes_; }
 
  private:
-  std::unique_ptr<uint8_t[]> data_;
+  core::AlignedBytes data_;
   size_t bytes_ = 0;
 };
 

@@ -512,6 +512,65 @@ INSTANTIATE_TEST_SUITE_P(
              ToString(std::get<1>(param_info.param));
     });
 
+// The loops do the elements before the first 64-byte boundary of one operand one by one, then
+// the rest in vectors: every start offset within a cache line (so every head length, 0 to 63
+// bytes), with the other input at a different offset, and counts around the head and the
+// vector chunk, against the reference. Buffers come from a 64-byte aligned pool, so the offsets
+// are the addresses' offsets.
+TEST(ReduceTest, EveryStartWithinACacheLine) {
+  std::mt19937_64 rng(23);
+  const size_t counts[] = {0, 1, 3, 15, 16, 17, 63, 64, 65, 127, 200, 1001};
+  for (DataType dtype : kAllDataTypes) {
+    const size_t size = SizeOf(dtype);
+    const size_t max_count = 1001;
+    for (size_t shift = 0; shift < 64; shift += size) {
+      SCOPED_TRACE(std::string(ToString(dtype)) + ", offset " + std::to_string(shift) + " B");
+      const size_t other = (shift + 3 * size) % 64;  // b elsewhere in its line
+      for (size_t count : counts) {
+        for (Aliasing aliasing : {Aliasing::kDistinct, Aliasing::kDstIsA, Aliasing::kDstIsB}) {
+          SCOPED_TRACE("count " + std::to_string(count) + ", " + ToString(aliasing));
+          alignas(64) static unsigned char pool[3][(1001 + 64) * 8 + 64];
+          const std::vector<unsigned char> a_in = RandomBuffer(dtype, max_count + 64, rng);
+          const std::vector<unsigned char> b_in = RandomBuffer(dtype, max_count + 64, rng);
+          std::memcpy(pool[0], a_in.data(), a_in.size());
+          std::memcpy(pool[1], b_in.data(), b_in.size());
+          std::memset(pool[2], 0x5a, sizeof(pool[2]));
+          unsigned char* a = pool[0] + shift;
+          unsigned char* b = pool[1] + other;
+          unsigned char* dst = aliasing == Aliasing::kDstIsA   ? a
+                               : aliasing == Aliasing::kDstIsB ? b
+                                                               : pool[2] + shift;
+          std::vector<uint64_t> expected(count);
+          for (size_t i = 0; i < count; ++i) {
+            uint64_t x = 0;
+            uint64_t y = 0;
+            std::memcpy(&x, a + i * size, size);
+            std::memcpy(&y, b + i * size, size);
+            expected[i] = RefElement(dtype, ReduceOp::kSum, x, y);
+          }
+          Reduce(dtype, ReduceOp::kSum, dst, a, b, count);
+          for (size_t i = 0; i < count; ++i) {
+            uint64_t got = 0;
+            std::memcpy(&got, dst + i * size, size);
+            ASSERT_TRUE(got == expected[i] ||
+                        (IsNaNBits(dtype, got) && IsNaNBits(dtype, expected[i])))
+                << "element " << i << ": got 0x" << std::hex << got << ", expected 0x"
+                << expected[i];
+          }
+          if (aliasing == Aliasing::kDistinct) {
+            for (size_t byte = 0; byte < sizeof(pool[2]); ++byte) {
+              const bool inside = byte >= shift && byte < shift + count * size;
+              if (!inside) {
+                ASSERT_EQ(pool[2][byte], 0x5a) << "byte " << byte;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- Specific behaviours. ----
 
 template <typename T>
@@ -754,6 +813,30 @@ TEST(ReduceTest, VectorAndScalarHalfPathsAgree) {
               << ToString(dtype) << " " << ToString(op) << " 0x" << std::hex << a[i] << " , 0x"
               << b[i];
         }
+      }
+    }
+  }
+}
+
+// As ReduceTest.EveryStartWithinACacheLine, for the division that finishes kAvg.
+TEST(DivideInPlaceTest, EveryStartWithinACacheLine) {
+  alignas(64) static float f32[1001 + 16];
+  alignas(64) static int32_t i32[1001 + 16];
+  for (size_t shift = 0; shift < 16; ++shift) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{15}, size_t{17}, size_t{65}, size_t{1001}}) {
+      SCOPED_TRACE("offset " + std::to_string(4 * shift) + " B, count " + std::to_string(count));
+      for (size_t i = 0; i < std::size(f32); ++i) {
+        f32[i] = static_cast<float>(i) * 1.5f - 300.0f;
+        i32[i] = static_cast<int32_t>(i * 7) - 3000;
+      }
+      DivideInPlace(DataType::kFloat32, f32 + shift, count, 3);
+      DivideInPlace(DataType::kInt32, i32 + shift, count, 3);
+      for (size_t i = 0; i < std::size(f32); ++i) {
+        const bool inside = i >= shift && i < shift + count;
+        const float f = static_cast<float>(i) * 1.5f - 300.0f;
+        const int32_t n = static_cast<int32_t>(i * 7) - 3000;
+        ASSERT_EQ(f32[i], inside ? f / 3.0f : f) << "element " << i;
+        ASSERT_EQ(i32[i], inside ? n / 3 : n) << "element " << i;
       }
     }
   }

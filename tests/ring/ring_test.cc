@@ -298,10 +298,10 @@ TEST_P(RingSilentPeerTest, RaisesTimeoutAtTheDeadline) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Yield, RingSilentPeerTest, ::testing::Values(0, -1, 60'000'000),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return info.param == 0  ? std::string("SleepAtOnce")
-                                  : info.param < 0 ? std::string("DefaultYield")
-                                                   : std::string("YieldForAMinute");
+                         [](const ::testing::TestParamInfo<int>& param_info) {
+                           return param_info.param == 0  ? std::string("SleepAtOnce")
+                                  : param_info.param < 0 ? std::string("DefaultYield")
+                                                         : std::string("YieldForAMinute");
                          });
 
 }  // namespace
