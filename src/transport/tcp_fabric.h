@@ -17,6 +17,7 @@
 #define COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -46,6 +47,14 @@ std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
 // The local address of the interface this host would use to reach `remote_host` (resolving
 // names); "127.0.0.1" when it cannot tell.
 std::string LocalAddressToward(const std::string& remote_host);
+
+// The receive buffer (SO_RCVBUF) a data connection asks for, in bytes; 0 leaves it to the
+// kernel's autotuning. `env` is $COLLECTIVES_SOCKET_RCVBUF (null when unset; a byte count, 0 for
+// autotuning); `rmem_max` is net.core.rmem_max (0 when unknown), the kernel's cap on what a
+// process may ask for. Without `env`: kDefaultReceiveBuffer when the cap allows it, else 0,
+// since a smaller fixed buffer turns autotuning off and runs slower than it (see the .cc).
+inline constexpr size_t kDefaultReceiveBuffer = size_t{4} << 20;
+size_t ReceiveBufferBytes(const char* env, size_t rmem_max);
 
 }  // namespace collectives::transport
 
