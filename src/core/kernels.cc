@@ -217,7 +217,7 @@ constexpr size_t kChunk = kChunkBytes / sizeof(T);
 // accesses through p never straddle two cache lines: malloc aligns only to 16 bytes, and with
 // that offset every other 32-byte load of an AVX2 loop is split across two lines, which cost
 // a third of the speed in cache (f32 sum in place, 256 KiB, both buffers at +16: 53% of memcpy;
-// aligned: 80%; tests/kernels_test covers every offset).
+// aligned: 80%; ReduceTest.EveryStartWithinACacheLine covers every offset).
 template <typename T>
 size_t HeadToAlign(const T* p, size_t count) {
   const auto address = reinterpret_cast<uintptr_t>(p);
