@@ -40,6 +40,7 @@
 #include <iostream>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "src/transport/fabric_errors.h"
@@ -1077,24 +1078,30 @@ std::string JoinRanks(const std::vector<int>& ranks) {
 // Used by one thread.
 // The data connections' receive buffer. Linux sizes it by autotuning unless a process sets
 // SO_RCVBUF, and where autotuning settles differs from one connection to the next: across runs
-// of a 2-rank all-gather of 16 MiB on the development VM (net.core.rmem_max 4 MiB, tcp_rmem
-// max 32 MiB), `ss -tmi` showed receive buffers from 2.8 to 33 MB, and the runs with the small
-// ones were the slow ones. A fixed 4 MiB (the kernel doubles it for its bookkeeping) gave, in
-// five alternating runs of 200 calls each: 2611-2991 us, against 3175-3843 left to autotuning
-// and 3650-4008 / 3329-3572 with 1 / 2 MiB; 2-rank all-reduce of 16 MiB 5.4-6.0 ms against
-// 5.7-6.6; 4 ranks and 1 MiB sizes unchanged. Where rmem_max is below 4 MiB (Debian's default
-// is 208 KiB), asking would get a clamped buffer with autotuning off, so we leave it alone.
-size_t ConfiguredReceiveBuffer() {
-  static const size_t bytes = [] {
-    size_t rmem_max = 0;
+// of a 2-rank all-gather of 16 MiB on the development VM (2 cores, net.core.rmem_max 4 MiB,
+// tcp_rmem max 32 MiB), `ss -tmi` showed receive buffers from 2.8 to 33 MB, and the runs with
+// the small ones were the slow ones. A fixed 4 MiB (the kernel doubles it for its bookkeeping)
+// gave, in five alternating runs of 200 calls each: 2611-2991 us, against 3175-3843 left to
+// autotuning and 3650-4008 / 3329-3572 with 1 / 2 MiB; 2-rank all-reduce of 16 MiB 5.4-6.0 ms
+// against 5.7-6.6. With 4 ranks on the 2 cores it was slower instead (1 MiB broadcast
+// 352-605 us against 341-522, all-gather 324-445 against 292-377, five alternating runs; the
+// 16 MiB all-gather against Open MPI went from 0.87-1.01 to 0.87-1.29): a sender that can queue
+// the whole message runs ahead of a receiver waiting for a core, and the data goes cold. So the
+// fixed buffer is for hosts with a core per rank (the rule the spin budget uses). Where
+// rmem_max is below 4 MiB (Debian's default is 208 KiB), asking would get a clamped buffer with
+// autotuning off, so we leave it alone.
+size_t ConfiguredReceiveBuffer(int world_size) {
+  static const size_t rmem_max = [] {
+    size_t value = 0;
     if (FILE* file = std::fopen("/proc/sys/net/core/rmem_max", "r")) {
-      unsigned long long value = 0;
-      if (std::fscanf(file, "%llu", &value) == 1) rmem_max = static_cast<size_t>(value);
+      unsigned long long read = 0;
+      if (std::fscanf(file, "%llu", &read) == 1) value = static_cast<size_t>(read);
       std::fclose(file);
     }
-    return ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), rmem_max);
+    return value;
   }();
-  return bytes;
+  const bool core_per_rank = std::thread::hardware_concurrency() >= unsigned(world_size);
+  return ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), rmem_max, core_per_rank);
 }
 
 class MeshBuilder {
@@ -1285,7 +1292,7 @@ void MeshBuilder::Admit(int peer, tcp::socket socket) {
                      " dropped a second connection claiming rank " + std::to_string(peer) + "\n";
     return;
   }
-  if (const size_t bytes = ConfiguredReceiveBuffer(); bytes > 0) {
+  if (const size_t bytes = ConfiguredReceiveBuffer(size_); bytes > 0) {
     asio::error_code ignored;  // a refused size leaves autotuning on, which still works
     socket.set_option(asio::socket_base::receive_buffer_size(static_cast<int>(bytes)), ignored);
   }
@@ -1385,7 +1392,7 @@ std::string LocalAddressToward(const std::string& remote_host) {
   return "127.0.0.1";
 }
 
-size_t ReceiveBufferBytes(const char* env, size_t rmem_max) {
+size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) {
   if (env != nullptr) {
     char* end = nullptr;
     errno = 0;
@@ -1396,7 +1403,7 @@ size_t ReceiveBufferBytes(const char* env, size_t rmem_max) {
     std::cerr << "collectives: ignoring COLLECTIVES_SOCKET_RCVBUF=\"" << env
               << "\" (expected a byte count, 0 for the kernel's autotuning)\n";
   }
-  return rmem_max >= kDefaultReceiveBuffer ? kDefaultReceiveBuffer : 0;
+  return core_per_rank && rmem_max >= kDefaultReceiveBuffer ? kDefaultReceiveBuffer : 0;
 }
 
 }  // namespace collectives::transport

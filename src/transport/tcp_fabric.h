@@ -51,10 +51,11 @@ std::string LocalAddressToward(const std::string& remote_host);
 // The receive buffer (SO_RCVBUF) a data connection asks for, in bytes; 0 leaves it to the
 // kernel's autotuning. `env` is $COLLECTIVES_SOCKET_RCVBUF (null when unset; a byte count, 0 for
 // autotuning); `rmem_max` is net.core.rmem_max (0 when unknown), the kernel's cap on what a
-// process may ask for. Without `env`: kDefaultReceiveBuffer when the cap allows it, else 0,
-// since a smaller fixed buffer turns autotuning off and runs slower than it (see the .cc).
+// process may ask for; `core_per_rank`: this host has at least as many cores as the job has
+// ranks. Without `env`: kDefaultReceiveBuffer when the host has a core per rank and the cap
+// allows it, else 0 (see the .cc for the measurements behind both conditions).
 inline constexpr size_t kDefaultReceiveBuffer = size_t{4} << 20;
-size_t ReceiveBufferBytes(const char* env, size_t rmem_max);
+size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank);
 
 }  // namespace collectives::transport
 
