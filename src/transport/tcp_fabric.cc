@@ -1074,8 +1074,6 @@ std::string JoinRanks(const std::vector<int>& ranks) {
   return out;
 }
 
-// Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
-// Used by one thread.
 // The data connections' receive buffer. Linux sizes it by autotuning unless a process sets
 // SO_RCVBUF, and where autotuning settles differs from one connection to the next: across runs
 // of a 2-rank all-gather of 16 MiB on the development VM (2 cores, net.core.rmem_max 4 MiB,
@@ -1104,6 +1102,8 @@ size_t ConfiguredReceiveBuffer(int world_size) {
   return ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), rmem_max, core_per_rank);
 }
 
+// Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
+// Used by one thread.
 class MeshBuilder {
  public:
   MeshBuilder(int rank, int size, const TcpFabricOptions& options)
@@ -1112,6 +1112,7 @@ class MeshBuilder {
         options_(options),
         start_(Clock::now()),
         deadline_(start_ + options.timeout),
+        receive_buffer_(ConfiguredReceiveBuffer(size)),
         acceptor_(io_),
         sockets_(size),
         status_(size),
@@ -1141,6 +1142,7 @@ class MeshBuilder {
   const Clock::time_point start_;
   const Clock::time_point deadline_;
   HandshakeConfig config_;
+  const size_t receive_buffer_;  // SO_RCVBUF of the data connections; 0: autotuning
 
   asio::io_context io_{1};  // declared before every socket and timer
   tcp::acceptor acceptor_;
@@ -1292,9 +1294,10 @@ void MeshBuilder::Admit(int peer, tcp::socket socket) {
                      " dropped a second connection claiming rank " + std::to_string(peer) + "\n";
     return;
   }
-  if (const size_t bytes = ConfiguredReceiveBuffer(size_); bytes > 0) {
+  if (receive_buffer_ > 0) {
     asio::error_code ignored;  // a refused size leaves autotuning on, which still works
-    socket.set_option(asio::socket_base::receive_buffer_size(static_cast<int>(bytes)), ignored);
+    socket.set_option(asio::socket_base::receive_buffer_size(static_cast<int>(receive_buffer_)),
+                      ignored);
   }
   sockets_[peer].emplace(std::move(socket));
   --missing_;
