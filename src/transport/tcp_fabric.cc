@@ -1089,15 +1089,7 @@ std::string JoinRanks(const std::vector<int>& ranks) {
 // rmem_max is below 4 MiB (Debian's default is 208 KiB), asking would get a clamped buffer with
 // autotuning off, so we leave it alone.
 size_t ConfiguredReceiveBuffer(int world_size) {
-  static const size_t rmem_max = [] {
-    size_t value = 0;
-    if (FILE* file = std::fopen("/proc/sys/net/core/rmem_max", "r")) {
-      unsigned long long read = 0;
-      if (std::fscanf(file, "%llu", &read) == 1) value = static_cast<size_t>(read);
-      std::fclose(file);
-    }
-    return value;
-  }();
+  static const size_t rmem_max = ReceiveBufferCap();
   const bool core_per_rank = std::thread::hardware_concurrency() >= unsigned(world_size);
   return ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), rmem_max, core_per_rank);
 }
@@ -1393,6 +1385,16 @@ std::string LocalAddressToward(const std::string& remote_host) {
     return local.address().to_string();
   }
   return "127.0.0.1";
+}
+
+size_t ReceiveBufferCap() {
+  size_t value = 0;
+  if (FILE* file = std::fopen("/proc/sys/net/core/rmem_max", "r")) {
+    unsigned long long read = 0;
+    if (std::fscanf(file, "%llu", &read) == 1) value = static_cast<size_t>(read);
+    std::fclose(file);
+  }
+  return value;
 }
 
 size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) {

@@ -57,6 +57,9 @@ std::string LocalAddressToward(const std::string& remote_host);
 inline constexpr size_t kDefaultReceiveBuffer = size_t{4} << 20;
 size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank);
 
+// net.core.rmem_max, read from /proc; 0 when it cannot be read.
+size_t ReceiveBufferCap();
+
 }  // namespace collectives::transport
 
 #endif  // COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_

@@ -201,16 +201,6 @@ TEST(TcpReceiveBufferTest, FollowsTheKernelCapTheCoresAndTheEnvironment) {
   }
 }
 
-size_t RmemMax() {
-  size_t rmem_max = 0;
-  if (FILE* file = std::fopen("/proc/sys/net/core/rmem_max", "r")) {
-    unsigned long long value = 0;
-    if (std::fscanf(file, "%llu", &value) == 1) rmem_max = static_cast<size_t>(value);
-    std::fclose(file);
-  }
-  return rmem_max;
-}
-
 // Connected TCP sockets of this process whose SO_RCVBUF reads `reported` bytes.
 int ConnectedSocketsWithReceiveBuffer(size_t reported) {
   int found = 0;
@@ -236,10 +226,11 @@ int ConnectedSocketsWithReceiveBuffer(size_t reported) {
 // The fabric's data connections ask for that buffer: both ends of a 2-rank mesh in this
 // process show it (Linux reports twice the size asked for, its bookkeeping included).
 TEST(TcpReceiveBufferTest, DataConnectionsAskForIt) {
-  const size_t expected = ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), RmemMax(),
-                                             std::thread::hardware_concurrency() >= 2);
+  const size_t expected =
+      ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), ReceiveBufferCap(),
+                         std::thread::hardware_concurrency() >= 2);
   if (expected == 0) {
-    GTEST_SKIP() << "net.core.rmem_max is " << RmemMax()
+    GTEST_SKIP() << "net.core.rmem_max is " << ReceiveBufferCap()
                  << " (< 4 MiB), this host has one core, or COLLECTIVES_SOCKET_RCVBUF=0: "
                     "autotuning is left on";
   }
