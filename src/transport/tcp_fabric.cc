@@ -32,6 +32,7 @@
 #include <array>
 #include <asio.hpp>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -1399,10 +1400,11 @@ size_t ReceiveBufferCap() {
 
 size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) {
   if (env != nullptr) {
+    // Digits only: strtoull alone would take " 12", and wrap " -5" to a huge count.
     char* end = nullptr;
     errno = 0;
     const unsigned long long value = std::strtoull(env, &end, 10);
-    if (end != env && *end == '\0' && env[0] != '-' && errno == 0) {
+    if (std::isdigit(static_cast<unsigned char>(env[0])) && *end == '\0' && errno == 0) {
       return static_cast<size_t>(std::min<unsigned long long>(value, INT_MAX));
     }
     std::cerr << "collectives: ignoring COLLECTIVES_SOCKET_RCVBUF=\"" << env

@@ -195,7 +195,7 @@ TEST(TcpReceiveBufferTest, FollowsTheKernelCapTheCoresAndTheEnvironment) {
   EXPECT_EQ(ReceiveBufferBytes("1048576", 0, false), kMiB);
   EXPECT_EQ(ReceiveBufferBytes("99999999999", 0, true), size_t{INT_MAX});
   // Not a byte count: ignored (with a line on stderr), as if unset.
-  for (const char* bad : {"", "4M", "-1", "12 ", "x"}) {
+  for (const char* bad : {"", "4M", "-1", " -5", " 12", "12 ", "x"}) {
     EXPECT_EQ(ReceiveBufferBytes(bad, 64 * kMiB, true), kDefaultReceiveBuffer)
         << "\"" << bad << "\"";
   }
