@@ -18,6 +18,12 @@ namespace collectives::core {
 
 inline constexpr size_t kCacheLineBytes = 64;
 
+// Bytes from `p` up to the next cache-line boundary (0 when p is on one).
+inline size_t BytesToCacheLine(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  return (kCacheLineBytes - address % kCacheLineBytes) % kCacheLineBytes;
+}
+
 // Frees the whole allocation, whose start the aligned pointer does not show.
 struct AlignedDelete {
   uint8_t* base = nullptr;
@@ -29,9 +35,7 @@ using AlignedBytes = std::unique_ptr<uint8_t[], AlignedDelete>;
 // `bytes` bytes, 64-byte aligned, contents unspecified.
 inline AlignedBytes AllocateAligned(size_t bytes) {
   uint8_t* const base = new uint8_t[bytes + kCacheLineBytes - 1];
-  const auto address = reinterpret_cast<uintptr_t>(base);
-  const size_t shift = (kCacheLineBytes - address % kCacheLineBytes) % kCacheLineBytes;
-  return AlignedBytes(base + shift, AlignedDelete{base});
+  return AlignedBytes(base + BytesToCacheLine(base), AlignedDelete{base});
 }
 
 }  // namespace collectives::core

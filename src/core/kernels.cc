@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "collectives/errors.h"
+#include "src/core/aligned_bytes.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
@@ -220,9 +221,8 @@ constexpr size_t kChunk = kChunkBytes / sizeof(T);
 // aligned: 80%; ReduceTest.EveryStartWithinACacheLine covers every offset).
 template <typename T>
 size_t HeadToAlign(const T* p, size_t count) {
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  if (address % sizeof(T) != 0) return 0;
-  return std::min(count, ((64 - address % 64) % 64) / sizeof(T));
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) return 0;
+  return std::min(count, BytesToCacheLine(p) / sizeof(T));
 }
 
 template <typename T, typename Op>
