@@ -100,6 +100,45 @@ void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
   CountMoved(state, 3);
 }
 
+// The baseline a kernel cannot beat: the loop the compiler makes of dst[i] = a[i] + b[i] on
+// the same three buffers (AVX2 where the CPU has it, as the kernels pick). Out of place, three
+// streams share the bandwidth memcpy's two have, and dst's lines are read before they are
+// written; a plain loop shows what that leaves, so f32_sum can be judged against it as well as
+// against memcpy.
+[[gnu::noinline]] void PlainAdd(float* __restrict dst, const float* __restrict a,
+                                const float* __restrict b, size_t count) {
+  for (size_t i = 0; i < count; ++i) dst[i] = a[i] + b[i];
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+[[gnu::target("avx2"), gnu::noinline]] void PlainAddAvx2(float* __restrict dst,
+                                                         const float* __restrict a,
+                                                         const float* __restrict b, size_t count) {
+  for (size_t i = 0; i < count; ++i) dst[i] = a[i] + b[i];
+}
+#endif
+
+void BM_PlainF32Add(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  const size_t count = bytes / sizeof(float);
+  std::vector<unsigned char> a = Filled(DataType::kFloat32, count, 1);
+  std::vector<unsigned char> b = Filled(DataType::kFloat32, count, 2);
+  std::vector<unsigned char> dst(bytes, 0);
+  auto* add = &PlainAdd;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx2")) add = &PlainAddAvx2;
+#endif
+  for (auto _ : state) {
+    add(reinterpret_cast<float*>(dst.data()), reinterpret_cast<const float*>(a.data()),
+        reinterpret_cast<const float*>(b.data()), count);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+  CountMoved(state, 3);
+}
+BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
+
 // dst == a (the ring's case: a received chunk reduced into the user's buffer). Sum with a
 // buffer of small values, so the values stay finite as iterations accumulate.
 void ReduceInPlaceBench(benchmark::State& state, DataType dtype) {
