@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
-#include <thread>
 #include <utility>
 
+#include "src/core/environment.h"
 #include "src/hierarchical/shm_group.h"
 #include "src/ring/algorithms.h"
 
@@ -318,15 +318,15 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     shm.job_id = job_id;
     shm.key_prefix = key_prefix;
     shm.timeout = options.timeout;
-    if (const char* slot = std::getenv("COLLECTIVES_SHM_SLOT_BYTES")) {
-      shm.slot_bytes = std::strtoull(slot, nullptr, 10);
+    if (const auto slot = core::EnvCount("COLLECTIVES_SHM_SLOT_BYTES", "a byte count")) {
+      shm.slot_bytes = static_cast<size_t>(*slot);
     }
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).
-    const unsigned cores = std::thread::hardware_concurrency();
-    const int spin_us = options.spin_us >= 0                                ? options.spin_us
-                        : cores >= std::max(ranks_on_machine, local.size()) ? ring::kDefaultSpinUs
-                                                                            : 0;
+    const int spin_us = options.spin_us >= 0 ? options.spin_us
+                        : core::CoresFor(int(std::max(ranks_on_machine, local.size())))
+                            ? ring::kDefaultSpinUs
+                            : 0;
     shm.spin = std::chrono::microseconds(spin_us);
     group = ShmGroup::Create(rank, local, store, shm);
   }

@@ -32,18 +32,17 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "collectives/errors.h"
 #include "src/core/aligned_bytes.h"
+#include "src/core/environment.h"
 #include "src/packing/schedule.h"
 
 namespace collectives::packing {
@@ -348,17 +347,6 @@ void RunBuckets(CollectiveCommunication& comm, const char* collective, const Buc
   }
 }
 
-// The number in the first of these variables that is set and positive, else 0.
-int LocalRanksFromEnvironment() {
-  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
-    if (const char* value = std::getenv(name); value != nullptr) {
-      const int n = std::atoi(value);
-      if (n > 0) return n;
-    }
-  }
-  return 0;
-}
-
 }  // namespace
 
 size_t DefaultBytesPerPack() { return kDefaultBytesPerPack; }
@@ -425,11 +413,8 @@ namespace internal {
 // cores (which sleep instead of polling) come out even. Hence overlap only with two cores per
 // local rank; every rank counts as local unless the launcher says how many are.
 Schedule AutoSchedule(int world_size) {
-  static const int local_ranks = LocalRanksFromEnvironment();
-  const unsigned ranks =
-      static_cast<unsigned>(std::max(1, local_ranks > 0 ? local_ranks : world_size));
-  return std::thread::hardware_concurrency() >= 2 * ranks ? Schedule::kOverlapped
-                                                          : Schedule::kSerial;
+  return core::CoresFor(std::max(1, core::LocalRanks(world_size)), 2) ? Schedule::kOverlapped
+                                                                      : Schedule::kSerial;
 }
 
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,

@@ -26,8 +26,8 @@ namespace collectives::packing::internal {
 enum class Schedule { kAuto, kOverlapped, kSerial };
 
 // What kAuto picks on this host for a communicator of `world_size` ranks: kOverlapped when
-// hardware_concurrency >= 2 x the local ranks (LOCAL_WORLD_SIZE, or Open MPI's
-// OMPI_COMM_WORLD_LOCAL_SIZE, when the launcher set them; else every rank is assumed local).
+// there are two cores for each of this host's ranks (core::CoresFor(core::LocalRanks(...), 2)),
+// else kSerial.
 Schedule AutoSchedule(int world_size);
 
 // packing::AllReduce / Broadcast with a given schedule.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -18,6 +19,7 @@
 
 #include "src/core/arguments.h"
 #include "src/core/call.h"
+#include "src/core/environment.h"
 #include "src/core/work.h"
 #include "src/ring/algorithms.h"
 
@@ -155,27 +157,24 @@ class RingCommunication final : public CollectiveCommunication {
   std::thread thread_;
 };
 
-// Polling only pays when every polling thread has a core of its own; we cannot tell how many
-// ranks share this host, so assume the worst: all of them. A blocking call polls on one thread
+// Polling only pays when every polling thread has a core of its own (core::CoresFor, over the
+// ranks on this host, all of them unless the launcher says). A blocking call polls on one thread
 // per rank (the caller drives the network itself); an asynchronous one on two (the progress
 // thread drives the network while the caller waits), so hand-off polling needs twice the cores:
 // with fewer, a spinning waiter steals the core its own progress thread or a peer needs (a 4 KiB
 // async all-reduce of 2 ranks on 2 cores took 135 us with it, against 8 us blocking).
 std::chrono::microseconds SpinBudget(int spin_us, int world_size, int threads_per_rank) {
   if (spin_us >= 0) return std::chrono::microseconds(spin_us);
-  const unsigned cores = std::thread::hardware_concurrency();
   return std::chrono::microseconds(
-      cores >= unsigned(world_size * threads_per_rank) ? kDefaultSpinUs : 0);
+      core::CoresFor(core::LocalRanks(world_size), threads_per_rank) ? kDefaultSpinUs : 0);
 }
 
 // options.yield_us, else $COLLECTIVES_YIELD_US (for tuning a job without rebuilding it), else
 // the default.
 std::chrono::microseconds YieldBudget(int yield_us) {
   if (yield_us >= 0) return std::chrono::microseconds(yield_us);
-  if (const char* env = std::getenv("COLLECTIVES_YIELD_US")) {
-    char* end = nullptr;
-    const long value = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && value >= 0) return std::chrono::microseconds(value);
+  if (const auto env = core::EnvCount("COLLECTIVES_YIELD_US", "microseconds")) {
+    return std::chrono::microseconds(std::min<uint64_t>(*env, INT_MAX));
   }
   return std::chrono::microseconds(kDefaultYieldUs);
 }

@@ -32,7 +32,6 @@
 #include <array>
 #include <asio.hpp>
 #include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -41,9 +40,9 @@
 #include <iostream>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
+#include "src/core/environment.h"
 #include "src/transport/fabric_errors.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
@@ -1091,8 +1090,8 @@ std::string JoinRanks(const std::vector<int>& ranks) {
 // autotuning off, so we leave it alone.
 size_t ConfiguredReceiveBuffer(int world_size) {
   static const size_t rmem_max = ReceiveBufferCap();
-  const bool core_per_rank = std::thread::hardware_concurrency() >= unsigned(world_size);
-  return ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), rmem_max, core_per_rank);
+  return ReceiveBufferBytes(std::getenv("COLLECTIVES_SOCKET_RCVBUF"), rmem_max,
+                            core::CoresFor(core::LocalRanks(world_size)));
 }
 
 // Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
@@ -1399,16 +1398,9 @@ size_t ReceiveBufferCap() {
 }
 
 size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) {
-  if (env != nullptr) {
-    // Digits only: strtoull alone would take " 12", and wrap " -5" to a huge count.
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long value = std::strtoull(env, &end, 10);
-    if (std::isdigit(static_cast<unsigned char>(env[0])) && *end == '\0' && errno == 0) {
-      return static_cast<size_t>(std::min<unsigned long long>(value, INT_MAX));
-    }
-    std::cerr << "collectives: ignoring COLLECTIVES_SOCKET_RCVBUF=\"" << env
-              << "\" (expected a byte count, 0 for the kernel's autotuning)\n";
+  if (const auto bytes = core::CountFromText("COLLECTIVES_SOCKET_RCVBUF", env,
+                                             "a byte count, 0 for the kernel's autotuning")) {
+    return static_cast<size_t>(std::min<uint64_t>(*bytes, INT_MAX));
   }
   return core_per_rank && rmem_max >= kDefaultReceiveBuffer ? kDefaultReceiveBuffer : 0;
 }
