@@ -1,12 +1,13 @@
-// WorkState: completion, error hand-over and the spin-then-sleep wait.
+// WorkState: completion, error hand-over and the spin-yield-sleep wait.
 #include "src/core/work.h"
 
 namespace collectives::core {
 
 void WorkState::Wait() {
-  if (!SpinUntil(spin_, [this] { return Done(); })) {
+  const auto done = [this] { return Done(); };
+  if (!SpinUntil(spin_, done) && !YieldUntil(yield_, kWaitYieldPolls, done)) {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return Done(); });
+    cv_.wait(lock, done);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (error_) throw *error_;

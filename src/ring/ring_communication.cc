@@ -331,7 +331,7 @@ void RingCommunication::Abort() {
 }
 
 std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
-  auto work = std::make_shared<core::WorkState>(handoff_spin_);
+  auto work = std::make_shared<core::WorkState>(handoff_spin_, yield_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {
