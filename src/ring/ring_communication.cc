@@ -7,7 +7,6 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
-#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <mutex>
