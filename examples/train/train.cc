@@ -35,6 +35,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -200,11 +201,16 @@ double WeightsHash(const std::vector<st::MirroredVariable*>& vars, int local) {
 
 // Keras' progress bar: "117/235 [==============>...............] - ETA: 1s - loss: ... ". In
 // place on a terminal; when stdout is not one, a line at every quarter of the epoch, so that logs
-// stay short. Only the chief shows one.
+// stay short. Only the chief shows one. Under mpirun, lines too: Open MPI gives every rank a
+// pseudo-terminal whatever mpirun's own output is, so isatty says yes even when that output goes
+// to a file or a pipe, where the bar would pile up as one line of carriage returns.
 class ProgressBar {
  public:
   ProgressBar(size_t total, bool enabled, bool quiet)
-      : total_(total), enabled_(enabled), quiet_(quiet), tty_(::isatty(STDOUT_FILENO) == 1) {}
+      : total_(total),
+        enabled_(enabled),
+        quiet_(quiet),
+        tty_(::isatty(STDOUT_FILENO) == 1 && std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr) {}
 
   // After step `done` (1-based) of the epoch, with the running metrics.
   void Update(size_t done, double elapsed_s, size_t steps_run, double loss, double accuracy) {
