@@ -15,10 +15,12 @@
 //   checksum   u32: CRC-32 (IEEE, as zlib's crc32) of every byte before it
 //
 // Saving (a collective): every worker serialises (the variables are identical everywhere, so the
-// bytes are too). The chief writes `checkpoint.tmp-<pid>` in the directory, fsyncs it, renames it
-// over `checkpoint` and fsyncs the directory: a crash leaves the old file or the new one, never a
-// torn one. Other workers write the same bytes to `.worker-<index>.tmp` and delete it. Then the
-// workers all-reduce the lowest failing rank, so that every worker throws if any failed.
+// bytes are too). The chief writes `checkpoint.tmp-<host>-<pid>` in the directory, fsyncs it,
+// renames it over `checkpoint` and fsyncs the directory: a crash leaves the old file or the new
+// one, never a torn one. A chief that dies while it writes leaves its temporary behind; the next
+// save on the same host removes those whose process is gone. Other workers write the same bytes to
+// `.worker-<index>.tmp` and delete it. Then the workers all-reduce the lowest failing rank, so that
+// every worker throws if any failed.
 //
 // Restoring (a collective): the chief reads and verifies the file, then broadcasts a small header
 // {status, error code, size} and the bytes (or its error message), so other workers need no
@@ -26,6 +28,7 @@
 // bytes, checks them against its variables and the optimizer (names, shapes, slots) before it
 // changes anything, then assigns every local copy.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -319,6 +322,32 @@ std::optional<std::vector<unsigned char>> ReadFile(const std::string& path) {
 
 std::string PathOf(const std::string& directory) { return directory + "/" + kFileName; }
 
+// "checkpoint.tmp-<host>-": the start of this host's temporaries' names.
+std::string TemporaryPrefix() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "unknown");
+  return std::string(kFileName) + ".tmp-" + host + "-";
+}
+
+// Removes the temporaries that chiefs on this host left in `directory` when they died while
+// saving: the pid in the name is no longer a process. Others (a save in progress, a temporary of
+// another host on a shared file system) are left alone, and so are failures to remove one.
+void RemoveStaleTemporaries(const std::string& directory, const std::string& prefix) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(directory, ec);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
+      std::error_code ignored;
+      std::filesystem::remove(it->path(), ignored);
+    }
+  }
+}
+
 std::string ShapeText(const std::vector<size_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -405,7 +434,9 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
   try {
     CreateDirectory(directory);
     if (strategy.IsChief()) {
-      const std::string temp = directory + "/" + kFileName + ".tmp-" + std::to_string(::getpid());
+      const std::string prefix = TemporaryPrefix();
+      RemoveStaleTemporaries(directory, prefix);
+      const std::string temp = directory + "/" + prefix + std::to_string(::getpid());
       try {
         WriteFile(temp, bytes, /*sync=*/true);
         if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {

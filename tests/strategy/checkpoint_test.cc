@@ -139,6 +139,31 @@ TEST_F(CheckpointTest, AnOldCheckpointIsReplacedAtomically) {
   EXPECT_EQ(sgd.iterations(), 2);
 }
 
+// A chief that died while saving left `checkpoint.tmp-<host>-<pid>` behind: the next save on
+// the host removes it, and leaves alone a temporary whose process still runs (a save in
+// progress) and other hosts' temporaries (a shared file system).
+TEST_F(CheckpointTest, TemporariesOfDeadChiefsAreRemovedByTheNextSave) {
+  fs::create_directories(dir_);
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof host - 1), 0);
+  const std::string mine = std::string("checkpoint.tmp-") + host + "-";
+  // Above Linux's largest pid (2^22), so no process has it.
+  const std::string dead = mine + "4194305";
+  const std::string alive = mine + std::to_string(::getppid());
+  const std::string elsewhere = "checkpoint.tmp-" + std::string(host) + "x-4194305";
+  const std::string not_a_pid = mine + "12ab";
+  for (const std::string& name : {dead, alive, elsewhere, not_a_pid}) {
+    std::ofstream(dir_ / name) << "partial";
+  }
+  DefaultStrategy s;
+  Model model(s, 1);
+  SaveCheckpoint(s, nullptr, dir(), {.epoch = 1, .step = 0});
+  std::vector<std::string> expected = {"checkpoint", alive, elsewhere, not_a_pid};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(Listing(), expected);
+  EXPECT_EQ(RestoreCheckpoint(s, nullptr, dir()), (TrainingState{1, 0}));
+}
+
 TEST_F(CheckpointTest, MissingCheckpointIsNulloptAndChangesNothing) {
   RunWorkers(2, 1, kHC, [&](Strategy& s, int) {
     Model model(s, 3);
