@@ -1,5 +1,7 @@
 #include "src/core/environment.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <climits>
@@ -42,6 +44,12 @@ int LocalRanks(int world_size) {
   static const int from_environment =
       LocalRanksFrom(std::getenv("LOCAL_WORLD_SIZE"), std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"), 0);
   return from_environment > 0 ? from_environment : world_size;
+}
+
+std::string HostName() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') return "unknown";
+  return host;
 }
 
 bool CoresFor(int ranks, int threads_per_rank) {

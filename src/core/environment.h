@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace collectives::core {
 
@@ -31,6 +32,9 @@ int LocalRanks(int world_size);
 
 // LocalRanks from the two variables' values (null: unset).
 int LocalRanksFrom(const char* local_world_size, const char* ompi_local_size, int world_size);
+
+// This machine's host name ("unknown" if it has none to give).
+std::string HostName();
 
 // Whether the machine has at least `ranks` x `threads_per_rank` hardware threads (false when it
 // cannot tell).

@@ -25,6 +25,7 @@
 #include <random>
 #include <thread>
 
+#include "src/core/environment.h"
 #include "src/core/kernels.h"
 #include "src/transport/fabric_errors.h"
 
@@ -198,12 +199,10 @@ std::string HostIdentity() {
 }
 
 std::string MachineIdentity() {
-  char host[256] = {};
-  gethostname(host, sizeof host - 1);
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot);
-  return std::string(host) + "/" + boot;
+  return core::HostName() + "/" + boot;
 }
 
 ShmGroup::ShmGroup(int rank, std::vector<int> members, int index, const ShmGroupOptions& options)

@@ -47,6 +47,7 @@
 
 #include "collectives/errors.h"
 #include "collectives/strategy.h"
+#include "src/core/environment.h"
 #include "src/core/files.h"
 #include "src/strategy/strategy_impl.h"
 
@@ -323,11 +324,7 @@ std::optional<std::vector<unsigned char>> ReadFile(const std::string& path) {
 std::string PathOf(const std::string& directory) { return directory + "/" + kFileName; }
 
 // "checkpoint.tmp-<host>-": the start of this host's temporaries' names.
-std::string TemporaryPrefix() {
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "unknown");
-  return std::string(kFileName) + ".tmp-" + host + "-";
-}
+std::string TemporaryPrefix() { return std::string(kFileName) + ".tmp-" + core::HostName() + "-"; }
 
 // Removes the temporaries that chiefs on this host left in `directory` when they died while
 // saving: the pid in the name is no longer a process. Others (a save in progress, a temporary of
