@@ -239,7 +239,6 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
                                chunk.length * es);
   }
   if (agreement != nullptr) agreement->Wait();
-  CopyUnlessSame(own, own_source, own_bytes);
 
   ReceiveWindow window(left, ctx.tag, items, [&](size_t t) {
     const Range chunk = recv_chunk(t);
@@ -247,6 +246,9 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
   });
   for (size_t t = 0; t < items; ++t) {
     window.Wait(t);
+    // After the first frame from the left, checked against this call: with two ranks that frame
+    // is the agreement with the only peer (CallAgreement::Pair).
+    if (t == 0) CopyUnlessSame(own, own_source, own_bytes);
     if (t / chunks + 1 < size_t(n - 1)) {
       const Range chunk = recv_chunk(t);
       last_send = right.PostSend(ctx.tag, recv + chunk.offset * es, chunk.length * es);
@@ -596,7 +598,7 @@ void SmallReduceScatter(Context& ctx, const void* send, void* recv, size_t count
   CopyUnlessSame(recv, whole + size_t(ctx.rank()) * block_bytes, block_bytes);
 }
 
-CallAgreement::CallAgreement(Context& ctx) {
+CallAgreement::CallAgreement(Context& ctx, Pair pair) {
   const int n = ctx.size();
   const int r = ctx.rank();
   // The measurement switch that turns the frame checks off (tcp_fabric.cc) turns this off too.
@@ -605,12 +607,14 @@ CallAgreement::CallAgreement(Context& ctx) {
     return value != nullptr && std::string(value) == "1";
   }();
   if (n == 1 || skip) return;
+  const bool data_out = n == 2 && (pair == Pair::kDataBothWays || pair == Pair::kDataOut);
+  const bool data_in = n == 2 && (pair == Pair::kDataBothWays || pair == Pair::kDataIn);
   receives_.reserve(size_t(n - 1));
   sends_.reserve(size_t(n - 1));
   for (int k = 1; k < n; ++k) {
     Connection& peer = ctx.peer((r + k) % n);
-    receives_.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
-    sends_.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
+    if (!data_in) receives_.emplace_back(&peer, peer.PostRecv(ctx.tag, nullptr, 0));
+    if (!data_out) sends_.emplace_back(&peer, peer.PostSend(ctx.tag, nullptr, 0));
   }
 }
 

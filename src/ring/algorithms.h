@@ -80,7 +80,8 @@ void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count,
                        ReduceOp op);
 
 // Every rank sends an empty frame carrying the call's tag to every other and receives theirs, so
-// every rank compares its call with every other's directly. For the algorithms that write the
+// every rank compares its call with every other's directly (with two ranks a data frame may
+// stand in for one, see Pair). For the algorithms that write the
 // caller's buffer before a frame checked through every rank has reached them (all-gather and
 // the broadcasts; the all-reduces and reduce-scatter need none, see algorithms.cc): the
 // constructor posts the round and the algorithm goes on sending from the caller's read-only
@@ -92,7 +93,16 @@ void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count,
 // COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 (a measurement switch) turns the round off.
 class CallAgreement {
  public:
-  explicit CallAgreement(Context& ctx);
+  // With two ranks, a data frame that the algorithm sends first on the one connection carries
+  // the same call descriptor as the empty frame would, and the receiver checks it before it
+  // writes anything: it stands in for the empty frame in that direction. kDataOut: this rank's
+  // first frame to the peer is data (a broadcast's root); kDataIn: the peer's first frame to this
+  // rank is data and this rank writes nothing into recv before it has it (a broadcast's
+  // receiver); kDataBothWays: both (all-gather). The choice depends only on what the call
+  // descriptor holds (kind, root), so ranks whose calls match choose consistently, and ranks
+  // whose calls differ find a frame of the other call where they expect theirs.
+  enum class Pair { kEmptyFrames, kDataOut, kDataIn, kDataBothWays };
+  explicit CallAgreement(Context& ctx, Pair pair = Pair::kEmptyFrames);
   CallAgreement(const CallAgreement&) = delete;
   CallAgreement& operator=(const CallAgreement&) = delete;
   // Idempotent.

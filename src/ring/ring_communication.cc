@@ -445,7 +445,8 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
   }
   return Prepared{call, [source, recv, root, small](Context& ctx) {
     if (small) return SmallBroadcast(ctx, source, recv.data, recv.bytes(), root);
-    CallAgreement agreement(ctx);
+    CallAgreement agreement(
+        ctx, ctx.rank() == root ? CallAgreement::Pair::kDataOut : CallAgreement::Pair::kDataIn);
     ChainBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
     agreement.Wait();
   }};
@@ -464,7 +465,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
   const bool small = recv.bytes() <= small_message_bytes_;
   return Prepared{call, [send, recv, small](Context& ctx) {
     if (small) return SmallAllGather(ctx, send.data, recv.data, send.bytes());
-    CallAgreement agreement(ctx);
+    CallAgreement agreement(ctx, CallAgreement::Pair::kDataBothWays);
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype, &agreement);
     agreement.Wait();
   }};

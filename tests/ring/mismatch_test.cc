@@ -9,11 +9,13 @@
 // doubling writes the caller's buffer only in its last round, which no rank reaches; the ring,
 // halving-doubling and reduce-scatter keep partial sums in staging until a frame checked hop by
 // hop through every rank arrives; all-gather and the broadcasts wait, before their first write,
-// for a round in which every rank compares its call with every other's (CallAgreement); shared
+// for a round in which every rank compares its call with every other's (CallAgreement; with two
+// ranks a data frame stands in for an empty one, which TwoRankMismatchTest covers); shared
 // memory checks every member's call before any step writes.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -76,14 +78,14 @@ using Param = std::tuple<Differ, int, bool, Transport, size_t>;
 
 class MismatchTest : public ::testing::TestWithParam<Param> {};
 
-TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
-  const auto [differ, size, all_differ, transport, base] = GetParam();
+// Runs `size` ranks, rank r issuing call_of(r), and checks that every rank raised kMismatch at
+// that call, that the communicator stays broken, and that neither buffer of any rank changed.
+void ExpectMismatchEverywhereWithBuffersUntouched(Transport transport, int size,
+                                                  const std::function<Call(int)>& call_of) {
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(10);
-  RunRanks(transport, size, options, [&, differ = differ, size = size, all_differ = all_differ,
-                                      base = base](
-                                         CollectiveCommunication& comm) {
-    const Call call = CallFor(differ, comm.rank(), size, all_differ, base);
+  RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+    const Call call = call_of(comm.rank());
     const size_t bytes = call.count * SizeOf(call.dtype);
     // Send and receive buffers, large enough for an all-gather's output, filled with a marker.
     std::vector<uint8_t> send(bytes * size_t(size), 0x5a);
@@ -107,7 +109,7 @@ TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
     try {
       issue();
       comm.Barrier();
-      ADD_FAILURE() << "rank " << comm.rank() << ": a mismatched " << Name(differ)
+      ADD_FAILURE() << "rank " << comm.rank() << ": a mismatched " << call.collective
                     << " went unnoticed";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kMismatch) << "rank " << comm.rank() << ": " << e.what();
@@ -130,6 +132,15 @@ TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
   });
 }
 
+TEST_P(MismatchTest, EveryRankRaisesMismatchAndNoBufferIsWrittenWhenAllDiffer) {
+  const auto [differ, size, all_differ, transport, base] = GetParam();
+  ExpectMismatchEverywhereWithBuffersUntouched(
+      transport, size,
+      [differ = differ, size = size, all_differ = all_differ, base = base](int rank) {
+        return CallFor(differ, rank, size, all_differ, base);
+      });
+}
+
 std::string ParamName(const ::testing::TestParamInfo<Param>& param_info) {
   const auto& [differ, size, all_differ, transport, base] = param_info.param;
   return std::string(Name(differ)) + "_" + std::to_string(size) + "ranks_" +
@@ -146,6 +157,64 @@ INSTANTIATE_TEST_SUITE_P(
                                          Transport::kAuto),
                        ::testing::Values(size_t{1000}, size_t{100000})),
     ParamName);
+
+// With two ranks, a broadcast's or an all-gather's data frame stands in for the empty frame of
+// the call agreement on its connection (CallAgreement::Pair). Pairs of large calls (past the
+// small-message size, so the agreement path) where that matters: each rank taking the other
+// for the root, both taking themselves, a broadcast against an all-gather either way, and
+// all-gathers or broadcasts that differ in count or dtype only.
+struct TwoRankPair {
+  const char* name;
+  Call first;
+  Call second;
+};
+
+void PrintTo(const TwoRankPair& pair, std::ostream* os) { *os << pair.name; }
+
+Call Large(const char* collective, int root = 0, size_t count = 100000,
+           DataType dtype = DataType::kFloat32) {
+  Call call;
+  call.collective = collective;
+  call.root = root;
+  call.count = count;
+  call.dtype = dtype;
+  return call;
+}
+
+class TwoRankMismatchTest : public ::testing::TestWithParam<std::tuple<TwoRankPair, Transport>> {};
+
+TEST_P(TwoRankMismatchTest, BothRaiseAndNeitherBufferIsWritten) {
+  const auto& [pair, transport] = GetParam();
+  ExpectMismatchEverywhereWithBuffersUntouched(
+      transport, 2, [&pair = pair](int rank) { return rank == 0 ? pair.first : pair.second; });
+}
+
+const TwoRankPair kTwoRankPairs[] = {
+    {"each_takes_the_other_for_root", Large("broadcast", 1), Large("broadcast", 0)},
+    {"both_take_themselves_for_root", Large("broadcast", 0), Large("broadcast", 1)},
+    {"broadcast_root_against_all_gather", Large("broadcast", 0), Large("all_gather")},
+    {"broadcast_receiver_against_all_gather", Large("broadcast", 1), Large("all_gather")},
+    {"all_gather_against_broadcast_root", Large("all_gather"), Large("broadcast", 1)},
+    {"all_gather_counts", Large("all_gather"), Large("all_gather", 0, 100004)},
+    {"all_gather_dtypes_of_one_size", Large("all_gather"),
+     Large("all_gather", 0, 100000, DataType::kInt32)},
+    {"broadcast_counts", Large("broadcast", 0), Large("broadcast", 0, 100004)},
+    {"broadcast_dtypes_of_one_size", Large("broadcast", 1),
+     Large("broadcast", 1, 100000, DataType::kInt32)},
+    {"all_gather_against_all_reduce", Large("all_gather"), Large("all_reduce")},
+};
+
+std::string TwoRankName(
+    const ::testing::TestParamInfo<std::tuple<TwoRankPair, Transport>>& param_info) {
+  return std::string(std::get<0>(param_info.param).name) + "_" +
+         TransportName(std::get<1>(param_info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, TwoRankMismatchTest,
+                         ::testing::Combine(::testing::ValuesIn(kTwoRankPairs),
+                                            ::testing::Values(Transport::kInProcess,
+                                                              Transport::kTcp)),
+                         TwoRankName);
 
 }  // namespace
 }  // namespace collectives::testing
