@@ -60,6 +60,19 @@ size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank);
 // net.core.rmem_max, read from /proc; 0 when it cannot be read.
 size_t ReceiveBufferCap();
 
+// The send buffer (SO_SNDBUF) a data connection asks for, in bytes; 0 leaves it to the kernel's
+// autotuning. `env` is $COLLECTIVES_SOCKET_SNDBUF (null when unset; a byte count, 0 for
+// autotuning), which applies to every connection. Unset: kDefaultLocalSendBuffer for a peer on
+// this host (its frames go through loopback, see the .cc for why a small buffer is faster
+// there), autotuning for a peer on another host, where the buffer must cover the link's
+// bandwidth-delay product.
+inline constexpr size_t kDefaultLocalSendBuffer = size_t{256} << 10;
+struct SendBuffers {
+  size_t same_host = 0;
+  size_t other_host = 0;
+};
+SendBuffers SendBufferBytes(const char* env);
+
 }  // namespace collectives::transport
 
 #endif  // COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_

@@ -201,14 +201,15 @@ TEST(TcpReceiveBufferTest, FollowsTheKernelCapTheCoresAndTheEnvironment) {
   }
 }
 
-// Connected TCP sockets of this process whose SO_RCVBUF reads `reported` bytes.
-int ConnectedSocketsWithReceiveBuffer(size_t reported) {
+// Connected TCP sockets of this process whose socket option `option` (SO_RCVBUF, SO_SNDBUF)
+// reads `reported` bytes.
+int ConnectedSocketsWithBuffer(int option, size_t reported) {
   int found = 0;
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     const int fd = std::stoi(entry.path().filename().string());
     int type = 0;
     int listening = 0;
-    int rcvbuf = 0;
+    int buffer = 0;
     socklen_t length = sizeof(int);
     sockaddr_storage peer{};
     socklen_t peer_length = sizeof(peer);
@@ -217,8 +218,8 @@ int ConnectedSocketsWithReceiveBuffer(size_t reported) {
     if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 || listening) continue;
     if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) != 0) continue;
     length = sizeof(int);
-    if (getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &length) != 0) continue;
-    if (static_cast<size_t>(rcvbuf) == reported) ++found;
+    if (getsockopt(fd, SOL_SOCKET, option, &buffer, &length) != 0) continue;
+    if (static_cast<size_t>(buffer) == reported) ++found;
   }
   return found;
 }
@@ -238,7 +239,7 @@ TEST(TcpReceiveBufferTest, DataConnectionsAskForIt) {
   auto group = ConnectTcpGroup(2, *store, [](int) { return Options(); });
   ASSERT_FALSE(group.errors[0]);
   ASSERT_FALSE(group.errors[1]);
-  EXPECT_EQ(ConnectedSocketsWithReceiveBuffer(2 * expected), 2)
+  EXPECT_EQ(ConnectedSocketsWithBuffer(SO_RCVBUF, 2 * expected), 2)
       << "connected sockets with SO_RCVBUF " << 2 * expected;
 }
 
@@ -252,7 +253,47 @@ TEST(TcpReceiveBufferTest, MoreRanksThanCoresKeepAutotuning) {
   auto store = CreateMemoryStore();
   auto group = ConnectTcpGroup(ranks, *store, [](int) { return Options(); });
   for (int rank = 0; rank < ranks; ++rank) ASSERT_FALSE(group.errors[rank]);
-  EXPECT_EQ(ConnectedSocketsWithReceiveBuffer(2 * kDefaultReceiveBuffer), 0);
+  EXPECT_EQ(ConnectedSocketsWithBuffer(SO_RCVBUF, 2 * kDefaultReceiveBuffer), 0);
+}
+
+TEST(TcpSendBufferTest, SmallForPeersOnThisHostAutotunedForOthersUnlessSet) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  EXPECT_EQ(SendBufferBytes(nullptr).same_host, kDefaultLocalSendBuffer);
+  EXPECT_EQ(SendBufferBytes(nullptr).other_host, 0u);
+  // Set: what it says for every connection, 0 for autotuning.
+  EXPECT_EQ(SendBufferBytes("0").same_host, 0u);
+  EXPECT_EQ(SendBufferBytes("0").other_host, 0u);
+  EXPECT_EQ(SendBufferBytes("1048576").same_host, kMiB);
+  EXPECT_EQ(SendBufferBytes("1048576").other_host, kMiB);
+  EXPECT_EQ(SendBufferBytes("99999999999").same_host, size_t{INT_MAX});
+  // Not a byte count: ignored (with a line on stderr), as if unset.
+  for (const char* bad : {"", "256K", "-1", " 12", "x"}) {
+    EXPECT_EQ(SendBufferBytes(bad).same_host, kDefaultLocalSendBuffer) << "\"" << bad << "\"";
+    EXPECT_EQ(SendBufferBytes(bad).other_host, 0u) << "\"" << bad << "\"";
+  }
+}
+
+// A mesh over loopback is a mesh of peers on this host: both ends of a 2-rank mesh in this
+// process ask for the local send buffer (Linux reports twice the size it was asked for, or
+// twice net.core.wmem_max where that is lower).
+TEST(TcpSendBufferTest, ConnectionsToThisHostAskForTheLocalBuffer) {
+  if (std::getenv("COLLECTIVES_SOCKET_SNDBUF") != nullptr) {
+    GTEST_SKIP() << "COLLECTIVES_SOCKET_SNDBUF is set";
+  }
+  size_t wmem_max = 0;
+  if (FILE* file = std::fopen("/proc/sys/net/core/wmem_max", "r")) {
+    unsigned long long read = 0;
+    if (std::fscanf(file, "%llu", &read) == 1) wmem_max = static_cast<size_t>(read);
+    std::fclose(file);
+  }
+  if (wmem_max == 0) GTEST_SKIP() << "net.core.wmem_max cannot be read";
+  const size_t expected = 2 * std::min(kDefaultLocalSendBuffer, wmem_max);
+  auto store = CreateMemoryStore();
+  auto group = ConnectTcpGroup(2, *store, [](int) { return Options(); });
+  ASSERT_FALSE(group.errors[0]);
+  ASSERT_FALSE(group.errors[1]);
+  EXPECT_EQ(ConnectedSocketsWithBuffer(SO_SNDBUF, expected), 2)
+      << "connected sockets with SO_SNDBUF " << expected;
 }
 
 // Measurements between two threads of this process (printed; checked only for sanity).
