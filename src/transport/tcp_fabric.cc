@@ -1431,19 +1431,24 @@ size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) 
 // ahead, every copy goes into a fresh page, and the receiver reads them after they have left
 // the cache. Capped, the sender stays a few hundred KiB ahead and the pages come back while
 // they are still warm. On the development VM (2 cores), `perf record -a` over 300 2-rank
-// all-gathers of 16 MiB: 25% fewer samples in the send copy, 40% fewer in the receive copy and
-// 80% fewer in the wake-up path, 3.68 -> 2.31 ms per call. Our time with 256 KiB (the kernel
-// doubles it) over our time with autotuning, medians of 8 and of 6 alternating sweeps of
-// `collectives_perf --inplace -r 3` (all-reduce, broadcast, all-gather):
-//   4-64 MiB: 2 ranks 0.57-0.87 for all-reduce and all-gather, 0.96-1.13 for broadcast;
-//             4 ranks 0.63-0.82;
-//   1 MiB:    0.68-1.32, as noisy as calls of 100-800 us are here;
-//   64-256 KiB all-reduce of 4 ranks: 1.10-1.24, the one place it costs (not explained).
-// 128 KiB, 384 KiB, 512 KiB, 768 KiB and 1 MiB were no better anywhere and worse in places
-// (768 KiB and 1 MiB gave up most of the gain at 16-64 MiB).
+// all-gathers of 16 MiB with a 256 KiB cap: 25% fewer samples in the send copy, 40% fewer in
+// the receive copy and 80% fewer in the wake-up path, 3.68 -> 2.31 ms per call.
+// The size: the kernel doubles what is asked, and the buffer should hold one whole frame of the
+// default 512 KiB chunk, or every such frame goes out in two sendmsg calls with a wait for room
+// between them: with 256 KiB, `strace -c` counted 4077 sendmsg and 4573 epoll_wait on a rank
+// over 2000 2-rank all-gathers of 1 MiB, against 2009 and 3114 uncapped; 288 KiB and up, 2009
+// and about 3100. Our time with the cap over our time without, medians of 6 alternating sweeps
+// of `collectives_perf --inplace -r 3` (all-reduce, broadcast, all-gather, 256 KiB-64 MiB):
+//   320 KiB: 4-64 MiB, 2 ranks: all-gather 0.70-0.79, all-reduce 0.70-0.94, broadcast
+//            0.94-1.17; 4 ranks: 0.63-0.80. 1 MiB and below: 0.55-1.19.
+//   256 KiB: the same or worse (2-rank all-gather of 256 KiB-4 MiB 1.03-1.37); in three more
+//            sets of 6-8 sweeps, 4-64 MiB took 0.57-1.13 (2 ranks) and 0.61-0.82 (4 ranks).
+//   128, 384, 512, 768 KiB and 1 MiB: no better anywhere and worse in places (768 KiB and
+//            1 MiB gave up most of the gain at 16-64 MiB).
 // Between hosts the buffer must hold the link's bandwidth-delay product, which autotuning
 // follows, so those connections keep it. Where net.core.wmem_max is lower (Debian's default
-// is 208 KiB) the kernel clamps the request to it, which is near the same point.
+// is 208 KiB) the kernel clamps the request to it: still a cap, but a 512 KiB frame then takes
+// two sendmsg calls (raise wmem_max, or set a smaller chunk_bytes).
 SendBuffers SendBufferBytes(const char* env) {
   if (const auto bytes = core::CountFromText("COLLECTIVES_SOCKET_SNDBUF", env,
                                              "a byte count, 0 for the kernel's autotuning")) {

@@ -66,7 +66,7 @@ size_t ReceiveBufferCap();
 // this host (its frames go through loopback, see the .cc for why a small buffer is faster
 // there), autotuning for a peer on another host, where the buffer must cover the link's
 // bandwidth-delay product.
-inline constexpr size_t kDefaultLocalSendBuffer = size_t{256} << 10;
+inline constexpr size_t kDefaultLocalSendBuffer = size_t{320} << 10;
 struct SendBuffers {
   size_t same_host = 0;
   size_t other_host = 0;
