@@ -80,14 +80,14 @@ void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count,
                        ReduceOp op);
 
 // Every rank sends an empty frame carrying the call's tag to every other and receives theirs, so
-// every rank compares its call with every other's directly (with two ranks a data frame may
-// stand in for one, see Pair). For the algorithms that write the
-// caller's buffer before a frame checked through every rank has reached them (all-gather and
-// the broadcasts; the all-reduces and reduce-scatter need none, see algorithms.cc): the
-// constructor posts the round and the algorithm goes on sending from the caller's read-only
-// `send`; Wait() returns once every peer's call matched (it throws kMismatch otherwise), and the
-// algorithm calls it before its first write into `recv`. The peers' data queues behind their
-// empty frames meanwhile, so the round costs about one hop that overlaps the first transfer.
+// every rank compares its call with every other's directly (with two ranks a data frame may stand
+// in for one, see Pair). For the algorithms that write the caller's buffer before a frame checked
+// through every rank has reached them (all-gather and the broadcasts; the all-reduces and
+// reduce-scatter need none, see algorithms.cc): the constructor posts the round and the algorithm
+// goes on sending from the caller's read-only `send`; Wait() returns once every peer's call matched
+// (it throws kMismatch otherwise), and the algorithm calls it before its first write into `recv`.
+// The peers' data queues behind their empty frames meanwhile, so the round costs about one hop that
+// overlaps the first transfer.
 // A rank that aborts on a mismatch may then hold our data unread; the TCP fabric's shutdown
 // drains it so that its abort frame is not lost to a connection reset.
 // COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 (a measurement switch) turns the round off.

@@ -1443,8 +1443,9 @@ size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) 
 //            0.94-1.17; 4 ranks: 0.63-0.80. 1 MiB and below: 0.55-1.19.
 //   256 KiB: the same or worse (2-rank all-gather of 256 KiB-4 MiB 1.03-1.37); in three more
 //            sets of 6-8 sweeps, 4-64 MiB took 0.57-1.13 (2 ranks) and 0.61-0.82 (4 ranks).
-//   128, 384, 512, 768 KiB and 1 MiB: no better anywhere and worse in places (768 KiB and
-//            1 MiB gave up most of the gain at 16-64 MiB).
+//   128, 384, 512, 768 KiB and 1 MiB (sets of 6): none better overall; 384 and 512 KiB within
+//            the noise of 256 KiB, 128 KiB slower at 1-4 MiB, 768 KiB and 1 MiB gave up most
+//            of the gain at 16-64 MiB.
 // Between hosts the buffer must hold the link's bandwidth-delay product, which autotuning
 // follows, so those connections keep it. Where net.core.wmem_max is lower (Debian's default
 // is 208 KiB) the kernel clamps the request to it: still a cap, but a 512 KiB frame then takes
