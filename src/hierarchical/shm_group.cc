@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -27,6 +26,7 @@
 
 #include "src/core/environment.h"
 #include "src/core/kernels.h"
+#include "src/core/work.h"
 #include "src/transport/fabric_errors.h"
 
 namespace collectives::hierarchical {
@@ -397,27 +397,23 @@ class ShmGroup::Step {
   void Await(int j, std::atomic<uint32_t> Control::*word, uint32_t s, const char* what) {
     Control& theirs = seg_.control(j);
     std::atomic<uint32_t>& w = theirs.*word;
-    if (Reached(w.load(std::memory_order_acquire), s)) return;
-    const Header& header = seg_.header();
+    const auto reached = [&] { return Reached(w.load(std::memory_order_acquire), s); };
+    if (reached()) return;
     if (g_.spin_.count() > 0) {
-      const auto until = Clock::now() + g_.spin_;
-      for (int i = 1;; ++i) {
-        if (Reached(w.load(std::memory_order_acquire), s)) return;
-        if ((i & 63) == 0) {
-          if (header.broken.load(std::memory_order_relaxed) != 0) ThrowIfBroken();
-          if (Clock::now() >= until) break;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
+      const Header& header = seg_.header();
+      if (core::SpinUntil(g_.spin_, [&] {
+            if (reached()) return true;
+            if (header.broken.load(std::memory_order_relaxed) != 0) ThrowIfBroken();
+            return false;
+          })) {
+        return;
       }
     } else {
       // More members than cores: hand the core over a few times (to the member we wait for,
       // most likely) before paying a futex sleep and wake-up.
-      for (int i = 0; i < 16; ++i) {
-        if (Reached(w.load(std::memory_order_acquire), s)) return;
-        sched_yield();
-      }
+      const auto left =
+          std::chrono::duration_cast<std::chrono::microseconds>(deadline_ - Clock::now());
+      if (core::YieldUntil(left, core::kWaitYieldPolls, reached)) return;
     }
     for (auto last_check = Clock::now();;) {
       theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
