@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "collectives/strategy.h"
+#include "src/core/environment.h"
 #include "tests/strategy/strategy_test_util.h"
 
 namespace collectives::strategy {
@@ -144,13 +145,12 @@ TEST_F(CheckpointTest, AnOldCheckpointIsReplacedAtomically) {
 // progress) and other hosts' temporaries (a shared file system).
 TEST_F(CheckpointTest, TemporariesOfDeadChiefsAreRemovedByTheNextSave) {
   fs::create_directories(dir_);
-  char host[256] = {};
-  ASSERT_EQ(::gethostname(host, sizeof host - 1), 0);
-  const std::string mine = std::string("checkpoint.tmp-") + host + "-";
+  const std::string host = core::HostName();
+  const std::string mine = "checkpoint.tmp-" + host + "-";
   // Above Linux's largest pid (2^22), so no process has it.
   const std::string dead = mine + "4194305";
   const std::string alive = mine + std::to_string(::getppid());
-  const std::string elsewhere = "checkpoint.tmp-" + std::string(host) + "x-4194305";
+  const std::string elsewhere = "checkpoint.tmp-" + host + "x-4194305";
   const std::string not_a_pid = mine + "12ab";
   for (const std::string& name : {dead, alive, elsewhere, not_a_pid}) {
     std::ofstream(dir_ / name) << "partial";
