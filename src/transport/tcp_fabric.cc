@@ -1085,7 +1085,10 @@ std::string JoinRanks(const std::vector<int>& ranks) {
 // 352-605 us against 341-522, all-gather 324-445 against 292-377, five alternating runs; the
 // 16 MiB all-gather against Open MPI went from 0.87-1.01 to 0.87-1.29): a sender that can queue
 // the whole message runs ahead of a receiver waiting for a core, and the data goes cold. So the
-// fixed buffer is for hosts with a core per rank (the rule the spin budget uses). Where
+// fixed buffer is for hosts with a core per rank (the rule the spin budget uses). Checked again
+// with the send-buffer cap below (2 ranks, 10 alternating sweeps, 256 KiB-64 MiB): autotuning
+// took 1.04-1.74x the time for all-gather, 0.95-1.06x for all-reduce, and 0.98-1.02x for
+// broadcast from 1 MiB (0.77x at 256 KiB), so the rule stands. Where
 // rmem_max is below 4 MiB (Debian's default is 208 KiB), asking would get a clamped buffer with
 // autotuning off, so we leave it alone.
 size_t ConfiguredReceiveBuffer(int world_size) {
@@ -1448,8 +1451,13 @@ size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) 
 //            of the gain at 16-64 MiB.
 // Between hosts the buffer must hold the link's bandwidth-delay product, which autotuning
 // follows, so those connections keep it. Where net.core.wmem_max is lower (Debian's default
-// is 208 KiB) the kernel clamps the request to it: still a cap, but a 512 KiB frame then takes
-// two sendmsg calls (raise wmem_max, or set a smaller chunk_bytes).
+// is 208 KiB) the kernel clamps the request to it: still a cap, and a 512 KiB frame then takes
+// two sendmsg calls, but asking for 208 KiB here (what the clamp leaves) was within the noise
+// of 320 KiB (6 alternating sweeps, 1-16 MiB, 2 and 4 ranks: 0.89-1.28 both ways).
+// The cap is not sized to chunk_bytes: with 2 MiB chunks, a buffer that holds a whole frame
+// (1088 KiB asked) took 1.02-1.44x the time of 320 KiB at 2 ranks and 1.18-1.69x at 4 ranks,
+// about as slow as autotuning (3 alternating sweeps, 4-64 MiB): staying close behind the
+// receiver matters more than one sendmsg per frame.
 SendBuffers SendBufferBytes(const char* env) {
   if (const auto bytes = core::CountFromText("COLLECTIVES_SOCKET_SNDBUF", env,
                                              "a byte count, 0 for the kernel's autotuning")) {
