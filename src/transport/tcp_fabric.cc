@@ -1455,9 +1455,10 @@ size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) 
 // two sendmsg calls, but asking for 208 KiB here (what the clamp leaves) was within the noise
 // of 320 KiB (6 alternating sweeps, 1-16 MiB, 2 and 4 ranks: 0.89-1.28 both ways).
 // The cap is not sized to chunk_bytes: with 2 MiB chunks, a buffer that holds a whole frame
-// (1088 KiB asked) took 1.02-1.44x the time of 320 KiB at 2 ranks and 1.18-1.69x at 4 ranks,
-// about as slow as autotuning (3 alternating sweeps, 4-64 MiB): staying close behind the
-// receiver matters more than one sendmsg per frame.
+// (1088 KiB asked) took 1.02-1.44x the time of 320 KiB for 2-rank all-reduces and all-gathers
+// (broadcasts 0.96-1.10x) and 1.18-1.69x for everything at 4 ranks, about as slow as
+// autotuning (3 alternating sweeps, 4-64 MiB): staying close behind the receiver matters more
+// than one sendmsg per frame.
 SendBuffers SendBufferBytes(const char* env) {
   if (const auto bytes = core::CountFromText("COLLECTIVES_SOCKET_SNDBUF", env,
                                              "a byte count, 0 for the kernel's autotuning")) {
