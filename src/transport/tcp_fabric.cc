@@ -1409,15 +1409,24 @@ std::string LocalAddressToward(const std::string& remote_host) {
   return "127.0.0.1";
 }
 
-size_t ReceiveBufferCap() {
+namespace {
+
+// A byte count from a file under /proc/sys; 0 when it cannot be read.
+size_t ProcSysBytes(const char* path) {
   size_t value = 0;
-  if (FILE* file = std::fopen("/proc/sys/net/core/rmem_max", "r")) {
+  if (FILE* file = std::fopen(path, "r")) {
     unsigned long long read = 0;
     if (std::fscanf(file, "%llu", &read) == 1) value = static_cast<size_t>(read);
     std::fclose(file);
   }
   return value;
 }
+
+}  // namespace
+
+size_t ReceiveBufferCap() { return ProcSysBytes("/proc/sys/net/core/rmem_max"); }
+
+size_t SendBufferCap() { return ProcSysBytes("/proc/sys/net/core/wmem_max"); }
 
 size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank) {
   if (const auto bytes = core::CountFromText("COLLECTIVES_SOCKET_RCVBUF", env,

@@ -57,8 +57,10 @@ std::string LocalAddressToward(const std::string& remote_host);
 inline constexpr size_t kDefaultReceiveBuffer = size_t{4} << 20;
 size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank);
 
-// net.core.rmem_max, read from /proc; 0 when it cannot be read.
+// net.core.rmem_max / net.core.wmem_max (the most SO_RCVBUF / SO_SNDBUF a process may ask
+// for), read from /proc; 0 when it cannot be read.
 size_t ReceiveBufferCap();
+size_t SendBufferCap();
 
 // The send buffer (SO_SNDBUF) a data connection asks for, in bytes; 0 leaves it to the kernel's
 // autotuning. `env` is $COLLECTIVES_SOCKET_SNDBUF (null when unset; a byte count, 0 for

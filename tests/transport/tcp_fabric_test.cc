@@ -280,12 +280,7 @@ TEST(TcpSendBufferTest, ConnectionsToThisHostAskForTheLocalBuffer) {
   if (std::getenv("COLLECTIVES_SOCKET_SNDBUF") != nullptr) {
     GTEST_SKIP() << "COLLECTIVES_SOCKET_SNDBUF is set";
   }
-  size_t wmem_max = 0;
-  if (FILE* file = std::fopen("/proc/sys/net/core/wmem_max", "r")) {
-    unsigned long long read = 0;
-    if (std::fscanf(file, "%llu", &read) == 1) wmem_max = static_cast<size_t>(read);
-    std::fclose(file);
-  }
+  const size_t wmem_max = SendBufferCap();
   if (wmem_max == 0) GTEST_SKIP() << "net.core.wmem_max cannot be read";
   const size_t expected = 2 * std::min(kDefaultLocalSendBuffer, wmem_max);
   auto store = CreateMemoryStore();
