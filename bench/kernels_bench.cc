@@ -101,7 +101,7 @@ void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
 }
 
 // The baseline a kernel cannot beat: the loop the compiler makes of dst[i] = a[i] + b[i] on
-// the same three buffers (AVX2 where the CPU has it, as the kernels pick). Out of place, three
+// the same three buffers (with the instruction set the kernels run with). Out of place, three
 // streams share the bandwidth memcpy's two have, and dst's lines are read before they are
 // written; a plain loop shows what that leaves, so f32_sum can be judged against it as well as
 // against memcpy.
@@ -116,6 +116,13 @@ void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
                                                          const float* __restrict b, size_t count) {
   for (size_t i = 0; i < count; ++i) dst[i] = a[i] + b[i];
 }
+
+[[gnu::target("avx512f"), gnu::noinline]] void PlainAddAvx512(float* __restrict dst,
+                                                              const float* __restrict a,
+                                                              const float* __restrict b,
+                                                              size_t count) {
+  for (size_t i = 0; i < count; ++i) dst[i] = a[i] + b[i];
+}
 #endif
 
 void BM_PlainF32Add(benchmark::State& state) {
@@ -126,7 +133,8 @@ void BM_PlainF32Add(benchmark::State& state) {
   std::vector<unsigned char> dst(bytes, 0);
   auto* add = &PlainAdd;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2")) add = &PlainAddAvx2;
+  if (ActiveKernelIsa() == KernelIsa::kAvx2) add = &PlainAddAvx2;
+  if (ActiveKernelIsa() == KernelIsa::kAvx512) add = &PlainAddAvx512;
 #endif
   for (auto _ : state) {
     add(reinterpret_cast<float*>(dst.data()), reinterpret_cast<const float*>(a.data()),
@@ -220,4 +228,14 @@ BENCHMARK(BM_HalfDivideInPlace);
 }  // namespace
 }  // namespace collectives::core
 
-BENCHMARK_MAIN();
+// BENCHMARK_MAIN, with the instruction set the kernels run with in the context lines
+// (COLLECTIVES_KERNEL_ISA=baseline|avx2|avx512 picks another, to compare them).
+int main(int argc, char** argv) {
+  benchmark::AddCustomContext(
+      "kernel_isa", collectives::core::KernelIsaName(collectives::core::ActiveKernelIsa()));
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -20,6 +20,24 @@ void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b
 // step of kAvg.
 void DivideInPlace(DataType dtype, void* data, size_t count, size_t divisor);
 
+// The instruction set the kernels run with: Reduce's loops over the plain types are compiled for
+// each; with kAvx2 and above, f16 and bf16 use F16C where the CPU has it.
+enum class KernelIsa { kBaseline, kAvx2, kAvx512 };
+
+// "baseline", "avx2", "avx512".
+const char* KernelIsaName(KernelIsa isa);
+
+// The set this process runs with, chosen on first use: ChooseKernelIsa of
+// $COLLECTIVES_KERNEL_ISA and this CPU.
+KernelIsa ActiveKernelIsa();
+
+// The set to run with, given `asked` (the variable's value, null when unset) and what the CPU
+// has (`has_avx2`; `has_avx512`: F, BW, VL and DQ; `is_intel`). Unset: the best the CPU has,
+// except AVX-512 on Intel, which only `asked` = "avx512" picks (see kernels.cc). A set the CPU
+// lacks gives the best it has below that one; an unknown name, the default. Either writes a
+// line on stderr naming the variable and its value.
+KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, bool is_intel);
+
 // Conversions of the 16-bit float types (round to nearest even; NaN stays NaN).
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);

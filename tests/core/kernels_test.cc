@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <ostream>
@@ -844,6 +845,71 @@ TEST(DivideInPlaceTest, EveryStartWithinACacheLine) {
 
 TEST(DivideInPlaceTest, ZeroCountTouchesNothing) {
   for (DataType dtype : kAllDataTypes) DivideInPlace(dtype, nullptr, 0, 3);
+}
+
+// ---- Which instruction set the kernels run with. ----
+
+TEST(KernelIsaTest, ChoosesTheBestTheCpuHasUnlessAsked) {
+  // Unset or empty: the best, but AVX2 on Intel CPUs with AVX-512.
+  EXPECT_EQ(ChooseKernelIsa(nullptr, false, false, false), KernelIsa::kBaseline);
+  EXPECT_EQ(ChooseKernelIsa(nullptr, true, false, true), KernelIsa::kAvx2);
+  EXPECT_EQ(ChooseKernelIsa(nullptr, true, true, false), KernelIsa::kAvx512);
+  EXPECT_EQ(ChooseKernelIsa(nullptr, true, true, true), KernelIsa::kAvx2);
+  EXPECT_EQ(ChooseKernelIsa("", true, true, false), KernelIsa::kAvx512);
+  // Asked for: any set the CPU has, AVX-512 on Intel included.
+  EXPECT_EQ(ChooseKernelIsa("baseline", true, true, false), KernelIsa::kBaseline);
+  EXPECT_EQ(ChooseKernelIsa("avx2", true, true, false), KernelIsa::kAvx2);
+  EXPECT_EQ(ChooseKernelIsa("avx512", true, true, true), KernelIsa::kAvx512);
+}
+
+TEST(KernelIsaTest, ASetTheCpuLacksOrAnUnknownNameIsSaidOnStderr) {
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ChooseKernelIsa("avx512", true, false, false), KernelIsa::kAvx2);
+  EXPECT_EQ(ChooseKernelIsa("avx2", false, false, false), KernelIsa::kBaseline);
+  std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("COLLECTIVES_KERNEL_ISA=avx512, but this CPU lacks it; the kernels run "
+                      "with avx2"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("COLLECTIVES_KERNEL_ISA=avx2, but this CPU lacks it; the kernels run "
+                      "with baseline"),
+            std::string::npos)
+      << said;
+
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ChooseKernelIsa("AVX2", true, true, false), KernelIsa::kAvx512);
+  EXPECT_EQ(ChooseKernelIsa("sse", true, true, true), KernelIsa::kAvx2);
+  said = testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("COLLECTIVES_KERNEL_ISA=AVX2 is not one of baseline, avx2, avx512; the "
+                      "kernels run with avx512"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("COLLECTIVES_KERNEL_ISA=sse is not one of"), std::string::npos) << said;
+}
+
+// ctest runs the reduce and divide tests of this binary once more per set, with
+// COLLECTIVES_KERNEL_ISA naming it (tests/CMakeLists.txt): this checks that such a run takes the
+// path it names, so that each compiled copy of the loops is tested where the CPU has it.
+TEST(KernelIsaTest, RunsTheSetTheEnvironmentNames) {
+  const KernelIsa active = ActiveKernelIsa();
+  testing::Test::RecordProperty("kernel_isa", KernelIsaName(active));
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2");
+  const bool intel = __builtin_cpu_is("intel");
+#else
+  const bool avx512 = false, avx2 = false, intel = false;
+#endif
+  const char* asked = std::getenv("COLLECTIVES_KERNEL_ISA");
+  const std::string name = asked == nullptr ? "" : asked;
+  if ((name == "avx512" && !avx512) || (name == "avx2" && !avx2)) {
+    GTEST_SKIP() << "this CPU lacks " << name << "; the kernels run with " << KernelIsaName(active);
+  }
+  EXPECT_EQ(active, ChooseKernelIsa(asked, avx2, avx512, intel));
+  if (!name.empty()) {
+    EXPECT_EQ(KernelIsaName(active), name);
+  }
 }
 
 }  // namespace
