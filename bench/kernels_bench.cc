@@ -133,8 +133,16 @@ void BM_PlainF32Add(benchmark::State& state) {
   std::vector<unsigned char> dst(bytes, 0);
   auto* add = &PlainAdd;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (ActiveKernelIsa() == KernelIsa::kAvx2) add = &PlainAddAvx2;
-  if (ActiveKernelIsa() == KernelIsa::kAvx512) add = &PlainAddAvx512;
+  switch (ActiveKernelIsa()) {
+    case KernelIsa::kAvx512:
+      add = &PlainAddAvx512;
+      break;
+    case KernelIsa::kAvx2:
+      add = &PlainAddAvx2;
+      break;
+    case KernelIsa::kBaseline:
+      break;
+  }
 #endif
   for (auto _ : state) {
     add(reinterpret_cast<float*>(dst.data()), reinterpret_cast<const float*>(a.data()),

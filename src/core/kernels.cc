@@ -598,7 +598,6 @@ const char* KernelIsaName(KernelIsa isa) {
 }
 
 KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, bool is_intel) {
-  has_avx2 = has_avx2 || has_avx512;
   const KernelIsa best = has_avx512 ? KernelIsa::kAvx512
                          : has_avx2 ? KernelIsa::kAvx2
                                     : KernelIsa::kBaseline;
@@ -621,16 +620,21 @@ KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, boo
   return by_default;
 }
 
+KernelCpu DetectKernelCpu() {
+  KernelCpu cpu;
+#ifdef COLLECTIVES_HAVE_F16C_PATH
+  cpu.avx2 = __builtin_cpu_supports("avx2");
+  cpu.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  cpu.intel = __builtin_cpu_is("intel");
+#endif
+  return cpu;
+}
+
 KernelIsa ActiveKernelIsa() {
   static const KernelIsa isa = [] {
-#ifdef COLLECTIVES_HAVE_F16C_PATH
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    return ChooseKernelIsa(std::getenv("COLLECTIVES_KERNEL_ISA"), __builtin_cpu_supports("avx2"),
-                           avx512, __builtin_cpu_is("intel"));
-#else
-    return ChooseKernelIsa(std::getenv("COLLECTIVES_KERNEL_ISA"), false, false, false);
-#endif
+    const KernelCpu cpu = DetectKernelCpu();
+    return ChooseKernelIsa(std::getenv("COLLECTIVES_KERNEL_ISA"), cpu.avx2, cpu.avx512, cpu.intel);
   }();
   return isa;
 }

@@ -27,8 +27,17 @@ enum class KernelIsa { kBaseline, kAvx2, kAvx512 };
 // "baseline", "avx2", "avx512".
 const char* KernelIsaName(KernelIsa isa);
 
+// What this CPU offers the kernels (all false off x86-64): AVX2; AVX-512 F, BW, VL and DQ
+// together; and whether Intel made it.
+struct KernelCpu {
+  bool avx2 = false;
+  bool avx512 = false;
+  bool intel = false;
+};
+KernelCpu DetectKernelCpu();
+
 // The set this process runs with, chosen on first use: ChooseKernelIsa of
-// $COLLECTIVES_KERNEL_ISA and this CPU.
+// $COLLECTIVES_KERNEL_ISA and DetectKernelCpu().
 KernelIsa ActiveKernelIsa();
 
 // The set to run with, given `asked` (the variable's value, null when unset) and what the CPU

@@ -893,20 +893,13 @@ TEST(KernelIsaTest, ASetTheCpuLacksOrAnUnknownNameIsSaidOnStderr) {
 TEST(KernelIsaTest, RunsTheSetTheEnvironmentNames) {
   const KernelIsa active = ActiveKernelIsa();
   testing::Test::RecordProperty("kernel_isa", KernelIsaName(active));
-#if defined(__x86_64__) && defined(__GNUC__)
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool avx2 = __builtin_cpu_supports("avx2");
-  const bool intel = __builtin_cpu_is("intel");
-#else
-  const bool avx512 = false, avx2 = false, intel = false;
-#endif
+  const KernelCpu cpu = DetectKernelCpu();
   const char* asked = std::getenv("COLLECTIVES_KERNEL_ISA");
   const std::string name = asked == nullptr ? "" : asked;
-  if ((name == "avx512" && !avx512) || (name == "avx2" && !avx2)) {
+  if ((name == "avx512" && !cpu.avx512) || (name == "avx2" && !cpu.avx2)) {
     GTEST_SKIP() << "this CPU lacks " << name << "; the kernels run with " << KernelIsaName(active);
   }
-  EXPECT_EQ(active, ChooseKernelIsa(asked, avx2, avx512, intel));
+  EXPECT_EQ(active, ChooseKernelIsa(asked, cpu.avx2, cpu.avx512, cpu.intel));
   if (!name.empty()) {
     EXPECT_EQ(KernelIsaName(active), name);
   }
