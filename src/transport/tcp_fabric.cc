@@ -7,12 +7,16 @@
 //     frame that fits in the socket buffer completes inside PostSend with no handler to run;
 //     the rest goes to one async_write_some in flight at a time. A ticket completes when the
 //     last byte of its frame went to the kernel.
-//   receive: a 40-byte header read is always armed, so that EOF and abort frames are seen even
-//     when no receive is posted. A data header is held until a receive is posted, validated
-//     against it (tag and size), and only then is the payload read, straight into the caller's
-//     buffer: directly while data is there (kReadChunk per call), asynchronously when the
-//     socket runs dry. Then the next header read is armed. The connection never reads past a
-//     header it cannot place yet (TCP flow control holds the sender).
+//   receive: a 40-byte header read is armed whenever the fabric is driven, so that EOF and abort
+//     frames are seen even when no receive is posted. A data header is held until a receive is
+//     posted, validated against it (tag and size), and only then is the payload read, straight
+//     into the caller's buffer: directly while data is there (kReadChunk per call),
+//     asynchronously when the socket runs dry. The next header read is armed lazily, by the next
+//     Drive or Test (ArmIdleReads), not at once: arming starts with a speculative recv, which
+//     right after a frame almost always finds nothing, and at once it would sit between the
+//     frame's arrival and the caller's return (an 8-byte all-reduce is a few system calls long).
+//     In the next wait it takes the place of a poll. The connection never reads past a header
+//     it cannot place yet (TCP flow control holds the sender).
 // Handlers are small structs holding the connection pointer, with memory reused from a slot in
 // the connection (HandlerMemory), so the steady state allocates nothing per frame
 // (tcp_alloc_test checks it).
@@ -70,6 +74,12 @@ constexpr std::chrono::milliseconds kWriteFailureGrace{200};
 // it copies, so the kernel cannot take the sender's next segments or reopen its window;
 // 64 KiB reads doubled loopback throughput (2.4 -> 4.8 GB/s for 4 MiB frames) over 4 MiB ones.
 constexpr size_t kReadChunk = 64 << 10;
+// A header read armed while a receive of at most this many bytes is posted reads the payload in
+// the same system call, into a buffer of the connection; the payload is copied to the caller's
+// buffer only once the header matched the receive. A frame of another size is a mismatch that
+// breaks the fabric, so reading up to the posted size never takes bytes of a frame that will
+// still be parsed (DiscardPayload, the one reader that skips frames, handles the exception).
+constexpr size_t kInlinePayload = 4096;
 // Synchronous reads per call of ReadPayload before the rest goes through the io_context (so
 // that one busy connection does not starve the others).
 constexpr int kMaxReadsInARow = 64;
@@ -245,7 +255,16 @@ class TcpConnection final : public Connection {
 
   // kDiscard: a write failed and the fabric is about to break (kWriteFailureGrace); payloads
   // are skipped, not placed, so that an abort frame behind them is still read.
-  enum class ReadState { kHeader, kHeaderReady, kPayload, kAbortPayload, kDiscard, kStopped };
+  // kIdle: between frames, no read armed yet (see TcpFabric::ArmIdleReads).
+  enum class ReadState {
+    kIdle,
+    kHeader,
+    kHeaderReady,
+    kPayload,
+    kAbortPayload,
+    kDiscard,
+    kStopped
+  };
   enum class AbortWrite { kNone, kPending, kWriting, kDone };
 
   // Send side.
@@ -265,11 +284,27 @@ class TcpConnection final : public Connection {
   void WriteAbortFrame();
 
   // Receive side.
+  // Reads the next header, and with it the payload of the first posted receive if it is small
+  // (kInlinePayload) and then the header after it.
   void ArmHeaderRead();
+  // What to read inline with the next header: the first posted receive's size if small, else 0.
+  size_t InlineWant();
+  // (Re)issues the header read for what is missing of header_buffer_; with inline_want_ > 0,
+  // also that much payload and the next header (next_header_).
+  void IssueHeaderRead();
+  // A frame was read in full. The read that ended it may have taken (part of) the next header
+  // too: a whole one is decoded at once (an abort frame breaks the fabric now), a part is read
+  // on; with none, kIdle until the fabric next arms the header read (ArmIdleReads).
+  void FrameDone();
   void IssueRead(void* data, size_t bytes);
   void OnRead(const asio::error_code& ec, size_t bytes);
-  void OnHeader();
+  // Decodes header_buffer_. A data header is matched with the first posted receive at once
+  // (`match`), or by the fabric's next ArmIdleReads (so that reading a run of frames that each
+  // came with the one before does not recurse).
+  void OnHeader(bool match);
   void TryMatch();
+  // Reads what is missing of an abort frame's payload, then breaks the fabric with it.
+  void ReadAbortPayload();
   // Reads what has arrived of the payload of the first posted receive (read_state_ kPayload).
   void ReadPayload();
   void OnReadError(const asio::error_code& ec);
@@ -316,6 +351,13 @@ class TcpConnection final : public Connection {
   size_t read_got_ = 0;
   FrameHeader header_;
   EncodedHeader header_buffer_{};
+  // Payload bytes asked for with the header read (kInlinePayload), and of them those that came.
+  size_t inline_want_ = 0;
+  size_t inline_got_ = 0;
+  std::array<uint8_t, kInlinePayload> inline_payload_{};
+  // The next frame's header, read with the end of the current frame: next_got_ bytes of it.
+  EncodedHeader next_header_{};
+  size_t next_got_ = 0;
   std::array<uint8_t, kMaxAbortPayload> abort_buffer_{};
   HandlerMemory read_memory_;
 };
@@ -356,6 +398,12 @@ class TcpFabric final : public Fabric {
   // names the operation reported on timeout.
   template <typename Done>
   void Drive(Done done, TcpConnection& connection, bool sending);
+  // Arms the header read of every connection in kIdle (TcpConnection::FrameDone), and matches
+  // the headers OnHeader left to it. Drive and Test call it before they poll (and after they
+  // checked for completion: right after a frame, an armed read would find nothing), so that a
+  // frame, an EOF or an abort from any peer is read while the fabric is driven. Returns whether
+  // it matched a header (which may have completed receives).
+  bool ArmIdleReads();
   template <typename Done>
   bool Test(Done done, TcpConnection& connection, bool sending);
   [[noreturn]] void ThrowTimeout(TcpConnection& connection, bool sending);
@@ -372,6 +420,8 @@ class TcpFabric final : public Fabric {
 
   std::mutex drive_mu_;
   bool shut_down_ = false;
+  // Some connection may be in kIdle, or hold a header to match (driving thread).
+  bool idle_reads_ = false;
 
   mutable std::mutex error_mu_;
   std::optional<Error> error_;                 // guarded by error_mu_
@@ -505,6 +555,7 @@ void TcpConnection::WriteFailed(const asio::error_code& ec) {
   }
   // A held data header would stop the read side: skip its payload instead.
   if (read_state_ == ReadState::kHeaderReady) DiscardPayload();
+  if (read_state_ == ReadState::kIdle) ArmHeaderRead();
   write_failure_timer_.expires_after(kWriteFailureGrace);
   write_failure_timer_.async_wait([this](const asio::error_code& timer_ec) {
     if (timer_ec || closed_) return;
@@ -608,7 +659,47 @@ uint64_t TcpConnection::PostRecv(const core::CallTag& tag, void* data, size_t by
 void TcpConnection::ArmHeaderRead() {
   read_state_ = ReadState::kHeader;
   read_got_ = 0;
-  IssueRead(header_buffer_.data(), kFrameHeaderBytes);
+  inline_got_ = 0;
+  next_got_ = 0;
+  inline_want_ = InlineWant();
+  IssueHeaderRead();
+}
+
+size_t TcpConnection::InlineWant() {
+  if (write_failed_ || recvs_.empty() || recvs_.front().bytes > kInlinePayload) return 0;
+  return recvs_.front().bytes;
+}
+
+void TcpConnection::IssueHeaderRead() {
+  const asio::mutable_buffer header =
+      asio::buffer(header_buffer_.data() + read_got_, kFrameHeaderBytes - read_got_);
+  if (inline_want_ == 0) {
+    socket_.async_read_some(header, ReadHandler{this});
+  } else {
+    const std::array<asio::mutable_buffer, 3> buffers{
+        header, asio::buffer(inline_payload_.data(), inline_want_), asio::buffer(next_header_)};
+    socket_.async_read_some(buffers, ReadHandler{this});
+  }
+}
+
+void TcpConnection::FrameDone() {
+  inline_got_ = 0;
+  if (next_got_ == 0) {
+    read_state_ = ReadState::kIdle;
+    fabric_->idle_reads_ = true;
+    return;
+  }
+  std::memcpy(header_buffer_.data(), next_header_.data(), next_got_);
+  read_state_ = ReadState::kHeader;
+  read_got_ = next_got_;
+  next_got_ = 0;
+  if (read_got_ < kFrameHeaderBytes) {
+    inline_want_ = InlineWant();
+    IssueHeaderRead();
+    return;
+  }
+  inline_want_ = 0;
+  OnHeader(/*match=*/false);
 }
 
 void TcpConnection::IssueRead(void* data, size_t bytes) {
@@ -624,13 +715,18 @@ void TcpConnection::OnRead(const asio::error_code& ec, size_t bytes) {
   if (ec) return OnReadError(ec);
   read_got_ += bytes;
   switch (read_state_) {
-    case ReadState::kHeader:
+    case ReadState::kHeader: {
       if (read_got_ < kFrameHeaderBytes) {
-        IssueRead(header_buffer_.data() + read_got_, kFrameHeaderBytes - read_got_);
-      } else {
-        OnHeader();
+        IssueHeaderRead();
+        return;
       }
+      // The header, then the inline payload, then the next header: in stream order.
+      const size_t after = read_got_ - kFrameHeaderBytes;
+      inline_got_ = std::min(after, inline_want_);
+      next_got_ = after - inline_got_;
+      OnHeader(/*match=*/true);
       return;
+    }
     case ReadState::kPayload: {
       if (read_got_ < recvs_.front().bytes) {
         ReadPayload();
@@ -638,52 +734,73 @@ void TcpConnection::OnRead(const asio::error_code& ec, size_t bytes) {
       }
       recvs_.pop_front();
       ++recvs_done_;
-      ArmHeaderRead();
+      FrameDone();
       return;
     }
-    case ReadState::kAbortPayload: {
-      if (read_got_ < header_.bytes) {
-        IssueRead(abort_buffer_.data() + read_got_, header_.bytes - read_got_);
-        return;
-      }
-      read_state_ = ReadState::kStopped;
-      std::string why;
-      auto payload = DecodeAbortPayload(abort_buffer_.data(), header_.bytes, &why);
-      if (!payload) {
-        fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
-                                                          ": malformed abort frame from rank " +
-                                                          std::to_string(peer_) + ": " + why));
-        return;
-      }
-      // Relay it, culprit and message unchanged, to the peers it may not have reached.
-      fabric_->Break(AbortReceivedError(fabric_->rank_, *payload), *payload, peer_);
+    case ReadState::kAbortPayload:
+      ReadAbortPayload();
       return;
-    }
     case ReadState::kDiscard:
       if (read_got_ < header_.bytes) {
         IssueRead(abort_buffer_.data(),
                   std::min(header_.bytes - read_got_, uint64_t{abort_buffer_.size()}));
       } else {
-        ArmHeaderRead();
+        FrameDone();
       }
       return;
+    case ReadState::kIdle:
     case ReadState::kHeaderReady:
     case ReadState::kStopped:
       return;
   }
 }
 
+void TcpConnection::ReadAbortPayload() {
+  while (read_got_ < header_.bytes) {
+    asio::error_code ec;
+    const size_t got = socket_.read_some(
+        asio::buffer(abort_buffer_.data() + read_got_, header_.bytes - read_got_), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      IssueRead(abort_buffer_.data() + read_got_, header_.bytes - read_got_);
+      return;
+    }
+    if (ec) return OnReadError(ec);
+    read_got_ += got;
+  }
+  read_state_ = ReadState::kStopped;
+  std::string why;
+  auto payload = DecodeAbortPayload(abort_buffer_.data(), header_.bytes, &why);
+  if (!payload) {
+    fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
+                                                      ": malformed abort frame from rank " +
+                                                      std::to_string(peer_) + ": " + why));
+    return;
+  }
+  // Relay it, culprit and message unchanged, to the peers it may not have reached.
+  fabric_->Break(AbortReceivedError(fabric_->rank_, *payload), *payload, peer_);
+}
+
 void TcpConnection::DiscardPayload() {
-  if (header_.bytes == 0) {
-    ArmHeaderRead();
+  // Called once a write failed (write_failed_). Part of the payload may have come inline.
+  if (inline_got_ > header_.bytes) {
+    // The frame was shorter than the posted receive, and the inline read took bytes of the next
+    // header: the stream cannot be followed to an abort frame any more.
+    read_state_ = ReadState::kStopped;
+    BreakWithWriteFailure();
+    return;
+  }
+  read_got_ = inline_got_;
+  inline_got_ = 0;
+  if (read_got_ == header_.bytes) {
+    FrameDone();
     return;
   }
   read_state_ = ReadState::kDiscard;
-  read_got_ = 0;
-  IssueRead(abort_buffer_.data(), std::min(header_.bytes, uint64_t{abort_buffer_.size()}));
+  IssueRead(abort_buffer_.data(),
+            std::min(header_.bytes - read_got_, uint64_t{abort_buffer_.size()}));
 }
 
-void TcpConnection::OnHeader() {
+void TcpConnection::OnHeader(bool match) {
   std::string why;
   auto header = DecodeHeader(header_buffer_.data(), &why);
   if (!header) {
@@ -695,10 +812,13 @@ void TcpConnection::OnHeader() {
   }
   header_ = *header;
   if (header_.kind == FrameKind::kAbort) {
-    // DecodeHeader bounded the size by kMaxAbortPayload (the buffer's size).
+    // DecodeHeader bounded the size by kMaxAbortPayload (the buffer's size). Nothing follows an
+    // abort frame: bytes read past it (inline) are dropped.
     read_state_ = ReadState::kAbortPayload;
-    read_got_ = 0;
-    IssueRead(abort_buffer_.data(), header_.bytes);
+    read_got_ = std::min<size_t>(inline_got_, header_.bytes);
+    std::memcpy(abort_buffer_.data(), inline_payload_.data(), read_got_);
+    next_got_ = 0;
+    ReadAbortPayload();
     return;
   }
   if (write_failed_) {
@@ -706,7 +826,11 @@ void TcpConnection::OnHeader() {
     return;
   }
   read_state_ = ReadState::kHeaderReady;
-  TryMatch();
+  if (match) {
+    TryMatch();
+  } else {
+    fabric_->idle_reads_ = true;
+  }
 }
 
 void TcpConnection::TryMatch() {
@@ -720,33 +844,46 @@ void TcpConnection::TryMatch() {
         MismatchError(fabric_->rank_, peer_, op.tag, op.bytes, header_.tag, header_.bytes));
     return;
   }
-  if (op.bytes == 0) {
+  // What came inline was asked for this receive (the first posted when the header read was
+  // armed is still the first: receives complete in order), so it fits: inline_got_ <= op.bytes.
+  read_state_ = ReadState::kPayload;
+  read_got_ = inline_got_;
+  if (inline_got_ > 0) std::memcpy(op.data, inline_payload_.data(), inline_got_);
+  if (read_got_ == op.bytes) {
     recvs_.pop_front();
     ++recvs_done_;
-    ArmHeaderRead();
+    FrameDone();
     return;
   }
-  read_state_ = ReadState::kPayload;
-  read_got_ = 0;
+  inline_got_ = 0;
   ReadPayload();
 }
 
 void TcpConnection::ReadPayload() {
   // The payload usually arrives with its header, or streams in: read it at once, straight
   // into the caller's buffer, rather than through queued completions; wait (asynchronously)
-  // only when the socket has been drained.
+  // only when the socket has been drained. The read of the last piece also asks for the next
+  // header (FrameDone).
   RecvOp& op = recvs_.front();
   for (int i = 0; i < kMaxReadsInARow; ++i) {
-    const size_t want = std::min(op.bytes - read_got_, kReadChunk);
+    const size_t left = op.bytes - read_got_;
+    const size_t want = std::min(left, kReadChunk);
+    const std::array<asio::mutable_buffer, 2> buffers{
+        asio::buffer(op.data + read_got_, want),
+        asio::buffer(next_header_.data(), want == left ? next_header_.size() : 0)};
     asio::error_code ec;
-    const size_t got = socket_.read_some(asio::buffer(op.data + read_got_, want), ec);
+    size_t got = socket_.read_some(buffers, ec);
     if (ec == asio::error::would_block || ec == asio::error::try_again) break;
     if (ec) return OnReadError(ec);
+    if (got > want) {
+      next_got_ = got - want;
+      got = want;
+    }
     read_got_ += got;
     if (read_got_ == op.bytes) {
       recvs_.pop_front();
       ++recvs_done_;
-      ArmHeaderRead();
+      FrameDone();
       return;
     }
     if (got < want) break;  // drained for now
@@ -988,6 +1125,26 @@ void TcpFabric::Linger() {
   }
 }
 
+bool TcpFabric::ArmIdleReads() {
+  bool matched = false;
+  // A match may complete a frame whose read took the next header, which may be matched in turn
+  // (or leave the connection idle): loop until no connection is left waiting for this.
+  while (idle_reads_ && !broken()) {
+    idle_reads_ = false;
+    for (auto& connection : connections_) {
+      if (!connection || connection->closed_) continue;
+      if (connection->read_state_ == TcpConnection::ReadState::kIdle) {
+        connection->ArmHeaderRead();
+      } else if (connection->read_state_ == TcpConnection::ReadState::kHeaderReady &&
+                 !connection->recvs_.empty()) {
+        connection->TryMatch();
+        matched = true;
+      }
+    }
+  }
+  return matched;
+}
+
 template <typename Done>
 void TcpFabric::Drive(Done done, TcpConnection& connection, bool sending) {
   if (done()) return;
@@ -996,6 +1153,7 @@ void TcpFabric::Drive(Done done, TcpConnection& connection, bool sending) {
   for (;;) {
     ThrowIfBroken();
     if (done()) return;
+    if (ArmIdleReads()) continue;  // a receive may have completed: check before polling
     const auto now = Clock::now();
     if (now >= deadline_) ThrowTimeout(connection, sending);
     if (now < spin_end) {
@@ -1014,6 +1172,10 @@ template <typename Done>
 bool TcpFabric::Test(Done done, TcpConnection& connection, bool sending) {
   ThrowIfBroken();
   if (done()) return true;
+  if (ArmIdleReads()) {
+    ThrowIfBroken();
+    if (done()) return true;
+  }
   io_.poll();
   ThrowIfBroken();
   if (done()) return true;

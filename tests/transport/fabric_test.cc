@@ -46,19 +46,33 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
   }
 
   // Rank 0 sends rank 1 a frame of another call; rank 1 names both calls, and every other rank
-  // learns of it through rank 1's abort.
-  void CheckMismatch(uint64_t sent_count, size_t sent_bytes, const std::string& expected_message) {
+  // learns of it through rank 1's abort. With `after_a_frame`, a matching frame goes first and
+  // the wrong one follows once rank 1 waits for it (over TCP its header read then asks for the
+  // 40 bytes it expects with the header, kInlinePayload), with another frame behind it.
+  void CheckMismatch(uint64_t sent_count, size_t sent_bytes, const std::string& expected_message,
+                     bool after_a_frame = false) {
     const int size = size_;
     const auto errors = RunRanks(size, [&](int rank) {
       if (rank == 0) {
+        Connection& to = fabric(0).connection(1);
+        uint8_t first = 7;
+        if (after_a_frame) {
+          to.WaitSend(to.PostSend(Tag(2, 1), &first, 1));
+          std::this_thread::sleep_for(100ms);  // until rank 1 waits for the next one
+        }
         std::vector<uint8_t> out(sent_bytes, 1);
-        const uint64_t ticket =
-            fabric(0).connection(1).PostSend(Tag(3, sent_count), out.data(), out.size());
-        fabric(0).connection(1).WaitSend(ticket);
+        uint64_t ticket = to.PostSend(Tag(3, sent_count), out.data(), out.size());
+        if (after_a_frame) ticket = to.PostSend(Tag(4, 10), out.data(), 40);
+        to.WaitSend(ticket);
       }
       if (rank == 1) {
-        std::vector<uint8_t> in(40, 0xAB);
         Connection& from = fabric(1).connection(0);
+        if (after_a_frame) {
+          uint8_t first = 0;
+          from.WaitRecv(from.PostRecv(Tag(2, 1), &first, 1));
+          EXPECT_EQ(first, 7);
+        }
+        std::vector<uint8_t> in(40, 0xAB);
         const uint64_t ticket = from.PostRecv(Tag(3, 10), in.data(), in.size());
         try {
           from.WaitRecv(ticket);
@@ -204,6 +218,71 @@ TEST_P(FabricTest, WrongSizeIsAMismatch) {
   CheckMismatch(10, 48,
                 "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
                 "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=10) 48 bytes");
+}
+
+// The same in a stream already running, the wrong frame shorter or longer than the receive.
+TEST_P(FabricTest, ShorterFrameIsAMismatchAfterAFrame) {
+  CheckMismatch(10, 36,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=10) 36 bytes",
+                /*after_a_frame=*/true);
+}
+
+TEST_P(FabricTest, LongerFrameIsAMismatchAfterAFrame) {
+  CheckMismatch(10, 48,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=10) 48 bytes",
+                /*after_a_frame=*/true);
+}
+
+TEST_P(FabricTest, MismatchedTagAfterAFrame) {
+  CheckMismatch(12, 40,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=12) 40 bytes",
+                /*after_a_frame=*/true);
+}
+
+// Frames of every size around the inline limit (4096 bytes over TCP), posted before they come
+// and after, in a stream already running: each lands whole in its own buffer.
+TEST_P(FabricTest, SmallFramesAroundTheInlineLimit) {
+  const std::vector<size_t> sizes = {1, 0, 8, 4095, 4096, 4097, 40, 0, 7, 1, 65536, 3, 4096};
+  const auto errors = RunRanks(size_, [&](int rank) {
+    Connection& to = fabric(rank).connection(right(rank));
+    Connection& from = fabric(rank).connection(left(rank));
+    for (int round = 0; round < 2; ++round) {
+      // Round 0: receives posted first, sends after a pause. Round 1: sends first.
+      std::vector<std::vector<uint8_t>> in(sizes.size());
+      std::vector<std::vector<uint8_t>> out(sizes.size());
+      auto post_receives = [&] {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          in[i].assign(sizes[i], 0xCD);
+          from.PostRecv(Tag(10 * round + i, sizes[i]), in[i].data(), sizes[i]);
+        }
+      };
+      auto post_sends = [&] {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          out[i] = Pattern(rank, right(rank), 100 * round + i, sizes[i]);
+          to.PostSend(Tag(10 * round + i, sizes[i]), out[i].data(), sizes[i]);
+        }
+      };
+      if (round == 0) {
+        post_receives();
+        std::this_thread::sleep_for(20ms);
+        post_sends();
+      } else {
+        post_sends();
+        std::this_thread::sleep_for(20ms);
+        post_receives();
+      }
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        from.WaitRecv(round * sizes.size() + i + 1);
+        ASSERT_TRUE(in[i] == Pattern(left(rank), rank, 100 * round + i, sizes[i]))
+            << "round " << round << " frame " << i << " (" << sizes[i] << " bytes)";
+      }
+      to.WaitSend((round + 1) * sizes.size());
+    }
+  });
+  ExpectAllOk(errors);
 }
 
 TEST_P(FabricTest, DeadlineRaisesTimeoutAndPeersHearOfIt) {
