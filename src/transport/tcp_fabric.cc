@@ -9,14 +9,19 @@
 //     last byte of its frame went to the kernel.
 //   receive: a 40-byte header read is armed whenever the fabric is driven, so that EOF and abort
 //     frames are seen even when no receive is posted. A data header is held until a receive is
-//     posted, validated against it (tag and size), and only then is the payload read, straight
-//     into the caller's buffer: directly while data is there (kReadChunk per call),
-//     asynchronously when the socket runs dry. The next header read is armed lazily, by the next
-//     Drive or Test (ArmIdleReads), not at once: arming starts with a speculative recv, which
-//     right after a frame almost always finds nothing, and at once it would sit between the
-//     frame's arrival and the caller's return (an 8-byte all-reduce is a few system calls long).
-//     In the next wait it takes the place of a poll. The connection never reads past a header
-//     it cannot place yet (TCP flow control holds the sender).
+//     posted, validated against it (tag and size), and only then is the payload placed in the
+//     caller's buffer: read straight into it while data is there (kReadChunk per call),
+//     asynchronously when the socket runs dry. Small frames cost one read each: a header read
+//     armed while a small receive is posted asks for the payload too (into a buffer of the
+//     connection, copied out once the header matched; kInlinePayload), and the read that ends a
+//     frame asks for the next header as well (so an abort frame already in behind a frame fails the
+//     call that reads the frame, as before). Only when that finds nothing is the connection left
+//     idle, and its next header read is armed by the next Drive or Test (ArmIdleReads), not at
+//     once: arming starts with a speculative recv, which right after a frame almost always finds
+//     nothing, and at once it would sit between the frame's arrival and the caller's return (an
+//     8-byte all-reduce is a few system calls long); in the next wait it takes the place of a
+//     poll. Past a header it cannot place yet the connection reads at most kInlinePayload bytes
+//     (TCP flow control holds the sender).
 // Handlers are small structs holding the connection pointer, with memory reused from a slot in
 // the connection (HandlerMemory), so the steady state allocates nothing per frame
 // (tcp_alloc_test checks it).
