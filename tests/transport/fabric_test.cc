@@ -61,8 +61,9 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
           std::this_thread::sleep_for(100ms);  // until rank 1 waits for the next one
         }
         std::vector<uint8_t> out(sent_bytes, 1);
+        const std::vector<uint8_t> behind(40, 2);
         uint64_t ticket = to.PostSend(Tag(3, sent_count), out.data(), out.size());
-        if (after_a_frame) ticket = to.PostSend(Tag(4, 10), out.data(), 40);
+        if (after_a_frame) ticket = to.PostSend(Tag(4, 10), behind.data(), behind.size());
         to.WaitSend(ticket);
       }
       if (rank == 1) {
