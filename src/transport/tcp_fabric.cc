@@ -16,7 +16,7 @@
 //     connection, copied out once the header matched; kInlinePayload), and the read that ends a
 //     frame asks for the next header as well (so an abort frame already in behind a frame fails the
 //     call that reads the frame, as before). Only when that finds nothing is the connection left
-//     idle, and its next header read is armed by the next Drive or Test (ArmIdleReads), not at
+//     idle, and its next header read is armed by the next Drive or Test (ResumeReads), not at
 //     once: arming starts with a speculative recv, which right after a frame almost always finds
 //     nothing, and at once it would sit between the frame's arrival and the caller's return (an
 //     8-byte all-reduce is a few system calls long); in the next wait it takes the place of a
@@ -260,7 +260,7 @@ class TcpConnection final : public Connection {
 
   // kDiscard: a write failed and the fabric is about to break (kWriteFailureGrace); payloads
   // are skipped, not placed, so that an abort frame behind them is still read.
-  // kIdle: between frames, no read armed yet (see TcpFabric::ArmIdleReads).
+  // kIdle: between frames, no read armed yet (see TcpFabric::ResumeReads).
   enum class ReadState {
     kIdle,
     kHeader,
@@ -297,14 +297,16 @@ class TcpConnection final : public Connection {
   // (Re)issues the header read for what is missing of header_buffer_; with inline_want_ > 0,
   // also that much payload and the next header (next_header_).
   void IssueHeaderRead();
+  // The first posted receive has its whole payload: completes it, then FrameDone.
+  void CompleteReceive();
   // A frame was read in full. The read that ended it may have taken (part of) the next header
   // too: a whole one is decoded at once (an abort frame breaks the fabric now), a part is read
-  // on; with none, kIdle until the fabric next arms the header read (ArmIdleReads).
+  // on; with none, kIdle until the fabric next arms the header read (ResumeReads).
   void FrameDone();
   void IssueRead(void* data, size_t bytes);
   void OnRead(const asio::error_code& ec, size_t bytes);
   // Decodes header_buffer_. A data header is matched with the first posted receive at once
-  // (`match`), or by the fabric's next ArmIdleReads (so that reading a run of frames that each
+  // (`match`), or by the fabric's next ResumeReads (so that reading a run of frames that each
   // came with the one before does not recurse).
   void OnHeader(bool match);
   void TryMatch();
@@ -408,7 +410,7 @@ class TcpFabric final : public Fabric {
   // checked for completion: right after a frame, an armed read would find nothing), so that a
   // frame, an EOF or an abort from any peer is read while the fabric is driven. Returns whether
   // it matched a header (which may have completed receives).
-  bool ArmIdleReads();
+  bool ResumeReads();
   template <typename Done>
   bool Test(Done done, TcpConnection& connection, bool sending);
   [[noreturn]] void ThrowTimeout(TcpConnection& connection, bool sending);
@@ -426,7 +428,7 @@ class TcpFabric final : public Fabric {
   std::mutex drive_mu_;
   bool shut_down_ = false;
   // Some connection may be in kIdle, or hold a header to match (driving thread).
-  bool idle_reads_ = false;
+  bool resume_reads_ = false;
 
   mutable std::mutex error_mu_;
   std::optional<Error> error_;                 // guarded by error_mu_
@@ -687,11 +689,16 @@ void TcpConnection::IssueHeaderRead() {
   }
 }
 
+void TcpConnection::CompleteReceive() {
+  recvs_.pop_front();
+  ++recvs_done_;
+  FrameDone();
+}
+
 void TcpConnection::FrameDone() {
-  inline_got_ = 0;
   if (next_got_ == 0) {
     read_state_ = ReadState::kIdle;
-    fabric_->idle_reads_ = true;
+    fabric_->resume_reads_ = true;
     return;
   }
   std::memcpy(header_buffer_.data(), next_header_.data(), next_got_);
@@ -703,7 +710,6 @@ void TcpConnection::FrameDone() {
     IssueHeaderRead();
     return;
   }
-  inline_want_ = 0;
   OnHeader(/*match=*/false);
 }
 
@@ -737,9 +743,7 @@ void TcpConnection::OnRead(const asio::error_code& ec, size_t bytes) {
         ReadPayload();
         return;
       }
-      recvs_.pop_front();
-      ++recvs_done_;
-      FrameDone();
+      CompleteReceive();
       return;
     }
     case ReadState::kAbortPayload:
@@ -834,7 +838,7 @@ void TcpConnection::OnHeader(bool match) {
   if (match) {
     TryMatch();
   } else {
-    fabric_->idle_reads_ = true;
+    fabric_->resume_reads_ = true;
   }
 }
 
@@ -854,13 +858,11 @@ void TcpConnection::TryMatch() {
   read_state_ = ReadState::kPayload;
   read_got_ = inline_got_;
   if (inline_got_ > 0) std::memcpy(op.data, inline_payload_.data(), inline_got_);
+  inline_got_ = 0;
   if (read_got_ == op.bytes) {
-    recvs_.pop_front();
-    ++recvs_done_;
-    FrameDone();
+    CompleteReceive();
     return;
   }
-  inline_got_ = 0;
   ReadPayload();
 }
 
@@ -886,9 +888,7 @@ void TcpConnection::ReadPayload() {
     }
     read_got_ += got;
     if (read_got_ == op.bytes) {
-      recvs_.pop_front();
-      ++recvs_done_;
-      FrameDone();
+      CompleteReceive();
       return;
     }
     if (got < want) break;  // drained for now
@@ -1130,12 +1130,12 @@ void TcpFabric::Linger() {
   }
 }
 
-bool TcpFabric::ArmIdleReads() {
+bool TcpFabric::ResumeReads() {
   bool matched = false;
   // A match may complete a frame whose read took the next header, which may be matched in turn
   // (or leave the connection idle): loop until no connection is left waiting for this.
-  while (idle_reads_ && !broken()) {
-    idle_reads_ = false;
+  while (resume_reads_ && !broken()) {
+    resume_reads_ = false;
     for (auto& connection : connections_) {
       if (!connection || connection->closed_) continue;
       if (connection->read_state_ == TcpConnection::ReadState::kIdle) {
@@ -1158,7 +1158,7 @@ void TcpFabric::Drive(Done done, TcpConnection& connection, bool sending) {
   for (;;) {
     ThrowIfBroken();
     if (done()) return;
-    if (ArmIdleReads()) continue;  // a receive may have completed: check before polling
+    if (ResumeReads()) continue;  // a receive may have completed: check before polling
     const auto now = Clock::now();
     if (now >= deadline_) ThrowTimeout(connection, sending);
     if (now < spin_end) {
@@ -1177,7 +1177,7 @@ template <typename Done>
 bool TcpFabric::Test(Done done, TcpConnection& connection, bool sending) {
   ThrowIfBroken();
   if (done()) return true;
-  if (ArmIdleReads()) {
+  if (ResumeReads()) {
     ThrowIfBroken();
     if (done()) return true;
   }
