@@ -29,6 +29,7 @@
 #include "src/cluster/tcp_store_wire.h"
 #include "tests/free_port.h"
 #include "tests/loopback_spec.h"
+#include "tests/transport/piece_relay.h"
 
 namespace collectives {
 namespace {
@@ -194,6 +195,40 @@ TEST(TcpStoreTest, EightClientThreadsRendezvous) {
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(good.load(), kClients);
   EXPECT_EQ(server->Get("arrived", kLong), std::to_string(kClients));
+}
+
+// Clients whose connections pass a relay that hands every byte stream on in pieces of random
+// length: the proof exchange, requests and replies (keys and values of 0 bytes to 1 MiB, a
+// parked Get answered later, Add) each arrive split anywhere, and every answer is exact.
+TEST(TcpStoreTest, RequestsAndRepliesSplitIntoPiecesAreReadWhole) {
+  auto server = CreateTcpStore("127.0.0.1", 0, true, kLong, "token");
+  testing::PieceRelay relay("127.0.0.1:" + std::to_string(TcpStorePort(*server)), /*seed=*/7);
+  const uint16_t relay_port = relay.port();
+  constexpr int kClients = 3;
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      auto store = CreateTcpStore("127.0.0.1", relay_port, false, kLong, "token");
+      bool ok = true;
+      for (size_t bytes : {size_t{0}, size_t{1}, size_t{39}, size_t{4097}, size_t{1} << 20}) {
+        const std::string key = std::to_string(c) + "/" + std::to_string(bytes);
+        const std::string value(bytes, static_cast<char>('a' + c));
+        store->Set(key, value);
+        ok = ok && store->Get(key, kLong) == value;
+      }
+      ok = ok && store->Add("arrived", 1) >= 1;
+      // A Get parked until the last client's Set.
+      ok = ok && store->Get("last", kLong) == std::string(1000, 'z');
+      if (ok) ++good;
+    });
+  }
+  while (server->Add("arrived", 0) < kClients) std::this_thread::sleep_for(milliseconds(5));
+  auto last = CreateTcpStore("127.0.0.1", relay_port, false, kLong, "token");
+  last->Set("last", std::string(1000, 'z'));
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(good.load(), kClients);
+  EXPECT_EQ(server->Get("2/1048576", kLong), std::string(size_t{1} << 20, 'c'));
 }
 
 TEST(TcpStoreTest, RemoteGetIsAnsweredByTheHostsSetAndTheOtherWayRound) {

@@ -153,8 +153,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(Differ::kCount, Differ::kDtype, Differ::kOp,
                                          Differ::kCollective, Differ::kRoot),
                        ::testing::Values(2, 3, 4), ::testing::Bool(),
-                       ::testing::Values(Transport::kInProcess, Transport::kTcp,
-                                         Transport::kAuto),
+                       ::testing::Values(Transport::kInProcess, Transport::kTcp, Transport::kAuto,
+                                         Transport::kTcpInPieces),
                        ::testing::Values(size_t{1000}, size_t{100000})),
     ParamName);
 
@@ -213,7 +213,8 @@ std::string TwoRankName(
 INSTANTIATE_TEST_SUITE_P(Ring, TwoRankMismatchTest,
                          ::testing::Combine(::testing::ValuesIn(kTwoRankPairs),
                                             ::testing::Values(Transport::kInProcess,
-                                                              Transport::kTcp)),
+                                                              Transport::kTcp,
+                                                              Transport::kTcpInPieces)),
                          TwoRankName);
 
 }  // namespace

@@ -38,9 +38,10 @@ struct MatrixParam {
 
 std::string Name(const ::testing::TestParamInfo<MatrixParam>& param_info) {
   const MatrixParam& p = param_info.param;
-  std::string name = p.transport == Transport::kTcp        ? "Tcp"
-                     : p.transport == Transport::kInProcess ? "InProcess"
-                                                            : "AutoShm";
+  std::string name = p.transport == Transport::kTcp           ? "Tcp"
+                     : p.transport == Transport::kTcpInPieces ? "TcpInPieces"
+                     : p.transport == Transport::kInProcess   ? "InProcess"
+                                                              : "AutoShm";
   name += std::to_string(p.size) + "Ranks";
   switch (p.algorithms) {
     case Algorithms::kDefault: return name + "Default";
@@ -93,6 +94,14 @@ std::vector<MatrixParam> MatrixParams() {
                            Algorithms::kSmallMessage, Algorithms::kHalvingDoubling}) {
         params.push_back({t, size, a});
       }
+    }
+  }
+  // TCP with every byte stream handed on in random pieces (a header, a payload, a frame's
+  // tail and the next header each split anywhere): the receive path's partial reads.
+  for (int size : {2, 3, 4, 5}) {
+    for (Algorithms a : {Algorithms::kDefault, Algorithms::kRingTinyChunks,
+                         Algorithms::kSmallMessage, Algorithms::kHalvingDoubling}) {
+      params.push_back({Transport::kTcpInPieces, size, a});
     }
   }
   // AUTO on one host: shared memory; the ring's algorithm options do not apply.

@@ -1,7 +1,7 @@
 // Runs N ranks as threads of the test process, each with its own communicator, over the
-// in-process transport, over real loopback TCP (RING), or through AUTO (shared memory, as the
-// ranks share a host), with rendezvous through a memory store: shared by the ring and packing
-// tests.
+// in-process transport, over real loopback TCP (RING; directly, or through relays that split
+// the bytes into pieces), or through AUTO (shared memory, as the ranks share a host), with
+// rendezvous through a memory store: shared by the ring and packing tests.
 #ifndef COLLECTIVES_TESTS_RING_RUN_RANKS_H_
 #define COLLECTIVES_TESTS_RING_RUN_RANKS_H_
 
@@ -17,13 +17,26 @@
 #include "collectives/communication.h"
 #include "src/ring/ring_communication.h"
 #include "src/transport/inproc_fabric.h"
+#include "tests/transport/piece_relay.h"
 
 namespace collectives::testing {
 
-enum class Transport { kInProcess, kTcp, kAuto };
+// kTcpInPieces: RING over TCP with every connection through a PieceRelay
+// (tests/transport/piece_relay.h), which hands the bytes on in pieces of random length.
+enum class Transport { kInProcess, kTcp, kAuto, kTcpInPieces };
 
 inline const char* TransportName(Transport t) {
-  return t == Transport::kInProcess ? "inproc" : t == Transport::kTcp ? "tcp" : "auto";
+  switch (t) {
+    case Transport::kInProcess:
+      return "inproc";
+    case Transport::kTcp:
+      return "tcp";
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kTcpInPieces:
+      return "tcp_in_pieces";
+  }
+  return "?";
 }
 
 // Builds `size` communicators (one per thread) and runs `body` on each, in parallel. An exception
@@ -36,6 +49,9 @@ inline void RunRanks(Transport transport, int size, const CommunicationOptions& 
     fabrics = transport::CreateInProcessFabrics(size);
   } else {
     store = CreateMemoryStore();
+    if (transport == Transport::kTcpInPieces) {
+      store = std::make_shared<RelayingStore>(store, /*seed=*/size);
+    }
   }
   std::vector<std::thread> threads;
   for (int rank = 0; rank < size; ++rank) {
@@ -51,7 +67,7 @@ inline void RunRanks(Transport transport, int size, const CommunicationOptions& 
           spec.master_port = 1;  // unused: the store is given
           CommunicationOptions chosen = options;
           chosen.implementation =
-              transport == Transport::kTcp ? Implementation::kRing : Implementation::kAuto;
+              transport == Transport::kAuto ? Implementation::kAuto : Implementation::kRing;
           comm = CreateCommunication(spec, store, chosen);
         }
         body(*comm);

@@ -1,5 +1,7 @@
-// The Fabric contract (connection.h), checked the same way over the in-process transport and
-// over real loopback TCP (ranks as threads, an in-memory store), for world sizes 2 to 8:
+// The Fabric contract (connection.h), checked the same way over the in-process transport, over
+// real loopback TCP (ranks as threads, an in-memory store), and over TCP through relays that
+// hand the bytes on in pieces of random length (piece_relay.h: every header, payload, abort
+// frame and handshake message may arrive split at any byte), for world sizes 2 to 8:
 // tickets, ordering, exact bytes for frames from 0 bytes to several MiB, many frames in flight,
 // all-to-all, mismatched tags and sizes, deadlines, lost peers, and Abort from another thread.
 // Every wait runs under a deadline, so a broken fabric fails a test instead of hanging it.
@@ -27,7 +29,7 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
   void SetUp() override {
     kind_ = std::get<0>(GetParam());
     size_ = std::get<1>(GetParam());
-    fabrics_ = testing::MakeFabrics(kind_, size_);
+    fabrics_ = testing::MakeFabrics(kind_, size_, &store_);
     ASSERT_EQ(fabrics_.size(), static_cast<size_t>(size_));
     for (auto& fabric : fabrics_) {
       ASSERT_NE(fabric, nullptr);
@@ -111,6 +113,7 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
 
   Kind kind_ = Kind::kInProcess;
   int size_ = 0;
+  std::shared_ptr<Store> store_;  // before fabrics_: outlives them
   std::vector<std::unique_ptr<Fabric>> fabrics_;
 };
 
@@ -476,7 +479,8 @@ TEST_P(FabricTest, MisuseIsReportedWithoutBreakingTheFabric) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FabricTest,
-                         ::testing::Combine(::testing::Values(Kind::kInProcess, Kind::kTcp),
+                         ::testing::Combine(::testing::Values(Kind::kInProcess, Kind::kTcp,
+                                                              Kind::kTcpInPieces),
                                             ::testing::Values(2, 3, 4, 8)),
                          [](const ::testing::TestParamInfo<FabricTest::ParamType>& param_info) {
                            return std::string(testing::KindName(std::get<0>(param_info.param))) +

@@ -22,12 +22,17 @@
 #include "src/transport/connection.h"
 #include "src/transport/inproc_fabric.h"
 #include "src/transport/tcp_fabric.h"
+#include "tests/transport/piece_relay.h"
 
 namespace collectives::transport::testing {
 
-enum class Kind { kInProcess, kTcp };
+// kTcpInPieces: TCP with every connection through a PieceRelay (piece_relay.h), so that every
+// header, payload and handshake message may arrive split at any byte.
+enum class Kind { kInProcess, kTcp, kTcpInPieces };
 
-inline const char* KindName(Kind kind) { return kind == Kind::kTcp ? "tcp" : "inproc"; }
+inline const char* KindName(Kind kind) {
+  return kind == Kind::kTcp ? "tcp" : kind == Kind::kTcpInPieces ? "tcp_in_pieces" : "inproc";
+}
 
 // Connects `size` TCP ranks, each on its own thread, through `store`. Rank r's options are
 // `options(r)`. Returns the fabrics, or what each rank threw.
@@ -55,10 +60,16 @@ inline TcpGroup ConnectTcpGroup(int size, Store& store,
   return group;
 }
 
-inline std::vector<std::unique_ptr<Fabric>> MakeFabrics(Kind kind, int size) {
+// The fabrics of a group of `size`. Over TCP, *store receives the store they were built through,
+// which must outlive them (with kTcpInPieces it owns the relays).
+inline std::vector<std::unique_ptr<Fabric>> MakeFabrics(Kind kind, int size,
+                                                        std::shared_ptr<Store>* store) {
   if (kind == Kind::kInProcess) return CreateInProcessFabrics(size);
-  auto store = CreateMemoryStore();
-  auto group = ConnectTcpGroup(size, *store, [](int) {
+  *store = CreateMemoryStore();
+  if (kind == Kind::kTcpInPieces) {
+    *store = std::make_shared<collectives::testing::RelayingStore>(*store, /*seed=*/size);
+  }
+  auto group = ConnectTcpGroup(size, **store, [](int) {
     TcpFabricOptions options;
     options.timeout = std::chrono::milliseconds(20'000);
     return options;
