@@ -47,6 +47,7 @@ static float x[SAMPLES_PER_RANK][FEATURES], y[SAMPLES_PER_RANK];
 
 int main(void) {
   coll_comm* comm = NULL;
+  coll_work* loss_work = NULL;
   int rank = 0, size = 1, step, s, j;
   uint64_t random_state;
   float w[FEATURES] = {0}, grad_w[FEATURES], b = 0.0f, grad_b;
@@ -73,7 +74,7 @@ int main(void) {
   gradients[0] = grad_w;
   gradients[1] = &grad_b;
   for (step = 0; step <= STEPS; ++step) {
-    float loss = 0.0f;
+    float loss = 0.0f; /* borrowed by loss_work until it is freed, in this iteration */
     for (j = 0; j < FEATURES; ++j) grad_w[j] = 0.0f;
     grad_b = 0.0f;
     for (s = 0; s < SAMPLES_PER_RANK; ++s) {
@@ -86,17 +87,23 @@ int main(void) {
     }
 
     if (step % PRINT_EVERY == 0) {
-      /* collectives: the loss over every shard, for the log. */
-      CHECK(coll_all_reduce(comm, &loss, &loss, 1, COLL_FLOAT32, COLL_AVG));
+      /* collectives: the loss over every shard, for the log, issued asynchronously: it travels
+       * while this rank goes on to the gradient all-reduce and the update. */
+      CHECK(coll_all_reduce_async(comm, &loss, &loss, 1, COLL_FLOAT32, COLL_AVG, &loss_work));
+    }
+    if (step < STEPS) {
+      /* collectives: average the gradient list over the ranks (fused into one bucket). */
+      CHECK(coll_all_reduce_many(comm, gradients, counts, 2, COLL_FLOAT32, COLL_AVG, 0));
+      for (j = 0; j < FEATURES; ++j) w[j] -= kLearningRate * grad_w[j];
+      b -= kLearningRate * grad_b;
+    }
+    if (loss_work != NULL) {
+      /* collectives: wait for the loss (coll_work_free waits, then releases the handle). */
+      coll_work* issued = loss_work;
+      loss_work = NULL;
+      CHECK(coll_work_free(issued));
       if (rank == 0) printf("step %3d  loss %.6f\n", step, (double)loss);
     }
-    if (step == STEPS) break;
-
-    /* collectives: average the gradient list over the ranks (fused into one bucket). */
-    CHECK(coll_all_reduce_many(comm, gradients, counts, 2, COLL_FLOAT32, COLL_AVG, 0));
-
-    for (j = 0; j < FEATURES; ++j) w[j] -= kLearningRate * grad_w[j];
-    b -= kLearningRate * grad_b;
   }
 
   if (rank == 0) {
@@ -114,6 +121,7 @@ int main(void) {
   return 0;
 
 fail:
-  coll_comm_destroy(comm);
+  coll_comm_destroy(comm); /* finishes a collective still in flight */
+  coll_work_free(loss_work);
   return 1;
 }

@@ -10,8 +10,10 @@
  *  - Every rank issues the same sequence of collectives with the same dtype, op, count and root.
  *    The library checks this: a difference returns COLL_MISMATCH on the ranks that see it (the
  *    others see COLL_MISMATCH, COLL_ABORTED or COLL_PEER_LOST), never a hang.
- *  - Every collective here is blocking: it returns once the result is in the receive buffer.
- *    Buffers are borrowed only for the duration of the call.
+ *  - A blocking collective returns once the result is in the receive buffer; its buffers are
+ *    borrowed only for the duration of the call. An asynchronous one (coll_*_async) returns at
+ *    once with a coll_work handle and borrows its buffers until the handle reports it complete.
+ *    Either way collectives run in the order they were issued on the communicator.
  *  - The first failure of a communicator (peer lost, mismatch, timeout) breaks it: that call and
  *    every later one return the same status until it is destroyed and a new one is created.
  *  - Counts are elements, never bytes.
@@ -21,7 +23,8 @@
  * coll_comm_abort, which may be called from any thread at any time, e.g. from a watchdog while
  * another thread is blocked in a collective. coll_comm_destroy must not race with any other call
  * on the same communicator. Different communicators are independent. coll_last_error is per
- * thread.
+ * thread. A coll_work may be waited on or tested from any thread, also while its communicator
+ * issues more calls; coll_work_free must not race with another call on the same handle.
  *
  * Example (error checks elided):
  *
@@ -188,7 +191,8 @@ coll_status coll_comm_rank(const coll_comm* comm, int* rank);
 coll_status coll_comm_size(const coll_comm* comm, int* size);
 
 /* ---- Collectives. ----
- * All blocking. Buffers hold host (CPU) memory. A buffer may be NULL only when its count is 0. */
+ * Blocking (asynchronous forms below). Buffers hold host (CPU) memory. A buffer may be NULL only
+ * when its count is 0. */
 
 /* recvbuff[i] = op over all ranks of sendbuff[i], for i in [0, count), on every rank.
  * sendbuff and recvbuff hold `count` elements of `dtype` each. In place iff sendbuff == recvbuff;
@@ -226,6 +230,49 @@ coll_status coll_barrier(coll_comm* comm);
  * NULL when counts[i] == 0. */
 coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
                                  size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack);
+
+/* ---- Asynchronous collectives. ----
+ * Each coll_*_async function takes the arguments of its blocking form and checks them, queues the
+ * collective behind those already issued on the communicator, and returns at once with *work set
+ * to a handle; the collective runs on the communicator's progress thread. Its buffers stay
+ * borrowed (not to be read, written or freed) until coll_work_wait returned, or coll_work_test
+ * set *done, for it. This is how a trainer overlaps communication with computation: issue the
+ * all-reduce of one layer's gradients, compute the next layer's, wait before the update.
+ *
+ * A bad argument is returned by the coll_*_async function itself, with *work set to NULL and
+ * nothing queued; every other failure (one met while the collective runs, which breaks the
+ * communicator as for a blocking call, or a communicator broken before) is returned by
+ * coll_work_wait and coll_work_test. Every handle must be released with coll_work_free, in any
+ * order. A handle stays valid after its communicator is destroyed (coll_comm_destroy first finishes
+ * every collective issued on it). */
+
+/* An opaque handle on one asynchronous collective. */
+typedef struct coll_work coll_work;
+
+coll_status coll_all_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                  size_t count, coll_dtype dtype, coll_op op, coll_work** work);
+coll_status coll_broadcast_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                 size_t count, coll_dtype dtype, int root, coll_work** work);
+coll_status coll_all_gather_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                  size_t count_per_rank, coll_dtype dtype, coll_work** work);
+coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                      size_t recv_count, coll_dtype dtype, coll_op op,
+                                      coll_work** work);
+coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
+
+/* Blocks until the collective completed (at most its communicator's timeout after it started)
+ * and returns its status: COLL_OK, or the failure, with coll_last_error naming it. May be called
+ * any number of times; each call returns the same status. */
+coll_status coll_work_wait(coll_work* work);
+
+/* Never blocks: *done = 1 if the collective completed, else 0. When *done is 1 the return value
+ * is the collective's status, as from coll_work_wait; while it is 0, COLL_OK. */
+coll_status coll_work_test(coll_work* work, int* done);
+
+/* Releases the handle. A collective that has not completed yet is waited for first (its
+ * buffers are borrowed until then). Returns the collective's status, as coll_work_wait; the
+ * handle is released whatever it is. NULL is allowed (and returns COLL_OK). */
+coll_status coll_work_free(coll_work* work);
 
 /* ---- Errors. ---- */
 

@@ -27,10 +27,15 @@
 #include "collectives/types.h"
 #include "src/c_api/c_api_internal.h"
 
-// The opaque handle of c_api.h: the C++ communicator and the options that only the C API uses.
+// The opaque handles of c_api.h: the C++ communicator and the options that only the C API uses;
+// the C++ handle of an asynchronous collective.
 struct coll_comm {
   std::unique_ptr<collectives::CollectiveCommunication> impl;
   size_t bytes_per_pack = 0;  // coll_options.bytes_per_pack
+};
+
+struct coll_work {
+  std::shared_ptr<collectives::Work> impl;
 };
 
 namespace collectives::c_api {
@@ -174,6 +179,100 @@ size_t TimesSize(const char* name, size_t count, int size) {
   return count * size_t(size);
 }
 
+collectives::Work& WorkOf(const coll_work* work) {
+  collectives::Work* impl = NotNull(work, "work").impl.get();
+  if (impl == nullptr) InvalidArgument("work has no collective (internal state lost)");
+  return *impl;
+}
+
+// How a collective is issued: the blocking function, or its _async form.
+enum class Mode { kBlocking, kAsync };
+
+// The shared body of a collective's blocking and asynchronous entry points. `issue(c, async)`
+// checks the arguments and builds the tensors, then runs the blocking call (returning null) or
+// queues the asynchronous one (returning its handle). An asynchronous call clears *work first
+// and allocates its coll_work before the collective is queued, so a queued collective always
+// has a handle to wait on.
+template <typename IssueBody>
+coll_status Issue(const char* function, Mode mode, coll_comm* comm, coll_work** work,
+                  IssueBody&& issue) noexcept {
+  return Guard(function, [&] {
+    if (mode == Mode::kBlocking) {
+      issue(CommOf(comm), false);
+      return;
+    }
+    coll_work*& result = NotNull(work, "work");
+    result = nullptr;
+    auto handle = std::make_unique<coll_work>();
+    handle->impl = issue(CommOf(comm), true);
+    result = handle.release();
+  });
+}
+
+coll_status AllReduce(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                      void* recvbuff, size_t count, coll_dtype dtype, coll_op op,
+                      coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const ReduceOp reduce = ReduceOpOf(op);
+    const Tensor send = TensorOf("sendbuff", sendbuff, count, type);
+    const Tensor recv = TensorOf("recvbuff", recvbuff, count, type);
+    if (async) return c.AllReduceAsync(send, recv, reduce);
+    c.AllReduce(send, recv, reduce);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status Broadcast(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                      void* recvbuff, size_t count, coll_dtype dtype, int root,
+                      coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const Tensor send = TensorOf("sendbuff", sendbuff, count, type);
+    const Tensor recv = TensorOf("recvbuff", recvbuff, count, type);
+    if (async) return c.BroadcastAsync(send, recv, root);
+    c.Broadcast(send, recv, root);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status AllGather(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                      void* recvbuff, size_t count_per_rank, coll_dtype dtype,
+                      coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const size_t total = TimesSize("count_per_rank", count_per_rank, c.size());
+    const Tensor send = TensorOf("sendbuff", sendbuff, count_per_rank, type);
+    const Tensor recv = TensorOf("recvbuff", recvbuff, total, type);
+    if (async) return c.AllGatherAsync(send, recv);
+    c.AllGather(send, recv);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status ReduceScatter(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                          void* recvbuff, size_t recv_count, coll_dtype dtype, coll_op op,
+                          coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const ReduceOp reduce = ReduceOpOf(op);
+    const size_t total = TimesSize("recv_count", recv_count, c.size());
+    const Tensor send = TensorOf("sendbuff", sendbuff, total, type);
+    const Tensor recv = TensorOf("recvbuff", recvbuff, recv_count, type);
+    if (async) return c.ReduceScatterAsync(send, recv, reduce);
+    c.ReduceScatter(send, recv, reduce);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status Barrier(const char* function, Mode mode, coll_comm* comm, coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    if (async) return c.BarrierAsync();
+    c.Barrier();
+    return std::shared_ptr<Work>();
+  });
+}
+
 struct CreateOptions {
   CommunicationOptions communication;
   size_t bytes_per_pack = 0;
@@ -238,15 +337,22 @@ coll_comm* WrapCommunication(std::unique_ptr<CollectiveCommunication> comm, size
 
 }  // namespace collectives::c_api
 
+using collectives::c_api::AllGather;
+using collectives::c_api::AllReduce;
+using collectives::c_api::Barrier;
+using collectives::c_api::Broadcast;
 using collectives::c_api::CommOf;
 using collectives::c_api::Create;
 using collectives::c_api::DataTypeOf;
 using collectives::c_api::Guard;
 using collectives::c_api::InvalidArgument;
+using collectives::c_api::Mode;
 using collectives::c_api::NotNull;
 using collectives::c_api::ReduceOpOf;
+using collectives::c_api::ReduceScatter;
 using collectives::c_api::TensorOf;
 using collectives::c_api::TimesSize;
+using collectives::c_api::WorkOf;
 
 extern "C" {
 
@@ -312,50 +418,30 @@ coll_status coll_comm_size(const coll_comm* comm, int* size) {
 
 coll_status coll_all_reduce(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
                             coll_dtype dtype, coll_op op) {
-  return Guard("coll_all_reduce", [&] {
-    collectives::CollectiveCommunication& c = CommOf(comm);
-    const collectives::DataType type = DataTypeOf(dtype);
-    const collectives::ReduceOp reduce = ReduceOpOf(op);
-    c.AllReduce(TensorOf("sendbuff", sendbuff, count, type),
-                TensorOf("recvbuff", recvbuff, count, type), reduce);
-  });
+  return AllReduce("coll_all_reduce", Mode::kBlocking, comm, sendbuff, recvbuff, count, dtype, op,
+                   nullptr);
 }
 
 coll_status coll_broadcast(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
                            coll_dtype dtype, int root) {
-  return Guard("coll_broadcast", [&] {
-    collectives::CollectiveCommunication& c = CommOf(comm);
-    const collectives::DataType type = DataTypeOf(dtype);
-    c.Broadcast(TensorOf("sendbuff", sendbuff, count, type),
-                TensorOf("recvbuff", recvbuff, count, type), root);
-  });
+  return Broadcast("coll_broadcast", Mode::kBlocking, comm, sendbuff, recvbuff, count, dtype, root,
+                   nullptr);
 }
 
 coll_status coll_all_gather(coll_comm* comm, const void* sendbuff, void* recvbuff,
                             size_t count_per_rank, coll_dtype dtype) {
-  return Guard("coll_all_gather", [&] {
-    collectives::CollectiveCommunication& c = CommOf(comm);
-    const collectives::DataType type = DataTypeOf(dtype);
-    const size_t total = TimesSize("count_per_rank", count_per_rank, c.size());
-    c.AllGather(TensorOf("sendbuff", sendbuff, count_per_rank, type),
-                TensorOf("recvbuff", recvbuff, total, type));
-  });
+  return AllGather("coll_all_gather", Mode::kBlocking, comm, sendbuff, recvbuff, count_per_rank,
+                   dtype, nullptr);
 }
 
 coll_status coll_reduce_scatter(coll_comm* comm, const void* sendbuff, void* recvbuff,
                                 size_t recv_count, coll_dtype dtype, coll_op op) {
-  return Guard("coll_reduce_scatter", [&] {
-    collectives::CollectiveCommunication& c = CommOf(comm);
-    const collectives::DataType type = DataTypeOf(dtype);
-    const collectives::ReduceOp reduce = ReduceOpOf(op);
-    const size_t total = TimesSize("recv_count", recv_count, c.size());
-    c.ReduceScatter(TensorOf("sendbuff", sendbuff, total, type),
-                    TensorOf("recvbuff", recvbuff, recv_count, type), reduce);
-  });
+  return ReduceScatter("coll_reduce_scatter", Mode::kBlocking, comm, sendbuff, recvbuff, recv_count,
+                       dtype, op, nullptr);
 }
 
 coll_status coll_barrier(coll_comm* comm) {
-  return Guard("coll_barrier", [&] { CommOf(comm).Barrier(); });
+  return Barrier("coll_barrier", Mode::kBlocking, comm, nullptr);
 }
 
 coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
@@ -381,6 +467,57 @@ coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const si
     collectives::packing::AllReduce(c, tensors, reduce,
                                     bytes_per_pack != 0 ? bytes_per_pack : comm->bytes_per_pack);
   });
+}
+
+coll_status coll_all_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                  size_t count, coll_dtype dtype, coll_op op, coll_work** work) {
+  return AllReduce("coll_all_reduce_async", Mode::kAsync, comm, sendbuff, recvbuff, count, dtype,
+                   op, work);
+}
+
+coll_status coll_broadcast_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                 size_t count, coll_dtype dtype, int root, coll_work** work) {
+  return Broadcast("coll_broadcast_async", Mode::kAsync, comm, sendbuff, recvbuff, count, dtype,
+                   root, work);
+}
+
+coll_status coll_all_gather_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                  size_t count_per_rank, coll_dtype dtype, coll_work** work) {
+  return AllGather("coll_all_gather_async", Mode::kAsync, comm, sendbuff, recvbuff, count_per_rank,
+                   dtype, work);
+}
+
+coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                      size_t recv_count, coll_dtype dtype, coll_op op,
+                                      coll_work** work) {
+  return ReduceScatter("coll_reduce_scatter_async", Mode::kAsync, comm, sendbuff, recvbuff,
+                       recv_count, dtype, op, work);
+}
+
+coll_status coll_barrier_async(coll_comm* comm, coll_work** work) {
+  return Barrier("coll_barrier_async", Mode::kAsync, comm, work);
+}
+
+coll_status coll_work_wait(coll_work* work) {
+  return Guard("coll_work_wait", [&] { WorkOf(work).Wait(); });
+}
+
+coll_status coll_work_test(coll_work* work, int* done) {
+  return Guard("coll_work_test", [&] {
+    int& result = NotNull(done, "done");
+    result = 0;
+    collectives::Work& w = WorkOf(work);
+    if (!w.Done()) return;
+    result = 1;
+    w.Wait();  // completed: returns at once, or throws the collective's error
+  });
+}
+
+coll_status coll_work_free(coll_work* work) {
+  if (work == nullptr) return COLL_OK;
+  const coll_status status = Guard("coll_work_free", [&] { WorkOf(work).Wait(); });
+  delete work;
+  return status;
 }
 
 const char* coll_last_error(void) { return collectives::c_api::t_last_error.c_str(); }

@@ -1,7 +1,9 @@
 // The C API: every collective checked element by element against a locally computed reference,
 // for world sizes 1 to 4 (ranks are threads, over real loopback TCP), through communicators made
 // both from a memory-store rendezvous (WrapCommunication) and by coll_comm_create /
-// coll_comm_create_from_tf_config on a real TCP store; the error paths (NULL pointers, enum
+// coll_comm_create_from_tf_config on a real TCP store; the asynchronous forms (every collective
+// in flight at once, waited on, polled, or freed unwaited; handles that outlive their
+// communicator); the error paths (NULL pointers, enum
 // values out of range, bad options, counts that differ across ranks, malformed TF_CONFIG, abort)
 // return the documented status with a message naming the argument, never an exception; status
 // names; the last error is per thread.
@@ -13,6 +15,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -303,6 +306,138 @@ TEST_P(CApiCollectiveTest, AllReduceManyOddSizesEqualsOneAllReducePerBuffer) {
         }
       }
     }
+  });
+}
+
+// Every asynchronous collective issued before any is waited on: several all-reduces (0, 1, 7
+// and 17000 elements, one in place), a broadcast from the last rank, an all-gather, a
+// reduce-scatter and a barrier, all in flight together; then waited on in reverse order, or
+// polled with coll_work_test, and every result checked element by element. A blocking call
+// after them sees the communicator in order.
+TEST_P(CApiCollectiveTest, AsyncCollectivesInFlightTogether) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    const int root = size - 1;
+    struct Pending {
+      coll_work* work = nullptr;
+      std::function<void()> check;
+    };
+    std::vector<Pending> pending;
+    std::vector<std::unique_ptr<std::vector<uint8_t>>> keep;  // buffers borrowed until done
+    auto buffer = [&](DataType dtype, size_t count) {
+      keep.push_back(std::make_unique<std::vector<uint8_t>>(Buffer(dtype, count)));
+      return keep.back().get();
+    };
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{17000}}) {
+      for (bool in_place : {false, true}) {
+        const DataType dtype = count == 7 ? DataType::kInt64 : DataType::kFloat32;
+        const ReduceOp op = count == 1 ? ReduceOp::kMax : ReduceOp::kSum;
+        std::vector<uint8_t>* recv = buffer(dtype, count);
+        std::vector<uint8_t>* send = in_place ? recv : buffer(dtype, count);
+        Fill(dtype, op, rank, send->data(), count);
+        Pending p;
+        EXPECT_OK(coll_all_reduce_async(comm, send->data(), recv->data(), count, C(dtype), C(op),
+                                        &p.work));
+        p.check = [=] {
+          ExpectElements(Describe("all_reduce_async", rank, dtype, op, count, in_place), dtype,
+                         *recv, count, [&](size_t i) { return Expected(op, dtype, size, i); });
+        };
+        pending.push_back(std::move(p));
+      }
+    }
+    {
+      const size_t count = 40000;
+      std::vector<uint8_t>* data = buffer(DataType::kFloat64, count);
+      if (rank == root) Fill(DataType::kFloat64, ReduceOp::kSum, root, data->data(), count);
+      Pending p;
+      EXPECT_OK(coll_broadcast_async(comm, data->data(), data->data(), count, COLL_FLOAT64, root,
+                                     &p.work));
+      p.check = [=] {
+        ExpectElements(
+            Describe("broadcast_async", rank, DataType::kFloat64, ReduceOp::kSum, count, true),
+            DataType::kFloat64, *data, count,
+            [&](size_t i) { return InputValue(ReduceOp::kSum, DataType::kFloat64, root, i); });
+      };
+      pending.push_back(std::move(p));
+    }
+    {
+      const size_t count = 10007;
+      const size_t total = count * size_t(size);
+      std::vector<uint8_t>* send = buffer(DataType::kInt32, count);
+      std::vector<uint8_t>* recv = buffer(DataType::kInt32, total);
+      Fill(DataType::kInt32, ReduceOp::kSum, rank, send->data(), count);
+      Pending p;
+      EXPECT_OK(
+          coll_all_gather_async(comm, send->data(), recv->data(), count, COLL_INT32, &p.work));
+      p.check = [=] {
+        ExpectElements(
+            Describe("all_gather_async", rank, DataType::kInt32, ReduceOp::kSum, count, false),
+            DataType::kInt32, *recv, total, [&](size_t i) {
+              return Stored(DataType::kInt32, InputValue(ReduceOp::kSum, DataType::kInt32,
+                                                         int(i / count), i % count));
+            });
+      };
+      pending.push_back(std::move(p));
+    }
+    {
+      const size_t count = 3;
+      std::vector<uint8_t>* send = buffer(DataType::kFloat64, count * size_t(size));
+      std::vector<uint8_t>* recv = buffer(DataType::kFloat64, count);
+      Fill(DataType::kFloat64, ReduceOp::kMax, rank, send->data(), count * size_t(size));
+      Pending p;
+      EXPECT_OK(coll_reduce_scatter_async(comm, send->data(), recv->data(), count, COLL_FLOAT64,
+                                          COLL_MAX, &p.work));
+      p.check = [=] {
+        ExpectElements(Describe("reduce_scatter_async", rank, DataType::kFloat64, ReduceOp::kMax,
+                                count, false),
+                       DataType::kFloat64, *recv, count, [&](size_t i) {
+                         return Expected(ReduceOp::kMax, DataType::kFloat64, size,
+                                         size_t(rank) * count + i);
+                       });
+      };
+      pending.push_back(std::move(p));
+    }
+    {
+      Pending p;
+      EXPECT_OK(coll_barrier_async(comm, &p.work));
+      p.check = [] {};
+      pending.push_back(std::move(p));
+    }
+    for (const Pending& p : pending) ASSERT_NE(p.work, nullptr);
+    // Odd positions polled, even ones waited on from the last: completion is in issue order,
+    // whatever order the handles are asked in.
+    for (size_t k = 1; k < pending.size(); k += 2) {
+      int done = 0;
+      while (done == 0) EXPECT_OK(coll_work_test(pending[k].work, &done));
+      EXPECT_OK(coll_work_test(pending[k].work, &done));  // asked again: the same answer
+      EXPECT_EQ(done, 1);
+    }
+    for (size_t k = pending.size(); k-- > 0;) {
+      if (k % 2 == 0) EXPECT_OK(coll_work_wait(pending[k].work));
+      EXPECT_OK(coll_work_wait(pending[k].work));  // any number of times
+    }
+    for (const Pending& p : pending) {
+      p.check();
+      EXPECT_OK(coll_work_free(p.work));
+    }
+    int64_t value = rank + 1;
+    EXPECT_OK(coll_all_reduce(comm, &value, &value, 1, COLL_INT64, COLL_SUM));
+    EXPECT_EQ(value, int64_t{size} * (size + 1) / 2);
+  });
+}
+
+// coll_work_free on a handle nobody waited on waits for the collective: once it returned the
+// result is there and the buffers are the caller's again.
+TEST_P(CApiCollectiveTest, FreeingAnUnwaitedHandleWaitsForTheCollective) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    std::vector<float> data(1 << 20, float(rank + 1));
+    coll_work* work = nullptr;
+    EXPECT_OK(coll_all_reduce_async(comm, data.data(), data.data(), data.size(), COLL_FLOAT32,
+                                    COLL_SUM, &work));
+    EXPECT_OK(coll_work_free(work));
+    const float want = float(size * (size + 1) / 2);
+    EXPECT_EQ(std::count(data.begin(), data.end(), want), std::ptrdiff_t(data.size()));
   });
 }
 
@@ -601,6 +736,160 @@ TEST(CApiErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
   EXPECT_OK(coll_all_reduce(comm, x, x, 4, COLL_FLOAT32, COLL_SUM));
   EXPECT_EQ(x[3], 4.0f);
   EXPECT_OK(coll_comm_destroy(comm));
+}
+
+TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x[4] = {1, 2, 3, 4};
+  const coll_dtype bad_dtype = static_cast<coll_dtype>(99);
+  const coll_op bad_op = static_cast<coll_op>(42);
+  coll_work* junk = reinterpret_cast<coll_work*>(uintptr_t{0x1});
+  struct Case {
+    std::function<coll_status(coll_work**)> call;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {[&](coll_work** w) { return coll_all_reduce_async(comm, x, x, 4, bad_dtype, COLL_SUM, w); },
+       "coll_all_reduce_async: dtype 99"},
+      {[&](coll_work** w) { return coll_all_reduce_async(comm, x, x, 4, COLL_FLOAT32, bad_op, w); },
+       "coll_all_reduce_async: op 42"},
+      {[&](coll_work** w) {
+         return coll_all_reduce_async(comm, x, nullptr, 4, COLL_FLOAT32, COLL_SUM, w);
+       },
+       "null"},
+      {[&](coll_work** w) { return coll_broadcast_async(comm, x, x, 4, COLL_FLOAT32, 1, w); },
+       "root 1"},
+      {[&](coll_work** w) { return coll_all_gather_async(comm, x, x, 4, bad_dtype, w); },
+       "coll_all_gather_async: dtype 99"},
+      {[&](coll_work** w) {
+         return coll_reduce_scatter_async(comm, x, x, 4, COLL_FLOAT32, bad_op, w);
+       },
+       "coll_reduce_scatter_async: op 42"},
+      {[&](coll_work** w) {
+         return coll_all_reduce_async(nullptr, x, x, 4, COLL_FLOAT32, COLL_SUM, w);
+       },
+       "coll_all_reduce_async: comm is NULL"},
+      {[&](coll_work** w) { return coll_barrier_async(nullptr, w); },
+       "coll_barrier_async: comm is NULL"},
+  };
+  for (const Case& c : cases) {
+    coll_work* work = junk;
+    EXPECT_EQ(c.call(&work), COLL_INVALID_ARGUMENT) << c.expect;
+    EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << c.expect << " / " << coll_last_error();
+    EXPECT_EQ(work, nullptr) << c.expect;
+  }
+  // No place for the handle.
+  EXPECT_EQ(coll_all_reduce_async(comm, x, x, 4, COLL_FLOAT32, COLL_SUM, nullptr),
+            COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_all_reduce_async: work is NULL");
+  EXPECT_EQ(coll_barrier_async(comm, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_barrier_async: work is NULL");
+  // NULL handles.
+  int done = 7;
+  EXPECT_EQ(coll_work_wait(nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_work_wait: work is NULL");
+  EXPECT_EQ(coll_work_test(nullptr, &done), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_work_test: work is NULL");
+  EXPECT_EQ(coll_work_free(nullptr), COLL_OK);
+  // None of them was queued: the communicator still works, and a handle's test needs *done.
+  coll_work* work = nullptr;
+  EXPECT_OK(coll_all_reduce_async(comm, x, x, 4, COLL_FLOAT32, COLL_SUM, &work));
+  EXPECT_EQ(coll_work_test(work, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_work_test: done is NULL");
+  EXPECT_OK(coll_work_wait(work));
+  EXPECT_OK(coll_work_free(work));
+  EXPECT_EQ(x[3], 4.0f);
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+// Counts that differ across ranks, issued asynchronously: the calls themselves return COLL_OK
+// (the arguments are fine on each rank) and the handles report the failure: COLL_MISMATCH on a
+// rank that saw it, the same status from wait, test and free, and every later call fails too.
+TEST(CApiAsyncTest, AMismatchIsReportedByTheHandleOnEveryRank) {
+  std::atomic<int> mismatches{0};
+  RunRanks(2, [&](coll_comm* comm, int rank) {
+    std::vector<float> data(rank == 0 ? 10 : 12, 1.0f);
+    coll_work* work = nullptr;
+    EXPECT_OK(coll_all_reduce_async(comm, data.data(), data.data(), data.size(), COLL_FLOAT32,
+                                    COLL_SUM, &work));
+    int done = 0;
+    coll_status status = COLL_OK;
+    while (done == 0) status = coll_work_test(work, &done);
+    const std::string message = coll_last_error();
+    EXPECT_NE(status, COLL_OK) << "rank " << rank;
+    if (status == COLL_MISMATCH) {
+      ++mismatches;
+      EXPECT_TRUE(Contains(message, "coll_work_test: ")) << message;
+      EXPECT_TRUE(Contains(message, "does not match")) << message;
+    } else {
+      EXPECT_TRUE(status == COLL_ABORTED || status == COLL_PEER_LOST)
+          << coll_status_string(status) << ": " << message;
+    }
+    EXPECT_EQ(std::count(data.begin(), data.end(), 1.0f), std::ptrdiff_t(data.size()));
+    EXPECT_EQ(coll_work_wait(work), status);
+    EXPECT_TRUE(Contains(coll_last_error(), "coll_work_wait: ")) << coll_last_error();
+    EXPECT_EQ(coll_work_free(work), status);
+    // Broken: a later asynchronous call is queued nowhere; its handle reports the same status.
+    EXPECT_OK(coll_barrier_async(comm, &work));
+    EXPECT_EQ(coll_work_wait(work), status) << coll_last_error();
+    EXPECT_EQ(coll_work_free(work), status);
+  });
+  EXPECT_GE(mismatches.load(), 1);
+}
+
+// A watchdog's coll_comm_abort ends a wait on a handle whose collective cannot complete (the
+// peer never issues it).
+TEST(CApiAsyncTest, AbortFromAnotherThreadEndsAWait) {
+  std::atomic<bool> rank0_done{false};
+  RunRanks(2, [&](coll_comm* comm, int rank) {
+    coll_work* work = nullptr;
+    if (rank == 0) {
+      EXPECT_OK(coll_barrier_async(comm, &work));
+      std::thread watchdog([comm] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        EXPECT_OK(coll_comm_abort(comm));
+      });
+      EXPECT_EQ(coll_work_wait(work), COLL_ABORTED) << coll_last_error();
+      watchdog.join();
+      EXPECT_EQ(coll_work_free(work), COLL_ABORTED);
+      rank0_done = true;
+    } else {
+      while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      EXPECT_OK(coll_barrier_async(comm, &work));
+      const coll_status status = coll_work_wait(work);
+      EXPECT_TRUE(status == COLL_ABORTED || status == COLL_PEER_LOST)
+          << coll_status_string(status) << ": " << coll_last_error();
+      EXPECT_EQ(coll_work_free(work), status);
+    }
+  });
+}
+
+// coll_comm_destroy right after an asynchronous all-reduce finishes it first; the handle,
+// still valid, then reports it done and the result is in the buffer.
+TEST(CApiAsyncTest, HandlesOutliveTheirCommunicator) {
+  constexpr int kSize = 2;
+  const uint16_t port = FreePort();
+  const coll_options options = TestOptions();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kSize; ++rank) {
+    threads.emplace_back([&, rank] {
+      coll_comm* comm = nullptr;
+      EXPECT_OK(coll_comm_create(rank, kSize, "127.0.0.1", port, &options, &comm));
+      if (comm == nullptr) return;
+      std::vector<float> data(1 << 20, float(rank + 1));
+      coll_work* work = nullptr;
+      EXPECT_OK(coll_all_reduce_async(comm, data.data(), data.data(), data.size(), COLL_FLOAT32,
+                                      COLL_SUM, &work));
+      EXPECT_OK(coll_comm_destroy(comm));
+      int done = 0;
+      EXPECT_OK(coll_work_test(work, &done));
+      EXPECT_EQ(done, 1);
+      EXPECT_OK(coll_work_free(work));
+      EXPECT_EQ(std::count(data.begin(), data.end(), 3.0f), std::ptrdiff_t(data.size()));
+    });
+  }
+  for (std::thread& t : threads) t.join();
 }
 
 TEST(CApiErrorTest, CountsThatDifferAcrossRanksAreAMismatchThatSticks) {
