@@ -184,6 +184,19 @@ coll_status coll_comm_destroy(coll_comm* comm);
  * still be destroyed with coll_comm_destroy. */
 coll_status coll_comm_abort(coll_comm* comm);
 
+/* Splits the communicator, as ncclCommSplit and MPI_Comm_split do. A collective: every rank calls
+ * it, at the same place of its call sequence. The ranks that pass the same color >= 0 get a new
+ * communicator in *out, ranked by key (ties by rank in this one), with its own connections and
+ * the options of this one; a negative color gets *out = NULL (and COLL_OK). The new communicator
+ * lives independently of this one and is destroyed with coll_comm_destroy. On failure *out is
+ * set to NULL. */
+coll_status coll_comm_split(coll_comm* comm, int color, int key, coll_comm** out);
+
+/* The timeout of every collective issued after this call (one already issued keeps its own);
+ * coll_options.timeout_ms until changed. For one slow collective: set it, issue the collective,
+ * set it back. Must be positive. May be called from any thread. */
+coll_status coll_comm_set_timeout(coll_comm* comm, int64_t timeout_ms);
+
 /* *rank = this process's rank, in [0, size). */
 coll_status coll_comm_rank(const coll_comm* comm, int* rank);
 

@@ -402,6 +402,27 @@ coll_status coll_comm_abort(coll_comm* comm) {
   return Guard("coll_comm_abort", [&] { CommOf(comm).Abort(); });
 }
 
+coll_status coll_comm_split(coll_comm* comm, int color, int key, coll_comm** out) {
+  return Guard("coll_comm_split", [&] {
+    coll_comm*& result = NotNull(out, "out");
+    result = nullptr;
+    std::unique_ptr<collectives::CollectiveCommunication> part = CommOf(comm).Split(color, key);
+    if (part != nullptr) {
+      result = collectives::c_api::WrapCommunication(std::move(part), comm->bytes_per_pack);
+    }
+  });
+}
+
+coll_status coll_comm_set_timeout(coll_comm* comm, int64_t timeout_ms) {
+  return Guard("coll_comm_set_timeout", [&] {
+    collectives::CollectiveCommunication& c = CommOf(comm);
+    if (timeout_ms <= 0) {
+      InvalidArgument("timeout_ms is " + std::to_string(timeout_ms) + "; it must be positive");
+    }
+    c.SetTimeout(std::chrono::milliseconds(timeout_ms));
+  });
+}
+
 coll_status coll_comm_rank(const coll_comm* comm, int* rank) {
   return Guard("coll_comm_rank", [&] {
     int& result = NotNull(rank, "rank");

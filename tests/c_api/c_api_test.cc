@@ -3,7 +3,7 @@
 // both from a memory-store rendezvous (WrapCommunication) and by coll_comm_create /
 // coll_comm_create_from_tf_config on a real TCP store; the asynchronous forms (every collective
 // in flight at once, waited on, polled, or freed unwaited; handles that outlive their
-// communicator); the error paths (NULL pointers, enum
+// communicator); coll_comm_split and coll_comm_set_timeout; the error paths (NULL pointers, enum
 // values out of range, bad options, counts that differ across ranks, malformed TF_CONFIG, abort)
 // return the documented status with a message naming the argument, never an exception; status
 // names; the last error is per thread.
@@ -890,6 +890,91 @@ TEST(CApiAsyncTest, HandlesOutliveTheirCommunicator) {
     });
   }
   for (std::thread& t : threads) t.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split and timeouts.
+// ---------------------------------------------------------------------------------------------
+
+// Four ranks split into even and odd ones, ranked by -rank (so in reverse); rank 2 of a second
+// split passes a negative color and gets NULL. Each part all-reduces among its own ranks only,
+// and the parent still works.
+TEST(CApiSplitTest, EvenAndOddRanksRankedByKeyAndANegativeColorGetsNull) {
+  constexpr int kSize = 4;
+  RunRanks(kSize, [&](coll_comm* comm, int rank) {
+    coll_comm* part = reinterpret_cast<coll_comm*>(uintptr_t{0x1});
+    EXPECT_OK(coll_comm_split(comm, rank % 2, -rank, &part));
+    ASSERT_NE(part, nullptr);
+    int part_rank = -1, part_size = -1;
+    EXPECT_OK(coll_comm_rank(part, &part_rank));
+    EXPECT_OK(coll_comm_size(part, &part_size));
+    EXPECT_EQ(part_size, 2);
+    EXPECT_EQ(part_rank, rank < 2 ? 1 : 0);  // the higher rank of each parity comes first
+    int64_t value = rank;
+    EXPECT_OK(coll_all_reduce(part, &value, &value, 1, COLL_INT64, COLL_SUM));
+    EXPECT_EQ(value, rank % 2 == 0 ? 0 + 2 : 1 + 3);
+
+    coll_comm* other = reinterpret_cast<coll_comm*>(uintptr_t{0x1});
+    EXPECT_OK(coll_comm_split(comm, rank == 2 ? -1 : 5, rank, &other));
+    if (rank == 2) {
+      EXPECT_EQ(other, nullptr);
+    } else {
+      ASSERT_NE(other, nullptr);
+      int other_size = -1;
+      EXPECT_OK(coll_comm_size(other, &other_size));
+      EXPECT_EQ(other_size, 3);
+      value = 1;
+      EXPECT_OK(coll_all_reduce(other, &value, &value, 1, COLL_INT64, COLL_SUM));
+      EXPECT_EQ(value, 3);
+      EXPECT_OK(coll_comm_destroy(other));
+    }
+    value = 1;
+    EXPECT_OK(coll_all_reduce(comm, &value, &value, 1, COLL_INT64, COLL_SUM));
+    EXPECT_EQ(value, kSize);
+    EXPECT_OK(coll_comm_destroy(part));
+  });
+}
+
+TEST(CApiSplitTest, ArgumentsAreChecked) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  coll_comm* out = nullptr;
+  EXPECT_EQ(coll_comm_split(nullptr, 0, 0, &out), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_split: comm is NULL");
+  EXPECT_EQ(coll_comm_split(comm, 0, 0, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_comm_split: out is NULL");
+  EXPECT_OK(coll_comm_split(comm, 0, 0, &out));  // one rank: a communicator of one
+  ASSERT_NE(out, nullptr);
+  int size = 0;
+  EXPECT_OK(coll_comm_size(out, &size));
+  EXPECT_EQ(size, 1);
+  EXPECT_OK(coll_comm_destroy(out));
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+// A shorter timeout set on rank 0 makes the barrier that rank 1 never joins fail well before the
+// communicator's 10 s; bad values are refused and change nothing.
+TEST(CApiTimeoutTest, SetTimeoutAppliesToTheNextCollectives) {
+  std::atomic<bool> rank0_done{false};
+  RunRanks(2, [&](coll_comm* comm, int rank) {
+    if (rank == 0) {
+      EXPECT_EQ(coll_comm_set_timeout(comm, 0), COLL_INVALID_ARGUMENT);
+      EXPECT_EQ(std::string(coll_last_error()),
+                "coll_comm_set_timeout: timeout_ms is 0; it must be positive");
+      EXPECT_EQ(coll_comm_set_timeout(comm, -5), COLL_INVALID_ARGUMENT);
+      EXPECT_EQ(coll_comm_set_timeout(nullptr, 100), COLL_INVALID_ARGUMENT);
+      EXPECT_OK(coll_comm_set_timeout(comm, 200));
+      const auto start = std::chrono::steady_clock::now();
+      EXPECT_EQ(coll_barrier(comm), COLL_TIMEOUT) << coll_last_error();
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+      rank0_done = true;
+    } else {
+      while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const coll_status status = coll_barrier(comm);
+      EXPECT_TRUE(status == COLL_TIMEOUT || status == COLL_ABORTED || status == COLL_PEER_LOST)
+          << coll_status_string(status) << ": " << coll_last_error();
+    }
+  });
 }
 
 TEST(CApiErrorTest, CountsThatDifferAcrossRanksAreAMismatchThatSticks) {
