@@ -179,8 +179,8 @@ size_t TimesSize(const char* name, size_t count, int size) {
   return count * size_t(size);
 }
 
-collectives::Work& WorkOf(const coll_work* work) {
-  collectives::Work* impl = NotNull(work, "work").impl.get();
+Work& WorkOf(const coll_work* work) {
+  Work* impl = NotNull(work, "work").impl.get();
   if (impl == nullptr) InvalidArgument("work has no collective (internal state lost)");
   return *impl;
 }

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -323,10 +324,9 @@ TEST_P(CApiCollectiveTest, AsyncCollectivesInFlightTogether) {
       std::function<void()> check;
     };
     std::vector<Pending> pending;
-    std::vector<std::unique_ptr<std::vector<uint8_t>>> keep;  // buffers borrowed until done
+    std::deque<std::vector<uint8_t>> keep;  // buffers borrowed until done; they never move
     auto buffer = [&](DataType dtype, size_t count) {
-      keep.push_back(std::make_unique<std::vector<uint8_t>>(Buffer(dtype, count)));
-      return keep.back().get();
+      return &keep.emplace_back(Buffer(dtype, count));
     };
     for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{17000}}) {
       for (bool in_place : {false, true}) {

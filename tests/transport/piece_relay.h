@@ -29,6 +29,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -36,18 +37,18 @@
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/host_port.h"
 
 namespace collectives::testing {
 
 class PieceRelay {
  public:
-  // `target` is "host:port" or "[v6]:port".
+  // `target` is "host:port" or "[v6]:port" with a numeric host, as a fabric publishes it.
   PieceRelay(const std::string& target, uint64_t seed) : seed_(seed) {
-    const size_t colon = target.rfind(':');
-    std::string host = target.substr(0, colon);
-    if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    target_ = asio::ip::tcp::endpoint(asio::ip::make_address(host),
-                                      static_cast<uint16_t>(std::stoi(target.substr(colon + 1))));
+    std::string why;
+    const std::optional<cluster::HostPort> parsed = cluster::ParseHostPort(target, &why);
+    if (!parsed) throw Error(ErrorCode::kInvalidArgument, "relay target " + target + ": " + why);
+    target_ = asio::ip::tcp::endpoint(asio::ip::make_address(parsed->host), parsed->port);
     acceptor_.open(asio::ip::tcp::v4());
     acceptor_.bind({asio::ip::make_address("127.0.0.1"), 0});
     acceptor_.listen();
@@ -120,21 +121,26 @@ class PieceRelay {
       const ssize_t got = ::recv(from, buffer.data(), buffer.size(), 0);
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) break;
-      for (size_t at = 0; at < size_t(got);) {
-        const size_t piece = std::min(PieceLength(random), size_t(got) - at);
-        const ssize_t sent = ::send(to, buffer.data() + at, piece, MSG_NOSIGNAL);
-        if (sent < 0 && errno == EINTR) continue;
-        if (sent <= 0) {
-          ::shutdown(from, SHUT_RD);
-          ::shutdown(to, SHUT_WR);
-          return;
-        }
-        at += size_t(sent);
-        if (random() % 8 == 0)
-          std::this_thread::sleep_for(std::chrono::microseconds(random() % 200));
+      if (!SendInPieces(to, buffer.data(), size_t(got), random)) {
+        ::shutdown(from, SHUT_RD);
+        break;
       }
     }
     ::shutdown(to, SHUT_WR);
+  }
+
+  // Sends `bytes` as pieces of PieceLength, sleeping up to 200 us after one in eight. False when
+  // a send fails.
+  static bool SendInPieces(int to, const char* data, size_t bytes, std::mt19937_64& random) {
+    for (size_t at = 0; at < bytes;) {
+      const size_t piece = std::min(PieceLength(random), bytes - at);
+      const ssize_t sent = ::send(to, data + at, piece, MSG_NOSIGNAL);
+      if (sent < 0 && errno == EINTR) continue;
+      if (sent <= 0) return false;
+      at += size_t(sent);
+      if (random() % 8 == 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % 200));
+    }
+    return true;
   }
 
   static size_t PieceLength(std::mt19937_64& random) {
