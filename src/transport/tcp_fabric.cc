@@ -222,6 +222,8 @@ class TcpConnection final : public Connection {
   void WaitRecv(uint64_t ticket) override;
   bool TestSend(uint64_t ticket) override;
   bool TestRecv(uint64_t ticket) override;
+  // Throws kInvalidUsage, without breaking the fabric, for a ticket that was not posted.
+  void CheckTicket(const char* call, uint64_t ticket, bool send) const;
 
  private:
   friend class TcpFabric;
@@ -317,6 +319,13 @@ class TcpConnection final : public Connection {
   void OnReadError(const asio::error_code& ec);
   // Enters kDiscard for the held header's payload (or arms the next header read if it is empty).
   void DiscardPayload();
+  // A header read with inline_want_ > 0 splits what it gets past the header for
+  // the frame the first posted receive expects: inline_got_ bytes of payload (inline_payload_),
+  // then next_got_ bytes of the next header (next_header_). For a frame of another size (an
+  // abort frame, a frame skipped after a write failure) the split is wrong: the first
+  // `frame_bytes` of those bytes, in stream order, are the frame's payload. Copies them into
+  // `out`; returns how many there were.
+  size_t CopyBytesPastHeader(uint8_t* out, size_t frame_bytes) const;
 
   void Close();
 
@@ -789,16 +798,40 @@ void TcpConnection::ReadAbortPayload() {
   fabric_->Break(AbortReceivedError(fabric_->rank_, *payload), *payload, peer_);
 }
 
+size_t TcpConnection::CopyBytesPastHeader(uint8_t* out, size_t frame_bytes) const {
+  const size_t from_inline = std::min(inline_got_, frame_bytes);
+  std::memcpy(out, inline_payload_.data(), from_inline);
+  const size_t from_next = std::min(next_got_, frame_bytes - from_inline);
+  std::memcpy(out + from_inline, next_header_.data(), from_next);
+  return from_inline + from_next;
+}
+
 void TcpConnection::DiscardPayload() {
-  // Called once a write failed (write_failed_). Part of the payload may have come inline.
-  if (inline_got_ > header_.bytes) {
-    // The frame was shorter than the posted receive, and the inline read took bytes of the next
-    // header: the stream cannot be followed to an abort frame any more.
-    read_state_ = ReadState::kStopped;
-    BreakWithWriteFailure();
-    return;
+  // Called once a write failed (write_failed_). The header read may have taken bytes past the
+  // header, split for the receive it expected (CopyBytesPastHeader): the first header_.bytes of
+  // them are this frame's, the rest the start of the next frame, which must end up in next_header_.
+  const size_t past = inline_got_ + next_got_;
+  if (past > header_.bytes) {
+    const size_t over = past - header_.bytes;
+    if (over > next_header_.size()) {
+      // The frame was much shorter than the posted receive, and the inline read took more than
+      // the next header: the stream cannot be followed to an abort frame any more.
+      read_state_ = ReadState::kStopped;
+      BreakWithWriteFailure();
+      return;
+    }
+    EncodedHeader next{};
+    for (size_t i = 0; i < over; ++i) {
+      const size_t at = header_.bytes + i;
+      next[i] = at < inline_got_ ? inline_payload_[at] : next_header_[at - inline_got_];
+    }
+    next_header_ = next;
+    next_got_ = over;
+    read_got_ = header_.bytes;
+  } else {
+    next_got_ = 0;
+    read_got_ = past;
   }
-  read_got_ = inline_got_;
   inline_got_ = 0;
   if (read_got_ == header_.bytes) {
     FrameDone();
@@ -821,11 +854,12 @@ void TcpConnection::OnHeader(bool match) {
   }
   header_ = *header;
   if (header_.kind == FrameKind::kAbort) {
-    // DecodeHeader bounded the size by kMaxAbortPayload (the buffer's size). Nothing follows an
-    // abort frame: bytes read past it (inline) are dropped.
+    // DecodeHeader bounded the size by kMaxAbortPayload (the buffer's size). The bytes read past
+    // the header are its payload, up to its size (CopyBytesPastHeader); nothing follows an abort
+    // frame, so bytes past it are dropped.
     read_state_ = ReadState::kAbortPayload;
-    read_got_ = std::min<size_t>(inline_got_, header_.bytes);
-    std::memcpy(abort_buffer_.data(), inline_payload_.data(), read_got_);
+    read_got_ = CopyBytesPastHeader(abort_buffer_.data(), header_.bytes);
+    inline_got_ = 0;
     next_got_ = 0;
     ReadAbortPayload();
     return;
@@ -933,37 +967,41 @@ void TcpConnection::Close() {
 
 // ---- TcpConnection: waiting. ----
 
+void TcpConnection::CheckTicket(const char* call, uint64_t ticket, bool send) const {
+  const uint64_t posted = send ? sends_posted_ : recvs_posted_;
+  if (ticket <= posted) return;
+  throw Error(ErrorCode::kInvalidUsage,
+              "rank " + std::to_string(fabric_->rank_) + ": " + call + "(" +
+                  std::to_string(ticket) + ") " + (send ? "to" : "from") + " rank " +
+                  std::to_string(peer_) + ", but only " + std::to_string(posted) +
+                  (send ? " sends" : " receives") + " were posted");
+}
+
 void TcpConnection::WaitSend(uint64_t ticket) {
   std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
   fabric_->ThrowIfBroken();
-  if (ticket > sends_posted_) {
-    throw Error(ErrorCode::kInvalidUsage, "rank " + std::to_string(fabric_->rank_) + ": WaitSend(" +
-                                              std::to_string(ticket) + ") to rank " +
-                                              std::to_string(peer_) + ", but only " +
-                                              std::to_string(sends_posted_) + " sends were posted");
-  }
+  CheckTicket("WaitSend", ticket, true);
   fabric_->Drive([this, ticket] { return sends_done_ >= ticket; }, *this, true);
 }
 
 void TcpConnection::WaitRecv(uint64_t ticket) {
   std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
   fabric_->ThrowIfBroken();
-  if (ticket > recvs_posted_) {
-    throw Error(ErrorCode::kInvalidUsage,
-                "rank " + std::to_string(fabric_->rank_) + ": WaitRecv(" + std::to_string(ticket) +
-                    ") from rank " + std::to_string(peer_) + ", but only " +
-                    std::to_string(recvs_posted_) + " receives were posted");
-  }
+  CheckTicket("WaitRecv", ticket, false);
   fabric_->Drive([this, ticket] { return recvs_done_ >= ticket; }, *this, false);
 }
 
 bool TcpConnection::TestSend(uint64_t ticket) {
   std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
+  CheckTicket("TestSend", ticket, true);
   return fabric_->Test([this, ticket] { return sends_done_ >= ticket; }, *this, true);
 }
 
 bool TcpConnection::TestRecv(uint64_t ticket) {
   std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
+  CheckTicket("TestRecv", ticket, false);
   return fabric_->Test([this, ticket] { return recvs_done_ >= ticket; }, *this, false);
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <thread>
 
@@ -454,14 +455,61 @@ TEST_P(FabricTest, AbortOfAnIdleFabricReachesPeersAtOnce) {
   }
 }
 
+// Over TCP, a rank that already read a frame on a connection and waits for a small one asks for
+// its payload and the next header in the same read (kInlinePayload). An abort frame arriving
+// instead is longer than both: all of it must still be read as the abort, so the waiting ranks
+// report rank 0's own error (code and message), not "lost rank 0" when its socket closes.
+TEST_P(FabricTest, AbortReachesPeersWaitingForASmallFrameAfterAFrame) {
+  const std::string why =
+      "rank 0: test abort, with a message longer than the 8 payload bytes and the 40-byte "
+      "header a waiting receive reads with a header";
+  const auto errors = RunRanks(size_, [&](int rank) {
+    if (rank == 0) {
+      const uint8_t first = 7;
+      for (int peer = 1; peer < size_; ++peer) {
+        Connection& to = fabric(0).connection(peer);
+        to.WaitSend(to.PostSend(Tag(1, 1), &first, 1));
+      }
+      std::this_thread::sleep_for(200ms);  // until every peer waits for the next frame
+      fabric(0).Abort(Error(ErrorCode::kMismatch, why));
+      return;
+    }
+    Connection& from = fabric(rank).connection(0);
+    uint8_t first = 0;
+    from.WaitRecv(from.PostRecv(Tag(1, 1), &first, 1));
+    EXPECT_EQ(first, 7);
+    uint64_t next = 0;
+    from.WaitRecv(from.PostRecv(Tag(2, 2), &next, sizeof(next)));
+  });
+  EXPECT_FALSE(errors[0]);
+  for (int rank = 1; rank < size_; ++rank) {
+    ASSERT_TRUE(errors[rank]) << "rank " << rank;
+    EXPECT_EQ(errors[rank]->code(), ErrorCode::kMismatch) << errors[rank]->what();
+    EXPECT_EQ(errors[rank]->message(),
+              "rank " + std::to_string(rank) + ": rank 0 aborted the job: " + why);
+  }
+}
+
 TEST_P(FabricTest, MisuseIsReportedWithoutBreakingTheFabric) {
   EXPECT_THROW(fabric(0).connection(0), Error);
   EXPECT_THROW(fabric(0).connection(size_), Error);
-  try {
-    fabric(0).connection(1).WaitRecv(5);
-    ADD_FAILURE() << "no throw";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kInvalidUsage);
+  // Waiting for or testing a ticket that was never posted.
+  Connection& connection = fabric(0).connection(1);
+  const std::vector<std::pair<const char*, std::function<void()>>> misuses = {
+      {"WaitRecv", [&] { connection.WaitRecv(5); }},
+      {"TestRecv", [&] { connection.TestRecv(5); }},
+      {"WaitSend", [&] { connection.WaitSend(5); }},
+      {"TestSend", [&] { connection.TestSend(5); }}};
+  for (const auto& [name, misuse] : misuses) {
+    try {
+      misuse();
+      ADD_FAILURE() << name << ": no throw";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidUsage) << name << ": " << error.what();
+      EXPECT_NE(error.message().find("(5)"), std::string::npos) << name << ": " << error.what();
+      EXPECT_NE(error.message().find("but only 0"), std::string::npos)
+          << name << ": " << error.what();
+    }
   }
   EXPECT_THROW(fabric(0).connection(1).PostSend(Tag(0, 1), nullptr, 4), Error);
   // Still usable.
