@@ -119,7 +119,8 @@ typedef struct coll_options {
   coll_implementation implementation;
 
   /* Longest a collective may take once it runs, and longest the rendezvous and connection set-up
-   * may take; a silent peer then gives COLL_TIMEOUT naming it. Must be positive.
+   * may take; a silent peer then gives COLL_TIMEOUT naming it. Must be positive; above a year
+   * (INT64_MAX for "never" included) it is read as a year.
    * Default: 300000 (5 minutes: long enough for a 1 GiB all-reduce over a slow link). */
   int64_t timeout_ms;
 
@@ -194,7 +195,8 @@ coll_status coll_comm_split(coll_comm* comm, int color, int key, coll_comm** out
 
 /* The timeout of every collective issued after this call (one already issued keeps its own);
  * coll_options.timeout_ms until changed. For one slow collective: set it, issue the collective,
- * set it back. Must be positive. May be called from any thread. */
+ * set it back. Must be positive; above a year (INT64_MAX included) it is read as a year. May be
+ * called from any thread. */
 coll_status coll_comm_set_timeout(coll_comm* comm, int64_t timeout_ms);
 
 /* *rank = this process's rank, in [0, size). */

@@ -49,7 +49,9 @@ struct CommunicationOptions {
 
   // Longest a collective may take from the moment it starts running, and longest the
   // rendezvous and connection set-up may take. A peer that is silent for longer raises
-  // Error(kTimeout) naming it. Long enough for a 1 GiB all-reduce over a slow link.
+  // Error(kTimeout) naming it. Long enough for a 1 GiB all-reduce over a slow link. Must be
+  // positive (else Error(kInvalidArgument)); anything above a year, milliseconds::max() for
+  // "never" included, is read as a year.
   // Default: 300 s.
   std::chrono::milliseconds timeout{300'000};
 
@@ -57,6 +59,7 @@ struct CommunicationOptions {
   // most this size so that sending, receiving and reducing overlap. Small values cost per-frame
   // overhead; large ones lose overlap and grow the staging area (4 chunks per communicator).
   // 0 picks the default (512 KiB), which kept loopback TCP busy while bounding staging to 2 MiB.
+  // At most 1 GiB (else Error(kInvalidArgument) when the communicator is built).
   // Default: 0.
   size_t chunk_bytes = 0;
 
@@ -194,7 +197,8 @@ class CollectiveCommunication {
 
   // The deadline of every call issued after this one (a call already issued keeps its own):
   // CommunicationOptions::timeout until changed. For one slow call, set it, issue the call, and
-  // set it back. Thread-safe. Throws Error(kInvalidArgument) for a timeout <= 0.
+  // set it back. Thread-safe. Throws Error(kInvalidArgument) for a timeout <= 0; one above a
+  // year is read as a year.
   virtual void SetTimeout(std::chrono::milliseconds timeout) = 0;
 
  protected:

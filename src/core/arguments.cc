@@ -1,6 +1,8 @@
 // Argument checks shared by the communicators (see arguments.h).
 #include "src/core/arguments.h"
 
+#include <algorithm>
+
 #include "collectives/errors.h"
 
 namespace collectives::core {
@@ -38,6 +40,35 @@ void CheckReduceOp(const std::string& prefix, ReduceOp op) {
     throw Error(ErrorCode::kInvalidArgument,
                 prefix + "unknown reduce op " + std::to_string(int(op)));
   }
+}
+
+std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::milliseconds timeout) {
+  if (timeout <= std::chrono::milliseconds::zero()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                who + " needs a positive timeout, got " + std::to_string(timeout.count()) + " ms");
+  }
+  return std::min(timeout, kMaxTimeout);
+}
+
+CommunicationOptions CheckOptions(int rank, int size, const CommunicationOptions& options) {
+  const std::string prefix = "rank " + std::to_string(rank) + ": CommunicationOptions::";
+  CommunicationOptions checked = options;
+  checked.timeout = CheckTimeout(prefix + "timeout", options.timeout);
+  if (options.chunk_bytes > kMaxChunkBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                prefix + "chunk_bytes is " + std::to_string(options.chunk_bytes) +
+                    ", more than the largest chunk, " + std::to_string(kMaxChunkBytes) +
+                    " bytes (0 picks the default)");
+  }
+  const bool power_of_two = size >= 4 && (size & (size - 1)) == 0;
+  if (options.algorithm == "halving_doubling" && !power_of_two) {
+    throw Error(ErrorCode::kNotSupported,
+                prefix +
+                    "algorithm 'halving_doubling' needs a power-of-two number of ranks, at "
+                    "least 4; this communicator has " +
+                    std::to_string(size));
+  }
+  return checked;
 }
 
 }  // namespace collectives::core

@@ -5,8 +5,11 @@
 #ifndef COLLECTIVES_SRC_CORE_ARGUMENTS_H_
 #define COLLECTIVES_SRC_CORE_ARGUMENTS_H_
 
+#include <chrono>
+#include <cstddef>
 #include <string>
 
+#include "collectives/communication.h"
 #include "collectives/types.h"
 
 namespace collectives::core {
@@ -27,6 +30,26 @@ void CheckSameDtype(const std::string& prefix, const Tensor& send, const Tensor&
 
 // Throws Error(kInvalidArgument) when `op` is not a ReduceOp; `prefix` as above.
 void CheckReduceOp(const std::string& prefix, ReduceOp op);
+
+// The longest timeout anything in the library keeps: a year. A longer one (milliseconds::max()
+// for "never time out") is read as a year, so that now + timeout cannot overflow the clock,
+// which counts nanoseconds in an int64 (about 292 years).
+inline constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
+
+// `timeout` capped at kMaxTimeout. Throws Error(kInvalidArgument) when it is not positive:
+// "<who> needs a positive timeout, got N ms".
+std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::milliseconds timeout);
+
+// The largest CommunicationOptions::chunk_bytes: 1 GiB. The ring stages 4 chunks per
+// communicator; a larger chunk is no longer a pipeline, and sizes near SIZE_MAX would overflow.
+inline constexpr size_t kMaxChunkBytes = size_t{1} << 30;
+
+// `options` as a communicator of `size` ranks keeps them: the timeout checked and capped
+// (CheckTimeout), chunk_bytes at most kMaxChunkBytes, and a forced "halving_doubling" only on a
+// power-of-two world of at least 4 (the algorithm needs one; anything else raises
+// Error(kNotSupported) as the option promises, rather than measuring another algorithm).
+// Throws Error(kInvalidArgument) naming the option otherwise, "rank R: CommunicationOptions::...".
+CommunicationOptions CheckOptions(int rank, int size, const CommunicationOptions& options);
 
 }  // namespace collectives::core
 

@@ -5,6 +5,7 @@
 
 #include "collectives/communication.h"
 #include "src/cluster/job_token.h"
+#include "src/core/arguments.h"
 #include "src/hierarchical/planner.h"
 #include "src/ring/ring_communication.h"
 #if defined(COLLECTIVES_WITH_NCCL)
@@ -98,15 +99,17 @@ Implementation ParseImplementation(const std::string& name) {
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options) {
   spec.Validate();
-  return CreateCommunication(spec,
-                             CreateStoreFor(spec, options.timeout, ResolveJobToken(spec, options)),
-                             options);
+  const CommunicationOptions checked = core::CheckOptions(spec.rank, spec.world_size, options);
+  return CreateCommunication(
+      spec, CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked)), checked);
 }
 
-std::unique_ptr<CollectiveCommunication> CreateCommunication(
-    const ClusterSpec& spec, std::shared_ptr<Store> store, const CommunicationOptions& options) {
+std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& spec,
+                                                             std::shared_ptr<Store> store,
+                                                             const CommunicationOptions& given) {
   spec.Validate();
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
+  const CommunicationOptions options = core::CheckOptions(spec.rank, spec.world_size, given);
   // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host);
   // choosing NCCL for CUDA tensors per call, across devices, is future work.
   if (options.implementation == Implementation::kNccl) {

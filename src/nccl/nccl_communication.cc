@@ -316,12 +316,8 @@ class NcclCommunication final : public CollectiveCommunication {
   }
 
   void SetTimeout(std::chrono::milliseconds timeout) override {
-    if (timeout <= std::chrono::milliseconds(0)) {
-      throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
-                                                   ": SetTimeout needs a positive timeout, got " +
-                                                   std::to_string(timeout.count()) + " ms");
-    }
-    timeout_ms_.store(timeout.count());
+    timeout_ms_.store(
+        core::CheckTimeout("rank " + std::to_string(rank_) + ": SetTimeout", timeout).count());
   }
 
  private:
@@ -519,9 +515,11 @@ ncclUniqueId DecodeUniqueId(const std::string& text) {
   return id;
 }
 
-std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(
-    int rank, int size, std::shared_ptr<Store> store, const std::string& key_prefix,
-    const CommunicationOptions& options, const NcclOptions& nccl_options) {
+std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int size,
+                                                                 std::shared_ptr<Store> store,
+                                                                 const std::string& key_prefix,
+                                                                 const CommunicationOptions& given,
+                                                                 const NcclOptions& nccl_options) {
   const NcclApi& api = LoadNccl();  // Error(kNotSupported) without NCCL or a GPU
   const std::string where = "rank " + std::to_string(rank) + ": NCCL set-up";
   if (size < 1 || rank < 0 || rank >= size) {
@@ -529,9 +527,8 @@ std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(
                                                  " is outside [0, " + std::to_string(size) + ")");
   }
   if (!store) throw Error(ErrorCode::kInvalidArgument, where + ": the store is null");
-  if (options.timeout <= std::chrono::milliseconds(0)) {
-    throw Error(ErrorCode::kInvalidArgument, where + ": the timeout must be positive");
-  }
+  CommunicationOptions options = given;
+  options.timeout = core::CheckTimeout(where, given.timeout);
   const int device = nccl_options.device >= 0 ? nccl_options.device : rank % api.device_count;
   if (device >= api.device_count) {
     throw Error(ErrorCode::kInvalidArgument, where + ": device cuda:" + std::to_string(device) +

@@ -122,7 +122,10 @@ void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_
   const size_t slice_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
   const size_t iteration_elems = kSlices * slice_elems;
   const size_t iterations = std::max<size_t>(1, CeilDiv(blocks.Length(0), iteration_elems));
-  const size_t slot_bytes = slice_elems * es;
+  // A slot holds one slice: at most slice_elems, and at most a kSlices-th of the largest block
+  // (the first), so a large chunk_bytes does not stage more than the call moves.
+  const size_t slot_bytes =
+      std::min(slice_elems, std::max<size_t>(1, CeilDiv(blocks.Length(0), kSlices))) * es;
   uint8_t* staging = ctx.staging.Get(slot_bytes * kStagingSlots);
   const size_t steps = static_cast<size_t>(n - 1);
   const size_t items = iterations * steps * kSlices;  // as many sends as receives
@@ -388,7 +391,11 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
   auto span = [&](int lo, int hi) {
     return Range{blocks.Offset(size_t(lo)), blocks.Offset(size_t(hi)) - blocks.Offset(size_t(lo))};
   };
-  const size_t slot_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
+  // Chunks of at most chunk_bytes, and of at most the largest exchange (the first step's half,
+  // span(0, p / 2) being the larger), so a large chunk_bytes does not stage more than the call
+  // moves. Both partners compute the same slot_elems, hence the same chunks.
+  const size_t slot_elems = std::min(std::max<size_t>(1, ctx.chunk_bytes / es),
+                                     std::max<size_t>(1, span(0, p / 2).length));
   const size_t slots_bytes = slot_elems * es * kStagingSlots;
   const Range first_keep = (r & (p / 2)) == 0 ? span(0, p / 2) : span(p / 2, p);
   uint8_t* staging = ctx.staging.Get(slots_bytes + first_keep.length * es);

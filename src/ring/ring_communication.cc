@@ -292,12 +292,8 @@ Error RingCommunication::Break(const Error& error) {
 }
 
 void RingCommunication::SetTimeout(std::chrono::milliseconds timeout) {
-  if (timeout <= std::chrono::milliseconds(0)) {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) +
-                                                 ": SetTimeout needs a positive timeout, got " +
-                                                 std::to_string(timeout.count()) + " ms");
-  }
-  timeout_ms_.store(timeout.count());
+  timeout_ms_.store(
+      core::CheckTimeout("rank " + std::to_string(rank_) + ": SetTimeout", timeout).count());
 }
 
 std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int key) {
@@ -551,12 +547,13 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
     const CommunicationOptions& options, std::unique_ptr<Planner> planner, SplitBuilder split) {
   if (!fabric) throw Error(ErrorCode::kInvalidArgument, "CreateRingCommunication: no fabric");
+  const CommunicationOptions checked = core::CheckOptions(fabric->rank(), fabric->size(), options);
   if (!options.algorithm.empty() && !planner && !IsRingAlgorithm(options.algorithm)) {
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(fabric->rank()) + ": algorithm '" + options.algorithm +
                     "' is not one of RING's (ring, recursive_doubling, halving_doubling)");
   }
-  return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), options,
+  return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), checked,
                                              std::move(planner), std::move(split));
 }
 

@@ -977,6 +977,18 @@ TEST(CApiTimeoutTest, SetTimeoutAppliesToTheNextCollectives) {
   });
 }
 
+// INT64_MAX for "never" is read as a year; it used to overflow the deadline into the past, so
+// the next collective timed out at once and broke the communicator.
+TEST(CApiTimeoutTest, Int64MaxMeansAYear) {
+  RunRanks(3, [&](coll_comm* comm, int rank) {
+    EXPECT_OK(coll_comm_set_timeout(comm, INT64_MAX));
+    std::vector<int64_t> data(777, rank + 1);
+    EXPECT_OK(coll_all_reduce(comm, data.data(), data.data(), data.size(), COLL_INT64, COLL_SUM));
+    EXPECT_EQ(std::count(data.begin(), data.end(), int64_t{6}), 777);
+    EXPECT_OK(coll_barrier(comm));
+  });
+}
+
 TEST(CApiErrorTest, CountsThatDifferAcrossRanksAreAMismatchThatSticks) {
   std::atomic<int> mismatches{0};
   RunRanks(2, [&](coll_comm* comm, int rank) {

@@ -241,6 +241,99 @@ TEST(RingTimeoutTest, SetTimeoutAppliesToTheNextCalls) {
   });
 }
 
+// "Never time out" written as the largest duration: read as a year, so the deadline (now +
+// timeout, in nanoseconds) does not overflow into the past, which made every call time out at
+// once. Over TCP (the set-up deadline too), in shared memory (AUTO), and through SetTimeout.
+TEST(RingTimeoutTest, TheLargestTimeoutMeansAYearNotAnOverflow) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::milliseconds::max();
+    RunRanks(transport, 3, options, [&](CollectiveCommunication& comm) {
+      std::vector<float> data(1000, 1.0f);
+      const Tensor t{data.data(), data.size(), DataType::kFloat32};
+      comm.AllReduce(t, ReduceOp::kSum);
+      comm.SetTimeout(std::chrono::milliseconds::max());
+      comm.AllReduce(t, ReduceOp::kSum);
+      comm.SetTimeout(std::chrono::hours(24 * 365 * 1000));
+      comm.Barrier();
+      EXPECT_EQ(std::count(data.begin(), data.end(), 9.0f), 1000) << TransportName(transport);
+    });
+  }
+}
+
+// Options a communicator cannot keep are refused when it is built, naming the option, on every
+// rank alike: no timeout, a chunk too large to stage (sizes near SIZE_MAX wrapped the staging
+// area's size), halving-doubling forced on a world it cannot run on.
+TEST(RingOptionsTest, OptionsItCannotKeepAreRefusedWhenBuilt) {
+  struct Case {
+    const char* what;
+    std::function<void(CommunicationOptions&)> set;
+    int size;
+    ErrorCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"zero timeout", [](CommunicationOptions& o) { o.timeout = std::chrono::milliseconds(0); }, 2,
+       ErrorCode::kInvalidArgument,
+       ": CommunicationOptions::timeout needs a positive timeout, got 0 ms"},
+      {"negative timeout",
+       [](CommunicationOptions& o) { o.timeout = std::chrono::milliseconds(-5); }, 2,
+       ErrorCode::kInvalidArgument,
+       ": CommunicationOptions::timeout needs a positive timeout, got -5 ms"},
+      {"SIZE_MAX chunk", [](CommunicationOptions& o) { o.chunk_bytes = SIZE_MAX; }, 3,
+       ErrorCode::kInvalidArgument,
+       ": CommunicationOptions::chunk_bytes is 18446744073709551615, more than the largest "
+       "chunk, 1073741824 bytes (0 picks the default)"},
+      {"halving-doubling on 3", [](CommunicationOptions& o) { o.algorithm = "halving_doubling"; },
+       3, ErrorCode::kNotSupported,
+       ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two number of "
+       "ranks, at least 4; this communicator has 3"},
+      {"halving-doubling on 2", [](CommunicationOptions& o) { o.algorithm = "halving_doubling"; },
+       2, ErrorCode::kNotSupported,
+       ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two number of "
+       "ranks, at least 4; this communicator has 2"},
+  };
+  for (const Case& c : cases) {
+    for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+      auto store = CreateMemoryStore();
+      std::vector<std::thread> threads;
+      for (int rank = 0; rank < c.size; ++rank) {
+        threads.emplace_back([&, rank] {
+          ClusterSpec spec;
+          spec.rank = rank;
+          spec.world_size = c.size;
+          spec.master_port = 1;  // unused: the store is given
+          CommunicationOptions options;
+          options.implementation = impl;
+          c.set(options);
+          try {
+            CreateCommunication(spec, store, options);
+            ADD_FAILURE() << c.what << ": rank " << rank << " built a communicator";
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), c.code) << c.what << ": " << e.what();
+            EXPECT_EQ(e.message(), "rank " + std::to_string(rank) + c.message) << c.what;
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
+    }
+  }
+  // Directly over in-process fabrics too.
+  CommunicationOptions options;
+  options.chunk_bytes = SIZE_MAX;
+  auto fabrics = transport::CreateInProcessFabrics(2);
+  EXPECT_THROW(ring::CreateRingCommunication(std::move(fabrics[0]), nullptr, options), Error);
+  // The largest chunk and halving-doubling on 4 ranks are accepted and run.
+  options.chunk_bytes = size_t{1} << 30;
+  options.algorithm = "halving_doubling";
+  RunRanks(Transport::kInProcess, 4, options, [](CollectiveCommunication& comm) {
+    std::vector<int32_t> data(1001, comm.rank());
+    comm.AllReduce(Tensor{data.data(), data.size(), DataType::kInt32}, ReduceOp::kSum);
+    EXPECT_EQ(std::count(data.begin(), data.end(), 6), 1001);
+    EXPECT_EQ(comm.AllReduceAlgorithm(4004), "halving_doubling");
+  });
+}
+
 // Abort from another thread wakes a rank blocked in a collective its peer has not joined, over
 // TCP and in shared memory (AUTO), and the peer's later call raises too.
 TEST(RingAbortTest, AbortWakesABlockedCall) {
