@@ -1,12 +1,15 @@
 // The public strategy classes of strategy.h: each builds a StrategyImpl configuration (devices,
 // cross-device reduction, communicator) and forwards to it. Also ReplicaContext, the names of
 // CrossDeviceOps and ComputeAverageLoss.
+#include "collectives/strategy.h"
+
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "collectives/errors.h"
-#include "collectives/strategy.h"
 #include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
@@ -59,6 +62,27 @@ void RequirePositive(const char* strategy, std::chrono::milliseconds timeout) {
   }
 }
 
+// Every worker must run as many local replicas as the others (TensorFlow's multi-worker
+// strategy assumes the same too): replica ids, NumReplicasInSync and the divisor of MEAN are
+// computed from this worker's count. Workers that differ would all run, every collective
+// matching in size, and average with different divisors; instead every worker learns all the
+// counts (one all-gather, the same on every worker) and raises the same error.
+void RequireSameReplicaCount(const char* strategy, CollectiveCommunication& comm, size_t mine) {
+  int64_t own = static_cast<int64_t>(mine);
+  std::vector<int64_t> all(static_cast<size_t>(comm.size()));
+  comm.AllGather(Tensor{&own, 1, DataType::kInt64},
+                 Tensor{all.data(), all.size(), DataType::kInt64});
+  if (std::all_of(all.begin(), all.end(), [&](int64_t n) { return n == all[0]; })) return;
+  std::string counts;
+  for (size_t w = 0; w < all.size(); ++w) {
+    counts += (w ? ", " : "") + std::string("worker ") + std::to_string(w) + ": " +
+              std::to_string(all[w]);
+  }
+  Invalid(std::string(strategy) + ": worker " + std::to_string(comm.rank()) +
+          ": the workers run different numbers of local replicas (" + counts +
+          "); every worker must run the same number (num_local_replicas)");
+}
+
 std::unique_ptr<StrategyImpl> SingleDevice(std::string name, Device device) {
   RequireCpu(name == "default" ? "DefaultStrategy" : "OneDeviceStrategy", device);
   StrategyImpl::Config config;
@@ -103,6 +127,7 @@ std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
     config.comm = options.store
                       ? CreateCommunication(spec, std::move(options.store), options.communication)
                       : CreateCommunication(spec, options.communication);
+    RequireSameReplicaCount(kWho, *config.comm, config.devices.size());
   }
   return std::make_unique<StrategyImpl>(std::move(config));
 }

@@ -557,6 +557,24 @@ TEST(StrategyMultiWorkerTest, AFailingReplicaReleasesTheOtherWorkers) {
   }
 }
 
+// Workers with different numbers of local replicas would all run (their collectives match in
+// size) and average with different divisors (3 workers of 2, 1, 2 replicas: NumReplicasInSync 6,
+// 3 and 6); every worker refuses it when the strategy is built, with the same list of counts.
+TEST(StrategyMultiWorkerTest, WorkersWithDifferentReplicaCountsAreRefused) {
+  auto errors = RunWorkersCatching(
+      3, 2, kHC, [](Strategy&, int rank) { ADD_FAILURE() << "worker " << rank << " was built"; },
+      [](MultiWorkerOptions& options) {
+        if (options.cluster->rank == 1) options.num_local_replicas = 1;
+      });
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string expected = "MultiWorkerMirroredStrategy: worker " + std::to_string(rank) +
+                                 ": the workers run different numbers of local replicas (worker "
+                                 "0: 2, worker 1: 1, worker 2: 2); every worker must run the "
+                                 "same number (num_local_replicas)";
+    ExpectErrorPtr(errors[rank], ErrorCode::kInvalidArgument, {expected.c_str()});
+  }
+}
+
 // ---- Reduce, variables, broadcast --------------------------------------------------------------
 
 TEST(StrategyReduceTest, LocalReplicas) {
