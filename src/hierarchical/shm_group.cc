@@ -272,6 +272,16 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     throw Error(ErrorCode::kSystem, prefix + SystemMessage("mmap " + seg.name));
   }
 
+  // From here on, a failure of the member that created the segment (the store unreachable when
+  // it publishes the name, say) removes the name: nobody else may ever learn it.
+  struct UnlinkUnlessKept {
+    const std::string& name;
+    bool keep;
+    ~UnlinkUnlessKept() {
+      if (!keep) shm_unlink(name.c_str());
+    }
+  } created{seg.name, index != 0};
+
   Header& header = seg.header();
   if (index == 0) {
     header.version = kVersion;
@@ -323,6 +333,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+  created.keep = true;  // unlinked by the last member to attach
   return group;
 }
 

@@ -5,7 +5,10 @@
 // another user; a member refuses a segment another user owns or that others may read), named
 // after the job and a random nonce published through the (authenticated) store. The last
 // member to attach unlinks the name, so nothing is left in /dev/shm however the job ends later;
-// a member that gives up during set-up unlinks it too.
+// a member that gives up during set-up unlinks it too, and so does the creator whatever makes
+// its set-up fail (publishing the name included). Only a creator killed before every member
+// attached leaves the name behind (/dev/shm/collectives-*; the name starts with a hash of the
+// job), as nothing of a killed process runs.
 //
 // Layout: a header (the group's broken flag and the error that broke it), one control block per
 // member (step counters, the call descriptor of its last steps, a liveness mutex), then two data

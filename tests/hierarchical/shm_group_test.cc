@@ -938,6 +938,38 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutRemovesTheSegment) {
   EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
 }
 
+// The creator cannot publish the name (the store is gone): its error, and the segment it
+// created is removed, since no other member can ever learn the name to remove it.
+TEST(ShmGroupSegmentTest, ACreatorThatCannotPublishTheNameRemovesTheSegment) {
+  class LostStore : public Store {
+   public:
+    void Set(const std::string& key, const std::string& value) override {
+      (void)key;
+      published = value;
+      throw Error(ErrorCode::kPeerLost, "test store: the store's host is gone");
+    }
+    std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+      (void)timeout;
+      throw Error(ErrorCode::kPeerLost, "test store: no " + key);
+    }
+    int64_t Add(const std::string& key, int64_t delta) override {
+      (void)key;
+      return delta;
+    }
+    std::string published;
+  } store;
+  ShmGroupOptions options = Options("lost_store", 4096, 4096, 2);
+  try {
+    auto group = ShmGroup::Create(0, {0, 1}, store, options);
+    ADD_FAILURE() << "a group was built without its store";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+    EXPECT_EQ(e.message(), "test store: the store's host is gone");
+  }
+  ASSERT_FALSE(store.published.empty());
+  EXPECT_FALSE(ShmNameExists(store.published)) << DevShmPath(store.published) << " was left";
+}
+
 // Members {0, 1}, only member 1 calls Create: the name never appears in the store; kTimeout.
 TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
   ShmGroupOptions options = Options("attach_timeout", 4096, 4096, 2);
