@@ -187,7 +187,8 @@ class CollectiveCommunication {
   // calls it, in the same place of the call sequence. The ranks that pass the same color >= 0
   // get a new communicator of their own, ranked by key (ties by rank in this one); a negative
   // color gets nullptr. The new communicator has its own connections (and shared memory), the
-  // options of this one, and lives independently of it. Implementations that cannot split
+  // options of this one with its current timeout (SetTimeout's), and lives independently of it.
+  // An Abort of this one during the split makes the split raise. Implementations that cannot split
   // throw Error(kNotSupported).
   virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);
 

@@ -54,10 +54,13 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
                                           rendezvous.key_prefix, options);
   }
   ring::SplitBuilder split = [store, rendezvous, options](int new_rank, int new_size,
-                                                          const std::string& key_suffix) {
+                                                          const std::string& key_suffix,
+                                                          std::chrono::milliseconds timeout) {
     Rendezvous sub = rendezvous;
     sub.key_prefix += key_suffix;
-    return Connect(new_rank, new_size, store, sub, options);
+    CommunicationOptions child = options;
+    child.timeout = timeout;
+    return Connect(new_rank, new_size, store, sub, child);
   };
   ring::Planner* const planner_view = planner.get();
   auto comm = ring::CreateRingCommunication(std::move(fabric), std::move(store), options,

@@ -246,6 +246,16 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
     fabric_->SetDeadline(deadline);
     Context ctx{*fabric_, tag, chunk_bytes_, staging_, deadline};
     body(ctx);
+    // An Abort from another thread that came while the body's last wait was returning left the
+    // fabric's shutdown (the abort frames that tell the peers) to the thread driving the fabric,
+    // which returned without seeing it; later calls fail on broken_ without touching the fabric.
+    // This thread drives no more now, so the fabric's Abort runs the shutdown at once.
+    std::optional<Error> aborted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborted = broken_;
+    }
+    if (aborted) fabric_->Abort(*aborted);
     return std::nullopt;
   } catch (const Error& e) {
     return Break(e);
@@ -316,8 +326,14 @@ std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int
   }
   std::sort(members.begin(), members.end());
   const auto me = std::find(members.begin(), members.end(), std::make_pair(int64_t(key), rank_));
-  return split_(int(me - members.begin()), int(members.size()),
-                "/split" + std::to_string(split) + "/" + std::to_string(color));
+  auto child = split_(int(me - members.begin()), int(members.size()),
+                      "/split" + std::to_string(split) + "/" + std::to_string(color),
+                      std::chrono::milliseconds(timeout_ms_.load()));
+  // An Abort while the child was being connected: the split fails as every call does from then
+  // on, rather than hand out a working child of an aborted communicator.
+  std::lock_guard<std::mutex> state(mu_);
+  if (broken_) throw *broken_;
+  return child;
 }
 
 void RingCommunication::Abort() {

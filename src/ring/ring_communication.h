@@ -5,6 +5,7 @@
 #ifndef COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
 #define COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -45,10 +46,11 @@ class Planner {
   virtual void Abort(const Error& error) = 0;
 };
 
-// Builds the communicator of a Split: this rank's new rank and size, and a suffix that gives its
-// rendezvous keys a space of their own (the factory knows the store and the job).
+// Builds the communicator of a Split: this rank's new rank and size, a suffix that gives its
+// rendezvous keys a space of their own (the factory knows the store and the job), and the
+// parent's timeout at the time of the split (for the set-up and the child's calls).
 using SplitBuilder = std::function<std::unique_ptr<CollectiveCommunication>(
-    int rank, int size, const std::string& key_suffix)>;
+    int rank, int size, const std::string& key_suffix, std::chrono::milliseconds timeout)>;
 
 // Takes over `fabric` (already connected). `store` is kept alive as long as the communicator
 // (rank 0 may host it); it may be null. With a `planner` the communicator reports

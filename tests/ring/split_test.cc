@@ -7,6 +7,9 @@
 //   - a communicator built over a hand-made fabric cannot split (kNotSupported).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "collectives/collectives.h"
@@ -71,6 +74,33 @@ TEST_P(SplitTest, IntraHostAndInterHostCommunicatorsOfTheTwoLevelPlan) {
     EXPECT_EQ(inter->rank(), host);
     ExpectSumOf(*intra, comm.rank(), {host * 3, host * 3 + 1, host * 3 + 2});
     ExpectSumOf(*inter, comm.rank(), {local, local + 3});
+  });
+}
+
+// The child takes the parent's timeout at the time of the split (SetTimeout's, not the one the
+// parent was built with): a barrier of the child that one member never joins times out after
+// 300 ms, not after the parent's original 60 s.
+TEST_P(SplitTest, TheChildTakesTheParentsCurrentTimeout) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  std::atomic<bool> rank0_done{false};
+  RunRanks(GetParam(), 2, options, [&](CollectiveCommunication& comm) {
+    comm.SetTimeout(std::chrono::milliseconds(300));
+    auto child = comm.Split(0, comm.rank());
+    ASSERT_NE(child, nullptr);
+    if (comm.rank() == 1) {  // never joins; waits until rank 0 gave up
+      while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      child->Barrier();
+      ADD_FAILURE() << "a barrier without its peer succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    rank0_done = true;
   });
 }
 
