@@ -84,6 +84,10 @@ std::shared_ptr<Store> CreateMemoryStore();
 
 // A store of files in `directory` (a folder every rank can see, e.g. on a shared file system).
 // The folder is created if missing. Values are written atomically (temp file, then rename).
+// Keys outlive the job: give each run of a job an empty folder of its own (as PyTorch's
+// FileStore needs a fresh file). In a folder an earlier run used, the ranks' communicator
+// counters may differ (a rank of that run died early), and ranks then wait for each other under
+// different keys, or read a dead rank's address, until their timeout.
 // When the job sets no token, CreateCommunication proves the one in <directory>/.job-token,
 // which the first rank creates (mode 0600, 32 random bytes in hex); a token file that another
 // user owns or that group or others may read raises Error(kUnauthenticated).
