@@ -834,15 +834,26 @@ class Sweep {
     FillInput(collective, dtype, op, send);
     for (int i = 0; i < config_.warmup_iters; ++i) run_once();
 
-    if (config_.check) {
+    // One checked call on `comm`: the wrong elements summed over ranks. Out of place, recv starts
+    // as the sentinel; in place, the part of it that is not input does (an in-place all-gather's
+    // other blocks: else they would still hold the warm-ups' correct result). An in-place
+    // all-reduce, broadcast or reduce-scatter has no such part: its buffer is all input, and a
+    // broadcast's non-roots start from their own pattern, not the root's.
+    auto check_on = [&](CollectiveCommunication& comm) {
+      if (!config_.in_place || collective == Collective::kAllGather) {
+        FillWith(recv.data, dtype, recv.count, Sentinel(dtype));
+      }
       FillInput(collective, dtype, op, send);
-      // In place, recv overlaps the input: no sentinel there.
-      if (!config_.in_place) FillWith(recv.data, dtype, recv.count, Sentinel(dtype));
-      run_once();
-      const int64_t local_wrong = Verify(collective, dtype, op, send, recv);
-      int64_t wrong = local_wrong;
+      run_on(comm);
+      int64_t wrong = Verify(collective, dtype, op, send, recv);
       comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64, Device::Cpu()}, ReduceOp::kSum);
-      row.wrong = wrong;
+      return wrong;
+    };
+    if (config_.check) {
+      // Every configuration timed is checked: ours and each --versus one.
+      row.wrong = check_on(comm_);
+      for (auto& versus : session_.versus) *row.wrong += check_on(*versus.comm);
+      FillInput(collective, dtype, op, send);
     }
 
     // `repeat` rounds of `iters` timed calls; with a baseline, ours and MPI's rounds alternate
@@ -881,7 +892,8 @@ class Sweep {
     }
     auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
+      const size_t half = v.size() / 2;
+      return v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;
     };
     for (const std::vector<double>& rounds : versus) row.versus_time_us.push_back(median(rounds) * 1e6);
     const double seconds = median(ours);

@@ -66,6 +66,17 @@ def kernel_ratios(path, size):
             over(f"BM_PlainF32Add/{size}"))
 
 
+def wrong_elements(folder, round_):
+    """Wrong result elements over the round's checked CSV rows (their `wrong` column), or None
+    when no row of the round was checked."""
+    total = None
+    for path in sorted(glob.glob(os.path.join(folder, f"r{round_}_*.csv"))):
+        for row in csv_rows(path):
+            if row.get("wrong", ""):
+                total = (total or 0) + int(row["wrong"])
+    return total
+
+
 def packing_speedup(path):
     for row in csv_rows(path):
         if row["mode"] == "packed":
@@ -130,6 +141,11 @@ def main():
     add("packed 1000 x 4 KiB, 4 ranks: speed-up",
         [packing_speedup(path(r, "packing.csv")) for r in all_rounds], ">= 10", at_least(10.0),
         "{:.1f}")
+    # A target met with a wrong answer is not met: every run above checks its results
+    # (--check), and one wrong element in any round fails this line.
+    wrong = [wrong_elements(folder, r) for r in all_rounds]
+    add("wrong result elements, all checked runs", wrong, "0 in every round",
+        lambda _: all(v == 0 for v in wrong), "{:.0f}")
     add("256 MiB all-reduce, 4 ranks: peak RSS - tensor (MiB)",
         [None if v is None else v - 256 for v in (peak_rss_mib(path(r, "memory.log"))
                                                   for r in all_rounds)],

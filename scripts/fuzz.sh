@@ -2,8 +2,9 @@
 # Runs every libFuzzer target (tests/fuzz/*_fuzzer.cc) for FUZZ_SECONDS each (default 600), built
 # with Clang, libFuzzer, ASan and UBSan in build-fuzz/. Each starts from the seed corpus kept in
 # tests/fuzz/corpus/<target>/ and grows its own corpus in out/fuzz/<target>/ (the repo's seeds
-# are not touched). Prints libFuzzer's run count per target; exits non-zero on the first crash,
-# leaving the crashing input in out/fuzz/ (crash-*).
+# are not touched). Prints libFuzzer's run count per target; exits non-zero on the first failure
+# (crash, leak, timeout: the fuzzer's exit status), leaving the input in out/fuzz/ (crash-*,
+# leak-*, timeout-*).
 #   scripts/fuzz.sh                 all targets, 10 minutes each
 #   FUZZ_SECONDS=30 scripts/fuzz.sh wire
 set -euo pipefail
@@ -39,11 +40,18 @@ for t in "${TARGETS[@]}"; do
   mkdir -p "${corpus}"
   echo "== fuzz ${t}: ${SECONDS_EACH} s =="
   # -close_fd_mask=2: the handshake server logs every refused stranger to stderr.
+  # The fuzzer's own exit status decides (a crash, a leak, a timeout, any failure is non-zero);
+  # the display filter's status does not matter.
+  status=0
   "${BUILD_DIR}/tests/${t}_fuzzer" -max_total_time="${SECONDS_EACH}" -print_final_stats=1 \
     -close_fd_mask=2 -artifact_prefix="out/fuzz/${t}-" "${corpus}" "tests/fuzz/corpus/${t}" \
-    2>&1 | tee "out/fuzz/${t}.log" | grep -E '^(Done|INFO: seed|stat::number_of_executed_units|==[0-9]+==ERROR)' || true
-  if grep -q -E 'ERROR: (libFuzzer|AddressSanitizer|UndefinedBehavior)|runtime error' "out/fuzz/${t}.log"; then
-    echo "fuzz ${t}: CRASH, see out/fuzz/${t}.log" >&2
+    >"out/fuzz/${t}.log" 2>&1 || status=$?
+  grep -E '^(Done|INFO: seed|stat::number_of_executed_units|==[0-9]+==ERROR|SUMMARY)' \
+    "out/fuzz/${t}.log" || true
+  if [[ ${status} -ne 0 ]] ||
+    grep -q -E 'ERROR: (libFuzzer|AddressSanitizer|LeakSanitizer|UndefinedBehavior)|runtime error' \
+      "out/fuzz/${t}.log"; then
+    echo "fuzz ${t}: FAILED (exit status ${status}), see out/fuzz/${t}.log" >&2
     exit 1
   fi
 done

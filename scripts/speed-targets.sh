@@ -21,10 +21,12 @@
 # non-zero if a run failed or a run is not possible (no MPI); a missed target is reported, not
 # an error.
 set -euo pipefail
+# OUT_DIR as given, resolved against the caller's folder before the cd below.
+if [[ $# -ge 1 ]]; then OUT=$(realpath -m -- "$1"); fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 ROUNDS=${ROUNDS:-3}
-OUT=${1:-out/targets-$(date +%Y%m%d-%H%M%S)}
+OUT=${OUT:-out/targets-$(date +%Y%m%d-%H%M%S)}
 BUILD_DIR=${COLLECTIVES_BUILD_DIR:-build}
 
 COLLECTIVES_BUILD_TARGETS="collectives_perf packing_perf kernels_bench" scripts/build.sh
@@ -65,25 +67,25 @@ for round in $(seq 1 "${ROUNDS}"); do
   echo "== round ${round} of ${ROUNDS}"
   for n in 2 4; do
     step "r${round}_all_reduce_${n}" "${MPIRUN[@]}" -np "${n}" "${PERF}" --impl ring \
-      -c all_reduce -b 1M -e 64M -f 4 -n 10 -w 3 -r 7 --inplace --baseline mpi \
+      -c all_reduce -b 1M -e 64M -f 4 -n 10 -w 3 -r 7 --inplace --baseline mpi --check \
       --csv "${OUT}/r${round}_all_reduce_${n}.csv"
     # A 1 MiB call lasts a fraction of a millisecond: more calls per round, more rounds.
     step "r${round}_bcast_gather_1M_${n}" "${MPIRUN[@]}" -np "${n}" "${PERF}" --impl ring \
-      -c broadcast,all_gather -b 1M -e 1M -n 100 -w 3 -r 21 --inplace --baseline mpi \
+      -c broadcast,all_gather -b 1M -e 1M -n 100 -w 3 -r 21 --inplace --baseline mpi --check \
       --csv "${OUT}/r${round}_bcast_gather_1M_${n}.csv"
     step "r${round}_bcast_gather_16M_${n}" "${MPIRUN[@]}" -np "${n}" "${PERF}" --impl ring \
-      -c broadcast,all_gather -b 16M -e 16M -n 10 -w 3 -r 21 --inplace --baseline mpi \
+      -c broadcast,all_gather -b 16M -e 16M -n 10 -w 3 -r 21 --inplace --baseline mpi --check \
       --csv "${OUT}/r${round}_bcast_gather_16M_${n}.csv"
   done
   step "r${round}_all_reduce_8B_2" "${MPIRUN[@]}" -np 2 "${PERF}" --impl ring \
-    -c all_reduce -b 8 -e 8 -n 2000 -w 100 -r 7 --baseline mpi \
+    -c all_reduce -b 8 -e 8 -n 2000 -w 100 -r 7 --baseline mpi --check \
     --csv "${OUT}/r${round}_all_reduce_8B_2.csv"
   step "r${round}_kernels" "${BUILD_DIR}/bench/kernels_bench" \
     --benchmark_filter='BM_Memcpy|BM_PlainF32Add|ReduceBench/f32_sum|ReduceInPlaceBench/f32_sum' \
     --benchmark_repetitions=5 --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true \
     --benchmark_out="${OUT}/r${round}_kernels.json" --benchmark_out_format=json
   step "r${round}_packing" "${BUILD_DIR}/bench/packing_perf" --local 4 --workload 1000x4K \
-    --bytes-per-pack 1M -n 20 --csv "${OUT}/r${round}_packing.csv"
+    --bytes-per-pack 1M -n 20 --check --csv "${OUT}/r${round}_packing.csv"
   # GNU time prints each rank's peak resident set (KiB) on its own line.
   step "r${round}_memory" "${MPIRUN[@]}" -np 4 /usr/bin/time -f "peak_rss_kib %M" "${PERF}" \
     --impl ring -c all_reduce -b 256M -e 256M -n 2 -w 1 --inplace

@@ -23,6 +23,8 @@
 # gloo_perf first (scripts/build.sh). Exits non-zero if any run failed; the others still run and
 # are plotted.
 set -euo pipefail
+# OUT_DIR as given, resolved against the caller's folder before the cd below.
+if [[ $# -ge 1 ]]; then OUT=$(realpath -m -- "$1"); fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 QUICK=${QUICK:-0}
@@ -31,7 +33,7 @@ ITERS=${ITERS:-20}
 WARMUP=${WARMUP:-5}
 LARGE_ITERS=${LARGE_ITERS:-10}
 LARGE_WARMUP=${LARGE_WARMUP:-3}
-OUT=${1:-out/matrix-$(date +%Y%m%d-%H%M%S)}
+OUT=${OUT:-out/matrix-$(date +%Y%m%d-%H%M%S)}
 BUILD_DIR=${COLLECTIVES_BUILD_DIR:-build}
 COLLECTIVES=all_reduce,broadcast,all_gather,reduce_scatter
 
@@ -47,7 +49,9 @@ COLLECTIVES_BUILD_TARGETS=collectives_perf scripts/build.sh
 PERF=${BUILD_DIR}/bench/collectives_perf
 GLOO_PERF=${BUILD_DIR}/bench/gloo_perf
 # gloo_perf exists as a target only where CMake found Gloo.
-if cmake --build "${BUILD_DIR}" --target help | grep -q '^gloo_perf:'; then
+# (The list is read whole: grep -q would stop reading at the match, and the writer's SIGPIPE
+# would fail the pipeline under pipefail.)
+if grep -q '^gloo_perf:' <<<"$(cmake --build "${BUILD_DIR}" --target help)"; then
   cmake --build "${BUILD_DIR}" -j"$(nproc)" --target gloo_perf
 else
   echo "sweep-matrix: gloo_perf is not built (libgloo-dev missing): no Gloo lines"
