@@ -79,13 +79,14 @@ TEST_P(SplitTest, IntraHostAndInterHostCommunicatorsOfTheTwoLevelPlan) {
 
 // The child takes the parent's timeout at the time of the split (SetTimeout's, not the one the
 // parent was built with): a barrier of the child that one member never joins times out after
-// 300 ms, not after the parent's original 60 s.
+// 1.5 s, not after the parent's original 60 s. (The timeout also bounds the split and the
+// child's set-up, so it is not cut finer: a loaded machine may take a while to connect.)
 TEST_P(SplitTest, TheChildTakesTheParentsCurrentTimeout) {
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(60);
   std::atomic<bool> rank0_done{false};
   RunRanks(GetParam(), 2, options, [&](CollectiveCommunication& comm) {
-    comm.SetTimeout(std::chrono::milliseconds(300));
+    comm.SetTimeout(std::chrono::milliseconds(1500));
     auto child = comm.Split(0, comm.rank());
     ASSERT_NE(child, nullptr);
     if (comm.rank() == 1) {  // never joins; waits until rank 0 gave up
@@ -99,7 +100,7 @@ TEST_P(SplitTest, TheChildTakesTheParentsCurrentTimeout) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
     }
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
     rank0_done = true;
   });
 }

@@ -311,7 +311,7 @@ TEST_P(FabricTest, DeadlineRaisesTimeoutAndPeersHearOfIt) {
             "rank 0: deadline passed while waiting for #7 all_reduce(f32, sum, count=2) (8 "
             "bytes) from rank 1");
   EXPECT_GE(elapsed[0], 300ms);
-  EXPECT_LT(elapsed[0], 1300ms);
+  EXPECT_LT(elapsed[0], 5s);  // its own deadline, not the 30 s one (shutdown adds up to 300 ms)
   for (int rank = 1; rank < size_; ++rank) {
     ASSERT_TRUE(errors[rank]);
     EXPECT_EQ(errors[rank]->code(), ErrorCode::kTimeout);
