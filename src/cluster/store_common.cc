@@ -6,13 +6,9 @@
 #include <charconv>
 
 #include "collectives/errors.h"
+#include "src/core/arguments.h"
 
 namespace collectives::cluster {
-namespace {
-
-constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
-
-}  // namespace
 
 void CheckKey(std::string_view store, const std::string& key) {
   if (key.empty()) {
@@ -37,7 +33,7 @@ void CheckValue(std::string_view store, const std::string& key, const std::strin
 
 std::chrono::milliseconds ClampTimeout(std::chrono::milliseconds timeout) {
   if (timeout < std::chrono::milliseconds::zero()) return std::chrono::milliseconds::zero();
-  if (timeout > kMaxTimeout) return kMaxTimeout;
+  if (timeout > core::kMaxTimeout) return core::kMaxTimeout;
   return timeout;
 }
 
