@@ -50,7 +50,7 @@ std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::mill
   return std::min(timeout, kMaxTimeout);
 }
 
-CommunicationOptions CheckOptions(int rank, int size, const CommunicationOptions& options) {
+CommunicationOptions CheckOptions(int rank, const CommunicationOptions& options) {
   const std::string prefix = "rank " + std::to_string(rank) + ": CommunicationOptions::";
   CommunicationOptions checked = options;
   checked.timeout = CheckTimeout(prefix + "timeout", options.timeout);
@@ -59,14 +59,6 @@ CommunicationOptions CheckOptions(int rank, int size, const CommunicationOptions
                 prefix + "chunk_bytes is " + std::to_string(options.chunk_bytes) +
                     ", more than the largest chunk, " + std::to_string(kMaxChunkBytes) +
                     " bytes (0 picks the default)");
-  }
-  const bool power_of_two = size >= 4 && (size & (size - 1)) == 0;
-  if (options.algorithm == "halving_doubling" && !power_of_two) {
-    throw Error(ErrorCode::kNotSupported,
-                prefix +
-                    "algorithm 'halving_doubling' needs a power-of-two number of ranks, at "
-                    "least 4; this communicator has " +
-                    std::to_string(size));
   }
   return checked;
 }

@@ -44,12 +44,11 @@ std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::mill
 // communicator; a larger chunk is no longer a pipeline, and sizes near SIZE_MAX would overflow.
 inline constexpr size_t kMaxChunkBytes = size_t{1} << 30;
 
-// `options` as a communicator of `size` ranks keeps them: the timeout checked and capped
-// (CheckTimeout), chunk_bytes at most kMaxChunkBytes, and a forced "halving_doubling" only on a
-// power-of-two world of at least 4 (the algorithm needs one; anything else raises
-// Error(kNotSupported) as the option promises, rather than measuring another algorithm).
-// Throws Error(kInvalidArgument) naming the option otherwise, "rank R: CommunicationOptions::...".
-CommunicationOptions CheckOptions(int rank, int size, const CommunicationOptions& options);
+// `options` as a communicator keeps them: the timeout checked and capped (CheckTimeout), and
+// chunk_bytes at most kMaxChunkBytes. Throws Error(kInvalidArgument) naming the option
+// otherwise, "rank R: CommunicationOptions::...". (Whether the world can run a forced algorithm
+// is each implementation's check: ring::CheckRingAlgorithm.)
+CommunicationOptions CheckOptions(int rank, const CommunicationOptions& options);
 
 }  // namespace collectives::core
 

@@ -102,7 +102,7 @@ Implementation ParseImplementation(const std::string& name) {
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options) {
   spec.Validate();
-  const CommunicationOptions checked = core::CheckOptions(spec.rank, spec.world_size, options);
+  const CommunicationOptions checked = core::CheckOptions(spec.rank, options);
   return CreateCommunication(
       spec, CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked)), checked);
 }
@@ -112,7 +112,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
                                                              const CommunicationOptions& given) {
   spec.Validate();
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
-  const CommunicationOptions options = core::CheckOptions(spec.rank, spec.world_size, given);
+  const CommunicationOptions options = core::CheckOptions(spec.rank, given);
   // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host);
   // choosing NCCL for CUDA tensors per call, across devices, is future work.
   if (options.implementation == Implementation::kNccl) {
@@ -133,6 +133,8 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
 #endif
   }
 
+  // Refused before the store is touched (CreateRingCommunication would, after connecting).
+  ring::CheckRingAlgorithm(spec.rank, spec.world_size, options.algorithm);
   // Every rank counts the communicators it has built on this store; building them in the same
   // order on every rank (as collectives require anyway) gives each its own key space.
   const int64_t generation =

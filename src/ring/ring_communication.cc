@@ -514,8 +514,8 @@ RingCommunication::Prepared RingCommunication::PrepareBarrier() const {
 RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) const {
   if (algorithm_ == "recursive_doubling") return Algorithm::kRecursiveDoubling;
   if (algorithm_ == "ring") return Algorithm::kRing;
-  const bool power_of_two = size_ >= 4 && (size_ & (size_ - 1)) == 0;
-  if (algorithm_ == "halving_doubling" && power_of_two) return Algorithm::kHalvingDoubling;
+  if (algorithm_ == "halving_doubling") return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
+  const bool power_of_two = HalvingDoublingRunsOn(size_);
   // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
   // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
   if (bytes <= small_message_bytes_) return Algorithm::kRecursiveDoubling;
@@ -563,7 +563,8 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
     const CommunicationOptions& options, std::unique_ptr<Planner> planner, SplitBuilder split) {
   if (!fabric) throw Error(ErrorCode::kInvalidArgument, "CreateRingCommunication: no fabric");
-  const CommunicationOptions checked = core::CheckOptions(fabric->rank(), fabric->size(), options);
+  const CommunicationOptions checked = core::CheckOptions(fabric->rank(), options);
+  CheckRingAlgorithm(fabric->rank(), fabric->size(), options.algorithm);
   if (!options.algorithm.empty() && !planner && !IsRingAlgorithm(options.algorithm)) {
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(fabric->rank()) + ": algorithm '" + options.algorithm +
@@ -571,6 +572,18 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
   }
   return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), checked,
                                              std::move(planner), std::move(split));
+}
+
+bool HalvingDoublingRunsOn(int size) { return size >= 4 && (size & (size - 1)) == 0; }
+
+void CheckRingAlgorithm(int rank, int size, const std::string& algorithm) {
+  if (algorithm == "halving_doubling" && !HalvingDoublingRunsOn(size)) {
+    throw Error(ErrorCode::kNotSupported,
+                "rank " + std::to_string(rank) +
+                    ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two "
+                    "number of ranks, at least 4; this communicator has " +
+                    std::to_string(size));
+  }
 }
 
 bool IsRingAlgorithm(const std::string& name) {

@@ -64,6 +64,14 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
 // The ring's own all-reduce algorithms, by the names of CommunicationOptions::algorithm.
 bool IsRingAlgorithm(const std::string& name);
 
+// Whether halving-doubling can run on `size` ranks: a power of two of at least 4.
+bool HalvingDoublingRunsOn(int size);
+
+// Throws Error(kNotSupported) when `algorithm` forces a ring algorithm that `size` ranks cannot
+// run ("halving_doubling" elsewhere than HalvingDoublingRunsOn), as the option promises, rather
+// than measure another algorithm: "rank R: CommunicationOptions::algorithm ...".
+void CheckRingAlgorithm(int rank, int size, const std::string& algorithm);
+
 }  // namespace collectives::ring
 
 #endif  // COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_

@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "collectives/errors.h"
+#include "src/core/arguments.h"
 
 namespace collectives::strategy::internal {
 namespace {
@@ -42,8 +43,7 @@ std::string WhatOf(const std::exception_ptr& error) {
 
 // now + d, without overflowing for very long timeouts.
 std::chrono::steady_clock::time_point DeadlineAfter(std::chrono::milliseconds d) {
-  constexpr std::chrono::milliseconds kLongest = std::chrono::hours(24 * 365);
-  return std::chrono::steady_clock::now() + std::min(d, kLongest);
+  return std::chrono::steady_clock::now() + std::min(d, core::kMaxTimeout);
 }
 
 }  // namespace

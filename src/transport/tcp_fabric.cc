@@ -1081,7 +1081,8 @@ void TcpFabric::Abort(const Error& error) {
   if (lock.owns_lock()) {
     RunShutdown();
   } else {
-    // The driving thread is inside a call: wake it; it runs the shutdown.
+    // The driving thread is inside a call: wake it; its next wait runs the shutdown. (A call
+    // that was already returning does not wait again: see Fabric::Abort.)
     asio::post(io_, [] {});
   }
 }
