@@ -28,6 +28,11 @@ struct ClusterSpec {
   std::string master_addr = "127.0.0.1";
   // TCP port of the rendezvous store. 0 is only valid for world_size == 1.
   uint16_t master_port = 0;
+  // Where rank 0's store listens, when not at master_addr: an address of rank 0's host, or
+  // "0.0.0.0" / "::" for every interface (for a master_addr that is this host's name but
+  // resolves to a loopback address here, as Debian's /etc/hosts makes it). Empty: master_addr.
+  // FromEnvironment takes it from COLLECTIVES_STORE_LISTEN_ADDRESS.
+  std::string store_listen_address;
   // Per-rank "host:port" when the source lists them (TF_CONFIG does); empty otherwise. When
   // present, rank i binds its data listener to the host of addresses[i].
   std::vector<std::string> addresses;
@@ -107,9 +112,12 @@ std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bo
 // Error(kInvalidArgument) if `store` is not a TCP store server.
 uint16_t TcpStorePort(const Store& store);
 
-// The store a ClusterSpec names: rank 0 hosts a TCP store at master_addr:master_port, the other
-// ranks connect to it. A single-rank spec gets a memory store.
-// `job_token` as for CreateTcpStore, except when it is empty: rank 0 then generates a random
+// The store a ClusterSpec names: rank 0 hosts a TCP store at master_addr:master_port (listening
+// at store_listen_address when set), the other ranks connect to it. A single-rank spec gets a
+// memory store. Rank 0 logs a line to stderr when master_addr is a name that resolves to
+// loopback addresses only (other hosts could not reach the store).
+// `job_token` as for CreateTcpStore; when empty, the spec's job_token, else
+// $COLLECTIVES_JOB_TOKEN. When all are empty, rank 0 generates a random
 // token and each other rank enrols for it once, on its first connection (the token travels
 // once, in clear, to each rank; a stranger who enrols first for a rank takes its place, and the
 // real rank raises Error(kUnauthenticated) naming the rank). CreateCommunication proves that

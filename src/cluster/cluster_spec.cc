@@ -293,7 +293,9 @@ ClusterSpec ClusterSpec::FromEnvironment() {
                                        "OMPI_COMM_WORLD_SIZE",
                                        "MASTER_ADDR",
                                        "MASTER_PORT",
-                                       "COLLECTIVES_JOB_ID"};
+                                       "COLLECTIVES_JOB_ID",
+                                       "COLLECTIVES_JOB_TOKEN",
+                                       "COLLECTIVES_STORE_LISTEN_ADDRESS"};
   std::map<std::string, std::string> env;
   for (const char* name : kNames) {
     if (const char* value = std::getenv(name)) env.emplace(name, value);
@@ -315,6 +317,9 @@ ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string
     spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
   }
   if (const std::string* token = Find(env, "COLLECTIVES_JOB_TOKEN")) spec.job_token = *token;
+  if (const std::string* listen = Find(env, "COLLECTIVES_STORE_LISTEN_ADDRESS")) {
+    spec.store_listen_address = *listen;
+  }
   if (const std::string* job_id = Find(env, "COLLECTIVES_JOB_ID")) {
     if (job_id->empty()) Invalid("environment variable COLLECTIVES_JOB_ID is set but empty");
     if (job_id_from_tf_config && *job_id != spec.job_id) {

@@ -1,4 +1,6 @@
 // The public factories of the TCP store and the store a ClusterSpec names.
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 
 #include "collectives/cluster.h"
@@ -42,8 +44,31 @@ std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::mill
                                       const std::string& job_token) {
   spec.Validate();
   if (spec.world_size == 1) return CreateMemoryStore();
-  return MakeTcpStore(spec.master_addr, spec.master_port, spec.rank == 0, timeout, job_token,
-                      spec.world_size, spec.rank);
+  std::string token = !job_token.empty() ? job_token : spec.job_token;
+  if (token.empty()) {
+    if (const char* env = std::getenv("COLLECTIVES_JOB_TOKEN")) token = env;
+  }
+  if (spec.rank != 0) {
+    return MakeTcpStore(spec.master_addr, spec.master_port, false, timeout, token, spec.world_size,
+                        spec.rank);
+  }
+  if (!spec.store_listen_address.empty()) {
+    return MakeTcpStore(spec.store_listen_address, spec.master_port, true, timeout, token,
+                        spec.world_size, spec.rank);
+  }
+  const std::string loopback =
+      cluster::LoopbackOnlyAddresses(cluster::StripBrackets(spec.master_addr));
+  if (!loopback.empty()) {
+    const std::string line =
+        "collectives: rank 0: " +
+        cluster::LoopbackWarning("the store", spec.master_addr, loopback,
+                                 "set MASTER_ADDR (or TF_CONFIG's chief) to this host's address, "
+                                 "or COLLECTIVES_STORE_LISTEN_ADDRESS to it or to 0.0.0.0") +
+        "\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);
+  }
+  return MakeTcpStore(spec.master_addr, spec.master_port, true, timeout, token, spec.world_size,
+                      spec.rank);
 }
 
 namespace cluster {

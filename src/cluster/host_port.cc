@@ -2,6 +2,8 @@
 #include "src/cluster/host_port.h"
 
 #include <cctype>
+// A standard header (above) comes before <asio.hpp>: see tcp_store_server.cc.
+#include <asio.hpp>
 
 namespace collectives::cluster {
 
@@ -83,6 +85,34 @@ std::string FormatHostPort(std::string_view host, uint16_t port) {
   }
   out.append(":").append(std::to_string(port));
   return out;
+}
+
+std::string LoopbackOnlyAddresses(const std::string& host) {
+  asio::error_code ec;
+  (void)asio::ip::make_address(host, ec);
+  if (!ec || host == "localhost") return {};  // an address, or a name that says what it is
+  asio::io_context io;
+  asio::ip::tcp::resolver resolver(io);
+  const auto results = resolver.resolve(host, "1", asio::ip::tcp::resolver::numeric_service, ec);
+  if (ec || results.empty()) return {};
+  std::string addresses;
+  for (const auto& entry : results) {
+    const asio::ip::address address = entry.endpoint().address();
+    if (!address.is_loopback()) return {};
+    const std::string text = address.to_string();
+    if (addresses.find(text) == std::string::npos) {
+      addresses += (addresses.empty() ? "" : ", ") + text;
+    }
+  }
+  return addresses;
+}
+
+std::string LoopbackWarning(const std::string& listener, const std::string& host,
+                            const std::string& addresses, const std::string& remedy) {
+  return listener + " binds to '" + host + "', which is " + addresses +
+         " here, a loopback address: ranks on other hosts cannot reach it. If the job spans "
+         "hosts, " +
+         remedy + ".";
 }
 
 }  // namespace collectives::cluster

@@ -4,7 +4,7 @@
 // without brackets, so it can be handed to a resolver as is. Port must be 1..65535, written in
 // decimal digits only.
 //
-// Thread-safety: plain functions over values.
+// Thread-safety: plain functions over values (LoopbackOnlyAddresses asks the resolver).
 #ifndef COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
 #define COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
 
@@ -32,6 +32,17 @@ std::string StripBrackets(std::string_view host);
 
 // "host:port", with IPv6 hosts (any host containing ':') put in brackets.
 std::string FormatHostPort(std::string_view host, uint16_t port);
+
+// When `host` is a name (not an address, not "localhost") and every address it resolves to
+// here is a loopback one, those addresses ("127.0.1.1"); otherwise, or when it does not
+// resolve, "". A listener bound to such a name cannot be reached from another host: Debian and
+// Ubuntu map a host's own name to 127.0.1.1 in /etc/hosts.
+std::string LoopbackOnlyAddresses(const std::string& host);
+
+// The line a rank logs before binding a listener to such a name in a job of several ranks:
+// what `listener` binds, that ranks on other hosts cannot reach it, and `remedy`.
+std::string LoopbackWarning(const std::string& listener, const std::string& host,
+                            const std::string& addresses, const std::string& remedy);
 
 }  // namespace collectives::cluster
 

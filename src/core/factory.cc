@@ -1,9 +1,11 @@
 // The factory: from a ClusterSpec and options to a connected communicator. It is the one place
 // where core reaches up to the implementations (DESIGN.md puts the factory in core).
 #include <cstdlib>
+#include <iostream>
 #include <string>
 
 #include "collectives/communication.h"
+#include "src/cluster/host_port.h"
 #include "src/cluster/job_token.h"
 #include "src/core/arguments.h"
 #include "src/hierarchical/planner.h"
@@ -17,14 +19,11 @@
 namespace collectives {
 namespace {
 
-// "host:port" or "[v6]:port" -> host.
-std::string HostOf(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  return host;
+// The host of rank `rank`'s entry in spec.addresses (Validate checked that it parses).
+std::string ListedHost(const ClusterSpec& spec, int rank) {
+  std::string why;
+  const auto parsed = cluster::ParseHostPort(spec.addresses[size_t(rank)], &why);
+  return parsed ? parsed->host : std::string();
 }
 
 // Where a communicator's ranks meet: the job, the key space in the store, and the address this
@@ -151,10 +150,18 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
     rendezvous.bind_host = options.listen_address;
   } else if (listen_env != nullptr && *listen_env != '\0') {
     rendezvous.bind_host = listen_env;
-  } else if (!spec.addresses.empty()) {
-    rendezvous.bind_host = HostOf(spec.addresses[spec.rank]);
   } else if (spec.world_size > 1) {
-    rendezvous.bind_host = transport::LocalAddressToward(spec.master_addr);
+    rendezvous.bind_host = spec.addresses.empty() ? transport::LocalAddressToward(spec.master_addr)
+                                                  : ListedHost(spec, spec.rank);
+    const std::string loopback = cluster::LoopbackOnlyAddresses(rendezvous.bind_host);
+    if (!loopback.empty()) {
+      std::cerr << "collectives: rank " + std::to_string(spec.rank) + ": " +
+                       cluster::LoopbackWarning(
+                           "the data listener", rendezvous.bind_host, loopback,
+                           "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
+                           "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0") +
+                       "\n";
+    }
   }
   return Connect(spec.rank, spec.world_size, std::move(store), rendezvous, options);
 }

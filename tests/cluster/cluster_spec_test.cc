@@ -238,6 +238,37 @@ TEST(EnvironmentTest, TfConfigWinsOverRankVariables) {
   EXPECT_EQ(spec.master_addr, "a");
 }
 
+TEST(EnvironmentTest, TheStoreListenAddressAndTheTokenComeFromTheEnvironment) {
+  ClusterSpec spec =
+      ClusterSpec::FromEnvironment(Env{{"RANK", "0"},
+                                       {"WORLD_SIZE", "2"},
+                                       {"MASTER_ADDR", "head"},
+                                       {"MASTER_PORT", "29500"},
+                                       {"COLLECTIVES_STORE_LISTEN_ADDRESS", "0.0.0.0"}});
+  EXPECT_EQ(spec.master_addr, "head");
+  EXPECT_EQ(spec.store_listen_address, "0.0.0.0");
+  EXPECT_EQ(spec.job_token, "");
+
+  // The process's own environment is read for the same variables.
+  ScopedEnv tf("TF_CONFIG", nullptr);
+  ScopedEnv rank("RANK", nullptr);
+  ScopedEnv world("WORLD_SIZE", nullptr);
+  ScopedEnv mpi_rank("OMPI_COMM_WORLD_RANK", nullptr);
+  ScopedEnv mpi_world("OMPI_COMM_WORLD_SIZE", nullptr);
+  ScopedEnv token("COLLECTIVES_JOB_TOKEN", "a secret");
+  ScopedEnv listen("COLLECTIVES_STORE_LISTEN_ADDRESS", "::");
+  ClusterSpec real = ClusterSpec::FromEnvironment();
+  EXPECT_EQ(real.job_token, "a secret");
+  EXPECT_EQ(real.store_listen_address, "::");
+}
+
+TEST(HostPortTest, OnlyANameThatResolvesToLoopbackAloneIsFlagged) {
+  EXPECT_EQ(cluster::LoopbackOnlyAddresses("127.0.0.1"), "");  // an address says what it is
+  EXPECT_EQ(cluster::LoopbackOnlyAddresses("::1"), "");
+  EXPECT_EQ(cluster::LoopbackOnlyAddresses("localhost"), "");  // and so does this name
+  EXPECT_EQ(cluster::LoopbackOnlyAddresses("no-such-host.invalid"), "");
+}
+
 TEST(EnvironmentTest, BlankTfConfigCountsAsUnset) {
   ClusterSpec spec = ClusterSpec::FromEnvironment(
       Env{{"TF_CONFIG", "  "}, {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});

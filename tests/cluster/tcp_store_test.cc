@@ -24,11 +24,14 @@
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/host_port.h"
 #include "src/cluster/job_token.h"
 #include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
+#include "src/core/environment.h"
 #include "tests/free_port.h"
 #include "tests/loopback_spec.h"
+#include "tests/scoped_env.h"
 #include "tests/transport/piece_relay.h"
 
 namespace collectives {
@@ -36,6 +39,7 @@ namespace {
 
 using collectives::testing::FreePort;
 using collectives::testing::LoopbackSpec;
+using collectives::testing::ScopedEnv;
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 namespace wire = cluster::wire;
@@ -695,6 +699,83 @@ TEST(CreateStoreForTest, RankZeroHostsOthersConnect) {
   EXPECT_EQ(store->Get("rank/2", kLong), "here");
   store->Set("go", "now");
   for (auto& rank : ranks) EXPECT_EQ(rank.get(), "now");
+}
+
+// 127.0.0.2 is a loopback address too (all of 127/8 is), but a listener bound to 127.0.0.1 does
+// not answer there: it stands for another host's view of a store bound to a loopback address.
+TEST(CreateStoreForTest, TheStoreListensWhereTheSpecSays) {
+  const uint16_t port = FreePort();
+  ClusterSpec host = LoopbackSpec(0, 2, port);
+  host.store_listen_address = "0.0.0.0";
+  auto server = CreateStoreFor(host, kLong);
+  ClusterSpec other = LoopbackSpec(1, 2, port);
+  other.master_addr = "127.0.0.2";
+  auto client = CreateStoreFor(other, kLong);
+  client->Set("k", "v");
+  EXPECT_EQ(server->Get("k", kLong), "v");
+}
+
+TEST(CreateStoreForTest, AStoreAtMasterAddrIsNotReachedAtAnotherAddress) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(LoopbackSpec(0, 2, port), kLong);
+  ClusterSpec other = LoopbackSpec(1, 2, port);
+  other.master_addr = "127.0.0.2";
+  try {
+    CreateStoreFor(other, milliseconds(300));
+    ADD_FAILURE() << "reached a store that listens at 127.0.0.1 only through 127.0.0.2";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("127.0.0.2"), std::string::npos) << e.what();
+  }
+}
+
+// Debian maps a host's own name to 127.0.1.1: a store at that name is out of other hosts' reach,
+// and rank 0 says so (once, at creation) with what to set.
+TEST(CreateStoreForTest, RankZeroSaysWhenMasterAddrIsALoopbackName) {
+  const std::string name = core::HostName();
+  const std::string loopback = cluster::LoopbackOnlyAddresses(name);
+  if (loopback.empty()) {
+    GTEST_SKIP() << "this host's name '" << name << "' does not resolve to loopback only here";
+  }
+  ClusterSpec spec = LoopbackSpec(0, 2, FreePort());
+  spec.master_addr = name;
+  ::testing::internal::CaptureStderr();
+  auto warned = CreateStoreFor(spec, kLong);
+  std::string logged = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(logged.find("rank 0: the store binds to '" + name + "', which is " + loopback +
+                        " here, a loopback address: ranks on other hosts cannot reach it"),
+            std::string::npos)
+      << logged;
+  EXPECT_NE(logged.find("COLLECTIVES_STORE_LISTEN_ADDRESS"), std::string::npos) << logged;
+
+  // An address (even a loopback one), or a listen address of its own: nothing to say.
+  spec.master_addr = "127.0.0.1";
+  spec.master_port = FreePort();
+  ::testing::internal::CaptureStderr();
+  auto literal = CreateStoreFor(spec, kLong);
+  spec.master_addr = name;
+  spec.master_port = FreePort();
+  spec.store_listen_address = "127.0.0.1";
+  auto listening = CreateStoreFor(spec, kLong);
+  logged = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(logged, "");
+}
+
+TEST(CreateStoreForTest, TheTokenComesFromTheSpecOrTheEnvironment) {
+  // A server that holds the job's secret: a client that proves it got it from the spec, or
+  // from COLLECTIVES_JOB_TOKEN, rather than enrolling.
+  const uint16_t port = FreePort();
+  auto server = CreateTcpStore("127.0.0.1", port, true, kLong, "the job's secret");
+  ClusterSpec spec = LoopbackSpec(1, 2, port);
+  spec.job_token = "the job's secret";
+  EXPECT_NO_THROW(CreateStoreFor(spec, kLong));
+  spec.job_token.clear();
+  {
+    ScopedEnv token("COLLECTIVES_JOB_TOKEN", "the job's secret");
+    EXPECT_NO_THROW(CreateStoreFor(spec, kLong));
+  }
+  ScopedEnv unset("COLLECTIVES_JOB_TOKEN", nullptr);
+  EXPECT_THROW(CreateStoreFor(spec, kLong), Error);  // enrols; this server has a token
 }
 
 TEST(CreateStoreForTest, InvalidSpecIsRejected) {

@@ -10,6 +10,8 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+#include "src/core/environment.h"
 #include "tests/free_port.h"
 #include "tests/loopback_spec.h"
 #include "tests/scoped_env.h"
@@ -25,14 +27,16 @@ struct Outcome {
   std::vector<int> summed = std::vector<int>(2, 0);  // not vector<bool>: threads write it
 };
 
-// Rank 1 is given `listen` as its CommunicationOptions::listen_address.
-Outcome RunTwoRanks(const std::string& listen) {
+// Rank 1 is given `listen` as its CommunicationOptions::listen_address; the store is at
+// `master_addr`.
+Outcome RunTwoRanks(const std::string& listen, const std::string& master_addr = "127.0.0.1") {
   const uint16_t port = uint16_t(FreePort());
   Outcome outcome;
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < 2; ++rank) {
     ranks.emplace_back([&, rank] {
       ClusterSpec spec = LoopbackSpec(rank, 2, port);
+      spec.master_addr = master_addr;
       spec.job_token = "listen-test";
       CommunicationOptions options;
       options.implementation = Implementation::kRing;
@@ -70,6 +74,30 @@ TEST(ListenAddressTest, TheEnvironmentAsksWhenTheOptionIsEmpty) {
   const Outcome refused = RunTwoRanks("");
   EXPECT_EQ(refused.codes[0], ErrorCode::kSystem) << refused.messages[0];
   EXPECT_NE(refused.messages[0].find("192.0.2.1"), std::string::npos) << refused.messages[0];
+}
+
+// A job that names this host by a name that resolves to loopback addresses only (Debian's
+// 127.0.1.1) works on this host, and every rank says that other hosts could not reach it.
+TEST(ListenAddressTest, EveryRankSaysWhenItsListenerIsOnlyOnLoopback) {
+  ScopedEnv unset("COLLECTIVES_LISTEN_ADDRESS", nullptr);
+  const std::string name = core::HostName();
+  const std::string loopback = cluster::LoopbackOnlyAddresses(name);
+  if (loopback.empty()) {
+    GTEST_SKIP() << "this host's name '" << name << "' does not resolve to loopback only here";
+  }
+  ::testing::internal::CaptureStderr();
+  const Outcome named = RunTwoRanks("", name);
+  const std::string logged = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(named.summed[0] == 1 && named.summed[1] == 1)
+      << named.messages[0] << " / " << named.messages[1];
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(logged.find("rank " + std::to_string(rank) + ": the data listener binds to '" + name +
+                          "', which is " + loopback + " here"),
+              std::string::npos)
+        << logged;
+  }
+  EXPECT_NE(logged.find("COLLECTIVES_LISTEN_ADDRESS"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("rank 0: the store binds to '" + name + "'"), std::string::npos) << logged;
 }
 
 }  // namespace
