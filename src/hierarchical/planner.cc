@@ -59,7 +59,9 @@ class HierarchicalPlanner final : public ring::Planner {
         forced_(forced),
         small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
                                                          : ring::kDefaultSmallMessageBytes) {
-    // The ranks of this rank's local index, one per host, and this rank's place among them.
+    // The ranks of this rank's local index, one per host, and this rank's place among them
+    // (two-level only: its hosts have as many ranks each, other topologies may not).
+    if (plan_ != Plan::kTwoLevel) return;
     const int local = topology_.local_index[size_t(rank)];
     for (size_t h = 0; h < topology_.hosts.size(); ++h) {
       if (topology_.host_of[size_t(rank)] == int(h)) cross_me_ = int(cross_ranks_.size());
@@ -303,7 +305,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                  "rank " + std::to_string(rank) + ": algorithm '" + forced + "' " + why);
   };
   if (forced == "shm" && plan != Plan::kShm) {
-    throw refuse("needs every rank on one host and shared memory on");
+    throw refuse("needs every rank on one host, two ranks or more, and shared memory on");
   } else if (forced == "two_level" && plan != Plan::kTwoLevel) {
     throw refuse("needs several hosts of as many ranks each (two or more) and shared memory on");
   } else if (ring::IsRingAlgorithm(forced)) {

@@ -31,10 +31,11 @@ struct Topology {
 };
 
 // Collective over the ranks: publishes this rank's HostIdentity() under "<key_prefix>/host/R",
-// reads everyone's, and builds the shared-memory group of this host when it has two ranks or
-// more and COLLECTIVES_SHM is not "0". Throws Error(kNotSupported) when options.algorithm names
-// a plan this topology cannot run. With several hosts of as many ranks each, the planner runs
-// all-reduces on the flat ring until Calibrate.
+// reads everyone's, and builds the shared-memory group of this host when COLLECTIVES_SHM is not
+// "0" on any rank and either every rank is on this host or every host has as many ranks (two or
+// more); hosts of different rank counts run every collective on the flat TCP ring. Throws
+// Error(kNotSupported) when options.algorithm names a plan this topology cannot run. With several
+// hosts of as many ranks each, the planner runs all-reduces on the flat ring until Calibrate.
 std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,

@@ -115,6 +115,25 @@ std::string Hex(uint64_t v) {
 
 std::string SystemMessage(const std::string& what) { return what + ": " + std::strerror(errno); }
 
+// The error another member published ("<code>\n<message>", see ShmGroup::Create's report), as
+// this member's: the same code, its message after this member's prefix. `creator`: the rank
+// that created the segment and failed before publishing its name, or -1.
+Error PublishedFailure(const std::string& text, const std::string& prefix, int creator) {
+  const size_t newline = text.find('\n');
+  int code = int(ErrorCode::kInternal);
+  if (newline != std::string::npos) code = std::atoi(text.substr(0, newline).c_str());
+  if (code < int(ErrorCode::kInvalidArgument) || code > int(ErrorCode::kInternal)) {
+    code = int(ErrorCode::kInternal);
+  }
+  const std::string message = newline == std::string::npos ? text : text.substr(newline + 1);
+  return Error(ErrorCode(code),
+               prefix +
+                   (creator >= 0 ? "rank " + std::to_string(creator) +
+                                       ", which creates this host's segment, failed: "
+                                 : "a member of this host's group failed to set up: ") +
+                   message);
+}
+
 // Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
 // nearly equal parts (the first count % parts get one more).
 struct Part {
@@ -195,7 +214,12 @@ std::string HostIdentity() {
   if (const char* id = std::getenv("COLLECTIVES_HOST_ID"); id != nullptr && *id != '\0') {
     return id;
   }
-  return MachineIdentity();
+  // Containers on one machine that share its network (docker --net=host, hostNetwork pods) share
+  // its host name and boot id, but each may have a /dev/shm of its own, where a segment one
+  // creates cannot be opened by the other: the device of /dev/shm tells them apart.
+  struct stat shm {};
+  const std::string device = stat("/dev/shm", &shm) == 0 ? std::to_string(shm.st_dev) : "none";
+  return MachineIdentity() + "/shm:" + device;
 }
 
 std::string MachineIdentity() {
@@ -233,6 +257,23 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   seg.bytes = Segment::TotalBytes(seg.members, seg.slot_bytes);
   const std::string prefix = "rank " + std::to_string(rank) + ": shared memory: ";
   const std::string key = options.key_prefix + "/shm/" + std::to_string(members.front());
+  // A member that fails to set up tells the others through the store, so that they raise its
+  // error at once instead of waiting for it until their timeout: the creator, before it has
+  // published the segment's name, in place of the name ("!" and the error); any member, under
+  // failure_key (the first error) and failures_key (a count the waiting members poll).
+  const std::string failure_key = key + "/failure";
+  const std::string failures_key = key + "/failures";
+  bool published = index != 0;
+  const auto report = [&](const Error& error) {
+    const std::string text = std::to_string(int(error.code())) + "\n" + error.message();
+    try {
+      if (!published) store.Set(key, "!" + text);
+      if (store.Add(failures_key, 1) == 1) store.Set(failure_key, text);
+    } catch (const std::exception&) {
+      // The store is gone too: the others find out from it, or from their timeout.
+    }
+    return error;
+  };
 
   int fd = -1;
   if (index == 0) {
@@ -243,24 +284,51 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     seg.name.append(Hex(std::hash<std::string>{}(job)), 8, 8);
     seg.name.append("-").append(std::to_string(members.front())).append("-").append(Hex(nonce));
     fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) throw Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name));
-    if (fchmod(fd, 0600) != 0 || ftruncate(fd, off_t(seg.bytes)) != 0) {
-      const Error error(ErrorCode::kSystem, prefix + SystemMessage("sizing " + seg.name));
+    if (fd < 0) {
+      throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
+    }
+    // ftruncate only sets the size: on a full /dev/shm (a container's is 64 MiB by default) the
+    // first touch of a page that does not fit would kill the process with SIGBUS. Reserving
+    // every page now turns that into an error here.
+    int sized = fchmod(fd, 0600) == 0 && ftruncate(fd, off_t(seg.bytes)) == 0 ? 0 : errno;
+    if (sized == 0) sized = posix_fallocate(fd, 0, off_t(seg.bytes));
+    if (sized != 0) {
+      std::string why = "sizing " + seg.name + " to " + std::to_string(seg.bytes) +
+                        " bytes: " + std::strerror(sized);
+      if (sized == ENOSPC) {
+        why +=
+            " (/dev/shm is too small for this host's ranks: enlarge it, e.g. docker "
+            "--shm-size, or set COLLECTIVES_SHM=0 on every rank to use TCP inside the host)";
+      }
       close(fd);
       shm_unlink(seg.name.c_str());
-      throw error;
+      throw report(Error(ErrorCode::kSystem, prefix + why));
     }
   } else {
     seg.name = store.Get(key, options.timeout);
+    if (!seg.name.empty() && seg.name.front() == '!') {  // the creator's failure (see report)
+      throw PublishedFailure(seg.name.substr(1), prefix, members.front());
+    }
     fd = shm_open(seg.name.c_str(), O_RDWR, 0);
-    if (fd < 0) throw Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name));
+    if (fd < 0) {
+      throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
+    }
     struct stat st {};
-    if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0 ||
-        size_t(st.st_size) != seg.bytes) {
+    const bool stated = fstat(fd, &st) == 0;
+    if (!stated || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
       close(fd);
-      throw Error(ErrorCode::kUnauthenticated,
-                  prefix + "segment " + seg.name +
-                      " is not this job's (another owner, open to others, or the wrong size)");
+      throw report(Error(ErrorCode::kUnauthenticated,
+                         prefix + "segment " + seg.name +
+                             " is not this job's (another owner, or open to others)"));
+    }
+    if (size_t(st.st_size) != seg.bytes) {
+      close(fd);
+      throw report(
+          Error(ErrorCode::kUnauthenticated,
+                prefix + "segment " + seg.name + " is not this job's: it has " +
+                    std::to_string(st.st_size) + " bytes where this rank expects " +
+                    std::to_string(seg.bytes) +
+                    " (is COLLECTIVES_SHM_SLOT_BYTES the same on every rank of this host?)"));
     }
   }
   seg.base = mmap(nullptr, seg.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -269,7 +337,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   if (seg.base == MAP_FAILED) {
     errno = map_errno;
     if (index == 0) shm_unlink(seg.name.c_str());
-    throw Error(ErrorCode::kSystem, prefix + SystemMessage("mmap " + seg.name));
+    throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("mmap " + seg.name)));
   }
 
   // From here on, a failure of the member that created the segment (the store unreachable when
@@ -290,11 +358,12 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     header.attached.store(0);
     header.broken.store(0);
     header.magic = kMagic;
+    published = true;  // whether or not the Set below gets through: no "!" after it
     store.Set(key, seg.name);
   } else if (header.magic != kMagic || header.version != kVersion ||
              header.members != seg.members || header.slot_bytes != seg.slot_bytes) {
-    throw Error(ErrorCode::kUnauthenticated,
-                prefix + "segment " + seg.name + " does not have this group's layout");
+    throw report(Error(ErrorCode::kUnauthenticated,
+                       prefix + "segment " + seg.name + " does not have this group's layout"));
   }
 
   // This member's block: counters at zero, the liveness mutex held, its slots touched once so
@@ -320,7 +389,15 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   // segment, and the kernel frees it when the last member exits, however it exits.
   if (header.attached.fetch_add(1) + 1 == seg.members) shm_unlink(seg.name.c_str());
   const auto deadline = Clock::now() + options.timeout;
+  auto next_look = Clock::now();
   while (header.attached.load() < seg.members) {
+    if (Clock::now() >= next_look) {  // a member that could not attach says so in the store
+      next_look = Clock::now() + std::chrono::milliseconds(20);
+      if (store.Add(failures_key, 0) > 0) {
+        shm_unlink(seg.name.c_str());
+        throw PublishedFailure(store.Get(failure_key, options.timeout), prefix, -1);
+      }
+    }
     if (Clock::now() >= deadline) {
       shm_unlink(seg.name.c_str());
       std::string missing;

@@ -75,8 +75,10 @@ class ShmGroup {
  public:
   // Collective over `members` (the global ranks of this host, ascending; `rank` is one of them):
   // creates or attaches the segment. Throws Error(kTimeout) naming the members that did not
-  // attach, Error(kSystem) when shared memory cannot be had, Error(kUnauthenticated) for a
-  // segment that is not ours alone.
+  // attach, Error(kSystem) when shared memory cannot be had (a /dev/shm too small for the
+  // segment included: its pages are reserved here), Error(kUnauthenticated) for a segment that
+  // is not ours alone or not of this member's size. A member that fails publishes its error in
+  // the store, and the others raise it (same code, its message) instead of waiting it out.
   static std::unique_ptr<ShmGroup> Create(int rank, const std::vector<int>& members, Store& store,
                                           const ShmGroupOptions& options);
   ~ShmGroup();
@@ -153,7 +155,8 @@ class ShmGroup {
 };
 
 // This host's identity: $COLLECTIVES_HOST_ID when set (tests pretend several hosts on one
-// machine with it), else MachineIdentity().
+// machine with it), else MachineIdentity() and the device of /dev/shm (containers that share a
+// machine's network but each have a /dev/shm of their own are different hosts here).
 std::string HostIdentity();
 // The machine's own identity: its host name and the kernel's boot id.
 std::string MachineIdentity();

@@ -10,7 +10,9 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,6 +22,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -34,16 +37,20 @@
 #include "collectives/types.h"
 #include "src/core/call.h"
 #include "tests/ring/collective_checks.h"
+#include "tests/scoped_env.h"
 
 namespace collectives {
 namespace {
 
 using hierarchical::Clock;
+using hierarchical::HostIdentity;
+using hierarchical::MachineIdentity;
 using hierarchical::ShmGroup;
 using hierarchical::ShmGroupOptions;
 using testing::Expected;
 using testing::InputValue;
 using testing::Load;
+using testing::ScopedEnv;
 
 constexpr uint8_t kGuard = 0xA5;     // bytes around every buffer
 constexpr uint8_t kSentinel = 0x5A;  // a recv buffer's contents before a call that must fail
@@ -985,6 +992,143 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
     EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
   }
   EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(1));
+}
+
+// A member whose segment has another size (its COLLECTIVES_SHM_SLOT_BYTES differs) cannot attach,
+// says why, and the others raise its error at once rather than wait for it until their timeout.
+TEST(ShmGroupSegmentTest, AMemberThatCannotAttachStopsTheOthersAtOnce) {
+  ShmGroupOptions options = Options("cannot_attach", 4096, 4096, 3);
+  options.timeout = std::chrono::seconds(20);
+  ShmGroupOptions other_slot = options;
+  other_slot.slot_bytes = 8192;
+  auto store = CreateMemoryStore();
+  std::vector<std::string> errors(3);
+  std::vector<ErrorCode> codes(3, ErrorCode::kInternal);
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int me = 0; me < 3; ++me) {
+    threads.emplace_back([&, me] {
+      try {
+        auto group = ShmGroup::Create(me, {0, 1, 2}, *store, me == 2 ? other_slot : options);
+        errors[size_t(me)] = "attached";
+      } catch (const Error& e) {
+        codes[size_t(me)] = e.code();
+        errors[size_t(me)] = e.message();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(codes[2], ErrorCode::kUnauthenticated) << errors[2];
+  EXPECT_NE(errors[2].find("where this rank expects"), std::string::npos) << errors[2];
+  EXPECT_NE(errors[2].find("COLLECTIVES_SHM_SLOT_BYTES"), std::string::npos) << errors[2];
+  for (int me = 0; me < 2; ++me) {
+    EXPECT_EQ(codes[size_t(me)], ErrorCode::kUnauthenticated) << errors[size_t(me)];
+    EXPECT_NE(errors[size_t(me)].find("rank " + std::to_string(me) +
+                                      ": shared memory: a member of this host's group failed "
+                                      "to set up: rank 2: shared memory: segment"),
+              std::string::npos)
+        << errors[size_t(me)];
+  }
+  const std::string name = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(1));
+  EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
+}
+
+// Two containers that share a machine's network (its host name and boot id) but not its /dev/shm
+// cannot share a segment: their host identities differ, so AUTO does not put them in one group.
+// The second "container" is a child process with a /dev/shm of its own (skipped as below).
+TEST(ShmGroupSegmentTest, AnotherDevShmIsAnotherHost) {
+  ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
+  const std::string here = HostIdentity();
+  EXPECT_EQ(here.rfind(MachineIdentity() + "/shm:", 0), 0u) << here;
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(pipe_fds[0]);
+    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=256k") != 0) {
+      _exit(77);
+    }
+    const std::string there = HostIdentity();
+    _exit(write(pipe_fds[1], there.data(), there.size()) == ssize_t(there.size()) ? 0 : 1);
+  }
+  close(pipe_fds[1]);
+  std::string there;
+  char buffer[256];
+  for (ssize_t got; (got = read(pipe_fds[0], buffer, sizeof buffer)) > 0;) {
+    there.append(buffer, size_t(got));
+  }
+  close(pipe_fds[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "cannot mount a /dev/shm in a mount namespace of its own (needs root)";
+  }
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(there.rfind(MachineIdentity() + "/shm:", 0), 0u) << there;
+  EXPECT_NE(there, here);
+}
+
+// A /dev/shm too small for the segment (a container's default is 64 MiB) is an error that names
+// it and the way out, on every member, instead of a SIGBUS when the slots are first touched.
+// Run in a child process with a mount namespace of its own and a 256 KiB /dev/shm there; skipped
+// where mount namespaces cannot be made (not root, or no CAP_SYS_ADMIN).
+TEST(ShmGroupSegmentTest, ASmallDevShmIsAnErrorOnEveryMemberNotABusError) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=256k") != 0) {
+      _exit(77);
+    }
+    ShmGroupOptions options = Options("small_dev_shm", size_t{1} << 20, 4096, 2);
+    options.timeout = std::chrono::seconds(20);
+    auto store = CreateMemoryStore();
+    std::vector<std::string> errors(2);
+    std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
+    const auto start = Clock::now();
+    std::vector<std::thread> threads;
+    for (int me = 0; me < 2; ++me) {
+      threads.emplace_back([&, me] {
+        try {
+          auto group = ShmGroup::Create(me, {0, 1}, *store, options);
+          errors[size_t(me)] = "attached";
+        } catch (const Error& e) {
+          codes[size_t(me)] = e.code();
+          errors[size_t(me)] = e.message();
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    std::string wrong;
+    if (Clock::now() - start > std::chrono::seconds(5)) wrong += "took longer than 5 s; ";
+    for (int me = 0; me < 2; ++me) {
+      const std::string& e = errors[size_t(me)];
+      if (codes[size_t(me)] != ErrorCode::kSystem ||
+          e.find("/dev/shm is too small") == std::string::npos ||
+          e.find("COLLECTIVES_SHM=0") == std::string::npos ||
+          (me == 1 &&
+           e.find("rank 0, which creates this host's segment, failed") == std::string::npos)) {
+        wrong += "member " + std::to_string(me) + ": " + e + "; ";
+      }
+    }
+    if (!wrong.empty()) {
+      std::fprintf(stderr, "%s\n", wrong.c_str());
+      _exit(1);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "cannot mount a small /dev/shm in a mount namespace of its own (needs root)";
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                              : "exit status " + std::to_string(WEXITSTATUS(status)) +
+                                    " (its stderr says what was wrong)");
 }
 
 // Members must be ascending and include the caller.

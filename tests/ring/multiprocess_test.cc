@@ -64,4 +64,24 @@ TEST(MultiProcessShmTest, OneRankWithoutSharedMemoryTurnsItOffForAll) {
   }
 }
 
+// Pretend hosts of different rank counts (two ranks on "a", one on "b"): AUTO runs every
+// collective on the TCP ring, exactly. (The planner once read a host's rank list past its end
+// here; the address sanitizer run of this test catches that.)
+TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunOverTcpExactly) {
+  constexpr int kSize = 3;
+  Placement placement;
+  placement.host_ids = {"a", "a", "b"};
+  std::vector<Worker> workers = Start(kSize, {"check", "100003"}, placement);
+  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < kSize; ++rank) {
+    const Worker& w = workers[rank];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("0 wrong"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("algorithm shm"), std::string::npos) << w.output;
+  }
+}
+
 }  // namespace
