@@ -435,15 +435,16 @@ int Train(const Options& o) {
                epoch_seconds > 0 ? epoch_samples / epoch_seconds : 0.0);
     if (backup) backup->OnEpochEnd(epoch);
   }
-  if (backup) backup->OnTrainEnd();
 
-  // Every copy on every replica of every worker must hold the same weights, bit for bit.
+  // Every copy on every replica of every worker must hold the same weights, bit for bit. Checked
+  // before the backup is removed, so that a failure here leaves the last epoch's checkpoint.
   const st::PerReplica<double> hashes = strategy.Run(
       [&](st::ReplicaContext& ctx) { return WeightsHash(vars, ctx.local_replica_id()); });
   if (strategy.Reduce(co::ReduceOp::kMin, hashes) != strategy.Reduce(co::ReduceOp::kMax, hashes)) {
     throw co::Error(co::ErrorCode::kInternal, "the replicas' weights differ after training");
   }
   if (replicas_in_sync > 1) Say("weights: identical on all %zu replicas\n", replicas_in_sync);
+  if (backup) backup->OnTrainEnd();
 
   const Totals test = Evaluate(strategy, replicas, vars, test_set);
   const double tn = std::max(test.count, 1.0);

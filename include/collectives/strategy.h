@@ -179,7 +179,10 @@ class Strategy {
   // call can never be met because another replica returned from fn without making it throws
   // kMismatch at once.
   // A failed Run with several local replicas or several workers breaks the strategy: later Run
-  // calls rethrow the same error, and with several workers the communicator is aborted, so that
+  // calls, and every cross-replica call (Reduce, CreateVariable, BroadcastFromChief, Barrier,
+  // SaveCheckpoint, RestoreCheckpoint, an optimizer's SaveSlots and RestoreSlots), rethrow the
+  // same error (a checkpoint of replicas that stopped at different points must not replace a
+  // good one), and with several workers the communicator is aborted, so that
   // the other workers fail at once instead of waiting for collectives this one will not issue.
   // With one replica and one worker an exception just propagates and the strategy stays usable.
   //

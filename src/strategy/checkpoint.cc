@@ -196,7 +196,8 @@ class Reader {
 // Verifies and parses; throws kInvalidArgument naming `path` and what is wrong.
 Contents Parse(const std::vector<unsigned char>& bytes, const std::string& path) {
   const auto corrupt = [&](const std::string& why) { ThrowCorrupt(path, why); };
-  if (bytes.size() < sizeof kMagic || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
+  // A file too short to hold the magic is a truncated one (a copy cut short), not a stranger's.
+  if (bytes.size() >= sizeof kMagic && std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
     corrupt("bad magic (not a checkpoint of this library)");
   }
   if (bytes.size() < kHeaderBytes + kChecksumBytes) {
@@ -426,9 +427,11 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
                     TrainingState state) {
   StrategyImpl& impl = strategy.impl();
   impl.CheckCrossReplica("SaveCheckpoint");
-  const std::vector<unsigned char> bytes = Serialize(Collect(strategy, optimizer, state));
   std::exception_ptr failure;
   try {
+    // Inside the try: whatever fails here, the other workers learn of it below instead of
+    // waiting for this one in the all-reduce until their timeout.
+    const std::vector<unsigned char> bytes = Serialize(Collect(strategy, optimizer, state));
     CreateDirectory(directory);
     if (strategy.IsChief()) {
       const std::string prefix = TemporaryPrefix();
@@ -486,6 +489,11 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
       header[0] = static_cast<int64_t>(Status::kFailed);
       header[1] = static_cast<int64_t>(e.code());
       payload.assign(e.message().begin(), e.message().end());
+    } catch (const std::exception& e) {  // std::bad_alloc of a huge file, say: still told
+      const std::string message = impl.who() + "RestoreCheckpoint of " + path + ": " + e.what();
+      header[0] = static_cast<int64_t>(Status::kFailed);
+      header[1] = static_cast<int64_t>(ErrorCode::kInternal);
+      payload.assign(message.begin(), message.end());
     }
     header[2] = static_cast<int64_t>(payload.size());
   }

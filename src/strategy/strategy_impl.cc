@@ -120,6 +120,7 @@ void StrategyImpl::CheckCrossReplica(const char* call) const {
                     " is a cross-replica call: call it outside Strategy::Run, not from a "
                     "replica's function");
   }
+  if (broken_) std::rethrow_exception(broken_);
 }
 
 void StrategyImpl::Break(std::exception_ptr error) {

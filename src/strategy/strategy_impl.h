@@ -78,7 +78,8 @@ class StrategyImpl {
   void BroadcastFromChief(const std::vector<Tensor>& values);
   void Barrier();
 
-  // Throws kInvalidUsage naming `call` when called from inside RunEach.
+  // Throws kInvalidUsage naming `call` when called from inside RunEach, and rethrows the error
+  // that broke the strategy (see broken_) when one did.
   void CheckCrossReplica(const char* call) const;
   // Marks the strategy broken by `error` and aborts the communicator, so that the other
   // workers, which may wait in a collective this worker will never issue, fail at once.
@@ -109,8 +110,9 @@ class StrategyImpl {
   std::unique_ptr<internal::LocalGroup> group_;
 
   std::atomic<bool> in_run_{false};
-  // The first error of a RunEach with several replicas or workers: later RunEach calls rethrow
-  // it (a strategy whose replicas stopped at different points cannot be used again).
+  // The first error of a RunEach with several replicas or workers: later RunEach calls and
+  // cross-replica calls rethrow it (a strategy whose replicas stopped at different points cannot
+  // be used again).
   std::exception_ptr broken_;
   // Cross-replica calls made so far by each local replica (element r written only by replica r).
   std::vector<uint64_t> seq_;

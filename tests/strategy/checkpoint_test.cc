@@ -9,7 +9,9 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -204,7 +206,9 @@ TEST_F(CheckpointTest, CorruptFilesFailOnEveryWorker) {
     magic[0] = 'X';
     cases.push_back({"bad magic", magic, "bad magic"});
   }
-  cases.push_back({"empty", {}, "bad magic"});
+  cases.push_back({"empty", {}, "truncated"});  // a copy cut short, not a stranger's file
+  cases.push_back(
+      {"shorter than the magic", std::vector<char>(good.begin(), good.begin() + 5), "truncated"});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     WriteAll(c.bytes);
@@ -309,6 +313,33 @@ std::vector<float> TrainWithBackup(const std::string& dir, std::optional<Trainin
     crashed = final_weights.empty();
   }
   return final_weights;
+}
+
+// A Run in which one replica failed after the other changed its copy breaks the strategy: a
+// checkpoint of it would keep replicas that disagree, so SaveCheckpoint (and every other
+// cross-replica call) rethrows the failure, and the last good checkpoint stays as it was.
+TEST_F(CheckpointTest, ABrokenStrategyDoesNotReplaceAGoodCheckpoint) {
+  MirroredStrategy s(MirroredOptions{.num_replicas = 2});
+  Model model(s, 3);
+  SaveCheckpoint(s, nullptr, dir(), TrainingState{});
+  const std::vector<char> good = ReadAll();
+  EXPECT_THROW(s.Run([&](ReplicaContext& ctx) {
+    if (ctx.local_replica_id() == 1) throw std::runtime_error("replica 1 failed");
+    model.bias->value(0)[0] = 42.0f;  // only replica 0's copy changes
+  }),
+               std::runtime_error);
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { SaveCheckpoint(s, nullptr, dir(), TrainingState{}); },
+           [&] { RestoreCheckpoint(s, nullptr, dir()); }, [&] { s.Barrier(); },
+           [&] { s.CreateVariable("late", {1}, Constant(0.0f)); }}) {
+    try {
+      call();
+      ADD_FAILURE() << "a cross-replica call went on after a failed Run";
+    } catch (const std::runtime_error& e) {
+      EXPECT_STREQ(e.what(), "replica 1 failed");
+    }
+  }
+  EXPECT_EQ(ReadAll(), good);
 }
 
 TEST_F(CheckpointTest, BackupAndRestoreResumesToTheSameWeights) {
