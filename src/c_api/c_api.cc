@@ -300,6 +300,14 @@ CreateOptions OptionsOf(const coll_options* options) {
                     " is not a coll_implementation (valid: 0..2)");
   }
   out.communication.implementation = static_cast<Implementation>(implementation);
+  // Every buffer of this API becomes a CPU tensor (TensorOf): an NCCL communicator, which takes
+  // CUDA tensors only, would refuse every call. Refused here, before any rendezvous.
+  if (out.communication.implementation == Implementation::kNccl) {
+    throw Error(ErrorCode::kNotSupported,
+                "options->implementation is COLL_IMPLEMENTATION_NCCL, but the C API has CPU "
+                "tensors only and NCCL takes CUDA memory: use COLL_IMPLEMENTATION_RING or "
+                "COLL_IMPLEMENTATION_AUTO");
+  }
   if (options->timeout_ms <= 0) {
     InvalidArgument("options->timeout_ms is " + std::to_string(options->timeout_ms) +
                     "; it must be positive");

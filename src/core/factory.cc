@@ -1,5 +1,6 @@
-// The factory: from a ClusterSpec and options to a connected communicator. It is the one place
-// where core reaches up to the implementations (DESIGN.md puts the factory in core).
+// The factory: from a ClusterSpec and options to a connected communicator. It is the one file of
+// src/core that includes the implementations (src/ring, src/hierarchical, src/nccl,
+// src/transport); the rest of core depends on none of them.
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -117,6 +118,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
   if (options.implementation == Implementation::kNccl) {
 #if defined(COLLECTIVES_WITH_NCCL)
     // Fails with Error(kNotSupported) before touching the store when NCCL or a GPU is missing.
+    nccl::CheckNcclAlgorithm(spec.rank, options.algorithm);
     nccl::LoadNccl();
     // The generation as for RING below: one key space per communicator built on this store.
     const int64_t generation =

@@ -3,7 +3,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -27,13 +30,15 @@ constexpr auto kSleepFor = std::chrono::microseconds(50);
 
 std::string Ms(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
 
-// NCCL's text for `result`, with the communicator's last error when there is one.
+// NCCL's text for `result`, with NCCL's last message when there is one. ncclGetLastError ignores
+// its argument: it returns the last message of the whole process, which may come from another
+// communicator or an earlier failure, so it is labelled as such.
 std::string NcclText(const NcclApi& api, ncclResult_t result, ncclComm_t comm) {
   std::string out = api.ncclGetErrorString(result);
   if (comm != nullptr) {
     const char* last = api.ncclGetLastError(comm);
     if (last != nullptr && *last != '\0') {
-      out += " (";
+      out += " (NCCL's last message (may be unrelated): ";
       out += last;
       out += ")";
     }
@@ -46,6 +51,33 @@ Error CudaError(const NcclApi& api, const std::string& where, const char* call,
   return Error(ErrorCode::kSystem,
                where + ": " + call + " failed: " + api.cudaGetErrorString(status));
 }
+
+std::string PointerText(const void* pointer) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%p", pointer);
+  return text;
+}
+
+// The CUDA event recorded after one collective. Held by its Work and by the communicator's list
+// of calls in flight, and destroyed with the last of them, on the communicator's device.
+class Event {
+ public:
+  Event(const NcclApi& api, int device, cudaEvent_t event)
+      : api_(api), device_(device), event_(event) {}
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    api_.cudaSetDevice(device_);
+    api_.cudaEventDestroy(event_);
+  }
+
+  cudaError_t Query() const { return api_.cudaEventQuery(event_); }
+
+ private:
+  const NcclApi& api_;
+  const int device_;
+  const cudaEvent_t event_;
+};
 
 // State shared by a communicator and its Work handles (a handle may outlive the communicator;
 // the NCCL communicator is released when the last of them goes).
@@ -80,7 +112,9 @@ class Shared {
   }
 
   // Under mu. Makes `error` the communicator's sticky error unless it already has one, aborts
-  // the NCCL communicator (once), and returns the sticky error.
+  // the NCCL communicator (once), and returns the sticky error. broken_flag is set before
+  // ncclCommAbort runs, so an event seen complete while the flag is clear completed by itself,
+  // not because the abort cut its collective short (see NcclWork::FinishCompleted).
   Error BreakLocked(const Error& error) {
     if (!broken) {
       broken = error;
@@ -105,10 +139,53 @@ class Shared {
         Error(ToErrorCode(async), where + ": NCCL reported " + NcclText(api, async, comm)));
   }
 
+  // Under mu. Forgets the calls in flight that completed, and breaks the communicator with
+  // Error(kTimeout) when the oldest one still running has run longer than its timeout.
+  // A call's time counts from when it starts running, not from its issue: the stream runs the
+  // calls one after another, and one queued behind a long call must not time out while it
+  // waits. The library cannot see a call start, only its predecessor's event complete, and
+  // only when it looks (each poll of a Wait, Done's checks, each issue). So a call's clock
+  // starts when it is first seen to be the oldest call in flight: at its issue when nothing
+  // runs before it, else when its predecessor is first seen complete. It never starts early;
+  // it may start late when nobody looks, which only lengthens that deadline.
+  std::optional<Error> ProgressLocked(Clock::time_point now) {
+    while (!in_flight.empty()) {
+      InFlight& oldest = in_flight.front();
+      if (!oldest.started) oldest.started = now;
+      const cudaError_t status = oldest.event->Query();
+      if (status == cudaSuccess) {
+        in_flight.pop_front();
+        continue;
+      }
+      if (status != cudaErrorNotReady) {
+        return BreakLocked(CudaError(api, oldest.where, "cudaEventQuery", status));
+      }
+      if (now - *oldest.started >= oldest.timeout) {
+        return BreakLocked(Error(ErrorCode::kTimeout,
+                                 oldest.where + ": did not complete within " + Ms(oldest.timeout) +
+                                     " of starting; the NCCL communicator was aborted"));
+      }
+      break;
+    }
+    return std::nullopt;
+  }
+
+  // One issued call not yet seen complete.
+  struct InFlight {
+    std::shared_ptr<const Event> event;
+    std::string where;
+    std::chrono::milliseconds timeout;
+    std::optional<Clock::time_point> started;  // when it was first seen the oldest in flight
+  };
+
   const NcclApi& api;
   const int rank;
   const int device;
   const std::chrono::milliseconds finalize_timeout;
+
+  // Set by Abort before it waits for mu: an Issue that holds mu while NCCL accepts a call polls
+  // it and aborts in Abort's stead.
+  std::atomic<bool> abort_requested{false};
 
   std::mutex mu;
   ncclComm_t comm = nullptr;             // guarded by mu; set once at creation
@@ -118,54 +195,81 @@ class Shared {
   std::optional<Error> broken;           // guarded by mu
   bool aborted = false;                  // guarded by mu: comm was aborted and must not be used
   std::atomic<bool> broken_flag{false};  // broken, readable without mu
+  std::deque<InFlight> in_flight;        // guarded by mu; in issue order
 };
 
 // One issued collective: completes when the CUDA event recorded after it has.
 // Thread-safety: Wait and Done from any thread; concurrent Waits take turns.
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<Shared> shared, cudaEvent_t event, std::string where,
-           Clock::time_point deadline, std::chrono::milliseconds timeout)
-      : shared_(std::move(shared)),
-        event_(event),
-        where_(std::move(where)),
-        deadline_(deadline),
-        timeout_(timeout) {}
+  NcclWork(std::shared_ptr<Shared> shared, std::shared_ptr<const Event> event, std::string where)
+      : shared_(std::move(shared)), event_(std::move(event)), where_(std::move(where)) {}
   // A work that failed before it was issued.
   explicit NcclWork(const Error& error) : error_(error) { done_.store(true); }
   NcclWork(const NcclWork&) = delete;
   NcclWork& operator=(const NcclWork&) = delete;
 
-  ~NcclWork() override {
-    if (event_ != nullptr) shared_->api.cudaEventDestroy(event_);
-  }
-
   void Wait() override {
     std::lock_guard<std::mutex> lock(wait_mu_);
-    const auto spin_until = Clock::now() + kSpinFor;
-    auto next_check = Clock::now() + kCheckEvery;
-    while (!done_.load(std::memory_order_acquire)) {
-      const cudaError_t status = shared_->api.cudaEventQuery(event_);
+    if (!done_.load(std::memory_order_acquire)) Poll();
+    if (error_) throw *error_;
+  }
+
+  bool Done() const override {
+    if (done_.load(std::memory_order_acquire)) return true;
+    if (shared_->broken_flag.load(std::memory_order_acquire)) return true;
+    const NcclApi& api = shared_->api;
+    // Completed or failed either way: Wait reports which.
+    if (api.cudaSetDevice(shared_->device) != cudaSuccess) return true;
+    if (event_->Query() != cudaErrorNotReady) return true;
+    // Still running: look for a dead peer and a passed deadline as Wait's loop does, so that a
+    // caller that only polls Done (coll_work_test) sees them too. At most every kCheckEvery,
+    // and only when the mutex is free: Done does not wait for an Issue or another Wait.
+    const Clock::time_point now = Clock::now();
+    const Clock::rep now_ticks = now.time_since_epoch().count();
+    if (now_ticks < next_check_.load(std::memory_order_relaxed)) return false;
+    std::unique_lock<std::mutex> shared_lock(shared_->mu, std::try_to_lock);
+    if (!shared_lock.owns_lock()) return false;
+    next_check_.store(now_ticks + std::chrono::duration_cast<Clock::duration>(kCheckEvery).count(),
+                      std::memory_order_relaxed);
+    // Either breaks the communicator, which the next Wait raises.
+    return shared_->CheckLocked(where_).has_value() || shared_->ProgressLocked(now).has_value();
+  }
+
+ private:
+  // Under wait_mu_, not done_: polls the event until the collective completes or fails.
+  void Poll() {
+    const NcclApi& api = shared_->api;
+    // Else the runtime makes device 0 current on a thread that never chose one.
+    const cudaError_t set = api.cudaSetDevice(shared_->device);
+    if (set != cudaSuccess) {
+      std::lock_guard<std::mutex> shared_lock(shared_->mu);
+      Finish(shared_->BreakLocked(CudaError(api, where_, "cudaSetDevice", set)));
+      return;
+    }
+    const auto start = Clock::now();
+    const auto spin_until = start + kSpinFor;
+    auto next_check = start + kCheckEvery;
+    while (true) {
+      const cudaError_t status = event_->Query();
       if (status == cudaSuccess) {
-        Finish(std::nullopt);
-        break;
+        FinishCompleted();
+        return;
       }
       const auto now = Clock::now();
-      if (status != cudaErrorNotReady || now >= next_check) {
+      // A communicator broken meanwhile (Abort, or Done's check) is reported at once.
+      if (status != cudaErrorNotReady || now >= next_check ||
+          shared_->broken_flag.load(std::memory_order_acquire)) {
         std::lock_guard<std::mutex> shared_lock(shared_->mu);
         if (status != cudaErrorNotReady) {
-          Finish(shared_->BreakLocked(CudaError(shared_->api, where_, "cudaEventQuery", status)));
-          break;
+          Finish(shared_->BreakLocked(CudaError(api, where_, "cudaEventQuery", status)));
+          return;
         }
-        if (auto error = shared_->CheckLocked(where_)) {
+        std::optional<Error> error = shared_->CheckLocked(where_);
+        if (!error) error = shared_->ProgressLocked(now);
+        if (error) {
           Finish(error);
-          break;
-        }
-        if (now >= deadline_) {
-          Finish(shared_->BreakLocked(
-              Error(ErrorCode::kTimeout, where_ + ": did not complete within " + Ms(timeout_) +
-                                             "; the NCCL communicator was aborted")));
-          break;
+          return;
         }
         next_check = now + kCheckEvery;
       }
@@ -175,30 +279,35 @@ class NcclWork final : public Work {
         std::this_thread::sleep_for(kSleepFor);
       }
     }
-    if (error_) throw *error_;
   }
 
-  bool Done() const override {
-    if (done_.load(std::memory_order_acquire)) return true;
-    if (shared_->broken_flag.load(std::memory_order_acquire)) return true;
-    return shared_->api.cudaEventQuery(event_) != cudaErrorNotReady;
+  // Under wait_mu_: the event completed. On a broken communicator that is not success: after
+  // ncclCommAbort, NCCL's kernels return early and the events after them complete over partial
+  // data. The flag is set before the abort runs, so while it is clear the completion is real.
+  // (A call that had completed before the break, unwaited, raises the error too: the two cannot
+  // be told apart once the flag is set.)
+  void FinishCompleted() {
+    if (!shared_->broken_flag.load(std::memory_order_acquire)) {
+      Finish(std::nullopt);
+      return;
+    }
+    std::lock_guard<std::mutex> shared_lock(shared_->mu);
+    Finish(shared_->broken);
   }
 
- private:
   // Under wait_mu_.
   void Finish(const std::optional<Error>& error) {
     error_ = error;
     done_.store(true, std::memory_order_release);
   }
 
-  const std::shared_ptr<Shared> shared_;  // null for a work that failed before it was issued
-  const cudaEvent_t event_ = nullptr;
+  const std::shared_ptr<Shared> shared_;      // null for a work that failed before it was issued
+  const std::shared_ptr<const Event> event_;  // null with shared_
   const std::string where_;
-  const Clock::time_point deadline_{};
-  const std::chrono::milliseconds timeout_{0};
   std::mutex wait_mu_;
   std::atomic<bool> done_{false};
   std::optional<Error> error_;  // guarded by wait_mu_; written before done_ is set
+  mutable std::atomic<Clock::rep> next_check_{0};  // Done's next check, in clock ticks
 };
 
 class NcclCommunication final : public CollectiveCommunication {
@@ -227,12 +336,13 @@ class NcclCommunication final : public CollectiveCommunication {
                   Where(kName) + "send has " + std::to_string(send.count) +
                       " elements but recv has " + std::to_string(recv.count));
     }
-    return Issue(kName, Detail(recv.dtype, ToString(op), recv.count),
-                 [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
-                   return api.ncclAllReduce(send.data, recv.data, recv.count,
-                                            ToNcclDataType(recv.dtype), ToNcclRedOp(op), comm,
-                                            stream);
-                 });
+    return Issue(
+        kName, Detail(recv.dtype, ToString(op), recv.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return api.ncclAllReduce(send.data, recv.data, recv.count, ToNcclDataType(recv.dtype),
+                                   ToNcclRedOp(op), comm, stream);
+        },
+        &send, &recv);
   }
 
   std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root) override {
@@ -254,11 +364,13 @@ class NcclCommunication final : public CollectiveCommunication {
       }
       source = send.data;
     }
-    return Issue(kName, Detail(recv.dtype, "root=" + std::to_string(root), recv.count),
-                 [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
-                   return api.ncclBroadcast(source, recv.data, recv.count,
-                                            ToNcclDataType(recv.dtype), root, comm, stream);
-                 });
+    return Issue(
+        kName, Detail(recv.dtype, "root=" + std::to_string(root), recv.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return api.ncclBroadcast(source, recv.data, recv.count, ToNcclDataType(recv.dtype), root,
+                                   comm, stream);
+        },
+        rank_ == root ? &send : nullptr, &recv);
   }
 
   std::shared_ptr<Work> AllGatherAsync(const Tensor& send, const Tensor& recv) override {
@@ -272,11 +384,13 @@ class NcclCommunication final : public CollectiveCommunication {
                       std::to_string(send.count * static_cast<size_t>(size_)) + " elements, got " +
                       std::to_string(recv.count));
     }
-    return Issue(kName, Detail(send.dtype, "", send.count),
-                 [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
-                   return api.ncclAllGather(send.data, recv.data, send.count,
-                                            ToNcclDataType(send.dtype), comm, stream);
-                 });
+    return Issue(
+        kName, Detail(send.dtype, "", send.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return api.ncclAllGather(send.data, recv.data, send.count, ToNcclDataType(send.dtype),
+                                   comm, stream);
+        },
+        &send, &recv);
   }
 
   std::shared_ptr<Work> ReduceScatterAsync(const Tensor& send, const Tensor& recv,
@@ -292,12 +406,13 @@ class NcclCommunication final : public CollectiveCommunication {
                       std::to_string(recv.count * static_cast<size_t>(size_)) + " elements, got " +
                       std::to_string(send.count));
     }
-    return Issue(kName, Detail(recv.dtype, ToString(op), recv.count),
-                 [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
-                   return api.ncclReduceScatter(send.data, recv.data, recv.count,
-                                                ToNcclDataType(recv.dtype), ToNcclRedOp(op), comm,
-                                                stream);
-                 });
+    return Issue(
+        kName, Detail(recv.dtype, ToString(op), recv.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return api.ncclReduceScatter(send.data, recv.data, recv.count, ToNcclDataType(recv.dtype),
+                                       ToNcclRedOp(op), comm, stream);
+        },
+        &send, &recv);
   }
 
   // An all-reduce of one int32 on the device.
@@ -309,10 +424,12 @@ class NcclCommunication final : public CollectiveCommunication {
   }
 
   void Abort() override {
+    // Before taking mu: an Issue may hold it for up to its timeout while NCCL accepts a call;
+    // it polls this flag and aborts in our stead (ncclCommAbort must not run beside another
+    // call on the communicator).
+    shared_->abort_requested.store(true, std::memory_order_release);
     std::lock_guard<std::mutex> lock(shared_->mu);
-    shared_->BreakLocked(Error(ErrorCode::kAborted, "rank " + std::to_string(rank_) +
-                                                        ": the communicator was aborted by its "
-                                                        "caller"));
+    shared_->BreakLocked(AbortedError());
   }
 
   void SetTimeout(std::chrono::milliseconds timeout) override {
@@ -325,6 +442,11 @@ class NcclCommunication final : public CollectiveCommunication {
 
   std::string Where(const char* collective) const {
     return core::ArgumentPrefix(rank_, collective);
+  }
+
+  Error AbortedError() const {
+    return Error(ErrorCode::kAborted,
+                 "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller");
   }
 
   static std::string Detail(DataType dtype, const std::string& extra, size_t count) {
@@ -351,6 +473,57 @@ class NcclCommunication final : public CollectiveCommunication {
                       std::to_string(shared_->device));
     }
     core::CheckTensorData(rank_, collective, name, t);
+    CheckDeviceMemory(collective, name, t);
+  }
+
+  // Whether t's first and last bytes are memory of this communicator's device, or managed
+  // memory (which the device reaches): a tensor marked CUDA may still hold a host pointer.
+  // NCCL does not check pointers (unless NCCL_CHECK_POINTERS=1): its kernel would fault and
+  // take the CUDA context down; and a refusal would break the communicator (see Issue). So a
+  // wrong pointer is a clean Error(kInvalidArgument) here, before NCCL sees it.
+  void CheckDeviceMemory(const char* collective, const char* name, const Tensor& t) const {
+    if (t.count == 0) return;
+    const NcclApi& api = shared_->api;
+    if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
+      throw Error(ErrorCode::kInvalidArgument, core::TensorPrefix(rank_, collective, name) +
+                                                   "has " + std::to_string(t.count) +
+                                                   " elements: more bytes than size_t holds");
+    }
+    // The runtime would otherwise make device 0 current on a thread that never chose one.
+    const cudaError_t set = api.cudaSetDevice(shared_->device);
+    if (set != cudaSuccess) throw CudaError(api, Where(collective), "cudaSetDevice", set);
+    const auto first = reinterpret_cast<uintptr_t>(t.data);
+    const uintptr_t last = first + (t.bytes() - 1);
+    if (last < first) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  core::TensorPrefix(rank_, collective, name) + "wraps around the address space");
+    }
+    for (const uintptr_t address : {first, last}) {
+      const void* pointer = reinterpret_cast<const void*>(address);
+      cudaPointerAttributes attributes{};
+      const cudaError_t status = api.cudaPointerGetAttributes(&attributes, pointer);
+      std::string problem;
+      if (status != cudaSuccess) {
+        api.cudaGetLastError();  // clear it, so that later calls do not report it
+        problem = std::string("is not CUDA memory (cudaPointerGetAttributes: ") +
+                  api.cudaGetErrorString(status) + ")";
+      } else if (attributes.type == cudaMemoryTypeUnregistered) {
+        problem = "is not CUDA memory (pageable host memory, or no allocation)";
+      } else if (attributes.type == cudaMemoryTypeHost) {
+        problem = "is pinned host memory, not device memory";
+      } else if (attributes.type == cudaMemoryTypeDevice && attributes.device != shared_->device) {
+        problem = "is memory of cuda:" + std::to_string(attributes.device) +
+                  " but this communicator uses cuda:" + std::to_string(shared_->device);
+      }
+      if (!problem.empty()) {
+        const std::string which = address == first
+                                      ? "data " + PointerText(t.data)
+                                      : "the last byte of its " + std::to_string(t.count) +
+                                            " elements (data " + PointerText(t.data) + ")";
+        throw Error(ErrorCode::kInvalidArgument,
+                    core::TensorPrefix(rank_, collective, name) + which + " " + problem);
+      }
+    }
   }
 
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const {
@@ -362,9 +535,10 @@ class NcclCommunication final : public CollectiveCommunication {
   }
 
   // Issues one collective on the stream, in the order calls enter (under shared_->mu), and
-  // records the event its Work waits on.
-  std::shared_ptr<Work> Issue(const char* collective, const std::string& detail,
-                              const IssueFn& fn) {
+  // records the event its Work waits on. `send` and `recv` (null where the call has none) are
+  // only described in the message of a refusal.
+  std::shared_ptr<Work> Issue(const char* collective, const std::string& detail, const IssueFn& fn,
+                              const Tensor* send = nullptr, const Tensor* recv = nullptr) {
     const NcclApi& api = shared_->api;
     const std::chrono::milliseconds timeout(timeout_ms_.load());
     std::lock_guard<std::mutex> lock(shared_->mu);
@@ -372,6 +546,9 @@ class NcclCommunication final : public CollectiveCommunication {
         "rank " + std::to_string(rank_) + ": " + collective + " #" + std::to_string(next_seq_++);
     if (!detail.empty()) where += " (" + detail + ")";
     if (shared_->broken) return std::make_shared<NcclWork>(*shared_->broken);
+    if (shared_->abort_requested.load(std::memory_order_acquire)) {
+      return std::make_shared<NcclWork>(shared_->BreakLocked(AbortedError()));
+    }
 
     const auto deadline = Clock::now() + timeout;
     cudaError_t status = api.cudaSetDevice(shared_->device);
@@ -380,8 +557,12 @@ class NcclCommunication final : public CollectiveCommunication {
           shared_->BreakLocked(CudaError(api, where, "cudaSetDevice", status)));
     }
     ncclResult_t result = fn(api, shared_->comm, shared_->stream);
-    // A non-blocking communicator may still be enqueuing: wait for that (bounded).
+    // A non-blocking communicator may still be enqueuing: wait for that (bounded), or for an
+    // Abort, which cannot take mu meanwhile and leaves the aborting to this loop.
     while (result == ncclInProgress) {
+      if (shared_->abort_requested.load(std::memory_order_acquire)) {
+        return std::make_shared<NcclWork>(shared_->BreakLocked(AbortedError()));
+      }
       if (Clock::now() >= deadline) {
         return std::make_shared<NcclWork>(shared_->BreakLocked(
             Error(ErrorCode::kTimeout, where + ": NCCL did not accept the call within " +
@@ -393,13 +574,21 @@ class NcclCommunication final : public CollectiveCommunication {
       if (result == ncclSuccess) result = async;
     }
     if (result != ncclSuccess) {
-      Error error(ToErrorCode(result),
-                  where + ": NCCL refused the call: " + NcclText(api, result, shared_->comm));
-      // A refused argument leaves NCCL's communicator intact; anything else breaks it.
-      if (result == ncclInvalidArgument || result == ncclInvalidUsage) {
-        return std::make_shared<NcclWork>(error);
+      // Every refusal breaks the communicator, invalid arguments included: a failed enqueue
+      // sets an asynchronous error on a non-blocking communicator (ncclEnqueueCheck calls
+      // ncclCommSetAsyncError), after which NCCL refuses everything.
+      std::string arguments;
+      if (send != nullptr) arguments += "send data " + PointerText(send->data);
+      if (recv != nullptr) {
+        if (!arguments.empty()) arguments += ", ";
+        arguments += "recv data " + PointerText(recv->data);
       }
-      return std::make_shared<NcclWork>(shared_->BreakLocked(error));
+      if (!arguments.empty()) arguments = " of " + arguments;
+      return std::make_shared<NcclWork>(shared_->BreakLocked(
+          Error(ToErrorCode(result), where + ": NCCL refused the call" + arguments + ": " +
+                                         NcclText(api, result, shared_->comm) +
+                                         "; a refusal leaves an NCCL communicator unusable, "
+                                         "and it was aborted")));
     }
     cudaEvent_t event = nullptr;
     status = api.cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
@@ -407,13 +596,22 @@ class NcclCommunication final : public CollectiveCommunication {
       return std::make_shared<NcclWork>(
           shared_->BreakLocked(CudaError(api, where, "cudaEventCreateWithFlags", status)));
     }
+    auto owned = std::make_shared<const Event>(api, shared_->device, event);
     status = api.cudaEventRecord(event, shared_->stream);
     if (status != cudaSuccess) {
-      api.cudaEventDestroy(event);
       return std::make_shared<NcclWork>(
           shared_->BreakLocked(CudaError(api, where, "cudaEventRecord", status)));
     }
-    return std::make_shared<NcclWork>(shared_, event, std::move(where), deadline, timeout);
+    // Forget the calls that completed (and time out a stuck one), then queue this one; its
+    // clock starts now if nothing runs before it (see Shared::ProgressLocked).
+    const auto now = Clock::now();
+    if (std::optional<Error> error = shared_->ProgressLocked(now)) {
+      return std::make_shared<NcclWork>(*error);
+    }
+    std::optional<Clock::time_point> started;
+    if (shared_->in_flight.empty()) started = now;
+    shared_->in_flight.push_back(Shared::InFlight{owned, where, timeout, started});
+    return std::make_shared<NcclWork>(shared_, std::move(owned), std::move(where));
   }
 
   const std::shared_ptr<Shared> shared_;
@@ -515,11 +713,21 @@ ncclUniqueId DecodeUniqueId(const std::string& text) {
   return id;
 }
 
+void CheckNcclAlgorithm(int rank, const std::string& algorithm) {
+  if (algorithm.empty()) return;
+  throw Error(ErrorCode::kNotSupported,
+              "rank " + std::to_string(rank) + ": CommunicationOptions::algorithm \"" + algorithm +
+                  "\" cannot run on an NCCL communicator, which picks its own algorithms "
+                  "(NCCL_ALGO constrains them): leave it empty");
+}
+
 std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int size,
                                                                  std::shared_ptr<Store> store,
                                                                  const std::string& key_prefix,
                                                                  const CommunicationOptions& given,
                                                                  const NcclOptions& nccl_options) {
+  // Refused first: it needs no GPU, and the store is not touched.
+  CheckNcclAlgorithm(rank, given.algorithm);
   const NcclApi& api = LoadNccl();  // Error(kNotSupported) without NCCL or a GPU
   const std::string where = "rank " + std::to_string(rank) + ": NCCL set-up";
   if (size < 1 || rank < 0 || rank >= size) {
@@ -557,7 +765,9 @@ std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int s
   if (nccl_options.stream != nullptr) {
     shared->stream = static_cast<cudaStream_t>(nccl_options.stream);
   } else {
-    status = api.cudaStreamCreateWithFlags(&shared->stream, cudaStreamNonBlocking);
+    // Blocking (cudaStreamDefault): ordered with the legacy default stream, where the
+    // caller's unstreamed kernels and copies run (see NcclOptions::stream).
+    status = api.cudaStreamCreateWithFlags(&shared->stream, cudaStreamDefault);
     if (status != cudaSuccess) throw CudaError(api, where, "cudaStreamCreateWithFlags", status);
     shared->own_stream = true;
   }

@@ -5,17 +5,31 @@
 // with ncclCommGetAsyncError until it completes or the communicator timeout passes (then the
 // half-built communicator is aborted and Error(kTimeout) raised).
 //
-// Calls: each collective is validated on the caller's thread, issued to NCCL on the
-// communicator's stream (NcclOptions::stream, else one it creates), and followed by a CUDA event.
-// Work::Wait polls that event, checks ncclCommGetAsyncError between polls, and on the deadline
-// aborts the communicator and raises Error(kTimeout). Issuing is serialised by a mutex, so calls
-// reach NCCL in the order they entered the library, as communication.h requires. The first
-// failure breaks the communicator (sticky, as for RING); Abort calls ncclCommAbort.
+// Calls: each collective is validated on the caller's thread (its tensors must be memory of the
+// communicator's device, or managed memory: NCCL does not check pointers, and a host pointer
+// would fault in its kernel), issued to NCCL on the communicator's stream (NcclOptions::stream,
+// else one it creates), and followed by a CUDA event. Work::Wait polls that event, checks
+// ncclCommGetAsyncError between polls, and on the deadline aborts the communicator and raises
+// Error(kTimeout); Work::Done makes the same checks (at most every millisecond), so a caller
+// that only polls it sees a dead peer too. A call's timeout counts from when it starts running,
+// that is from when the call before it on the stream is seen complete (or from its issue when
+// nothing ran), so calls queued behind a long one do not time out while they wait. Issuing is
+// serialised by a mutex, so calls reach NCCL in the order they entered the library, as
+// communication.h requires. The first failure breaks the communicator (sticky, as for RING),
+// NCCL's refusal of a call included: NCCL then sets an asynchronous error on a non-blocking
+// communicator, which leaves it unusable. Abort calls ncclCommAbort; after it, NCCL's kernels
+// return early and the events after them complete over partial data, so a Work whose event
+// completes on a broken communicator raises the communicator's error (Error(kAborted) after
+// Abort), not success.
 // NCCL cannot check that ranks agree on counts, dtypes or ops: a mismatch is undefined there
 // (typically a hang until the timeout), not Error(kMismatch).
+// CommunicationOptions::algorithm cannot be forced (NCCL picks its own; NCCL_ALGO does that):
+// any value raises Error(kNotSupported) when the communicator is built.
 //
 // Thread-safety: every public method may be called from any thread (see communication.h). The
-// CUDA device of the communicator is made current on the calling thread by each call.
+// CUDA device of the communicator is made current on the calling thread by each call, Work's
+// Wait, Done and destructor included (the runtime would otherwise make device 0 current, and
+// build a context there, on a thread that never chose a device).
 #ifndef COLLECTIVES_SRC_NCCL_NCCL_COMMUNICATION_H_
 #define COLLECTIVES_SRC_NCCL_NCCL_COMMUNICATION_H_
 
@@ -37,7 +51,13 @@ struct NcclOptions {
   int device = -1;
 
   // The cudaStream_t the collectives are issued on, owned by the caller, who keeps it alive
-  // as long as the communicator. Null: the communicator creates a non-blocking stream of its own.
+  // as long as the communicator and orders it with the work that fills and reads the tensors.
+  // Null: the communicator creates a blocking stream of its own (not cudaStreamNonBlocking), so
+  // that its collectives run after the work queued before them on the legacy default stream
+  // (kernels launched without a stream, cudaMemcpy, whose copy from pageable memory may return
+  // before the data lands) and before the work queued there after them. A program built with
+  // per-thread default streams, or using streams of its own, must order those itself (an event
+  // and cudaStreamWaitEvent, or a synchronisation) before it issues a collective.
   // Default: null.
   void* stream = nullptr;
 };
@@ -46,12 +66,18 @@ struct NcclOptions {
 // (unique to this communicator: the factory uses "<job_id>/nccl/<generation>"). `store` is
 // kept alive as long as the communicator (rank 0 may host it). Blocks until every rank has
 // joined or options.timeout passed.
-// Throws Error(kNotSupported) when NCCL or a GPU is not usable here (see nccl_loader.h),
+// Throws Error(kNotSupported) when options.algorithm is set (CheckNcclAlgorithm) or NCCL or a GPU
+// is not usable here (see nccl_loader.h), both before the store is touched,
 // Error(kInvalidArgument) for a bad device, Error(kTimeout) when the set-up takes too long, and
 // NCCL's failures mapped by ToErrorCode.
 std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(
     int rank, int size, std::shared_ptr<Store> store, const std::string& key_prefix,
     const CommunicationOptions& options, const NcclOptions& nccl_options = {});
+
+// Throws Error(kNotSupported) naming `algorithm` unless it is empty: an NCCL communicator cannot
+// be made to run one of the library's algorithms. CreateNcclCommunication calls it first; a
+// caller that touches the store before (the factory's generation counter) may call it earlier.
+void CheckNcclAlgorithm(int rank, const std::string& algorithm);
 
 // The mappings, exposed for tests.
 ErrorCode ToErrorCode(ncclResult_t result);

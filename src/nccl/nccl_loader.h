@@ -20,8 +20,11 @@ namespace collectives::nccl {
 #define COLLECTIVES_CUDART_FUNCTIONS(X) \
   X(cudaGetDeviceCount)                 \
   X(cudaGetErrorString)                 \
+  X(cudaGetLastError)                   \
   X(cudaGetDevice)                      \
   X(cudaSetDevice)                      \
+  X(cudaDeviceSynchronize)              \
+  X(cudaPointerGetAttributes)           \
   X(cudaStreamCreateWithFlags)          \
   X(cudaStreamDestroy)                  \
   X(cudaStreamSynchronize)              \

@@ -627,18 +627,20 @@ TEST(CApiCreateTest, OptionsAreChecked) {
   }
 }
 
-TEST(CApiCreateTest, NcclIsEitherBuiltInOrNotSupported) {
+// The C API's buffers are CPU tensors, which NCCL cannot take: NCCL is refused at once, built in
+// or not, before any rendezvous (rank 0 of 2 would otherwise wait for rank 1 until the timeout).
+TEST(CApiCreateTest, NcclIsNotSupportedForCpuTensors) {
   coll_options options = TestOptions();
   options.implementation = COLL_IMPLEMENTATION_NCCL;
+  options.timeout_ms = 5'000;
   coll_comm* comm = nullptr;
-  const coll_status status = coll_comm_create(0, 1, nullptr, 0, &options, &comm);
-  if (status == COLL_NOT_SUPPORTED) {
-    EXPECT_EQ(comm, nullptr);
-    EXPECT_TRUE(Contains(coll_last_error(), "NCCL")) << coll_last_error();
-  } else {
-    EXPECT_OK(status);
-  }
-  EXPECT_OK(coll_comm_destroy(comm));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(coll_comm_create(0, 2, "127.0.0.1", FreePort(), &options, &comm), COLL_NOT_SUPPORTED);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(comm, nullptr);
+  EXPECT_TRUE(Contains(coll_last_error(), "coll_comm_create: ")) << coll_last_error();
+  EXPECT_TRUE(Contains(coll_last_error(), "COLL_IMPLEMENTATION_NCCL")) << coll_last_error();
+  EXPECT_TRUE(Contains(coll_last_error(), "CPU tensors only")) << coll_last_error();
 }
 
 // ---------------------------------------------------------------------------------------------

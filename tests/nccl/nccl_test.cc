@@ -4,9 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -101,23 +104,180 @@ TEST(NcclMappingTest, UniqueIdRoundTripsThroughHex) {
   EXPECT_THROW(nccl::DecodeUniqueId(std::string(text.size(), 'z')), Error);
 }
 
-// ---- GPU tests: skipped without NCCL and a device. ----
+// A forced algorithm is refused before the loader and the store: no GPU needed.
+TEST(NcclOptionsTest, AForcedAlgorithmIsNotSupportedBeforeTheStoreIsTouched) {
+  class UntouchedStore final : public Store {
+   public:
+    void Set(const std::string& key, const std::string&) override {
+      ADD_FAILURE() << "Set " << key;
+    }
+    std::string Get(const std::string& key, std::chrono::milliseconds) override {
+      ADD_FAILURE() << "Get " << key;
+      return "";
+    }
+    int64_t Add(const std::string& key, int64_t) override {
+      ADD_FAILURE() << "Add " << key;
+      return 0;
+    }
+  };
+  for (const char* algorithm : {"ring", "recursive_doubling", "shm", "nccl"}) {
+    CommunicationOptions options = NcclOptionsFor();
+    options.algorithm = algorithm;
+    try {
+      nccl::CreateNcclCommunication(0, 1, std::make_shared<UntouchedStore>(), "test/nccl/0",
+                                    options);
+      ADD_FAILURE() << algorithm << ": expected Error(kNotSupported)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
+      EXPECT_NE(e.message().find(std::string("\"") + algorithm + "\""), std::string::npos)
+          << e.what();
+    }
+  }
+}
 
-#define COLLECTIVES_REQUIRE_GPU(min_devices)                                                \
-  std::string gpu_reason;                                                                   \
-  const nccl::NcclApi* api_ptr = nccl::TryLoadNccl(&gpu_reason);                            \
-  if (api_ptr == nullptr) GTEST_SKIP() << gpu_reason;                                       \
-  if (api_ptr->device_count < (min_devices)) {                                              \
-    GTEST_SKIP() << "needs " << (min_devices) << " CUDA devices, " << api_ptr->device_count \
-                 << " visible (NCCL does not allow two ranks on one GPU)";                  \
-  }                                                                                         \
+// ---- GPU tests: skipped without NCCL and enough devices, failed instead when
+// COLLECTIVES_REQUIRE_GPU=1, so that a run on a GPU machine cannot pass by skipping. ----
+
+bool GpuRequired() {
+  const char* value = std::getenv("COLLECTIVES_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
+
+#define COLLECTIVES_GPU_UNAVAILABLE(why)                                         \
+  do {                                                                           \
+    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << why; \
+    GTEST_SKIP() << why;                                                         \
+  } while (false)
+
+#define COLLECTIVES_REQUIRE_GPU(min_devices)                                              \
+  std::string gpu_reason;                                                                 \
+  const nccl::NcclApi* api_ptr = nccl::TryLoadNccl(&gpu_reason);                          \
+  if (api_ptr == nullptr) COLLECTIVES_GPU_UNAVAILABLE(gpu_reason);                        \
+  if (api_ptr->device_count < (min_devices)) {                                            \
+    COLLECTIVES_GPU_UNAVAILABLE("needs " << (min_devices) << " CUDA devices, "            \
+                                         << api_ptr->device_count                         \
+                                         << " visible (NCCL does not allow two ranks on " \
+                                            "one GPU)");                                  \
+  }                                                                                       \
   const nccl::NcclApi& api = *api_ptr
+
+// Host stand-ins for the 16-bit floating types: their bits, converted through double. The test
+// values are small integers and halves, exact in both.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+double HalfToDouble(uint16_t bits) {
+  const int exponent = (bits >> 10) & 0x1f;
+  const int mantissa = bits & 0x3ff;
+  double value;
+  if (exponent == 0) {
+    value = std::ldexp(mantissa, -24);
+  } else if (exponent == 31) {
+    value = mantissa != 0 ? std::numeric_limits<double>::quiet_NaN()
+                          : std::numeric_limits<double>::infinity();
+  } else {
+    value = std::ldexp(mantissa + 1024, exponent - 25);
+  }
+  return (bits & 0x8000) != 0 ? -value : value;
+}
+
+// Zero and normal values only (the tests' are), rounded to nearest.
+uint16_t HalfBits(double value) {
+  const uint16_t sign = std::signbit(value) ? 0x8000 : 0;
+  value = std::abs(value);
+  if (value == 0) return sign;
+  int exponent = 0;
+  const double fraction = std::frexp(value, &exponent);  // in [0.5, 1)
+  int mantissa = static_cast<int>(std::lround((fraction * 2 - 1) * 1024));
+  int biased = exponent + 14;
+  if (mantissa == 1024) {
+    mantissa = 0;
+    ++biased;
+  }
+  return static_cast<uint16_t>(sign | (biased << 10) | mantissa);
+}
+
+double BFloat16ToDouble(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+uint16_t BFloat16Bits(double value) {  // rounded to nearest even
+  const float single = static_cast<float>(value);
+  uint32_t word;
+  std::memcpy(&word, &single, sizeof(word));
+  word += 0x7fff + ((word >> 16) & 1);
+  return static_cast<uint16_t>(word >> 16);
+}
+
+// The stand-ins themselves need no GPU.
+TEST(NcclHostTypesTest, HalfAndBFloat16RoundTripTheTestValues) {
+  EXPECT_EQ(HalfBits(1.0), 0x3c00);
+  EXPECT_EQ(HalfBits(-2.5), 0xc100);
+  EXPECT_EQ(HalfBits(0.0), 0x0000);
+  EXPECT_EQ(BFloat16Bits(1.0), 0x3f80);
+  EXPECT_EQ(BFloat16Bits(-2.5), 0xc020);
+  for (int twice = 0; twice <= 2 * 625; ++twice) {
+    const double value = twice / 2.0;
+    EXPECT_EQ(HalfToDouble(HalfBits(value)), value);
+    if (twice <= 2 * 128) {
+      EXPECT_EQ(BFloat16ToDouble(BFloat16Bits(value)), value);
+    }
+  }
+  EXPECT_EQ(HalfToDouble(0x7c00), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(HalfToDouble(0x0001), std::ldexp(1.0, -24));
+}
+
+// How a host element type stands for a DataType.
+template <typename T>
+struct Elem {
+  static constexpr bool kFloating = std::is_floating_point_v<T>;
+  static double ToDouble(T v) { return static_cast<double>(v); }
+  static T Of(double v) { return static_cast<T>(v); }
+};
+template <>
+struct Elem<Half> {
+  static constexpr bool kFloating = true;
+  static double ToDouble(Half v) { return HalfToDouble(v.bits); }
+  static Half Of(double v) { return Half{HalfBits(v)}; }
+};
+template <>
+struct Elem<BFloat16> {
+  static constexpr bool kFloating = true;
+  static double ToDouble(BFloat16 v) { return BFloat16ToDouble(v.bits); }
+  static BFloat16 Of(double v) { return BFloat16{BFloat16Bits(v)}; }
+};
+
+template <typename T>
+constexpr bool kAlwaysFalse = false;
 
 template <typename T>
 DataType DataTypeOf() {
-  if constexpr (std::is_same_v<T, float>) return DataType::kFloat32;
-  if constexpr (std::is_same_v<T, double>) return DataType::kFloat64;
-  if constexpr (std::is_same_v<T, int32_t>) return DataType::kInt32;
+  if constexpr (std::is_same_v<T, float>) {
+    return DataType::kFloat32;
+  } else if constexpr (std::is_same_v<T, double>) {
+    return DataType::kFloat64;
+  } else if constexpr (std::is_same_v<T, Half>) {
+    return DataType::kFloat16;
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    return DataType::kBFloat16;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return DataType::kInt8;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    return DataType::kUInt8;
+  } else if constexpr (std::is_same_v<T, int32_t>) {
+    return DataType::kInt32;
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    return DataType::kInt64;
+  } else {
+    static_assert(kAlwaysFalse<T>, "no DataType for this type");
+  }
 }
 
 void CheckCuda(cudaError_t status, const char* what) {
@@ -137,10 +297,13 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
+  // A cudaMemcpy from pageable memory may return before the data lands. The communicator's own
+  // stream is ordered after it anyway; synchronising keeps the tests independent of that.
   void Upload(const std::vector<T>& host) {
     CheckCuda(api_.cudaSetDevice(device_), "cudaSetDevice");
     CheckCuda(api_.cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
               "cudaMemcpy");
+    CheckCuda(api_.cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   std::vector<T> Download() const {
     std::vector<T> host(count_);
@@ -158,26 +321,31 @@ class DeviceBuffer {
   void* data_ = nullptr;
 };
 
-// Rank r's input: small values so that products and sums stay exact.
-template <typename T>
-std::vector<T> Input(int rank, size_t count) {
-  std::vector<T> v(count);
-  for (size_t i = 0; i < count; ++i)
-    v[i] = static_cast<T>(1 + (i * 7 + static_cast<size_t>(rank) * 3) % 5);
-  return v;
+// Rank r's input: small values so that products and sums stay exact in every dtype.
+double InputValue(int rank, size_t i) {
+  return static_cast<double>(1 + (i * 7 + static_cast<size_t>(rank) * 3) % 5);
 }
 
 template <typename T>
-T Reduce(ReduceOp op, const std::vector<T>& values) {
-  T acc = values[0];
+std::vector<T> Input(int rank, size_t count) {
+  std::vector<T> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = Elem<T>::Of(InputValue(rank, i));
+  return v;
+}
+
+// op over `values`, as T computes it: exact for the test values, the average truncated for
+// integer types.
+template <typename T>
+double Reduce(ReduceOp op, const std::vector<double>& values) {
+  double acc = values[0];
   for (size_t i = 1; i < values.size(); ++i) {
     switch (op) {
       case ReduceOp::kSum:
       case ReduceOp::kAvg:
-        acc = acc + values[i];
+        acc += values[i];
         break;
       case ReduceOp::kProd:
-        acc = acc * values[i];
+        acc *= values[i];
         break;
       case ReduceOp::kMin:
         acc = std::min(acc, values[i]);
@@ -187,13 +355,17 @@ T Reduce(ReduceOp op, const std::vector<T>& values) {
         break;
     }
   }
-  if (op == ReduceOp::kAvg) acc = static_cast<T>(acc / static_cast<T>(values.size()));
+  if (op == ReduceOp::kAvg) {
+    acc /= static_cast<double>(values.size());
+    if (!Elem<T>::kFloating) acc = std::trunc(acc);
+  }
   return acc;
 }
 
 template <typename T>
-void ExpectNear(T expected, T got, const std::string& where) {
-  if constexpr (std::is_floating_point_v<T>) {
+void ExpectNear(double expected, T got_value, const std::string& where) {
+  const double got = Elem<T>::ToDouble(got_value);
+  if constexpr (Elem<T>::kFloating) {
     EXPECT_NEAR(expected, got, std::abs(expected) * 1e-5 + 1e-6) << where;
   } else {
     EXPECT_EQ(expected, got) << where;
@@ -230,39 +402,39 @@ void CheckAllCollectives(const nccl::NcclApi& api, CollectiveCommunication& comm
   const int rank = comm.rank();
   const int device = rank;
   const size_t count = 1000;
+  const size_t whole_count = count * static_cast<size_t>(size);
+  const std::string type = ToString(DataTypeOf<T>());
+  std::vector<double> column(static_cast<size_t>(size));
+  auto column_at = [&](size_t i) -> const std::vector<double>& {
+    for (int r = 0; r < size; ++r) column[static_cast<size_t>(r)] = InputValue(r, i);
+    return column;
+  };
   for (ReduceOp op : kOps) {
-    const std::string where = std::string(ToString(DataTypeOf<T>())) + " " + ToString(op);
+    const std::string where = type + " " + ToString(op);
     // AllReduce, out of place then in place.
     DeviceBuffer<T> send(api, device, count), recv(api, device, count);
     send.Upload(Input<T>(rank, count));
     comm.AllReduce(send.tensor(), recv.tensor(), op);
     std::vector<T> got = recv.Download();
     for (size_t i = 0; i < count; ++i) {
-      std::vector<T> column;
-      for (int r = 0; r < size; ++r) column.push_back(Input<T>(r, count)[i]);
-      ExpectNear(Reduce(op, column), got[i],
+      ExpectNear(Reduce<T>(op, column_at(i)), got[i],
                  "all_reduce " + where + " [" + std::to_string(i) + "]");
     }
     comm.AllReduce(send.tensor(), op);
     got = send.Download();
     for (size_t i = 0; i < count; ++i) {
-      std::vector<T> column;
-      for (int r = 0; r < size; ++r) column.push_back(Input<T>(r, count)[i]);
-      ExpectNear(Reduce(op, column), got[i], "in-place all_reduce " + where);
+      ExpectNear(Reduce<T>(op, column_at(i)), got[i],
+                 "in-place all_reduce " + where + " [" + std::to_string(i) + "]");
     }
     // ReduceScatter: send has size * count elements.
-    DeviceBuffer<T> whole(api, device, count * static_cast<size_t>(size));
-    whole.Upload(Input<T>(rank, count * static_cast<size_t>(size)));
+    DeviceBuffer<T> whole(api, device, whole_count);
+    whole.Upload(Input<T>(rank, whole_count));
     DeviceBuffer<T> block(api, device, count);
     comm.ReduceScatter(whole.tensor(), block.tensor(), op);
     got = block.Download();
     for (size_t i = 0; i < count; ++i) {
-      const size_t at = static_cast<size_t>(rank) * count + i;
-      std::vector<T> column;
-      for (int r = 0; r < size; ++r) {
-        column.push_back(Input<T>(r, count * static_cast<size_t>(size))[at]);
-      }
-      ExpectNear(Reduce(op, column), got[i], "reduce_scatter " + where);
+      ExpectNear(Reduce<T>(op, column_at(static_cast<size_t>(rank) * count + i)), got[i],
+                 "reduce_scatter " + where + " [" + std::to_string(i) + "]");
     }
   }
   // Broadcast from each root.
@@ -271,41 +443,47 @@ void CheckAllCollectives(const nccl::NcclApi& api, CollectiveCommunication& comm
     send.Upload(Input<T>(rank, count));
     comm.Broadcast(send.tensor(), recv.tensor(), root);
     const std::vector<T> got = recv.Download();
-    const std::vector<T> expected = Input<T>(root, count);
-    for (size_t i = 0; i < count; ++i) ExpectNear(expected[i], got[i], "broadcast");
+    for (size_t i = 0; i < count; ++i) {
+      ExpectNear(InputValue(root, i), got[i], "broadcast " + type + " [" + std::to_string(i) + "]");
+    }
   }
   // AllGather.
   DeviceBuffer<T> part(api, device, count);
   part.Upload(Input<T>(rank, count));
-  DeviceBuffer<T> all(api, device, count * static_cast<size_t>(size));
+  DeviceBuffer<T> all(api, device, whole_count);
   comm.AllGather(part.tensor(), all.tensor());
   const std::vector<T> got = all.Download();
   for (int r = 0; r < size; ++r) {
-    const std::vector<T> expected = Input<T>(r, count);
     for (size_t i = 0; i < count; ++i) {
-      ExpectNear(expected[i], got[static_cast<size_t>(r) * count + i], "all_gather");
+      ExpectNear(InputValue(r, i), got[static_cast<size_t>(r) * count + i],
+                 "all_gather " + type + " [" + std::to_string(r) + "][" + std::to_string(i) + "]");
     }
   }
   comm.Barrier();
+}
+
+void CheckEveryDtype(const nccl::NcclApi& api, CollectiveCommunication& comm) {
+  CheckAllCollectives<float>(api, comm);
+  CheckAllCollectives<double>(api, comm);
+  CheckAllCollectives<Half>(api, comm);
+  CheckAllCollectives<BFloat16>(api, comm);
+  CheckAllCollectives<int8_t>(api, comm);
+  CheckAllCollectives<uint8_t>(api, comm);
+  CheckAllCollectives<int32_t>(api, comm);
+  CheckAllCollectives<int64_t>(api, comm);
 }
 
 TEST(NcclGpuTest, OneRankEveryCollective) {
   COLLECTIVES_REQUIRE_GPU(1);
   RunNcclRanks(1, [&](CollectiveCommunication& comm) {
     EXPECT_EQ(comm.implementation(), Implementation::kNccl);
-    CheckAllCollectives<float>(api, comm);
-    CheckAllCollectives<double>(api, comm);
-    CheckAllCollectives<int32_t>(api, comm);
+    CheckEveryDtype(api, comm);
   });
 }
 
 TEST(NcclGpuTest, TwoRanksAsThreadsEveryCollective) {
   COLLECTIVES_REQUIRE_GPU(2);
-  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
-    CheckAllCollectives<float>(api, comm);
-    CheckAllCollectives<double>(api, comm);
-    CheckAllCollectives<int32_t>(api, comm);
-  });
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) { CheckEveryDtype(api, comm); });
 }
 
 TEST(NcclGpuTest, ThroughTheFactory) {
@@ -313,10 +491,16 @@ TEST(NcclGpuTest, ThroughTheFactory) {
   ClusterSpec spec;
   auto comm = CreateCommunication(spec, CreateMemoryStore(), NcclOptionsFor());
   EXPECT_EQ(comm->implementation(), Implementation::kNccl);
-  DeviceBuffer<float> buffer(api, 0, 16);
-  buffer.Upload(std::vector<float>(16, 2.0f));
-  comm->AllReduce(buffer.tensor(), ReduceOp::kSum);
-  for (float v : buffer.Download()) EXPECT_EQ(v, 2.0f);
+  // Distinct values, so that a shifted, partial or stale result shows.
+  const size_t count = 4099;
+  std::vector<float> input(count);
+  for (size_t i = 0; i < count; ++i) input[i] = static_cast<float>(i) + 0.5f;
+  DeviceBuffer<float> send(api, 0, count), recv(api, 0, count);
+  send.Upload(input);
+  recv.Upload(std::vector<float>(count, -1.0f));
+  comm->AllReduce(send.tensor(), recv.tensor(), ReduceOp::kSum);
+  const std::vector<float> got = recv.Download();
+  for (size_t i = 0; i < count; ++i) EXPECT_EQ(got[i], input[i]) << "[" << i << "]";
   comm->Barrier();
 }
 
@@ -336,6 +520,34 @@ TEST(NcclGpuTest, CpuTensorIsAnInvalidArgument) {
     // The communicator still works afterwards.
     DeviceBuffer<float> buffer(api, 0, 8);
     buffer.Upload(host);
+    comm.AllReduce(buffer.tensor(), ReduceOp::kSum);
+    for (float v : buffer.Download()) EXPECT_EQ(v, 1.0f);
+  });
+}
+
+// A tensor that claims CUDA but holds a host pointer is refused before NCCL sees it (NCCL does
+// not check pointers: its kernel would fault), and the communicator still works.
+TEST(NcclGpuTest, HostMemoryMarkedCudaIsAnInvalidArgument) {
+  COLLECTIVES_REQUIRE_GPU(1);
+  RunNcclRanks(1, [&](CollectiveCommunication& comm) {
+    std::vector<float> host(8, 1.0f);
+    const Tensor lying{host.data(), host.size(), DataType::kFloat32, Device::Cuda(0)};
+    DeviceBuffer<float> buffer(api, 0, 8);
+    buffer.Upload(host);
+    for (const bool as_send : {true, false}) {
+      try {
+        if (as_send) {
+          comm.AllReduce(lying, buffer.tensor(), ReduceOp::kSum);
+        } else {
+          comm.AllReduce(buffer.tensor(), lying, ReduceOp::kSum);
+        }
+        ADD_FAILURE() << "expected Error(kInvalidArgument)";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_NE(e.message().find(as_send ? "send" : "recv"), std::string::npos) << e.what();
+        EXPECT_NE(e.message().find("not CUDA memory"), std::string::npos) << e.what();
+      }
+    }
     comm.AllReduce(buffer.tensor(), ReduceOp::kSum);
     for (float v : buffer.Download()) EXPECT_EQ(v, 1.0f);
   });
@@ -379,17 +591,168 @@ TEST(NcclGpuTest, AbortBreaksTheCommunicator) {
   });
 }
 
-TEST(NcclGpuTest, AsyncWorksCompleteInOrder) {
+// Calls issued before an Abort and not waited on raise Error(kAborted): after ncclCommAbort
+// their events complete over partial data, which is not success.
+TEST(NcclGpuTest, AbortWithCallsInFlightMakesTheirWaitsRaiseAborted) {
   COLLECTIVES_REQUIRE_GPU(1);
   RunNcclRanks(1, [&](CollectiveCommunication& comm) {
-    DeviceBuffer<float> buffer(api, 0, 1 << 20);
-    buffer.Upload(std::vector<float>(1 << 20, 3.0f));
+    DeviceBuffer<float> buffer(api, 0, 1 << 24);
+    buffer.Upload(std::vector<float>(1 << 24, 1.0f));
     std::vector<std::shared_ptr<Work>> works;
-    for (int i = 0; i < 8; ++i)
-      works.push_back(comm.AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kMax));
+    for (int i = 0; i < 8; ++i) {
+      works.push_back(comm.AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum));
+    }
+    comm.Abort();
+    for (size_t i = 0; i < works.size(); ++i) {
+      EXPECT_TRUE(works[i]->Done()) << i;
+      try {
+        works[i]->Wait();
+        ADD_FAILURE() << "work " << i << ": expected Error(kAborted)";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << "work " << i << ": " << e.what();
+      }
+    }
+  });
+}
+
+// The same with a call that really is running: rank 1 never joins it, and an Abort from
+// another thread ends rank 0's Wait long before the timeout.
+TEST(NcclGpuTest, AbortEndsAWaitOnACallAPeerNeverJoins) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  std::atomic<bool> rank0_done{false};
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<float> buffer(api, comm.rank(), 1024);
+    buffer.Upload(std::vector<float>(1024, 1.0f));
+    comm.AllReduce(buffer.tensor(), ReduceOp::kSum);  // connects the ranks
+    if (comm.rank() == 1) {
+      while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      comm.Abort();  // its destructor then does not wait for the call rank 0 aborted
+      return;
+    }
+    auto work = comm.AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum);
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      comm.Abort();
+    });
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      work->Wait();
+      ADD_FAILURE() << "expected Error(kAborted)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+    aborter.join();
+    rank0_done.store(true);
+  });
+}
+
+// A call's timeout counts from when it starts running: one queued behind a call that waits
+// 1.5 s for its peer does not time out at 500 ms, even waited on alone.
+TEST(NcclGpuTest, AQueuedCallsTimeoutStartsWhenItRuns) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<float> first(api, comm.rank(), 1024), second(api, comm.rank(), 1024);
+    first.Upload(std::vector<float>(1024, 1.0f));
+    second.Upload(std::vector<float>(1024, 2.0f));
+    comm.AllReduce(first.tensor(), ReduceOp::kMax);  // connects the ranks
+    if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    auto long_one = comm.AllReduceAsync(first.tensor(), first.tensor(), ReduceOp::kMax);
+    if (comm.rank() == 0) comm.SetTimeout(std::chrono::milliseconds(500));
+    auto queued = comm.AllReduceAsync(second.tensor(), second.tensor(), ReduceOp::kSum);
+    queued->Wait();
+    EXPECT_TRUE(long_one->Done());
+    long_one->Wait();
+    for (float v : second.Download()) EXPECT_EQ(v, 4.0f);
+  });
+}
+
+// Done checks the deadline too: a caller that only polls it (coll_work_test) sees the timeout
+// of a call whose peer never comes, and Wait then raises it.
+TEST(NcclGpuTest, DoneSeesTheTimeoutOfACallAPeerNeverJoins) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  std::atomic<bool> rank0_done{false};
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<float> buffer(api, comm.rank(), 1024);
+    buffer.Upload(std::vector<float>(1024, 1.0f));
+    comm.AllReduce(buffer.tensor(), ReduceOp::kSum);  // connects the ranks
+    if (comm.rank() == 1) {
+      while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      comm.Abort();
+      return;
+    }
+    comm.SetTimeout(std::chrono::milliseconds(300));
+    auto work = comm.AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum);
+    const auto start = std::chrono::steady_clock::now();
+    while (!work->Done() && std::chrono::steady_clock::now() - start < std::chrono::seconds(20)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_TRUE(work->Done());
+    try {
+      work->Wait();
+      ADD_FAILURE() << "expected Error(kTimeout)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    }
+    rank0_done.store(true);
+  });
+}
+
+// Waiting on a thread that never chose a device makes the communicator's device current there
+// (rank 1's, so that the runtime's default, device 0, would show).
+TEST(NcclGpuTest, WaitOnAFreshThreadUsesTheCommunicatorsDevice) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<float> buffer(api, comm.rank(), 1024);
+    buffer.Upload(std::vector<float>(1024, 1.0f));
+    auto work = comm.AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum);
+    int device = -1;
+    std::thread([&] {
+      try {
+        work->Wait();
+        CheckCuda(api.cudaGetDevice(&device), "cudaGetDevice");
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    }).join();
+    EXPECT_EQ(device, comm.rank());
+  });
+}
+
+// A chain of out-of-place all-reduces, each reading the buffer the one before wrote: the last
+// buffer holds size^steps times the first, in every element, only if they ran in issue order
+// (the buffers after the first start as -1e6). Waiting on the last alone leaves every earlier
+// one done.
+TEST(NcclGpuTest, AsyncWorksCompleteInOrder) {
+  COLLECTIVES_REQUIRE_GPU(1);
+  RunNcclRanks(std::min(api.device_count, 2), [&](CollectiveCommunication& comm) {
+    const size_t count = size_t{1} << 20;
+    const int steps = 8;
+    const int device = comm.rank();
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> buffers;
+    for (int k = 0; k <= steps; ++k) {
+      buffers.push_back(std::make_unique<DeviceBuffer<float>>(api, device, count));
+    }
+    auto value = [](int rank, size_t i) { return static_cast<float>(1 + (i + rank) % 7); };
+    std::vector<float> input(count);
+    for (size_t i = 0; i < count; ++i) input[i] = value(comm.rank(), i);
+    buffers[0]->Upload(input);
+    for (int k = 1; k <= steps; ++k) buffers[k]->Upload(std::vector<float>(count, -1e6f));
+    std::vector<std::shared_ptr<Work>> works;
+    for (int k = 0; k < steps; ++k) {
+      works.push_back(
+          comm.AllReduceAsync(buffers[k]->tensor(), buffers[k + 1]->tensor(), ReduceOp::kSum));
+    }
+    works.back()->Wait();
+    for (int k = 0; k < steps; ++k) EXPECT_TRUE(works[k]->Done()) << k;
     for (auto& w : works) w->Wait();
-    for (auto& w : works) EXPECT_TRUE(w->Done());
-    EXPECT_EQ(buffer.Download()[12345], 3.0f);
+    const std::vector<float> got = buffers[steps]->Download();
+    const double scale = std::pow(comm.size(), steps - 1);
+    for (size_t i = 0; i < count; ++i) {
+      double sum = 0;
+      for (int r = 0; r < comm.size(); ++r) sum += value(r, i);
+      ASSERT_EQ(got[i], static_cast<float>(sum * scale)) << "[" << i << "]";
+    }
   });
 }
 
