@@ -10,9 +10,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-scripts/install-deps.sh
-if ! command -v clang++ >/dev/null; then
-  apt-get install -y --no-install-recommends clang
+if command -v clang++ >/dev/null; then
+  scripts/install-deps.sh
+else
+  scripts/install-deps.sh clang  # through sudo unless root, as the other packages
 fi
 
 BUILD_DIR=${COLLECTIVES_FUZZ_BUILD_DIR:-build-fuzz}

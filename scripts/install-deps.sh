@@ -3,7 +3,9 @@
 # need. Idempotent: packages already installed are skipped (dpkg-query), so a second run is fast
 # and works offline; `apt-get update` runs only when a missing package has no install candidate
 # (or once more if installing from stale package lists fails). Runs apt-get through sudo unless
-# already root.
+# already root. Packages given as arguments are installed too (scripts/fuzz.sh adds clang).
+#
+#   install-deps.sh [EXTRA_PACKAGE...]
 set -euo pipefail
 
 PACKAGES=(
@@ -14,6 +16,7 @@ PACKAGES=(
   dataset-fashion-mnist
   python3 python3-matplotlib
   time iproute2 procps
+  "$@"
 )
 
 is_installed() {

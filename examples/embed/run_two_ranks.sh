@@ -4,8 +4,12 @@
 # MASTER_PORT (a port that was free a moment ago). Fails if either rank exits non-zero, runs
 # past the time limit, or prints no final checksum, or if the two final checksums differ.
 #
-#   run_two_ranks.sh BINARY [TIME_LIMIT_SECONDS]
+#   run_two_ranks.sh BINARY [TIME_LIMIT_SECONDS]     (default 60; without BINARY: usage, exit 2)
 set -u
+if [ $# -lt 1 ] || [ $# -gt 2 ]; then
+  echo "usage: $0 BINARY [TIME_LIMIT_SECONDS]   (BINARY: e.g. build/examples/embed_cpp or embed_c)" >&2
+  exit 2
+fi
 binary=$1
 limit=${2:-60}
 

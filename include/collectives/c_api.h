@@ -59,7 +59,8 @@ typedef enum coll_status {
   COLL_TIMEOUT = 6,          /* a deadline passed waiting for a peer or the rendezvous */
   COLL_UNAUTHENTICATED = 7,  /* a peer failed the job-token proof */
   COLL_ABORTED = 8,          /* the communicator was aborted, by this process or by a peer */
-  COLL_NOT_SUPPORTED = 9,    /* the build or the machine lacks what the call needs (NCCL) */
+  COLL_NOT_SUPPORTED = 9,    /* what the call asks for is not available here, e.g.
+                                COLL_IMPLEMENTATION_NCCL (see below) */
   COLL_INTERNAL = 10,        /* a bug in this library (also: an unexpected C++ exception) */
   COLL_STATUS_FORCE_INT_ = 0x7fffffff
 } coll_status;
@@ -89,8 +90,10 @@ typedef enum coll_op {
 
 /* Which implementation moves the data. Values equal collectives::Implementation. */
 typedef enum coll_implementation {
-  COLL_IMPLEMENTATION_RING = 0, /* TCP between processes; CPU buffers */
-  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL (COLL_NOT_SUPPORTED where it is not built in) */
+  COLL_IMPLEMENTATION_RING = 0, /* TCP between processes */
+  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL, on CUDA memory: not offered here, since this API
+                                   takes host (CPU) buffers only; creating a communicator with it
+                                   returns COLL_NOT_SUPPORTED */
   COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call: shared memory inside a host, TCP across */
   COLL_IMPLEMENTATION_FORCE_INT_ = 0x7fffffff
 } coll_implementation;
@@ -114,7 +117,8 @@ typedef struct coll_options {
   /* sizeof(coll_options); set by coll_options_init. */
   size_t struct_size;
 
-  /* Which implementation moves the data.
+  /* Which implementation moves the data: COLL_IMPLEMENTATION_AUTO or COLL_IMPLEMENTATION_RING
+   * (COLL_IMPLEMENTATION_NCCL gives COLL_NOT_SUPPORTED).
    * Default: COLL_IMPLEMENTATION_AUTO. */
   coll_implementation implementation;
 
@@ -130,8 +134,12 @@ typedef struct coll_options {
   size_t bytes_per_pack;
 
   /* The job's shared secret: every connection proves knowledge of it (HMAC; it never travels).
-   * NULL or "": taken from the environment variable COLLECTIVES_JOB_TOKEN, else none. Copied
-   * during creation; need not outlive the call.
+   * NULL or "": the environment variable COLLECTIVES_JOB_TOKEN; when that is unset or empty,
+   * rank 0's rendezvous store generates a random token and every other rank enrols for it on its
+   * first connection to the store (the token then travels once, in clear, to each rank: trust on
+   * first use; a stranger who enrols first for a rank takes its place, and that rank gets
+   * COLL_UNAUTHENTICATED). On a network you do not trust, set a token. Copied during creation;
+   * need not outlive the call.
    * Default: NULL. */
   const char* job_token;
 } coll_options;
@@ -153,7 +161,9 @@ typedef struct coll_comm coll_comm;
  *      (required when WORLD_SIZE > 1);
  *   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_ADDR / MASTER_PORT;
  *   4. none of them: a single rank.
- * COLLECTIVES_JOB_ID, when set, names the job. Blocks until every rank has connected or the
+ * COLLECTIVES_JOB_ID, when set, names the job (every rank must set the same); when
+ * COLLECTIVES_STORE_LISTEN_ADDRESS is set, rank 0's store listens there instead of on the
+ * address the other ranks connect to. Blocks until every rank has connected or the
  * timeout passed (COLL_TIMEOUT). A malformed or missing variable gives COLL_INVALID_ARGUMENT
  * naming it. On success *out is the new communicator; on failure *out is set to NULL. */
 coll_status coll_comm_create_from_env(const coll_options* options, coll_comm** out);

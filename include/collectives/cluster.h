@@ -39,8 +39,10 @@ struct ClusterSpec {
   // TF_CONFIG task type and index of this process ("chief"/0, "worker"/3), or "worker"/rank.
   std::string task_type = "worker";
   int task_index = 0;
-  // A name every rank of the job agrees on; keys in the store are prefixed with it, and it
-  // travels in the connection handshake so that two jobs sharing a host never cross.
+  // A name every rank of the job agrees on; keys in the store are prefixed with it, it travels
+  // in the connection handshake so that two jobs sharing a host never cross, and a hash of it goes
+  // into the shared-memory segment names. FromTfConfig takes it from TF_CONFIG's top-level
+  // "job_id" (this library's own field), FromEnvironment from COLLECTIVES_JOB_ID.
   std::string job_id = "collectives";
   // The job's shared secret, proven on every connection (see CommunicationOptions::job_token,
   // which wins when set). FromEnvironment takes it from COLLECTIVES_JOB_TOKEN; it is never read
@@ -58,8 +60,11 @@ struct ClusterSpec {
 
   // Builds the spec from the environment: TF_CONFIG if set; else RANK and WORLD_SIZE; else
   // OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; MASTER_ADDR (default 127.0.0.1) and
-  // MASTER_PORT for the last two. With none of them: a single rank. Throws
-  // Error(kInvalidArgument) naming the variable that is malformed or missing.
+  // MASTER_PORT for the last two. With none of them: a single rank. Then, whatever the source:
+  // COLLECTIVES_JOB_ID gives job_id (it must not be empty, and must equal TF_CONFIG's "job_id"
+  // when that names one other than the default), COLLECTIVES_JOB_TOKEN job_token, and
+  // COLLECTIVES_STORE_LISTEN_ADDRESS store_listen_address. Throws Error(kInvalidArgument) naming
+  // the variable that is malformed or missing.
   static ClusterSpec FromEnvironment();
 
   // The same, over an explicit variable map (for tests and for embedding).

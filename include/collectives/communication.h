@@ -29,9 +29,16 @@
 
 namespace collectives {
 
+// With kNccl, floating results can differ in the last bits from those of kRing and kAuto:
+//  - kAvg of a floating type is NCCL's ncclAvg: each rank's input is multiplied by 1/n, itself
+//    rounded to the element type, and the rounded products are summed. kRing and kAuto sum the
+//    inputs and divide the sum once (a correctly rounded division).
+//  - NCCL adds f16 and bf16 in the element type at each step. kRing and kAuto add them in f32
+//    but round each step's result back to the element type, so neither carries more precision
+//    from one step to the next; each implementation adds in the order of its own algorithm.
 enum class Implementation {
   kRing,  // TCP between processes; ring algorithms, latency-optimal ones for small messages
-  kNccl,  // NVIDIA NCCL on CUDA tensors
+  kNccl,  // NVIDIA NCCL on CUDA tensors (see above for kAvg)
   kAuto,  // chosen per call: shared memory inside a host, TCP across hosts (see CreateCommunication)
 };
 const char* ToString(Implementation impl);
@@ -42,8 +49,11 @@ struct CommunicationOptions {
   // Default: kAuto.
   Implementation implementation = Implementation::kAuto;
 
-  // Byte cap of one fusion bucket when a list of tensors is reduced through the packer.
-  // 0 picks the library's default.
+  // Byte cap of one fusion bucket for MultiWorkerMirroredStrategy, whose all-reduces and
+  // broadcasts between workers go through the packer. The communicator itself does not read it,
+  // nor do packing::AllReduce and packing::Broadcast, which take their own bytes_per_pack argument.
+  // The C API's coll_all_reduce_many has coll_options.bytes_per_pack for this. 0 picks
+  // packing::DefaultBytesPerPack() (1 MiB).
   // Default: 0.
   size_t bytes_per_pack = 0;
 
@@ -80,8 +90,10 @@ struct CommunicationOptions {
 
   // Forces the all-reduce algorithm, for measurements (NCCL_ALGO's role): "ring",
   // "recursive_doubling", "halving_doubling" (RING and AUTO), "shm" (AUTO with every rank on one
-  // host), "two_level" (AUTO with several hosts of as many ranks each). Empty: chosen per call.
-  // An algorithm the communicator cannot run raises Error(kNotSupported) when it is built.
+  // host), "two_level" (AUTO with several hosts of as many ranks each; every all-reduce then runs
+  // in two levels, untimed). Under AUTO the first three also turn shared memory off: every
+  // collective, not only the all-reduce, then runs over TCP as under RING. Empty: chosen per
+  // call. An algorithm the communicator cannot run raises Error(kNotSupported) when it is built.
   // Default: "".
   std::string algorithm{};
 
@@ -114,7 +126,9 @@ struct CommunicationOptions {
   // The address this rank's data listener binds to. Empty: $COLLECTIVES_LISTEN_ADDRESS when set,
   // else the host the ClusterSpec names for this rank (TF_CONFIG's cluster addresses), else the
   // local address that routes toward master_addr: never every interface unless asked.
-  // "0.0.0.0" or "::" asks for every interface (peers are then told this host's name).
+  // "0.0.0.0" or "::" asks for every interface (peers are then told this host's name). When
+  // the default is a name that resolves to loopback addresses only here (Debian maps a host's
+  // own name to 127.0.1.1), the rank logs a line to stderr: other hosts cannot connect to it.
   // Default: "".
   std::string listen_address{};
 };
@@ -210,9 +224,14 @@ class CollectiveCommunication {
 // spec names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed.
 // RING connects every pair of ranks over TCP. AUTO does too, and also groups the ranks by host
 // (host name and boot id, or $COLLECTIVES_HOST_ID): the ranks of one host share a POSIX
-// shared-memory segment, and AUTO runs a call there when every rank is on one host, or in two
-// levels (inside each host, then across hosts among ranks of the same local index) when there
-// are several hosts of as many ranks each. COLLECTIVES_SHM=0 turns shared memory off.
+// shared-memory segment. With every rank on one host, AUTO runs every collective there. With
+// several hosts of as many ranks each (two or more), broadcast and all-gather always run in two
+// levels (across hosts among the ranks of one local index, over TCP; inside each host, through
+// shared memory); an all-reduce runs in two levels when that is the cheaper plan for its size,
+// by timings taken right after connecting (8 B and 4 MiB all-reduces under both plans, the
+// median of 3 rounds, the slowest rank's), else flat over TCP; reduce-scatter and barrier run
+// flat over TCP. Other layouts run everything over TCP. COLLECTIVES_SHM=0 on any rank turns
+// shared memory off for every rank; so does options.algorithm naming a TCP algorithm.
 // The job token a communicator built with `options` proves on every connection, the store's
 // included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty (CreateCommunication
 // then proves the token its store generated or enrolled for, if any). For callers that create
