@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "src/core/environment.h"
@@ -264,29 +266,40 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options) {
-  // "<shm>\n<host>\n<machine>": whether this rank allows shared memory (COLLECTIVES_SHM), the
-  // host AUTO plans by (pretended or real), and the machine the process really runs on, whose
-  // ranks compete for its cores. Every rank decides from what every rank published, so they
-  // decide alike even when one rank's environment differs: shared memory only if all allow it.
+  // "<shm>\n<slot>\n<host>\n<machine>": whether this rank allows shared memory (COLLECTIVES_SHM),
+  // its COLLECTIVES_SHM_SLOT_BYTES (empty: unset), the host AUTO plans by (pretended or real), and
+  // the machine the process really runs on, whose ranks compete for its cores. Every rank
+  // decides from what every rank published, so they decide alike even when one rank's
+  // environment differs: shared memory only if all allow it.
   const char* shm_env = std::getenv("COLLECTIVES_SHM");
   const bool shm_here = shm_env == nullptr || std::string(shm_env) != "0";
+  const std::optional<uint64_t> slot_here =
+      core::EnvCount("COLLECTIVES_SHM_SLOT_BYTES", "a byte count");
   const std::string machine = MachineIdentity();
   store.Set(key_prefix + "/host/" + std::to_string(rank),
-            std::string(shm_here ? "1" : "0") + "\n" + HostIdentity() + "\n" + machine);
+            std::string(shm_here ? "1" : "0") + "\n" +
+                (slot_here ? std::to_string(*slot_here) : "") + "\n" + HostIdentity() + "\n" +
+                machine);
   std::vector<std::string> identities;
+  std::vector<std::string> slots;
   size_t ranks_on_machine = 0;
   bool shm_allowed = true;
   for (int r = 0; r < size; ++r) {
     const std::string all = store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout);
-    const size_t first = all.find('\n');
-    const size_t second = all.find('\n', first == std::string::npos ? all.size() : first + 1);
-    if (first == std::string::npos || second == std::string::npos) {
+    size_t at[3];
+    size_t from = 0;
+    for (size_t& field_end : at) {
+      field_end = from <= all.size() ? all.find('\n', from) : std::string::npos;
+      from = field_end == std::string::npos ? all.size() + 1 : field_end + 1;
+    }
+    if (at[2] == std::string::npos) {
       throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) +
                                             ": malformed host record of rank " + std::to_string(r));
     }
-    shm_allowed = shm_allowed && all.compare(0, first, "1") == 0;
-    identities.push_back(all.substr(first + 1, second - first - 1));
-    if (all.compare(second + 1, std::string::npos, machine) == 0) ++ranks_on_machine;
+    shm_allowed = shm_allowed && all.compare(0, at[0], "1") == 0;
+    slots.push_back(all.substr(at[0] + 1, at[1] - at[0] - 1));
+    identities.push_back(all.substr(at[1] + 1, at[2] - at[1] - 1));
+    if (all.compare(at[2] + 1, std::string::npos, machine) == 0) ++ranks_on_machine;
   }
   Topology topology = Topology::FromIdentities(identities);
   const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];
@@ -299,10 +312,27 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
       plan = Plan::kTwoLevel;
     }
   }
+  // An error every rank reaches from the records above: each counts itself in the store before
+  // it throws, and rank 0, whose process may serve the store, waits (10 s at most) until every
+  // rank has, so that the others raise this error rather than "store lost".
+  const auto together = [&](Error error) {
+    try {
+      const std::string failed = key_prefix + "/host/failed";
+      store.Add(failed, 1);
+      const auto until =
+          Clock::now() + std::min<Clock::duration>(options.timeout, std::chrono::seconds(10));
+      while (rank == 0 && store.Add(failed, 0) < size && Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    } catch (const std::exception&) {
+      // The store is gone: the others find out from it.
+    }
+    return error;
+  };
   const std::string& forced = options.algorithm;
   const auto refuse = [&](const std::string& why) {
-    return Error(ErrorCode::kNotSupported,
-                 "rank " + std::to_string(rank) + ": algorithm '" + forced + "' " + why);
+    return together(Error(ErrorCode::kNotSupported,
+                          "rank " + std::to_string(rank) + ": algorithm '" + forced + "' " + why));
   };
   if (forced == "shm" && plan != Plan::kShm) {
     throw refuse("needs every rank on one host, two ranks or more, and shared memory on");
@@ -320,9 +350,17 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     shm.job_id = job_id;
     shm.key_prefix = key_prefix;
     shm.timeout = options.timeout;
-    if (const auto slot = core::EnvCount("COLLECTIVES_SHM_SLOT_BYTES", "a byte count")) {
-      shm.slot_bytes = static_cast<size_t>(*slot);
+    // Steps are cut at the slot size, within a host and between hosts alike: every rank must
+    // have the same one.
+    for (int r = 1; r < size; ++r) {
+      if (slots[size_t(r)] == slots[0]) continue;
+      const auto shown = [](const std::string& slot) { return slot.empty() ? "unset" : slot; };
+      throw together(Error(ErrorCode::kInvalidArgument,
+                           "rank " + std::to_string(rank) + ": COLLECTIVES_SHM_SLOT_BYTES is " +
+                               shown(slots[0]) + " on rank 0 but " + shown(slots[size_t(r)]) +
+                               " on rank " + std::to_string(r) + ": set it alike on every rank"));
     }
+    if (slot_here) shm.slot_bytes = static_cast<size_t>(*slot_here);
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).
     const int spin_us = options.spin_us >= 0 ? options.spin_us

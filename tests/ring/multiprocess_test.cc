@@ -84,4 +84,27 @@ TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunOverTcpExactly) {
   }
 }
 
+// Two pretend hosts of two ranks, the ranks of one with another COLLECTIVES_SHM_SLOT_BYTES: the
+// steps between hosts would be cut at different sizes. Every rank fails at set-up naming the
+// variable and the ranks that differ (it used to fail in calibration with a frame of an
+// unexpected size, or "peer lost", naming neither).
+TEST(MultiProcessShmTest, ASlotSizeThatDiffersBetweenHostsIsNamedOnEveryRank) {
+  constexpr int kSize = 4;
+  Placement placement;
+  placement.host_ids = {"a", "a", "b", "b"};
+  placement.slot_bytes = {"", "", "262144", "262144"};
+  std::vector<Worker> workers = Start(kSize, {"check", "1003"}, placement);
+  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < kSize; ++rank) {
+    const Worker& w = workers[rank];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) != 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("COLLECTIVES_SHM_SLOT_BYTES is unset on rank 0 but 262144 on rank 2"),
+              std::string::npos)
+        << w.output;
+  }
+}
+
 }  // namespace

@@ -46,6 +46,8 @@ struct Placement {
   std::string algorithm;
   // The rank started with COLLECTIVES_SHM=0, or -1 for none.
   int shm_off_rank = -1;
+  // COLLECTIVES_SHM_SLOT_BYTES of each rank (empty: unset), or empty for none.
+  std::vector<std::string> slot_bytes;
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -70,6 +72,9 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       if (rank == placement.shm_off_rank) setenv("COLLECTIVES_SHM", "0", 1);
       if (!placement.algorithm.empty()) {
         setenv("RING_WORKER_ALGORITHM", placement.algorithm.c_str(), 1);
+      }
+      if (!placement.slot_bytes.empty() && !placement.slot_bytes[size_t(rank)].empty()) {
+        setenv("COLLECTIVES_SHM_SLOT_BYTES", placement.slot_bytes[size_t(rank)].c_str(), 1);
       }
       if (!placement.host_ids.empty()) {
         setenv("COLLECTIVES_HOST_ID", placement.host_ids[size_t(rank)].c_str(), 1);
