@@ -7,9 +7,9 @@
 //
 // Thread-safety: PlanBuckets is pure. AllReduce / Broadcast of a list call the communicator from
 // the calling thread and, like any collective, must be issued in the same order on every rank
-// with the same list of (dtype, device, count). A list that differs is caught when the plan fuses
-// tensors (one 16-byte all-reduce of a hash of the list comes first; every rank then raises
-// kMismatch, nothing written); unfused, each tensor's own collective catches it.
+// with the same list of (dtype, device, count). A list that differs is caught before anything
+// moves (one 16-byte all-reduce of a hash of the list comes first in every call with a nonempty
+// tensor; every rank then raises kMismatch, nothing written).
 #ifndef COLLECTIVES_PACKING_H_
 #define COLLECTIVES_PACKING_H_
 
@@ -38,18 +38,21 @@ using Bucket = std::vector<size_t>;
 // open bucket of that (dtype, device) while it stays within `bytes_per_pack` (0: the default);
 // a tensor that does not fit closes it and opens the next. A tensor larger than the cap gets a
 // bucket of its own. Zero-size tensors join the open bucket of their kind. Buckets are returned
-// in the order of their first tensor. Every index appears in exactly one bucket.
+// in the order of their first tensor. Every index appears in exactly one bucket. Throws
+// Error(kInvalidArgument) for a dtype that is not a DataType.
 std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t bytes_per_pack);
 
 // All-reduces every tensor of `tensors` in place, through buckets: each bucket is packed into a
 // fusion buffer, all-reduced in one collective, and unpacked. With at least two cores per local
 // rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in flight, two
-// fusion buffers of at most bytes_per_pack each); on fewer cores the buckets run one after
-// another, which measured faster there. A tensor alone in its bucket is all-reduced in place
-// without a copy. The result is that of one AllReduce per tensor, bit for bit whenever the
-// reduction is exact (integers, min, max); for float sums the order of additions depends on the
-// algorithm, which is chosen by message size, so the last bits may differ (every rank still gets
-// the same bits). Throws what the collectives throw.
+// fusion buffers of at most bytes_per_pack each; the calling thread keeps them for its later
+// calls, up to 64 MiB each); on fewer cores the buckets run one after another, which measured
+// faster there. A tensor alone in its bucket is all-reduced in place without a copy. CPU tensors
+// only for now (others: kNotSupported). The result is that of one AllReduce per tensor, bit for
+// bit whenever the reduction is exact (integers; float min and max up to the sign of a zero
+// compared with a zero, and which NaN comes back); for float sums the order of additions
+// depends on the algorithm, which is chosen by message size, so the last bits may differ (every
+// rank still gets the same bits). Throws what the collectives throw.
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack = 0);
 

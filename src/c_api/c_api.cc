@@ -484,6 +484,9 @@ coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const si
       NotNull(counts, "counts");
     }
     std::vector<collectives::Tensor> tensors;
+    if (n > tensors.max_size()) {
+      InvalidArgument("n is " + std::to_string(n) + ", more tensors than memory can list");
+    }
     tensors.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       const std::string name = "buffers[" + std::to_string(i) + "]";

@@ -14,7 +14,9 @@
 //               others read it. A token file that another user owns or that group or others may
 //               read or write is refused with Error(kUnauthenticated): whoever can read it can
 //               join the job. Created only when asked, so a job that sets a token never has one.
-// Get polls for the file with a backoff from 1 ms doubling to 50 ms. flock locks belong to the
+// Get polls for the file with a backoff from 1 ms doubling to 50 ms; Add polls for its lock the
+// same way, for 300 s at most. Anything in the folder under a key's name that is not a regular
+// file (a FIFO, say) is an error, not a wait. flock locks belong to the
 // open file description, so Add excludes other threads of this process as well as other
 // processes (Linux NFS maps flock onto POSIX byte-range locks).
 //
@@ -50,6 +52,8 @@ namespace {
 constexpr size_t kMaxHexKeyBytes = 100;
 constexpr std::chrono::milliseconds kFirstPoll{1};
 constexpr std::chrono::milliseconds kMaxPoll{50};
+// How long Add waits for another process's lock on a key (the default communicator timeout).
+constexpr std::chrono::seconds kLockWait{300};
 
 std::string Hex(const unsigned char* data, size_t bytes) {
   static const char kDigits[] = "0123456789abcdef";
@@ -120,10 +124,25 @@ class FileStore : public Store, public JobTokenSource {
   int64_t Add(const std::string& key, int64_t delta) override {
     CheckKey(name_, key);
     std::string lock_path = directory_ + "/lock." + EncodeKey(key);
-    core::UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    core::UniqueFd lock(
+        ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644));
     if (lock.get() < 0) ThrowSystem("open", lock_path);
-    while (::flock(lock.get(), LOCK_EX) != 0) {
-      if (errno != EINTR) ThrowSystem("lock", lock_path);
+    // Held for one read-modify-write by whoever has it; a holder that keeps it (stopped, or
+    // not a rank at all) is an error after kLockWait rather than a wait without end.
+    const Clock::time_point give_up = Clock::now() + kLockWait;
+    std::chrono::milliseconds poll = kFirstPoll;
+    while (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EINTR) continue;
+      if (errno != EWOULDBLOCK) ThrowSystem("lock", lock_path);
+      if (Clock::now() >= give_up) {
+        throw Error(ErrorCode::kTimeout, name_ + ": '" + lock_path +
+                                             "' has been locked by another process for " +
+                                             std::to_string(kLockWait.count()) +
+                                             " s (a rank stopped in Add, or a "
+                                             "process that is not one of this job's holding it)");
+      }
+      std::this_thread::sleep_for(poll);
+      poll = std::min(poll * 2, kMaxPoll);
     }
     // Unlocked by closing the descriptor, on every path.
     std::string path = ValuePath(key);
@@ -151,12 +170,20 @@ class FileStore : public Store, public JobTokenSource {
                                         "': " + std::system_category().message(error));
   }
 
-  // Reads the whole file at `path` into `*value`; false if it does not exist.
+  // Reads the whole file at `path` into `*value`; false if it does not exist. Anything but a
+  // regular file is refused (a FIFO would block the open, or the reads, for good).
   bool ReadIfExists(const std::string& path, std::string* value) const {
-    core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     if (fd.get() < 0) {
       if (errno == ENOENT) return false;
       ThrowSystem("open", path);
+    }
+    struct stat info {};
+    if (::fstat(fd.get(), &info) != 0) ThrowSystem("stat", path);
+    if (!S_ISREG(info.st_mode)) {
+      throw Error(
+          ErrorCode::kSystem,
+          name_ + ": '" + path + "' is not a regular file; it was not written by this store");
     }
     value->clear();
     char buffer[64 * 1024];
@@ -196,7 +223,7 @@ class FileStore : public Store, public JobTokenSource {
   std::string LoadOrCreateToken() const {
     const std::string path = directory_ + "/.job-token";
     for (;;) {
-      core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+      core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
       if (fd.get() >= 0) return ReadToken(fd.get(), path);
       if (errno != ENOENT) ThrowSystem("open", path);
       const core::Nonce random = core::RandomNonce();  // RAND_bytes

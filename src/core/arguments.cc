@@ -2,6 +2,7 @@
 #include "src/core/arguments.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "collectives/errors.h"
 
@@ -20,6 +21,11 @@ void CheckTensorData(int rank, const char* collective, const char* name, const T
     throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +
                                                  "has an unknown dtype " +
                                                  std::to_string(int(t.dtype)));
+  }
+  if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                TensorPrefix(rank, collective, name) + "has " + std::to_string(t.count) +
+                    " elements of " + ToString(t.dtype) + ": more bytes than size_t holds");
   }
   if (t.data == nullptr && t.count > 0) {
     throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +

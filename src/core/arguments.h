@@ -20,9 +20,9 @@ std::string ArgumentPrefix(int rank, const char* collective);
 // "rank R: <collective>: <name> tensor ", the start of an error about one tensor.
 std::string TensorPrefix(int rank, const char* collective, const char* name);
 
-// Throws Error(kInvalidArgument) when `t`'s dtype is not a DataType or its data is null with
-// count > 0, naming the tensor as TensorPrefix does. Builds no string unless it throws: it runs
-// on every call.
+// Throws Error(kInvalidArgument) when `t`'s dtype is not a DataType, its byte size does not fit
+// size_t, or its data is null with count > 0, naming the tensor as TensorPrefix does. Builds no
+// string unless it throws: it runs on every call.
 void CheckTensorData(int rank, const char* collective, const char* name, const Tensor& t);
 
 // Throws Error(kInvalidArgument) when send and recv have different dtypes; `prefix` as above.

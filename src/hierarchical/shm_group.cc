@@ -549,8 +549,19 @@ class ShmGroup::Step {
 
 Error ShmGroup::BrokenError() const {
   const Header& header = segment_->header();
-  // The breaker writes the error between 1 and 2; it takes microseconds.
-  while (header.broken.load(std::memory_order_acquire) == 1) std::this_thread::yield();
+  // The breaker writes the error between 1 and 2; it takes microseconds, unless the breaker
+  // was killed in between (then it is never written, and waiting for it would hang every
+  // member, Abort and the destructor included).
+  const auto give_up = Clock::now() + kBreakerWritesWithin;
+  while (header.broken.load(std::memory_order_acquire) == 1) {
+    if (Clock::now() >= give_up) {
+      return Error(ErrorCode::kPeerLost,
+                   "rank " + std::to_string(rank_) +
+                       ": shared memory: a member of this host's group broke it and stopped "
+                       "before writing why (killed?)");
+    }
+    std::this_thread::yield();
+  }
   const std::string message(header.broken_message,
                             strnlen(header.broken_message, sizeof header.broken_message));
   if (header.broken_rank == rank_) return Error(ErrorCode(header.broken_code), message);
@@ -582,6 +593,8 @@ Error ShmGroup::BreakWith(const Error& error) {
 }
 
 void ShmGroup::Abort(const Error& error) { BreakWith(error); }
+
+void ShmGroup::BreakHalfwayForTesting() { segment_->header().broken.store(1); }
 
 void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                          void* recv, size_t count, DataType dtype, ReduceOp op,

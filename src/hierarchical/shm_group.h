@@ -129,6 +129,11 @@ class ShmGroup {
   // Breaks the group with `error`: every member's pending and later call raises. Any thread.
   void Abort(const Error& error);
 
+  // How long a member waits for the error of a member that has begun to break the group.
+  static constexpr std::chrono::seconds kBreakerWritesWithin{2};
+  // Begins to break the group and stops, as a member killed in the middle of Abort would.
+  void BreakHalfwayForTesting();
+
  private:
   struct Segment;
   ShmGroup(int rank, std::vector<int> members, int index, const ShmGroupOptions& options);

@@ -484,11 +484,6 @@ class NcclCommunication final : public CollectiveCommunication {
   void CheckDeviceMemory(const char* collective, const char* name, const Tensor& t) const {
     if (t.count == 0) return;
     const NcclApi& api = shared_->api;
-    if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
-      throw Error(ErrorCode::kInvalidArgument, core::TensorPrefix(rank_, collective, name) +
-                                                   "has " + std::to_string(t.count) +
-                                                   " elements: more bytes than size_t holds");
-    }
     // The runtime would otherwise make device 0 current on a thread that never chose one.
     const cudaError_t set = api.cudaSetDevice(shared_->device);
     if (set != cudaSuccess) throw CudaError(api, Where(collective), "cudaSetDevice", set);

@@ -94,13 +94,16 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
 
 // Lists that differ across ranks but plan into buckets of the same sizes (tensors of 100 and 200
 // elements on one rank, 200 and 100 on another) would be reduced into each other's tensors, and
-// no frame would tell: a fused bucket's collective carries only its total count. So when a plan
-// fuses tensors, every rank first all-reduces, with max, (h, ~h) for a hash h of its list's
-// (dtype, count) sequence: all lists hash alike exactly when every rank gets back its own pair
-// (a rank below the largest h sees a larger max(h); the one with the largest h sees max(~h)
-// from a smaller h). Then every rank raises kMismatch before anything is packed or written.
-// Lists that are not fused need no check: each tensor's own collective carries its count.
-// Cost: one 16-byte all-reduce per packed call that fuses (RunBuckets calls it then).
+// no frame would tell: a fused bucket's collective carries only its total count. So every rank
+// first all-reduces, with max, (h, ~h) for a hash h of its list's (dtype, count) sequence: all
+// lists hash alike exactly when every rank gets back its own pair (a rank below the largest h
+// sees a larger max(h); the one with the largest h sees max(~h) from a smaller h). Then every
+// rank raises kMismatch before anything is packed or written.
+// The check runs whether or not this rank's plan fuses: whether a plan fuses depends on the
+// list, and a rank whose list differs may not fuse where another does. A rank that skipped the
+// check would send its first tensor's collective against the other's check, and an int64 max
+// of two elements matches it: that rank's tensor would be reduced with the hash and returned
+// as a success. Cost: one 16-byte all-reduce per packed call with anything to move.
 void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
                      const std::vector<Tensor>& tensors) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over (dtype, count) of every tensor
@@ -137,7 +140,7 @@ std::vector<TensorSpec> SpecsOf(const std::vector<Tensor>& tensors) {
 // allocation comes from mmap (or a trimmed heap) and page-faults on first touch, which cost
 // about 3 ms per 8 MiB on the development VM, as much as the all-reduce it feeds. A buffer
 // larger than kMaxCachedBytes is freed at the end of the call, so a thread keeps at most
-// 2 x kMaxCachedBytes (2 x the largest bucket it has used, 8 MiB with the default cap); the
+// 2 x kMaxCachedBytes (2 x the largest bucket it has used, 2 MiB with the default cap); the
 // cache is freed when the thread exits.
 constexpr size_t kMaxCachedBytes = size_t{64} << 20;
 
@@ -338,7 +341,7 @@ void RunBuckets(CollectiveCommunication& comm, const char* collective, const Buc
   const std::vector<Bucket> planned = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
   const Buckets buckets(runner, tensors, planned);
   if (buckets.size() == 0) return;
-  if (buckets.fusion_bytes() > 0) CheckListsAgree(comm, collective, tensors);
+  CheckListsAgree(comm, collective, tensors);
   if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(comm.size());
   if (buckets.size() == 1 || schedule == internal::Schedule::kSerial) {
     RunSerial(runner, buckets);
@@ -367,7 +370,14 @@ std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t b
   std::vector<Bucket> buckets;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
-    const size_t bytes = t.count * SizeOf(t.dtype);
+    const size_t size = SizeOf(t.dtype);
+    if (size == 0) {
+      throw Error(ErrorCode::kInvalidArgument, "PlanBuckets: tensor " + std::to_string(i) +
+                                                   " has an unknown dtype " +
+                                                   std::to_string(int(t.dtype)));
+    }
+    // A byte count past size_t is larger than any cap: alone in its bucket.
+    const size_t bytes = t.count > SIZE_MAX / size ? SIZE_MAX : t.count * size;
     auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) {
       return o.dtype == t.dtype && o.device == t.device;
     });
@@ -420,6 +430,11 @@ Schedule AutoSchedule(int world_size) {
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack, Schedule schedule) {
   CheckTensors(comm, "all_reduce", tensors);
+  if (static_cast<unsigned>(op) >= kNumReduceOps) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(comm.rank()) +
+                                                 ": packing all_reduce: unknown reduce op " +
+                                                 std::to_string(int(op)));
+  }
   const BucketRunner runner{/*pack=*/true, /*unpack=*/true,
                             [&](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
                             [&](const Tensor& t) { comm.AllReduce(t, t, op); }};

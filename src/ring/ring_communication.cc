@@ -7,6 +7,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -387,7 +388,7 @@ void RingCommunication::CheckWholeIsSizeTimesBlock(const char* collective,
                                                    const char* whole_name, const Tensor& whole,
                                                    const char* block_name,
                                                    const Tensor& block) const {
-  if (whole.count != block.count * size_t(size_)) {
+  if (block.count > SIZE_MAX / size_t(size_) || whole.count != block.count * size_t(size_)) {
     throw Error(ErrorCode::kInvalidArgument,
                 CountMismatch(rank_, collective,
                               std::string(whole_name) + " must have size x " + block_name +

@@ -1055,6 +1055,20 @@ TEST(CApiErrorTest, OutOfMemoryIsASystemStatusNotAnException) {
 #endif
 }
 
+// A count of tensors no list can hold (an uninitialised n, say) is the caller's invalid
+// argument, not "a bug in this library" (std::length_error from the list's reserve).
+TEST(CApiErrorTest, ACountOfTensorsNoListCanHoldIsAnInvalidArgument) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x = 0;
+  void* buffers[1] = {&x};
+  const size_t counts[1] = {1};
+  EXPECT_EQ(coll_all_reduce_many(comm, buffers, counts, SIZE_MAX, COLL_FLOAT32, COLL_SUM, 0),
+            COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "n is " + std::to_string(SIZE_MAX))) << coll_last_error();
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
 TEST(CApiErrorTest, StatusStringsNameEveryStatus) {
   const std::map<coll_status, std::string> names = {
       {COLL_OK, "ok"},

@@ -211,5 +211,34 @@ TEST(FileStoreTest, FolderRemovedUnderTheStoreIsASystemError) {
   }
 }
 
+// A FIFO under a key's name or the token's (a stranger with write access to the folder can make
+// one) is an error at once: opening it used to block until a writer came, for good, past Get's
+// timeout.
+TEST(FileStoreTest, AFifoInTheFolderIsAnErrorNotAWait) {
+  TempDir temp;
+  auto store = CreateFileStore(temp.path().string());
+  ASSERT_EQ(mkfifo((temp.path() / "key.h6b").c_str(), 0600), 0);  // the key "k"
+  const auto start = std::chrono::steady_clock::now();
+  for (int op = 0; op < 2; ++op) {
+    try {
+      if (op == 0) store->Get("k", kLong);
+      if (op == 1) store->Add("k", 1);
+      ADD_FAILURE() << "expected kSystem";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kSystem) << e.what();
+      EXPECT_NE(e.message().find("not a regular file"), std::string::npos) << e.message();
+    }
+  }
+  ASSERT_EQ(mkfifo((temp.path() / ".job-token").c_str(), 0600), 0);
+  try {
+    cluster::StoreJobToken(*store);
+    ADD_FAILURE() << "expected kUnauthenticated";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+    EXPECT_NE(e.message().find("not a regular file"), std::string::npos) << e.message();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, kLong);
+}
+
 }  // namespace
 }  // namespace collectives

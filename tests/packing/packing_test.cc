@@ -141,6 +141,22 @@ TEST(PlanBucketsTest, CapZeroIsTheDefault) {
   EXPECT_EQ(PlanBuckets(tensors, 0), (std::vector<Bucket>{{0, 1, 2}, {3, 4, 5, 6}, {7, 8}}));
 }
 
+// A spec whose byte size does not fit size_t is larger than any cap (its product used to wrap
+// to a few bytes and join its neighbours); a spec of no known dtype is refused.
+TEST(PlanBucketsTest, AnOverflowingTensorIsAloneAndAnUnknownDtypeIsRefused) {
+  const size_t huge = (size_t{1} << 62) + 1;  // x 4 bytes wraps to 4
+  EXPECT_EQ(PlanBuckets({Spec(kF32, 1), Spec(kF32, huge), Spec(kF32, 1)}, 4096),
+            (std::vector<Bucket>{{0}, {1}, {2}}));
+  try {
+    PlanBuckets({Spec(kF32, 1), Spec(static_cast<DataType>(42), 1)}, 4096);
+    ADD_FAILURE() << "an unknown dtype was planned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("tensor 1 has an unknown dtype 42"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(PlanBucketsTest, ACapOfSizeMaxPacksEachKindIntoOneBucket) {
   const std::vector<TensorSpec> tensors = {Spec(kF32, size_t{1} << 40), Spec(kF16, 7),
                                            Spec(kF32, size_t{1} << 40), Spec(kF16, 7)};
@@ -441,6 +457,42 @@ TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
   }
 }
 
+// One rank's list does not fuse (one int64 tensor of 2) where the others' does (two of 1): the
+// rank that did not fuse used to skip the list check and send its tensor's all-reduce (int64,
+// max, 2 elements) against the others' check, which is one too. Its tensor came back reduced
+// with the hash, as a success, while the others raised kMismatch. Now every rank raises it,
+// nothing written.
+TEST(PackedMismatchTest, ARankWhoseListDoesNotFuseStillRaises) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    for (int size : {2, 3}) {
+      for (int odd_one : {0, size - 1}) {
+        CommunicationOptions options;
+        options.timeout = std::chrono::seconds(30);
+        RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+          const bool odd = comm.rank() == odd_one;
+          std::vector<int64_t> values(2, comm.rank() + 1);
+          std::vector<Tensor> list;
+          if (odd) {
+            list = {Tensor{values.data(), 2, DataType::kInt64}};
+          } else {
+            list = {Tensor{values.data(), 1, DataType::kInt64},
+                    Tensor{values.data() + 1, 1, DataType::kInt64}};
+          }
+          try {
+            packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
+            ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+            EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
+                << e.what();
+          }
+          for (int64_t v : values) ASSERT_EQ(v, comm.rank() + 1) << "rank " << comm.rank();
+        });
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The schedule, seen through a communicator that records what the packer issues.
 // ---------------------------------------------------------------------------------------------
@@ -540,24 +592,18 @@ TEST(PackingScheduleTest, SingleTensorsInPlaceBoundedInFlightBuffersWithinTheCap
         const std::vector<RecordingCommunication::Call> all = comm.calls();
         std::vector<RecordingCommunication::Call> calls(all.begin() + long(before), all.end());
         // One call per bucket that has bytes, in plan order, after the lists' agreement check
-        // (a 2 x i64 max all-reduce) when some bucket fuses tensors.
+        // (a 2 x i64 max all-reduce), fused or not.
         std::vector<Bucket> plan = PlanBuckets(specs, cap);
         std::erase_if(plan, [&](const Bucket& b) {
           size_t bytes = 0;
           for (size_t i : b) bytes += tensors[i].bytes();
           return bytes == 0;
         });
-        const bool fuses = std::any_of(plan.begin(), plan.end(), [&](const Bucket& b) {
-          return std::count_if(b.begin(), b.end(), [&](size_t i) { return tensors[i].count > 0; }) >
-                 1;
-        });
-        if (fuses) {
-          ASSERT_FALSE(calls.empty());
-          EXPECT_STREQ(calls.front().kind, "all_reduce");
-          EXPECT_EQ(calls.front().tensor.dtype, DataType::kInt64);
-          EXPECT_EQ(calls.front().tensor.count, 2u);
-          calls.erase(calls.begin());
-        }
+        ASSERT_FALSE(calls.empty());
+        EXPECT_STREQ(calls.front().kind, "all_reduce");
+        EXPECT_EQ(calls.front().tensor.dtype, DataType::kInt64);
+        EXPECT_EQ(calls.front().tensor.count, 2u);
+        calls.erase(calls.begin());
         ASSERT_EQ(calls.size(), plan.size()) << "cap " << cap;
         std::set<void*> fusion_buffers;
         for (size_t k = 0; k < plan.size(); ++k) {
@@ -629,6 +675,8 @@ TEST(PackingArgumentTest, BadTensorsAreRefusedBeforeAnythingIsIssued) {
         },
         ErrorCode::kInvalidArgument, "tensor 1 has null data");
     ExpectError([&] { Broadcast(comm, tensors, 2); }, ErrorCode::kInvalidArgument, "root 2");
+    ExpectError([&] { AllReduce(comm, tensors, static_cast<ReduceOp>(9)); },
+                ErrorCode::kInvalidArgument, "packing all_reduce: unknown reduce op 9");
     EXPECT_TRUE(comm.calls().empty()) << "a refused list issued a collective";
 
     // Empty lists and lists of zero-size tensors issue nothing and succeed.
