@@ -1146,5 +1146,39 @@ TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
   }
 }
 
+// A member killed between beginning to break the group and writing why
+// (BreakHalfwayForTesting stands in for the kill) leaves the group half broken. Every member's
+// next call, and its Abort, used to wait for the error to be written: forever, at full speed
+// (the destructor joined a thread spinning there). Now they raise kPeerLost saying so, within
+// about ShmGroup::kBreakerWritesWithin, and write nothing.
+TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers) {
+  const std::vector<int> ranks = {0, 1, 2};
+  ShmGroupOptions options = Options("half_broken", 4096, 4096, 3);
+  std::atomic<bool> broken{false};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 0) {
+      m.group->BreakHalfwayForTesting();
+      broken = true;
+    }
+    while (!broken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::vector<float> data(100, 1.0f);
+    const auto start = Clock::now();
+    try {
+      m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum,
+                               0, data.size()),
+                         Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
+                         data.size(), DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+      EXPECT_NE(e.message().find("stopped before writing why"), std::string::npos) << e.what();
+    }
+    m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
+    EXPECT_GE(Clock::now() - start, ShmGroup::kBreakerWritesWithin) << "member " << me;
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(30)) << "member " << me;
+    for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+  });
+}
+
 }  // namespace
 }  // namespace collectives

@@ -165,6 +165,20 @@ TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
     expect_invalid([&] { comm.Broadcast(ta, 2); }, "root 2");
     expect_invalid([&] { comm.AllReduce(Tensor{nullptr, 5, DataType::kFloat32}, ReduceOp::kSum); },
                    "null");
+    // Byte sizes past size_t: 2^62 + 1 floats wrapped to 4 bytes, and a broadcast moved those
+    // 4 bytes and succeeded; a block of 2^63 + 1 floats times 2 ranks wrapped to a whole of 2.
+    const size_t wraps = (size_t{1} << 62) + 1;
+    expect_invalid(
+        [&] {
+          comm.Broadcast(Tensor{a.data(), wraps, DataType::kFloat32}, 0);
+        },
+        "more bytes than size_t holds");
+    expect_invalid(
+        [&] {
+          comm.AllGather(Tensor{a.data(), (size_t{1} << 63) + 1, DataType::kUInt8},
+                         Tensor{a.data(), 2, DataType::kUInt8});
+        },
+        "2 x 9223372036854775809 elements");
     try {
       Tensor gpu = ta;
       gpu.device = Device::Cuda(0);
