@@ -378,10 +378,11 @@ class NcclCommunication final : public CollectiveCommunication {
     CheckTensor(kName, "send", send);
     CheckTensor(kName, "recv", recv);
     CheckSameType(kName, send, recv);
-    if (recv.count != send.count * static_cast<size_t>(size_)) {
+    if (send.count > SIZE_MAX / static_cast<size_t>(size_) ||
+        recv.count != send.count * static_cast<size_t>(size_)) {
       throw Error(ErrorCode::kInvalidArgument,
-                  Where(kName) + "recv must have size * send.count = " +
-                      std::to_string(send.count * static_cast<size_t>(size_)) + " elements, got " +
+                  Where(kName) + "recv must have size x send.count = " + std::to_string(size_) +
+                      " x " + std::to_string(send.count) + " elements, got " +
                       std::to_string(recv.count));
     }
     return Issue(
@@ -400,10 +401,11 @@ class NcclCommunication final : public CollectiveCommunication {
     CheckTensor(kName, "recv", recv);
     CheckSameType(kName, send, recv);
     CheckOp(kName, op);
-    if (send.count != recv.count * static_cast<size_t>(size_)) {
+    if (recv.count > SIZE_MAX / static_cast<size_t>(size_) ||
+        send.count != recv.count * static_cast<size_t>(size_)) {
       throw Error(ErrorCode::kInvalidArgument,
-                  Where(kName) + "send must have size * recv.count = " +
-                      std::to_string(recv.count * static_cast<size_t>(size_)) + " elements, got " +
+                  Where(kName) + "send must have size x recv.count = " + std::to_string(size_) +
+                      " x " + std::to_string(recv.count) + " elements, got " +
                       std::to_string(send.count));
     }
     return Issue(
