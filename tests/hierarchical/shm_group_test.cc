@@ -605,8 +605,8 @@ TEST(ShmGroupFailureTest, AbortFromAnotherThreadRaisesOnEveryMember) {
               << e.what();
         }
       }
-      if (me != 2) {
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(2)) << "member " << me;
+      if (me != 2) {  // far below the 20 s deadline
+        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
       }
       for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
     });
@@ -641,7 +641,7 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
       }
       const auto elapsed = Clock::now() - start;
       if (count == 10) small_elapsed[size_t(me)] = elapsed;
-      EXPECT_LT(elapsed, timeout + std::chrono::seconds(1)) << "member " << me;
+      EXPECT_LT(elapsed, timeout + std::chrono::seconds(5)) << "member " << me;
     }
     ++finished;
   });
@@ -690,7 +690,7 @@ TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
     ExpectAllReduceLosesPeer(m, me, "lost rank 9", "");
     ASSERT_TRUE(destroying) << "member " << me << " raised before member 2 left";
     const auto since = Clock::now() - Clock::time_point(Clock::duration(destroying_at.load()));
-    EXPECT_LT(since, std::chrono::milliseconds(1200)) << "member " << me;
+    EXPECT_LT(since, std::chrono::seconds(5)) << "member " << me;  // not the 20 s deadline
   });
 }
 
@@ -733,7 +733,7 @@ TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
       const auto start = Clock::now();
       ExpectAllReduceLosesPeer(m, me, "lost rank 2", "died");
       // The child exits about 300 ms after everyone attached.
-      EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(1500)) << "member " << me;
+      EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
     });
   }
   for (std::thread& t : threads) t.join();
@@ -942,7 +942,7 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutRemovesTheSegment) {
   }
   const auto elapsed = Clock::now() - start;
   EXPECT_GE(elapsed, options.timeout);
-  EXPECT_LT(elapsed, options.timeout + std::chrono::seconds(1));
+  EXPECT_LT(elapsed, options.timeout + std::chrono::seconds(5));
   const std::string name = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(1));
   EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
 }
@@ -991,7 +991,7 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
   }
-  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(1));
+  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(5));
 }
 
 // A member whose segment has another size (its COLLECTIVES_SHM_SLOT_BYTES differs) cannot attach,

@@ -3,8 +3,8 @@
 //   - a rank killed with SIGKILL in the middle of all-reduce, broadcast or all-gather, at 2, 4 and
 //     8 ranks: every survivor raises peer-lost naming the dead rank within 5 s; with AUTO, no
 //     shared-memory segment is left in /dev/shm;
-//   - a rank that stops answering (SIGSTOP): every other rank raises timeout within the
-//     collective deadline + 2 s.
+//   - a rank that stops answering (SIGSTOP): every other rank raises within the collective
+//     deadline + 5 s, at least one of them timeout (the others may see it leave first).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -61,19 +61,23 @@ std::set<std::string> Segments() {
   return names;
 }
 
-// Segments present now that were not in `before` and are still there a second later (a test
-// running beside this one may hold a segment for the instant of its set-up, never longer).
+// Segments present now that were not in `before` and are still there after 10 s of polling (a
+// test running beside this one holds its segment's name during its set-up, until its members
+// attached, which a loaded machine may stretch; a segment left behind stays for good).
 std::vector<std::string> LeftOver(const std::set<std::string>& before) {
-  std::vector<std::string> fresh;
-  for (const std::string& name : Segments()) {
-    if (before.count(name) == 0) fresh.push_back(name);
-  }
-  if (fresh.empty()) return fresh;
-  std::this_thread::sleep_for(std::chrono::seconds(1));
-  const std::set<std::string> later = Segments();
   std::vector<std::string> left;
-  for (const std::string& name : fresh) {
-    if (later.count(name) != 0) left.push_back(name);
+  for (const std::string& name : Segments()) {
+    if (before.count(name) == 0) left.push_back(name);
+  }
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (!left.empty() && Clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const std::set<std::string> now = Segments();
+    std::vector<std::string> still;
+    for (const std::string& name : left) {
+      if (now.count(name) != 0) still.push_back(name);
+    }
+    left = std::move(still);
   }
   return left;
 }
@@ -131,7 +135,9 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // A rank that stops answering (SIGSTOP keeps its sockets open, so nobody sees EOF): every other
-// rank raises timeout within the deadline + 2 s, and the message names a collective and a peer.
+// rank raises within the deadline + 5 s, and the message names the collective. Its neighbours
+// raise timeout; a rank further on may first see a neighbour that timed out leave (peer lost)
+// or abort, as netns_test accepts too.
 class StopTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StopTest, EveryOtherRankRaisesTimeoutWithinTheDeadline) {
@@ -147,18 +153,22 @@ TEST_P(StopTest, EveryOtherRankRaisesTimeoutWithinTheDeadline) {
 
   const std::vector<int> others = AllBut(kSize, kVictim);
   const bool all_exited =
-      WaitAll(workers, others, std::chrono::milliseconds(kDeadlineMs) + std::chrono::seconds(2));
+      WaitAll(workers, others, std::chrono::milliseconds(kDeadlineMs) + std::chrono::seconds(5));
   const auto elapsed = Clock::now() - stopped_at;
   kill(workers[kVictim].pid, SIGCONT);
   KillAll(workers);
-  ASSERT_TRUE(all_exited) << "a rank was still running at the deadline + 2 s";
-  const int timeout = 20 + int(ErrorCode::kTimeout);
+  ASSERT_TRUE(all_exited) << "a rank was still running at the deadline + 5 s";
+  int timed_out = 0;
   for (int r : others) {
     const Worker& w = workers[r];
-    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == timeout)
+    const int code = WIFEXITED(w.status) ? WEXITSTATUS(w.status) - 20 : -1;
+    EXPECT_TRUE(code == int(ErrorCode::kTimeout) || code == int(ErrorCode::kPeerLost) ||
+                code == int(ErrorCode::kAborted))
         << "rank " << r << " status " << w.status << ": " << w.output;
+    timed_out += code == int(ErrorCode::kTimeout) ? 1 : 0;
     EXPECT_NE(w.output.find("all_reduce"), std::string::npos) << w.output;
   }
+  EXPECT_GE(timed_out, 1) << "no rank raised timeout";
   std::printf("%s: every other rank exited %.2f s after the stop (deadline %.1f s)\n",
               GetParam().c_str(), std::chrono::duration<double>(elapsed).count(),
               kDeadlineMs / 1000.0);

@@ -40,7 +40,7 @@ Outcome RunTwoRanks(const std::string& listen, const std::string& master_addr = 
       spec.job_token = "listen-test";
       CommunicationOptions options;
       options.implementation = Implementation::kRing;
-      options.timeout = std::chrono::seconds(3);
+      options.timeout = std::chrono::seconds(10);  // set-up with authentication, on a busy host
       if (rank == 1) options.listen_address = listen;
       try {
         auto comm = CreateCommunication(spec, options);

@@ -5,8 +5,9 @@
 //   ring_worker loop [collective [count [timeout_ms]]]
 //                              runs the collective (all_reduce, broadcast or all_gather; default
 //                              all_reduce of 4 Mi floats = 16 MiB) in a loop, printing "ready"
-//                              after the first; on an Error prints "error <code> <message>" and
-//                              exits 20 + code
+//                              after the first (which runs under a 60 s deadline; timeout_ms
+//                              applies to the later calls); on an Error prints
+//                              "error <code> <message>" and exits 20 + code
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
@@ -32,9 +33,6 @@ int main(int argc, char** argv) {
       options.algorithm = algorithm;
     }
     auto comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);
-    // The loop's deadline applies to its collectives only: the set-up keeps the long timeout,
-    // so a worker that a loaded machine starts late still joins.
-    if (mode == "loop" && argc > 4) comm->SetTimeout(std::chrono::milliseconds(std::stol(argv[4])));
     if (mode == "check") {
       const size_t large = argc > 2 ? std::stoul(argv[2]) : 0;
       std::vector<std::string> failures;
@@ -63,6 +61,10 @@ int main(int argc, char** argv) {
           return 2;
         }
         if (i == 0) {
+          // The loop's deadline applies to its collectives after the first: the set-up and the
+          // first call keep the long timeout, so a worker that a loaded machine starts late, or
+          // starves through its first call, still joins.
+          if (argc > 4) comm->SetTimeout(std::chrono::milliseconds(std::stol(argv[4])));
           std::printf("ready\n");
           std::fflush(stdout);
         }

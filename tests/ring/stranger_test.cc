@@ -199,7 +199,9 @@ TEST(JobTokenTest, TheClusterSpecsTokenIsProvenOnEveryConnection) {
         ClusterSpec spec = LoopbackSpec(rank, 2, port);
         spec.job_token = rank == 1 && !same ? "another-secret" : "the-job-secret";
         CommunicationOptions options;
-        options.timeout = std::chrono::seconds(3);
+        // Long enough for the set-up (with authentication) on a busy host; rank 0, which waits
+        // for the refused rank 1 until its deadline, has the shortest that still covers it.
+        options.timeout = std::chrono::seconds(rank == 0 && !same ? 10 : 30);
         try {
           auto comm = CreateCommunication(spec, options);
           std::vector<float> data(10, 1.0f);
@@ -348,7 +350,8 @@ TEST(JobTokenTest, AFabricPeerThatProvesTheEmptyTokenIsRefused) {
       const ClusterSpec spec = LoopbackSpec(rank, kSize, port);
       CommunicationOptions options;
       options.implementation = Implementation::kRing;
-      options.timeout = std::chrono::seconds(3);
+      // Long enough that a rank reaches a failed proof before any times out, on a busy host.
+      options.timeout = std::chrono::seconds(10);
       try {
         std::shared_ptr<Store> store = CreateStoreFor(spec, options.timeout);
         if (rank == 2) store = std::make_shared<Wrapper>(store);
@@ -376,7 +379,9 @@ TEST(JobTokenTest, AStrangerWhoEnrolsFirstTakesTheRanksPlaceAndTheRankSaysSo) {
   std::vector<std::string> messages(kSize);
   auto run_rank = [&](int rank) {
     CommunicationOptions options;
-    options.timeout = std::chrono::seconds(3);
+    // Rank 2 returns once refused; ranks 0 and 1 wait for it until their deadline, which must
+    // keep the store up until rank 2 was refused, on a busy host too.
+    options.timeout = std::chrono::seconds(rank == 2 ? 30 : 10);
     try {
       auto comm = CreateCommunication(LoopbackSpec(rank, kSize, port), options);
     } catch (const Error& e) {

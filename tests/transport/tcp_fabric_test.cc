@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <thread>
 
 #include "src/transport/handshake.h"
@@ -54,7 +55,14 @@ TEST(TcpSetupTest, StrangersDoNotStopTheMesh) {
   auto store = CreateMemoryStore();
   asio::io_context io;
   std::vector<tcp::socket> strangers;
+  // Set when the stranger thread is done (its forged proof judged), however it ends.
+  std::promise<void> strangers_done;
+  std::future<void> strangers_done_future = strangers_done.get_future();
   std::thread stranger_thread([&] {
+    struct SignalOnExit {
+      std::promise<void>& done;
+      ~SignalOnExit() { done.set_value(); }
+    } signal_on_exit{strangers_done};
     const tcp::endpoint target = ParseEndpoint(store->Get("tcp-test/addr/2", 10'000ms));
     asio::error_code ec;
     for (int i = 0; i < 4; ++i) {
@@ -91,8 +99,11 @@ TEST(TcpSetupTest, StrangersDoNotStopTheMesh) {
     EXPECT_EQ(verdict[0], 0) << "the forged proof was accepted";
     // strangers[3] stays silent.
   });
-  auto group = ConnectTcpGroup(kSize, *store, [](int rank) {
-    if (rank == 0) std::this_thread::sleep_for(500ms);  // rank 0 connects last
+  auto group = ConnectTcpGroup(kSize, *store, [&](int rank) {
+    if (rank == 0) {  // rank 0 connects last, once the strangers had their say
+      EXPECT_EQ(strangers_done_future.wait_for(10s), std::future_status::ready)
+          << "the strangers had not finished after 10 s";
+    }
     return Options();
   });
   stranger_thread.join();
@@ -117,7 +128,8 @@ TEST(TcpSetupTest, StrangersDoNotStopTheMesh) {
 TEST(TcpSetupTest, WrongTokenIsUnauthenticated) {
   auto store = CreateMemoryStore();
   auto group = ConnectTcpGroup(2, *store, [](int rank) {
-    TcpFabricOptions options = Options(1500ms);
+    // Rank 1's deadline must cover rank 0's whole handshake (rank 0 returns once refused).
+    TcpFabricOptions options = Options(rank == 0 ? 30'000ms : 5'000ms);
     if (rank == 0) options.token = "wrong";
     return options;
   });
@@ -139,7 +151,7 @@ TEST(TcpSetupTest, WrongTokenIsUnauthenticated) {
 TEST(TcpSetupTest, WrongJobIdIsUnauthenticated) {
   auto store = CreateMemoryStore();
   auto group = ConnectTcpGroup(2, *store, [](int rank) {
-    TcpFabricOptions options = Options(1500ms);
+    TcpFabricOptions options = Options(rank == 0 ? 30'000ms : 5'000ms);  // as above
     if (rank == 0) options.job_id = "another-job";
     return options;
   });
