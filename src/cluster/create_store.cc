@@ -1,5 +1,4 @@
 // The public factories of the TCP store and the store a ClusterSpec names.
-#include <cstdio>
 #include <cstdlib>
 #include <memory>
 
@@ -48,27 +47,17 @@ std::shared_ptr<Store> CreateStoreFor(const ClusterSpec& spec, std::chrono::mill
   if (token.empty()) {
     if (const char* env = std::getenv("COLLECTIVES_JOB_TOKEN")) token = env;
   }
-  if (spec.rank != 0) {
-    return MakeTcpStore(spec.master_addr, spec.master_port, false, timeout, token, spec.world_size,
-                        spec.rank);
+  // Rank 0 serves at store_listen_address when one is set, else at master_addr.
+  const bool server = spec.rank == 0;
+  std::string host = spec.master_addr;
+  if (server && !spec.store_listen_address.empty()) {
+    host = spec.store_listen_address;
+  } else if (server) {
+    cluster::WarnIfLoopbackOnly(spec.rank, "the store", host,
+                                "set MASTER_ADDR (or TF_CONFIG's chief) to this host's address, "
+                                "or COLLECTIVES_STORE_LISTEN_ADDRESS to it or to 0.0.0.0");
   }
-  if (!spec.store_listen_address.empty()) {
-    return MakeTcpStore(spec.store_listen_address, spec.master_port, true, timeout, token,
-                        spec.world_size, spec.rank);
-  }
-  const std::string loopback =
-      cluster::LoopbackOnlyAddresses(cluster::StripBrackets(spec.master_addr));
-  if (!loopback.empty()) {
-    const std::string line =
-        "collectives: rank 0: " +
-        cluster::LoopbackWarning("the store", spec.master_addr, loopback,
-                                 "set MASTER_ADDR (or TF_CONFIG's chief) to this host's address, "
-                                 "or COLLECTIVES_STORE_LISTEN_ADDRESS to it or to 0.0.0.0") +
-        "\n";
-    std::fwrite(line.data(), 1, line.size(), stderr);
-  }
-  return MakeTcpStore(spec.master_addr, spec.master_port, true, timeout, token, spec.world_size,
-                      spec.rank);
+  return MakeTcpStore(host, spec.master_port, server, timeout, token, spec.world_size, spec.rank);
 }
 
 namespace cluster {

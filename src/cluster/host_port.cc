@@ -2,6 +2,7 @@
 #include "src/cluster/host_port.h"
 
 #include <cctype>
+#include <cstdio>
 // A standard header (above) comes before <asio.hpp>: see tcp_store_server.cc.
 #include <asio.hpp>
 
@@ -107,12 +108,16 @@ std::string LoopbackOnlyAddresses(const std::string& host) {
   return addresses;
 }
 
-std::string LoopbackWarning(const std::string& listener, const std::string& host,
-                            const std::string& addresses, const std::string& remedy) {
-  return listener + " binds to '" + host + "', which is " + addresses +
-         " here, a loopback address: ranks on other hosts cannot reach it. If the job spans "
-         "hosts, " +
-         remedy + ".";
+void WarnIfLoopbackOnly(int rank, const std::string& listener, const std::string& host,
+                        const std::string& remedy) {
+  const std::string addresses = LoopbackOnlyAddresses(StripBrackets(host));
+  if (addresses.empty()) return;
+  const std::string line = "collectives: rank " + std::to_string(rank) + ": " + listener +
+                           " binds to '" + host + "', which is " + addresses +
+                           " here, a loopback address: ranks on other hosts cannot reach it. If "
+                           "the job spans hosts, " +
+                           remedy + ".\n";
+  std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines of ranks do not mix
 }
 
 }  // namespace collectives::cluster

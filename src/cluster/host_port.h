@@ -4,7 +4,8 @@
 // without brackets, so it can be handed to a resolver as is. Port must be 1..65535, written in
 // decimal digits only.
 //
-// Thread-safety: plain functions over values (LoopbackOnlyAddresses asks the resolver).
+// Thread-safety: plain functions over values (LoopbackOnlyAddresses and WarnIfLoopbackOnly ask
+// the resolver).
 #ifndef COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
 #define COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
 
@@ -39,10 +40,11 @@ std::string FormatHostPort(std::string_view host, uint16_t port);
 // Ubuntu map a host's own name to 127.0.1.1 in /etc/hosts.
 std::string LoopbackOnlyAddresses(const std::string& host);
 
-// The line a rank logs before binding a listener to such a name in a job of several ranks:
-// what `listener` binds, that ranks on other hosts cannot reach it, and `remedy`.
-std::string LoopbackWarning(const std::string& listener, const std::string& host,
-                            const std::string& addresses, const std::string& remedy);
+// Before rank `rank` binds `listener` to `host` (brackets allowed) in a job of several ranks:
+// when LoopbackOnlyAddresses says no other host can reach it, writes one line on stderr saying
+// so, with `remedy`.
+void WarnIfLoopbackOnly(int rank, const std::string& listener, const std::string& host,
+                        const std::string& remedy);
 
 }  // namespace collectives::cluster
 

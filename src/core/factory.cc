@@ -2,7 +2,6 @@
 // src/core that includes the implementations (src/ring, src/hierarchical, src/nccl,
 // src/transport); the rest of core depends on none of them.
 #include <cstdlib>
-#include <iostream>
 #include <string>
 
 #include "collectives/communication.h"
@@ -155,15 +154,9 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
   } else if (spec.world_size > 1) {
     rendezvous.bind_host = spec.addresses.empty() ? transport::LocalAddressToward(spec.master_addr)
                                                   : ListedHost(spec, spec.rank);
-    const std::string loopback = cluster::LoopbackOnlyAddresses(rendezvous.bind_host);
-    if (!loopback.empty()) {
-      std::cerr << "collectives: rank " + std::to_string(spec.rank) + ": " +
-                       cluster::LoopbackWarning(
-                           "the data listener", rendezvous.bind_host, loopback,
-                           "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
-                           "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0") +
-                       "\n";
-    }
+    cluster::WarnIfLoopbackOnly(spec.rank, "the data listener", rendezvous.bind_host,
+                                "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
+                                "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0");
   }
   return Connect(spec.rank, spec.world_size, std::move(store), rendezvous, options);
 }

@@ -286,20 +286,20 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   bool shm_allowed = true;
   for (int r = 0; r < size; ++r) {
     const std::string all = store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout);
-    size_t at[3];
+    std::vector<std::string> fields;  // shm, slot, host; the machine is the rest
     size_t from = 0;
-    for (size_t& field_end : at) {
-      field_end = from <= all.size() ? all.find('\n', from) : std::string::npos;
-      from = field_end == std::string::npos ? all.size() + 1 : field_end + 1;
+    for (size_t end; fields.size() < 3 && (end = all.find('\n', from)) != std::string::npos;) {
+      fields.push_back(all.substr(from, end - from));
+      from = end + 1;
     }
-    if (at[2] == std::string::npos) {
+    if (fields.size() < 3) {
       throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) +
                                             ": malformed host record of rank " + std::to_string(r));
     }
-    shm_allowed = shm_allowed && all.compare(0, at[0], "1") == 0;
-    slots.push_back(all.substr(at[0] + 1, at[1] - at[0] - 1));
-    identities.push_back(all.substr(at[1] + 1, at[2] - at[1] - 1));
-    if (all.compare(at[2] + 1, std::string::npos, machine) == 0) ++ranks_on_machine;
+    shm_allowed = shm_allowed && fields[0] == "1";
+    slots.push_back(fields[1]);
+    identities.push_back(fields[2]);
+    if (all.compare(from, std::string::npos, machine) == 0) ++ranks_on_machine;
   }
   Topology topology = Topology::FromIdentities(identities);
   const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];

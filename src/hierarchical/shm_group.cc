@@ -21,6 +21,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -115,23 +116,23 @@ std::string Hex(uint64_t v) {
 
 std::string SystemMessage(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-// The error another member published ("<code>\n<message>", see ShmGroup::Create's report), as
-// this member's: the same code, its message after this member's prefix. `creator`: the rank
-// that created the segment and failed before publishing its name, or -1.
-Error PublishedFailure(const std::string& text, const std::string& prefix, int creator) {
-  const size_t newline = text.find('\n');
-  int code = int(ErrorCode::kInternal);
-  if (newline != std::string::npos) code = std::atoi(text.substr(0, newline).c_str());
-  if (code < int(ErrorCode::kInvalidArgument) || code > int(ErrorCode::kInternal)) {
-    code = int(ErrorCode::kInternal);
+// The error another member published (an abort payload, see ShmGroup::Create's report), as
+// this member's: the same code, its message after this member's prefix. `by_creator`: published
+// in place of the segment's name by the member that creates it.
+Error PublishedFailure(const std::string& text, const std::string& prefix, bool by_creator) {
+  std::string why;
+  const std::optional<transport::AbortPayload> payload = transport::DecodeAbortPayload(
+      reinterpret_cast<const uint8_t*>(text.data()), text.size(), &why);
+  if (!payload) {
+    return Error(ErrorCode::kInternal,
+                 prefix + "a member's published failure is malformed: " + why);
   }
-  const std::string message = newline == std::string::npos ? text : text.substr(newline + 1);
-  return Error(ErrorCode(code),
+  return Error(payload->code,
                prefix +
-                   (creator >= 0 ? "rank " + std::to_string(creator) +
-                                       ", which creates this host's segment, failed: "
-                                 : "a member of this host's group failed to set up: ") +
-                   message);
+                   (by_creator ? "rank " + std::to_string(payload->culprit) +
+                                     ", which creates this host's segment, failed: "
+                               : "a member of this host's group failed to set up: ") +
+                   payload->message);
 }
 
 // Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
@@ -259,13 +260,15 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   const std::string key = options.key_prefix + "/shm/" + std::to_string(members.front());
   // A member that fails to set up tells the others through the store, so that they raise its
   // error at once instead of waiting for it until their timeout: the creator, before it has
-  // published the segment's name, in place of the name ("!" and the error); any member, under
-  // failure_key (the first error) and failures_key (a count the waiting members poll).
+  // published the segment's name, in place of the name ("!" and the error as an abort payload,
+  // transport/frame.h); any member, under failure_key (the first error) and failures_key (a
+  // count the waiting members poll).
   const std::string failure_key = key + "/failure";
   const std::string failures_key = key + "/failures";
   bool published = index != 0;
   const auto report = [&](const Error& error) {
-    const std::string text = std::to_string(int(error.code())) + "\n" + error.message();
+    const std::string text =
+        transport::EncodeAbortPayload(transport::AbortPayload{error.code(), rank, error.message()});
     try {
       if (!published) store.Set(key, "!" + text);
       if (store.Add(failures_key, 1) == 1) store.Set(failure_key, text);
@@ -307,7 +310,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   } else {
     seg.name = store.Get(key, options.timeout);
     if (!seg.name.empty() && seg.name.front() == '!') {  // the creator's failure (see report)
-      throw PublishedFailure(seg.name.substr(1), prefix, members.front());
+      throw PublishedFailure(seg.name.substr(1), prefix, true);
     }
     fd = shm_open(seg.name.c_str(), O_RDWR, 0);
     if (fd < 0) {
@@ -395,7 +398,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       next_look = Clock::now() + std::chrono::milliseconds(20);
       if (store.Add(failures_key, 0) > 0) {
         shm_unlink(seg.name.c_str());
-        throw PublishedFailure(store.Get(failure_key, options.timeout), prefix, -1);
+        throw PublishedFailure(store.Get(failure_key, options.timeout), prefix, false);
       }
     }
     if (Clock::now() >= deadline) {

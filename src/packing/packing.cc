@@ -42,6 +42,7 @@
 
 #include "collectives/errors.h"
 #include "src/core/aligned_bytes.h"
+#include "src/core/arguments.h"
 #include "src/core/environment.h"
 #include "src/packing/schedule.h"
 
@@ -430,11 +431,7 @@ Schedule AutoSchedule(int world_size) {
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack, Schedule schedule) {
   CheckTensors(comm, "all_reduce", tensors);
-  if (static_cast<unsigned>(op) >= kNumReduceOps) {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(comm.rank()) +
-                                                 ": packing all_reduce: unknown reduce op " +
-                                                 std::to_string(int(op)));
-  }
+  core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), op);
   const BucketRunner runner{/*pack=*/true, /*unpack=*/true,
                             [&](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
                             [&](const Tensor& t) { comm.AllReduce(t, t, op); }};

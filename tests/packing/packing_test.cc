@@ -410,51 +410,57 @@ TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
   }
 }
 
-// Lists that differ across ranks but bucket alike (100 + 200 floats on one rank, 200 + 100 on
-// the others: one 300-float bucket everywhere) would mix tensors without any frame noticing.
-// Every rank raises kMismatch naming the list, nothing is written, and the communicator still
-// works; with lists that agree, the same call goes through.
-TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
+// Runs `body` on every rank of 2 and 3 ranks, in one process and over TCP, with one rank `odd`:
+// the first, then the last.
+void ForEachOddRank(const std::function<void(CollectiveCommunication&, bool odd)>& body) {
   for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
     for (int size : {2, 3}) {
       for (int odd_one : {0, size - 1}) {
         CommunicationOptions options;
         options.timeout = std::chrono::seconds(30);
-        RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
-          const bool odd = comm.rank() == odd_one;
-          std::vector<float> a(odd ? 200 : 100, float(comm.rank() + 1));
-          std::vector<float> b(odd ? 100 : 200, float(comm.rank() + 1));
-          const std::vector<Tensor> list = {Tensor{a.data(), a.size(), DataType::kFloat32},
-                                            Tensor{b.data(), b.size(), DataType::kFloat32}};
-          for (bool broadcast : {false, true}) {
-            try {
-              if (broadcast) {
-                packing::Broadcast(comm, list, 0, 4096);
-              } else {
-                packing::AllReduce(comm, list, ReduceOp::kSum, 4096);
-              }
-              ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were "
-                            << (broadcast ? "broadcast" : "reduced");
-            } catch (const Error& e) {
-              EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
-              EXPECT_NE(std::string(e.what()).find("list of 2 tensors differs"), std::string::npos)
-                  << e.what();
-            }
-            for (float v : a) ASSERT_EQ(v, float(comm.rank() + 1)) << "a was written";
-            for (float v : b) ASSERT_EQ(v, float(comm.rank() + 1)) << "b was written";
-          }
-          // The communicator is not broken, and lists that agree go through.
-          std::vector<float> c(100, 1.0f), d(200, 2.0f);
-          packing::AllReduce(comm,
-                             {Tensor{c.data(), c.size(), DataType::kFloat32},
-                              Tensor{d.data(), d.size(), DataType::kFloat32}},
-                             ReduceOp::kSum, 4096);
-          for (float v : c) ASSERT_EQ(v, float(comm.size()));
-          for (float v : d) ASSERT_EQ(v, 2.0f * float(comm.size()));
-        });
+        RunRanks(transport, size, options,
+                 [&](CollectiveCommunication& comm) { body(comm, comm.rank() == odd_one); });
       }
     }
   }
+}
+
+// Lists that differ across ranks but bucket alike (100 + 200 floats on one rank, 200 + 100 on
+// the others: one 300-float bucket everywhere) would mix tensors without any frame noticing.
+// Every rank raises kMismatch naming the list, nothing is written, and the communicator still
+// works; with lists that agree, the same call goes through.
+TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
+  ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
+    std::vector<float> a(odd ? 200 : 100, float(comm.rank() + 1));
+    std::vector<float> b(odd ? 100 : 200, float(comm.rank() + 1));
+    const std::vector<Tensor> list = {Tensor{a.data(), a.size(), DataType::kFloat32},
+                                      Tensor{b.data(), b.size(), DataType::kFloat32}};
+    for (bool broadcast : {false, true}) {
+      try {
+        if (broadcast) {
+          packing::Broadcast(comm, list, 0, 4096);
+        } else {
+          packing::AllReduce(comm, list, ReduceOp::kSum, 4096);
+        }
+        ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were "
+                      << (broadcast ? "broadcast" : "reduced");
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+        EXPECT_NE(std::string(e.what()).find("list of 2 tensors differs"), std::string::npos)
+            << e.what();
+      }
+      for (float v : a) ASSERT_EQ(v, float(comm.rank() + 1)) << "a was written";
+      for (float v : b) ASSERT_EQ(v, float(comm.rank() + 1)) << "b was written";
+    }
+    // The communicator is not broken, and lists that agree go through.
+    std::vector<float> c(100, 1.0f), d(200, 2.0f);
+    packing::AllReduce(comm,
+                       {Tensor{c.data(), c.size(), DataType::kFloat32},
+                        Tensor{d.data(), d.size(), DataType::kFloat32}},
+                       ReduceOp::kSum, 4096);
+    for (float v : c) ASSERT_EQ(v, float(comm.size()));
+    for (float v : d) ASSERT_EQ(v, 2.0f * float(comm.size()));
+  });
 }
 
 // One rank's list does not fuse (one int64 tensor of 2) where the others' does (two of 1): the
@@ -463,34 +469,25 @@ TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
 // with the hash, as a success, while the others raised kMismatch. Now every rank raises it,
 // nothing written.
 TEST(PackedMismatchTest, ARankWhoseListDoesNotFuseStillRaises) {
-  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
-    for (int size : {2, 3}) {
-      for (int odd_one : {0, size - 1}) {
-        CommunicationOptions options;
-        options.timeout = std::chrono::seconds(30);
-        RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
-          const bool odd = comm.rank() == odd_one;
-          std::vector<int64_t> values(2, comm.rank() + 1);
-          std::vector<Tensor> list;
-          if (odd) {
-            list = {Tensor{values.data(), 2, DataType::kInt64}};
-          } else {
-            list = {Tensor{values.data(), 1, DataType::kInt64},
-                    Tensor{values.data() + 1, 1, DataType::kInt64}};
-          }
-          try {
-            packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
-            ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
-          } catch (const Error& e) {
-            EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
-            EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
-                << e.what();
-          }
-          for (int64_t v : values) ASSERT_EQ(v, comm.rank() + 1) << "rank " << comm.rank();
-        });
-      }
+  ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
+    std::vector<int64_t> values(2, comm.rank() + 1);
+    std::vector<Tensor> list;
+    if (odd) {
+      list = {Tensor{values.data(), 2, DataType::kInt64}};
+    } else {
+      list = {Tensor{values.data(), 1, DataType::kInt64},
+              Tensor{values.data() + 1, 1, DataType::kInt64}};
     }
-  }
+    try {
+      packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
+      ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+      EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
+          << e.what();
+    }
+    for (int64_t v : values) ASSERT_EQ(v, comm.rank() + 1) << "rank " << comm.rank();
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,25 +16,30 @@ using namespace collectives::testing;
 
 using MultiProcessParam = std::tuple<int, std::string>;  // world size, implementation
 
+// Runs `size` workers in check mode (an all-reduce of `count` floats among the collectives) with
+// `placement` and expects every one to finish exactly, with the shared-memory algorithm or
+// without it (every collective over TCP) as `shm` says.
+void ExpectExact(int size, const std::string& count, const Placement& placement, bool shm) {
+  std::vector<Worker> workers = Start(size, {"check", count}, placement);
+  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < size; ++rank) {
+    const Worker& w = workers[rank];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("0 wrong"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("algorithm shm") != std::string::npos, shm) << w.output;
+  }
+}
+
 class MultiProcessTest : public ::testing::TestWithParam<MultiProcessParam> {};
 
 TEST_P(MultiProcessTest, EveryCollectiveIsExactInEveryProcess) {
   const auto& [size, implementation] = GetParam();
   Placement placement;
   placement.implementation = implementation;
-  std::vector<Worker> workers = Start(size, {"check", "1000003"}, placement);
-  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
-  KillAll(workers);
-  ASSERT_TRUE(finished) << "workers did not finish in time";
-  const bool shm = implementation == "auto";
-  for (int rank = 0; rank < size; ++rank) {
-    const int status = workers[rank].status;
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        << "rank " << rank << " status " << status << ": " << workers[rank].output;
-    EXPECT_NE(workers[rank].output.find("0 wrong"), std::string::npos) << workers[rank].output;
-    EXPECT_EQ(workers[rank].output.find("algorithm shm") != std::string::npos, shm)
-        << workers[rank].output;
-  }
+  ExpectExact(size, "1000003", placement, implementation == "auto");
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, MultiProcessTest,
@@ -45,28 +50,12 @@ INSTANTIATE_TEST_SUITE_P(Processes, MultiProcessTest,
                                   std::to_string(std::get<0>(param_info.param)) + "ranks";
                          });
 
-// Runs `size` workers in check mode with `placement` and expects every one to finish exactly
-// without shared memory (every collective over TCP).
-void ExpectExactOverTcp(int size, const Placement& placement) {
-  std::vector<Worker> workers = Start(size, {"check", "100003"}, placement);
-  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
-  KillAll(workers);
-  ASSERT_TRUE(finished) << "workers did not finish in time";
-  for (int rank = 0; rank < size; ++rank) {
-    const Worker& w = workers[rank];
-    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
-        << "rank " << rank << " status " << w.status << ": " << w.output;
-    EXPECT_NE(w.output.find("0 wrong"), std::string::npos) << w.output;
-    EXPECT_EQ(w.output.find("algorithm shm"), std::string::npos) << w.output;
-  }
-}
-
 // One rank's environment turns shared memory off (COLLECTIVES_SHM=0): every rank learns it at
 // set-up and they all run over TCP, exactly, instead of half of them waiting in shared memory.
 TEST(MultiProcessShmTest, OneRankWithoutSharedMemoryTurnsItOffForAll) {
   Placement placement;
   placement.shm_off_rank = 1;
-  ExpectExactOverTcp(3, placement);
+  ExpectExact(3, "100003", placement, /*shm=*/false);
 }
 
 // Pretend hosts of different rank counts (two ranks on "a", one on "b"): AUTO runs every
@@ -75,7 +64,7 @@ TEST(MultiProcessShmTest, OneRankWithoutSharedMemoryTurnsItOffForAll) {
 TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunOverTcpExactly) {
   Placement placement;
   placement.host_ids = {"a", "a", "b"};
-  ExpectExactOverTcp(3, placement);
+  ExpectExact(3, "100003", placement, /*shm=*/false);
 }
 
 // Two pretend hosts of two ranks, the ranks of one with another COLLECTIVES_SHM_SLOT_BYTES: the
