@@ -27,9 +27,11 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "collectives/cluster.h"
@@ -123,6 +125,31 @@ void RunMembers(const std::vector<int>& ranks, const ShmGroupOptions& options,
     });
   }
   for (std::thread& t : threads) t.join();
+}
+
+// Members 0..n-1 (n = options.size(), member i with options[i]) call Create at once on threads
+// and drop what they built: what each raised (code and message), or kInternal and "attached".
+std::pair<std::vector<ErrorCode>, std::vector<std::string>> CreateAtOnce(
+    const std::vector<ShmGroupOptions>& options, Store& store) {
+  const size_t n = options.size();
+  std::vector<int> ranks(n);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  std::vector<ErrorCode> codes(n, ErrorCode::kInternal);
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (size_t me = 0; me < n; ++me) {
+    threads.emplace_back([&, me] {
+      try {
+        auto group = ShmGroup::Create(int(me), ranks, store, options[me]);
+        errors[me] = "attached";
+      } catch (const Error& e) {
+        codes[me] = e.code();
+        errors[me] = e.message();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return {codes, errors};
 }
 
 // A buffer of `bytes` with guard bytes on both sides.
@@ -1002,22 +1029,8 @@ TEST(ShmGroupSegmentTest, AMemberThatCannotAttachStopsTheOthersAtOnce) {
   ShmGroupOptions other_slot = options;
   other_slot.slot_bytes = 8192;
   auto store = CreateMemoryStore();
-  std::vector<std::string> errors(3);
-  std::vector<ErrorCode> codes(3, ErrorCode::kInternal);
   const auto start = Clock::now();
-  std::vector<std::thread> threads;
-  for (int me = 0; me < 3; ++me) {
-    threads.emplace_back([&, me] {
-      try {
-        auto group = ShmGroup::Create(me, {0, 1, 2}, *store, me == 2 ? other_slot : options);
-        errors[size_t(me)] = "attached";
-      } catch (const Error& e) {
-        codes[size_t(me)] = e.code();
-        errors[size_t(me)] = e.message();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  const auto [codes, errors] = CreateAtOnce({options, options, other_slot}, *store);
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
   EXPECT_EQ(codes[2], ErrorCode::kUnauthenticated) << errors[2];
   EXPECT_NE(errors[2].find("where this rank expects"), std::string::npos) << errors[2];
@@ -1086,22 +1099,8 @@ TEST(ShmGroupSegmentTest, ASmallDevShmIsAnErrorOnEveryMemberNotABusError) {
     ShmGroupOptions options = Options("small_dev_shm", size_t{1} << 20, 4096, 2);
     options.timeout = std::chrono::seconds(20);
     auto store = CreateMemoryStore();
-    std::vector<std::string> errors(2);
-    std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
     const auto start = Clock::now();
-    std::vector<std::thread> threads;
-    for (int me = 0; me < 2; ++me) {
-      threads.emplace_back([&, me] {
-        try {
-          auto group = ShmGroup::Create(me, {0, 1}, *store, options);
-          errors[size_t(me)] = "attached";
-        } catch (const Error& e) {
-          codes[size_t(me)] = e.code();
-          errors[size_t(me)] = e.message();
-        }
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    const auto [codes, errors] = CreateAtOnce({options, options}, *store);
     std::string wrong;
     if (Clock::now() - start > std::chrono::seconds(5)) wrong += "took longer than 5 s; ";
     for (int me = 0; me < 2; ++me) {
