@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -18,6 +19,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
@@ -115,6 +117,47 @@ std::string Hex(uint64_t v) {
 }
 
 std::string SystemMessage(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// A segment's name carries its creator's process ("-c<pid namespace>.<pid>-", the namespace as
+// the inode of /proc/self/ns/pid, 0 where /proc is not mounted), so that a later creator can
+// tell a name whose creator is gone.
+uint64_t PidNamespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
+}
+
+std::string CreatorMark(uint64_t pid_namespace) {
+  return "-c" + std::to_string(pid_namespace) + ".";
+}
+
+// Removes the names a creator left in /dev/shm when it was killed before every member attached
+// (nothing of a killed process runs to remove them, and each holds a whole segment of tmpfs
+// pages). Only names this user owns, of a creator in this process's pid namespace that no longer
+// exists: a name of a live creator, of another namespace (another container sharing /dev/shm,
+// whose pids mean nothing here) or without the mark is never touched. A group being set up under
+// a dead creator's name cannot complete anyway; members already attached keep their mapping.
+void RemoveNamesOfDeadCreators() {
+  const uint64_t pid_namespace = PidNamespace();
+  if (pid_namespace == 0) return;
+  const std::string mark = CreatorMark(pid_namespace);
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = entry.path().filename().string();
+    const size_t at = file.find(mark);
+    if (file.rfind("collectives-", 0) != 0 || at == std::string::npos) continue;
+    const char* digits = file.c_str() + at + mark.size();
+    char* end = nullptr;
+    errno = 0;
+    const long pid = std::strtol(digits, &end, 10);
+    if (errno != 0 || end == digits || *end != '-' || pid <= 0 || pid == long(getpid())) continue;
+    if (kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to ask
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+      continue;
+    }
+    shm_unlink(("/" + file).c_str());
+  }
+}
 
 // The error another member published (an abort payload, see ShmGroup::Create's report), as
 // this member's: the same code, its message after this member's prefix. `by_creator`: published
@@ -278,6 +321,14 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     return error;
   };
 
+  const auto failure_published = [&] {
+    try {
+      return store.Add(failures_key, 0) > 0;
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
+
   int fd = -1;
   if (index == 0) {
     std::random_device random;
@@ -285,7 +336,10 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     const std::string job = options.job_id + "\n" + options.key_prefix;
     seg.name = "/collectives-";
     seg.name.append(Hex(std::hash<std::string>{}(job)), 8, 8);
-    seg.name.append("-").append(std::to_string(members.front())).append("-").append(Hex(nonce));
+    seg.name.append("-").append(std::to_string(members.front()));
+    seg.name.append(CreatorMark(PidNamespace())).append(std::to_string(getpid()));
+    seg.name.append("-").append(Hex(nonce));
+    RemoveNamesOfDeadCreators();
     fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
       throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
@@ -314,6 +368,13 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     }
     fd = shm_open(seg.name.c_str(), O_RDWR, 0);
     if (fd < 0) {
+      const int open_errno = errno;
+      // The creator removes the name when a member that attached first published its failure:
+      // that failure is the cause, not the missing name.
+      if (open_errno == ENOENT && failure_published()) {
+        throw PublishedFailure(store.Get(failure_key, options.timeout), prefix, false);
+      }
+      errno = open_errno;
       throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
     }
     struct stat st {};

@@ -6,9 +6,10 @@
 // after the job and a random nonce published through the (authenticated) store. The last
 // member to attach unlinks the name, so nothing is left in /dev/shm however the job ends later;
 // a member that gives up during set-up unlinks it too, and so does the creator whatever makes
-// its set-up fail (publishing the name included). Only a creator killed before every member
-// attached leaves the name behind (/dev/shm/collectives-*; the name starts with a hash of the
-// job), as nothing of a killed process runs.
+// its set-up fail (publishing the name included). A creator killed before every member attached
+// leaves the name behind (/dev/shm/collectives-*, after a hash of the job, its first rank and
+// the creator's pid namespace and pid), as nothing of a killed process runs: the next creator on
+// the host removes the names of this user whose creator, in its pid namespace, is gone.
 //
 // Layout: a header (the group's broken flag and the error that broke it), one control block per
 // member (step counters, the call descriptor of its last steps, a liveness mutex), then two data

@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -1131,6 +1132,64 @@ TEST(ShmGroupSegmentTest, ASmallDevShmIsAnErrorOnEveryMemberNotABusError) {
 }
 
 // Members must be ascending and include the caller.
+// A creator killed after creating the segment but before every member attached leaves its
+// name in /dev/shm (nothing of a killed process runs); the next creator on the host removes it.
+// Names of a live creator, of another pid namespace, or without a creator's mark stay.
+TEST(ShmGroupSegmentTest, ANameLeftByAKilledCreatorIsRemovedByTheNextCreator) {
+  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ShmGroupOptions options = Options("killed_creator", 4096, 4096, 2);
+  options.timeout = std::chrono::seconds(60);
+  // Forked before this test starts any thread, so the child may start its own.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      auto store = CreateFileStore(dir);
+      auto group = ShmGroup::Create(0, {0, 1}, *store, options);  // waits for member 1
+    } catch (...) {
+    }
+    _exit(3);
+  }
+  auto store = CreateFileStore(dir);
+  // The creator publishes the name once the segment exists.
+  const std::string left = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(30));
+  EXPECT_TRUE(ShmNameExists(left)) << left;
+  kill(child, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "child status " << status;
+  ASSERT_TRUE(ShmNameExists(left)) << "the killed creator's name should still be there";
+
+  struct stat ns {};
+  ASSERT_EQ(::stat("/proc/self/ns/pid", &ns), 0);
+  const std::string mark = "-c" + std::to_string(ns.st_ino) + ".";
+  const std::string other_mark = "-c" + std::to_string(ns.st_ino + 1) + ".";
+  const std::string tail = "-" + std::to_string(getpid());
+  const std::vector<std::string> kept = {
+      "/collectives-test-live" + mark + std::to_string(getppid()) + tail,
+      "/collectives-test-other-namespace" + other_mark + std::to_string(child) + tail,
+      "/collectives-test-unmarked-" + std::to_string(child) + tail,
+  };
+  for (const std::string& name : kept) {
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << "shm_open " << name << ": " << std::strerror(errno);
+    close(fd);
+  }
+  ShmGroupOptions next = Options("after_killed_creator", 4096, 4096, 2);
+  auto memory = CreateMemoryStore();
+  const auto [codes, errors] = CreateAtOnce({next, next}, *memory);
+  EXPECT_EQ(errors, (std::vector<std::string>{"attached", "attached"}));
+  EXPECT_FALSE(ShmNameExists(left)) << DevShmPath(left) << " was left behind";
+  for (const std::string& name : kept) {
+    EXPECT_TRUE(ShmNameExists(name)) << DevShmPath(name) << " was removed";
+    shm_unlink(name.c_str());
+  }
+  shm_unlink(left.c_str());
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
   ShmGroupOptions options = Options("bad_members", 4096, 4096, 2);
   auto store = CreateMemoryStore();
