@@ -29,6 +29,10 @@ size_t ParseBytes(const std::string& text) {
   size_t pos = 0;
   unsigned long long value = 0;
   try {
+    // stoull takes a sign and wraps "-1" to the largest value: a size starts with a digit.
+    if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0]))) {
+      throw std::invalid_argument(text);
+    }
     value = std::stoull(text, &pos);
   } catch (const std::exception&) {
     throw CLI::ValidationError("'" + text + "' is not a size (examples: 8, 64K, 64M, 1G)");
@@ -106,8 +110,14 @@ std::unique_ptr<std::ofstream> OpenCsv(const std::string& path) {
   return csv;
 }
 
+std::chrono::milliseconds TimeoutFromSeconds(double seconds) {
+  constexpr double kYear = 365.0 * 24 * 3600;
+  return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, kYear) * 1000.0));
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes) {
   constexpr size_t kAlignment = 4096;
+  if (bytes > std::numeric_limits<size_t>::max() - kAlignment) throw std::bad_alloc();
   const size_t rounded =
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   data_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlignment, rounded)));

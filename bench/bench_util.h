@@ -5,6 +5,7 @@
 #ifndef COLLECTIVES_BENCH_BENCH_UTIL_H_
 #define COLLECTIVES_BENCH_BENCH_UTIL_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <fstream>
@@ -16,6 +17,10 @@
 #include "collectives/collectives.h"
 
 namespace collectives::bench {
+
+// --timeout in seconds as milliseconds, at most a year (the library reads more as a year; the
+// clamp keeps the conversion of a huge value defined).
+std::chrono::milliseconds TimeoutFromSeconds(double seconds);
 
 // "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
 // Throws CLI::ValidationError on anything else.

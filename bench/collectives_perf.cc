@@ -149,9 +149,7 @@ struct Config {
   int local = 0;
   std::string baseline = "none";
 
-  std::chrono::milliseconds timeout() const {
-    return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
-  }
+  std::chrono::milliseconds timeout() const { return bench::TimeoutFromSeconds(timeout_s); }
 };
 
 std::vector<Collective> ParseCollectives(const std::string& text) {

@@ -2,7 +2,8 @@
 // broadcast and all-gather over Gloo's TCP transport with the same flags (-b -e -f -i -c -n -w
 // --check --csv --root --local), the same size conventions and the same columns as
 // collectives_perf, so that bench/plot_sweep.py can draw both on one figure. The CSV has
-// collectives_perf's columns plus a last one, `implementation`, which reads "gloo".
+// collectives_perf's columns up to `wrong` (not its baseline columns nor `algorithm`), then
+// `implementation`, which reads "gloo".
 //
 // Gloo has no reduce-scatter in its current API (only the older ReduceScatterHalvingDoubling,
 // in place, with its own count layout), so -c reduce_scatter is refused.
@@ -127,9 +128,7 @@ struct Config {
   std::string store_dir;
   std::string hostname = "127.0.0.1";
 
-  std::chrono::milliseconds timeout() const {
-    return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
-  }
+  std::chrono::milliseconds timeout() const { return bench::TimeoutFromSeconds(timeout_s); }
 };
 
 std::vector<Collective> ParseCollectives(const std::string& text) {

@@ -24,6 +24,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -71,6 +72,10 @@ using Clock = std::chrono::steady_clock;
 // same. 161 tensors, 25,557,032 elements (checked at start-up).
 // One line per block reads better than one number per line.
 // clang-format off
+// The most tensors and bytes a workload may list (NxSIZE past these is a typo, not a benchmark).
+constexpr size_t kMaxWorkloadTensors = 10'000'000;
+constexpr size_t kMaxWorkloadBytes = size_t{1} << 40;
+
 constexpr size_t kResNet50Counts[] = {
     // stem: conv1 64x3x7x7, bn1
     9408, 64, 64,
@@ -125,9 +130,7 @@ struct Config {
   double timeout_s = 120;
   int local = 0;
 
-  std::chrono::milliseconds timeout() const {
-    return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
-  }
+  std::chrono::milliseconds timeout() const { return bench::TimeoutFromSeconds(timeout_s); }
 };
 
 Workload ParseWorkload(const std::string& name) {
@@ -143,6 +146,7 @@ Workload ParseWorkload(const std::string& name) {
   size_t tensors = 0;
   try {
     size_t pos = 0;
+    if (!std::isdigit(static_cast<unsigned char>(name[0]))) throw std::invalid_argument(name);
     tensors = std::stoul(name.substr(0, x), &pos);
     if (pos != x) throw std::invalid_argument(name);
   } catch (const std::exception&) {
@@ -153,6 +157,11 @@ Workload ParseWorkload(const std::string& name) {
   if (tensors == 0 || bytes < sizeof(float) || bytes % sizeof(float) != 0) {
     throw CLI::ValidationError("workload '" + name +
                                "': needs at least one tensor of a whole number of f32 elements");
+  }
+  if (tensors > kMaxWorkloadTensors || tensors > kMaxWorkloadBytes / bytes) {
+    throw CLI::ValidationError("workload '" + name + "': more than " +
+                               std::to_string(kMaxWorkloadTensors) + " tensors or " +
+                               std::to_string(kMaxWorkloadBytes >> 30) + " GiB in all");
   }
   workload.counts.assign(tensors, bytes / sizeof(float));
   return workload;
@@ -522,6 +531,10 @@ int Main(int argc, char** argv) {
     const int rc = env_rank == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
     finalize();
     return rc;
+  } catch (const std::exception& e) {  // out of memory for the lists, say
+    std::fprintf(stderr, "packing_perf: %s\n", e.what());
+    finalize();
+    return kExitError;
   }
   const size_t resnet_total =
       std::accumulate(std::begin(kResNet50Counts), std::end(kResNet50Counts), size_t{0});

@@ -10,11 +10,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-if command -v clang++ >/dev/null; then
-  scripts/install-deps.sh
-else
-  scripts/install-deps.sh clang  # through sudo unless root, as the other packages
-fi
+# libclang-rt-dev holds libFuzzer and the sanitizer runtimes: clang only recommends it, and
+# install-deps.sh installs without recommendations. Through sudo unless root, as the others.
+scripts/install-deps.sh clang libclang-rt-dev
 
 BUILD_DIR=${COLLECTIVES_FUZZ_BUILD_DIR:-build-fuzz}
 SECONDS_EACH=${FUZZ_SECONDS:-600}

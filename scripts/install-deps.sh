@@ -39,7 +39,7 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "install-deps: not root and sudo is missing; install as root: ${missing[*]}" >&2
     exit 1
   fi
-  SUDO=(sudo)
+  SUDO=(sudo env DEBIAN_FRONTEND=noninteractive)  # sudo's env_reset drops the export below
 fi
 export DEBIAN_FRONTEND=noninteractive
 

@@ -20,7 +20,6 @@
 # binary (default: build it with scripts/build.sh and use build/examples/train/train). --keep:
 # leave the work folder (logs, checkpoints, weights) in place.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 quick=0
 victim=1
@@ -36,6 +35,9 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+# --train as given, resolved against the caller's folder before the cd below.
+if [[ -n ${train} ]]; then train=$(realpath -m -- "${train}"); fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ ${victim} != 0 && ${victim} != 1 ]]; then
   echo "kill-restart.sh: --victim must be 0 or 1" >&2
   exit 2

@@ -21,7 +21,9 @@
 # non-zero if a run failed or a run is not possible (no MPI); a missed target is reported, not
 # an error.
 set -euo pipefail
-# OUT_DIR as given, resolved against the caller's folder before the cd below.
+# OUT_DIR as given, resolved against the caller's folder before the cd below (not an OUT that
+# happens to be in the environment).
+OUT=""
 if [[ $# -ge 1 ]]; then OUT=$(realpath -m -- "$1"); fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -23,7 +23,9 @@
 # gloo_perf first (scripts/build.sh). Exits non-zero if any run failed; the others still run and
 # are plotted.
 set -euo pipefail
-# OUT_DIR as given, resolved against the caller's folder before the cd below.
+# OUT_DIR as given, resolved against the caller's folder before the cd below (not an OUT that
+# happens to be in the environment).
+OUT=""
 if [[ $# -ge 1 ]]; then OUT=$(realpath -m -- "$1"); fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

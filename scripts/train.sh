@@ -15,16 +15,18 @@
 #
 # Under mpirun instead: MASTER_PORT=29500 mpirun -np 2 build/examples/train/train --strategy multi_worker
 # Environment: COLLECTIVES_BUILD_DIR (default build); TRAIN_NO_BUILD=1 skips the build;
-# TRAIN_TIME_LIMIT (seconds, default 3600) bounds every process.
+# TRAIN_TIME_LIMIT (seconds, default 3600) bounds every process. The processes run in the
+# caller's folder, so paths in ARGS (--save-weights, --checkpoint-dir) are the caller's.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 BUILD_DIR=${COLLECTIVES_BUILD_DIR:-build}
+[[ ${BUILD_DIR} == /* ]] || BUILD_DIR="${ROOT}/${BUILD_DIR}"  # as for scripts/build.sh
 TRAIN="${BUILD_DIR}/examples/train/train"
 LIMIT=${TRAIN_TIME_LIMIT:-3600}
 
 if [[ ${TRAIN_NO_BUILD:-0} != 1 ]]; then
-  COLLECTIVES_BUILD_TARGETS=${COLLECTIVES_BUILD_TARGETS:-train} scripts/build.sh >&2
+  COLLECTIVES_BUILD_TARGETS=${COLLECTIVES_BUILD_TARGETS:-train} "${ROOT}/scripts/build.sh" >&2
 fi
 if [[ ! -x ${TRAIN} ]]; then
   echo "train.sh: ${TRAIN} was not built (Eigen, zlib and CLI11 are needed)" >&2
@@ -89,9 +91,10 @@ case "${1:-}" in
   --throughput)
     shift
     common=(--epochs 1 --global-batch 256 --quiet-progress "$@")
-    throughput "one_device" "$TRAIN" --strategy one_device "${common[@]}" 2>&1
+    throughput "one_device" timeout "$LIMIT" "$TRAIN" --strategy one_device "${common[@]}" 2>&1
     one_device=$samples_per_s
-    throughput "mirrored, 2 replicas" "$TRAIN" --strategy mirrored --replicas 2 "${common[@]}" 2>&1
+    throughput "mirrored, 2 replicas" timeout "$LIMIT" "$TRAIN" --strategy mirrored --replicas 2 \
+      "${common[@]}" 2>&1
     mirrored=$samples_per_s
     throughput "multi_worker, 1 worker" run_workers 1 "${common[@]}" 2>&1
     one_worker=$samples_per_s
