@@ -500,10 +500,10 @@ int Main(int argc, char** argv) {
       ->transform(bench::BytesSuffix());
   app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
       ->capture_default_str()
-      ->check(CLI::Range(-1, 1 << 30));
+      ->check(CLI::Range(-1, 1'000'000));
   app.add_option("--yield-us", config.yield_us, "CommunicationOptions::yield_us (-1: default)")
       ->capture_default_str()
-      ->check(CLI::Range(-1, 1 << 30));
+      ->check(CLI::Range(-1, 1'000'000));
   app.add_option("--timeout", config.timeout_s,
                  "Seconds a collective or the rendezvous may take before it fails")
       ->capture_default_str()

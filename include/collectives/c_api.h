@@ -22,7 +22,8 @@
  * communicator from different threads run in an order no other rank can know). The exception is
  * coll_comm_abort, which may be called from any thread at any time, e.g. from a watchdog while
  * another thread is blocked in a collective. coll_comm_destroy must not race with any other call
- * on the same communicator. Different communicators are independent. coll_last_error is per
+ * on the same communicator, coll_comm_abort included: join the watchdog (its abort returned)
+ * before destroying. Different communicators are independent. coll_last_error is per
  * thread. A coll_work may be waited on or tested from any thread, also while its communicator
  * issues more calls; coll_work_free must not race with another call on the same handle.
  *
@@ -84,7 +85,9 @@ typedef enum coll_op {
   COLL_PROD = 1,
   COLL_MIN = 2,
   COLL_MAX = 3,
-  COLL_AVG = 4, /* a sum, then one division by the number of ranks (truncating for integers) */
+  COLL_AVG = 4, /* a sum, then one division by the number of ranks (truncating for integers);
+                 integer sums wrap before the division, f16 partial sums overflow to inf past
+                 65504 (see ReduceOp in collectives/types.h) */
   COLL_OP_FORCE_INT_ = 0x7fffffff
 } coll_op;
 

@@ -9,7 +9,8 @@
 //  - Buffers are borrowed: the caller keeps them alive and untouched until the Work completes.
 //  - In-place: AllReduce and Broadcast are in place when send.data == recv.data. AllGather is in
 //    place when send.data == recv.data + rank * count elements; ReduceScatter when
-//    recv.data == send.data + rank * count elements.
+//    recv.data == send.data + rank * count elements. Send and recv that overlap otherwise are
+//    refused with Error(kInvalidArgument).
 //  - The first failure (peer lost, mismatch, timeout) breaks the communicator: that call and
 //    every later one raise the same Error until a new communicator is built.
 //
@@ -101,7 +102,7 @@ struct CommunicationOptions {
   // small collectives (~11 us vs ~65 us for an 8-byte loopback round trip) but steals a core a
   // peer may need when there are more polling threads than cores. -1 adapts: the thread driving
   // the network polls when this host has a core per rank of the job; the hand-off between a
-  // caller and the progress thread (async calls) polls when it has two.
+  // caller and the progress thread (async calls) polls when it has two. At most 1,000,000.
   // Default: -1.
   int spin_us = -1;
 
@@ -111,7 +112,7 @@ struct CommunicationOptions {
   // a yielding one is still runnable, and hands its core to any thread that has work, which
   // is what Open MPI does when cores are oversubscribed (mpi_yield_when_idle). 4 ranks on 2
   // cores: 1 MiB broadcast 690 -> 410 us, all-gather 650 -> 430 us. -1: $COLLECTIVES_YIELD_US
-  // if set, else 10 ms; 0: sleep at once when the spin ends.
+  // if set (at most 1 s), else 10 ms; 0: sleep at once when the spin ends. At most 1,000,000.
   // Default: -1.
   int yield_us = -1;
 
@@ -146,6 +147,11 @@ class Work {
 
 class CollectiveCommunication {
  public:
+  // Runs every call still queued (each until it completes or fails, at most its timeout: a
+  // call the peers never issue holds the destructor up to CommunicationOptions::timeout), then
+  // closes the connections; peers still using them see kPeerLost. To leave at once, Abort
+  // first. Must not run while another thread is still inside a call on this communicator,
+  // Abort included: join a watchdog that aborts before destroying.
   virtual ~CollectiveCommunication() = default;
   CollectiveCommunication(const CollectiveCommunication&) = delete;
   CollectiveCommunication& operator=(const CollectiveCommunication&) = delete;
@@ -207,7 +213,9 @@ class CollectiveCommunication {
   virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);
 
   // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),
-  // and peers see this rank's connections close. Safe from any thread; idempotent.
+  // and peers see this rank's connections close. Safe from any thread; idempotent. A call on
+  // another thread may raise kAborted before Abort has returned: destroy the communicator only
+  // after Abort returned.
   virtual void Abort() = 0;
 
   // The deadline of every call issued after this one (a call already issued keeps its own):

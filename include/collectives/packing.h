@@ -42,11 +42,12 @@ using Bucket = std::vector<size_t>;
 // Error(kInvalidArgument) for a dtype that is not a DataType.
 std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t bytes_per_pack);
 
-// All-reduces every tensor of `tensors` in place, through buckets: each bucket is packed into a
-// fusion buffer, all-reduced in one collective, and unpacked. With at least two cores per local
-// rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in flight, two
-// fusion buffers of at most bytes_per_pack each; the calling thread keeps them for its later
-// calls, up to 64 MiB each); on fewer cores the buckets run one after another, which measured
+// All-reduces every tensor of `tensors` in place, through buckets (tensors that share memory are
+// refused, Error(kInvalidArgument): each would be reduced once per bucket it sits in): each bucket
+// is packed into a fusion buffer, all-reduced in one collective, and unpacked. With at least two
+// cores per local rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in
+// flight, two fusion buffers of at most bytes_per_pack each; the calling thread keeps them for its
+// later calls, up to 64 MiB each); on fewer cores the buckets run one after another, which measured
 // faster there. A tensor alone in its bucket is all-reduced in place without a copy. CPU tensors
 // only for now (others: kNotSupported). The result is that of one AllReduce per tensor, bit for
 // bit whenever the reduction is exact (integers; float min and max up to the sign of a zero

@@ -26,7 +26,12 @@ enum class DataType : uint8_t {
 inline constexpr int kNumDataTypes = 8;
 
 // Reduction operators. kAvg is a sum followed by one division by the number of ranks (integer
-// division, truncating toward zero, for integer types). Wire values as for DataType.
+// division, truncating toward zero, for integer types). Integer kSum, kProd and kAvg's sum wrap
+// modulo 2^bits (two's complement), so an integer average of large values wraps before the
+// division (u8: avg(200, 200) is 72). f16's partial sums are rounded to f16 at each step, so an
+// f16 kAvg is inf once a partial sum passes 65504 (avg(40000, 40000) is inf; NCCL, which
+// multiplies each input by 1/n first, gives 40000); scale such values first. Wire values as for
+// DataType.
 enum class ReduceOp : uint8_t {
   kSum = 0,
   kProd = 1,

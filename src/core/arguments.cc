@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <utility>
 
 #include "collectives/errors.h"
 
@@ -31,6 +33,27 @@ void CheckTensorData(int rank, const char* collective, const char* name, const T
     throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +
                                                  "has null data and " +
                                                  std::to_string(t.count) + " elements");
+  }
+}
+
+void CheckBuffersApart(int rank, const char* collective, const Tensor& send, const Tensor& recv,
+                       uintptr_t in_place_send, const char* form) {
+  const uintptr_t s = reinterpret_cast<uintptr_t>(send.data);
+  const uintptr_t r = reinterpret_cast<uintptr_t>(recv.data);
+  const size_t send_bytes = send.count * SizeOf(send.dtype);  // CheckTensorData: no overflow
+  const size_t recv_bytes = recv.count * SizeOf(recv.dtype);
+  if (send_bytes == 0 || recv_bytes == 0 || s == in_place_send) return;
+  if (s - r < recv_bytes || r - s < send_bytes) {  // one starts inside the other
+    const auto range = [](uintptr_t at, size_t bytes) {
+      char text[64];
+      std::snprintf(text, sizeof text, "[%#llx, +%zu bytes)", static_cast<unsigned long long>(at),
+                    bytes);
+      return std::string(text);
+    };
+    throw Error(ErrorCode::kInvalidArgument,
+                ArgumentPrefix(rank, collective) + "send " + range(s, send_bytes) + " and recv " +
+                    range(r, recv_bytes) +
+                    " overlap without being the in-place form (send.data == " + form + ")");
   }
 }
 
@@ -65,6 +88,14 @@ CommunicationOptions CheckOptions(int rank, const CommunicationOptions& options)
                 prefix + "chunk_bytes is " + std::to_string(options.chunk_bytes) +
                     ", more than the largest chunk, " + std::to_string(kMaxChunkBytes) +
                     " bytes (0 picks the default)");
+  }
+  for (const auto& [name, value] :
+       {std::pair{"spin_us", options.spin_us}, std::pair{"yield_us", options.yield_us}}) {
+    if (value < -1 || value > kMaxPollUs) {
+      throw Error(ErrorCode::kInvalidArgument, prefix + name + " is " + std::to_string(value) +
+                                                   ": -1 (the default) or 0.." +
+                                                   std::to_string(kMaxPollUs) + " microseconds");
+    }
   }
   return checked;
 }

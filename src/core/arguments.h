@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "collectives/communication.h"
@@ -24,6 +25,14 @@ std::string TensorPrefix(int rank, const char* collective, const char* name);
 // size_t, or its data is null with count > 0, naming the tensor as TensorPrefix does. Builds no
 // string unless it throws: it runs on every call.
 void CheckTensorData(int rank, const char* collective, const char* name, const Tensor& t);
+
+// Throws Error(kInvalidArgument) when the bytes of send and recv overlap and send.data is not at
+// `in_place_send`, the address of the collective's in-place form (recv.data for all-reduce,
+// recv.data + rank * send bytes for all-gather, ...), which `form` names in the message. No
+// algorithm is correct on buffers that overlap otherwise (the ring all-gather, for one, receives
+// into recv before it has copied send out of it). Builds no string unless it throws.
+void CheckBuffersApart(int rank, const char* collective, const Tensor& send, const Tensor& recv,
+                       uintptr_t in_place_send, const char* form);
 
 // Throws Error(kInvalidArgument) when send and recv have different dtypes; `prefix` as above.
 void CheckSameDtype(const std::string& prefix, const Tensor& send, const Tensor& recv);
@@ -44,10 +53,16 @@ std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::mill
 // communicator; a larger chunk is no longer a pipeline, and sizes near SIZE_MAX would overflow.
 inline constexpr size_t kMaxChunkBytes = size_t{1} << 30;
 
-// `options` as a communicator keeps them: the timeout checked and capped (CheckTimeout), and
-// chunk_bytes at most kMaxChunkBytes. Throws Error(kInvalidArgument) naming the option
-// otherwise, "rank R: CommunicationOptions::...". (Whether the world can run a forced algorithm
-// is each implementation's check: ring::CheckRingAlgorithm.)
+// The longest CommunicationOptions::spin_us and yield_us: one second. A waiter that polls longer
+// than that is no longer cutting latency, and the progress thread's idle spin delays the
+// communicator's destructor by as much.
+inline constexpr int kMaxPollUs = 1'000'000;
+
+// `options` as a communicator keeps them: the timeout checked and capped (CheckTimeout),
+// chunk_bytes at most kMaxChunkBytes, spin_us and yield_us from -1 (the default) to kMaxPollUs.
+// Throws Error(kInvalidArgument) naming the option otherwise, "rank R: CommunicationOptions::...".
+// (Whether the world can run a forced algorithm is each implementation's check:
+// ring::CheckRingAlgorithm.)
 CommunicationOptions CheckOptions(int rank, const CommunicationOptions& options);
 
 }  // namespace collectives::core

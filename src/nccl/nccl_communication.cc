@@ -336,6 +336,8 @@ class NcclCommunication final : public CollectiveCommunication {
                   Where(kName) + "send has " + std::to_string(send.count) +
                       " elements but recv has " + std::to_string(recv.count));
     }
+    core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
+                            "recv.data");
     return Issue(
         kName, Detail(recv.dtype, ToString(op), recv.count),
         [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
@@ -362,6 +364,8 @@ class NcclCommunication final : public CollectiveCommunication {
                     Where(kName) + "the root's send has " + std::to_string(send.count) +
                         " elements but recv has " + std::to_string(recv.count));
       }
+      core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
+                              "recv.data");
       source = send.data;
     }
     return Issue(
@@ -385,6 +389,9 @@ class NcclCommunication final : public CollectiveCommunication {
                       " x " + std::to_string(send.count) + " elements, got " +
                       std::to_string(recv.count));
     }
+    core::CheckBuffersApart(rank_, kName, send, recv,
+                            reinterpret_cast<uintptr_t>(recv.data) + size_t(rank_) * send.bytes(),
+                            "recv.data + rank * send.count elements");
     return Issue(
         kName, Detail(send.dtype, "", send.count),
         [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
@@ -408,6 +415,9 @@ class NcclCommunication final : public CollectiveCommunication {
                       " x " + std::to_string(recv.count) + " elements, got " +
                       std::to_string(send.count));
     }
+    core::CheckBuffersApart(rank_, kName, send, recv,
+                            reinterpret_cast<uintptr_t>(recv.data) - size_t(rank_) * recv.bytes(),
+                            "recv.data - rank * recv.count elements");
     return Issue(
         kName, Detail(recv.dtype, ToString(op), recv.count),
         [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {

@@ -91,6 +91,31 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
                                                    " elements: more bytes than size_t holds");
     }
   }
+  // Tensors that share bytes would be reduced twice where they sit in different buckets (once
+  // where they share one): each tensor of the list must be memory of its own.
+  struct Span {
+    uintptr_t begin;
+    uintptr_t end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(tensors[i].data);
+    if (tensors[i].bytes() > 0) spans.push_back({begin, begin + tensors[i].bytes(), i});
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t k = 1, reach = 0; k < spans.size(); ++k) {  // spans[reach] ends furthest so far
+    if (spans[k].begin < spans[reach].end) {
+      const size_t i = std::min(spans[k].index, spans[reach].index);
+      const size_t j = std::max(spans[k].index, spans[reach].index);
+      throw Error(ErrorCode::kInvalidArgument,
+                  Where(comm, collective, j) + "shares memory with tensor " + std::to_string(i) +
+                      " of the list; every tensor must be memory of its own");
+    }
+    if (spans[k].end > spans[reach].end) reach = k;
+  }
 }
 
 // Lists that differ across ranks but plan into buckets of the same sizes (tensors of 100 and 200

@@ -11,6 +11,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <thread>
@@ -143,14 +144,17 @@ class RingCommunication final : public CollectiveCommunication {
   const SplitBuilder split_;                   // may be empty
   uint64_t splits_ = 0;                        // Split calls so far; guarded by split_mu_
   std::mutex split_mu_;
-  std::unique_ptr<transport::Fabric> fabric_;  // used by the progress thread only (and Abort)
-  Staging staging_;                            // progress thread only
+  // The fabric and the staging area are used by the thread running a call (the progress thread,
+  // or a caller in RunBlocking; busy_ keeps it to one at a time) and the fabric by Abort.
+  std::unique_ptr<transport::Fabric> fabric_;
+  Staging staging_;
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Call> queue_;       // guarded by mu_
   uint64_t next_seq_ = 0;        // guarded by mu_
-  bool stopping_ = false;        // guarded by mu_
+  // Written under mu_; atomic so that the idle progress thread's spin sees the destructor.
+  std::atomic<bool> stopping_{false};
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};
@@ -174,7 +178,7 @@ std::chrono::microseconds SpinBudget(int spin_us, int world_size, int threads_pe
 std::chrono::microseconds YieldBudget(int yield_us) {
   if (yield_us >= 0) return std::chrono::microseconds(yield_us);
   if (const auto env = core::EnvCount("COLLECTIVES_YIELD_US", "microseconds")) {
-    return std::chrono::microseconds(std::min<uint64_t>(*env, INT_MAX));
+    return std::chrono::microseconds(std::min<uint64_t>(*env, core::kMaxPollUs));
   }
   return std::chrono::microseconds(kDefaultYieldUs);
 }
@@ -217,8 +221,10 @@ void RingCommunication::Run() {
     Call call;
     {
       // Poll briefly before sleeping: the next call of a training step usually follows at once.
-      core::SpinUntil(handoff_spin_,
-                      [this] { return queued_.load(std::memory_order_acquire) > 0; });
+      core::SpinUntil(handoff_spin_, [this] {
+        return queued_.load(std::memory_order_acquire) > 0 ||
+               stopping_.load(std::memory_order_relaxed);
+      });
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
       if (queue_.empty()) return;  // stopping, and every queued call has run
@@ -260,6 +266,9 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
     return std::nullopt;
   } catch (const Error& e) {
     return Break(e);
+  } catch (const std::bad_alloc&) {  // staging or scratch: the machine's limit, not a bug
+    return Break(Error(ErrorCode::kSystem, "rank " + std::to_string(rank_) + ": " + tag.ToString() +
+                                               ": out of memory"));
   } catch (const std::exception& e) {
     return Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
                                                  tag.ToString() + ": " + e.what()));
@@ -410,6 +419,8 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                                                 std::to_string(send.count) + " elements",
                               recv.count));
   }
+  core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
+                          "recv.data");
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, op, 0, send.count};
   if (planner_) {
     if (Body body = planner_->AllReduce(send, recv, op)) return Prepared{call, std::move(body)};
@@ -446,6 +457,8 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
                                                   std::to_string(send.count) + " elements",
                                 recv.count));
     }
+    core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
+                            "recv.data");
   }
   const CallDescriptor call{CollectiveKind::kBroadcast, recv.dtype, ReduceOp::kSum, root,
                             recv.count};
@@ -470,6 +483,9 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
   constexpr const char* kName = "all_gather";
   CheckSendRecv(kName, send, recv);
   CheckWholeIsSizeTimesBlock(kName, "recv", recv, "send", send);
+  core::CheckBuffersApart(rank_, kName, send, recv,
+                          reinterpret_cast<uintptr_t>(recv.data) + size_t(rank_) * send.bytes(),
+                          "recv.data + rank * send.count elements");
   const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
                             send.count};
   if (planner_) {
@@ -491,6 +507,9 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
   CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
   CheckWholeIsSizeTimesBlock(kName, "send", send, "recv", recv);
+  core::CheckBuffersApart(rank_, kName, send, recv,
+                          reinterpret_cast<uintptr_t>(recv.data) - size_t(rank_) * recv.bytes(),
+                          "recv.data - rank * recv.count elements");
   const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
   if (planner_) {
     if (Body body = planner_->ReduceScatter(send, recv, op)) {

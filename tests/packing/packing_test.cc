@@ -674,6 +674,18 @@ TEST(PackingArgumentTest, BadTensorsAreRefusedBeforeAnythingIsIssued) {
     ExpectError([&] { Broadcast(comm, tensors, 2); }, ErrorCode::kInvalidArgument, "root 2");
     ExpectError([&] { AllReduce(comm, tensors, static_cast<ReduceOp>(9)); },
                 ErrorCode::kInvalidArgument, "packing all_reduce: unknown reduce op 9");
+    // Tensors that share memory: a tensor twice in the list (in different buckets it was
+    // summed twice), and one that starts inside another.
+    ExpectError(
+        [&] {
+          AllReduce(comm, {tensors[0], tensors[1], tensors[0]}, ReduceOp::kSum, 16);
+        },
+        ErrorCode::kInvalidArgument, "tensor 2 shares memory with tensor 0");
+    ExpectError(
+        [&] {
+          AllReduce(comm, {Tensor{a.data() + 9, 1, kF32}, tensors[1], tensors[0]}, ReduceOp::kSum);
+        },
+        ErrorCode::kInvalidArgument, "tensor 2 shares memory with tensor 0");
     EXPECT_TRUE(comm.calls().empty()) << "a refused list issued a collective";
 
     // Empty lists and lists of zero-size tensors issue nothing and succeed.

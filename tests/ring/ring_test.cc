@@ -204,6 +204,71 @@ TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
   });
 }
 
+// Send and recv that overlap without being the collective's in-place form are refused on every
+// rank before anything moves: the ring all-gather received a peer's block into recv before it
+// had copied its own send out of it, and returned another rank's data as a success. The
+// documented in-place forms run exactly, over TCP and past the small-message sizes.
+TEST(RingArgumentTest, OverlappingBuffersAreRefusedButTheInPlaceFormsRun) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+    options.implementation = impl;
+    RunRanks(Transport::kTcp, 3, options, [](CollectiveCommunication& comm) {
+      const int n = comm.size();
+      const int me = comm.rank();
+      const size_t block = 40'000;  // 160 KB blocks: the ring algorithms, not the small ones
+      std::vector<float> buffer(block * size_t(n) + 1);
+      const auto f32 = [](float* data, size_t count) {
+        return Tensor{data, count, DataType::kFloat32};
+      };
+      const auto expect_overlap = [&](const std::function<void()>& call, const char* what) {
+        try {
+          call();
+          ADD_FAILURE() << what << ": overlapping buffers were accepted on rank " << me;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+          EXPECT_NE(e.message().find(std::string(what) + ": send [0x"), std::string::npos)
+              << e.what();
+          EXPECT_NE(e.message().find("overlap without being the in-place form"), std::string::npos)
+              << e.what();
+        }
+      };
+      float* base = buffer.data();
+      const size_t other = size_t((me + 1) % n) * block;  // another rank's block: not in place
+      expect_overlap([&] { comm.AllGather(f32(base + other, block), f32(base, block * 3)); },
+                     "all_gather");
+      expect_overlap(
+          [&] {
+            comm.ReduceScatter(f32(base, block * 3), f32(base + other, block), ReduceOp::kSum);
+          },
+          "reduce_scatter");
+      expect_overlap(
+          [&] { comm.AllReduce(f32(base, block), f32(base + 1, block), ReduceOp::kSum); },
+          "all_reduce");
+      if (me == 0) {  // only the root reads send
+        expect_overlap([&] { comm.Broadcast(f32(base, block), f32(base + 7, block), 0); },
+                       "broadcast");
+      }
+      // The in-place forms, checked element by element.
+      const size_t mine = size_t(me) * block;
+      for (size_t i = 0; i < block; ++i) buffer[mine + i] = float(me * 1000 + int(i % 997));
+      comm.AllGather(f32(base + mine, block), f32(base, block * 3));
+      for (int r = 0; r < n; ++r) {
+        for (size_t i = 0; i < block; ++i) {
+          ASSERT_EQ(buffer[size_t(r) * block + i], float(r * 1000 + int(i % 997)))
+              << "all_gather in place: rank " << me << " block " << r << " element " << i;
+        }
+      }
+      for (size_t i = 0; i < block * 3; ++i) buffer[i] = float(me + int(i % 13));
+      comm.ReduceScatter(f32(base, block * 3), f32(base + mine, block), ReduceOp::kSum);
+      for (size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(buffer[mine + i], float(0 + 1 + 2 + 3 * int((mine + i) % 13)))
+            << "reduce_scatter in place: rank " << me << " element " << i;
+      }
+    });
+  }
+}
+
 // Ranks that call different collectives raise kMismatch (naming both calls), and the
 // communicator stays broken afterwards.
 TEST(RingMismatchTest, DifferentCountsRaiseMismatchAndBreakTheCommunicator) {
@@ -310,6 +375,13 @@ TEST(RingOptionsTest, OptionsItCannotKeepAreRefusedWhenBuilt) {
        ErrorCode::kInvalidArgument,
        ": CommunicationOptions::chunk_bytes is 18446744073709551615, more than the largest "
        "chunk, 1073741824 bytes (0 picks the default)"},
+      {"spin_us below -1", [](CommunicationOptions& o) { o.spin_us = -2; }, 2,
+       ErrorCode::kInvalidArgument,
+       ": CommunicationOptions::spin_us is -2: -1 (the default) or 0..1000000 microseconds"},
+      {"yield_us past a second", [](CommunicationOptions& o) { o.yield_us = 1'000'001; }, 2,
+       ErrorCode::kInvalidArgument,
+       ": CommunicationOptions::yield_us is 1000001: -1 (the default) or 0..1000000 "
+       "microseconds"},
       {"halving-doubling on 3", [](CommunicationOptions& o) { o.algorithm = "halving_doubling"; },
        3, ErrorCode::kNotSupported,
        ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two number of "
@@ -358,6 +430,30 @@ TEST(RingOptionsTest, OptionsItCannotKeepAreRefusedWhenBuilt) {
     EXPECT_EQ(std::count(data.begin(), data.end(), 6), 1001);
     EXPECT_EQ(comm.AllReduceAlgorithm(4004), "halving_doubling");
   });
+}
+
+// The idle progress thread polls its queue for spin_us before it sleeps; the destructor cuts
+// that short (it waited out the whole spin, up to the largest spin_us: 1 s here, 36 minutes
+// before spin_us was bounded).
+TEST(RingOptionsTest, TheDestructorDoesNotWaitOutTheSpin) {
+  CommunicationOptions options;
+  options.spin_us = 1'000'000;
+  auto fabrics = transport::CreateInProcessFabrics(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto comm = ring::CreateRingCommunication(std::move(fabrics[size_t(rank)]), nullptr, options);
+      std::vector<int32_t> data(5, rank + 1);
+      const Tensor t{data.data(), data.size(), DataType::kInt32};
+      comm->AllReduceAsync(t, t, ReduceOp::kSum)->Wait();
+      EXPECT_EQ(data[4], 3);
+      const auto start = std::chrono::steady_clock::now();
+      comm.reset();  // the progress thread is spinning on its empty queue now
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500))
+          << "rank " << rank;
+    });
+  }
+  for (std::thread& t : threads) t.join();
 }
 
 // Abort from another thread wakes a rank blocked in a collective its peer has not joined, over
