@@ -16,7 +16,8 @@
  *    Either way collectives run in the order they were issued on the communicator.
  *  - The first failure of a communicator (peer lost, mismatch, timeout) breaks it: that call and
  *    every later one return the same status until it is destroyed and a new one is created.
- *  - Counts are elements, never bytes.
+ *  - Counts are elements, never bytes. A buffer is aligned to its element size (as a pointer to
+ *    the element type is); one that is not returns COLL_INVALID_ARGUMENT.
  *
  * Thread-safety: one thread at a time per communicator (calls issued concurrently on one
  * communicator from different threads run in an order no other rank can know). The exception is

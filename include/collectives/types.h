@@ -30,8 +30,11 @@ inline constexpr int kNumDataTypes = 8;
 // modulo 2^bits (two's complement), so an integer average of large values wraps before the
 // division (u8: avg(200, 200) is 72). f16's partial sums are rounded to f16 at each step, so an
 // f16 kAvg is inf once a partial sum passes 65504 (avg(40000, 40000) is inf; NCCL, which
-// multiplies each input by 1/n first, gives 40000); scale such values first. Wire values as for
-// DataType.
+// multiplies each input by 1/n first, gives 40000); scale such values first. Every rank gets the
+// same bits, with one exception: where ranks contribute different NaNs to one element, which of
+// them a rank ends with may differ (x86 keeps one operand's NaN, and the compiler orders the
+// operands of each loop its own way; small all-reduces compute each sum on both partners).
+// Wire values as for DataType.
 enum class ReduceOp : uint8_t {
   kSum = 0,
   kProd = 1,
@@ -66,7 +69,9 @@ struct Device {
 };
 
 // A non-owning view of `count` elements of `dtype` at `data` on `device`. The caller owns the
-// memory and keeps it alive (and untouched) until the collective using it has completed.
+// memory and keeps it alive (and untouched) until the collective using it has completed. `data`
+// is aligned to the element size, as a pointer to the element type is (otherwise every
+// collective raises Error(kInvalidArgument)).
 struct Tensor {
   void* data = nullptr;
   size_t count = 0;

@@ -34,6 +34,18 @@ void CheckTensorData(int rank, const char* collective, const char* name, const T
                                                  "has null data and " +
                                                  std::to_string(t.count) + " elements");
   }
+  if (t.count > 0 && reinterpret_cast<uintptr_t>(t.data) % SizeOf(t.dtype) != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                TensorPrefix(rank, collective, name) + MisalignedText(t.data, t.dtype));
+  }
+}
+
+std::string MisalignedText(const void* data, DataType dtype) {
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", data);
+  return std::string("data ") + address + " is not aligned to its " +
+         std::to_string(SizeOf(dtype)) + "-byte " + ToString(dtype) +
+         " elements (a typed pointer always is)";
 }
 
 void CheckBuffersApart(int rank, const char* collective, const Tensor& send, const Tensor& recv,

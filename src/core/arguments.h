@@ -22,9 +22,14 @@ std::string ArgumentPrefix(int rank, const char* collective);
 std::string TensorPrefix(int rank, const char* collective, const char* name);
 
 // Throws Error(kInvalidArgument) when `t`'s dtype is not a DataType, its byte size does not fit
-// size_t, or its data is null with count > 0, naming the tensor as TensorPrefix does. Builds no
-// string unless it throws: it runs on every call.
+// size_t, or its data is null or not aligned to its element size with count > 0, naming the
+// tensor as TensorPrefix does. (The kernels read elements through typed pointers: an element
+// that straddles its alignment is undefined behaviour, which UBSan reports.) Builds no string
+// unless it throws: it runs on every call.
 void CheckTensorData(int rank, const char* collective, const char* name, const Tensor& t);
+
+// "data 0x... is not aligned to its 4-byte f32 elements (...)", for the check above.
+std::string MisalignedText(const void* data, DataType dtype);
 
 // Throws Error(kInvalidArgument) when the bytes of send and recv overlap and send.data is not at
 // `in_place_send`, the address of the collective's in-place form (recv.data for all-reduce,

@@ -67,8 +67,10 @@ inline float HalfBitsToFloat(uint16_t h) {
   // Normal numbers: move the mantissa into place and re-bias the exponent (15 -> 127).
   uint32_t normal = (static_cast<uint32_t>(magnitude) << 13) + ((127u - 15u) << 23);
   // Inf and NaN (exponent 31): the exponent must become 255, i.e. 112 more than re-biasing gave.
-  // The mantissa (a NaN's payload, quiet bit included) is kept.
+  // A NaN keeps its payload and gains the quiet bit, as F16C's vcvtph2ps does (see
+  // FloatToHalfBits for why the two paths must agree).
   normal += Mask(magnitude >= 0x7c00) & ((255u - 31u - (127u - 15u)) << 23);
+  normal |= Mask(magnitude > 0x7c00) & 0x00400000u;
   // Zero and subnormals: value = mantissa * 2^-24, exactly representable in f32. Computed by
   // converting the integer, which vectorises (cvtdq2ps) where a normalising shift would not.
   const uint32_t subnormal = std::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-24f);
@@ -97,9 +99,13 @@ inline uint16_t FloatToHalfBits(float f) {
   const uint32_t subnormal = std::bit_cast<uint32_t>(abs_f + 0.5f) - std::bit_cast<uint32_t>(0.5f);
 
   // |f| >= 65520 (halfway between the largest half, 65504, and 65536; the tie goes to the even
-  // neighbour, which is infinity) and inf: inf. NaN: the quiet NaN 0x7e00 (payloads are not
-  // kept; one select fewer, and nothing relies on them).
-  const uint32_t special = 0x7c00u | (Mask(magnitude > 0x7f800000) & 0x0200u);
+  // neighbour, which is infinity) and inf: inf. NaN: the top 10 bits of its payload, with the
+  // quiet bit set, as F16C's vcvtps2ph does. The F16C loop below does runs of 8 and this code
+  // the rest (and everything under COLLECTIVES_KERNEL_ISA=baseline); recursive doubling has both
+  // partners compute the same sum, so NaN bits that depended on the path would differ between
+  // ranks (0x7d00 + 1 was 0x7f00 in a run of 8 and 0x7e00 in the tail).
+  const uint32_t nan = 0x0200u | ((static_cast<uint32_t>(magnitude) >> 13) & 0x03ffu);
+  const uint32_t special = 0x7c00u | (Mask(magnitude > 0x7f800000) & nan);
   uint32_t result = Select(magnitude < 0x38800000, subnormal, normal);
   result = Select(magnitude >= 0x477ff000, special, result);
   return static_cast<uint16_t>(sign | result);
@@ -353,11 +359,25 @@ template <typename Codec>
   for (size_t i = 0; i < count; ++i) out[i] = Codec::Narrow(in[i]);
 }
 
+// The operator on widened elements. Min and max put a NaN in a back whole (a blend, as the F16C
+// loop's vblendvps does), not OR-ed into the result as PropagateNaN does for f32 and f64: the
+// F16C loop does runs of 8 of a call and this code the rest, so they must give the same NaN bits.
+template <typename Op>
+inline float ApplyWidened(Op op, float a, float b) {
+  if constexpr (std::is_same_v<Op, MinOp> || std::is_same_v<Op, MaxOp>) {
+    const float chosen = std::is_same_v<Op, MinOp> ? (a < b ? a : b) : (a > b ? a : b);
+    return std::bit_cast<float>(
+        Select(a != a, std::bit_cast<uint32_t>(a), std::bit_cast<uint32_t>(chosen)));
+  } else {
+    return op(a, b);
+  }
+}
+
 template <typename Op>
 [[gnu::always_inline]] inline void ReduceFloatBlock(float* __restrict a_out,
                                                     const float* __restrict b, size_t count,
                                                     Op op) {
-  for (size_t i = 0; i < count; ++i) a_out[i] = op(a_out[i], b[i]);
+  for (size_t i = 0; i < count; ++i) a_out[i] = ApplyWidened(op, a_out[i], b[i]);
 }
 
 // Reduces `count` <= kBlock elements.
@@ -390,7 +410,7 @@ void ReduceWidened(void* dst_v, const void* a_v, const void* b_v, size_t count, 
 // this loop runs near memory bandwidth (~9 GB/s vs ~1 GB/s on the development machines). It is
 // the only hand-vectorised loop: the compiler does not vectorise _Float16 conversions well.
 // Semantics are those of the scalar operators: vminps / vmaxps return b unless a < b (a > b),
-// exactly like `a < b ? a : b`, and a NaN in a is put back as PropagateNaN does.
+// exactly like `a < b ? a : b`, and a NaN in a is put back whole, as ApplyWidened does.
 
 #ifdef COLLECTIVES_HAVE_F16C_PATH
 // F16C is CPUID leaf 1, ECX bit 29 (Clang's __builtin_cpu_supports does not know "f16c").

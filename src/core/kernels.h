@@ -47,7 +47,8 @@ KernelIsa ActiveKernelIsa();
 // line on stderr naming the variable and its value.
 KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, bool is_intel);
 
-// Conversions of the 16-bit float types (round to nearest even; NaN stays NaN).
+// Conversions of the 16-bit float types (round to nearest even). A NaN stays a NaN of its sign
+// and gets the quiet bit; f16 keeps its payload (the top 10 bits when narrowing), as F16C does.
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 float BFloat16ToFloat(uint16_t b);

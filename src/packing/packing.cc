@@ -90,6 +90,10 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
                                                    std::to_string(t.count) +
                                                    " elements: more bytes than size_t holds");
     }
+    if (t.count > 0 && reinterpret_cast<uintptr_t>(t.data) % SizeOf(t.dtype) != 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  Where(comm, collective, i) + core::MisalignedText(t.data, t.dtype));
+    }
   }
   // Tensors that share bytes would be reduced twice where they sit in different buckets (once
   // where they share one): each tensor of the list must be memory of its own.

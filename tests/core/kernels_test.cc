@@ -121,8 +121,9 @@ TEST(HalfConversionTest, WidensEveryCodeExactly) {
     if (IsNaN16(kHalf, h)) {
       ASSERT_TRUE(std::isnan(f));
       EXPECT_EQ(std::signbit(f), (h & 0x8000) != 0);
-      // The payload (quiet bit included) moves to the top of the f32 mantissa.
-      EXPECT_EQ((FloatToBits(f) >> 13) & 0x3ff, h & 0x3ffu);
+      // The payload moves to the top of the f32 mantissa, and the quiet bit is set (a
+      // signalling NaN becomes quiet), as F16C's vcvtph2ps does.
+      EXPECT_EQ(FloatToBits(f) & 0x7fffffffu, 0x7fc00000u | (h & 0x3ffu) << 13);
     } else {
       ASSERT_EQ(static_cast<double>(f), RefDecode(kHalf, h));
       EXPECT_EQ(std::signbit(f), (h & 0x8000) != 0);  // -0 stays -0
@@ -135,8 +136,7 @@ TEST(HalfConversionTest, RoundTripsEveryCode) {
     const uint16_t h = static_cast<uint16_t>(code);
     const uint16_t back = FloatToHalf(HalfToFloat(h));
     if (IsNaN16(kHalf, h)) {
-      EXPECT_TRUE(IsNaN16(kHalf, back)) << std::hex << code << " -> " << back;
-      EXPECT_EQ(back & 0x8000, h & 0x8000);
+      EXPECT_EQ(back, h | 0x0200) << std::hex << code << " -> " << back;  // quieted
     } else {
       ASSERT_EQ(back, h) << std::hex << code;
     }
@@ -159,8 +159,7 @@ TEST(BFloat16ConversionTest, RoundTripsEveryCode) {
     const uint16_t b = static_cast<uint16_t>(code);
     const uint16_t back = FloatToBFloat16(BFloat16ToFloat(b));
     if (IsNaN16(kBFloat16, b)) {
-      EXPECT_TRUE(IsNaN16(kBFloat16, back)) << std::hex << code << " -> " << back;
-      EXPECT_EQ(back & 0x8000, b & 0x8000);
+      EXPECT_EQ(back, b | 0x0040) << std::hex << code << " -> " << back;  // quieted
     } else {
       ASSERT_EQ(back, b) << std::hex << code;
     }
@@ -192,8 +191,9 @@ TEST(HalfConversionTest, NarrowsLikeTheReference) {
   for (float x : NarrowingProbes(kHalf)) {
     const uint16_t got = FloatToHalf(x);
     if (std::isnan(x)) {
-      ASSERT_TRUE(IsNaN16(kHalf, got)) << std::hex << FloatToBits(x);
-      EXPECT_EQ(got & 0x8000, (FloatToBits(x) >> 16) & 0x8000);
+      // Sign, the quiet bit, and the top 10 bits of the payload, as F16C's vcvtps2ph.
+      const uint32_t bits = FloatToBits(x);
+      ASSERT_EQ(got, ((bits >> 16) & 0x8000) | 0x7e00 | ((bits >> 13) & 0x3ff)) << std::hex << bits;
       continue;
     }
     ASSERT_EQ(got, RefEncode(kHalf, x)) << std::hex << "f32 bits 0x" << FloatToBits(x);
@@ -208,8 +208,9 @@ TEST(BFloat16ConversionTest, NarrowsLikeTheReference) {
   for (float x : NarrowingProbes(kBFloat16)) {
     const uint16_t got = FloatToBFloat16(x);
     if (std::isnan(x)) {
-      ASSERT_TRUE(IsNaN16(kBFloat16, got)) << std::hex << FloatToBits(x);
-      EXPECT_EQ(got & 0x8000, (FloatToBits(x) >> 16) & 0x8000);
+      // The top half of the bits, with the quiet bit set.
+      const uint32_t bits = FloatToBits(x);
+      ASSERT_EQ(got, (bits >> 16) | 0x0040) << std::hex << bits;
       continue;
     }
     ASSERT_EQ(got, RefEncode(kBFloat16, x)) << std::hex << "f32 bits 0x" << FloatToBits(x);
@@ -790,11 +791,30 @@ TEST(DivideInPlaceTest, ZeroDivisorIsInvalidArgument) {
   }
 }
 
+// NaN bits as F16C converts them: widening keeps the sign and payload and sets the quiet bit
+// (bf16 widens exactly, by a shift); narrowing keeps the sign and the payload's top bits and sets
+// the quiet bit.
+uint32_t WidenNaNLikeF16c(DataType dtype, uint16_t code) {
+  if (dtype == DataType::kBFloat16) return uint32_t{code} << 16;
+  return (uint32_t{code} & 0x8000u) << 16 | 0x7fc00000u | (uint32_t{code} & 0x3ffu) << 13;
+}
+uint16_t NarrowNaNLikeF16c(DataType dtype, uint32_t bits) {
+  if (dtype == DataType::kBFloat16) return static_cast<uint16_t>(bits >> 16 | 0x0040u);
+  return static_cast<uint16_t>((bits >> 16 & 0x8000u) | 0x7e00u | (bits >> 13 & 0x3ffu));
+}
+
 // The vector paths (F16C / AVX2, taken for runs of 8 when the CPU has them) agree bit for bit
-// with the scalar path (taken for a single element) on every pair of codes tried, NaN for NaN.
+// with the scalar path (taken for a single element, and for the tail of a run) on every pair of
+// codes tried, NaNs included, signalling ones too: ranks whose CPUs take different paths (or a
+// rank whose kernels run with COLLECTIVES_KERNEL_ISA=baseline) reduce the same inputs, and
+// recursive doubling has both partners compute a sum, so different NaN bits would leave ranks with
+// different results. Both follow F16C's conversions; the NaN results are checked against them
+// too, so that the run with only the scalar path (baseline) checks it.
 TEST(ReduceTest, VectorAndScalarHalfPathsAgree) {
   for (DataType dtype : {DataType::kFloat16, DataType::kBFloat16}) {
+    const Format16 format = dtype == DataType::kFloat16 ? kHalf : kBFloat16;
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax}) {
+      SCOPED_TRACE(std::string(ToString(dtype)) + " " + ToString(op));
       std::vector<uint16_t> a(65536), b(65536), vector_out(65536), scalar_out(65536);
       for (size_t i = 0; i < a.size(); ++i) {
         a[i] = static_cast<uint16_t>(i);
@@ -802,17 +822,51 @@ TEST(ReduceTest, VectorAndScalarHalfPathsAgree) {
       }
       Reduce(dtype, op, vector_out.data(), a.data(), b.data(), a.size());
       for (size_t i = 0; i < a.size(); ++i) Reduce(dtype, op, &scalar_out[i], &a[i], &b[i], 1);
+      size_t nan_inputs = 0;
       for (size_t i = 0; i < a.size(); ++i) {
-        const float v = dtype == DataType::kFloat16 ? HalfToFloat(vector_out[i])
-                                                    : BFloat16ToFloat(vector_out[i]);
-        if (std::isnan(v)) {
-          const float w = dtype == DataType::kFloat16 ? HalfToFloat(scalar_out[i])
-                                                      : BFloat16ToFloat(scalar_out[i]);
-          ASSERT_TRUE(std::isnan(w)) << ToString(dtype) << " " << ToString(op) << " at " << i;
-        } else {
-          ASSERT_EQ(vector_out[i], scalar_out[i])
-              << ToString(dtype) << " " << ToString(op) << " 0x" << std::hex << a[i] << " , 0x"
-              << b[i];
+        ASSERT_EQ(vector_out[i], scalar_out[i])
+            << std::hex << "0x" << a[i] << " , 0x" << b[i] << ": vector path 0x" << vector_out[i]
+            << ", scalar path 0x" << scalar_out[i];
+        const bool a_nan = IsNaN16(format, a[i]);
+        const bool b_nan = IsNaN16(format, b[i]);
+        if (!a_nan && !b_nan) continue;
+        ++nan_inputs;
+        const uint16_t from_a = NarrowNaNLikeF16c(dtype, WidenNaNLikeF16c(dtype, a[i]));
+        const uint16_t from_b = NarrowNaNLikeF16c(dtype, WidenNaNLikeF16c(dtype, b[i]));
+        if (a_nan && b_nan && (op == ReduceOp::kSum || op == ReduceOp::kProd)) {
+          // Two NaNs: the hardware returns its first operand, whichever the compiler put first.
+          ASSERT_TRUE(vector_out[i] == from_a || vector_out[i] == from_b)
+              << std::hex << "0x" << a[i] << " , 0x" << b[i] << " gave 0x" << vector_out[i];
+          continue;
+        }
+        // One NaN, or min and max, which put a NaN in a back whole: that NaN, quieted.
+        ASSERT_EQ(vector_out[i], a_nan ? from_a : from_b)
+            << std::hex << "0x" << a[i] << " , 0x" << b[i] << " gave 0x" << vector_out[i];
+      }
+      EXPECT_GT(nan_inputs, 400u);  // f16 has 2046 NaN codes, bf16 254
+    }
+  }
+}
+
+// The same for the division that finishes kAvg: every code, NaNs (signalling ones too) quieted
+// with their payload, by the vector path (runs of 8) and the scalar one (single elements).
+TEST(DivideInPlaceTest, VectorAndScalarHalfPathsAgree) {
+  for (DataType dtype : {DataType::kFloat16, DataType::kBFloat16}) {
+    const Format16 format = dtype == DataType::kFloat16 ? kHalf : kBFloat16;
+    for (size_t divisor : {size_t{1}, size_t{3}}) {
+      std::vector<uint16_t> vector_out(65536), scalar_out(65536);
+      for (size_t i = 0; i < vector_out.size(); ++i) {
+        vector_out[i] = scalar_out[i] = static_cast<uint16_t>(i);
+      }
+      DivideInPlace(dtype, vector_out.data(), vector_out.size(), divisor);
+      for (uint16_t& x : scalar_out) DivideInPlace(dtype, &x, 1, divisor);
+      for (size_t i = 0; i < vector_out.size(); ++i) {
+        ASSERT_EQ(vector_out[i], scalar_out[i])
+            << ToString(dtype) << " 0x" << std::hex << i << " / " << std::dec << divisor;
+        const uint16_t code = static_cast<uint16_t>(i);
+        if (IsNaN16(format, code)) {  // quieted, payload kept
+          ASSERT_EQ(vector_out[i], NarrowNaNLikeF16c(dtype, WidenNaNLikeF16c(dtype, code)))
+              << ToString(dtype) << " 0x" << std::hex << i;
         }
       }
     }

@@ -686,6 +686,12 @@ TEST(PackingArgumentTest, BadTensorsAreRefusedBeforeAnythingIsIssued) {
           AllReduce(comm, {Tensor{a.data() + 9, 1, kF32}, tensors[1], tensors[0]}, ReduceOp::kSum);
         },
         ErrorCode::kInvalidArgument, "tensor 2 shares memory with tensor 0");
+    ExpectError(
+        [&] {
+          AllReduce(comm, {tensors[1], Tensor{reinterpret_cast<char*>(a.data()) + 2, 2, kF32}},
+                    ReduceOp::kSum);
+        },
+        ErrorCode::kInvalidArgument, "tensor 1 data 0x");
     EXPECT_TRUE(comm.calls().empty()) << "a refused list issued a collective";
 
     // Empty lists and lists of zero-size tensors issue nothing and succeed.

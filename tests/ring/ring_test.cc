@@ -179,6 +179,19 @@ TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
     expect_invalid([&] { comm.Broadcast(ta, 2); }, "root 2");
     expect_invalid([&] { comm.AllReduce(Tensor{nullptr, 5, DataType::kFloat32}, ReduceOp::kSum); },
                    "null");
+    // An element that straddles its alignment (the kernels read typed elements: UBSan's
+    // "misaligned address").
+    void* odd = reinterpret_cast<char*>(a.data()) + 1;
+    expect_invalid(
+        [&] {
+          comm.AllReduce(Tensor{odd, 3, DataType::kFloat32}, ReduceOp::kSum);
+        },
+        "is not aligned to its 4-byte f32 elements");
+    expect_invalid(
+        [&] {
+          comm.AllGather(Tensor{odd, 1, DataType::kInt32}, tc);
+        },
+        "send tensor data");
     // Byte sizes past size_t: 2^62 + 1 floats wrapped to 4 bytes, and a broadcast moved those
     // 4 bytes and succeeded; a block of 2^63 + 1 floats times 2 ranks wrapped to a whole of 2.
     const size_t wraps = (size_t{1} << 62) + 1;

@@ -8,16 +8,26 @@
 //                              after the first (which runs under a 60 s deadline; timeout_ms
 //                              applies to the later calls); on an Error prints
 //                              "error <code> <message>" and exits 20 + code
+//   ring_worker identity count...
+//                              all-reduces random floats whose sum depends on the order of the
+//                              additions (tests/ring/float_inputs.h), f32 with kSum and f16 with
+//                              kAvg, of each count; prints per call "identity <dtype> <op>
+//                              <count> <fingerprint of the result> <algorithm>", and "<k> far"
+//                              for the elements not within rounding of the exact result; exit 0
+//                              iff none is (the test compares the fingerprints across ranks)
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
+#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "collectives/collectives.h"
 #include "tests/ring/collective_checks.h"
+#include "tests/ring/float_inputs.h"
 
 using namespace collectives;
 
@@ -42,6 +52,42 @@ int main(int argc, char** argv) {
                   comm->AllReduceAlgorithm(large * sizeof(float)).c_str());
       std::printf("rank %d: %zu wrong\n", comm->rank(), wrong);
       return wrong == 0 ? 0 : 1;
+    }
+    if (mode == "identity") {
+      const int n = comm->size();
+      size_t far = 0;
+      for (int a = 2; a < argc; ++a) {
+        const size_t count = std::stoul(argv[a]);
+        for (const auto& [dtype, op] : {std::pair{DataType::kFloat32, ReduceOp::kSum},
+                                        std::pair{DataType::kFloat16, ReduceOp::kAvg}}) {
+          std::vector<std::vector<uint8_t>> inputs;
+          for (int r = 0; r < n; ++r) {
+            inputs.push_back(testing::RandomFloats(dtype, count, r, count));
+          }
+          // In place for every other count, else out of place from a copy.
+          std::vector<uint8_t> result = inputs[size_t(comm->rank())];
+          if (a % 2 == 0) {
+            comm->AllReduce(Tensor{result.data(), count, dtype}, op);
+          } else {
+            std::vector<uint8_t> send = result;
+            comm->AllReduce(Tensor{send.data(), count, dtype}, Tensor{result.data(), count, dtype},
+                            op);
+          }
+          for (size_t i = 0; i < count; ++i) {
+            std::string why;
+            if (!testing::CloseToExactSum(dtype, op, inputs, i,
+                                          testing::FloatAt(dtype, result.data(), i), &why)) {
+              if (far++ < 5) std::fprintf(stderr, "%s\n", why.c_str());
+            }
+          }
+          std::printf("rank %d: identity %s %s %zu %016" PRIx64 " %s\n", comm->rank(),
+                      ToString(dtype), ToString(op), count,
+                      testing::Fingerprint(result.data(), result.size()),
+                      comm->AllReduceAlgorithm(result.size()).c_str());
+        }
+      }
+      std::printf("rank %d: %zu far\n", comm->rank(), far);
+      return far == 0 ? 0 : 1;
     }
     if (mode == "loop") {
       const std::string collective = argc > 2 ? argv[2] : "all_reduce";
