@@ -11,7 +11,10 @@
 //
 // Authentication: every connection starts with a mutual proof of the job token
 // (tcp_store_auth.h); a connection that fails it is logged with its address and closed, and
-// the server goes on. A session that has not finished the proof within 10 s is closed too.
+// the server goes on. A session that has not finished the proof within 10 s is closed too, and
+// so is the oldest such session when 2 x world size + 16 of them are pending (or the process is
+// out of descriptors), so that idle strangers cannot keep a rank out; a client closed before
+// its verdict connects again.
 // When the job sets no token, a server that knows the world size generates one and clients of
 // a rank enrol for it (trust on first use, once per rank; tcp_store_auth.h); StoreJobToken then
 // (job_token.h) gives the generated token to the communicator, so that the fabric proves it too.

@@ -131,7 +131,9 @@ class Connection {
     const Result read =
         ReadAll(asio::buffer(verdict), deadline, "waiting for the verdict", why, &error);
     if (read == Result::kTimedOut) return read;
-    if (error == asio::error::eof || (!error && verdict[0] != 1)) {
+    // The server writes a verdict before it closes on a wrong proof: a close without one (the
+    // server made room for other connections, or stopped) is worth another attempt.
+    if (!error && verdict[0] != 1) {
       *why =
           "the server rejected this client's proof of the job token (is "
           "COLLECTIVES_JOB_TOKEN the same on every rank?)";

@@ -3,10 +3,17 @@
 // A standard header comes before <asio.hpp> on purpose: Asio decides how it allocates handler
 // memory (aligned_alloc or operator new) from a libstdc++ macro, so every file must have seen
 // <bits/c++config.h> before Asio, or two files disagree and memory is freed the wrong way.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <array>
 #include <asio.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <string>
 #include <thread>
@@ -36,6 +43,69 @@ std::string Describe(const tcp::endpoint& endpoint) {
   return FormatHostPort(endpoint.address().to_string(), endpoint.port());
 }
 
+// A descriptor held in reserve for when the process runs out (EMFILE, ENFILE). Accept then fails
+// without taking the connection at the head of the backlog, and nothing moves: closing the
+// spare lets one accept take that connection, only to close it. (The fabric's listener has the
+// same, in tcp_fabric.cc.)
+class SpareDescriptor {
+ public:
+  SpareDescriptor() : fd_(Open()) {}
+  ~SpareDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  SpareDescriptor(const SpareDescriptor&) = delete;
+  SpareDescriptor& operator=(const SpareDescriptor&) = delete;
+
+  // Takes the connection at the head of `listener`'s backlog and closes it; false if none was
+  // there or no descriptor could be had.
+  bool DropOne(int listener) {
+    if (fd_ >= 0) ::close(fd_);
+    const int taken = ::accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (taken >= 0) ::close(taken);
+    fd_ = Open();
+    return taken >= 0;
+  }
+
+ private:
+  static int Open() { return ::open("/dev/null", O_RDONLY | O_CLOEXEC); }
+  int fd_;
+};
+
+// Whether a connection waits in `listener`'s backlog.
+bool ConnectionWaiting(int listener) {
+  pollfd entry{listener, POLLIN, 0};
+  return ::poll(&entry, 1, 0) > 0 && (entry.revents & POLLIN) != 0;
+}
+
+bool OutOfDescriptors(const asio::error_code& ec) {
+  return ec == asio::error_code(EMFILE, asio::system_category()) ||
+         ec == asio::error_code(ENFILE, asio::system_category());
+}
+
+// Logs a line at most once a second (a flood of strangers must not flood the log too); the next
+// line logged says how many were left out.
+class RateLimitedLog {
+ public:
+  void Write(const std::string& line) {
+    const Clock::time_point now = Clock::now();
+    if (written_ && now - last_ < std::chrono::seconds(1)) {
+      ++left_out_;
+      return;
+    }
+    Log(left_out_ == 0
+            ? line
+            : line + " (" + std::to_string(left_out_) + " more since the last such line)");
+    written_ = true;
+    last_ = now;
+    left_out_ = 0;
+  }
+
+ private:
+  bool written_ = false;
+  Clock::time_point last_;
+  long left_out_ = 0;
+};
+
 }  // namespace
 
 // The server's state. table() may be used from any thread; everything else belongs to the io
@@ -53,6 +123,12 @@ class TcpStoreServer::Impl {
   class Session;
 
   void Accept();
+  // On a failed accept: makes room (EvictOldestUnproven, or the spare descriptor) and accepts
+  // again, waits for the next connection, or retries shortly.
+  void OnAcceptError(const asio::error_code& ec);
+  // Closes the connection that has waited longest without proving the token, preferring one
+  // with nothing unread (a client whose proof is in is about to be judged); false if none.
+  bool EvictOldestUnproven(const char* why);
   // On the io thread: answers the sessions waiting for `key`.
   void OnKeySet(const std::string& key);
   void Forget(Session* session) { sessions_.erase(session); }
@@ -62,6 +138,9 @@ class TcpStoreServer::Impl {
   std::optional<std::string> Enrol(uint32_t rank, const std::string& peer,
                                    auth::EnrolRefusal* reason, std::string* taken_by,
                                    std::string* why);
+  // On the io thread: undoes `peer`'s enrolment for `rank`, whose reply could not be sent, so
+  // that the rank's retry is not refused as taken.
+  void Unenrol(uint32_t rank, const std::string& peer, const std::string& error);
 
   // The job token every connection must prove: the one given, else one generated when a world
   // size was given, else empty. Set by the constructor, constant afterwards.
@@ -74,7 +153,19 @@ class TcpStoreServer::Impl {
   asio::io_context io_;
   tcp::acceptor acceptor_{io_};
   asio::steady_timer accept_retry_{io_};
-  // Only the io thread touches these two.
+  // Only the io thread touches the rest.
+  // The connections that have not proven the token yet, oldest first (with some that since
+  // have, or closed, not yet dropped). At most MaxUnproven(): a new connection past it closes
+  // the oldest, so that strangers who connect and say nothing cannot hold every descriptor of
+  // the process for the 10 s each may take, while a rank waits in the backlog. A rank's client
+  // whose connection is closed before the challenge connects again.
+  std::deque<std::weak_ptr<Session>> unproven_;
+  // Two per rank (a client may open a second connection while its first is busy) and 16 for
+  // strangers; 256 when the world size is not known.
+  size_t MaxUnproven() const { return world_size_ > 0 ? 2 * size_t(world_size_) + 16 : 256; }
+  SpareDescriptor spare_;
+  RateLimitedLog accept_log_;
+  RateLimitedLog eviction_log_;
   std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;
   std::unordered_map<std::string, std::vector<std::weak_ptr<Session>>> waiters_;
   // Only the io thread touches these two: the address each rank enrolled from ("" not yet),
@@ -120,6 +211,18 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     Shutdown();
     server_->Forget(this);
   }
+
+  // Whether it still has to prove the token (or enrol), and nothing has made it the rank's own.
+  bool Unproven() const { return !authenticated_ && !proven_ && !enrolled_ && socket_.is_open(); }
+
+  // Bytes that came in and were not read yet.
+  size_t Unread() {
+    asio::error_code ec;
+    const size_t bytes = socket_.available(ec);
+    return ec ? 0 : bytes;
+  }
+
+  const std::string& peer() const { return peer_; }
 
   // Closes the socket and cancels the timer, touching nothing of the server.
   void Shutdown() {
@@ -172,6 +275,7 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
         proof, auth::StoreProof(server_->token_, client_nonce, server_nonce_, auth::kClientRole));
     verdict_.fill(0);
     if (ok) {
+      proven_ = true;  // no longer a stranger to make room against
       verdict_[0] = 1;
       const core::Proof mine =
           auth::StoreProof(server_->token_, client_nonce, server_nonce_, auth::kServerRole);
@@ -199,13 +303,18 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     enrol_reply_ = token ? auth::EncodeEnrolReply(auth::kEnrolled, reason, *token)
                          : auth::EncodeEnrolReply(auth::kEnrolRefused, reason, taken_by);
     const bool ok = token.has_value();
-    asio::async_write(socket_, asio::buffer(enrol_reply_),
-                      [self = shared_from_this(), ok, why](const asio::error_code& ec, size_t) {
-                        if (ec == asio::error::operation_aborted) return;
-                        if (!ok) return self->Close(why);
-                        if (ec) return self->Close("");
-                        self->ReadProof();
-                      });
+    enrolled_ = ok;
+    asio::async_write(
+        socket_, asio::buffer(enrol_reply_),
+        [self = shared_from_this(), ok, why, rank](const asio::error_code& ec, size_t) {
+          // The client did not get the token: its retry must not find the rank taken (by its
+          // own address).
+          if (ec && ok) self->server_->Unenrol(rank, self->peer_, ec.message());
+          if (ec == asio::error::operation_aborted) return;
+          if (!ok) return self->Close(why);
+          if (ec) return self->Close("");
+          self->ReadProof();
+        });
   }
 
   void ReadHeader() {
@@ -355,6 +464,8 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   std::array<uint8_t, auth::kVerdictBytes> verdict_{};
   std::vector<uint8_t> enrol_reply_;
   bool enrol_seen_ = false;  // this connection has sent its one enrolment request
+  bool enrolled_ = false;    // and was given the token for its rank
+  bool proven_ = false;      // its proof of the token was right (the verdict may be on its way)
   bool authenticated_ = false;
   bool waiting_ = false;            // a Get is parked on key_
   uint64_t parks_ = 0;              // how many Gets were parked so far
@@ -435,23 +546,65 @@ TcpStoreServer::Impl::~Impl() {
 void TcpStoreServer::Impl::Accept() {
   acceptor_.async_accept([this](const asio::error_code& ec, tcp::socket socket) {
     if (ec == asio::error::operation_aborted) return;
-    if (ec) {
-      // Out of descriptors and the like: say so and try again shortly rather than spin.
-      Log(name_ + ": accept failed: " + ec.message());
-      accept_retry_.expires_after(std::chrono::milliseconds(50));
-      accept_retry_.async_wait([this](const asio::error_code& wait_ec) {
+    if (ec) return OnAcceptError(ec);
+    asio::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    SetCloseOnExec(socket.native_handle());
+    std::erase_if(unproven_, [](const std::weak_ptr<Session>& weak) {
+      const auto session = weak.lock();
+      return !session || !session->Unproven();
+    });
+    if (unproven_.size() >= MaxUnproven()) EvictOldestUnproven("to make room for a new one");
+    auto session = std::make_shared<Session>(this, std::move(socket));
+    sessions_.emplace(session.get(), session);
+    unproven_.push_back(session);
+    session->Start();
+    Accept();
+  });
+}
+
+void TcpStoreServer::Impl::OnAcceptError(const asio::error_code& ec) {
+  accept_log_.Write(name_ + ": accept failed: " + ec.message());
+  if (OutOfDescriptors(ec)) {
+    const int listener = acceptor_.native_handle();
+    if (!ConnectionWaiting(listener)) {
+      // Accept asks for a descriptor before it looks at the backlog: wait for a connection.
+      acceptor_.async_wait(tcp::acceptor::wait_read, [this](const asio::error_code& wait_ec) {
         if (!wait_ec) Accept();
       });
       return;
     }
-    asio::error_code ignored;
-    socket.set_option(tcp::no_delay(true), ignored);
-    SetCloseOnExec(socket.native_handle());
-    auto session = std::make_shared<Session>(this, std::move(socket));
-    sessions_.emplace(session.get(), session);
-    session->Start();
-    Accept();
+    // A connection waits: the oldest stranger's descriptor goes to it, or, with none to close,
+    // the spare takes it off the backlog so that the ones behind it move.
+    if (EvictOldestUnproven("out of descriptors") || spare_.DropOne(listener)) return Accept();
+  }
+  // Something else, or no descriptor at all: try again shortly rather than spin.
+  accept_retry_.expires_after(std::chrono::milliseconds(50));
+  accept_retry_.async_wait([this](const asio::error_code& wait_ec) {
+    if (!wait_ec) Accept();
   });
+}
+
+bool TcpStoreServer::Impl::EvictOldestUnproven(const char* why) {
+  std::shared_ptr<Session> oldest;
+  std::shared_ptr<Session> oldest_quiet;
+  for (const auto& weak : unproven_) {
+    auto session = weak.lock();
+    if (!session || !session->Unproven()) continue;
+    if (!oldest) oldest = session;
+    if (session->Unread() == 0) {
+      oldest_quiet = std::move(session);
+      break;
+    }
+  }
+  std::shared_ptr<Session> victim = oldest_quiet ? oldest_quiet : oldest;
+  if (!victim) return false;
+  eviction_log_.Write(name_ + ": closed the oldest connection that has not proven the job token (" +
+                      victim->peer() + "), " + why);
+  victim->Close("");
+  std::erase_if(unproven_,
+                [&victim](const std::weak_ptr<Session>& weak) { return weak.lock() == victim; });
+  return true;
 }
 
 void TcpStoreServer::Impl::OnKeySet(const std::string& key) {
@@ -494,6 +647,15 @@ std::optional<std::string> TcpStoreServer::Impl::Enrol(uint32_t rank, const std:
   from = peer;
   ++enrolled_count_;
   return token_;
+}
+
+void TcpStoreServer::Impl::Unenrol(uint32_t rank, const std::string& peer,
+                                   const std::string& error) {
+  if (!enrolling_ || rank >= enrolled_from_.size() || enrolled_from_[rank] != peer) return;
+  enrolled_from_[rank].clear();
+  --enrolled_count_;
+  Log(name_ + ": enrolment for rank " + std::to_string(rank) + " from " + peer +
+      " undone: the reply did not reach it (" + error + ")");
 }
 
 void TcpStoreServer::Impl::RemoveWaiter(const std::string& key, Session* session) {

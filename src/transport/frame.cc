@@ -146,8 +146,8 @@ std::string EncodeAbortPayload(const AbortPayload& payload) {
   return out;
 }
 
-std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size,
-                                               std::string* why) {
+std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size, std::string* why,
+                                               int world_size) {
   if (size < kAbortFixedBytes || size > kMaxAbortPayload) {
     SetWhy(why, "abort payload of " + std::to_string(size) +
                     " bytes (allowed: " + std::to_string(kAbortFixedBytes) + " to " +
@@ -162,6 +162,12 @@ std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size
   const auto culprit = static_cast<int32_t>(GetU32(bytes + 4));
   if (culprit < 0) {
     SetWhy(why, "negative culprit rank " + std::to_string(culprit) + " in abort payload");
+    return std::nullopt;
+  }
+  if (world_size > 0 && culprit >= world_size) {
+    SetWhy(why, "culprit rank " + std::to_string(culprit) +
+                    " in abort payload is not in the world of " + std::to_string(world_size) +
+                    " ranks");
     return std::nullopt;
   }
   AbortPayload payload;

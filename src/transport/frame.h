@@ -59,10 +59,11 @@ struct AbortPayload {
 // boundary) and ends in "...".
 std::string EncodeAbortPayload(const AbortPayload& payload);
 
-// Decodes an abort frame's payload of `size` bytes: checks the size bounds and the error
-// code's range. Returns nullopt and sets *why otherwise.
-std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size,
-                                               std::string* why);
+// Decodes an abort frame's payload of `size` bytes: checks the size bounds, the error code's
+// range and that the culprit is a rank (not negative; below `world_size` when that is given,
+// > 0). Returns nullopt and sets *why otherwise.
+std::optional<AbortPayload> DecodeAbortPayload(const uint8_t* bytes, size_t size, std::string* why,
+                                               int world_size = 0);
 
 }  // namespace collectives::transport
 

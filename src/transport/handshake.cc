@@ -2,11 +2,13 @@
 // asynchronous client and server sessions that run it under the set-up deadline.
 #include "src/transport/handshake.h"
 
-#include <cstring>
 #include <asio/read.hpp>
 #include <asio/write.hpp>
+#include <cstring>
 #include <iostream>
 #include <utility>
+
+#include "src/cluster/store_common.h"
 
 namespace collectives::transport {
 namespace {
@@ -30,6 +32,31 @@ uint32_t GetU32(const uint8_t* in) {
   return v;
 }
 
+// What a client reports when `server_rank` refused its hello with `refusal`. Only numbers of
+// the server's message are shown: the reason, its version, rank and world size.
+std::string RefusalText(const Hello& refusal, int server_rank, const HandshakeConfig& mine) {
+  std::string text = "rank " + std::to_string(server_rank);
+  if (refusal.rank != server_rank) {
+    text += " (which says it is rank " + std::to_string(refusal.rank) + ")";
+  }
+  text += " refused this rank's hello: ";
+  switch (refusal.refusal) {
+    case HelloRefusal::kVersion:
+      return text + "it speaks wire version " + std::to_string(refusal.version) +
+             ", this rank speaks " + std::to_string(kWireVersion);
+    case HelloRefusal::kJobId:
+      return text + "it is in another job than this rank's job id " +
+             cluster::QuoteKey(mine.job_id);
+    case HelloRefusal::kWorldSize:
+      return text + "its world size is " + std::to_string(refusal.world_size) +
+             ", this rank's is " + std::to_string(mine.world_size);
+    case HelloRefusal::kRank:
+    case HelloRefusal::kNone:
+      break;
+  }
+  return text + "it does not expect rank " + std::to_string(mine.rank) +
+         " to connect (or has its connection already)";
+}
 
 std::string EndpointText(const asio::ip::tcp::socket& socket) {
   asio::error_code ec;
@@ -46,10 +73,13 @@ std::vector<uint8_t> EncodeHello(const Hello& hello) {
                                                  " bytes is longer than " +
                                                  std::to_string(kMaxJobIdBytes));
   }
+  if (hello.refusal != HelloRefusal::kNone && !hello.job_id.empty()) {
+    throw Error(ErrorCode::kInvalidArgument, "a hello's refusal carries no job id");
+  }
   std::vector<uint8_t> out(kHelloFixedBytes + hello.job_id.size());
   PutU32(out.data(), kHelloMagic);
   out[4] = hello.version;
-  out[5] = 0;
+  out[5] = static_cast<uint8_t>(hello.refusal);
   PutU16(out.data() + 6, static_cast<uint16_t>(hello.job_id.size()));
   PutU32(out.data() + 8, static_cast<uint32_t>(hello.rank));
   PutU32(out.data() + 12, static_cast<uint32_t>(hello.world_size));
@@ -58,15 +88,29 @@ std::vector<uint8_t> EncodeHello(const Hello& hello) {
   return out;
 }
 
-std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes,
-                                      std::string* why) {
+std::vector<uint8_t> EncodeRefusal(HelloRefusal reason, int32_t rank, int32_t world_size) {
+  Hello refusal;
+  refusal.version = kWireVersion;
+  refusal.refusal = reason;
+  refusal.rank = rank;
+  refusal.world_size = world_size;
+  return EncodeHello(refusal);  // a zero nonce, no job id
+}
+
+std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes, std::string* why,
+                                      bool refusal_allowed) {
   const uint32_t magic = GetU32(bytes);
   if (magic != kHelloMagic) {
     if (why != nullptr) *why = "not a collectives hello (bad magic)";
     return std::nullopt;
   }
-  if (bytes[5] != 0) {
+  const uint8_t refusal = bytes[5];
+  if (refusal != 0 && !refusal_allowed) {
     if (why != nullptr) *why = "reserved hello byte is not zero";
+    return std::nullopt;
+  }
+  if (refusal > static_cast<uint8_t>(HelloRefusal::kRank)) {
+    if (why != nullptr) *why = "unknown refusal reason " + std::to_string(refusal);
     return std::nullopt;
   }
   const size_t length = static_cast<size_t>(bytes[6]) | (static_cast<size_t>(bytes[7]) << 8);
@@ -77,8 +121,13 @@ std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes
     }
     return std::nullopt;
   }
+  if (refusal != 0 && length != 0) {
+    if (why != nullptr) *why = "a refusal with a job id of " + std::to_string(length) + " bytes";
+    return std::nullopt;
+  }
   Hello hello;
   hello.version = bytes[4];
+  hello.refusal = static_cast<HelloRefusal>(refusal);
   hello.rank = static_cast<int32_t>(GetU32(bytes + 8));
   hello.world_size = static_cast<int32_t>(GetU32(bytes + 12));
   std::copy(bytes + 16, bytes + 16 + kNonceBytes, hello.nonce.begin());
@@ -198,10 +247,18 @@ void HandshakeSession::ReadHelloFixed() {
                      if (ec) return self->Fail(ec, "waiting for hello");
                      std::string why;
                      size_t job_id_bytes = 0;
-                     auto hello = DecodeHelloFixed(self->in_fixed_.data(), &job_id_bytes, &why);
+                     const bool client = self->role_ == HandshakeRole::kClient;
+                     auto hello =
+                         DecodeHelloFixed(self->in_fixed_.data(), &job_id_bytes, &why, client);
                      if (!hello) {
                        return self->Finish(false, ErrorCode::kUnauthenticated,
                                            "malformed hello: " + why);
+                     }
+                     self->answered_ = client;
+                     if (hello->refusal != HelloRefusal::kNone) {
+                       return self->Finish(
+                           false, ErrorCode::kUnauthenticated,
+                           RefusalText(*hello, self->expected_peer_, self->config_));
                      }
                      self->peer_ = std::move(*hello);
                      self->ReadJobId(job_id_bytes);
@@ -222,13 +279,18 @@ void HandshakeSession::ReadJobId(size_t bytes) {
 void HandshakeSession::CheckPeerHello() {
   const Hello& peer = peer_;
   std::string why;
+  HelloRefusal reason = HelloRefusal::kNone;
   if (peer.version != kWireVersion) {
+    reason = HelloRefusal::kVersion;
     why = "its hello speaks wire version " + std::to_string(peer.version) + ", this rank speaks " +
           std::to_string(kWireVersion);
   } else if (peer.job_id != config_.job_id) {
-    why = "its hello is for job id '" + peer.job_id + "', this rank is in job '" + config_.job_id +
-          "'";
+    // The peer's job id is any 256 bytes: escaped, so that it cannot forge lines of the log.
+    reason = HelloRefusal::kJobId;
+    why = "its hello is for job id " + cluster::QuoteKey(peer.job_id) + ", this rank is in job " +
+          cluster::QuoteKey(config_.job_id);
   } else if (peer.world_size != config_.world_size) {
+    reason = HelloRefusal::kWorldSize;
     why = "its hello says world size " + std::to_string(peer.world_size) + ", this rank has " +
           std::to_string(config_.world_size);
   } else if (role_ == HandshakeRole::kClient && peer.rank != expected_peer_) {
@@ -236,15 +298,31 @@ void HandshakeSession::CheckPeerHello() {
           std::to_string(expected_peer_);
   } else if (role_ == HandshakeRole::kServer &&
              (peer.rank < 0 || peer.rank >= config_.world_size || !accept_rank_(peer.rank))) {
+    reason = HelloRefusal::kRank;
     why = "its hello claims rank " + std::to_string(peer.rank) +
           ", which this rank does not expect to connect";
   }
-  if (!why.empty()) return Finish(false, ErrorCode::kUnauthenticated, why);
+  if (!why.empty()) {
+    if (role_ == HandshakeRole::kServer) return Refuse(reason, std::move(why));
+    return Finish(false, ErrorCode::kUnauthenticated, why);
+  }
   if (role_ == HandshakeRole::kClient) {
     SendClientProof();
   } else {
     SendHello();  // continues with ReadClientProof
   }
+}
+
+void HandshakeSession::Refuse(HelloRefusal reason, std::string why) {
+  // The client waits for an answer to its hello: this one says why, so that it does not take
+  // the close for a rank that stopped (which it retries).
+  out_ = EncodeRefusal(reason, config_.rank, config_.world_size);
+  asio::async_write(
+      socket_, asio::buffer(out_),
+      [self = shared_from_this(), why = std::move(why)](const asio::error_code&, size_t) mutable {
+        if (self->finished()) return;
+        self->Finish(false, ErrorCode::kUnauthenticated, std::move(why));
+      });
 }
 
 void HandshakeSession::SendClientProof() {
@@ -347,12 +425,12 @@ void HandshakeSession::Fail(const asio::error_code& ec, const char* step) {
   const bool closed = ec == asio::error::eof || ec == asio::error::connection_reset ||
                       ec == asio::error::broken_pipe;
   if (closed && role_ == HandshakeRole::kClient) {
-    // The server closes the connection when it rejects our hello.
-    return Finish(false, ErrorCode::kUnauthenticated,
-                  "rank " + std::to_string(expected_peer_) + " closed the connection (" +
-                      ec.message() + ") while " + step +
-                      ": it rejected this rank (different job id, world size, wire version or "
-                      "token?)");
+    // A server that refuses this rank says so (a refusal, or a verdict); one that closes without
+    // a word stopped, or gave up its own set-up (its deadline passed, or its set-up failed).
+    const std::string who = "rank " + std::to_string(expected_peer_) + " closed the connection";
+    return Finish(false, ErrorCode::kPeerLost,
+                  (answered_ ? who + " while " + step : who + " before answering") + " (" +
+                      ec.message() + "; it stopped, or gave up its set-up)");
   }
   Finish(false, closed ? ErrorCode::kUnauthenticated : ErrorCode::kSystem,
          std::string(step) + ": " + ec.message());
@@ -361,6 +439,13 @@ void HandshakeSession::Fail(const asio::error_code& ec, const char* step) {
 void HandshakeSession::Finish(bool ok, ErrorCode code, std::string why) {
   if (finished_) return;
   finished_ = true;
+  if (ok && (cancelled_ || timed_out_ || !socket_.is_open())) {
+    // The last read or write completed, but its handler ran only after Cancel or the deadline
+    // closed the socket: the caller has given up on this session, and the socket is gone.
+    ok = false;
+    code = timed_out_ ? ErrorCode::kTimeout : ErrorCode::kAborted;
+    why = timed_out_ ? "handshake not finished by the deadline" : "cancelled";
+  }
   timer_.cancel();
   HandshakeResult result;
   result.ok = ok;

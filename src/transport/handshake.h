@@ -6,24 +6,33 @@
 // Wire (little-endian):
 //   hello:  0 u32 magic 0x48534C43 ("CLSH")   8 i32 rank
 //           4 u8  wire version (1)            12 i32 world size
-//           5 u8  reserved (0)                16 32-byte random nonce
+//           5 u8  refusal (0 in a hello)      16 32-byte random nonce
 //           6 u16 job id bytes (<= 256)        48 job id
+//   refusal: a hello of the server (its version, rank and world size) whose byte 5 says why it
+//           refused the client's hello: 1 wire version, 2 job id, 3 world size, 4 the client's
+//           rank is not one it expects (or it has that rank's connection already); no job id
+//           (0 bytes) and a zero nonce. Only a client accepts one, in place of the server's hello.
 //   proof:  32 bytes HMAC-SHA256(token, "collectives-v1" | u16 job id bytes | job id |
 //           i32 client rank | i32 server rank | client nonce | server nonce | u8 role),
 //           role 1 for the client's proof, 2 for the server's.
 //   server verdict: u8 (1 accepted, 0 rejected), then the server's proof (zeros if rejected).
 //   client verdict: u8 (1 accepted).
+// The refusal kept wire version 1: every rank of a job runs the same build, and a build from
+// before it reads a refusal as a malformed hello, which fails its set-up as a refusal should.
 //
 // Sequence: the client (the lower rank, which connected) sends its hello; the server checks it
-// and answers with its own hello or closes; the client checks that and sends its proof; the
-// server checks the proof and sends its verdict and proof; the client checks those and sends
-// its verdict. Every read is bounded by the set-up deadline and reads exactly the bytes of its
-// message (nothing past the handshake is consumed); the job id length is checked before any
-// byte of it is read.
+// and answers with its own hello, or with a refusal and closes; the client checks that and
+// sends its proof; the server checks the proof and sends its verdict and proof; the client
+// checks those and sends its verdict. Every read is bounded by the deadline and reads exactly
+// the bytes of its message (nothing past the handshake is consumed); the job id length is
+// checked before any byte of it is read.
 //
-// A server that rejects a connection logs one line to stderr with the remote address and
-// closes it; the caller keeps accepting. A client that is rejected, or that finds the server
-// is not the rank of this job it expected, gets ErrorCode::kUnauthenticated.
+// A server that rejects a connection logs one line to stderr with the remote address (what the
+// peer sent is escaped) and closes it; the caller keeps accepting. A client that is refused or
+// rejected, or that finds the server is not the rank of this job it expected, gets
+// ErrorCode::kUnauthenticated naming what differs. A client whose server closes the connection
+// without a refusal or a verdict (the server stopped, or gave up its own set-up) gets
+// ErrorCode::kPeerLost: nothing says that the server would refuse it, and a caller may retry.
 //
 // Thread-safety: the encode/decode/proof functions are pure. A HandshakeSession runs on its
 // socket's io_context and must only be touched (Cancel) from that io_context's thread.
@@ -60,8 +69,18 @@ using core::RandomNonce;
 
 enum class HandshakeRole : uint8_t { kClient = 1, kServer = 2 };
 
+// Byte 5 of a hello: 0, or why the server refuses the client's hello (see the wire above).
+enum class HelloRefusal : uint8_t {
+  kNone = 0,
+  kVersion = 1,
+  kJobId = 2,
+  kWorldSize = 3,
+  kRank = 4,
+};
+
 struct Hello {
   uint8_t version = 0;
+  HelloRefusal refusal = HelloRefusal::kNone;
   int32_t rank = -1;
   int32_t world_size = 0;
   Nonce nonce{};
@@ -69,14 +88,19 @@ struct Hello {
 };
 
 // The hello's bytes: the fixed part then the job id. Throws Error(kInvalidArgument) if the job
-// id is longer than kMaxJobIdBytes.
+// id is longer than kMaxJobIdBytes, or if a refusal carries a job id.
 std::vector<uint8_t> EncodeHello(const Hello& hello);
 
+// The refusal a server of `rank` in a world of `world_size` sends for `reason`.
+std::vector<uint8_t> EncodeRefusal(HelloRefusal reason, int32_t rank, int32_t world_size);
+
 // Decodes the fixed kHelloFixedBytes of a hello (everything but the job id, whose length it
-// returns in *job_id_bytes). Checks the magic, the reserved byte and the job id length bound;
-// not the version, which the caller compares to report it. Returns nullopt and sets *why
-// otherwise.
-std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes, std::string* why);
+// returns in *job_id_bytes). Checks the magic, byte 5 and the job id length bound; not the
+// version, which the caller compares to report it. Byte 5 must be 0 unless `refusal_allowed`
+// (a client reading the server's answer): then a known refusal reason with no job id is
+// accepted too, and its Hello has `refusal` set. Returns nullopt and sets *why otherwise.
+std::optional<Hello> DecodeHelloFixed(const uint8_t* bytes, size_t* job_id_bytes, std::string* why,
+                                      bool refusal_allowed = false);
 
 // The proof `role` sends in a handshake between these ranks with these nonces.
 Proof ComputeProof(const std::string& token, const std::string& job_id, int32_t client_rank,
@@ -94,8 +118,10 @@ struct HandshakeConfig {
 struct HandshakeResult {
   bool ok = false;
   int peer_rank = -1;
-  // When !ok: kUnauthenticated (rejected / not the expected peer), kTimeout (deadline),
-  // kAborted (Cancel), kSystem (the socket failed), kInvalidArgument (malformed hello).
+  // When !ok: kUnauthenticated (refused, rejected, not the expected peer, or a malformed
+  // hello), kPeerLost (client: the server closed the connection without a refusal or a
+  // verdict), kTimeout (deadline), kAborted (Cancel, or the socket was closed under it),
+  // kSystem (the socket failed).
   ErrorCode code = ErrorCode::kInternal;
   // When !ok: what went wrong, without a rank prefix.
   std::string why;
@@ -124,8 +150,12 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
                                                      Clock::time_point deadline,
                                                      HandshakeDone done);
 
-  // Stops the handshake: closes the socket; `done` runs with code kAborted (not logged).
+  // Stops the handshake: closes the socket; `done` runs with code kAborted (not logged), later,
+  // from the io_context, unless the session had finished already.
   void Cancel();
+
+  // Whether `done` has run (or is running).
+  bool finished() const { return finished_; }
 
   HandshakeSession(asio::ip::tcp::socket socket, const HandshakeConfig& config, HandshakeRole role,
                    int expected_peer, std::function<bool(int)> accept_rank,
@@ -137,6 +167,8 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   void ReadHelloFixed();
   void ReadJobId(size_t bytes);
   void CheckPeerHello();
+  // Server: sends a refusal for `reason`, then finishes with kUnauthenticated and `why`.
+  void Refuse(HelloRefusal reason, std::string why);
   void SendClientProof();
   void ReadClientProof();
   void ReadServerVerdict();
@@ -145,7 +177,6 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   void Finish(bool ok, ErrorCode code, std::string why);
   // Finish for an error on the socket during `step`.
   void Fail(const asio::error_code& ec, const char* step);
-  bool finished() const { return finished_; }
 
   asio::ip::tcp::socket socket_;
   asio::steady_timer timer_;
@@ -156,6 +187,7 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   HandshakeDone done_;
   std::string remote_;
   bool finished_ = false;
+  bool answered_ = false;  // client: the server's hello came
   bool timed_out_ = false;
   bool cancelled_ = false;
 

@@ -33,9 +33,11 @@
 // the shutdown before it throws.
 #include "src/transport/tcp_fabric.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -46,11 +48,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <iostream>
 #include <mutex>
 #include <optional>
 #include <vector>
 
+#include "src/cluster/store_common.h"
 #include "src/core/environment.h"
 #include "src/transport/fabric_errors.h"
 #include "src/transport/frame.h"
@@ -787,7 +791,8 @@ void TcpConnection::ReadAbortPayload() {
   }
   read_state_ = ReadState::kStopped;
   std::string why;
-  auto payload = DecodeAbortPayload(abort_buffer_.data(), header_.bytes, &why);
+  // A culprit outside the world is a faulty peer's: it must not be named as the rank at fault.
+  auto payload = DecodeAbortPayload(abort_buffer_.data(), header_.bytes, &why, fabric_->size_);
   if (!payload) {
     fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
                                                       ": malformed abort frame from rank " +
@@ -1314,6 +1319,75 @@ bool PeerOnThisHost(const tcp::socket& socket) {
   return remote.address().is_loopback() || remote.address() == local.address();
 }
 
+// How long the listener gives one handshake: what the store gives a connection to prove the
+// token (tcp_store.h). A stranger that connects and says nothing is closed after it rather than
+// at the set-up deadline; a rank's handshake takes a few round trips.
+constexpr std::chrono::seconds kServerHandshakeLimit{10};
+
+// A descriptor held in reserve for when the process runs out (EMFILE, ENFILE). Accept then fails
+// without taking the connection at the head of the backlog, and nothing moves: closing the
+// spare lets one accept take that connection, only to close it. (The same as in
+// tcp_store_server.cc: src/cluster may not include src/transport.)
+class SpareDescriptor {
+ public:
+  SpareDescriptor() : fd_(Open()) {}
+  ~SpareDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  SpareDescriptor(const SpareDescriptor&) = delete;
+  SpareDescriptor& operator=(const SpareDescriptor&) = delete;
+
+  // Takes the connection at the head of `listener`'s backlog and closes it; false if none was
+  // there or no descriptor could be had.
+  bool DropOne(int listener) {
+    if (fd_ >= 0) ::close(fd_);
+    const int taken = ::accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (taken >= 0) ::close(taken);
+    fd_ = Open();
+    return taken >= 0;
+  }
+
+ private:
+  static int Open() { return ::open("/dev/null", O_RDONLY | O_CLOEXEC); }
+  int fd_;
+};
+
+// Whether a connection waits in `listener`'s backlog.
+bool ConnectionWaiting(int listener) {
+  pollfd entry{listener, POLLIN, 0};
+  return ::poll(&entry, 1, 0) > 0 && (entry.revents & POLLIN) != 0;
+}
+
+bool OutOfDescriptors(const asio::error_code& ec) {
+  return ec == asio::error_code(EMFILE, asio::system_category()) ||
+         ec == asio::error_code(ENFILE, asio::system_category());
+}
+
+// Writes a line to stderr at most once a second (a flood of strangers must not flood the log
+// too); the next line written says how many were left out.
+class RateLimitedLog {
+ public:
+  void Write(const std::string& line) {
+    const Clock::time_point now = Clock::now();
+    if (written_ && now - last_ < std::chrono::seconds(1)) {
+      ++left_out_;
+      return;
+    }
+    std::string text = "collectives: " + line;
+    if (left_out_ > 0) text += " (" + std::to_string(left_out_) + " more since the last such line)";
+    text += "\n";
+    std::cerr << text << std::flush;  // one write, so that ranks' lines do not interleave
+    written_ = true;
+    last_ = now;
+    left_out_ = 0;
+  }
+
+ private:
+  bool written_ = false;
+  Clock::time_point last_;
+  long left_out_ = 0;
+};
+
 // Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
 // Used by one thread.
 class MeshBuilder {
@@ -1344,6 +1418,11 @@ class MeshBuilder {
   void Listen();
   void ReadAddresses(Store& store);
   void AcceptNext();
+  // On a failed accept: makes room (EvictOldestStranger, or the spare descriptor) and accepts
+  // again, waits for the next connection, or retries shortly.
+  void OnAcceptError(const asio::error_code& ec);
+  // Cancels the server handshake that has waited longest; false if none is in progress.
+  bool EvictOldestStranger(const char* why);
   void Connect(int peer);
   void RetryConnect(int peer);
   void Admit(int peer, tcp::socket socket);
@@ -1366,6 +1445,19 @@ class MeshBuilder {
   std::vector<int> attempts_;
   std::vector<std::weak_ptr<HandshakeSession>> sessions_;
   std::vector<std::unique_ptr<asio::steady_timer>> timers_;
+  size_t prune_sessions_at_ = 64;  // sessions_' size at which the finished ones are dropped
+  // The server handshakes in progress, oldest first (and finished ones not yet dropped). At
+  // most MaxServerHandshakes(): a new connection past it cancels the oldest, so that strangers
+  // who connect and say nothing cannot hold every descriptor of the process while a rank waits
+  // in the backlog; a rank whose handshake is cancelled sees a close and connects again.
+  std::deque<std::weak_ptr<HandshakeSession>> server_handshakes_;
+  // Two per rank that connects here (a retry may overlap a stale attempt) and 16 for strangers:
+  // to cancel a rank's handshake, a stranger must open 16 connections within its round trips.
+  size_t MaxServerHandshakes() const { return 2 * static_cast<size_t>(rank_) + 16; }
+  SpareDescriptor spare_;
+  std::string last_accept_error_;  // for ThrowTimeout
+  RateLimitedLog accept_log_;
+  RateLimitedLog eviction_log_;
   std::optional<Error> failure_;
   int missing_ = 0;
 };
@@ -1384,6 +1476,7 @@ void MeshBuilder::Listen() {
   }
   const tcp::endpoint endpoint(address, 0);
   acceptor_.open(endpoint.protocol(), ec);
+  if (!ec) cluster::SetCloseOnExec(acceptor_.native_handle());
   if (!ec) acceptor_.bind(endpoint, ec);
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) {
@@ -1425,29 +1518,76 @@ void MeshBuilder::ReadAddresses(Store& store) {
 void MeshBuilder::AcceptNext() {
   acceptor_.async_accept([this](const asio::error_code& ec, tcp::socket socket) {
     if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
-    if (ec) {
-      // Out of descriptors or similar: try again shortly rather than spin.
-      auto timer = std::make_unique<asio::steady_timer>(io_, std::chrono::milliseconds(10));
-      timer->async_wait([this](const asio::error_code& timer_ec) {
-        if (!timer_ec) AcceptNext();
-      });
-      timers_.push_back(std::move(timer));
-      return;
-    }
+    if (ec) return OnAcceptError(ec);
+    cluster::SetCloseOnExec(socket.native_handle());
     asio::error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
+    std::erase_if(server_handshakes_, [](const std::weak_ptr<HandshakeSession>& weak) {
+      const auto session = weak.lock();
+      return !session || session->finished();
+    });
+    if (server_handshakes_.size() >= MaxServerHandshakes()) {
+      EvictOldestStranger("to make room for a new connection");
+    }
+    if (sessions_.size() >= prune_sessions_at_) {
+      std::erase_if(sessions_,
+                    [](const std::weak_ptr<HandshakeSession>& weak) { return weak.expired(); });
+      prune_sessions_at_ = 2 * sessions_.size() + 64;
+    }
     auto accept_rank = [this](int client) {
       return client < rank_ && client >= 0 && !sockets_[client].has_value();
     };
-    sessions_.push_back(
-        HandshakeSession::StartServer(std::move(socket), config_, accept_rank, deadline_,
+    auto session =
+        HandshakeSession::StartServer(std::move(socket), config_, accept_rank,
+                                      std::min(deadline_, Clock::now() + kServerHandshakeLimit),
                                       [this](const HandshakeResult& result, tcp::socket admitted) {
                                         if (!result.ok)
                                           return;  // logged by the session; keep accepting
                                         Admit(result.peer_rank, std::move(admitted));
-                                      }));
+                                      });
+    server_handshakes_.push_back(session);
+    sessions_.push_back(std::move(session));
     AcceptNext();
   });
+}
+
+void MeshBuilder::OnAcceptError(const asio::error_code& ec) {
+  last_accept_error_ = ec.message();
+  accept_log_.Write(Prefix() + "accepting a connection failed: " + ec.message());
+  if (OutOfDescriptors(ec)) {
+    const int listener = acceptor_.native_handle();
+    if (!ConnectionWaiting(listener)) {
+      // Accept asks for a descriptor before it looks at the backlog: wait for a connection.
+      acceptor_.async_wait(tcp::acceptor::wait_read, [this](const asio::error_code& wait_ec) {
+        if (!wait_ec && acceptor_.is_open()) AcceptNext();
+      });
+      return;
+    }
+    // A connection waits: the oldest stranger's descriptor goes to it, or, with no handshake of
+    // ours to cancel, the spare takes it off the backlog so that the ones behind it move.
+    if (EvictOldestStranger("out of descriptors") || spare_.DropOne(listener)) {
+      return AcceptNext();
+    }
+  }
+  // Something else, or no descriptor at all: try again shortly rather than spin.
+  auto timer = std::make_unique<asio::steady_timer>(io_, std::chrono::milliseconds(10));
+  timer->async_wait([this](const asio::error_code& timer_ec) {
+    if (!timer_ec) AcceptNext();
+  });
+  timers_.push_back(std::move(timer));
+}
+
+bool MeshBuilder::EvictOldestStranger(const char* why) {
+  while (!server_handshakes_.empty()) {
+    const auto session = server_handshakes_.front().lock();
+    server_handshakes_.pop_front();
+    if (!session || session->finished()) continue;
+    session->Cancel();  // closes its socket now; its `done` runs later with kAborted
+    eviction_log_.Write(Prefix() + "closed the oldest of the connections still in their " +
+                        "handshake (" + why + ")");
+    return true;
+  }
+  return false;
 }
 
 void MeshBuilder::Connect(int peer) {
@@ -1462,7 +1602,23 @@ void MeshBuilder::Connect(int peer) {
     return;
   }
   const tcp::endpoint endpoint = results.begin()->endpoint();
+  // Opened close-on-exec (async_connect would open it without): a process this one spawns must
+  // not hold the connection open, or the peer would not see this rank die (a timeout where a
+  // lost peer should be raised at once).
   auto socket = std::make_shared<tcp::socket>(io_);
+  const int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+  if (fd < 0) {
+    status_[peer] = std::string("socket: ") + std::strerror(errno);
+    RetryConnect(peer);
+    return;
+  }
+  socket->assign(endpoint.protocol(), fd, ec);
+  if (ec) {
+    ::close(fd);
+    status_[peer] = "socket: " + ec.message();
+    RetryConnect(peer);
+    return;
+  }
   socket->async_connect(endpoint, [this, peer, socket, endpoint](const asio::error_code& error) {
     const std::string where = FormatHostPort(endpoint.address().to_string(), endpoint.port());
     if (error) {
@@ -1479,6 +1635,13 @@ void MeshBuilder::Connect(int peer) {
           if (result.ok) return Admit(peer, std::move(connected));
           if (result.code == ErrorCode::kTimeout || result.code == ErrorCode::kAborted) {
             status_[peer] = "handshake with " + where + ": " + result.why;
+            return;
+          }
+          if (result.code == ErrorCode::kPeerLost) {
+            // Closed without a refusal: the peer stopped, gave up, or cancelled this handshake
+            // to make room. Like a refused connect: try again until the deadline.
+            status_[peer] = "handshake with " + where + ": " + result.why;
+            RetryConnect(peer);
             return;
           }
           if (!failure_) {
@@ -1540,6 +1703,10 @@ void MeshBuilder::ThrowTimeout() {
       message += "no attempt finished";
     }
     message += ")";
+  }
+  if (!last_accept_error_.empty()) {
+    message +=
+        "; this rank's listener last failed to accept a connection with: " + last_accept_error_;
   }
   throw Error(ErrorCode::kTimeout, message);
 }

@@ -14,6 +14,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <memory>
@@ -703,6 +704,73 @@ TEST(CreateStoreForTest, RankZeroHostsOthersConnect) {
 
 // 127.0.0.2 is a loopback address too (all of 127/8 is), but a listener bound to 127.0.0.1 does
 // not answer there: it stands for another host's view of a store bound to a loopback address.
+// A server that closes a connection after the client's proof but before its verdict (it made
+// room for other connections, or stopped) has not rejected the client: the client connects
+// again and proves the token there. (A wrong proof gets a verdict of 0 before the close; that
+// one is a rejection.) A scripted server: the first connection is closed after the proof.
+TEST(TcpStoreClientTest, ACloseBeforeTheVerdictIsRetriedNotARejection) {
+  const std::string token = "a shared secret";
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const auto exchange = [](int fd, void* data, size_t bytes, bool write_it) {
+    auto* p = static_cast<uint8_t*>(data);
+    while (bytes > 0) {
+      const ssize_t n = write_it ? write(fd, p, bytes) : read(fd, p, bytes);
+      if (n <= 0) return false;
+      p += n;
+      bytes -= size_t(n);
+    }
+    return true;
+  };
+  std::atomic<int> proofs{0};
+  std::thread server([&] {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const int fd = accept(listener, nullptr, nullptr);
+      if (fd < 0) return;
+      const core::Nonce nonce = core::RandomNonce();
+      auto challenge = cluster::auth::EncodeChallenge(nonce);
+      cluster::auth::Response response{};
+      if (!exchange(fd, challenge.data(), challenge.size(), true) ||
+          !exchange(fd, response.data(), response.size(), false)) {
+        close(fd);
+        return;
+      }
+      ++proofs;
+      if (attempt == 1) {
+        core::Nonce client_nonce;
+        std::memcpy(client_nonce.data(), response.data(), client_nonce.size());
+        std::array<uint8_t, cluster::auth::kVerdictBytes> verdict{};
+        verdict[0] = 1;
+        const core::Proof mine =
+            cluster::auth::StoreProof(token, client_nonce, nonce, cluster::auth::kServerRole);
+        std::memcpy(verdict.data() + 1, mine.data(), mine.size());
+        exchange(fd, verdict.data(), verdict.size(), true);
+        uint8_t rest = 0;
+        while (read(fd, &rest, 1) > 0) {
+        }  // until the client closes
+      }
+      close(fd);
+    }
+  });
+  try {
+    cluster::TcpStoreClient client("127.0.0.1", ntohs(address.sin_port), std::chrono::seconds(20),
+                                   token);
+  } catch (const Error& e) {
+    ADD_FAILURE() << e.what();
+    shutdown(listener, SHUT_RDWR);
+  }
+  server.join();
+  close(listener);
+  EXPECT_EQ(proofs.load(), 2);
+}
+
 TEST(CreateStoreForTest, TheStoreListensWhereTheSpecSays) {
   const uint16_t port = FreePort();
   ClusterSpec host = LoopbackSpec(0, 2, port);

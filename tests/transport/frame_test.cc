@@ -204,5 +204,29 @@ TEST(AbortPayloadTest, RejectsBadSizesCodesAndCulprits) {
   EXPECT_NE(why.find("culprit"), std::string::npos) << why;
 }
 
+// Where the world size is known (the fabric), the culprit must be one of its ranks.
+TEST(AbortPayloadTest, RejectsACulpritOutsideTheWorldWhereItsSizeIsKnown) {
+  AbortPayload payload;
+  payload.code = ErrorCode::kAborted;
+  payload.culprit = 12345;
+  const std::string bytes = EncodeAbortPayload(payload);
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  std::string why;
+  EXPECT_TRUE(DecodeAbortPayload(data, bytes.size(), &why)) << why;  // size unknown
+  EXPECT_FALSE(DecodeAbortPayload(data, bytes.size(), &why, 4));
+  EXPECT_NE(why.find("culprit rank 12345"), std::string::npos) << why;
+  EXPECT_NE(why.find("world of 4 ranks"), std::string::npos) << why;
+  payload.culprit = 4;
+  const std::string edge = EncodeAbortPayload(payload);
+  EXPECT_FALSE(
+      DecodeAbortPayload(reinterpret_cast<const uint8_t*>(edge.data()), edge.size(), &why, 4));
+  payload.culprit = 3;
+  const std::string last = EncodeAbortPayload(payload);
+  auto decoded =
+      DecodeAbortPayload(reinterpret_cast<const uint8_t*>(last.data()), last.size(), &why, 4);
+  ASSERT_TRUE(decoded) << why;
+  EXPECT_EQ(decoded->culprit, 3);
+}
+
 }  // namespace
 }  // namespace collectives::transport

@@ -7,6 +7,8 @@
 // segment (TCP_NODELAY), sleeping a little after some, so the reader finds every kind of split:
 // inside a header, between a header and its payload, inside an abort frame, across two frames.
 // An end that closes is passed on as a half-close of the other end (a reset too, as a close).
+// With `close_first` > 0, the first that many connections are closed at once instead, as a
+// listener does that stopped or gave up while they waited in its backlog.
 //
 // RelayingStore wraps a Store: a value set under a key that contains "/addr/" (where a TCP
 // fabric publishes its listener, "host:port") goes to the inner store as the address of a new
@@ -44,7 +46,8 @@ namespace collectives::testing {
 class PieceRelay {
  public:
   // `target` is "host:port" or "[v6]:port" with a numeric host, as a fabric publishes it.
-  PieceRelay(const std::string& target, uint64_t seed) : seed_(seed) {
+  PieceRelay(const std::string& target, uint64_t seed, int close_first = 0)
+      : seed_(seed), close_first_(close_first) {
     std::string why;
     const std::optional<cluster::HostPort> parsed = cluster::ParseHostPort(target, &why);
     if (!parsed) throw Error(ErrorCode::kInvalidArgument, "relay target " + target + ": " + why);
@@ -94,6 +97,10 @@ class PieceRelay {
       asio::error_code ec;
       acceptor_.accept(socket, ec);
       if (ec || stopping_) return;
+      if (n < uint64_t(close_first_)) {
+        socket.close(ec);
+        continue;
+      }
       std::lock_guard<std::mutex> lock(mutex_);
       Link& link = links_.emplace_back(io_);
       link.accepted = std::move(socket);
@@ -151,6 +158,7 @@ class PieceRelay {
   }
 
   const uint64_t seed_;
+  const int close_first_;
   asio::ip::tcp::endpoint target_;
   asio::io_context io_;
   asio::ip::tcp::acceptor acceptor_{io_};
@@ -162,15 +170,16 @@ class PieceRelay {
 
 class RelayingStore : public Store {
  public:
-  RelayingStore(std::shared_ptr<Store> inner, uint64_t seed)
-      : inner_(std::move(inner)), seed_(seed) {}
+  // `close_first`: as for PieceRelay, for every relay.
+  RelayingStore(std::shared_ptr<Store> inner, uint64_t seed, int close_first = 0)
+      : inner_(std::move(inner)), seed_(seed), close_first_(close_first) {}
 
   void Set(const std::string& key, const std::string& value) override {
     if (key.find("/addr/") == std::string::npos) return inner_->Set(key, value);
     std::string relayed;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      relays_.push_back(std::make_unique<PieceRelay>(value, seed_ + relays_.size()));
+      relays_.push_back(std::make_unique<PieceRelay>(value, seed_ + relays_.size(), close_first_));
       relayed = relays_.back()->address();
     }
     inner_->Set(key, relayed);
@@ -183,6 +192,7 @@ class RelayingStore : public Store {
  private:
   std::shared_ptr<Store> inner_;
   const uint64_t seed_;
+  const int close_first_;
   std::mutex mutex_;
   std::vector<std::unique_ptr<PieceRelay>> relays_;
 };

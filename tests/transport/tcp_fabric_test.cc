@@ -1,6 +1,7 @@
-// TCP-only behaviour: mesh set-up (strangers on the port, wrong token or job id, a rank that
-// never shows up), LocalAddressToward, and measurements (8-byte ping-pong, 4 MiB stream)
-// between threads and between two processes.
+// TCP-only behaviour: mesh set-up (strangers on the port, wrong token, job id or world size, a
+// listener that closes before answering, a rank that never shows up), an abort frame that names
+// a rank outside the world, LocalAddressToward, and measurements (8-byte ping-pong, 4 MiB
+// stream) between threads and between two processes.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -14,8 +15,10 @@
 #include <future>
 #include <thread>
 
+#include "src/transport/frame.h"
 #include "src/transport/handshake.h"
 #include "tests/transport/fabric_test_util.h"
+#include "tests/transport/piece_relay.h"
 
 namespace collectives::transport {
 namespace {
@@ -157,8 +160,148 @@ TEST(TcpSetupTest, WrongJobIdIsUnauthenticated) {
   });
   ASSERT_TRUE(group.errors[0]);
   EXPECT_EQ(group.errors[0]->code(), ErrorCode::kUnauthenticated) << group.errors[0]->message();
+  EXPECT_NE(group.errors[0]->message().find("rank 1 refused this rank's hello: it is in another "
+                                            "job than this rank's job id 'another-job'"),
+            std::string::npos)
+      << group.errors[0]->message();
   ASSERT_TRUE(group.errors[1]);
   EXPECT_EQ(group.errors[1]->code(), ErrorCode::kTimeout);
+}
+
+// Ranks that disagree on the world size: the connecting rank is refused and told the other's.
+TEST(TcpSetupTest, WrongWorldSizeIsUnauthenticatedAndNamed) {
+  auto store = CreateMemoryStore();
+  // Rank 1 of 3 waits for rank 2's address before it accepts: one where nobody listens.
+  store->Set("tcp-test/addr/2", "127.0.0.1:1");
+  std::optional<Error> errors[2];
+  std::thread rank1([&] {
+    try {
+      ConnectTcpFabric(1, 3, *store, Options(5'000ms));  // covers rank 0's refused handshake
+    } catch (const Error& error) {
+      errors[1] = error;
+    }
+  });
+  try {
+    ConnectTcpFabric(0, 2, *store, Options(30'000ms));  // returns once refused
+  } catch (const Error& error) {
+    errors[0] = error;
+  }
+  rank1.join();
+  ASSERT_TRUE(errors[0]);
+  EXPECT_EQ(errors[0]->code(), ErrorCode::kUnauthenticated) << errors[0]->message();
+  EXPECT_NE(errors[0]->message().find("rank 1 refused this rank's hello: its world size is 3, "
+                                      "this rank's is 2"),
+            std::string::npos)
+      << errors[0]->message();
+  ASSERT_TRUE(errors[1]);
+  EXPECT_EQ(errors[1]->code(), ErrorCode::kTimeout) << errors[1]->message();
+}
+
+// A listener that closes a connection before answering (its rank stopped, gave up its set-up,
+// or made room for others) does not end the connecting rank's set-up: it connects again, and
+// the mesh forms. Here the relay in front of rank 1 closes the first connection at once.
+TEST(TcpSetupTest, AListenerThatClosesBeforeAnsweringIsConnectedToAgain) {
+  auto store =
+      std::make_shared<collectives::testing::RelayingStore>(CreateMemoryStore(), /*seed=*/3,
+                                                            /*close_first=*/1);
+  auto group = ConnectTcpGroup(2, *store, [](int) { return Options(); });
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+  const auto errors = RunRanks(2, [&](int rank) {
+    Connection& peer = group.fabrics[rank]->connection(1 - rank);
+    const auto out = Pattern(rank, 1 - rank, 0, 100);
+    std::vector<uint8_t> in(100);
+    peer.PostSend(Tag(0, 100), out.data(), out.size());
+    peer.WaitRecv(peer.PostRecv(Tag(0, 100), in.data(), in.size()));
+    peer.WaitSend(1);
+    EXPECT_TRUE(in == Pattern(1 - rank, rank, 0, 100));
+  });
+  for (const auto& error : errors) EXPECT_FALSE(error) << error->what();
+}
+
+// A listener that only ever closes: the connecting rank retries until its deadline and then
+// says what it saw, as a timeout rather than a refusal.
+TEST(TcpSetupTest, AListenerThatAlwaysClosesIsATimeoutNamingTheClose) {
+  auto store =
+      std::make_shared<collectives::testing::RelayingStore>(CreateMemoryStore(), /*seed=*/4,
+                                                            /*close_first=*/1 << 30);
+  store->Set("tcp-test/addr/1", "127.0.0.1:1");  // rank 1 never starts; the relay closes
+  std::optional<Error> error;
+  try {
+    ConnectTcpFabric(0, 2, *store, Options(1'500ms));
+  } catch (const Error& e) {
+    error = e;
+  }
+  ASSERT_TRUE(error);
+  EXPECT_EQ(error->code(), ErrorCode::kTimeout) << error->message();
+  EXPECT_NE(error->message().find("rank 1 closed the connection before answering"),
+            std::string::npos)
+      << error->message();
+  EXPECT_EQ(error->message().find("token"), std::string::npos) << error->message();
+}
+
+// An abort frame whose culprit is not a rank of the world is a faulty peer's malformed frame,
+// reported as such (naming the peer that sent it), never as "rank 12345 aborted the job". Rank
+// 0 is played here: it completes the handshake with the real rank 1, then sends the frame.
+TEST(TcpAbortFrameTest, ACulpritOutsideTheWorldIsAMalformedFrame) {
+  auto store = CreateMemoryStore();
+  std::optional<Error> error;
+  std::promise<void> received;
+  std::thread rank1([&] {
+    try {
+      auto fabric = ConnectTcpFabric(1, 2, *store, Options());
+      fabric->SetDeadline(Clock::now() + 20s);
+      std::vector<uint8_t> in(8);
+      Connection& peer = fabric->connection(0);
+      peer.WaitRecv(peer.PostRecv(Tag(0, 8), in.data(), in.size()));
+    } catch (const Error& e) {
+      error = e;
+    }
+    received.set_value();
+  });
+  asio::io_context io;
+  tcp::socket socket(io);
+  socket.connect(ParseEndpoint(store->Get("tcp-test/addr/1", 20'000ms)));
+  HandshakeConfig config;
+  config.job_id = "tcp-test";
+  config.token = "s3cret";
+  config.rank = 0;
+  config.world_size = 2;
+  std::optional<HandshakeResult> result;
+  tcp::socket connected(io);
+  HandshakeSession::StartClient(std::move(socket), config, 1, Clock::now() + 20s,
+                                [&](const HandshakeResult& done, tcp::socket s) {
+                                  result = done;
+                                  connected = std::move(s);
+                                });
+  const auto until = Clock::now() + 20s;
+  while (!result && Clock::now() < until) io.run_one_for(100ms);
+  if (!result || !result->ok) {
+    connected.close();
+    rank1.join();  // it times out
+    FAIL() << "handshake: " << (result ? result->why : "no result");
+  }
+
+  AbortPayload payload;
+  payload.code = ErrorCode::kAborted;
+  payload.culprit = 12345;
+  payload.message = "rank 12345: made up";
+  const std::string body = EncodeAbortPayload(payload);
+  FrameHeader header;
+  header.kind = FrameKind::kAbort;
+  header.bytes = body.size();
+  const EncodedHeader head = EncodeHeader(header);
+  asio::write(connected, asio::buffer(head));
+  asio::write(connected, asio::buffer(body));
+  // Keep the connection open until rank 1 has read the frame: no EOF to race it.
+  received.get_future().wait();
+  rank1.join();
+  ASSERT_TRUE(error) << "rank 1 received a frame from an abort frame";
+  EXPECT_EQ(error->code(), ErrorCode::kSystem) << error->message();
+  EXPECT_NE(error->message().find("malformed abort frame from rank 0"), std::string::npos)
+      << error->message();
+  EXPECT_NE(error->message().find("culprit rank 12345"), std::string::npos) << error->message();
 }
 
 TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {

@@ -1,0 +1,297 @@
+// The TCP store's server against strangers who hold connections open, in a child process whose
+// descriptors are few (RLIMIT_NOFILE 64): idle connections must not keep a rank's client out
+// (the server closes the oldest unproven one when there are too many, or when accept runs out of
+// descriptors), and with no descriptor left at all the backlog still moves. And an enrolment
+// whose reply never reached the client (it reset the connection) is undone, so that the rank's
+// retry is not refused as taken.
+#include <arpa/inet.h>
+#include <errno.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/errors.h"
+#include "src/cluster/tcp_store.h"
+#include "src/cluster/tcp_store_auth.h"
+
+namespace collectives {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// A TcpStoreServer in a child process. The child reports the server's port on a pipe, then
+// waits until the parent closes its end of another (or dies), and exits. `prepare` runs in the
+// child before the server starts, `after_start` once it runs (both must not use gtest).
+class ServerProcess {
+ public:
+  ServerProcess(rlim_t descriptors, const std::string& token, int world_size,
+                const std::function<void()>& after_start = nullptr) {
+    int report[2];
+    int hold[2];
+    if (pipe(report) != 0 || pipe(hold) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      close(report[0]);
+      close(hold[1]);
+      const rlimit limit{descriptors, descriptors};
+      if (descriptors > 0 && setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(2);
+      uint16_t port = 0;
+      std::optional<cluster::TcpStoreServer> server;
+      try {
+        server.emplace("127.0.0.1", 0, token, world_size);
+        port = server->port();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "server process: %s\n", e.what());
+        _exit(3);
+      }
+      if (after_start) after_start();
+      if (write(report[1], &port, sizeof(port)) != sizeof(port)) _exit(4);
+      char byte;
+      while (read(hold[0], &byte, 1) > 0) {
+      }
+      _exit(0);  // no destructors: the parent's objects are not this process's to clean
+    }
+    close(report[1]);
+    close(hold[0]);
+    hold_ = hold[1];
+    if (pid_ > 0) {
+      pollfd entry{report[0], POLLIN, 0};
+      if (poll(&entry, 1, 30'000) == 1 && read(report[0], &port_, sizeof(port_)) != sizeof(port_)) {
+        port_ = 0;
+      }
+    }
+    close(report[0]);
+  }
+
+  ~ServerProcess() {
+    if (hold_ >= 0) close(hold_);
+    if (pid_ > 0) {
+      kill(pid_, SIGCONT);  // in case a test left it stopped
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+  }
+
+  pid_t pid() const { return pid_; }
+  uint16_t port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  int hold_ = -1;
+  uint16_t port_ = 0;
+};
+
+// A blocking connection to 127.0.0.1:port; -1 if it failed.
+int Connect(uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(port);
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
+    return fd;
+  }
+  if (fd >= 0) close(fd);
+  return -1;
+}
+
+// Whether the peer closed (or reset) `fd` before `deadline`; bytes it sent are dropped.
+bool ClosedByPeerBefore(int fd, Clock::time_point deadline) {
+  char buffer[256];
+  while (Clock::now() < deadline) {
+    pollfd entry{fd, POLLIN, 0};
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (poll(&entry, 1, std::max<int>(1, int(left.count()))) <= 0) continue;
+    if (recv(fd, buffer, sizeof(buffer), 0) <= 0) return true;
+  }
+  return false;
+}
+
+class Connections {
+ public:
+  ~Connections() {
+    for (int fd : fds_) close(fd);
+  }
+  void Open(uint16_t port, int count) {
+    for (int i = 0; i < count; ++i) {
+      const int fd = Connect(port);
+      ASSERT_GE(fd, 0) << "connection " << i;
+      fds_.push_back(fd);
+    }
+  }
+  const std::vector<int>& fds() const { return fds_; }
+
+  // Waits until at least `count` of them were closed (or reset) by the peer, or `deadline`
+  // passes; returns how many were. Bytes the peer sent are dropped.
+  size_t WaitClosed(size_t count, Clock::time_point deadline) {
+    closed_.resize(fds_.size(), false);
+    for (;;) {
+      size_t closed = 0;
+      std::vector<pollfd> open;
+      for (size_t i = 0; i < fds_.size(); ++i) {
+        char buffer[256];
+        ssize_t n = -1;
+        while (!closed_[i] && (n = recv(fds_[i], buffer, sizeof(buffer), MSG_DONTWAIT)) != 0) {
+          if (n < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) closed_[i] = true;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+          }
+        }
+        if (n == 0) closed_[i] = true;
+        if (closed_[i]) {
+          ++closed;
+        } else {
+          open.push_back(pollfd{fds_[i], POLLIN, 0});
+        }
+      }
+      if (closed >= count || Clock::now() >= deadline || open.empty()) return closed;
+      poll(open.data(), open.size(), 100);
+    }
+  }
+
+ private:
+  std::vector<int> fds_;
+  std::vector<bool> closed_;
+};
+
+// 80 strangers connect and say nothing; the server has 64 descriptors. A client with the token
+// must still get in at once, not after the strangers' 10 s to prove the token run out. With a
+// world size of 2 the server closes the oldest stranger past 2 * 2 + 16 unproven connections;
+// with 100 that bound (216) is past the descriptors, and accept's EMFILE makes the room instead.
+class IdleStrangersTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(IdleStrangersTest, DoNotKeepARankOut) {
+  const int world_size = GetParam();
+  Connections strangers;  // closed after the server's process ended: no line for each
+  ServerProcess server(64, "the token", world_size);
+  ASSERT_GT(server.port(), 0) << "the server process did not start";
+  strangers.Open(server.port(), 80);
+  if (world_size == 2) {
+    // All but the newest 2 * 2 + 16 are closed as the next ones come, long before their 10 s.
+    const size_t closed = strangers.WaitClosed(80 - 20, Clock::now() + 8s);
+    EXPECT_GE(closed, 80u - 20u) << "more than 20 unproven connections were kept open";
+  }
+  const auto start = Clock::now();
+  try {
+    cluster::TcpStoreClient client("127.0.0.1", server.port(), 60'000ms, "the token");
+    client.Set("key", "value");
+    EXPECT_EQ(client.Get("key", 60'000ms), "value");
+  } catch (const Error& e) {
+    FAIL() << e.what();
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  // Milliseconds normally; the strangers' own limit is 10 s.
+  EXPECT_LT(seconds, 8.0) << "the client waited behind the idle strangers";
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, IdleStrangersTest, ::testing::Values(2, 100));
+
+// With no descriptor left in the server's process, accept cannot take a connection, and without
+// the spare descriptor the backlog would sit there: every connection waits until its client
+// gives up. The server drops them instead (the spare taken for a moment), so they see a close.
+TEST(TcpStoreOutOfDescriptorsTest, TheBacklogStillMoves) {
+  std::vector<int>* held = nullptr;  // in the child only
+  ServerProcess server(64, "the token", 2, [&held] {
+    held = new std::vector<int>();
+    for (;;) {
+      const int fd = dup(2);
+      if (fd < 0) break;
+      held->push_back(fd);
+    }
+  });
+  ASSERT_GT(server.port(), 0) << "the server process did not start";
+  Connections waiting;  // closed before the server's process ends: dropped already
+  waiting.Open(server.port(), 5);
+  const auto deadline = Clock::now() + 20s;
+  for (int fd : waiting.fds()) {
+    EXPECT_TRUE(ClosedByPeerBefore(fd, deadline)) << "a connection stayed in the backlog";
+  }
+}
+
+// The server's half of the connection from `client_port` to `server_port` on loopback, as
+// /proc/net/tcp lists it: whether it is still there (a reset removes it).
+bool ServerSideListed(uint16_t server_port, uint16_t client_port) {
+  std::ifstream table("/proc/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the heading
+  char local[64];
+  char remote[64];
+  while (std::getline(table, line)) {
+    if (std::sscanf(line.c_str(), "%*s %63s %63s", local, remote) != 2) continue;
+    const std::string l = local;
+    const std::string r = remote;
+    const auto port_of = [](const std::string& address) {
+      return static_cast<uint16_t>(std::stoul(address.substr(address.find(':') + 1), nullptr, 16));
+    };
+    if (port_of(l) == server_port && port_of(r) == client_port) return true;
+  }
+  return false;
+}
+
+// A stranger (or a rank) that asks to enrol and resets the connection before the reply: the
+// server's reply write fails, and the enrolment is undone, so that rank 2's own client enrols.
+// The server's process is stopped while the request and the reset arrive, so that it reads the
+// request only once the connection is already reset.
+TEST(TcpStoreEnrolResetTest, AnEnrolmentWhoseReplyFailedIsUndone) {
+  ServerProcess server(0, "", 3);
+  ASSERT_GT(server.port(), 0) << "the server process did not start";
+  const int fd = Connect(server.port());
+  ASSERT_GE(fd, 0);
+  std::array<uint8_t, cluster::auth::kChallengeBytes> challenge{};
+  size_t got = 0;
+  while (got < challenge.size()) {
+    const ssize_t n = recv(fd, challenge.data() + got, challenge.size() - got, 0);
+    ASSERT_GT(n, 0) << "no challenge";
+    got += size_t(n);
+  }
+  sockaddr_in self{};
+  socklen_t length = sizeof(self);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&self), &length), 0);
+  const uint16_t client_port = ntohs(self.sin_port);
+
+  ASSERT_EQ(kill(server.pid(), SIGSTOP), 0);
+  int status = 0;  // kill only asks: wait until every thread of it has stopped
+  ASSERT_EQ(waitpid(server.pid(), &status, WUNTRACED), server.pid());
+  ASSERT_TRUE(WIFSTOPPED(status));
+  const cluster::auth::Response request = cluster::auth::EncodeEnrolment(2);
+  ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+  const linger reset{1, 0};
+  ASSERT_EQ(setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset)), 0);
+  close(fd);  // a reset
+  const auto until = Clock::now() + 20s;
+  while (ServerSideListed(server.port(), client_port) && Clock::now() < until) {
+    std::this_thread::yield();
+  }
+  ASSERT_FALSE(ServerSideListed(server.port(), client_port)) << "the reset did not arrive";
+  ASSERT_EQ(kill(server.pid(), SIGCONT), 0);
+
+  try {
+    cluster::TcpStoreClient rank2("127.0.0.1", server.port(), 30'000ms, "", 2);
+    rank2.Set("k", "v");
+    EXPECT_EQ(rank2.Get("k", 30'000ms), "v");
+  } catch (const Error& e) {
+    FAIL() << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace collectives
