@@ -3,11 +3,6 @@
 // A standard header comes before <asio.hpp> on purpose: Asio decides how it allocates handler
 // memory (aligned_alloc or operator new) from a libstdc++ macro, so every file must have seen
 // <bits/c++config.h> before Asio, or two files disagree and memory is freed the wrong way.
-#include <fcntl.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <array>
 #include <asio.hpp>
 #include <cerrno>
@@ -23,6 +18,7 @@
 
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/listener_guard.h"
 #include "src/cluster/memory_store.h"
 #include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
@@ -42,69 +38,6 @@ void Log(const std::string& line) {
 std::string Describe(const tcp::endpoint& endpoint) {
   return FormatHostPort(endpoint.address().to_string(), endpoint.port());
 }
-
-// A descriptor held in reserve for when the process runs out (EMFILE, ENFILE). Accept then fails
-// without taking the connection at the head of the backlog, and nothing moves: closing the
-// spare lets one accept take that connection, only to close it. (The fabric's listener has the
-// same, in tcp_fabric.cc.)
-class SpareDescriptor {
- public:
-  SpareDescriptor() : fd_(Open()) {}
-  ~SpareDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  SpareDescriptor(const SpareDescriptor&) = delete;
-  SpareDescriptor& operator=(const SpareDescriptor&) = delete;
-
-  // Takes the connection at the head of `listener`'s backlog and closes it; false if none was
-  // there or no descriptor could be had.
-  bool DropOne(int listener) {
-    if (fd_ >= 0) ::close(fd_);
-    const int taken = ::accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (taken >= 0) ::close(taken);
-    fd_ = Open();
-    return taken >= 0;
-  }
-
- private:
-  static int Open() { return ::open("/dev/null", O_RDONLY | O_CLOEXEC); }
-  int fd_;
-};
-
-// Whether a connection waits in `listener`'s backlog.
-bool ConnectionWaiting(int listener) {
-  pollfd entry{listener, POLLIN, 0};
-  return ::poll(&entry, 1, 0) > 0 && (entry.revents & POLLIN) != 0;
-}
-
-bool OutOfDescriptors(const asio::error_code& ec) {
-  return ec == asio::error_code(EMFILE, asio::system_category()) ||
-         ec == asio::error_code(ENFILE, asio::system_category());
-}
-
-// Logs a line at most once a second (a flood of strangers must not flood the log too); the next
-// line logged says how many were left out.
-class RateLimitedLog {
- public:
-  void Write(const std::string& line) {
-    const Clock::time_point now = Clock::now();
-    if (written_ && now - last_ < std::chrono::seconds(1)) {
-      ++left_out_;
-      return;
-    }
-    Log(left_out_ == 0
-            ? line
-            : line + " (" + std::to_string(left_out_) + " more since the last such line)");
-    written_ = true;
-    last_ = now;
-    left_out_ = 0;
-  }
-
- private:
-  bool written_ = false;
-  Clock::time_point last_;
-  long left_out_ = 0;
-};
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // The factory: from a ClusterSpec and options to a connected communicator. It is the one file of
 // src/core that includes the implementations (src/ring, src/hierarchical, src/nccl,
 // src/transport); the rest of core depends on none of them.
+#include <chrono>
 #include <cstdlib>
 #include <string>
 
@@ -19,6 +20,8 @@
 namespace collectives {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 // The host of rank `rank`'s entry in spec.addresses (Validate checked that it parses).
 std::string ListedHost(const ClusterSpec& spec, int rank) {
   std::string why;
@@ -36,21 +39,26 @@ struct Rendezvous {
 };
 
 // The TCP mesh (and, for AUTO, the planner with this host's shared memory) under `rendezvous`;
-// a Split builds its communicators the same way under a key space of their own.
+// a Split builds its communicators the same way under a key space of their own. options.timeout
+// bounds the set-up as a whole, not each step: every step ends by `deadline` (the set-up's start
+// plus the timeout), so a step gets what the ones before it left, and its errors still name
+// options.timeout. The communicator's calls then run under the whole options.timeout.
 std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared_ptr<Store> store,
                                                  const Rendezvous& rendezvous,
-                                                 const CommunicationOptions& options) {
+                                                 const CommunicationOptions& options,
+                                                 Clock::time_point deadline) {
   transport::TcpFabricOptions tcp;
   tcp.job_id = rendezvous.job_id;
   tcp.token = rendezvous.token;
   tcp.timeout = options.timeout;
+  tcp.deadline = deadline;
   tcp.key_prefix = rendezvous.key_prefix;
   tcp.bind_host = rendezvous.bind_host;
   auto fabric = transport::ConnectTcpFabric(rank, size, *store, tcp);
   std::unique_ptr<ring::Planner> planner;
   if (options.implementation == Implementation::kAuto) {
     planner = hierarchical::CreatePlanner(rank, size, *store, rendezvous.job_id,
-                                          rendezvous.key_prefix, options);
+                                          rendezvous.key_prefix, options, deadline);
   }
   ring::SplitBuilder split = [store, rendezvous, options](int new_rank, int new_size,
                                                           const std::string& key_suffix,
@@ -59,12 +67,14 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
     sub.key_prefix += key_suffix;
     CommunicationOptions child = options;
     child.timeout = timeout;
-    return Connect(new_rank, new_size, store, sub, child);
+    return Connect(new_rank, new_size, store, sub, child, Clock::now() + timeout);
   };
   ring::Planner* const planner_view = planner.get();
   auto comm = ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
                                             std::move(planner), std::move(split));
-  if (planner_view != nullptr) hierarchical::Calibrate(*planner_view, *comm);
+  if (planner_view != nullptr) {
+    hierarchical::Calibrate(*planner_view, *comm, deadline, options.timeout);
+  }
   return comm;
 }
 
@@ -98,20 +108,18 @@ Implementation ParseImplementation(const std::string& name) {
               "unknown implementation '" + name + "' (expected ring, nccl or auto)");
 }
 
-std::unique_ptr<CollectiveCommunication> CreateCommunication(
-    const ClusterSpec& spec, const CommunicationOptions& options) {
-  spec.Validate();
-  const CommunicationOptions checked = core::CheckOptions(spec.rank, options);
-  return CreateCommunication(
-      spec, CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked)), checked);
-}
+namespace {
 
-std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& spec,
-                                                             std::shared_ptr<Store> store,
-                                                             const CommunicationOptions& given) {
+// CreateCommunication through `store`, for a set-up that began at `start` (when
+// CreateCommunication began making the store, if it did): it ends by start + options.timeout.
+std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
+                                                       std::shared_ptr<Store> store,
+                                                       const CommunicationOptions& given,
+                                                       Clock::time_point start) {
   spec.Validate();
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
   const CommunicationOptions options = core::CheckOptions(spec.rank, given);
+  const Clock::time_point deadline = start + options.timeout;  // a year at most: no overflow
   // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host);
   // choosing NCCL for CUDA tensors per call, across devices, is future work.
   if (options.implementation == Implementation::kNccl) {
@@ -122,9 +130,11 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
     // The generation as for RING below: one key space per communicator built on this store.
     const int64_t generation =
         store->Add(spec.job_id + "/generation/" + std::to_string(spec.rank), 1);
+    nccl::NcclOptions nccl_options;
+    nccl_options.setup_deadline = deadline;
     return nccl::CreateNcclCommunication(spec.rank, spec.world_size, std::move(store),
                                          spec.job_id + "/nccl/" + std::to_string(generation),
-                                         options);
+                                         options, nccl_options);
 #else
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(spec.rank) +
@@ -158,7 +168,26 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
                                 "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
                                 "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0");
   }
-  return Connect(spec.rank, spec.world_size, std::move(store), rendezvous, options);
+  return Connect(spec.rank, spec.world_size, std::move(store), rendezvous, options, deadline);
+}
+
+}  // namespace
+
+std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& spec,
+                                                             const CommunicationOptions& options) {
+  const Clock::time_point start = Clock::now();
+  spec.Validate();
+  const CommunicationOptions checked = core::CheckOptions(spec.rank, options);
+  // Connecting to the store is the set-up's first step: all of the timeout is left for it. It
+  // also stays the store's limit per operation, for as long as the store is used.
+  return CreateThrough(spec, CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked)),
+                       checked, start);
+}
+
+std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& spec,
+                                                             std::shared_ptr<Store> store,
+                                                             const CommunicationOptions& options) {
+  return CreateThrough(spec, std::move(store), options, Clock::now());
 }
 
 std::unique_ptr<CollectiveCommunication> CollectiveCommunication::Split(int color, int key) {

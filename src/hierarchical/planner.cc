@@ -42,6 +42,22 @@ class SubFabric final : public transport::Fabric {
 
 enum class Plan { kRing, kShm, kTwoLevel };
 
+// What is left of the set-up until `deadline`, at least a millisecond: a key already in the
+// store is still read; a wait times out at once.
+std::chrono::milliseconds Left(Clock::time_point deadline) {
+  return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                  std::chrono::milliseconds(1));
+}
+
+// A step of the set-up that ran out of what was left of it: `what` (its own message, which
+// names only what was left) after the set-up's whole `timeout`, as the mesh says it.
+Error SetupTimedOut(int rank, std::chrono::milliseconds timeout, std::string what) {
+  const std::string own = "rank " + std::to_string(rank) + ": ";
+  if (what.starts_with(own)) what.erase(0, own.size());  // said once, in front
+  return Error(ErrorCode::kTimeout, own + "timed out after " + std::to_string(timeout.count()) +
+                                        " ms setting up the communicator: " + what);
+}
+
 // Seconds of one all-reduce of n bytes in one plan: latency + n / bandwidth.
 struct PlanCost {
   double latency = 0;
@@ -204,7 +220,9 @@ class HierarchicalPlanner final : public ring::Planner {
   }
 
  private:
-  friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm);
+  friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
+                                      Clock::time_point deadline,
+                                      std::chrono::milliseconds timeout);
 
   // Whether an all-reduce of `bytes` runs in two levels: always when forced or being measured
   // so, never while the flat ring is measured, else when the model says it is cheaper.
@@ -265,7 +283,8 @@ bool Topology::Uniform() const {
 std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
-                                             const CommunicationOptions& options) {
+                                             const CommunicationOptions& options,
+                                             Clock::time_point deadline) {
   // "<shm>\n<slot>\n<host>\n<machine>": whether this rank allows shared memory (COLLECTIVES_SHM),
   // its COLLECTIVES_SHM_SLOT_BYTES (empty: unset), the host AUTO plans by (pretended or real), and
   // the machine the process really runs on, whose ranks compete for its cores. Every rank
@@ -285,7 +304,15 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   size_t ranks_on_machine = 0;
   bool shm_allowed = true;
   for (int r = 0; r < size; ++r) {
-    const std::string all = store.Get(key_prefix + "/host/" + std::to_string(r), options.timeout);
+    std::string all;
+    try {
+      all = store.Get(key_prefix + "/host/" + std::to_string(r), Left(deadline));
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kTimeout) throw;
+      throw SetupTimedOut(rank, options.timeout,
+                          "rank " + std::to_string(r) + " never published its host record (" +
+                              error.message() + ")");
+    }
     std::vector<std::string> fields;  // shm, slot, host; the machine is the rest
     size_t from = 0;
     for (size_t end; fields.size() < 3 && (end = all.find('\n', from)) != std::string::npos;) {
@@ -313,14 +340,15 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
   }
   // An error every rank reaches from the records above: each counts itself in the store before
-  // it throws, and rank 0, whose process may serve the store, waits (10 s at most) until every
-  // rank has, so that the others raise this error rather than "store lost".
+  // it throws, and rank 0, whose process may serve the store, waits (10 s at most, and not past
+  // the set-up's deadline) until every rank has, so that the others raise this error rather
+  // than "store lost".
   const auto together = [&](Error error) {
     try {
       const std::string failed = key_prefix + "/host/failed";
       store.Add(failed, 1);
       const auto until =
-          Clock::now() + std::min<Clock::duration>(options.timeout, std::chrono::seconds(10));
+          Clock::now() + std::min<Clock::duration>(Left(deadline), std::chrono::seconds(10));
       while (rank == 0 && store.Add(failed, 0) < size && Clock::now() < until) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
@@ -349,7 +377,6 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     ShmGroupOptions shm;
     shm.job_id = job_id;
     shm.key_prefix = key_prefix;
-    shm.timeout = options.timeout;
     // Steps are cut at the slot size, within a host and between hosts alike: every rank must
     // have the same one.
     for (int r = 1; r < size; ++r) {
@@ -368,24 +395,38 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                             ? ring::kDefaultSpinUs
                             : 0;
     shm.spin = std::chrono::microseconds(spin_us);
-    group = ShmGroup::Create(rank, local, store, shm);
+    shm.timeout = Left(deadline);
+    try {
+      group = ShmGroup::Create(rank, local, store, shm);
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kTimeout) throw;
+      throw SetupTimedOut(rank, options.timeout, error.message());
+    }
   }
   return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
                                                plan, forced == "two_level", options);
 }
 
-void Calibrate(ring::Planner& base, CollectiveCommunication& comm) {
+void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_point deadline,
+               std::chrono::milliseconds timeout) {
   auto* planner = dynamic_cast<HierarchicalPlanner*>(&base);
   if (planner == nullptr || planner->plan_ != Plan::kTwoLevel || planner->forced_) return;
   // Each plan, end to end through this communicator: 8 B (latency) and 4 MiB (bandwidth), each
   // warmed up first (buffers, connections, pages), the median of 3 rounds, the slowest rank's
   // figure (an all-reduce of the times, so every rank holds the same numbers and decides alike).
+  // Every call ends by the set-up's deadline: a call's limit counts from its start, so each
+  // gets what is left (setting it costs well under a microsecond, within the noise of an 8 B
+  // all-reduce).
+  const auto by_deadline = [&]() -> CollectiveCommunication& {
+    comm.SetTimeout(Left(deadline));
+    return comm;
+  };
   std::vector<float> buffer(size_t{1} << 20, 0.0f);
   const auto round = [&](size_t count, int calls) {
     const Tensor t{buffer.data(), count, DataType::kFloat32};
-    comm.Barrier();
+    by_deadline().Barrier();
     const auto start = Clock::now();
-    for (int i = 0; i < calls; ++i) comm.AllReduce(t, ReduceOp::kSum);
+    for (int i = 0; i < calls; ++i) by_deadline().AllReduce(t, ReduceOp::kSum);
     return std::chrono::duration<double>(Clock::now() - start).count() / calls;
   };
   const auto median_of_3 = [&](size_t count, int calls) {
@@ -394,15 +435,21 @@ void Calibrate(ring::Planner& base, CollectiveCommunication& comm) {
     return r[1];
   };
   double times[4];
-  for (int plan = 0; plan < 2; ++plan) {
-    planner->measuring_ = plan == 0 ? HierarchicalPlanner::Measuring::kTwoLevel
-                                    : HierarchicalPlanner::Measuring::kFlat;
-    round(2, 3);  // warm-up
-    round(buffer.size(), 1);
-    times[2 * plan] = median_of_3(2, 10);
-    times[2 * plan + 1] = median_of_3(buffer.size(), 2);
+  try {
+    for (int plan = 0; plan < 2; ++plan) {
+      planner->measuring_ = plan == 0 ? HierarchicalPlanner::Measuring::kTwoLevel
+                                      : HierarchicalPlanner::Measuring::kFlat;
+      round(2, 3);  // warm-up
+      round(buffer.size(), 1);
+      times[2 * plan] = median_of_3(2, 10);
+      times[2 * plan + 1] = median_of_3(buffer.size(), 2);
+    }
+    by_deadline().AllReduce(Tensor{times, 4, DataType::kFloat64}, ReduceOp::kMax);
+  } catch (const Error& error) {
+    if (error.code() != ErrorCode::kTimeout) throw;
+    throw SetupTimedOut(comm.rank(), timeout, error.message());
   }
-  comm.AllReduce(Tensor{times, 4, DataType::kFloat64}, ReduceOp::kMax);
+  comm.SetTimeout(timeout);
   const double bytes = double(buffer.size() * sizeof(float));
   const auto fit = [&](double small, double large) {
     return PlanCost{small, std::max(large - small, 0.0) / bytes};

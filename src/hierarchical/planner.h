@@ -7,6 +7,7 @@
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
 #define COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,10 +37,14 @@ struct Topology {
 // more); hosts of different rank counts run every collective on the flat TCP ring. Throws
 // Error(kNotSupported) when options.algorithm names a plan this topology cannot run. With several
 // hosts of as many ranks each, the planner runs all-reduces on the flat ring until Calibrate.
+// A step of the communicator's set-up: it waits until `deadline` at most (what is left of
+// options.timeout, which bounds the set-up as a whole), and its Error(kTimeout) names
+// options.timeout.
 std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
-                                             const CommunicationOptions& options);
+                                             const CommunicationOptions& options,
+                                             std::chrono::steady_clock::time_point deadline);
 
 // With several hosts of as many ranks each (and no algorithm forced): measures the cost model
 // AUTO decides all-reduces by, through `comm` (the communicator `planner` belongs to; a
@@ -47,7 +52,10 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
 // the two-level one and the flat ring, end to end (8 B and 4 MiB all-reduces, the slowest
 // rank's time), so that oversubscribed cores and shared links count as they will. Every rank
 // then holds the same figures and makes the same choice. A no-op for other planners.
-void Calibrate(ring::Planner& planner, CollectiveCommunication& comm);
+// The last step of the communicator's set-up: its calls end by `deadline`, their Error(kTimeout)
+// names `timeout` (the set-up's), and the calls after it run under `timeout` again.
+void Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
+               std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout);
 
 }  // namespace collectives::hierarchical
 

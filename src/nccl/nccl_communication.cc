@@ -1,6 +1,7 @@
 // The NCCL implementation of CollectiveCommunication (see nccl_communication.h).
 #include "src/nccl/nccl_communication.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -750,7 +751,7 @@ std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int s
                                                  " does not exist (" +
                                                  std::to_string(api.device_count) + " visible)");
   }
-  const auto deadline = Clock::now() + options.timeout;
+  const auto deadline = std::min(Clock::now() + options.timeout, nccl_options.setup_deadline);
 
   // The unique id, from rank 0 through the store.
   const std::string key = key_prefix + "/id";
@@ -763,7 +764,9 @@ std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int s
     }
     store->Set(key, EncodeUniqueId(id));
   } else {
-    id = DecodeUniqueId(store->Get(key, options.timeout));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    id = DecodeUniqueId(store->Get(key, std::max(left, std::chrono::milliseconds(1))));
   }
 
   cudaError_t status = api.cudaSetDevice(device);

@@ -35,6 +35,7 @@
 
 #include <nccl.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -60,12 +61,19 @@ struct NcclOptions {
   // and cudaStreamWaitEvent, or a synchronisation) before it issues a collective.
   // Default: null.
   void* stream = nullptr;
+
+  // When the set-up must be done, if sooner than options.timeout after this call starts: the
+  // factory's set-up began before (connecting to the store), and options.timeout bounds it as a
+  // whole. Errors still name options.timeout.
+  // Default: none.
+  std::chrono::steady_clock::time_point setup_deadline =
+      std::chrono::steady_clock::time_point::max();
 };
 
 // Builds rank `rank` of `size` over NCCL, rendezvousing through `store` under `key_prefix`
 // (unique to this communicator: the factory uses "<job_id>/nccl/<generation>"). `store` is
 // kept alive as long as the communicator (rank 0 may host it). Blocks until every rank has
-// joined or options.timeout passed.
+// joined, options.timeout passed or nccl_options.setup_deadline came.
 // Throws Error(kNotSupported) when options.algorithm is set (CheckNcclAlgorithm) or NCCL or a GPU
 // is not usable here (see nccl_loader.h), both before the store is touched,
 // Error(kInvalidArgument) for a bad device, Error(kTimeout) when the set-up takes too long, and

@@ -33,7 +33,6 @@
 // the shutdown before it throws.
 #include "src/transport/tcp_fabric.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -54,6 +53,7 @@
 #include <optional>
 #include <vector>
 
+#include "src/cluster/listener_guard.h"
 #include "src/cluster/store_common.h"
 #include "src/core/environment.h"
 #include "src/transport/fabric_errors.h"
@@ -1324,69 +1324,10 @@ bool PeerOnThisHost(const tcp::socket& socket) {
 // at the set-up deadline; a rank's handshake takes a few round trips.
 constexpr std::chrono::seconds kServerHandshakeLimit{10};
 
-// A descriptor held in reserve for when the process runs out (EMFILE, ENFILE). Accept then fails
-// without taking the connection at the head of the backlog, and nothing moves: closing the
-// spare lets one accept take that connection, only to close it. (The same as in
-// tcp_store_server.cc: src/cluster may not include src/transport.)
-class SpareDescriptor {
- public:
-  SpareDescriptor() : fd_(Open()) {}
-  ~SpareDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  SpareDescriptor(const SpareDescriptor&) = delete;
-  SpareDescriptor& operator=(const SpareDescriptor&) = delete;
-
-  // Takes the connection at the head of `listener`'s backlog and closes it; false if none was
-  // there or no descriptor could be had.
-  bool DropOne(int listener) {
-    if (fd_ >= 0) ::close(fd_);
-    const int taken = ::accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (taken >= 0) ::close(taken);
-    fd_ = Open();
-    return taken >= 0;
-  }
-
- private:
-  static int Open() { return ::open("/dev/null", O_RDONLY | O_CLOEXEC); }
-  int fd_;
-};
-
-// Whether a connection waits in `listener`'s backlog.
-bool ConnectionWaiting(int listener) {
-  pollfd entry{listener, POLLIN, 0};
-  return ::poll(&entry, 1, 0) > 0 && (entry.revents & POLLIN) != 0;
-}
-
-bool OutOfDescriptors(const asio::error_code& ec) {
-  return ec == asio::error_code(EMFILE, asio::system_category()) ||
-         ec == asio::error_code(ENFILE, asio::system_category());
-}
-
-// Writes a line to stderr at most once a second (a flood of strangers must not flood the log
-// too); the next line written says how many were left out.
-class RateLimitedLog {
- public:
-  void Write(const std::string& line) {
-    const Clock::time_point now = Clock::now();
-    if (written_ && now - last_ < std::chrono::seconds(1)) {
-      ++left_out_;
-      return;
-    }
-    std::string text = "collectives: " + line;
-    if (left_out_ > 0) text += " (" + std::to_string(left_out_) + " more since the last such line)";
-    text += "\n";
-    std::cerr << text << std::flush;  // one write, so that ranks' lines do not interleave
-    written_ = true;
-    last_ = now;
-    left_out_ = 0;
-  }
-
- private:
-  bool written_ = false;
-  Clock::time_point last_;
-  long left_out_ = 0;
-};
+using cluster::ConnectionWaiting;
+using cluster::OutOfDescriptors;
+using cluster::RateLimitedLog;
+using cluster::SpareDescriptor;
 
 // Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
 // Used by one thread.
@@ -1397,7 +1338,7 @@ class MeshBuilder {
         size_(size),
         options_(options),
         start_(Clock::now()),
-        deadline_(start_ + options.timeout),
+        deadline_(std::min(start_ + options.timeout, options.deadline)),
         receive_buffer_(ConfiguredReceiveBuffer(size)),
         send_buffers_(SendBufferBytes(std::getenv("COLLECTIVES_SOCKET_SNDBUF"))),
         acceptor_(io_),

@@ -37,6 +37,10 @@ struct TcpFabricOptions {
   std::string key_prefix = "collectives";
   // Limit on the whole set-up: store lookups, connects, accepts, handshakes.
   std::chrono::milliseconds timeout{60'000};
+  // When the set-up must be done, if sooner than `timeout` after it starts: a communicator
+  // whose set-up has other steps gives the mesh what is left of its timeout. Errors still
+  // name `timeout`, the limit of the set-up as a whole.
+  Clock::time_point deadline = Clock::time_point::max();
 };
 
 // Builds the mesh. Blocks until every connection is up. Throws Error(kTimeout) naming the

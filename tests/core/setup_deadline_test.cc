@@ -1,0 +1,150 @@
+// CommunicationOptions::timeout bounds a communicator's set-up as a whole, not each of its steps:
+// two ranks as threads under AUTO over a memory store, where rank 1 publishes its mesh address,
+// and then its host record, each a little under the timeout late. Either delay alone fits in the
+// timeout; both together do not, and rank 0 raises kTimeout about when the timeout has passed,
+// naming it and the rank it still waited for. (With a timeout of its own per step, the set-up
+// succeeded after about 1.6 times the timeout.)
+//   - CreateCommunication with a given store;
+//   - Split: the child's set-up, under the parent's timeout.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+
+namespace collectives {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::chrono::milliseconds kTimeout{1500};
+constexpr std::chrono::milliseconds kDelay{1200};  // of each slow step
+// Room above the timeout for a loaded machine. A set-up that gives each step the whole timeout
+// takes at least 2 * kDelay before rank 0 sees what it waited for.
+constexpr std::chrono::milliseconds kSlack{1500};
+
+// Opened once rank 0 is done, so that rank 1 stops dawdling and the test ends early.
+class Gate {
+ public:
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    opened_.notify_all();
+  }
+  void WaitFor(std::chrono::milliseconds delay) {
+    std::unique_lock<std::mutex> lock(mu_);
+    opened_.wait_for(lock, delay, [this] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable opened_;
+  bool open_ = false;
+};
+
+// Rank 1's view of the store: a Set of a key that `slow` picks waits kDelay first (or until the
+// gate opens).
+class SlowStore final : public Store {
+ public:
+  SlowStore(std::shared_ptr<Store> inner, std::function<bool(const std::string&)> slow, Gate& gate)
+      : inner_(std::move(inner)), slow_(std::move(slow)), gate_(gate) {}
+
+  void Set(const std::string& key, const std::string& value) override {
+    if (slow_(key)) gate_.WaitFor(kDelay);
+    inner_->Set(key, value);
+  }
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return inner_->Get(key, timeout);
+  }
+  int64_t Add(const std::string& key, int64_t delta) override { return inner_->Add(key, delta); }
+
+ private:
+  const std::shared_ptr<Store> inner_;
+  const std::function<bool(const std::string&)> slow_;
+  Gate& gate_;
+};
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The mesh address (ring's TCP fabric) and the host record (AUTO's planner).
+bool AddressOrHostRecord(const std::string& key) {
+  return Contains(key, "/addr/") || Contains(key, "/host/");
+}
+
+// Runs `set_up` on rank 0 and rank 1 (whose store is `slow`), each on its own thread, and checks
+// that rank 0's raises kTimeout within the timeout and some slack.
+void ExpectRankZeroTimesOutInTime(
+    const std::function<bool(const std::string&)>& slow,
+    const std::function<std::unique_ptr<CollectiveCommunication>(int, std::shared_ptr<Store>)>&
+        set_up) {
+  const auto store = CreateMemoryStore();
+  Gate gate;
+  std::thread rank1([&] {
+    try {
+      set_up(1, std::make_shared<SlowStore>(store, slow, gate));
+    } catch (const Error&) {
+      // Rank 0 gave up on it: whatever it raises, it raised rather than hung.
+    }
+  });
+  const auto start = Clock::now();
+  try {
+    set_up(0, store);
+    ADD_FAILURE()
+        << "rank 0's set-up succeeded after "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()
+        << " ms, past its " << kTimeout.count() << " ms timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_TRUE(Contains(e.message(),
+                         "timed out after " + std::to_string(kTimeout.count()) + " ms setting up"))
+        << e.what();
+    EXPECT_TRUE(Contains(e.message(), "rank 1")) << e.what();
+  }
+  EXPECT_LT(Clock::now() - start, kTimeout + kSlack);
+  gate.Open();
+  rank1.join();
+}
+
+ClusterSpec Spec(int rank) {
+  ClusterSpec spec;
+  spec.rank = rank;
+  spec.world_size = 2;
+  spec.master_port = 1;  // unused: the store is given
+  return spec;
+}
+
+CommunicationOptions Options() {
+  CommunicationOptions options;
+  options.implementation = Implementation::kAuto;
+  options.timeout = kTimeout;
+  return options;
+}
+
+TEST(SetupDeadlineTest, CreateCommunicationSharesOneTimeoutAmongItsSteps) {
+  ExpectRankZeroTimesOutInTime(AddressOrHostRecord, [](int rank, std::shared_ptr<Store> store) {
+    return CreateCommunication(Spec(rank), std::move(store), Options());
+  });
+}
+
+TEST(SetupDeadlineTest, SplitSharesOneTimeoutAmongTheChildsSteps) {
+  // The parents are built without delay; only the child's keys (under ".../split1/0/") are slow.
+  ExpectRankZeroTimesOutInTime(
+      [](const std::string& key) { return Contains(key, "/split") && AddressOrHostRecord(key); },
+      [](int rank, std::shared_ptr<Store> store) {
+        auto parent = CreateCommunication(Spec(rank), std::move(store), Options());
+        return parent->Split(0, rank);
+      });
+}
+
+}  // namespace
+}  // namespace collectives
