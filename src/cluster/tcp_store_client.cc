@@ -305,8 +305,8 @@ class TcpStoreClient::Impl {
   }
 
  private:
-  // Runs one exchange on a pooled (or new) connection. Returns the reply, whose status is kOk
-  // or kTimeout; throws for everything else.
+  // Runs one exchange on a pooled (or new) connection. Returns the reply, whose status is kOk,
+  // or kTimeout for a Get; throws for everything else.
   wire::Header Call(const char* what, const wire::Header& request, const std::string& key,
                     const std::string& value, Clock::time_point deadline,
                     std::string* reply_value) {
@@ -321,6 +321,14 @@ class TcpStoreClient::Impl {
     }
     if (result == Connection::Result::kFailed) {
       throw Error(ErrorCode::kPeerLost, context + " failed: " + why);
+    }
+    // Only a Get waits, so only a Get can time out on the server: a timeout answering a Set or
+    // an Add is a server out of step with this client (not a Set done, nor an Add's sum). The
+    // connection is not reused.
+    if (reply.code == static_cast<uint8_t>(wire::Status::kTimeout) &&
+        request.code != static_cast<uint8_t>(wire::Op::kGet)) {
+      throw Error(ErrorCode::kPeerLost,
+                  context + " failed: malformed reply: status 'timeout' answers only a Get");
     }
     Release(std::move(connection));
     if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {

@@ -455,6 +455,26 @@ TEST_P(FabricTest, AbortOfAnIdleFabricReachesPeersAtOnce) {
   }
 }
 
+// The message is the peer's own: its control bytes (a newline, a terminal escape) reach the
+// others escaped, so that the error stays one line of a log.
+TEST_P(FabricTest, AnAbortMessagesControlBytesAreEscaped) {
+  const auto errors = RunRanks(size_, [&](int rank) {
+    if (rank == 0) {
+      fabric(0).Abort(Error(ErrorCode::kAborted, "rank 0: two\nlines \x1b[31mred\x7f \xc3\xa9"));
+      return;
+    }
+    uint8_t byte = 0;
+    Connection& from = fabric(rank).connection(0);
+    from.WaitRecv(from.PostRecv(Tag(9, 1), &byte, 1));
+  });
+  for (int rank = 1; rank < size_; ++rank) {
+    ASSERT_TRUE(errors[rank]);
+    EXPECT_EQ(errors[rank]->message(),
+              "rank " + std::to_string(rank) +
+                  ": rank 0 aborted the job: rank 0: two\\x0alines \\x1b[31mred\\x7f \xc3\xa9");
+  }
+}
+
 // Over TCP, a rank that already read a frame on a connection and waits for a small one asks for
 // its payload and the next header in the same read (kInlinePayload). An abort frame arriving
 // instead is longer than both: all of it must still be read as the abort, so the waiting ranks
