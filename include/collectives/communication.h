@@ -59,7 +59,10 @@ struct CommunicationOptions {
   size_t bytes_per_pack = 0;
 
   // Longest a collective may take from the moment it starts running, and longest the
-  // rendezvous and connection set-up may take. A peer that is silent for longer raises
+  // rendezvous and connection set-up may take, counted from this rank's call and for all of it
+  // together (the store's rendezvous, the connections, AUTO's host records, shared memory and
+  // calibration; a rank that comes early spends it waiting for the others). The TCP store keeps
+  // it as its own limit per operation. A peer that is silent for longer raises
   // Error(kTimeout) naming it. Long enough for a 1 GiB all-reduce over a slow link. Must be
   // positive (else Error(kInvalidArgument)); anything above a year, milliseconds::max() for
   // "never" included, is read as a year.
@@ -208,6 +211,8 @@ class CollectiveCommunication {
   // get a new communicator of their own, ranked by key (ties by rank in this one); a negative
   // color gets nullptr. The new communicator has its own connections (and shared memory), the
   // options of this one with its current timeout (SetTimeout's), and lives independently of it.
+  // That timeout bounds each of the split's two steps: the exchange of colors and keys through
+  // this communicator, then the new one's whole set-up.
   // An Abort of this one during the split makes the split raise. Implementations that cannot split
   // throw Error(kNotSupported).
   virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);

@@ -16,6 +16,7 @@
 #include "src/cluster/tcp_store.h"
 #include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
+#include "src/core/text.h"
 
 namespace collectives::cluster {
 namespace {
@@ -332,7 +333,7 @@ class TcpStoreClient::Impl {
     }
     Release(std::move(connection));
     if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {
-      throw Error(ErrorCode::kInvalidArgument, *reply_value);
+      throw Error(ErrorCode::kInvalidArgument, core::OneLine(*reply_value));
     }
     return reply;
   }

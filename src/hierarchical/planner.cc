@@ -309,9 +309,9 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
       all = store.Get(key_prefix + "/host/" + std::to_string(r), Left(deadline));
     } catch (const Error& error) {
       if (error.code() != ErrorCode::kTimeout) throw;
-      throw SetupTimedOut(rank, options.timeout,
-                          "rank " + std::to_string(r) + " never published its host record (" +
-                              error.message() + ")");
+      throw SetupTimedOut(
+          rank, options.timeout,
+          "rank " + std::to_string(r) + "'s host record did not come (" + error.message() + ")");
     }
     std::vector<std::string> fields;  // shm, slot, host; the machine is the rest
     size_t from = 0;

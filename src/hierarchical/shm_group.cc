@@ -29,6 +29,7 @@
 
 #include "src/core/environment.h"
 #include "src/core/kernels.h"
+#include "src/core/text.h"
 #include "src/core/work.h"
 #include "src/transport/fabric_errors.h"
 
@@ -175,7 +176,7 @@ Error PublishedFailure(const std::string& text, const std::string& prefix, bool 
                    (by_creator ? "rank " + std::to_string(payload->culprit) +
                                      ", which creates this host's segment, failed: "
                                : "a member of this host's group failed to set up: ") +
-                   payload->message);
+                   core::OneLine(payload->message));
 }
 
 // Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
@@ -293,6 +294,13 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
                                           "include this rank");
   }
   const int index = int(it - members.begin());
+  // options.timeout bounds the set-up as a whole: the name's lookup and the wait for every member
+  // to attach share it (each had all of it).
+  const auto deadline = Clock::now() + options.timeout;
+  const auto left = [&deadline] {
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                    std::chrono::milliseconds(1));
+  };
   std::unique_ptr<ShmGroup> group(new ShmGroup(rank, members, index, options));
   Segment& seg = *group->segment_;
   seg.members = members.size();
@@ -320,6 +328,10 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     }
     return error;
   };
+
+  // A failure is counted before its text is set (report): a member that saw the count waits a
+  // moment for the text even when the set-up's time is up.
+  const auto failure_wait = [&left] { return std::max(left(), std::chrono::milliseconds(1000)); };
 
   const auto failure_published = [&] {
     try {
@@ -362,7 +374,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       throw report(Error(ErrorCode::kSystem, prefix + why));
     }
   } else {
-    seg.name = store.Get(key, options.timeout);
+    seg.name = store.Get(key, left());
     if (!seg.name.empty() && seg.name.front() == '!') {  // the creator's failure (see report)
       throw PublishedFailure(seg.name.substr(1), prefix, true);
     }
@@ -372,7 +384,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       // The creator removes the name when a member that attached first published its failure:
       // that failure is the cause, not the missing name.
       if (open_errno == ENOENT && failure_published()) {
-        throw PublishedFailure(store.Get(failure_key, options.timeout), prefix, false);
+        throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
       }
       errno = open_errno;
       throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
@@ -452,14 +464,13 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   // The last member to attach removes the name: from then on only the mappings hold the
   // segment, and the kernel frees it when the last member exits, however it exits.
   if (header.attached.fetch_add(1) + 1 == seg.members) shm_unlink(seg.name.c_str());
-  const auto deadline = Clock::now() + options.timeout;
   auto next_look = Clock::now();
   while (header.attached.load() < seg.members) {
     if (Clock::now() >= next_look) {  // a member that could not attach says so in the store
       next_look = Clock::now() + std::chrono::milliseconds(20);
       if (store.Add(failures_key, 0) > 0) {
         shm_unlink(seg.name.c_str());
-        throw PublishedFailure(store.Get(failure_key, options.timeout), prefix, false);
+        throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
       }
     }
     if (Clock::now() >= deadline) {

@@ -68,7 +68,7 @@ struct ShmGroupOptions {
   size_t small_bytes = kDefaultShmSmallBytes;
   // How long a waiter busy-polls before it sleeps.
   std::chrono::microseconds spin{50};
-  // Set-up limit (store lookups, waiting for every member to attach).
+  // Set-up limit, for all of it together (store lookups, waiting for every member to attach).
   std::chrono::milliseconds timeout{60'000};
 };
 

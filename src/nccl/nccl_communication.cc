@@ -766,7 +766,15 @@ std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int s
   } else {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    id = DecodeUniqueId(store->Get(key, std::max(left, std::chrono::milliseconds(1))));
+    try {
+      id = DecodeUniqueId(store->Get(key, std::max(left, std::chrono::milliseconds(1))));
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kTimeout) throw;
+      throw Error(ErrorCode::kTimeout, where + ": timed out after " + Ms(options.timeout) +
+                                           " setting up the communicator: rank 0's NCCL unique "
+                                           "id did not come (" +
+                                           error.message() + ")");
+    }
   }
 
   cudaError_t status = api.cudaSetDevice(device);

@@ -1,29 +1,12 @@
 // The wording of transport errors, shared by the TCP and in-process fabrics.
 #include "src/transport/fabric_errors.h"
 
+#include "src/core/text.h"
+
 namespace collectives::transport {
 namespace {
 
 std::string RankPrefix(int rank) { return "rank " + std::to_string(rank) + ": "; }
-
-// A peer's message, fit for one line of a log: control bytes (a newline, an escape sequence)
-// as \xNN. The rest, UTF-8 included, as sent.
-std::string OneLine(const std::string& message) {
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(message.size());
-  for (const char ch : message) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c >= 0x20 && c != 0x7f) {
-      out.push_back(ch);
-    } else {
-      out += "\\x";
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
-    }
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -57,7 +40,7 @@ Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, 
 
 Error AbortReceivedError(int rank, const AbortPayload& payload) {
   return Error(payload.code, RankPrefix(rank) + "rank " + std::to_string(payload.culprit) +
-                                 " aborted the job: " + OneLine(payload.message));
+                                 " aborted the job: " + core::OneLine(payload.message));
 }
 
 AbortPayload AbortPayloadFor(int rank, const Error& error) {

@@ -1442,9 +1442,9 @@ void MeshBuilder::ReadAddresses(Store& store) {
     }
     auto parsed = ParseHostPort(value);
     if (!parsed) {
-      throw Error(ErrorCode::kInvalidArgument, Prefix() + "rank " + std::to_string(peer) +
-                                                   " published a malformed address '" + value +
-                                                   "' under '" + key + "'");
+      throw Error(ErrorCode::kInvalidArgument,
+                  Prefix() + "rank " + std::to_string(peer) + " published a malformed address " +
+                      cluster::QuoteKey(value) + " under '" + key + "'");
     }
     addresses_[peer] = *parsed;
   }

@@ -172,8 +172,11 @@ class FakeServer {
     return fuzz::SendAll(fd, bytes, size, fuzz::After(kBound));
   }
 
-  // Reads the client's 64-byte response and sends a valid verdict on it for `token`.
-  bool Verdict(int fd, const std::string& token, const core::Nonce& server_nonce) {
+  // Reads the client's 64-byte response and sends a valid verdict on it for `token`, then
+  // `after` in the same send (two sends could be a second apart on a loaded machine: past the
+  // client's deadline for a reply that was valid).
+  bool Verdict(int fd, const std::string& token, const core::Nonce& server_nonce,
+               const uint8_t* after, size_t after_bytes) {
     auth::Response response{};
     if (!fuzz::ReadExact(fd, response.data(), response.size(), fuzz::After(kBound))) return false;
     core::Nonce client_nonce;
@@ -188,7 +191,9 @@ class FakeServer {
     verdict[0] = 1;
     const core::Proof mine = auth::StoreProof(token, client_nonce, server_nonce, auth::kServerRole);
     std::memcpy(verdict.data() + 1, mine.data(), mine.size());
-    return Send(fd, verdict.data(), verdict.size());
+    std::vector<uint8_t> out(verdict.begin(), verdict.end());
+    out.insert(out.end(), after, after + after_bytes);
+    return Send(fd, out.data(), out.size());
   }
 
   void Answer(int fd) {
@@ -218,8 +223,7 @@ class FakeServer {
       at += reply->bytes;
       token = reply->payload;
     }
-    if (!Verdict(fd, token, server_nonce)) return;
-    Send(fd, bytes + at, size - at);
+    Verdict(fd, token, server_nonce, bytes + at, size - at);
   }
 
   const int listener_;
@@ -252,6 +256,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const bool may_connect = challenge && (mode == Mode::kToken || (enrolment && enrolment->granted));
 
+  // A connection an earlier input's client left in the backlog (it gave up before the fake
+  // server accepted it) would take this input's answer.
+  for (pollfd waiting{listener.fd, POLLIN, 0}; ::poll(&waiting, 1, 0) > 0;) {
+    const int stale = ::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (stale < 0) break;
+    ::close(stale);
+  }
   FakeServer server(listener.fd, mode, bytes, bytes_size);
   std::optional<cluster::TcpStoreClient> client;
   try {

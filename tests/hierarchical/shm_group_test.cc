@@ -975,6 +975,38 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutRemovesTheSegment) {
   EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
 }
 
+// The set-up's timeout bounds all of it: a member that learns the segment's name late (the
+// creator came 2.7 s into its 3 s) waits for the member that never comes only for what is left,
+// not for another 3 s.
+TEST(ShmGroupSegmentTest, TheTimeoutBoundsTheNameLookupAndTheAttachTogether) {
+  ShmGroupOptions options = Options("one_deadline", 4096, 4096, 3);
+  options.timeout = std::chrono::milliseconds(3000);
+  const auto late = std::chrono::milliseconds(2700);
+  auto store = CreateMemoryStore();
+  std::thread creator([&] {
+    std::this_thread::sleep_for(late);
+    ShmGroupOptions own = options;
+    own.timeout = std::chrono::milliseconds(500);
+    try {
+      auto group = ShmGroup::Create(0, {0, 1, 2}, *store, own);
+      ADD_FAILURE() << "a group of three was built by two members";
+    } catch (const Error&) {
+      // Rank 2 never comes: the creator times out too.
+    }
+  });
+  const auto start = Clock::now();
+  try {
+    auto group = ShmGroup::Create(1, {0, 1, 2}, *store, options);
+    ADD_FAILURE() << "a group of three was built by two members";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("ranks 2 did not attach"), std::string::npos) << e.what();
+  }
+  // With the attach given a timeout of its own: 2.7 s + 3 s.
+  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::milliseconds(2000));
+  creator.join();
+}
+
 // The creator cannot publish the name (the store is gone): its error, and the segment it
 // created is removed, since no other member can ever learn the name to remove it.
 TEST(ShmGroupSegmentTest, ACreatorThatCannotPublishTheNameRemovesTheSegment) {

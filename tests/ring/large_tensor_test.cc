@@ -24,22 +24,37 @@ using testing::Transport;
 
 constexpr size_t kTwoGiB = size_t{1} << 31;
 
-// MemAvailable from /proc/meminfo, in bytes (0 when it cannot be read).
+// The number in a one-line file such as /sys/fs/cgroup/memory.max; SIZE_MAX for "max" or a file
+// that cannot be read.
+size_t ReadLimit(const std::string& path) {
+  std::ifstream file(path);
+  size_t value = 0;
+  return file >> value ? value : SIZE_MAX;
+}
+
+// What this process may still take, in bytes: MemAvailable from /proc/meminfo, or less where
+// the cgroup (v2) it runs in has a lower limit left (0 when neither can be read).
 size_t AvailableMemory() {
   std::ifstream meminfo("/proc/meminfo");
   std::string name;
   size_t kib = 0;
   std::string unit;
+  size_t available = 0;
   while (meminfo >> name >> kib >> unit) {
-    if (name == "MemAvailable:") return kib * 1024;
+    if (name == "MemAvailable:") available = kib * 1024;
   }
-  return 0;
+  const size_t limit = ReadLimit("/sys/fs/cgroup/memory.max");
+  const size_t used = ReadLimit("/sys/fs/cgroup/memory.current");
+  if (limit != SIZE_MAX && used != SIZE_MAX)
+    available = std::min(available, limit - std::min(limit, used));
+  return available;
 }
 
-// Rank r's element i: small enough that two ranks' sum stays an int8, and different at i and
-// i + 2^31 only in how it is placed (a wrapped offset lands 2^31 elements away: 5 apart here).
+// Rank r's element i: six bits of a hash of i (no period a misplaced chunk could hide in), so
+// that two ranks' sum stays an int8; i and i + 2^31 hash apart too (a wrapped offset).
 int8_t Value(int rank, size_t i) {
-  return static_cast<int8_t>(((i ^ (i >> 31) * 5) + size_t(rank) * 3) & 63);
+  const uint32_t h = (uint32_t(i) ^ uint32_t(i >> 31) * 5u) * 0x9E3779B1u;  // 32 bits: vectorizes
+  return static_cast<int8_t>(((h >> 26) + uint32_t(rank) * 3) & 63);
 }
 
 // Anonymous memory in huge pages where the kernel has them: a 2 GiB std::vector faults in and
