@@ -30,6 +30,7 @@
 #include "collectives/errors.h"
 #include "src/cluster/tcp_store.h"
 #include "src/cluster/tcp_store_auth.h"
+#include "tests/transport/idle_connections.h"
 
 namespace collectives {
 namespace {
@@ -126,53 +127,6 @@ bool ClosedByPeerBefore(int fd, Clock::time_point deadline) {
   return false;
 }
 
-class Connections {
- public:
-  ~Connections() {
-    for (int fd : fds_) close(fd);
-  }
-  void Open(uint16_t port, int count) {
-    for (int i = 0; i < count; ++i) {
-      const int fd = Connect(port);
-      ASSERT_GE(fd, 0) << "connection " << i;
-      fds_.push_back(fd);
-    }
-  }
-  const std::vector<int>& fds() const { return fds_; }
-
-  // Waits until at least `count` of them were closed (or reset) by the peer, or `deadline`
-  // passes; returns how many were. Bytes the peer sent are dropped.
-  size_t WaitClosed(size_t count, Clock::time_point deadline) {
-    closed_.resize(fds_.size(), false);
-    for (;;) {
-      size_t closed = 0;
-      std::vector<pollfd> open;
-      for (size_t i = 0; i < fds_.size(); ++i) {
-        char buffer[256];
-        ssize_t n = -1;
-        while (!closed_[i] && (n = recv(fds_[i], buffer, sizeof(buffer), MSG_DONTWAIT)) != 0) {
-          if (n < 0) {
-            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) closed_[i] = true;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-          }
-        }
-        if (n == 0) closed_[i] = true;
-        if (closed_[i]) {
-          ++closed;
-        } else {
-          open.push_back(pollfd{fds_[i], POLLIN, 0});
-        }
-      }
-      if (closed >= count || Clock::now() >= deadline || open.empty()) return closed;
-      poll(open.data(), open.size(), 100);
-    }
-  }
-
- private:
-  std::vector<int> fds_;
-  std::vector<bool> closed_;
-};
-
 // 80 strangers connect and say nothing; the server has 64 descriptors. A client with the token
 // must still get in at once, not after the strangers' 10 s to prove the token run out. With a
 // world size of 2 the server closes the oldest stranger past 2 * 2 + 16 unproven connections;
@@ -181,10 +135,10 @@ class IdleStrangersTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(IdleStrangersTest, DoNotKeepARankOut) {
   const int world_size = GetParam();
-  Connections strangers;  // closed after the server's process ended: no line for each
+  testing::IdleConnections strangers;  // closed after the server's process ended: no line each
   ServerProcess server(64, "the token", world_size);
   ASSERT_GT(server.port(), 0) << "the server process did not start";
-  strangers.Open(server.port(), 80);
+  ASSERT_EQ(strangers.Open("127.0.0.1:" + std::to_string(server.port()), 80), 80u);
   if (world_size == 2) {
     // All but the newest 2 * 2 + 16 are closed as the next ones come, long before their 10 s.
     const size_t closed = strangers.WaitClosed(80 - 20, Clock::now() + 8s);
@@ -219,8 +173,8 @@ TEST(TcpStoreOutOfDescriptorsTest, TheBacklogStillMoves) {
     }
   });
   ASSERT_GT(server.port(), 0) << "the server process did not start";
-  Connections waiting;  // closed before the server's process ends: dropped already
-  waiting.Open(server.port(), 5);
+  testing::IdleConnections waiting;  // closed before the server's process ends: dropped already
+  ASSERT_EQ(waiting.Open("127.0.0.1:" + std::to_string(server.port()), 5), 5u);
   const auto deadline = Clock::now() + 20s;
   for (int fd : waiting.fds()) {
     EXPECT_TRUE(ClosedByPeerBefore(fd, deadline)) << "a connection stayed in the backlog";

@@ -24,6 +24,7 @@
 #include "collectives/errors.h"
 #include "src/transport/tcp_fabric.h"
 #include "tests/transport/fabric_test_util.h"
+#include "tests/transport/idle_connections.h"
 
 namespace collectives::transport {
 namespace {
@@ -128,59 +129,6 @@ class RankOneProcess {
   bool kill_ = false;
 };
 
-// Idle connections to `address` ("host:port"), closed with the object.
-class Strangers {
- public:
-  Strangers(const std::string& address, int count) {
-    const size_t colon = address.rfind(':');
-    sockaddr_in target{};
-    target.sin_family = AF_INET;
-    target.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
-    inet_pton(AF_INET, address.substr(0, colon).c_str(), &target.sin_addr);
-    for (int i = 0; i < count; ++i) {
-      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (fd < 0) break;
-      if (connect(fd, reinterpret_cast<sockaddr*>(&target), sizeof(target)) != 0) {
-        close(fd);
-        break;
-      }
-      fds_.push_back(fd);
-    }
-  }
-  ~Strangers() {
-    for (int fd : fds_) close(fd);
-  }
-  size_t size() const { return fds_.size(); }
-
-  // Waits until at least `count` of them were closed (or reset) by the peer, or `deadline`
-  // passes; returns how many were.
-  size_t WaitClosed(size_t count, Clock::time_point deadline) {
-    closed_.resize(fds_.size(), false);
-    for (;;) {
-      size_t closed = 0;
-      std::vector<pollfd> open;
-      for (size_t i = 0; i < fds_.size(); ++i) {
-        if (!closed_[i]) {
-          char byte;
-          const ssize_t n = recv(fds_[i], &byte, 1, MSG_DONTWAIT);
-          closed_[i] = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
-        }
-        if (closed_[i]) {
-          ++closed;
-        } else {
-          open.push_back(pollfd{fds_[i], POLLIN, 0});
-        }
-      }
-      if (closed >= count || Clock::now() >= deadline || open.empty()) return closed;
-      poll(open.data(), open.size(), 100);
-    }
-  }
-
- private:
-  std::vector<int> fds_;
-  std::vector<bool> closed_;
-};
-
 // 80 strangers hold connections to rank 1's listener; then rank 0 connects. It must get in at
 // once, not after the strangers' handshakes run out. With 40 descriptors to spare, the bound on
 // handshakes (2 * 1 + 16) makes the room; with 12, accept runs out of descriptors first and
@@ -191,7 +139,8 @@ TEST_P(IdleStrangersTest, DoNotKeepThePeerOut) {
   RankOneProcess rank1(static_cast<rlim_t>(GetParam()), 60'000ms);
   const std::string address = rank1.ReadLine(30'000ms);
   ASSERT_FALSE(address.empty()) << "rank 1 did not publish its address";
-  Strangers strangers(address, 80);
+  collectives::testing::IdleConnections strangers;
+  strangers.Open(address, 80);
   ASSERT_EQ(strangers.size(), 80u);
   if (GetParam() == 40) {
     // All but the newest 2 * 1 + 16 are cancelled as the next ones come, long before their 10 s.
@@ -235,7 +184,8 @@ TEST(ListenerHandshakeLimitTest, ASilentStrangerIsClosedAfterTenSeconds) {
   });
   const std::string address = store->Get("limits-test/addr/1", 30'000ms);
   const auto start = Clock::now();
-  Strangers stranger(address, 1);
+  collectives::testing::IdleConnections stranger;
+  stranger.Open(address, 1);
   ASSERT_EQ(stranger.size(), 1u);
   const size_t closed = stranger.WaitClosed(1, start + 30s);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -259,7 +209,8 @@ TEST(ListenerOutOfDescriptorsTest, TheBacklogStillMoves) {
   rank1.KillWhenDone();
   const std::string address = rank1.ReadLine(30'000ms);
   ASSERT_FALSE(address.empty()) << "rank 1 did not publish its address";
-  Strangers waiting(address, 5);
+  collectives::testing::IdleConnections waiting;
+  waiting.Open(address, 5);
   ASSERT_EQ(waiting.size(), 5u);
   EXPECT_EQ(waiting.WaitClosed(5, Clock::now() + 20s), 5u) << "connections stayed in the backlog";
 }
@@ -269,7 +220,8 @@ TEST(ListenerTimeoutTest, NamesTheLastAcceptError) {
   RankOneProcess rank1(10, 3'000ms);
   const std::string address = rank1.ReadLine(30'000ms);
   ASSERT_FALSE(address.empty()) << "rank 1 did not publish its address";
-  Strangers strangers(address, 40);
+  collectives::testing::IdleConnections strangers;
+  strangers.Open(address, 40);
   const std::string outcome = rank1.ReadLine(60'000ms);
   EXPECT_NE(outcome.find("error timeout: "), std::string::npos) << outcome;
   EXPECT_NE(outcome.find("still missing rank 0"), std::string::npos) << outcome;
