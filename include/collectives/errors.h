@@ -1,11 +1,14 @@
 // The one exception type of the C++ API and its closed set of error codes.
 //
-// Thread-safety: plain values.
+// Thread-safety: plain values. Copying an Error never throws: one failure is stored once and
+// thrown to every waiter, under memory pressure too.
 #ifndef COLLECTIVES_ERRORS_H_
 #define COLLECTIVES_ERRORS_H_
 
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace collectives {
 
@@ -31,15 +34,21 @@ const char* ToString(ErrorCode code);
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message);
+  // Copies share the text; no move, so no Error is ever left without its message.
+  Error(const Error&) noexcept = default;
+  Error& operator=(const Error&) noexcept = default;
 
   ErrorCode code() const noexcept { return code_; }
   // The message without the "[code] " prefix that what() carries.
-  const std::string& message() const noexcept { return message_; }
+  const std::string& message() const noexcept { return *message_; }
 
  private:
   ErrorCode code_;
-  std::string message_;
+  std::shared_ptr<const std::string> message_;  // shared, as runtime_error's text is
 };
+
+static_assert(std::is_nothrow_copy_constructible_v<Error> &&
+              std::is_nothrow_copy_assignable_v<Error>);
 
 }  // namespace collectives
 

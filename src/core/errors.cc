@@ -22,6 +22,6 @@ const char* ToString(ErrorCode code) {
 Error::Error(ErrorCode code, const std::string& message)
     : std::runtime_error(std::string("[") + ToString(code) + "] " + message),
       code_(code),
-      message_(message) {}
+      message_(std::make_shared<const std::string>(message)) {}
 
 }  // namespace collectives

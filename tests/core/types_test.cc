@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "collectives/errors.h"
 
@@ -137,6 +139,23 @@ TEST(ErrorTest, IsARuntimeError) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("timeout"), std::string::npos);
   }
+}
+
+// A failure is stored once and thrown to every waiter: copying it must not allocate (a
+// bad_alloc there would leave the call without its completion), and a moved-from Error keeps
+// its text.
+TEST(ErrorTest, CopiesShareTheTextAndAMoveLeavesItInPlace) {
+  static_assert(std::is_nothrow_copy_constructible_v<Error>);
+  static_assert(std::is_nothrow_copy_assignable_v<Error>);
+  const std::string long_text(1000, 'x');
+  Error error(ErrorCode::kAborted, long_text);
+  const Error copy = error;
+  EXPECT_EQ(&copy.message(), &error.message());
+  EXPECT_STREQ(copy.what(), error.what());
+  Error moved = std::move(error);
+  EXPECT_EQ(moved.message(), long_text);
+  EXPECT_EQ(error.message(), long_text);  // NOLINT(bugprone-use-after-move): what is tested
+  EXPECT_EQ(error.code(), ErrorCode::kAborted);
 }
 
 TEST(ErrorTest, EveryCodeHasADistinctName) {
