@@ -165,7 +165,7 @@ class Connection {
     step = ReadAll(asio::buffer(reply_bytes), deadline, "waiting for the reply", why);
     if (step != Result::kOk) return step;
     *reply = wire::Decode(reply_bytes);
-    std::string malformed = wire::CheckReply(*reply);
+    std::string malformed = wire::CheckReply(*reply, static_cast<wire::Op>(request.code));
     if (!malformed.empty()) {
       *why = "malformed reply: " + malformed;
       return Result::kFailed;
@@ -307,7 +307,9 @@ class TcpStoreClient::Impl {
 
  private:
   // Runs one exchange on a pooled (or new) connection. Returns the reply, whose status is kOk,
-  // or kTimeout for a Get; throws for everything else.
+  // or kTimeout for a Get; throws for everything else. A reply malformed as the answer to this
+  // request (wire::CheckReply: a timeout answering a Set, a value on an Add's "ok", ...) is a
+  // server out of step with this client: kPeerLost, and the connection is not reused.
   wire::Header Call(const char* what, const wire::Header& request, const std::string& key,
                     const std::string& value, Clock::time_point deadline,
                     std::string* reply_value) {
@@ -322,14 +324,6 @@ class TcpStoreClient::Impl {
     }
     if (result == Connection::Result::kFailed) {
       throw Error(ErrorCode::kPeerLost, context + " failed: " + why);
-    }
-    // Only a Get waits, so only a Get can time out on the server: a timeout answering a Set or
-    // an Add is a server out of step with this client (not a Set done, nor an Add's sum). The
-    // connection is not reused.
-    if (reply.code == static_cast<uint8_t>(wire::Status::kTimeout) &&
-        request.code != static_cast<uint8_t>(wire::Op::kGet)) {
-      throw Error(ErrorCode::kPeerLost,
-                  context + " failed: malformed reply: status 'timeout' answers only a Get");
     }
     Release(std::move(connection));
     if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {

@@ -15,7 +15,7 @@
 // kInvalidArgument with a message as the value. A connection carries one request at a time: the
 // client sends the next request after it read the reply. The header is validated before any
 // buffer for the key or value is allocated; a server closes a connection that sends a header
-// that fails validation.
+// that fails validation, and a client drops one whose reply does not fit its request.
 //
 // Thread-safety: plain functions over values.
 #ifndef COLLECTIVES_SRC_CLUSTER_TCP_STORE_WIRE_H_
@@ -115,9 +115,12 @@ inline std::string CheckRequest(const Header& header) {
   return "";
 }
 
-// Why a reply header is malformed, or "" when it is well formed.
-inline std::string CheckReply(const Header& header) {
+// Why a reply header is malformed whatever it answers, or "" when it may be well formed.
+inline std::string CheckReplyHeader(const Header& header) {
   if (header.magic != kMagic) return "bad magic " + HexWord(header.magic);
+  if (header.reserved[0] != 0 || header.reserved[1] != 0 || header.reserved[2] != 0) {
+    return "reserved header bytes are not zero";
+  }
   if (header.code > static_cast<uint8_t>(Status::kInvalidArgument)) {
     return "unknown reply status " + std::to_string(header.code);
   }
@@ -127,6 +130,43 @@ inline std::string CheckReply(const Header& header) {
            std::to_string(kMaxValueBytes) + ")";
   }
   return "";
+}
+
+inline const char* OpName(Op op) {
+  switch (op) {
+    case Op::kSet:
+      return "Set";
+    case Op::kGet:
+      return "Get";
+    case Op::kAdd:
+      return "Add";
+  }
+  return "unknown request";
+}
+
+// Why a reply header is malformed as the answer to `op`, or "" when it is well formed: only a
+// Get's kOk carries a value, only an Add's kOk an argument (the sum), kTimeout answers only a
+// Get and carries neither, kInvalidArgument carries its message as the value and no argument.
+inline std::string CheckReply(const Header& header, Op op) {
+  std::string malformed = CheckReplyHeader(header);
+  if (!malformed.empty()) return malformed;
+  const std::string answering = std::string(" answering a ") + OpName(op);
+  switch (static_cast<Status>(header.code)) {
+    case Status::kOk:
+      if (op != Op::kGet && header.value_bytes != 0) return "status 'ok' with a value" + answering;
+      if (op != Op::kAdd && header.arg != 0) return "status 'ok' with an argument" + answering;
+      return "";
+    case Status::kTimeout:
+      if (op != Op::kGet) return "status 'timeout' answers only a Get";
+      if (header.value_bytes != 0 || header.arg != 0) {
+        return "status 'timeout' with a value or an argument";
+      }
+      return "";
+    case Status::kInvalidArgument:
+      if (header.arg != 0) return "status 'invalid argument' with an argument" + answering;
+      return "";
+  }
+  return "unknown reply status " + std::to_string(header.code);
 }
 
 }  // namespace collectives::cluster::wire

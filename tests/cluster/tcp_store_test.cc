@@ -771,6 +771,56 @@ TEST(TcpStoreClientTest, ACloseBeforeTheVerdictIsRetriedNotARejection) {
   EXPECT_EQ(proofs.load(), 2);
 }
 
+// A reply is checked against the request it answers: a Set's "ok" carrying a value, a Get's
+// carrying an argument or a timeout answering an Add is a server out of step with the client
+// (the client drops the connection: kPeerLost), not an answer. The fuzz seeds
+// tests/fuzz/corpus/store_client/token_*_with_* drive the same rules through a real client.
+TEST(TcpStoreWireTest, AReplyCarriesOnlyWhatItsRequestAnswers) {
+  using cluster::wire::Op;
+  using cluster::wire::Status;
+  struct Case {
+    Status status;
+    uint32_t value_bytes;
+    int64_t arg;
+    bool set_ok, get_ok, add_ok;  // well formed as the answer to a Set, a Get, an Add
+  };
+  const Case cases[] = {
+      {Status::kOk, 0, 0, true, true, true},
+      {Status::kOk, 5, 0, false, true, false},
+      {Status::kOk, 0, 42, false, false, true},
+      {Status::kOk, 0, -3, false, false, true},
+      {Status::kOk, 5, 42, false, false, false},
+      {Status::kTimeout, 0, 0, false, true, false},
+      {Status::kTimeout, 1, 0, false, false, false},
+      {Status::kTimeout, 0, 1, false, false, false},
+      {Status::kInvalidArgument, 9, 0, true, true, true},
+      {Status::kInvalidArgument, 9, 1, false, false, false},
+  };
+  for (const Case& c : cases) {
+    cluster::wire::Header reply;
+    reply.code = static_cast<uint8_t>(c.status);
+    reply.value_bytes = c.value_bytes;
+    reply.arg = c.arg;
+    const std::string label = "status " + std::to_string(reply.code) + ", value " +
+                              std::to_string(c.value_bytes) + " B, arg " + std::to_string(c.arg);
+    EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kSet).empty(), c.set_ok) << label;
+    EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kGet).empty(), c.get_ok) << label;
+    EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kAdd).empty(), c.add_ok) << label;
+  }
+  cluster::wire::Header reply;
+  reply.reserved[1] = 1;
+  EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kGet), "reserved header bytes are not zero");
+  reply = cluster::wire::Header{};
+  reply.code = 3;
+  EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kGet), "unknown reply status 3");
+  reply = cluster::wire::Header{};
+  reply.key_bytes = 1;
+  EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kSet), "a reply carries a key");
+  reply = cluster::wire::Header{};
+  reply.value_bytes = 4;
+  EXPECT_EQ(cluster::wire::CheckReply(reply, Op::kSet), "status 'ok' with a value answering a Set");
+}
+
 TEST(CreateStoreForTest, TheStoreListensWhereTheSpecSays) {
   const uint16_t port = FreePort();
   ClusterSpec host = LoopbackSpec(0, 2, port);

@@ -14,7 +14,8 @@
 // token), an enrolment granted only by a well-formed grant (and then the token granted is the
 // one the client proves), a Get's value and an Add's sum only as the reply carried them, and
 // the reply's status as the error code (kInvalidArgument, a Get's kTimeout; a timeout
-// answering a Set or an Add is malformed: kPeerLost). Never a crash.
+// answering a Set or an Add is malformed: kPeerLost; so is a value or an argument a reply to
+// that call does not carry). Never a crash.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -110,19 +111,29 @@ Expected ExpectReply(Call call, const uint8_t* bytes, size_t size) {
   wire::HeaderBytes header_bytes;
   std::memcpy(header_bytes.data(), bytes, header_bytes.size());
   const wire::Header header = wire::Decode(header_bytes);
-  if (!wire::CheckReply(header).empty()) return expected;
+  if (!wire::CheckReplyHeader(header).empty()) return expected;
   if (size - wire::kHeaderBytes < header.value_bytes) return expected;
   const std::string value(reinterpret_cast<const char*>(bytes) + wire::kHeaderBytes,
                           header.value_bytes);
+  // The rules of the format (tcp_store_wire.h), stated here again rather than asked of
+  // wire::CheckReply: a reply that breaks one is malformed (any error code).
   switch (static_cast<wire::Status>(header.code)) {
     case wire::Status::kInvalidArgument:
+      if (header.arg != 0) return expected;
       expected.code = ErrorCode::kInvalidArgument;
       return expected;
     case wire::Status::kTimeout:
       // A Get's wait ran out; only a Get waits, so for a Set or an Add it is malformed.
-      expected.code = call == Call::kGet ? ErrorCode::kTimeout : ErrorCode::kPeerLost;
+      if (call != Call::kGet) {
+        expected.code = ErrorCode::kPeerLost;
+        return expected;
+      }
+      if (header.value_bytes != 0 || header.arg != 0) return expected;
+      expected.code = ErrorCode::kTimeout;
       return expected;
     case wire::Status::kOk:
+      if (call != Call::kGet && header.value_bytes != 0) return expected;  // only a Get's value
+      if (call != Call::kAdd && header.arg != 0) return expected;          // only an Add's sum
       break;
   }
   expected.ok = true;

@@ -67,7 +67,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         Fail("a store request with unbounded sizes passed the check");
       }
     }
-    (void)cluster::wire::CheckReply(header);
+    const bool header_ok = cluster::wire::CheckReplyHeader(header).empty();
+    for (const auto op :
+         {cluster::wire::Op::kSet, cluster::wire::Op::kGet, cluster::wire::Op::kAdd}) {
+      if (cluster::wire::CheckReply(header, op).empty() && !header_ok) {
+        Fail("a store reply passed the check for one request but not the header check");
+      }
+    }
     if (cluster::wire::Encode(header) != bytes) Fail("a store header does not round-trip");
   }
   if (size >= cluster::auth::kResponseBytes) {
