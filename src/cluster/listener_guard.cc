@@ -43,6 +43,15 @@ bool OutOfDescriptors(const std::error_code& ec) {
          ec == asio::error_code(ENFILE, asio::system_category());
 }
 
+AfterAcceptFailure DecideAfterAcceptFailure(const std::error_code& ec, int listener,
+                                            const std::function<bool()>& evict,
+                                            SpareDescriptor& spare) {
+  if (!OutOfDescriptors(ec)) return AfterAcceptFailure::kRetryShortly;
+  if (!ConnectionWaiting(listener)) return AfterAcceptFailure::kWaitForConnection;
+  if (evict() || spare.DropOne(listener)) return AfterAcceptFailure::kAcceptAgain;
+  return AfterAcceptFailure::kRetryShortly;  // no descriptor at all
+}
+
 void RateLimitedLog::Write(const std::string& line, Clock::time_point now) {
   if (written_ && now - last_ < std::chrono::seconds(1)) {
     ++left_out_;

@@ -39,6 +39,24 @@ bool ConnectionWaiting(int listener);
 // asio::error_code is std::error_code; the errno values must be in Asio's system category.
 bool OutOfDescriptors(const std::error_code& ec);
 
+// What a listener does after an accept failed.
+enum class AfterAcceptFailure {
+  kAcceptAgain,        // a descriptor was freed and a connection waits: accept at once
+  kWaitForConnection,  // out of descriptors and the backlog is empty: accept when one arrives
+  kRetryShortly,       // anything else: accept again after kAcceptRetryDelay, rather than spin
+};
+
+inline constexpr std::chrono::milliseconds kAcceptRetryDelay{20};
+
+// Decides it for an accept on `listener` that failed with `ec`. Out of descriptors, accept asks
+// for one before it looks at the backlog, so with nothing waiting the listener waits for a
+// connection; with one waiting, `evict` (closes the listener's oldest stranger; false if it had
+// none) or else `spare` frees a descriptor: the stranger's goes to the connection, or the spare
+// takes the connection off the backlog so that the ones behind it move.
+AfterAcceptFailure DecideAfterAcceptFailure(const std::error_code& ec, int listener,
+                                            const std::function<bool()>& evict,
+                                            SpareDescriptor& spare);
+
 // Writes "collectives: <line>" to stderr, in one write so that ranks' lines do not interleave, at
 // most once a second (a flood of strangers must not flood the log too); the next line written
 // says how many were left out since the last.

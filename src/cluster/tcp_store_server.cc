@@ -498,24 +498,23 @@ void TcpStoreServer::Impl::Accept() {
 
 void TcpStoreServer::Impl::OnAcceptError(const asio::error_code& ec) {
   accept_log_.Write(name_ + ": accept failed: " + ec.message());
-  if (OutOfDescriptors(ec)) {
-    const int listener = acceptor_.native_handle();
-    if (!ConnectionWaiting(listener)) {
-      // Accept asks for a descriptor before it looks at the backlog: wait for a connection.
+  switch (DecideAfterAcceptFailure(
+      ec, acceptor_.native_handle(), [this] { return EvictOldestUnproven("out of descriptors"); },
+      spare_)) {
+    case AfterAcceptFailure::kAcceptAgain:
+      return Accept();
+    case AfterAcceptFailure::kWaitForConnection:
       acceptor_.async_wait(tcp::acceptor::wait_read, [this](const asio::error_code& wait_ec) {
         if (!wait_ec) Accept();
       });
       return;
-    }
-    // A connection waits: the oldest stranger's descriptor goes to it, or, with none to close,
-    // the spare takes it off the backlog so that the ones behind it move.
-    if (EvictOldestUnproven("out of descriptors") || spare_.DropOne(listener)) return Accept();
+    case AfterAcceptFailure::kRetryShortly:
+      accept_retry_.expires_after(kAcceptRetryDelay);
+      accept_retry_.async_wait([this](const asio::error_code& wait_ec) {
+        if (!wait_ec) Accept();
+      });
+      return;
   }
-  // Something else, or no descriptor at all: try again shortly rather than spin.
-  accept_retry_.expires_after(std::chrono::milliseconds(50));
-  accept_retry_.async_wait([this](const asio::error_code& wait_ec) {
-    if (!wait_ec) Accept();
-  });
 }
 
 bool TcpStoreServer::Impl::EvictOldestUnproven(const char* why) {

@@ -1324,8 +1324,7 @@ bool PeerOnThisHost(const tcp::socket& socket) {
 // at the set-up deadline; a rank's handshake takes a few round trips.
 constexpr std::chrono::seconds kServerHandshakeLimit{10};
 
-using cluster::ConnectionWaiting;
-using cluster::OutOfDescriptors;
+using cluster::AfterAcceptFailure;
 using cluster::RateLimitedLog;
 using cluster::SpareDescriptor;
 
@@ -1495,27 +1494,25 @@ void MeshBuilder::AcceptNext() {
 void MeshBuilder::OnAcceptError(const asio::error_code& ec) {
   last_accept_error_ = ec.message();
   accept_log_.Write(Prefix() + "accepting a connection failed: " + ec.message());
-  if (OutOfDescriptors(ec)) {
-    const int listener = acceptor_.native_handle();
-    if (!ConnectionWaiting(listener)) {
-      // Accept asks for a descriptor before it looks at the backlog: wait for a connection.
+  switch (cluster::DecideAfterAcceptFailure(
+      ec, acceptor_.native_handle(), [this] { return EvictOldestStranger("out of descriptors"); },
+      spare_)) {
+    case AfterAcceptFailure::kAcceptAgain:
+      return AcceptNext();
+    case AfterAcceptFailure::kWaitForConnection:
       acceptor_.async_wait(tcp::acceptor::wait_read, [this](const asio::error_code& wait_ec) {
         if (!wait_ec && acceptor_.is_open()) AcceptNext();
       });
       return;
-    }
-    // A connection waits: the oldest stranger's descriptor goes to it, or, with no handshake of
-    // ours to cancel, the spare takes it off the backlog so that the ones behind it move.
-    if (EvictOldestStranger("out of descriptors") || spare_.DropOne(listener)) {
-      return AcceptNext();
+    case AfterAcceptFailure::kRetryShortly: {
+      auto timer = std::make_unique<asio::steady_timer>(io_, cluster::kAcceptRetryDelay);
+      timer->async_wait([this](const asio::error_code& timer_ec) {
+        if (!timer_ec) AcceptNext();
+      });
+      timers_.push_back(std::move(timer));
+      return;
     }
   }
-  // Something else, or no descriptor at all: try again shortly rather than spin.
-  auto timer = std::make_unique<asio::steady_timer>(io_, std::chrono::milliseconds(10));
-  timer->async_wait([this](const asio::error_code& timer_ec) {
-    if (!timer_ec) AcceptNext();
-  });
-  timers_.push_back(std::move(timer));
 }
 
 bool MeshBuilder::EvictOldestStranger(const char* why) {

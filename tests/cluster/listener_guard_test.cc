@@ -89,6 +89,40 @@ TEST(SpareDescriptorTest, DropsTheConnectionAtTheHeadOfTheBacklog) {
   ::close(second);
 }
 
+// The store server and the fabric's listener both act on this decision after a failed accept.
+TEST(DecideAfterAcceptFailureTest, FreesADescriptorOnlyForAWaitingConnection) {
+  Backlog backlog;
+  SpareDescriptor spare;
+  int evictions = 0;
+  bool can_evict = true;
+  const auto evict = [&] {
+    ++evictions;
+    return can_evict;
+  };
+  const auto decide = [&](const asio::error_code& ec) {
+    return DecideAfterAcceptFailure(ec, backlog.listener, evict, spare);
+  };
+  // Not for want of descriptors: retry later, close nothing.
+  EXPECT_EQ(decide(asio::error::connection_aborted), AfterAcceptFailure::kRetryShortly);
+  // Out of descriptors with nothing waiting: wait for a connection, close nothing.
+  EXPECT_EQ(decide(asio::error::no_descriptors), AfterAcceptFailure::kWaitForConnection);
+  EXPECT_EQ(evictions, 0);
+
+  // A connection waits: a stranger of the listener's is closed for it, and the connection stays.
+  const int client = backlog.Connect();
+  EXPECT_EQ(decide(asio::error::no_descriptors), AfterAcceptFailure::kAcceptAgain);
+  EXPECT_EQ(evictions, 1);
+  EXPECT_TRUE(ConnectionWaiting(backlog.listener));
+  // With no stranger to close, the spare takes the connection off the backlog.
+  can_evict = false;
+  EXPECT_EQ(decide(asio::error::no_descriptors), AfterAcceptFailure::kAcceptAgain);
+  EXPECT_EQ(evictions, 2);
+  EXPECT_FALSE(ConnectionWaiting(backlog.listener));
+  char byte = 0;
+  EXPECT_EQ(::recv(client, &byte, 1, 0), 0);
+  ::close(client);
+}
+
 // As Asio's accept reports them (its own system category).
 TEST(OutOfDescriptorsTest, IsTrueForEmfileAndEnfileOnly) {
   EXPECT_TRUE(OutOfDescriptors(asio::error::no_descriptors));
