@@ -218,9 +218,11 @@ class CollectiveCommunication {
   virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);
 
   // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),
-  // and peers see this rank's connections close. Safe from any thread; idempotent. A call on
-  // another thread may raise kAborted before Abort has returned: destroy the communicator only
-  // after Abort returned.
+  // and peers see this rank's connections close. Returns once the peers have been told (the
+  // abort, with this rank's reason, sent and the connections closed: a process may exit right
+  // after), or after about a second when a call in flight is slow to let go. Safe from any
+  // thread; idempotent. A call on another thread may raise kAborted before Abort has returned:
+  // destroy the communicator only after Abort returned.
   virtual void Abort() = 0;
 
   // The deadline of every call issued after this one (a call already issued keeps its own):

@@ -76,9 +76,9 @@ class Fabric {
   // Breaks the fabric with `error`: tells every peer (best effort: an abort frame carrying the
   // code and message, then closing the connections), and makes every pending and later call
   // throw `error`. Safe from any thread; the first error wins. While another thread is driving
-  // the fabric, telling the peers is left to that thread's next wait; if its call was returning
-  // and it drives no more, the owner calls Abort again once that call ended
-  // (RingCommunication::Execute does).
+  // the fabric, telling the peers is left to that thread's next wait, and Abort returns once it
+  // has (within about a second); if its call was returning and it drives no more, the owner
+  // calls Abort again once that call ended (RingCommunication::Execute does).
   virtual void Abort(const Error& error) = 0;
 };
 

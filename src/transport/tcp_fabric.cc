@@ -44,6 +44,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -74,6 +75,10 @@ constexpr std::chrono::milliseconds kAbortBudget{100};
 // makes the kernel reset the connection, and a reset can overtake the abort frame: the peer
 // would report this rank as lost instead of the error that broke the job.
 constexpr std::chrono::milliseconds kLingerBudget{200};
+// How long an Abort from another thread waits for the driving thread to run the shutdown: its
+// two budgets and time for the driving thread to reach its next wait.
+constexpr std::chrono::milliseconds kAbortWaitLimit =
+    kAbortBudget + kLingerBudget + std::chrono::milliseconds(700);
 // A write that fails because the peer closed or reset does not break the fabric at once when the
 // connection's header read is armed: the peer may have closed because it failed itself, and its
 // abort frame (naming the rank at fault) is then already on its way in on the same connection.
@@ -440,6 +445,10 @@ class TcpFabric final : public Fabric {
 
   std::mutex drive_mu_;
   bool shut_down_ = false;
+  // Set when the shutdown has run, for an Abort that left it to the driving thread.
+  std::mutex shutdown_mu_;
+  std::condition_variable shutdown_cv_;
+  bool shutdown_finished_ = false;  // guarded by shutdown_mu_
   // Some connection may be in kIdle, or hold a header to match (driving thread).
   bool resume_reads_ = false;
 
@@ -1082,14 +1091,21 @@ void TcpFabric::Break(const Error& error, std::optional<AbortPayload> payload, i
 
 void TcpFabric::Abort(const Error& error) {
   Break(error, AbortPayloadFor(rank_, error), -1);
-  std::unique_lock<std::mutex> lock(drive_mu_, std::try_to_lock);
-  if (lock.owns_lock()) {
-    RunShutdown();
-  } else {
-    // The driving thread is inside a call: wake it; its next wait runs the shutdown. (A call
-    // that was already returning does not wait again: see Fabric::Abort.)
-    asio::post(io_, [] {});
+  {
+    std::unique_lock<std::mutex> lock(drive_mu_, std::try_to_lock);
+    if (lock.owns_lock()) {
+      RunShutdown();
+      return;
+    }
   }
+  // The driving thread is inside a call: wake it; its next wait runs the shutdown (a call that
+  // was already returning does not wait again: the owner calls Abort again once it ended, see
+  // Fabric::Abort). Return once it has, so that the peers have been told when Abort returns
+  // (a process may exit right after), but not later than kAbortWaitLimit: the driving thread
+  // may be busy between waits.
+  asio::post(io_, [] {});
+  std::unique_lock<std::mutex> lock(shutdown_mu_);
+  shutdown_cv_.wait_for(lock, kAbortWaitLimit, [this] { return shutdown_finished_; });
 }
 
 void TcpFabric::ThrowIfBroken() {
@@ -1138,6 +1154,11 @@ void TcpFabric::RunShutdown() {
   }
   // Let the cancelled operations finish now, so none runs later on freed user buffers.
   io_.poll();
+  {
+    std::lock_guard<std::mutex> lock(shutdown_mu_);
+    shutdown_finished_ = true;
+  }
+  shutdown_cv_.notify_all();
 }
 
 void TcpFabric::Linger() {

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -610,6 +611,51 @@ TEST(RingAbortTest, AbortWakesABlockedCall) {
       // Far below the 20 s timeout: the abort, not the deadline, ended the call.
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
       WaitFor(rank1_tried);  // keeps this communicator until rank 1 has tried
+    });
+  }
+}
+
+// The sockets this process has open, by their "socket:[inode]" names.
+std::set<std::string> OpenSockets() {
+  std::set<std::string> sockets;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:", 0) == 0) sockets.insert(target);
+  }
+  return sockets;
+}
+
+// When Abort returns, the peers have been told: the abort is sent and this rank's connections
+// are closed, so that a process may exit right after. Here another thread drives the fabric
+// (a call blocked on a peer that never joins); Abort used to leave the shutdown to it and
+// return at once, and the connection closed only after the shutdown's linger, some 200 ms
+// later.
+TEST(RingAbortTest, AbortReturnsOnceThePeersAreTold) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(20);
+    std::atomic<bool> checked{false};
+    RunRanks(transport, 2, options, [&](CollectiveCommunication& comm) {
+      if (comm.rank() == 1) {  // never joins; keeps its end open until rank 0 has looked
+        WaitFor(checked);
+        return;
+      }
+      std::vector<float> data(1000, 1.0f);
+      const Tensor t{data.data(), data.size(), DataType::kFloat32};
+      auto work = comm.AllReduceAsync(t, t, ReduceOp::kSum);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // lets the call block
+      const std::set<std::string> before = OpenSockets();
+      const auto start = std::chrono::steady_clock::now();
+      comm.Abort();
+      const auto took = std::chrono::steady_clock::now() - start;
+      const std::set<std::string> after = OpenSockets();
+      int closed = 0;
+      for (const std::string& socket : before) closed += after.count(socket) == 0 ? 1 : 0;
+      EXPECT_GE(closed, 1) << "rank 0's connection to rank 1 was still open when Abort returned";
+      EXPECT_LT(took, std::chrono::seconds(2));
+      EXPECT_THROW(work->Wait(), Error);
+      checked = true;
     });
   }
 }
