@@ -3,9 +3,11 @@
 // src/transport); the rest of core depends on none of them.
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "collectives/communication.h"
+#include "src/cluster/cancellable_store.h"
 #include "src/cluster/host_port.h"
 #include "src/cluster/job_token.h"
 #include "src/core/arguments.h"
@@ -46,7 +48,18 @@ struct Rendezvous {
 std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared_ptr<Store> store,
                                                  const Rendezvous& rendezvous,
                                                  const CommunicationOptions& options,
-                                                 Clock::time_point deadline) {
+                                                 Clock::time_point deadline,
+                                                 const std::function<bool()>& cancelled = {}) {
+  // A split's child gives up when its parent is aborted: every step polls `cancelled` (the
+  // store's waits through a CancellableStore, the mesh's own), except the calibration, which
+  // runs collectives on the child with every member already connected.
+  const std::string abandoned =
+      "rank " + std::to_string(rank) +
+      ": set-up abandoned: the communicator it was split from was aborted";
+  std::shared_ptr<Store> setup_store =
+      cancelled ? std::make_shared<cluster::CancellableStore>(store, cancelled, abandoned,
+                                                              transport::kCancelPoll)
+                : store;
   transport::TcpFabricOptions tcp;
   tcp.job_id = rendezvous.job_id;
   tcp.token = rendezvous.token;
@@ -54,20 +67,23 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   tcp.deadline = deadline;
   tcp.key_prefix = rendezvous.key_prefix;
   tcp.bind_host = rendezvous.bind_host;
-  auto fabric = transport::ConnectTcpFabric(rank, size, *store, tcp);
+  tcp.cancelled = cancelled;
+  auto fabric = transport::ConnectTcpFabric(rank, size, *setup_store, tcp);
   std::unique_ptr<ring::Planner> planner;
   if (options.implementation == Implementation::kAuto) {
-    planner = hierarchical::CreatePlanner(rank, size, *store, rendezvous.job_id,
+    planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,
                                           rendezvous.key_prefix, options, deadline);
   }
-  ring::SplitBuilder split = [store, rendezvous, options](int new_rank, int new_size,
-                                                          const std::string& key_suffix,
-                                                          std::chrono::milliseconds timeout) {
+  if (cancelled && cancelled()) throw Error(ErrorCode::kAborted, abandoned);
+  ring::SplitBuilder split = [store, rendezvous, options](
+                                 int new_rank, int new_size, const std::string& key_suffix,
+                                 std::chrono::milliseconds timeout,
+                                 const std::function<bool()>& parent_aborted) {
     Rendezvous sub = rendezvous;
     sub.key_prefix += key_suffix;
     CommunicationOptions child = options;
     child.timeout = timeout;
-    return Connect(new_rank, new_size, store, sub, child, Clock::now() + timeout);
+    return Connect(new_rank, new_size, store, sub, child, Clock::now() + timeout, parent_aborted);
   };
   ring::Planner* const planner_view = planner.get();
   auto comm = ring::CreateRingCommunication(std::move(fabric), std::move(store), options,

@@ -157,6 +157,7 @@ class RingCommunication final : public CollectiveCommunication {
   std::atomic<bool> stopping_{false};
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
+  std::atomic<bool> broken_flag_{false};  // broken_ is set (for polling without mu_)
   std::atomic<size_t> queued_{0};
   std::thread thread_;
 };
@@ -306,6 +307,8 @@ Error RingCommunication::Break(const Error& error) {
       broken_ = error;
     }
   }
+  // A split's child set-up in progress polls this and gives up.
+  broken_flag_.store(true, std::memory_order_release);
   fabric_->Abort(first);
   if (planner_) planner_->Abort(first);
   return first;
@@ -336,9 +339,20 @@ std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int
   }
   std::sort(members.begin(), members.end());
   const auto me = std::find(members.begin(), members.end(), std::make_pair(int64_t(key), rank_));
-  auto child = split_(int(me - members.begin()), int(members.size()),
-                      "/split" + std::to_string(split) + "/" + std::to_string(color),
-                      std::chrono::milliseconds(timeout_ms_.load()));
+  // The child's set-up polls for an Abort of this communicator and gives up (kAborted) within
+  // transport::kCancelPoll: a set-up waits for every member, and one that never comes would
+  // otherwise hold the split, and the Abort meant to end it, for the whole timeout.
+  std::unique_ptr<CollectiveCommunication> child;
+  try {
+    child = split_(int(me - members.begin()), int(members.size()),
+                   "/split" + std::to_string(split) + "/" + std::to_string(color),
+                   std::chrono::milliseconds(timeout_ms_.load()),
+                   [this] { return broken_flag_.load(std::memory_order_acquire); });
+  } catch (const Error&) {
+    std::lock_guard<std::mutex> state(mu_);
+    if (broken_) throw *broken_;  // the Abort's own error, not the set-up's "abandoned"
+    throw;
+  }
   // An Abort while the child was being connected: the split fails as every call does from then
   // on, rather than hand out a working child of an aborted communicator.
   std::lock_guard<std::mutex> state(mu_);

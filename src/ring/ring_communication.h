@@ -47,10 +47,12 @@ class Planner {
 };
 
 // Builds the communicator of a Split: this rank's new rank and size, a suffix that gives its
-// rendezvous keys a space of their own (the factory knows the store and the job), and the
-// parent's timeout at the time of the split (for the set-up and the child's calls).
+// rendezvous keys a space of their own (the factory knows the store and the job), the parent's
+// timeout at the time of the split (for the set-up and the child's calls), and whether the
+// parent has been aborted since (polled while the set-up waits: then it throws kAborted).
 using SplitBuilder = std::function<std::unique_ptr<CollectiveCommunication>(
-    int rank, int size, const std::string& key_suffix, std::chrono::milliseconds timeout)>;
+    int rank, int size, const std::string& key_suffix, std::chrono::milliseconds timeout,
+    const std::function<bool()>& parent_aborted)>;
 
 // Takes over `fabric` (already connected). `store` is kept alive as long as the communicator
 // (rank 0 may host it); it may be null. With a `planner` the communicator reports

@@ -1683,7 +1683,17 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
   missing_ = size_ - 1;
   if (rank_ > 0) AcceptNext();
   for (int peer = rank_ + 1; peer < size_; ++peer) Connect(peer);
-  while (missing_ > 0 && !failure_ && Clock::now() < deadline_) io_.run_one_until(deadline_);
+  while (missing_ > 0 && !failure_ && Clock::now() < deadline_) {
+    if (!options_.cancelled) {
+      io_.run_one_until(deadline_);
+    } else if (options_.cancelled()) {
+      failure_.emplace(ErrorCode::kAborted, Prefix() +
+                                                "set-up abandoned: the communicator it "
+                                                "was split from was aborted");
+    } else {
+      io_.run_one_until(std::min(deadline_, Clock::now() + kCancelPoll));
+    }
+  }
 
   // Stop what is still going on (strangers' handshakes, retries) before leaving.
   acceptor_.close(ec);

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -41,7 +42,13 @@ struct TcpFabricOptions {
   // whose set-up has other steps gives the mesh what is left of its timeout. Errors still
   // name `timeout`, the limit of the set-up as a whole.
   Clock::time_point deadline = Clock::time_point::max();
+  // Polled while the mesh waits (every kCancelPoll at most): when it returns true the set-up
+  // ends with Error(kAborted). A split's child is set up with "its parent was aborted" here.
+  std::function<bool()> cancelled;
 };
+
+// How often a set-up polls TcpFabricOptions::cancelled.
+inline constexpr std::chrono::milliseconds kCancelPoll{50};
 
 // Builds the mesh. Blocks until every connection is up. Throws Error(kTimeout) naming the
 // missing peers, Error(kSystem) when binding fails.

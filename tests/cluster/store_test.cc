@@ -15,6 +15,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/cancellable_store.h"
 
 namespace collectives {
 namespace {
@@ -31,7 +32,7 @@ std::filesystem::path TempRoot() {
   return std::filesystem::temp_directory_path();
 }
 
-enum class Kind { kMemory, kFile, kTcpServer, kTcpClient };
+enum class Kind { kMemory, kFile, kTcpServer, kTcpClient, kCancellable };
 
 std::string KindName(const testing::TestParamInfo<Kind>& param_info) {
   switch (param_info.param) {
@@ -43,6 +44,8 @@ std::string KindName(const testing::TestParamInfo<Kind>& param_info) {
       return "TcpServer";
     case Kind::kTcpClient:
       return "TcpClient";
+    case Kind::kCancellable:
+      return "CancellableOverTcp";
   }
   return "Unknown";
 }
@@ -69,6 +72,12 @@ class StoreTest : public testing::TestWithParam<Kind> {
         server_ = CreateTcpStore("127.0.0.1", 0, true, kLong);
         store_ = CreateTcpStore("127.0.0.1", TcpStorePort(*server_), false, kLong);
         break;
+      case Kind::kCancellable:  // never cancelled, and its Gets wait in slices of 20 ms
+        server_ = CreateTcpStore("127.0.0.1", 0, true, kLong);
+        store_ = std::make_shared<cluster::CancellableStore>(
+            CreateTcpStore("127.0.0.1", TcpStorePort(*server_), false, kLong), [] { return false; },
+            "cancelled", milliseconds(20));
+        break;
     }
   }
 
@@ -87,6 +96,7 @@ class StoreTest : public testing::TestWithParam<Kind> {
         return CreateFileStore(directory_);
       case Kind::kTcpServer:
       case Kind::kTcpClient:
+      case Kind::kCancellable:
         return CreateTcpStore("127.0.0.1", TcpStorePort(*server_), false, kLong);
     }
     return nullptr;
@@ -157,6 +167,14 @@ TEST_P(StoreTest, GetWaitsForALaterSetFromAnotherThread) {
   setter.join();
 }
 
+// "w<i>", appended rather than concatenated: GCC 12 warns (-Wrestrict, a known false
+// positive) on "w" + std::to_string(i) where it inlines it here.
+std::string WaiterKey(int i) {
+  std::string key = "w";
+  key += std::to_string(i);
+  return key;
+}
+
 TEST_P(StoreTest, ManyWaitersOnDifferentKeys) {
   constexpr int kThreads = 6;
   std::vector<std::thread> threads;
@@ -164,12 +182,11 @@ TEST_P(StoreTest, ManyWaitersOnDifferentKeys) {
   for (int i = 0; i < kThreads; ++i) {
     threads.emplace_back([&, i] {
       std::shared_ptr<Store> handle = i % 2 == 0 ? store_ : Peer();
-      if (handle->Get("w" + std::to_string(i), kLong) == std::to_string(i * 7)) ++good;
+      if (handle->Get(WaiterKey(i), kLong) == std::to_string(i * 7)) ++good;
     });
   }
   std::this_thread::sleep_for(milliseconds(20));
-  for (int i = kThreads - 1; i >= 0; --i)
-    store_->Set("w" + std::to_string(i), std::to_string(i * 7));
+  for (int i = kThreads - 1; i >= 0; --i) store_->Set(WaiterKey(i), std::to_string(i * 7));
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(good.load(), kThreads);
 }
@@ -236,8 +253,53 @@ TEST_P(StoreTest, AddIsAtomicUnderContention) {
 
 INSTANTIATE_TEST_SUITE_P(AllStores, StoreTest,
                          testing::Values(Kind::kMemory, Kind::kFile, Kind::kTcpServer,
-                                         Kind::kTcpClient),
+                                         Kind::kTcpClient, Kind::kCancellable),
                          KindName);
+
+// A split's child is set up through a CancellableStore polling the parent's Abort: a Get waiting
+// for a rank that never comes ends within a poll of the cancel, not at its timeout.
+TEST(CancellableStoreTest, ACancelEndsAWaitingGetWithinAPoll) {
+  std::atomic<bool> cancelled{false};
+  cluster::CancellableStore store(
+      CreateMemoryStore(), [&] { return cancelled.load(); }, "rank 0: abandoned", milliseconds(20));
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(milliseconds(200));
+    cancelled = true;
+  });
+  const auto start = Clock::now();
+  try {
+    store.Get("never", milliseconds(30'000));
+    ADD_FAILURE() << "a Get of a key nobody sets returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    EXPECT_EQ(e.message(), "rank 0: abandoned");
+  }
+  canceller.join();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "not the Get's 30 s";
+  EXPECT_THROW(store.Set("k", "v"), Error);
+  EXPECT_THROW(store.Add("k", 1), Error);
+  EXPECT_THROW(store.Get("k", milliseconds(0)), Error);
+}
+
+// Sliced, a Get still returns a value set while it waits, and its timeout names the whole wait.
+TEST(CancellableStoreTest, ASlicedGetSeesALateSetAndNamesTheWholeTimeout) {
+  auto inner = CreateMemoryStore();
+  cluster::CancellableStore store(
+      inner, [] { return false; }, "unused", milliseconds(20));
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(150));
+    inner->Set("late", "here");
+  });
+  EXPECT_EQ(store.Get("late", kLong), "here");
+  setter.join();
+  try {
+    store.Get("missing", milliseconds(130));
+    ADD_FAILURE() << "a Get of a key nobody sets returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("was not set within 130 ms"), std::string::npos) << e.what();
+  }
+}
 
 }  // namespace
 }  // namespace collectives

@@ -9,7 +9,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "collectives/collectives.h"
@@ -112,6 +117,97 @@ INSTANTIATE_TEST_SUITE_P(Split, SplitTest, ::testing::Values(Transport::kTcp, Tr
                          [](const ::testing::TestParamInfo<Transport>& param_info) {
                            return std::string(TransportName(param_info.param));
                          });
+
+// A store that holds every Set of a key containing `held` until Release(): a rank whose set-up
+// publishes such a key stands still there, as a rank that hung or died would.
+class HoldingStore final : public Store {
+ public:
+  HoldingStore(std::shared_ptr<Store> store, std::string held)
+      : store_(std::move(store)), held_(std::move(held)) {}
+  void Set(const std::string& key, const std::string& value) override {
+    if (key.find(held_) != std::string::npos) {
+      std::unique_lock<std::mutex> lock(mu_);
+      holding_ = true;
+      cv_.notify_all();
+      cv_.wait(lock, [this] { return released_; });
+    }
+    store_->Set(key, value);
+  }
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return store_->Get(key, timeout);
+  }
+  int64_t Add(const std::string& key, int64_t delta) override { return store_->Add(key, delta); }
+  void WaitUntilHolding() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return holding_; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  const std::shared_ptr<Store> store_;
+  const std::string held_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool holding_ = false;
+  bool released_ = false;
+};
+
+// A split whose child waits for a member that never comes (rank 1 stands still publishing its
+// address) ends at an Abort of the parent, within a poll, not at the 30 s timeout: the child's
+// set-up polls the parent's state in its store waits and in the mesh. Both ranks raise the
+// parent's kAborted, rank 1 too once it moves on.
+TEST(SplitAbortTest, AnAbortEndsASplitWhoseMemberNeverComes) {
+  for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+    auto store = std::make_shared<HoldingStore>(CreateMemoryStore(), "/split1/0/addr/1");
+    CommunicationOptions options;
+    options.implementation = impl;
+    options.timeout = std::chrono::seconds(30);
+    std::vector<std::unique_ptr<CollectiveCommunication>> comms(2);
+    std::vector<std::thread> setup;
+    for (int rank = 0; rank < 2; ++rank) {
+      setup.emplace_back([&, rank] {
+        ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = 2;
+        spec.master_port = 1;  // unused: the store is given
+        comms[size_t(rank)] = CreateCommunication(spec, store, options);
+      });
+    }
+    for (std::thread& t : setup) t.join();
+    ASSERT_TRUE(comms[0] && comms[1]);
+
+    const auto split = [&](int rank, std::chrono::steady_clock::duration* took) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        comms[size_t(rank)]->Split(0, rank);
+        ADD_FAILURE() << "rank " << rank << ": a split of an aborted communicator succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << "rank " << rank << ": " << e.what();
+        EXPECT_NE(e.message().find("aborted by its caller"), std::string::npos) << e.what();
+      }
+      *took = std::chrono::steady_clock::now() - start;
+    };
+    std::chrono::steady_clock::duration took0{}, took1{};
+    std::thread rank1([&] { split(1, &took1); });
+    std::thread rank0([&] { split(0, &took0); });
+    store->WaitUntilHolding();                                    // rank 1 stands still
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 0 waits for it
+    const auto abort_at = std::chrono::steady_clock::now();
+    comms[0]->Abort();
+    rank0.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - abort_at, std::chrono::seconds(5))
+        << "rank 0's split did not end at the Abort";
+    comms[1]->Abort();
+    store->Release();  // rank 1 moves on into its child's mesh, and gives up there
+    rank1.join();
+    EXPECT_LT(took1, std::chrono::seconds(20)) << "rank 1's split waited for its timeout";
+    (void)took0;
+  }
+}
 
 TEST(SplitWithoutStoreTest, IsNotSupported) {
   RunRanks(Transport::kInProcess, 1, {}, [](CollectiveCommunication& comm) {

@@ -1,0 +1,57 @@
+// CancellableStore: the wrapped store's operations, polling `cancelled` before each and
+// between the slices of a Get's wait.
+#include "src/cluster/cancellable_store.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "collectives/errors.h"
+#include "src/cluster/store_common.h"
+
+namespace collectives::cluster {
+
+CancellableStore::CancellableStore(std::shared_ptr<Store> store, std::function<bool()> cancelled,
+                                   std::string why, std::chrono::milliseconds poll)
+    : store_(std::move(store)),
+      cancelled_(std::move(cancelled)),
+      why_(std::move(why)),
+      poll_(std::max(poll, std::chrono::milliseconds(1))) {}
+
+void CancellableStore::ThrowIfCancelled() const {
+  if (cancelled_()) throw Error(ErrorCode::kAborted, why_);
+}
+
+void CancellableStore::Set(const std::string& key, const std::string& value) {
+  ThrowIfCancelled();
+  store_->Set(key, value);
+}
+
+int64_t CancellableStore::Add(const std::string& key, int64_t delta) {
+  ThrowIfCancelled();
+  return store_->Add(key, delta);
+}
+
+std::string CancellableStore::Get(const std::string& key, std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = DeadlineAfter(timeout);
+  for (;;) {
+    ThrowIfCancelled();
+    const auto left =
+        std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                 std::chrono::milliseconds(0));
+    try {
+      return store_->Get(key, std::min(left, poll_));
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kTimeout) throw;
+      if (left > poll_) continue;
+      // The last slice's message names the slice: say the whole wait, as one Get would.
+      const std::string& text = error.message();
+      const std::string tail = " was not set within ";
+      const size_t at = text.rfind(tail);
+      if (at == std::string::npos) throw;
+      throw Error(ErrorCode::kTimeout, text.substr(0, at) + tail +
+                                           std::to_string(ClampTimeout(timeout).count()) + " ms");
+    }
+  }
+}
+
+}  // namespace collectives::cluster
