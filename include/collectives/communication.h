@@ -213,18 +213,20 @@ class CollectiveCommunication {
   // options of this one with its current timeout (SetTimeout's), and lives independently of it.
   // That timeout bounds each of the split's two steps: the exchange of colors and keys through
   // this communicator, then the new one's whole set-up.
-  // An Abort of this one during the split makes the split raise kAborted: within about 50 ms
-  // while the new one's set-up waits for its members (it polls for the Abort), at the end of the
-  // step otherwise (AUTO's calibration, a few collectives on the new communicator, runs to its
-  // end). Implementations that cannot split throw Error(kNotSupported).
+  // An Abort of this one during the split (or any failure that breaks it) makes the split raise
+  // that error on this rank: within about 50 ms while the new one's set-up waits for its
+  // members (it polls for it), at the end of the step otherwise (AUTO's calibration, a few
+  // collectives on the new communicator, runs to its end). The other members' splits are not
+  // told: they end by their own Abort, or at the timeout. Implementations that cannot split
+  // throw Error(kNotSupported).
   virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);
 
   // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),
-  // and peers see this rank's connections close. Returns once the peers have been told (the
-  // abort, with this rank's reason, sent and the connections closed: a process may exit right
-  // after), or after about a second when a call in flight is slow to let go. Safe from any
-  // thread; idempotent. A call on another thread may raise kAborted before Abort has returned:
-  // destroy the communicator only after Abort returned.
+  // and peers see this rank's connections close. RING and AUTO return once the peers have been
+  // told (the abort, with this rank's reason, sent and the connections closed: a process may
+  // exit right after), or after about a second when a call in flight is slow to let go. Safe
+  // from any thread; idempotent. A call on another thread may raise kAborted before Abort has
+  // returned: destroy the communicator only after Abort returned.
   virtual void Abort() = 0;
 
   // The deadline of every call issued after this one (a call already issued keeps its own):

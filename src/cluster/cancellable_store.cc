@@ -3,6 +3,7 @@
 #include "src/cluster/cancellable_store.h"
 
 #include <algorithm>
+#include <string_view>
 #include <utility>
 
 #include "collectives/errors.h"
@@ -15,7 +16,11 @@ CancellableStore::CancellableStore(std::shared_ptr<Store> store, std::function<b
     : store_(std::move(store)),
       cancelled_(std::move(cancelled)),
       why_(std::move(why)),
-      poll_(std::max(poll, std::chrono::milliseconds(1))) {}
+      poll_(std::max(poll, std::chrono::milliseconds(1))) {
+  if (!cancelled_) {
+    throw Error(ErrorCode::kInvalidArgument, "CancellableStore: the cancel predicate is empty");
+  }
+}
 
 void CancellableStore::ThrowIfCancelled() const {
   if (cancelled_()) throw Error(ErrorCode::kAborted, why_);
@@ -41,14 +46,16 @@ std::string CancellableStore::Get(const std::string& key, std::chrono::milliseco
     try {
       return store_->Get(key, std::min(left, poll_));
     } catch (const Error& error) {
-      if (error.code() != ErrorCode::kTimeout) throw;
+      // Only the key's absence at the end of the slice is worth another slice: any other
+      // timeout (a TCP store that could not connect or did not answer in time) already took
+      // its own limit and ends the Get.
+      static constexpr std::string_view kNotSet = " was not set within ";
+      const std::string& text = error.message();
+      const size_t at = text.rfind(kNotSet);
+      if (error.code() != ErrorCode::kTimeout || at == std::string::npos) throw;
       if (left > poll_) continue;
       // The last slice's message names the slice: say the whole wait, as one Get would.
-      const std::string& text = error.message();
-      const std::string tail = " was not set within ";
-      const size_t at = text.rfind(tail);
-      if (at == std::string::npos) throw;
-      throw Error(ErrorCode::kTimeout, text.substr(0, at) + tail +
+      throw Error(ErrorCode::kTimeout, text.substr(0, at) + std::string(kNotSet) +
                                            std::to_string(ClampTimeout(timeout).count()) + " ms");
     }
   }

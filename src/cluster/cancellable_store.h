@@ -19,11 +19,13 @@ namespace collectives::cluster {
 class CancellableStore final : public Store {
  public:
   // `why` is the message of the Error(kAborted) an operation throws once `cancelled()` is true.
+  // `cancelled` must not be empty (Error(kInvalidArgument)).
   CancellableStore(std::shared_ptr<Store> store, std::function<bool()> cancelled, std::string why,
                    std::chrono::milliseconds poll);
 
   void Set(const std::string& key, const std::string& value) override;
-  // Errors as the wrapped store's; a timeout names the whole `timeout`, not the last slice.
+  // Errors as the wrapped store's; a timeout names the whole `timeout`, not the last slice. A
+  // slice that fails for another reason (a TCP store's connection or reply timeout) ends the Get.
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
   int64_t Add(const std::string& key, int64_t delta) override;
 

@@ -11,8 +11,9 @@
 //                 the sum in Add's reply; 0 otherwise
 //
 // Requests: Set(key, value) -> kOk. Get(key, timeout) -> kOk with the value, or kTimeout when
-// the key did not appear in time. Add(key, delta) -> kOk with the sum in arg, or
-// kInvalidArgument with a message as the value. A connection carries one request at a time: the
+// the key did not appear in time. Add(key, delta) -> kOk with the sum in arg. Any request may
+// be answered kInvalidArgument with a message as the value (an Add on a value that is not a
+// number, say). A connection carries one request at a time: the
 // client sends the next request after it read the reply. The header is validated before any
 // buffer for the key or value is allocated; a server closes a connection that sends a header
 // that fails validation, and a client drops one whose reply does not fit its request.
@@ -157,7 +158,8 @@ inline std::string CheckReply(const Header& header, Op op) {
       if (op != Op::kAdd && header.arg != 0) return "status 'ok' with an argument" + answering;
       return "";
     case Status::kTimeout:
-      if (op != Op::kGet) return "status 'timeout' answers only a Get";
+      if (op != Op::kGet)
+        return "status 'timeout' answers only a Get, not a " + std::string(OpName(op));
       if (header.value_bytes != 0 || header.arg != 0) {
         return "status 'timeout' with a value or an argument";
       }

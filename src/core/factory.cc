@@ -53,9 +53,8 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   // A split's child gives up when its parent is aborted: every step polls `cancelled` (the
   // store's waits through a CancellableStore, the mesh's own), except the calibration, which
   // runs collectives on the child with every member already connected.
-  const std::string abandoned =
-      "rank " + std::to_string(rank) +
-      ": set-up abandoned: the communicator it was split from was aborted";
+  const std::string abandoned = "rank " + std::to_string(rank) +
+                                ": set-up abandoned: the communicator it was split from broke";
   std::shared_ptr<Store> setup_store =
       cancelled ? std::make_shared<cluster::CancellableStore>(store, cancelled, abandoned,
                                                               transport::kCancelPoll)

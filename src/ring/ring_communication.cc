@@ -309,8 +309,10 @@ Error RingCommunication::Break(const Error& error) {
   }
   // A split's child set-up in progress polls this and gives up.
   broken_flag_.store(true, std::memory_order_release);
-  fabric_->Abort(first);
+  // The planner first: its waits end at once, and a thread driving a call may be in one. The
+  // fabric's Abort then waits for the thread driving it to tell the peers.
   if (planner_) planner_->Abort(first);
+  fabric_->Abort(first);
   return first;
 }
 

@@ -1118,6 +1118,18 @@ void TcpFabric::ThrowIfBroken() {
 void TcpFabric::RunShutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  // However the shutdown ends (a bad_alloc encoding the payload included), an Abort waiting
+  // for it is let go.
+  struct Finished {
+    TcpFabric* fabric;
+    ~Finished() {
+      {
+        std::lock_guard<std::mutex> lock(fabric->shutdown_mu_);
+        fabric->shutdown_finished_ = true;
+      }
+      fabric->shutdown_cv_.notify_all();
+    }
+  } finished{this};
   std::optional<AbortPayload> payload;
   int skip = -1;
   {
@@ -1154,11 +1166,6 @@ void TcpFabric::RunShutdown() {
   }
   // Let the cancelled operations finish now, so none runs later on freed user buffers.
   io_.poll();
-  {
-    std::lock_guard<std::mutex> lock(shutdown_mu_);
-    shutdown_finished_ = true;
-  }
-  shutdown_cv_.notify_all();
 }
 
 void TcpFabric::Linger() {
@@ -1687,9 +1694,7 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
     if (!options_.cancelled) {
       io_.run_one_until(deadline_);
     } else if (options_.cancelled()) {
-      failure_.emplace(ErrorCode::kAborted, Prefix() +
-                                                "set-up abandoned: the communicator it "
-                                                "was split from was aborted");
+      failure_.emplace(ErrorCode::kAborted, Prefix() + "set-up abandoned: its caller cancelled it");
     } else {
       io_.run_one_until(std::min(deadline_, Clock::now() + kCancelPoll));
     }

@@ -42,8 +42,10 @@ struct TcpFabricOptions {
   // whose set-up has other steps gives the mesh what is left of its timeout. Errors still
   // name `timeout`, the limit of the set-up as a whole.
   Clock::time_point deadline = Clock::time_point::max();
-  // Polled while the mesh waits (every kCancelPoll at most): when it returns true the set-up
-  // ends with Error(kAborted). A split's child is set up with "its parent was aborted" here.
+  // Polled while the mesh waits for its connections (every kCancelPoll at most): when it
+  // returns true the set-up ends with Error(kAborted). Only the mesh's own waits poll it; for
+  // the address lookups, pass a store that polls too (cluster::CancellableStore). A split's
+  // child is set up with "the parent broke" here.
   std::function<bool()> cancelled;
 };
 

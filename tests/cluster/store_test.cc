@@ -281,6 +281,33 @@ TEST(CancellableStoreTest, ACancelEndsAWaitingGetWithinAPoll) {
   EXPECT_THROW(store.Get("k", milliseconds(0)), Error);
 }
 
+// A slice that timed out for another reason than the key's absence (a TCP store that could not
+// connect, or got no reply, within its own limit) ends the Get: another slice would wait that
+// limit again, past the Get's timeout.
+TEST(CancellableStoreTest, AnotherTimeoutEndsTheGetAtOnce) {
+  struct Unreachable final : Store {
+    std::atomic<int> gets{0};
+    void Set(const std::string&, const std::string&) override {}
+    std::string Get(const std::string&, milliseconds) override {
+      ++gets;
+      throw Error(ErrorCode::kTimeout, "TCP store at h:1: could not connect within 5000 ms");
+    }
+    int64_t Add(const std::string&, int64_t) override { return 0; }
+  };
+  auto inner = std::make_shared<Unreachable>();
+  cluster::CancellableStore store(
+      inner, [] { return false; }, "unused", milliseconds(20));
+  try {
+    store.Get("k", milliseconds(10'000));
+    ADD_FAILURE() << "a Get of an unreachable store returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+    EXPECT_EQ(e.message(), "TCP store at h:1: could not connect within 5000 ms");
+  }
+  EXPECT_EQ(inner->gets.load(), 1);
+  EXPECT_THROW(cluster::CancellableStore(inner, {}, "unused", milliseconds(20)), Error);
+}
+
 // Sliced, a Get still returns a value set while it waits, and its timeout names the whole wait.
 TEST(CancellableStoreTest, ASlicedGetSeesALateSetAndNamesTheWholeTimeout) {
   auto inner = CreateMemoryStore();
