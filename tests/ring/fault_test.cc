@@ -4,10 +4,13 @@
 //     8 ranks: every survivor raises peer-lost naming the dead rank within 5 s; with AUTO, no
 //     shared-memory segment is left in /dev/shm;
 //   - a rank that stops answering (SIGSTOP): every other rank raises within the collective
-//     deadline + 5 s, at least one of them timeout (the others may see it leave first).
+//     deadline + 5 s, at least one of them timeout (the others may see it leave first);
+//   - a rank that calls Abort during a call and exits the moment Abort returns: the others
+//     raise kAborted with its reason, not peer-lost.
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <thread>
@@ -175,5 +178,40 @@ TEST_P(StopTest, EveryOtherRankRaisesTimeoutWithinTheDeadline) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, StopTest, ::testing::Values("ring", "auto"));
+
+// Abort returns once the peers have been told: a rank that aborts while a call of its is in
+// flight (on the progress thread) and exits right after still hands every other rank its
+// reason. Abort used to leave the abort frames to the progress thread and return at once; the
+// exit then took them along, and the others saw a lost peer.
+class AbortExitTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AbortExitTest, TheOthersLearnTheReasonOfARankThatExitsRightAfterAbort) {
+  constexpr int kSize = 3;
+  Placement placement;
+  placement.implementation = GetParam();
+  // The others join the all-reduce only once rank 0 is gone (joining earlier, they could
+  // complete it with rank 0's data before the abort).
+  const std::string go_file = std::filesystem::temp_directory_path() /
+                              ("abort_exit_go." + std::to_string(getpid()) + "." + GetParam());
+  std::filesystem::remove(go_file);
+  std::vector<Worker> workers = Start(kSize, {"abort_exit", go_file}, placement);
+  const bool rank0_exited = WaitAll(workers, {0}, std::chrono::seconds(120));
+  std::ofstream(go_file).put('\n');
+  const bool finished = rank0_exited && WaitAll(workers, All(kSize), std::chrono::seconds(120));
+  KillAll(workers);
+  std::filesystem::remove(go_file);
+  ASSERT_TRUE(finished) << "the workers did not finish in time";
+  EXPECT_TRUE(WIFEXITED(workers[0].status) && WEXITSTATUS(workers[0].status) == 0)
+      << "rank 0 status " << workers[0].status << ": " << workers[0].output;
+  for (int rank = 1; rank < kSize; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 20 + int(ErrorCode::kAborted))
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("the communicator was aborted by its caller"), std::string::npos)
+        << "rank " << rank << ": " << w.output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Processes, AbortExitTest, ::testing::Values("ring", "auto"));
 
 }  // namespace

@@ -15,13 +15,23 @@
 //                              <count> <fingerprint of the result> <algorithm>", and "<k> far"
 //                              for the elements not within rounding of the exact result; exit 0
 //                              iff none is (the test compares the fingerprints across ranks)
+//   ring_worker abort_exit go_file
+//                              rank 0 issues an all-reduce the others do not join yet, calls
+//                              Abort while it is in flight and exits at once (exit code 0);
+//                              the other ranks join once go_file exists (the test creates it
+//                              when rank 0 has exited) and print "error <code> <message>"
+//                              (exit 20 + code), or "joined" if theirs succeeded
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
+#include <unistd.h>
+
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -88,6 +98,25 @@ int main(int argc, char** argv) {
       }
       std::printf("rank %d: %zu far\n", comm->rank(), far);
       return far == 0 ? 0 : 1;
+    }
+    if (mode == "abort_exit") {
+      std::vector<float> data(1000, 1.0f);
+      const Tensor tensor{data.data(), data.size(), DataType::kFloat32};
+      comm->AllReduce(tensor, ReduceOp::kSum);  // every connection is up
+      if (comm->rank() == 0) {
+        auto work = comm->AllReduceAsync(tensor, tensor, ReduceOp::kSum);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the call blocks
+        comm->Abort();  // the progress thread drives the call
+        _exit(0);       // at once: no destructor runs, nothing more is sent
+      }
+      const std::string go_file = argc > 2 ? argv[2] : "";
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (access(go_file.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      comm->AllReduce(tensor, ReduceOp::kSum);
+      std::printf("joined\n");
+      return 0;
     }
     if (mode == "loop") {
       const std::string collective = argc > 2 ? argv[2] : "all_reduce";
