@@ -194,8 +194,11 @@ coll_status coll_comm_create_from_tf_config(const char* tf_config_json, const co
 coll_status coll_comm_destroy(coll_comm* comm);
 
 /* Breaks the communicator now: a collective in flight on another thread and every later call
- * return COLL_ABORTED, and peers see this rank's connections close. The one call that may run
- * concurrently with another call on the same communicator. Idempotent. The communicator must
+ * return COLL_ABORTED, and peers see this rank's connections close. With RING and AUTO it
+ * returns once the peers have been told (within about a second): the process may exit right
+ * after. The one call that may run concurrently with another call on the same communicator,
+ * coll_comm_split included (on this rank, a split whose new communicator still waits for its
+ * members then returns COLL_ABORTED within about 50 ms). Idempotent. The communicator must
  * still be destroyed with coll_comm_destroy. */
 coll_status coll_comm_abort(coll_comm* comm);
 
