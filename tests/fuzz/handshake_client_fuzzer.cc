@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "src/transport/handshake.h"
+#include "tests/fuzz/asio_loopback.h"
 
 using namespace collectives;
 using asio::ip::tcp;
@@ -35,16 +36,6 @@ constexpr int kServerRank = 1;
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "handshake_client_fuzzer: %s\n", what.c_str());
   std::abort();
-}
-
-struct Loopback {
-  asio::io_context io;
-  tcp::acceptor acceptor{io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)};
-};
-
-Loopback& Shared() {
-  static Loopback* loopback = new Loopback();
-  return *loopback;
 }
 
 uint32_t GetU32(const uint8_t* in) {
@@ -104,7 +95,7 @@ struct TokenServer : std::enable_shared_from_this<TokenServer> {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  Loopback& lo = Shared();
+  fuzz::AsioLoopback& lo = fuzz::SharedAsioLoopback();
   const bool token_server = (data[0] & 1) != 0;
   const uint8_t* bytes = data + 1;
   const size_t bytes_size = size - 1;

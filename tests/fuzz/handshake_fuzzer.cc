@@ -10,26 +10,13 @@
 #include <cstdlib>
 
 #include "src/transport/handshake.h"
+#include "tests/fuzz/asio_loopback.h"
 
 using namespace collectives;
 using asio::ip::tcp;
 
-namespace {
-
-struct Loopback {
-  asio::io_context io;
-  tcp::acceptor acceptor{io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)};
-};
-
-Loopback& Shared() {
-  static Loopback* loopback = new Loopback();
-  return *loopback;
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  Loopback& lo = Shared();
+  fuzz::AsioLoopback& lo = fuzz::SharedAsioLoopback();
   asio::error_code ec;
   tcp::socket client(lo.io);
   client.connect(lo.acceptor.local_endpoint(), ec);
