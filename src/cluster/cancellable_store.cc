@@ -3,7 +3,6 @@
 #include "src/cluster/cancellable_store.h"
 
 #include <algorithm>
-#include <string_view>
 #include <utility>
 
 #include "collectives/errors.h"
@@ -49,13 +48,12 @@ std::string CancellableStore::Get(const std::string& key, std::chrono::milliseco
       // Only the key's absence at the end of the slice is worth another slice: any other
       // timeout (a TCP store that could not connect or did not answer in time) already took
       // its own limit and ends the Get.
-      static constexpr std::string_view kNotSet = " was not set within ";
       const std::string& text = error.message();
-      const size_t at = text.rfind(kNotSet);
+      const size_t at = text.rfind(kNotSetWithin);
       if (error.code() != ErrorCode::kTimeout || at == std::string::npos) throw;
       if (left > poll_) continue;
       // The last slice's message names the slice: say the whole wait, as one Get would.
-      throw Error(ErrorCode::kTimeout, text.substr(0, at) + std::string(kNotSet) +
+      throw Error(ErrorCode::kTimeout, text.substr(0, at) + std::string(kNotSetWithin) +
                                            std::to_string(ClampTimeout(timeout).count()) + " ms");
     }
   }

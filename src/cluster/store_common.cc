@@ -89,8 +89,8 @@ void SetCloseOnExec(int fd) {
 void ThrowGetTimeout(std::string_view store, const std::string& key,
                      std::chrono::milliseconds timeout) {
   throw Error(ErrorCode::kTimeout, std::string(store) + ": key " + QuoteKey(key) +
-                                       " was not set within " + std::to_string(timeout.count()) +
-                                       " ms");
+                                       std::string(kNotSetWithin) +
+                                       std::to_string(timeout.count()) + " ms");
 }
 
 }  // namespace collectives::cluster

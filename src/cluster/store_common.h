@@ -48,6 +48,10 @@ std::string QuoteKey(std::string_view key);
 // connection would keep a peer from seeing the close.
 void SetCloseOnExec(int fd);
 
+// What a Get's timeout says between the key and the time ("... key 'k' was not set within
+// 500 ms"): a store that waits in slices (CancellableStore) tells its own timeouts by it.
+inline constexpr std::string_view kNotSetWithin = " was not set within ";
+
 // Throws Error(kTimeout): "<store>: key '<key>' was not set within <timeout> ms".
 [[noreturn]] void ThrowGetTimeout(std::string_view store, const std::string& key,
                                   std::chrono::milliseconds timeout);

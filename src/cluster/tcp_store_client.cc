@@ -101,7 +101,7 @@ class Connection {
     const std::string who = "rank " + std::to_string(rank) + "'s enrolment in the job's store";
     switch (static_cast<auth::EnrolRefusal>(header[1])) {
       case auth::EnrolRefusal::kTaken:
-        *why = who + " was already taken by " + Printable(payload) +
+        *why = who + " was already taken by " + core::OneLine(payload) +
                "; a stranger may be on the store's port; set COLLECTIVES_JOB_TOKEN to a shared "
                "secret";
         break;
@@ -226,14 +226,6 @@ class Connection {
   static Result Failed(std::string* why, const asio::error_code& error) {
     *why = error == asio::error::eof ? "the server closed the connection" : error.message();
     return Result::kFailed;
-  }
-
-  // Text from the server, for a message: printable ASCII kept, other bytes as '?'.
-  static std::string Printable(std::string text) {
-    for (char& c : text) {
-      if (c < 0x20 || c > 0x7e) c = '?';
-    }
-    return text;
   }
 
   asio::io_context io_;

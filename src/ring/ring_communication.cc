@@ -157,7 +157,6 @@ class RingCommunication final : public CollectiveCommunication {
   std::atomic<bool> stopping_{false};
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
-  std::atomic<bool> broken_flag_{false};  // broken_ is set (for polling without mu_)
   std::atomic<size_t> queued_{0};
   std::thread thread_;
 };
@@ -307,8 +306,6 @@ Error RingCommunication::Break(const Error& error) {
       broken_ = error;
     }
   }
-  // A split's child set-up in progress polls this and gives up.
-  broken_flag_.store(true, std::memory_order_release);
   // The planner first: its waits end at once, and a thread driving a call may be in one. The
   // fabric's Abort then waits for the thread driving it to tell the peers.
   if (planner_) planner_->Abort(first);
@@ -348,8 +345,10 @@ std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int
   try {
     child = split_(int(me - members.begin()), int(members.size()),
                    "/split" + std::to_string(split) + "/" + std::to_string(color),
-                   std::chrono::milliseconds(timeout_ms_.load()),
-                   [this] { return broken_flag_.load(std::memory_order_acquire); });
+                   std::chrono::milliseconds(timeout_ms_.load()), [this] {
+                     std::lock_guard<std::mutex> state(mu_);
+                     return broken_.has_value();
+                   });
   } catch (const Error&) {
     std::lock_guard<std::mutex> state(mu_);
     if (broken_) throw *broken_;  // the Abort's own error, not the set-up's "abandoned"
