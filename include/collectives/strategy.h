@@ -215,7 +215,9 @@ class Strategy {
 
   // Cross-replica context, every worker in the same order ("inside the scope"): creates a
   // mirrored variable. The chief runs `init` on one copy; every copy on every worker receives it.
-  // Names must be unique.
+  // Names must be unique. Workers that pass different names or shapes (or one an empty `init`)
+  // all get kMismatch naming both values, and no variable is created on any of them (an 8-byte
+  // all-gather checks this before the broadcast).
   MirroredVariable& CreateVariable(const std::string& name, std::vector<size_t> shape,
                                    const Initializer& init);
   // Every variable, in creation order.
@@ -324,6 +326,12 @@ struct DatasetOptions {
 // replicas are filled in order of replica_id_in_sync_group with up to B/N examples each, so the
 // last replicas may get fewer or none. Losses are still divided by the full global batch size
 // unless the caller passes GlobalBatchSize(step).
+//
+// Constructing one is a cross-replica call that every worker makes at the same point: the workers
+// check that they were given the same num_examples and options (the seed only with shuffle),
+// and all get kMismatch naming the first that differs when they were not (workers with
+// different datasets would otherwise see some examples twice per epoch and others never,
+// silently). TensorFlow does not check this.
 class DistributedDataset {
  public:
   DistributedDataset(const Strategy& strategy, size_t num_examples, DatasetOptions options);

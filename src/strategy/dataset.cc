@@ -21,6 +21,7 @@
 
 #include "collectives/errors.h"
 #include "collectives/strategy.h"
+#include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
 namespace {
@@ -72,6 +73,17 @@ DistributedDataset::DistributedDataset(const Strategy& strategy, size_t num_exam
       num_replicas_(strategy.NumReplicasInSync()),
       replicas_per_worker_(strategy.num_local_replicas()),
       worker_index_(strategy.worker_index()) {
+  // Workers given different datasets would each cover their own order: some examples twice per
+  // epoch, others never, and nothing would say so. First, so that the checks below
+  // fail on every worker or on none.
+  StrategyImpl& impl = strategy.impl();
+  impl.CheckCrossReplica("DistributedDataset");
+  StrategyImpl::Description mine{{"num_examples", std::to_string(num_examples_)},
+                                 {"global_batch_size", std::to_string(options_.global_batch_size)},
+                                 {"drop_remainder", options_.drop_remainder ? "true" : "false"},
+                                 {"shuffle", options_.shuffle ? "true" : "false"}};
+  if (options_.shuffle) mine.emplace_back("seed", std::to_string(options_.seed));
+  impl.AgreeAcrossWorkers("DistributedDataset", mine);
   if (options_.global_batch_size == 0) Invalid("global_batch_size must be > 0");
   if (options_.global_batch_size % static_cast<size_t>(num_replicas_) != 0) {
     Invalid("global_batch_size " + std::to_string(options_.global_batch_size) +

@@ -31,16 +31,67 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 #include "collectives/errors.h"
 #include "collectives/packing.h"
 #include "src/core/kernels.h"
+#include "src/core/text.h"
 
 namespace collectives::strategy {
 namespace {
 
 using internal::LocalGroup;
+
+// The bytes a Description travels as: every key and every value after its length (4 bytes,
+// little-endian), in order.
+std::string Encode(const StrategyImpl::Description& description) {
+  std::string out;
+  const auto put = [&out](const std::string& text) {
+    const auto n = static_cast<uint32_t>(text.size());
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xffu));
+    out += text;
+  };
+  for (const auto& [field, value] : description) {
+    put(field);
+    put(value);
+  }
+  return out;
+}
+
+// The inverse of Encode; nothing when `bytes` is not an encoding.
+std::optional<StrategyImpl::Description> Decode(std::string_view bytes) {
+  StrategyImpl::Description out;
+  const auto take = [&bytes](std::string& text) {
+    if (bytes.size() < 4) return false;
+    uint32_t n = 0;
+    for (int i = 0; i < 4; ++i)
+      n |= static_cast<uint32_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
+    bytes.remove_prefix(4);
+    if (bytes.size() < n) return false;
+    text.assign(bytes.substr(0, n));
+    bytes.remove_prefix(n);
+    return true;
+  };
+  while (!bytes.empty()) {
+    std::pair<std::string, std::string> field;
+    if (!take(field.first) || !take(field.second)) return std::nullopt;
+    out.push_back(std::move(field));
+  }
+  return out;
+}
+
+// FNV-1a, 64 bits: the same on every worker whatever its standard library (std::hash is not).
+uint64_t Fingerprint(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (char c : bytes) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
 
 // First element of part `k` of `total` elements cut into `parts` contiguous parts whose sizes
 // differ by at most one (the first total % parts parts have one more).
@@ -354,6 +405,13 @@ std::vector<float> StrategyImpl::Reduce(ReduceOp op, const PerReplica<std::vecto
 MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vector<size_t> shape,
                                                const Initializer& init) {
   CheckCrossReplica("Strategy::CreateVariable");
+  // First, so that the checks below fail on every worker or on none.
+  std::string dims = "[";
+  for (size_t i = 0; i < shape.size(); ++i) dims += (i ? ", " : "") + std::to_string(shape[i]);
+  AgreeAcrossWorkers("CreateVariable('" + core::OneLine(name, 256) + "')",
+                     {{"the name", name},
+                      {"the shape", dims + "]"},
+                      {"whether an initializer is given", init ? "yes" : "no"}});
   if (name.empty()) {
     throw Error(ErrorCode::kInvalidArgument, who_ + "CreateVariable: the name is empty");
   }
@@ -406,6 +464,71 @@ void StrategyImpl::BroadcastFromChief(const std::vector<Tensor>& values) {
 void StrategyImpl::Barrier() {
   CheckCrossReplica("Strategy::Barrier");
   if (comm_) comm_->Barrier();
+}
+
+void StrategyImpl::AgreeAcrossWorkers(const std::string& what, const Description& mine) {
+  if (!comm_) return;
+  const size_t workers = static_cast<size_t>(num_workers_);
+  const std::string bytes = Encode(mine);
+  int64_t own = static_cast<int64_t>(Fingerprint(bytes));
+  std::vector<int64_t> prints(workers);
+  comm_->AllGather({&own, 1, DataType::kInt64}, {prints.data(), workers, DataType::kInt64});
+  const auto differs =
+      std::find_if(prints.begin(), prints.end(), [&](int64_t p) { return p != prints[0]; });
+  if (differs == prints.end()) return;
+  const size_t other = static_cast<size_t>(differs - prints.begin());
+  const std::string head = who_ + what + ": the workers disagree";
+  const std::string tail =
+      " (every worker must make the same cross-replica calls with the same arguments, in the "
+      "same order)";
+
+  // Every worker saw the same fingerprints, so every worker is here: fetch the descriptions.
+  constexpr int64_t kMaxBytes = int64_t{1} << 20;
+  int64_t own_size = static_cast<int64_t>(bytes.size());
+  std::vector<int64_t> sizes(workers);
+  comm_->AllGather({&own_size, 1, DataType::kInt64}, {sizes.data(), workers, DataType::kInt64});
+  const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
+  const bool sane =
+      std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n >= 0 && n <= kMaxBytes; });
+  if (!sane) {  // every worker decides this on the same sizes
+    throw Error(ErrorCode::kMismatch, head + " (worker " + std::to_string(other) +
+                                          " describes it in a way this one cannot read)" + tail);
+  }
+  const size_t width = static_cast<size_t>(longest);
+  std::string own_padded = bytes;
+  own_padded.resize(width, '\0');
+  std::string all(workers * width, '\0');
+  if (width > 0) {
+    comm_->AllGather({own_padded.data(), width, DataType::kUInt8},
+                     {all.data(), all.size(), DataType::kUInt8});
+  }
+  const auto described = [&](size_t w) {
+    return Decode(std::string_view(all).substr(w * width, static_cast<size_t>(sizes[w])));
+  };
+  const std::optional<Description> first = described(0);
+  const std::optional<Description> theirs = described(other);
+  const auto quote = [](const std::string& text) {
+    std::string out(1, '\'');
+    out += core::OneLine(text, 256);  // appended, not concatenated: GCC 12's -Wrestrict misfires
+    out += '\'';
+    return out;
+  };
+  if (first && theirs) {
+    for (size_t i = 0; i < std::max(first->size(), theirs->size()); ++i) {
+      if (i < first->size() && i < theirs->size() && (*first)[i] == (*theirs)[i]) continue;
+      if (i >= first->size() || i >= theirs->size() || (*first)[i].first != (*theirs)[i].first) {
+        break;  // different fields: not the same call, or not the same program
+      }
+      throw Error(ErrorCode::kMismatch, head + " on " + (*first)[i].first + ": worker 0 has " +
+                                            quote((*first)[i].second) + ", worker " +
+                                            std::to_string(other) + " has " +
+                                            quote((*theirs)[i].second) + tail);
+    }
+  }
+  throw Error(ErrorCode::kMismatch, head + ": worker 0 and worker " + std::to_string(other) +
+                                        " describe it with different fields (do they run the "
+                                        "same program?)" +
+                                        tail);
 }
 
 }  // namespace collectives::strategy

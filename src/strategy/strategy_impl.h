@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "collectives/communication.h"
@@ -77,6 +78,16 @@ class StrategyImpl {
 
   void BroadcastFromChief(const std::vector<Tensor>& values);
   void Barrier();
+
+  // What one worker says it is doing: (field, value) pairs, values as text.
+  using Description = std::vector<std::pair<std::string, std::string>>;
+  // Cross-replica context, every worker at the same point: checks that every worker describes
+  // `what` ("DistributedDataset", "CreateVariable('dense/kernel')") with the same fields. When a
+  // worker differs from worker 0, every worker throws the same kMismatch naming the first field
+  // that differs, worker 0's value and that worker's, and the strategy stays usable (every worker
+  // stopped at the same point). Costs one 8-byte all-gather when the workers agree (two more to
+  // fetch the descriptions when they do not); nothing with one worker.
+  void AgreeAcrossWorkers(const std::string& what, const Description& mine);
 
   // Throws kInvalidUsage naming `call` when called from inside RunEach, and rethrows the error
   // that broke the strategy (see broken_) when one did.

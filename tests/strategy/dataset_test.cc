@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <numeric>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "collectives/strategy.h"
@@ -173,6 +174,40 @@ TEST(DistributedDatasetTest, BadArguments) {
   ExpectError(ErrorCode::kInvalidArgument, {"replica 4"}, [&] { data.GlobalReplicaBatch(0, 0, 4); });
   ExpectError(ErrorCode::kInvalidArgument, {"epoch -1"}, [&] { data.ReplicaBatch(-1, 0, 0); });
   ExpectError(ErrorCode::kInvalidArgument, {"step 13"}, [&] { data.GlobalBatchSize(13); });
+}
+
+TEST(DistributedDatasetTest, WorkersGivenDifferentDatasetsAllGetMismatch) {
+  testing::RunWorkers(3, 1, CrossDeviceOps::kAuto, [](Strategy& s, int rank) {
+    const std::string seed = "worker " + std::to_string(rank) +
+                             " DistributedDataset: the workers disagree on seed: worker 0 has "
+                             "'7', worker 1 has '8'";
+    ExpectError(ErrorCode::kMismatch, {seed.c_str()}, [&] {
+      DistributedDataset(s, 100,
+                         {.global_batch_size = 12, .shuffle = true, .seed = rank == 1 ? 8u : 7u});
+    });
+    // Worker 2's batch is not divisible by the 3 replicas: a mismatch on every worker still, not
+    // an argument error on worker 2 alone while the others wait.
+    ExpectError(ErrorCode::kMismatch,
+                {"disagree on global_batch_size: worker 0 has '12', worker 2 has '10'"},
+                [&] { DistributedDataset(s, 100, {.global_batch_size = rank == 2 ? 10u : 12u}); });
+    ExpectError(ErrorCode::kMismatch,
+                {"disagree on num_examples: worker 0 has '100', worker 1 has '99'"},
+                [&] { DistributedDataset(s, rank == 1 ? 99 : 100, {.global_batch_size = 12}); });
+    ExpectError(ErrorCode::kMismatch,
+                {"disagree on drop_remainder: worker 0 has 'false', worker 2 has 'true'"}, [&] {
+                  DistributedDataset(s, 100,
+                                     {.global_batch_size = 12, .drop_remainder = rank == 2});
+                });
+    ExpectError(
+        ErrorCode::kMismatch, {"disagree on shuffle: worker 0 has 'true', worker 1 has 'false'"},
+        [&] { DistributedDataset(s, 100, {.global_batch_size = 12, .shuffle = rank != 1}); });
+    // Without shuffle the seed is not used, so it may differ.
+    DistributedDataset plain(s, 100,
+                             {.global_batch_size = 12, .seed = static_cast<uint64_t>(rank)});
+    EXPECT_EQ(plain.steps_per_epoch(), 9u);
+    // Every worker stopped at the same point, so the strategy is still usable.
+    EXPECT_EQ(s.Reduce(ReduceOp::kSum, PerReplica<double>{1.0}), 3.0);
+  });
 }
 
 TEST(DatasetComputeAverageLossTest, DividesByTheGlobalBatch) {

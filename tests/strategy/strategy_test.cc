@@ -659,6 +659,69 @@ TEST(StrategyVariableTest, CopiesAreIdenticalEverywhereAndTheChiefsInitWins) {
   for (const auto& copy : seen) EXPECT_TRUE(BitEqual(copy, glorot));
 }
 
+TEST(StrategyVariableTest, WorkersThatCreateDifferentVariablesAllGetMismatchAndNoneIsCreated) {
+  RunWorkers(3, 2, kHC, [](Strategy& s, int rank) {
+    const std::string who = "worker " + std::to_string(rank) + " ";
+    // Worker 2 names its variable differently: the counts agree, so the broadcast alone would
+    // have given worker 2's 'dense/bias' the chief's 'dense/kernel'.
+    const std::string name = rank == 2 ? "dense/bias" : "dense/kernel";
+    const std::string named = who + "CreateVariable('" + name +
+                              "'): the workers disagree on the name: worker 0 has "
+                              "'dense/kernel', worker 2 has 'dense/bias' (every worker must make "
+                              "the same cross-replica calls with the same arguments, in the same "
+                              "order)";
+    ExpectError(ErrorCode::kMismatch, {named.c_str()}, [&] {
+      s.CreateVariable(name, {3, 5}, Zeros());
+    });
+    // Worker 1 transposes the shape.
+    const std::vector<size_t> shape =
+        rank == 1 ? std::vector<size_t>{5, 3} : std::vector<size_t>{3, 5};
+    ExpectError(ErrorCode::kMismatch,
+                {"the workers disagree on the shape: worker 0 has '[3, 5]', worker 1 has '[5, 3]'"},
+                [&] { s.CreateVariable("w", shape, Zeros()); });
+    // An empty initializer on one worker fails every worker, not that one alone (the others
+    // would wait for it in the broadcast).
+    ExpectError(
+        ErrorCode::kMismatch,
+        {"disagree on whether an initializer is given: worker 0 has 'yes', worker 1 has 'no'"},
+        [&] { s.CreateVariable("w", {2}, rank == 1 ? Initializer{} : Zeros()); });
+    EXPECT_TRUE(s.variables().empty());
+    // Every worker stopped at the same point, so the strategy is still usable.
+    MirroredVariable& w = s.CreateVariable("dense/kernel", {3, 5}, Constant(2.0f));
+    for (int r = 0; r < 2; ++r) {
+      for (float x : w.value(r)) EXPECT_EQ(x, 2.0f);
+    }
+    EXPECT_EQ(s.Reduce(ReduceOp::kSum, PerReplica<double>{1.0, 1.0}), 6.0);
+  });
+}
+
+TEST(StrategyAgreementTest, EveryWorkerNamesTheFirstFieldThatDiffersFromWorkerZero) {
+  using Description = StrategyImpl::Description;
+  RunWorkers(4, 1, kHC, [](Strategy& s, int rank) {
+    StrategyImpl& impl = s.impl();
+    impl.AgreeAcrossWorkers("Probe", {});
+    impl.AgreeAcrossWorkers("Probe", {{"a", "1"}, {"b", std::string(300'000, 'x')}});
+    // Workers 2 and 3 differ from worker 0; the message names worker 2, on every worker.
+    const std::string b = rank >= 2 ? "two" : "one";
+    ExpectError(ErrorCode::kMismatch,
+                {"Probe: the workers disagree on b: worker 0 has 'one', worker 2 has 'two'"}, [&] {
+                  impl.AgreeAcrossWorkers("Probe", {{"a", "1"}, {"b", b}, {"c", b}});
+                });
+    // Values are quoted on one line, whatever they hold.
+    ExpectError(ErrorCode::kMismatch, {"worker 0 has 'a\\x0ab', worker 1 has ''"}, [&] {
+      impl.AgreeAcrossWorkers("Probe", {{"v", rank == 0 ? std::string("a\nb") : std::string()}});
+    });
+    // Different fields (another program, or another call): said, with no field named.
+    const Description fields =
+        rank == 3 ? Description{{"a", "1"}} : Description{{"a", "1"}, {"b", "2"}};
+    ExpectError(ErrorCode::kMismatch,
+                {"Probe: the workers disagree: worker 0 and worker 3 describe it with different "
+                 "fields"},
+                [&] { impl.AgreeAcrossWorkers("Probe", fields); });
+    impl.AgreeAcrossWorkers("Probe", {{"a", "1"}});
+  });
+}
+
 TEST(StrategyVariableTest, AssignAndAccess) {
   MirroredStrategy s({.num_replicas = 3});
   MirroredVariable& v = s.CreateVariable("v", {2, 2}, Constant(3.0f));
