@@ -21,6 +21,10 @@
 //                              the other ranks join once go_file exists (the test creates it
 //                              when rank 0 has exited) and print "error <code> <message>"
 //                              (exit 20 + code), or "joined" if theirs succeeded
+//   ring_worker late timeout_ms late_ms pause_ms
+//                              set-up under timeout_ms, rank 1 starting it late_ms late; then
+//                              rank 1 waits pause_ms and every rank all-reduces once, printing
+//                              "joined" (the set-up's deadline must not cut later calls short)
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
@@ -52,7 +56,21 @@ int main(int argc, char** argv) {
     if (const char* algorithm = std::getenv("RING_WORKER_ALGORITHM")) {
       options.algorithm = algorithm;
     }
-    auto comm = CreateCommunication(ClusterSpec::FromEnvironment(), options);
+    const ClusterSpec spec = ClusterSpec::FromEnvironment();
+    if (mode == "late") {
+      options.timeout = std::chrono::milliseconds(std::stol(argv[2]));
+      if (spec.rank == 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::stol(argv[3])));
+    }
+    auto comm = CreateCommunication(spec, options);
+    if (mode == "late") {
+      if (comm->rank() == 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::stol(argv[4])));
+      std::vector<float> data(1000, 1.0f);
+      comm->AllReduce(Tensor{data.data(), data.size(), DataType::kFloat32}, ReduceOp::kSum);
+      std::printf("joined %s\n", data[999] == float(comm->size()) ? "right" : "wrong");
+      return 0;
+    }
     if (mode == "check") {
       const size_t large = argc > 2 ? std::stoul(argv[2]) : 0;
       std::vector<std::string> failures;
