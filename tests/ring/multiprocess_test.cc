@@ -92,14 +92,14 @@ TEST(MultiProcessShmTest, ASlotSizeThatDiffersBetweenHostsIsNamedOnEveryRank) {
 
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
 // it times both plans) runs each of its calls under what is left of the deadline, then gives the
-// communicator its whole timeout back. Here rank 1 starts 4 s into a 7 s timeout, so the others
-// calibrate with under 3 s left; rank 1 then keeps them waiting 3.5 s in the first call, which a
+// communicator its whole timeout back. Here rank 1 starts 4 s into a 9 s timeout, so the others
+// calibrate with under 5 s left; rank 1 then keeps them waiting 5.5 s in the first call, which a
 // communicator left with the calibration's timeout would give up on (kTimeout).
 TEST(MultiProcessShmTest, TheFirstCallAfterCalibrationHasTheWholeTimeout) {
   constexpr int kSize = 4;
   Placement placement;
   placement.host_ids = {"a", "a", "b", "b"};
-  std::vector<Worker> workers = Start(kSize, {"late", "7000", "4000", "3500"}, placement);
+  std::vector<Worker> workers = Start(kSize, {"late", "9000", "4000", "5500"}, placement);
   const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(120));
   KillAll(workers);
   ASSERT_TRUE(finished) << "workers did not finish in time";
