@@ -258,8 +258,9 @@ coll_status coll_barrier(coll_comm* comm);
  * and if that is 0 too the library's default) so that many small tensors cost a few large
  * collectives. The result equals one coll_all_reduce per buffer (bit for bit for integers, min
  * and max; float sums may differ in the last bits, identically on every rank). Every rank passes
- * the same n and the same counts. buffers and counts may be NULL when n == 0; buffers[i] may be
- * NULL when counts[i] == 0. */
+ * the same n, the same counts and the same bytes_per_pack (else COLL_MISMATCH on every rank,
+ * nothing written). buffers and counts may be NULL when n == 0; buffers[i] may be NULL when
+ * counts[i] == 0. Every call, n == 0 included, is a collective. */
 coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
                                  size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack);
 

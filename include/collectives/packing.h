@@ -7,9 +7,10 @@
 //
 // Thread-safety: PlanBuckets is pure. AllReduce / Broadcast of a list call the communicator from
 // the calling thread and, like any collective, must be issued in the same order on every rank
-// with the same list of (dtype, device, count). A list that differs is caught before anything
-// moves (one 16-byte all-reduce of a hash of the list comes first in every call with a nonempty
-// tensor; every rank then raises kMismatch, nothing written).
+// with the same list of (dtype, device, count) and the same bytes_per_pack. A list or a cap that
+// differs is caught before anything moves (one 32-byte all-reduce of a hash of the list and of
+// its buckets comes first in every call, even one that moves nothing; every rank then raises
+// kMismatch, nothing written).
 #ifndef COLLECTIVES_PACKING_H_
 #define COLLECTIVES_PACKING_H_
 

@@ -3,7 +3,7 @@
 //
 // A bucket of one tensor (not counting zero-size ones) is issued on that tensor, in place,
 // without a copy or a fusion buffer; a bucket with no bytes (only zero-size tensors) issues
-// nothing, on every rank alike. Other
+// nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
@@ -128,34 +128,55 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
 // first all-reduces, with max, (h, ~h) for a hash h of its list's (dtype, count) sequence: all
 // lists hash alike exactly when every rank gets back its own pair (a rank below the largest h
 // sees a larger max(h); the one with the largest h sees max(~h) from a smaller h). Then every
-// rank raises kMismatch before anything is packed or written.
-// The check runs whether or not this rank's plan fuses: whether a plan fuses depends on the
-// list, and a rank whose list differs may not fuse where another does. A rank that skipped the
-// check would send its first tensor's collective against the other's check, and an int64 max
-// of two elements matches it: that rank's tensor would be reduced with the hash and returned
-// as a success. Cost: one 16-byte all-reduce per packed call with anything to move.
+// rank raises kMismatch before anything is packed or written. A second pair does the same for
+// the plan (which tensors share a bucket): equal lists cut by different bytes_per_pack would
+// send buckets of different sizes, which the frames catch, but only once the first bucket is on
+// the wire, and as a broken communicator that does not say why.
+// The check runs on every call, whatever this rank's plan: whether a plan fuses, or moves any
+// byte at all, depends on the list, and a rank whose list differs may not fuse (or may hold only
+// zero-size tensors) where another does. A rank that skipped the check would send its first
+// tensor's collective, or its next call's, against the other's check, and an int64 max of two
+// elements matches it: that tensor would be reduced with the hash and returned as a success.
+// Running it on every call also makes a broken communicator's error come back from a call that
+// moves nothing. Cost: one 32-byte all-reduce per packed call.
 void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
-                     const std::vector<Tensor>& tensors) {
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over (dtype, count) of every tensor
-  const auto mix = [&h](uint64_t value) {
+                     const std::vector<Tensor>& tensors, const std::vector<Bucket>& planned,
+                     size_t bytes_per_pack) {
+  const auto fnv1a = [](uint64_t& h, uint64_t value) {
     for (int byte = 0; byte < 8; ++byte) {
       h ^= (value >> (8 * byte)) & 0xffu;
       h *= 0x100000001b3ull;
     }
   };
-  mix(tensors.size());
+  uint64_t list = 0xcbf29ce484222325ull;  // over (dtype, count) of every tensor
+  fnv1a(list, tensors.size());
   for (const Tensor& t : tensors) {
-    mix(static_cast<uint64_t>(t.dtype));
-    mix(t.count);
+    fnv1a(list, static_cast<uint64_t>(t.dtype));
+    fnv1a(list, t.count);
   }
-  int64_t pair[2] = {std::bit_cast<int64_t>(h), std::bit_cast<int64_t>(~h)};
-  comm.AllReduce(Tensor{pair, 2, DataType::kInt64}, ReduceOp::kMax);
-  if (pair[0] != std::bit_cast<int64_t>(h) || pair[1] != std::bit_cast<int64_t>(~h)) {
+  uint64_t plan = 0xcbf29ce484222325ull;  // over the index lists of the buckets
+  fnv1a(plan, planned.size());
+  for (const Bucket& bucket : planned) {
+    fnv1a(plan, bucket.size());
+    for (size_t index : bucket) fnv1a(plan, index);
+  }
+  const int64_t mine[4] = {std::bit_cast<int64_t>(list), std::bit_cast<int64_t>(~list),
+                           std::bit_cast<int64_t>(plan), std::bit_cast<int64_t>(~plan)};
+  int64_t seen[4] = {mine[0], mine[1], mine[2], mine[3]};
+  comm.AllReduce(Tensor{seen, 4, DataType::kInt64}, ReduceOp::kMax);
+  const std::string who = "rank " + std::to_string(comm.rank()) + ": packing " + collective + ": ";
+  if (seen[0] != mine[0] || seen[1] != mine[1]) {
     throw Error(ErrorCode::kMismatch,
-                "rank " + std::to_string(comm.rank()) + ": packing " + collective +
-                    ": the list of " + std::to_string(tensors.size()) +
+                who + "the list of " + std::to_string(tensors.size()) +
                     " tensors differs from another rank's (dtype and count of each tensor, in "
                     "order); nothing was reduced or written");
+  }
+  if (seen[2] != mine[2] || seen[3] != mine[3]) {
+    const size_t cap = bytes_per_pack == 0 ? DefaultBytesPerPack() : bytes_per_pack;
+    throw Error(ErrorCode::kMismatch,
+                who + "the list is cut into buckets other than another rank's: bytes_per_pack (" +
+                    std::to_string(cap) +
+                    " here) must be the same on every rank; nothing was reduced or written");
   }
 }
 
@@ -370,8 +391,8 @@ void RunBuckets(CollectiveCommunication& comm, const char* collective, const Buc
                 internal::Schedule schedule) {
   const std::vector<Bucket> planned = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
   const Buckets buckets(runner, tensors, planned);
+  CheckListsAgree(comm, collective, tensors, planned, bytes_per_pack);
   if (buckets.size() == 0) return;
-  CheckListsAgree(comm, collective, tensors);
   if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(comm.size());
   if (buckets.size() == 1 || schedule == internal::Schedule::kSerial) {
     RunSerial(runner, buckets);

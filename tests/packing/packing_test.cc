@@ -490,6 +490,89 @@ TEST(PackedMismatchTest, ARankWhoseListDoesNotFuseStillRaises) {
   });
 }
 
+// One rank's list moves nothing (an empty list, or only zero-size tensors) where the others'
+// moves two int64. That rank used to return before the list check, and the others' check (an
+// int64 max of two elements) met its next call: an all-reduce of two int64 came back holding
+// the hash, as a success. Now every rank raises kMismatch, and the next call is exact.
+TEST(PackedMismatchTest, ARankWhoseListMovesNothingStillRaises) {
+  for (bool empty_list : {false, true}) {
+    SCOPED_TRACE(empty_list ? "an empty list" : "one zero-size tensor");
+    ForEachOddRank([&](CollectiveCommunication& comm, bool odd) {
+      std::vector<int64_t> values(2, comm.rank() + 1);
+      std::vector<Tensor> list;
+      if (!odd) {
+        list = {Tensor{values.data(), 2, DataType::kInt64}};
+      } else if (!empty_list) {
+        list = {Tensor{values.data(), 0, DataType::kInt64}};
+      }
+      try {
+        packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
+        ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+        EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
+            << e.what();
+      }
+      for (int64_t v : values) ASSERT_EQ(v, comm.rank() + 1) << "rank " << comm.rank();
+      std::vector<int64_t> next = {5, comm.rank() + 7};
+      comm.AllReduce(Tensor{next.data(), 2, DataType::kInt64}, ReduceOp::kMax);
+      EXPECT_EQ(next, (std::vector<int64_t>{5, comm.size() + 6})) << "rank " << comm.rank();
+    });
+  }
+}
+
+// Equal lists cut by different caps (three tensors of 64 floats: one bucket of 768 bytes with
+// the default cap, buckets of 512 and 256 bytes with a cap of 512) used to break the communicator
+// at the first bucket with a frame of the wrong size, naming neither the cap nor the packer.
+// Now every rank raises kMismatch naming bytes_per_pack, nothing written, communicator intact.
+TEST(PackedMismatchTest, CapsThatDifferAcrossRanksAreNamed) {
+  ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
+    std::vector<float> data(192, float(comm.rank() + 1));
+    std::vector<Tensor> list;
+    for (int i = 0; i < 3; ++i)
+      list.push_back(Tensor{data.data() + 64 * i, 64, DataType::kFloat32});
+    for (bool broadcast : {false, true}) {
+      try {
+        if (broadcast) {
+          packing::Broadcast(comm, list, 0, odd ? 512 : 0);
+        } else {
+          packing::AllReduce(comm, list, ReduceOp::kSum, odd ? 512 : 0);
+        }
+        ADD_FAILURE() << "rank " << comm.rank() << ": lists cut differently went through";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+        const std::string expected =
+            "the list is cut into buckets other than another rank's: bytes_per_pack (" +
+            std::string(odd ? "512" : std::to_string(packing::DefaultBytesPerPack())) +
+            " here) must be the same on every rank";
+        EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      }
+      for (float v : data) ASSERT_EQ(v, float(comm.rank() + 1)) << "rank " << comm.rank();
+    }
+    // Caps that differ but cut alike are fine: 768 bytes fit in one bucket under both.
+    packing::AllReduce(comm, list, ReduceOp::kSum, odd ? 1024 : 0);
+    const float sum = float(comm.size() * (comm.size() + 1) / 2);
+    for (float v : data) ASSERT_EQ(v, sum) << "rank " << comm.rank();
+  });
+}
+
+// A packed call that moves nothing still reports a broken communicator, as every call does.
+TEST(PackedMismatchTest, ACallThatMovesNothingReportsAnAbort) {
+  RunRanks(Transport::kInProcess, 2, CommunicationOptions{}, [](CollectiveCommunication& comm) {
+    comm.Abort();
+    float x = 0;
+    for (const std::vector<Tensor>& list :
+         {std::vector<Tensor>{}, std::vector<Tensor>{Tensor{&x, 0, DataType::kFloat32}}}) {
+      try {
+        packing::AllReduce(comm, list, ReduceOp::kSum);
+        ADD_FAILURE() << "rank " << comm.rank() << ": a call on an aborted communicator succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // The schedule, seen through a communicator that records what the packer issues.
 // ---------------------------------------------------------------------------------------------
@@ -589,7 +672,7 @@ TEST(PackingScheduleTest, SingleTensorsInPlaceBoundedInFlightBuffersWithinTheCap
         const std::vector<RecordingCommunication::Call> all = comm.calls();
         std::vector<RecordingCommunication::Call> calls(all.begin() + long(before), all.end());
         // One call per bucket that has bytes, in plan order, after the lists' agreement check
-        // (a 2 x i64 max all-reduce), fused or not.
+        // (a 4 x i64 max all-reduce), fused or not.
         std::vector<Bucket> plan = PlanBuckets(specs, cap);
         std::erase_if(plan, [&](const Bucket& b) {
           size_t bytes = 0;
@@ -599,7 +682,7 @@ TEST(PackingScheduleTest, SingleTensorsInPlaceBoundedInFlightBuffersWithinTheCap
         ASSERT_FALSE(calls.empty());
         EXPECT_STREQ(calls.front().kind, "all_reduce");
         EXPECT_EQ(calls.front().tensor.dtype, DataType::kInt64);
-        EXPECT_EQ(calls.front().tensor.count, 2u);
+        EXPECT_EQ(calls.front().tensor.count, 4u);
         calls.erase(calls.begin());
         ASSERT_EQ(calls.size(), plan.size()) << "cap " << cap;
         std::set<void*> fusion_buffers;
@@ -694,11 +777,17 @@ TEST(PackingArgumentTest, BadTensorsAreRefusedBeforeAnythingIsIssued) {
         ErrorCode::kInvalidArgument, "tensor 1 data 0x");
     EXPECT_TRUE(comm.calls().empty()) << "a refused list issued a collective";
 
-    // Empty lists and lists of zero-size tensors issue nothing and succeed.
+    // Empty lists and lists of zero-size tensors succeed, issuing the lists' check alone (a
+    // rank that skipped it could meet another rank's check with its next call).
     AllReduce(comm, {}, ReduceOp::kSum);
     AllReduce(comm, {tensors[2], Tensor{nullptr, 0, kF32}}, ReduceOp::kSum);
     Broadcast(comm, {tensors[2]}, 1);
-    EXPECT_TRUE(comm.calls().empty());
+    ASSERT_EQ(comm.calls().size(), 3u);
+    for (const auto& call : comm.calls()) {
+      EXPECT_STREQ(call.kind, "all_reduce");
+      EXPECT_EQ(call.tensor.dtype, DataType::kInt64);
+      EXPECT_EQ(call.tensor.count, 4u);
+    }
 
     // The communicator still works.
     AllReduce(comm, tensors, ReduceOp::kSum);
