@@ -42,6 +42,23 @@ class SubFabric final : public transport::Fabric {
 
 enum class Plan { kRing, kShm, kTwoLevel };
 
+// Two levels check a call across hosts where frames cross: a rank checks the call descriptor of
+// every frame it receives, and its host's members check each other's calls in shared memory
+// before a step writes. Data that crosses hosts reaches a caller's buffer only through frames
+// checked hop by hop (the all-reduce and the all-gather write their slots, never the caller's
+// buffer, while they cross), so a host whose call differs from another's stops every rank
+// before anything is written, except where nothing crosses towards a host: a call of zero
+// elements, and the root's host in a broadcast, which only sends. There every member first
+// exchanges empty frames with its counterparts (the ranks of its local index) on every other
+// host, and waits for them before it enters the shared-memory call: every rank then compares its
+// call directly with one rank of every other host and, through shared memory, with its own
+// host's, so a mismatched call raises kMismatch on every rank with nothing written, as on RING.
+// Cost: one round of empty frames across hosts per two-level broadcast (and zero-element call).
+void AgreeAcrossHosts(ring::Context& cross) {
+  ring::CallAgreement agreement(cross);
+  agreement.Wait();
+}
+
 // What is left of the set-up until `deadline`, at least a millisecond: a key already in the
 // store is still read; a wait times out at once.
 std::chrono::milliseconds Left(Clock::time_point deadline) {
@@ -107,6 +124,7 @@ class HierarchicalPlanner final : public ring::Planner {
       return [=](ring::Context& ctx) {
         SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
         ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+        if (send.count == 0) AgreeAcrossHosts(cross);  // nothing else crosses
         const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
         const size_t es = SizeOf(send.dtype);
         const auto hook = [&](void* slice, size_t count) {
@@ -141,12 +159,14 @@ class HierarchicalPlanner final : public ring::Planner {
     const int cross_me = cross_me_;
     const size_t small = small_message_bytes_;
     return [=](ring::Context& ctx) {
+      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      // The root's host only sends, so nothing would check its call against the other hosts'.
+      AgreeAcrossHosts(cross);
       if (!crosses) {
         group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), root_index);
         return;
       }
-      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
-      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
       const auto* from = static_cast<const uint8_t*>(source);
       const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
         const void* send = from != nullptr ? from + offset : nullptr;
@@ -177,6 +197,7 @@ class HierarchicalPlanner final : public ring::Planner {
     return [=](ring::Context& ctx) {
       SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      if (send.count == 0) AgreeAcrossHosts(cross);  // nothing else crosses
       const auto* from = static_cast<const uint8_t*>(send.data);
       const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
         ring::RingAllGather(cross, from + offset, slot, bytes, DataType::kUInt8);

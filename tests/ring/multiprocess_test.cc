@@ -90,6 +90,85 @@ TEST(MultiProcessShmTest, ASlotSizeThatDiffersBetweenHostsIsNamedOnEveryRank) {
   }
 }
 
+// Two pretend hosts (and three) whose ranks make different calls, where the two-level plans once
+// let them pass: a broadcast whose hosts name different roots (the root's host only sends, so
+// no rank of it checked anyone: every rank returned, each host with its own root's data), and
+// calls of zero elements on one host against one element on another (nothing crossed: the
+// zero-element host returned, the other raised kPeerLost later). Now every rank raises
+// kMismatch, with recv untouched, as on RING.
+struct MismatchCase {
+  const char* name;
+  std::vector<std::string> host_ids;
+  const char* collective;
+  std::vector<std::string> roots;   // RING_WORKER_ROOT per rank, or empty
+  std::vector<std::string> counts;  // RING_WORKER_COUNT per rank, or empty
+};
+
+void PrintTo(const MismatchCase& c, std::ostream* os) { *os << c.name; }
+
+class TwoLevelMismatchTest : public ::testing::TestWithParam<MismatchCase> {};
+
+TEST_P(TwoLevelMismatchTest, EveryRankRaisesWithNothingWritten) {
+  const MismatchCase& c = GetParam();
+  const int size = int(c.host_ids.size());
+  Placement placement;
+  placement.host_ids = c.host_ids;
+  placement.env.resize(size_t(size));
+  for (int rank = 0; rank < size; ++rank) {
+    if (!c.roots.empty())
+      placement.env[size_t(rank)].push_back("RING_WORKER_ROOT=" + c.roots[size_t(rank)]);
+    if (!c.counts.empty())
+      placement.env[size_t(rank)].push_back("RING_WORKER_COUNT=" + c.counts[size_t(rank)]);
+  }
+  std::vector<Worker> workers = Start(size, {"mismatch", c.collective}, placement);
+  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(120));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < size; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    // A rank still finishing its set-up's last call when a faster one raised gets the abort
+    // there (the communicator is broken before its user could call it): kMismatch all the same.
+    EXPECT_NE(w.output.find("error 5 [mismatch]"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("returned"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("recv written"), std::string::npos) << w.output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Auto, TwoLevelMismatchTest,
+                         ::testing::Values(MismatchCase{"BroadcastRootsOnDifferentHosts",
+                                                        {"a", "a", "b", "b"},
+                                                        "broadcast",
+                                                        {"0", "0", "2", "2"},
+                                                        {}},
+                                           MismatchCase{"BroadcastRootsOfDifferentLocalIndex",
+                                                        {"a", "a", "b", "b"},
+                                                        "broadcast",
+                                                        {"0", "0", "1", "1"},
+                                                        {}},
+                                           MismatchCase{"BroadcastOfThreeHostsOneDiffering",
+                                                        {"a", "a", "b", "b", "c", "c"},
+                                                        "broadcast",
+                                                        {"0", "0", "0", "0", "4", "4"},
+                                                        {}},
+                                           MismatchCase{"AllReduceOfNothingOnOneHost",
+                                                        {"a", "a", "b", "b"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"0", "0", "1", "1"}},
+                                           MismatchCase{"AllReduceOfNothingOnOneOfThreeHosts",
+                                                        {"a", "a", "b", "b", "c", "c"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"1", "1", "1", "1", "0", "0"}},
+                                           MismatchCase{"AllGatherOfNothingOnOneHost",
+                                                        {"a", "a", "b", "b"},
+                                                        "all_gather",
+                                                        {},
+                                                        {"0", "0", "1", "1"}}),
+                         [](const ::testing::TestParamInfo<MismatchCase>& p) {
+                           return std::string(p.param.name);
+                         });
+
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
 // it times both plans) runs each of its calls under what is left of the deadline, then gives the
 // communicator its whole timeout back. Here rank 1 starts 4 s into a 9 s timeout, so the others

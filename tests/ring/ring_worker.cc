@@ -25,11 +25,17 @@
 //                              set-up under timeout_ms, rank 1 starting it late_ms late; then
 //                              rank 1 waits pause_ms and every rank all-reduces once, printing
 //                              "joined" (the set-up's deadline must not cut later calls short)
+//   ring_worker mismatch collective
+//                              one broadcast (root $RING_WORKER_ROOT, default 0), all_reduce or
+//                              all_gather of $RING_WORKER_COUNT (default 1000) int32, out of
+//                              place into a recv filled with -7; prints "returned" or "error
+//                              <code> <message>", then "recv untouched" or "recv written"
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -116,6 +122,33 @@ int main(int argc, char** argv) {
       }
       std::printf("rank %d: %zu far\n", comm->rank(), far);
       return far == 0 ? 0 : 1;
+    }
+    if (mode == "mismatch") {
+      const std::string collective = argc > 2 ? argv[2] : "broadcast";
+      const char* root_env = std::getenv("RING_WORKER_ROOT");
+      const char* count_env = std::getenv("RING_WORKER_COUNT");
+      const int root = root_env != nullptr ? std::atoi(root_env) : 0;
+      const size_t count = count_env != nullptr ? std::stoul(count_env) : 1000;
+      const size_t n = size_t(comm->size());
+      std::vector<int32_t> send(count + 1, 100 + comm->rank());
+      std::vector<int32_t> recv(collective == "all_gather" ? n * count + 1 : count + 1, -7);
+      const Tensor in{send.data(), count, DataType::kInt32};
+      try {
+        if (collective == "broadcast") {
+          comm->Broadcast(in, Tensor{recv.data(), count, DataType::kInt32}, root);
+        } else if (collective == "all_reduce") {
+          comm->AllReduce(in, Tensor{recv.data(), count, DataType::kInt32}, ReduceOp::kSum);
+        } else {
+          comm->AllGather(in, Tensor{recv.data(), n * count, DataType::kInt32});
+        }
+        std::printf("rank %d: returned\n", comm->rank());
+      } catch (const Error& e) {
+        std::printf("rank %d: error %d %s\n", comm->rank(), int(e.code()), e.what());
+      }
+      const bool untouched =
+          std::all_of(recv.begin(), recv.end(), [](int32_t v) { return v == -7; });
+      std::printf("rank %d: recv %s\n", comm->rank(), untouched ? "untouched" : "written");
+      return 0;
     }
     if (mode == "abort_exit") {
       std::vector<float> data(1000, 1.0f);

@@ -48,6 +48,8 @@ struct Placement {
   int shm_off_rank = -1;
   // COLLECTIVES_SHM_SLOT_BYTES of each rank (empty: unset), or empty for none.
   std::vector<std::string> slot_bytes;
+  // More of each rank's environment: "NAME=value" entries per rank, or empty for none.
+  std::vector<std::vector<std::string>> env;
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -78,6 +80,12 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       }
       if (!placement.host_ids.empty()) {
         setenv("COLLECTIVES_HOST_ID", placement.host_ids[size_t(rank)].c_str(), 1);
+      }
+      if (!placement.env.empty()) {
+        for (const std::string& entry : placement.env[size_t(rank)]) {
+          const size_t eq = entry.find('=');
+          setenv(entry.substr(0, eq).c_str(), entry.substr(eq + 1).c_str(), 1);
+        }
       }
       std::vector<std::string> command;
       if (!placement.namespaces.empty()) {
