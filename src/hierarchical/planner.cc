@@ -408,6 +408,12 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                shown(slots[0]) + " on rank 0 but " + shown(slots[size_t(r)]) +
                                " on rank " + std::to_string(r) + ": set it alike on every rank"));
     }
+    if (slot_here && *slot_here > kMaxSlotBytes) {  // the same on every rank, checked above
+      throw together(Error(ErrorCode::kInvalidArgument,
+                           "rank " + std::to_string(rank) + ": COLLECTIVES_SHM_SLOT_BYTES is " +
+                               std::to_string(*slot_here) + ", more than the " +
+                               std::to_string(kMaxSlotBytes) + " bytes a slot may have"));
+    }
     if (slot_here) shm.slot_bytes = static_cast<size_t>(*slot_here);
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).

@@ -293,6 +293,12 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
                                           ": shared-memory group members must be ascending and "
                                           "include this rank");
   }
+  if (options.slot_bytes > kMaxSlotBytes) {  // also keeps the segment's size from wrapping
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank) + ": a shared-memory slot of " +
+                    std::to_string(options.slot_bytes) + " bytes is more than the " +
+                    std::to_string(kMaxSlotBytes) + " a slot may have");
+  }
   const int index = int(it - members.begin());
   // options.timeout bounds the set-up as a whole: the name's lookup and the wait for every member
   // to attach share it (each had all of it).

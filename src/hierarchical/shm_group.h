@@ -60,11 +60,15 @@ inline constexpr size_t kDefaultSlotBytes = 1 << 20;
 // All-reduces of at most this many bytes use the one-synchronisation algorithm.
 inline constexpr size_t kDefaultShmSmallBytes = 16 * 1024;
 
+// The largest slot a group takes: a segment holds two slots per member, and larger slots would
+// only pin more of /dev/shm (steps of a few MiB already reach memcpy speed).
+inline constexpr size_t kMaxSlotBytes = size_t{1} << 30;
+
 struct ShmGroupOptions {
   // Names the segment, with `key_prefix` (the communicator's key space in the store).
   std::string job_id = "collectives";
   std::string key_prefix = "collectives";
-  size_t slot_bytes = kDefaultSlotBytes;
+  size_t slot_bytes = kDefaultSlotBytes;  // at most kMaxSlotBytes (Create: kInvalidArgument)
   size_t small_bytes = kDefaultShmSmallBytes;
   // How long a waiter busy-polls before it sleeps.
   std::chrono::microseconds spin{50};

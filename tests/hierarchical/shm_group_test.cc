@@ -1054,6 +1054,23 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
   EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(5));
 }
 
+// A slot above kMaxSlotBytes is refused before anything is made (the segment's size, two slots
+// per member, could wrap past 2^64 to a few KiB that every check would agree with).
+TEST(ShmGroupSegmentTest, ASlotAboveTheLimitIsRefused) {
+  ShmGroupOptions options = Options("huge_slot", size_t{1} << 62, 4096, 1);
+  auto store = CreateMemoryStore();
+  try {
+    ShmGroup::Create(0, {0, 1}, *store, options);
+    ADD_FAILURE() << "a slot of 2^62 bytes was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("a shared-memory slot of 4611686018427387904 bytes is "
+                                         "more than the 1073741824 a slot may have"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A member whose segment has another size (its COLLECTIVES_SHM_SLOT_BYTES differs) cannot attach,
 // says why, and the others raise its error at once rather than wait for it until their timeout.
 TEST(ShmGroupSegmentTest, AMemberThatCannotAttachStopsTheOthersAtOnce) {

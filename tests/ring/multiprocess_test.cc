@@ -90,6 +90,30 @@ TEST(MultiProcessShmTest, ASlotSizeThatDiffersBetweenHostsIsNamedOnEveryRank) {
   }
 }
 
+// A slot of 2^62 bytes: the segment's size (members x 2 x slot) wrapped past 2^64 to a few KiB,
+// every check agreed with the wrapped size, and zeroing a member's slots ran off the mapping
+// (every rank died of SIGSEGV). Now every rank refuses it at set-up, naming the variable.
+TEST(MultiProcessShmTest, AnAbsurdSlotSizeIsRefusedOnEveryRank) {
+  constexpr int kSize = 2;
+  Placement placement;
+  placement.host_ids = {"a", "a"};
+  placement.slot_bytes.assign(kSize, "4611686018427387904");
+  std::vector<Worker> workers = Start(kSize, {"check", "10"}, placement);
+  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(120));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < kSize; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 21)  // 20 + kInvalidArgument
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("rank " + std::to_string(rank) +
+                            ": COLLECTIVES_SHM_SLOT_BYTES is 4611686018427387904, more than the "
+                            "1073741824 bytes a slot may have"),
+              std::string::npos)
+        << w.output;
+  }
+}
+
 // Two pretend hosts (and three) whose ranks make different calls, where the two-level plans once
 // let them pass: a broadcast whose hosts name different roots (the root's host only sends, so
 // no rank of it checked anyone: every rank returned, each host with its own root's data), and
