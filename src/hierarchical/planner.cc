@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "src/core/environment.h"
+#include "src/core/text.h"
 #include "src/hierarchical/shm_group.h"
 #include "src/ring/algorithms.h"
 
@@ -423,11 +424,42 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                             : 0;
     shm.spin = std::chrono::microseconds(spin_us);
     shm.timeout = Left(deadline);
+    std::optional<Error> failed;
     try {
       group = ShmGroup::Create(rank, local, store, shm);
     } catch (const Error& error) {
-      if (error.code() != ErrorCode::kTimeout) throw;
-      throw SetupTimedOut(rank, options.timeout, error.message());
+      failed = error.code() == ErrorCode::kTimeout
+                   ? SetupTimedOut(rank, options.timeout, error.message())
+                   : error;
+    }
+    // A host's members learn of each other's failure through the store, but the other hosts
+    // would not: they would go on to the mesh's first call and see a lost peer (or, when rank 0
+    // failed, a lost store) naming neither shared memory nor the cause. So every rank publishes
+    // how its group went and raises the first failure, the lowest rank's, with its code.
+    store.Set(key_prefix + "/shm_outcome/" + std::to_string(rank),
+              failed ? std::to_string(int(failed->code())) + "\n" + failed->message() : "ok");
+    for (int r = 0; r < size; ++r) {
+      std::string outcome;
+      try {
+        outcome = store.Get(key_prefix + "/shm_outcome/" + std::to_string(r), Left(deadline));
+      } catch (const Error& error) {
+        if (error.code() != ErrorCode::kTimeout) throw;
+        throw SetupTimedOut(rank, options.timeout,
+                            "rank " + std::to_string(r) +
+                                " did not say how its shared memory went (" + error.message() +
+                                ")");
+      }
+      if (outcome == "ok") continue;
+      if (r == rank) throw together(*failed);
+      const size_t newline = outcome.find('\n');
+      const int code = newline == std::string::npos ? 0 : std::atoi(outcome.c_str());
+      const bool known =
+          code >= int(ErrorCode::kInvalidArgument) && code <= int(ErrorCode::kInternal);
+      std::string why = newline == std::string::npos ? outcome : outcome.substr(newline + 1);
+      const std::string theirs = "rank " + std::to_string(r) + ": ";
+      if (why.starts_with(theirs)) why.erase(0, theirs.size());  // said once, below
+      throw together(Error(known ? ErrorCode(code) : ErrorCode::kInternal,
+                           "rank " + std::to_string(rank) + ": " + theirs + core::OneLine(why)));
     }
   }
   return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),

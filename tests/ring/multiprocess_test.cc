@@ -114,6 +114,36 @@ TEST(MultiProcessShmTest, AnAbsurdSlotSizeIsRefusedOnEveryRank) {
   }
 }
 
+// Two pretend hosts, where the creator of host b's segment (rank 2) has a /dev/shm too small for
+// it (a mount namespace of its own). Host b's ranks raised the helpful "/dev/shm is too small"
+// error, but host a's went on to the calibration's first call and raised "peer lost: lost rank 2
+// ... while sending #0 barrier()", naming neither shared memory nor the cause. Now every rank
+// publishes how its shared memory went and raises the first failure, code and text.
+TEST(MultiProcessShmTest, ASharedMemoryFailureOnOneHostIsRaisedOnEveryHost) {
+  constexpr int kSize = 4;
+  Placement placement;
+  placement.host_ids = {"a", "a", "b", "b"};
+  placement.wrappers.resize(kSize);
+  placement.wrappers[2] = {"unshare", "-m", "sh", "-c",
+                           "mount --make-rprivate / && mount -t tmpfs -o size=256k tmpfs /dev/shm "
+                           "|| exit 77; exec \"$0\" \"$@\""};
+  std::vector<Worker> workers = Start(kSize, {"check", "10"}, placement);
+  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(120));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  if (WIFEXITED(workers[2].status) && WEXITSTATUS(workers[2].status) == 77) {
+    GTEST_SKIP() << "cannot mount a small /dev/shm in a mount namespace of its own (needs root)";
+  }
+  for (int rank = 0; rank < kSize; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 23)  // 20 + kSystem
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    const std::string who = "rank " + std::to_string(rank) + ": " + (rank == 2 ? "" : "rank 2: ");
+    EXPECT_NE(w.output.find(who + "shared memory: sizing"), std::string::npos) << w.output;
+    EXPECT_NE(w.output.find("/dev/shm is too small"), std::string::npos) << w.output;
+  }
+}
+
 // Two pretend hosts (and three) whose ranks make different calls, where the two-level plans once
 // let them pass: a broadcast whose hosts name different roots (the root's host only sends, so
 // no rank of it checked anyone: every rank returned, each host with its own root's data), and

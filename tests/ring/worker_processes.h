@@ -50,6 +50,8 @@ struct Placement {
   std::vector<std::string> slot_bytes;
   // More of each rank's environment: "NAME=value" entries per rank, or empty for none.
   std::vector<std::vector<std::string>> env;
+  // A command each rank runs under (its words before ring_worker's path), or empty for none.
+  std::vector<std::vector<std::string>> wrappers;
 };
 
 // Starts `size` ring_worker processes with the given arguments.
@@ -90,6 +92,10 @@ inline std::vector<Worker> Start(int size, const std::vector<std::string>& args,
       std::vector<std::string> command;
       if (!placement.namespaces.empty()) {
         command = {"ip", "netns", "exec", placement.namespaces[size_t(rank)]};
+      }
+      if (!placement.wrappers.empty()) {
+        const std::vector<std::string>& wrapper = placement.wrappers[size_t(rank)];
+        command.insert(command.end(), wrapper.begin(), wrapper.end());
       }
       command.push_back(binary);
       command.insert(command.end(), args.begin(), args.end());
