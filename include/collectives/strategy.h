@@ -102,10 +102,16 @@ class MirroredVariable {
   Tensor tensor(int local_replica);
 
   // Cross-replica context: sets every local copy to `value` (count() elements). The caller sets
-  // the same value on every worker (for example after reading a checkpoint).
+  // the same value on every worker (for example after reading a checkpoint). On a variable of a
+  // strategy, throws kInvalidUsage inside Run (it would write the copies other replicas are
+  // using) and rethrows the error that broke the strategy, as other cross-replica calls do.
   void Assign(std::span<const float> value);
 
  private:
+  friend class StrategyImpl;  // sets strategy_
+  // The strategy that created it (null for one constructed directly): Assign asks it whether
+  // a Run is in progress.
+  const StrategyImpl* strategy_ = nullptr;
   std::string name_;
   std::vector<size_t> shape_;
   size_t count_ = 0;
@@ -180,10 +186,11 @@ class Strategy {
   // kMismatch at once.
   // A failed Run with several local replicas or several workers breaks the strategy: later Run
   // calls, and every cross-replica call (Reduce, CreateVariable, BroadcastFromChief, Barrier,
-  // SaveCheckpoint, RestoreCheckpoint, an optimizer's SaveSlots and RestoreSlots), rethrow the
-  // same error (a checkpoint of replicas that stopped at different points must not replace a
-  // good one), and with several workers the communicator is aborted, so that
-  // the other workers fail at once instead of waiting for collectives this one will not issue.
+  // SaveCheckpoint, RestoreCheckpoint, an optimizer's SaveSlots, RestoreSlots and iterations(),
+  // a variable's Assign), rethrow the same error (a checkpoint of replicas that stopped at
+  // different points must not replace a good one), and with several workers the communicator is
+  // aborted, so that the other workers fail at once instead of waiting for collectives this one
+  // will not issue.
   // With one replica and one worker an exception just propagates and the strategy stays usable.
   //
   // A replica's result is kept in its own std::optional until every replica has returned, so
@@ -380,8 +387,15 @@ class Optimizer {
   void ApplyReducedGradients(int local_replica, const std::vector<MirroredVariable*>& variables,
                              const std::vector<std::span<const float>>& gradients);
 
-  // Updates applied so far (TF's optimizer.iterations); the same on every replica.
+  // Updates applied so far (TF's optimizer.iterations); the same on every replica between Run
+  // calls. Cross-replica context: throws kInvalidUsage inside Run (replica 0's thread may be
+  // updating the count it reads) and rethrows the error that broke the strategy.
   int64_t iterations() const;
+  // Replica context: the updates `ctx`'s replica has applied so far, read from its own count
+  // (written only by its own thread, so no race with the other replicas). Replicas that made the
+  // same ApplyGradients calls see the same value. kInvalidArgument for a context of another
+  // strategy.
+  int64_t iterations(const ReplicaContext& ctx) const;
   const std::string& name() const { return name_; }
 
   // Checkpoint support: named float state per variable (for Adam "m" and "v"), read from local

@@ -3,7 +3,8 @@
 //
 // State is kept per local replica: replica r's slots and iteration count are touched only by
 // replica r's thread inside Run (so replicas calling ApplyGradients at once need no lock), and
-// by the owner's thread outside Run (SaveSlots, RestoreSlots, iterations()). Every replica
+// by the owner's thread outside Run (SaveSlots, RestoreSlots, iterations(), which refuse to be
+// called inside Run); inside Run a replica reads its own count (iterations(ctx)). Every replica
 // applies the same update to the same summed gradient (bit-identical on every replica of every
 // worker, see strategy_impl.cc), so the copies of variables and slots stay bit-identical.
 #include <algorithm>
@@ -45,7 +46,20 @@ Optimizer::Optimizer(Strategy& strategy, std::string name, std::vector<std::stri
 
 Optimizer::~Optimizer() = default;
 
-int64_t Optimizer::iterations() const { return state_->replicas[0].iterations; }
+int64_t Optimizer::iterations() const {
+  // Inside Run, replica 0's thread may be incrementing this very counter.
+  strategy_.impl().CheckCrossReplica((name_ + ".iterations()").c_str());
+  return state_->replicas[0].iterations;
+}
+
+int64_t Optimizer::iterations(const ReplicaContext& ctx) const {
+  const int r = ctx.local_replica_id();
+  if (&ctx.strategy() != &strategy_ || r < 0 || r >= static_cast<int>(state_->replicas.size())) {
+    Invalid(strategy_.impl().who() + name_ +
+            ".iterations(ctx): the context is not of a replica of this optimizer's strategy");
+  }
+  return state_->replicas[static_cast<size_t>(r)].iterations;  // written only by this thread
+}
 
 void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
                                const std::vector<std::span<float>>& gradients) {

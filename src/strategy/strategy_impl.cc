@@ -424,6 +424,7 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
                 who_ + "CreateVariable('" + name + "'): the initializer is empty");
   }
   auto variable = std::make_unique<MirroredVariable>(name, std::move(shape), num_local_replicas());
+  variable->strategy_ = this;
   if (IsChief()) {
     try {
       init(variable->value(0));

@@ -13,6 +13,7 @@
 
 #include "collectives/errors.h"
 #include "collectives/strategy.h"
+#include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
 namespace {
@@ -60,6 +61,7 @@ Tensor MirroredVariable::tensor(int local_replica) {
 }
 
 void MirroredVariable::Assign(std::span<const float> value) {
+  if (strategy_ != nullptr) strategy_->CheckCrossReplica("MirroredVariable::Assign");
   if (value.size() != count_) {
     throw Error(ErrorCode::kInvalidArgument, "variable '" + name_ + "': Assign of " +
                                                  std::to_string(value.size()) +

@@ -4,10 +4,13 @@
 // every replica of every worker; lazily created slots; SaveSlots / RestoreSlots; errors.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "collectives/strategy.h"
@@ -283,6 +286,34 @@ TEST(OptimizerTest, RestoreSlotsSetsEveryCopy) {
               [&] { adam.RestoreSlots({{"w/m", {1, 2, 3}}, {"w/v", {1, 2}}}, 1); });
   ExpectError(ErrorCode::kInvalidArgument, {"not 'v'"}, [&] { adam.RestoreSlots({{"w/m", {1, 2}}}, 1); });
   EXPECT_EQ(adam.iterations(), 8);  // nothing changed by the failed restores
+}
+
+// Inside Run, replica 0's thread increments the count iterations() reads: the plain form is
+// refused there, and each replica reads its own count with iterations(ctx), which is the same on
+// every replica after the same updates, however late a replica is.
+TEST(OptimizerTest, IterationsInsideRunIsEachReplicasOwnCount) {
+  MirroredStrategy s({.num_replicas = 2});
+  MirroredVariable& v = s.CreateVariable("v", {4}, Zeros());
+  Sgd sgd(s, {.learning_rate = 0.1f});
+  const PerReplica<std::pair<int64_t, int64_t>> seen = s.Run([&](ReplicaContext& ctx) {
+    const int r = ctx.local_replica_id();
+    const int64_t before = sgd.iterations(ctx);
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // replica 1 first
+    const std::vector<float> g(4, 1.0f);
+    sgd.ApplyReducedGradients(r, {&v}, {g});
+    return std::make_pair(before, sgd.iterations(ctx));
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(seen[r], std::make_pair(int64_t{0}, int64_t{1})) << r;
+  EXPECT_EQ(sgd.iterations(), 1);
+  ExpectError(ErrorCode::kInvalidUsage, {"SGD.iterations() is a cross-replica call"}, [&] {
+    s.Run([&](ReplicaContext& ctx) {
+      if (ctx.local_replica_id() == 1) sgd.iterations();
+    });
+  });
+  // A context of another strategy's replica is refused.
+  MirroredStrategy other({.num_replicas = 1});
+  ExpectError(ErrorCode::kInvalidArgument, {"SGD.iterations(ctx)", "not of a replica"},
+              [&] { other.Run([&](ReplicaContext& ctx) { sgd.iterations(ctx); }); });
 }
 
 TEST(OptimizerTest, BadArguments) {

@@ -741,6 +741,25 @@ TEST(StrategyVariableTest, AssignAndAccess) {
               [&] { s.CreateVariable("w", {1}, Initializer{}); });
 }
 
+// Assign writes every replica's copy: from one replica inside Run it would race with the others
+// reading theirs, so it is refused there, as the other cross-replica calls are.
+TEST(StrategyVariableTest, AssignInsideRunIsRefused) {
+  MirroredStrategy s({.num_replicas = 2});
+  MirroredVariable& v = s.CreateVariable("v", {4}, Zeros());
+  ExpectError(ErrorCode::kInvalidUsage, {"MirroredVariable::Assign is a cross-replica call"}, [&] {
+    s.Run([&](ReplicaContext& ctx) {
+      if (ctx.local_replica_id() == 0) v.Assign(std::vector<float>(4, 1.0f));
+    });
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(BitEqual(v.value(r), std::vector<float>(4, 0.0f)));
+  MirroredStrategy t({.num_replicas = 1});  // one replica: refused all the same
+  MirroredVariable& w = t.CreateVariable("w", {1}, Zeros());
+  ExpectError(ErrorCode::kInvalidUsage, {"MirroredVariable::Assign"},
+              [&] { t.Run([&](ReplicaContext&) { w.Assign(std::vector<float>{2.0f}); }); });
+  w.Assign(std::vector<float>{3.0f});  // outside Run, and t is still usable
+  EXPECT_EQ(w.value(0)[0], 3.0f);
+}
+
 TEST(StrategyBroadcastTest, FromTheChief) {
   RunWorkers(3, 1, kHC, [](Strategy& s, int rank) {
     std::vector<float> a(300, static_cast<float>(rank));
