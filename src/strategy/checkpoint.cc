@@ -203,29 +203,44 @@ Contents Parse(const std::vector<unsigned char>& bytes, const std::string& path)
   if (bytes.size() < kHeaderBytes + kChecksumBytes) {
     corrupt("truncated: " + std::to_string(bytes.size()) + " bytes, shorter than the header");
   }
+  // The checksum first: until it matches, no field of the header can be believed (one flipped
+  // bit in the version must not read as a file of another format, nor one in file_bytes as a
+  // truncation).
+  uint64_t file_bytes;
+  std::memcpy(&file_bytes, bytes.data() + 16, 8);
+  const std::string sizes = "the file has " + std::to_string(bytes.size()) +
+                            " bytes, its header says " + std::to_string(file_bytes);
+  const size_t body_end = bytes.size() - kChecksumBytes;
+  uint32_t stored;
+  std::memcpy(&stored, bytes.data() + body_end, 4);
+  const uint32_t computed = Crc32(bytes.data(), body_end);
+  if (stored != computed) {
+    if (file_bytes != bytes.size()) {
+      // A file cut short (or appended to) has no checksum at its end; a whole file whose size
+      // field alone is damaged has, and it matches once the field holds the real size.
+      std::vector<unsigned char> patched(bytes.begin(), bytes.begin() + body_end);
+      const uint64_t real = bytes.size();
+      std::memcpy(patched.data() + 16, &real, sizeof real);
+      if (Crc32(patched.data(), patched.size()) != stored) {
+        corrupt((file_bytes > bytes.size() ? "truncated: " : "trailing bytes: ") + sizes);
+      }
+    }
+    char text[64];
+    std::snprintf(text, sizeof text, "checksum mismatch (stored %08x, computed %08x)", stored,
+                  computed);
+    corrupt(text);
+  }
+  // The checksum matches: these are what a writer wrote.
   uint32_t version;
   std::memcpy(&version, bytes.data() + 8, 4);
   if (version != kVersion) {
     corrupt("format version " + std::to_string(version) + ", this library reads version " +
             std::to_string(kVersion));
   }
-  uint64_t file_bytes;
-  std::memcpy(&file_bytes, bytes.data() + 16, 8);
-  if (file_bytes != bytes.size()) {
-    corrupt(std::string(file_bytes > bytes.size() ? "truncated" : "trailing bytes") + ": the file has " +
-            std::to_string(bytes.size()) + " bytes, its header says " +
-            std::to_string(file_bytes));
-  }
-  const size_t body_end = bytes.size() - kChecksumBytes;
-  uint32_t stored;
-  std::memcpy(&stored, bytes.data() + body_end, 4);
-  const uint32_t computed = Crc32(bytes.data(), body_end);
-  if (stored != computed) {
-    char text[64];
-    std::snprintf(text, sizeof text, "checksum mismatch (stored %08x, computed %08x)", stored,
-                  computed);
-    corrupt(text);
-  }
+  uint32_t reserved;
+  std::memcpy(&reserved, bytes.data() + 12, 4);
+  if (reserved != 0) corrupt("the reserved field holds " + std::to_string(reserved) + ", not 0");
+  if (file_bytes != bytes.size()) corrupt("wrong size field: " + sizes);
 
   Reader in(bytes, body_end, path);
   std::array<unsigned char, kHeaderBytes> header;
@@ -235,6 +250,10 @@ Contents Parse(const std::vector<unsigned char>& bytes, const std::string& path)
   c.state.step = in.Get<int64_t>("step");
   c.optimizer = in.String("optimizer name");
   c.iterations = in.Get<int64_t>("optimizer iterations");
+  if (c.state.epoch < 0 || c.state.step < 0 || c.iterations < 0) {
+    in.Corrupt("negative epoch, step or iterations (" + std::to_string(c.state.epoch) + ", " +
+               std::to_string(c.state.step) + ", " + std::to_string(c.iterations) + ")");
+  }
   const uint64_t count = in.Get<uint64_t>("entry count");
   for (uint64_t i = 0; i < count; ++i) {
     Entry e;

@@ -2,11 +2,13 @@
 // workers; atomic replacement (no temporary left behind, an old file replaced); corrupt,
 // truncated and bad-checksum files and mismatched variables refused on every worker; a missing
 // checkpoint; a failed save reported on every worker; BackupAndRestore resuming a "crashed" job
-// to the same weights, bit for bit, as an uninterrupted run.
+// to the same weights, bit for bit, as an uninterrupted run. Header damage named as such (the
+// checksum first), and meaningless fields a writer could have written refused.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -279,6 +281,76 @@ TEST_F(CheckpointTest, AFailedSaveIsReportedOnEveryWorker) {
   ExpectErrorPtr(errors[0], ErrorCode::kSystem, {dir().c_str()});
   ExpectErrorPtr(errors[1], ErrorCode::kSystem, {dir().c_str()});
   fs::remove(dir_);
+}
+
+// ---- The header: the checksum first, then what it covers. ----
+
+uint32_t Crc32(const std::vector<char>& bytes, size_t n) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= static_cast<unsigned char>(bytes[i]);
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+  }
+  return c ^ 0xFFFFFFFFu;
+}
+
+// Writes `value` at `offset`, then a checksum that matches: what a writer could have written.
+template <typename T>
+std::vector<char> Rewritten(std::vector<char> bytes, size_t offset, T value) {
+  std::memcpy(bytes.data() + offset, &value, sizeof value);
+  const uint32_t crc = Crc32(bytes, bytes.size() - 4);
+  std::memcpy(bytes.data() + bytes.size() - 4, &crc, sizeof crc);
+  return bytes;
+}
+
+// A flipped bit in the version, reserved or size field is damage (the checksum says so), not a
+// file of another format nor a truncated one; fields that a writer could have written but that
+// mean nothing (another version, a reserved field set, a wrong size, a negative epoch, step or
+// iteration count) are refused as corrupt, each named.
+TEST_F(CheckpointTest, HeaderCorruptionIsNamedAsSuch) {
+  {
+    DefaultStrategy s;
+    Model model(s, 2);
+    SaveCheckpoint(s, nullptr, dir(), {.epoch = 2, .step = 1});
+  }
+  const std::vector<char> good = ReadAll();
+  // magic 0, version 8, reserved 12, file_bytes 16, epoch 24, step 32, optimizer name 40 (empty),
+  // iterations 44.
+  ASSERT_EQ(good[40], 0);
+  struct Case {
+    std::string what;
+    std::vector<char> bytes;
+    const char* expected;
+  };
+  std::vector<Case> cases;
+  for (size_t offset : {8, 12, 16, 23}) {
+    std::vector<char> flipped = good;
+    flipped[offset] ^= 0x02;
+    cases.push_back({"bit flipped at " + std::to_string(offset), flipped, "checksum mismatch"});
+  }
+  cases.push_back({"version 2", Rewritten<uint32_t>(good, 8, 2),
+                   "format version 2, this library reads version 1"});
+  cases.push_back({"reserved", Rewritten<uint32_t>(good, 12, 1), "the reserved field holds 1"});
+  cases.push_back({"size field", Rewritten<uint64_t>(good, 16, good.size() + 2),
+                   "wrong size field: the file has"});
+  cases.push_back({"negative epoch", Rewritten<int64_t>(good, 24, -5),
+                   "negative epoch, step or iterations (-5, 1, 0)"});
+  cases.push_back({"negative step", Rewritten<int64_t>(good, 32, -7),
+                   "negative epoch, step or iterations (2, -7, 0)"});
+  cases.push_back({"negative iterations", Rewritten<int64_t>(good, 44, -1),
+                   "negative epoch, step or iterations (2, 1, -1)"});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    WriteAll(c.bytes);
+    DefaultStrategy s;
+    Model model(s, 2);
+    ExpectError(ErrorCode::kInvalidArgument, {file().c_str(), "is corrupt", c.expected},
+                [&] { RestoreCheckpoint(s, nullptr, dir()); });
+  }
+  WriteAll(good);
+  DefaultStrategy s;
+  Model model(s, 2);
+  EXPECT_EQ(RestoreCheckpoint(s, nullptr, dir()), (TrainingState{2, 1}));
 }
 
 // Trains 3 epochs of 4 steps with BackupAndRestore (a save every 3 steps and at every epoch's
