@@ -409,6 +409,12 @@ class Optimizer {
   };
   std::vector<Slot> SaveSlots() const;
   void RestoreSlots(const std::vector<Slot>& slots, int64_t iterations);
+  // RestoreSlots' checks alone: throws what it would throw, changes nothing (for a caller that
+  // must know that every worker can restore before any does, as RestoreCheckpoint).
+  void CheckSlots(const std::vector<Slot>& slots, int64_t iterations) const;
+  // The names of each variable's slots ({"m", "v"} for Adam, {"momentum"} for SGD with momentum,
+  // none without), in the order Update receives them.
+  const std::vector<std::string>& slot_names() const { return slot_names_; }
 
  protected:
   Optimizer(Strategy& strategy, std::string name, std::vector<std::string> slot_names);
@@ -474,13 +480,23 @@ struct TrainingState {
 // any point leaves either the old or the new checkpoint, never a torn one. Other workers write the
 // same bytes to their own temporary place (`<directory>/.worker-<index>.tmp`) and delete it, as the
 // guide advises, so that no two workers write the same file. The file carries a checksum.
+// Directories it creates are made durable too (their parents are fsynced). Several savers may
+// save to one directory at once (each has its own temporary; the last rename wins). When a worker
+// fails, every worker throws: the lowest failing worker's error code, with its message.
 void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::string& directory,
                     TrainingState state);
 
 // Collective: the chief reads `<directory>/checkpoint` (if any) and broadcasts it to every worker;
 // every worker assigns the variables and optimizer state. Returns the saved state, or nullopt when
 // there is no checkpoint (nothing changed). Throws kInvalidArgument on a corrupt file or one whose
-// variables do not match the strategy's (names, shapes).
+// variables do not match the strategy's (names, shapes) or whose optimizer state does not match
+// `optimizer` (name, slots).
+// It succeeds on every worker or on none: the workers first check that they all pass an
+// optimizer or all pass none, of the same name with the same slot names (else every worker throws
+// kMismatch naming the field); then every worker checks the file against its variables and
+// optimizer without changing anything; when one fails, every worker throws the lowest failing
+// worker's error code, with a message naming that worker and saying why, and nothing changes
+// anywhere. Only then does every worker assign.
 std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,
                                                const std::string& directory);
 

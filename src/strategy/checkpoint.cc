@@ -15,24 +15,31 @@
 //   checksum   u32: CRC-32 (IEEE, as zlib's crc32) of every byte before it
 //
 // Saving (a collective): every worker serialises (the variables are identical everywhere, so the
-// bytes are too). The chief writes `checkpoint.tmp-<host>-<pid>` in the directory, fsyncs it,
-// renames it over `checkpoint` and fsyncs the directory: a crash leaves the old file or the new
-// one, never a torn one. A chief that dies while it writes leaves its temporary behind; the next
-// save on the same host removes those whose process is gone. Other workers write the same bytes to
-// `.worker-<index>.tmp` and delete it. Then the workers all-reduce the lowest failing rank, so that
-// every worker throws if any failed.
+// bytes are too). The chief writes `checkpoint.tmp-<host>-<pid>.<n>.<random>` in the directory
+// (a name no other save uses, even one of another thread of the process; opened with O_EXCL),
+// fsyncs it, renames it over `checkpoint` and fsyncs the directory: a crash leaves the old file
+// or the new one, never a torn one. Directories it had to create are made durable by fsyncing
+// their parents. A chief that dies while it writes leaves its temporary behind; the next save on
+// the same host removes those whose process is gone. Other workers write the same bytes to
+// `.worker-<index>.tmp` and delete it (also when the write fails). Then the workers all-reduce
+// the lowest failing rank, which broadcasts its error code and message, so that every worker
+// throws, saying why.
 //
-// Restoring (a collective): the chief reads and verifies the file, then broadcasts a small header
+// Restoring (a collective): the workers first agree on the optimizer (given or not, its name,
+// its slot names). The chief reads and verifies the file, then broadcasts a small header
 // {status, error code, size} and the bytes (or its error message), so other workers need no
 // shared file system and fail with the chief's error instead of hanging. Every worker parses the
-// bytes, checks them against its variables and the optimizer (names, shapes, slots) before it
-// changes anything, then assigns every local copy.
+// bytes and checks them against its variables and the optimizer (names, shapes, slots) without
+// changing anything; the workers agree on the outcome as when saving; only when every worker
+// passed does every worker assign every local copy. So a restore succeeds on every worker or on
+// none.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -41,6 +48,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -292,40 +300,70 @@ Contents Parse(const std::vector<unsigned char>& bytes, const std::string& path)
 }
 
 // ---- Files. ----
+//
+// Every message starts with `who` (StrategyImpl::who(): "worker 1 ", or "" with one worker).
 
-[[noreturn]] void ThrowSystem(const std::string& what, const std::string& path, int error) {
-  throw Error(ErrorCode::kSystem, what + " " + path + ": " + std::strerror(error));
+[[noreturn]] void ThrowSystem(const std::string& who, const std::string& what,
+                              const std::string& path, int error) {
+  throw Error(ErrorCode::kSystem, who + what + " " + path + ": " + std::strerror(error));
 }
 
-void CreateDirectory(const std::string& directory) {
-  std::error_code ec;
-  std::filesystem::create_directories(directory, ec);
-  if (ec) throw Error(ErrorCode::kSystem, "cannot create directory " + directory + ": " + ec.message());
-}
-
-// Writes `bytes` to a new file at `path`; with `sync`, fsyncs it before closing.
-void WriteFile(const std::string& path, const std::vector<unsigned char>& bytes, bool sync) {
-  core::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) ThrowSystem("cannot create", path, errno);
-  if (!core::WriteAll(fd.get(), bytes.data(), bytes.size())) {
-    ThrowSystem("cannot write", path, errno);
-  }
-  if (sync && ::fsync(fd.get()) != 0) ThrowSystem("cannot fsync", path, errno);
-  if (fd.Close() != 0) ThrowSystem("cannot close", path, errno);
-}
-
-void SyncDirectory(const std::string& directory) {
+void SyncDirectory(const std::string& who, const std::string& directory) {
   core::UniqueFd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) ThrowSystem("cannot open directory", directory, errno);
-  if (::fsync(fd.get()) != 0) ThrowSystem("cannot fsync directory", directory, errno);
+  if (fd.get() < 0) ThrowSystem(who, "cannot open directory", directory, errno);
+  if (::fsync(fd.get()) != 0) ThrowSystem(who, "cannot fsync directory", directory, errno);
+}
+
+// Creates `directory` and its missing parents, and fsyncs the parent of each one it created, so
+// that a crash cannot take the new directories (and the checkpoints written in them) away.
+void CreateDirectory(const std::string& who, const std::string& directory) {
+  namespace fs = std::filesystem;
+  fs::path path(directory);
+  if (!path.empty() && !path.has_filename()) path = path.parent_path();  // "a/b/" is "a/b"
+  // The components that do not exist yet, deepest first.
+  std::vector<fs::path> missing;
+  std::error_code probe;
+  for (fs::path p = path; !p.empty() && !fs::exists(p, probe) && !probe; p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  std::error_code ec;
+  if (!fs::create_directories(directory, ec) && ec) {
+    throw Error(ErrorCode::kSystem,
+                who + "cannot create directory " + directory + ": " + ec.message());
+  }
+  for (const fs::path& created : missing) {
+    const fs::path parent = created.parent_path();
+    SyncDirectory(who, parent.empty() ? "." : parent.string());
+  }
+}
+
+// Writes `bytes` to a new file at `path`; with `sync`, fsyncs it before closing. With
+// `exclusive`, the file must not exist (EEXIST is returned instead of throwing); else it is
+// truncated. Returns 0, or EEXIST.
+int WriteFile(const std::string& who, const std::string& path,
+              const std::vector<unsigned char>& bytes, bool sync, bool exclusive) {
+  const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (exclusive ? O_EXCL : O_TRUNC);
+  core::UniqueFd fd(::open(path.c_str(), flags, 0644));
+  if (fd.get() < 0) {
+    if (exclusive && errno == EEXIST) return EEXIST;
+    ThrowSystem(who, "cannot create", path, errno);
+  }
+  if (!core::WriteAll(fd.get(), bytes.data(), bytes.size())) {
+    ThrowSystem(who, "cannot write", path, errno);
+  }
+  if (sync && ::fsync(fd.get()) != 0) ThrowSystem(who, "cannot fsync", path, errno);
+  if (fd.Close() != 0) ThrowSystem(who, "cannot close", path, errno);
+  return 0;
 }
 
 // nullopt when the file does not exist.
-std::optional<std::vector<unsigned char>> ReadFile(const std::string& path) {
+std::optional<std::vector<unsigned char>> ReadFile(const std::string& who,
+                                                   const std::string& path) {
   core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return std::nullopt;
-    ThrowSystem("cannot open", path, errno);
+    ThrowSystem(who, "cannot open", path, errno);
   }
   std::vector<unsigned char> bytes;
   unsigned char buffer[1 << 16];
@@ -333,7 +371,7 @@ std::optional<std::vector<unsigned char>> ReadFile(const std::string& path) {
     const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
     if (n < 0) {
       if (errno == EINTR) continue;
-      ThrowSystem("cannot read", path, errno);
+      ThrowSystem(who, "cannot read", path, errno);
     }
     if (n == 0) break;
     bytes.insert(bytes.end(), buffer, buffer + n);
@@ -346,17 +384,34 @@ std::string PathOf(const std::string& directory) { return directory + "/" + kFil
 // "checkpoint.tmp-<host>-": the start of this host's temporaries' names.
 std::string TemporaryPrefix() { return std::string(kFileName) + ".tmp-" + core::HostName() + "-"; }
 
+// A name no other save uses: "<prefix><pid>.<n>.<random>", n counting this process's saves (two
+// savers in one process, threads, get different n), the random part guarding against another
+// host or container with the same name and pid on a shared file system. Opened with O_EXCL all
+// the same.
+std::string TemporaryName(const std::string& prefix) {
+  static std::atomic<uint64_t> counter{0};
+  thread_local std::mt19937_64 random(std::random_device{}());
+  char suffix[17];
+  std::snprintf(suffix, sizeof suffix, "%016llx", static_cast<unsigned long long>(random()));
+  return prefix + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." + suffix;
+}
+
 // Removes the temporaries that chiefs on this host left in `directory` when they died while
-// saving: the pid in the name is no longer a process. Others (a save in progress, a temporary of
-// another host on a shared file system) are left alone, and so are failures to remove one.
+// saving: the pid in the name ("<prefix><pid>" or "<prefix><pid>.<anything>") is no longer a
+// process. Others (a save in progress, a temporary of another host on a shared file system) are
+// left alone, and so are failures to remove one.
 void RemoveStaleTemporaries(const std::string& directory, const std::string& prefix) {
   std::error_code ec;
   std::filesystem::directory_iterator it(directory, ec);
   for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string digits = name.substr(prefix.size());
-    if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string rest = name.substr(prefix.size());
+    const std::string digits = rest.substr(0, rest.find('.'));
+    if (digits.empty() || digits.size() > 9 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+      continue;
+    }
     const pid_t pid = static_cast<pid_t>(std::stol(digits));
     if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
       std::error_code ignored;
@@ -389,20 +444,27 @@ Contents Collect(Strategy& strategy, const Optimizer* optimizer, TrainingState s
   return c;
 }
 
-// Checks `c` against the strategy's variables and the optimizer, then assigns them. Nothing is
-// changed unless everything matches.
-void Apply(Strategy& strategy, Optimizer* optimizer, const Contents& c, const std::string& path) {
-  const auto mismatch = [&](const std::string& why) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "checkpoint " + path + " does not match the strategy: " + why);
-  };
-  std::map<std::string, const Entry*> saved;
+// What Check found, for Commit: each variable with its saved entry, and the optimizer's slots.
+struct Plan {
+  std::vector<std::pair<MirroredVariable*, const Entry*>> variables;
   std::vector<Optimizer::Slot> slots;
+};
+
+// Checks `c` against the strategy's variables and the optimizer; changes nothing. Throws
+// kInvalidArgument naming this worker and what does not match.
+Plan Check(Strategy& strategy, const Optimizer* optimizer, const Contents& c,
+           const std::string& path) {
+  const auto mismatch = [&](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument, strategy.impl().who() + "checkpoint " + path +
+                                                 " does not match the strategy: " + why);
+  };
+  Plan plan;
+  std::map<std::string, const Entry*> saved;
   for (const Entry& e : c.entries) {
     if (e.kind == Entry::kVariable) {
       if (!saved.emplace(e.name, &e).second) mismatch("variable '" + e.name + "' appears twice");
     } else if (optimizer != nullptr) {
-      slots.push_back(Optimizer::Slot{e.name, e.values});
+      plan.slots.push_back(Optimizer::Slot{e.name, e.values});
     }
   }
   const std::vector<MirroredVariable*> variables = strategy.variables();
@@ -413,6 +475,7 @@ void Apply(Strategy& strategy, Optimizer* optimizer, const Contents& c, const st
       mismatch("variable '" + v->name() + "' has shape " + ShapeText(it->second->shape) +
                " in the checkpoint, " + ShapeText(v->shape()) + " in the strategy");
     }
+    plan.variables.emplace_back(v, it->second);
   }
   if (saved.size() != variables.size()) {
     for (const auto& [name, entry] : saved) {
@@ -427,15 +490,74 @@ void Apply(Strategy& strategy, Optimizer* optimizer, const Contents& c, const st
                  : "it holds the state of optimizer " + c.optimizer + ", not of " +
                        optimizer->name());
   }
-  // RestoreSlots checks the slots before changing anything; variables are assigned after it.
   if (optimizer != nullptr) {
     try {
-      optimizer->RestoreSlots(slots, c.iterations);
+      optimizer->CheckSlots(plan.slots, c.iterations);
     } catch (const Error& e) {
       mismatch(e.message());
     }
   }
-  for (MirroredVariable* v : variables) v->Assign(saved.at(v->name())->values);
+  return plan;
+}
+
+// Assigns what Check found. Fails only when memory runs out.
+void Commit(Optimizer* optimizer, const Contents& c, const Plan& plan) {
+  if (optimizer != nullptr) optimizer->RestoreSlots(plan.slots, c.iterations);
+  for (const auto& [variable, entry] : plan.variables) variable->Assign(entry->values);
+}
+
+// Collective: every worker passes its own outcome (`failure` null when it succeeded). Returns
+// when every worker succeeded; else every worker throws the lowest failing worker's error: that
+// worker throws it (an Error whose message starts with its name), the others an Error of the
+// same code saying that `what` failed on that worker, with its message, which it broadcasts (so
+// that every worker's log says why). With one worker, rethrows `failure`.
+void AgreeOnFailure(Strategy& strategy, const std::string& what, std::exception_ptr failure) {
+  CollectiveCommunication* comm = strategy.communication();
+  if (comm == nullptr) {
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+  const std::string& who = strategy.impl().who();
+  const int self = strategy.worker_index();
+  // The lowest failing rank, or world size when none failed.
+  int64_t failed = failure ? self : strategy.num_workers();
+  comm->AllReduce(Tensor{&failed, 1, DataType::kInt64}, ReduceOp::kMin);
+  if (failed >= strategy.num_workers()) return;
+  const int root = static_cast<int>(failed);
+  std::array<int64_t, 2> header = {0, 0};  // error code, message bytes
+  std::string message;
+  if (root == self) {
+    ErrorCode code = ErrorCode::kInternal;
+    try {
+      std::rethrow_exception(failure);
+    } catch (const Error& e) {
+      code = e.code();
+      message = e.message();
+    } catch (const std::exception& e) {  // std::bad_alloc, say
+      message = what + ": " + e.what();
+    } catch (...) {
+      message = what + ": an exception that is not a std::exception";
+    }
+    if (message.compare(0, who.size(), who) != 0) message = who + message;
+    constexpr size_t kMaxBytes = 64 << 10;
+    if (message.size() > kMaxBytes) message.resize(kMaxBytes);
+    header = {static_cast<int64_t>(code), static_cast<int64_t>(message.size())};
+  }
+  comm->Broadcast(Tensor{header.data(), header.size(), DataType::kInt64}, root);
+  message.resize(static_cast<size_t>(header[1]));
+  if (!message.empty()) {
+    comm->Broadcast(Tensor{message.data(), message.size(), DataType::kUInt8}, root);
+  }
+  const ErrorCode code = static_cast<ErrorCode>(header[0]);
+  if (root == self) throw Error(code, message);
+  throw Error(code, who + what + " failed on worker " + std::to_string(root) + ": " + message);
+}
+
+// "[m, v]": the slot names, for AgreeAcrossWorkers.
+std::string SlotNamesText(const std::vector<std::string>& names) {
+  std::string s = "[";
+  for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
+  return s + "]";
 }
 
 enum class Status : int64_t { kOk = 0, kMissing = 1, kFailed = 2 };
@@ -446,59 +568,68 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
                     TrainingState state) {
   StrategyImpl& impl = strategy.impl();
   impl.CheckCrossReplica("SaveCheckpoint");
+  const std::string& who = impl.who();
   std::exception_ptr failure;
   try {
     // Inside the try: whatever fails here, the other workers learn of it below instead of
     // waiting for this one in the all-reduce until their timeout.
     const std::vector<unsigned char> bytes = Serialize(Collect(strategy, optimizer, state));
-    CreateDirectory(directory);
+    CreateDirectory(who, directory);
     if (strategy.IsChief()) {
       const std::string prefix = TemporaryPrefix();
       RemoveStaleTemporaries(directory, prefix);
-      const std::string temp = directory + "/" + prefix + std::to_string(::getpid());
-      try {
-        WriteFile(temp, bytes, /*sync=*/true);
-        if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {
-          ThrowSystem("cannot rename " + temp + " to", PathOf(directory), errno);
+      std::string temp;
+      for (int attempt = 1;; ++attempt) {
+        temp = directory + "/" + TemporaryName(prefix);
+        try {
+          if (WriteFile(who, temp, bytes, /*sync=*/true, /*exclusive=*/true) == 0) break;
+        } catch (...) {
+          ::unlink(temp.c_str());
+          throw;
         }
-      } catch (...) {
-        ::unlink(temp.c_str());
-        throw;
+        if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
       }
-      SyncDirectory(directory);
+      if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {
+        const int error = errno;
+        ::unlink(temp.c_str());
+        ThrowSystem(who, "cannot rename " + temp + " to", PathOf(directory), error);
+      }
+      SyncDirectory(who, directory);
     } else {
       const std::string temp =
           directory + "/.worker-" + std::to_string(strategy.worker_index()) + ".tmp";
-      WriteFile(temp, bytes, /*sync=*/false);
-      if (::unlink(temp.c_str()) != 0) ThrowSystem("cannot delete", temp, errno);
+      try {
+        WriteFile(who, temp, bytes, /*sync=*/false, /*exclusive=*/false);
+      } catch (...) {
+        ::unlink(temp.c_str());  // a partial file would only fill the disk further
+        throw;
+      }
+      if (::unlink(temp.c_str()) != 0) ThrowSystem(who, "cannot delete", temp, errno);
     }
   } catch (...) {
     failure = std::current_exception();
   }
-  if (CollectiveCommunication* comm = strategy.communication()) {
-    // The lowest failing rank, or world size when none failed: every worker learns of a failure.
-    int64_t failed = failure ? strategy.worker_index() : strategy.num_workers();
-    comm->AllReduce(Tensor{&failed, 1, DataType::kInt64}, ReduceOp::kMin);
-    if (!failure && failed < strategy.num_workers()) {
-      throw Error(ErrorCode::kSystem, impl.who() + "SaveCheckpoint to " + directory +
-                                          " failed on worker " + std::to_string(failed) +
-                                          " (its error says why)");
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
+  AgreeOnFailure(strategy, "SaveCheckpoint to " + directory, failure);
 }
 
 std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,
                                                const std::string& directory) {
   StrategyImpl& impl = strategy.impl();
   impl.CheckCrossReplica("RestoreCheckpoint");
+  // First, before anything is read: a worker restoring another optimizer's state (or none)
+  // while the others restore theirs would leave the workers with different states.
+  impl.AgreeAcrossWorkers("RestoreCheckpoint",
+                          {{"whether an optimizer is given", optimizer != nullptr ? "yes" : "no"},
+                           {"the optimizer", optimizer != nullptr ? optimizer->name() : ""},
+                           {"the optimizer's slots",
+                            optimizer != nullptr ? SlotNamesText(optimizer->slot_names()) : ""}});
   const std::string path = PathOf(directory);
   // On the chief: the file, or the error to give every worker.
   std::array<int64_t, 3> header = {static_cast<int64_t>(Status::kMissing), 0, 0};
   std::vector<unsigned char> payload;
   if (strategy.IsChief()) {
     try {
-      std::optional<std::vector<unsigned char>> file = ReadFile(path);
+      std::optional<std::vector<unsigned char>> file = ReadFile(impl.who(), path);
       if (file) {
         Parse(*file, path);  // verify before telling the others it is good
         payload = std::move(*file);
@@ -532,9 +663,25 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
     }
     case Status::kOk: break;
   }
-  const Contents contents = Parse(payload, path);
-  Apply(strategy, optimizer, contents, path);
-  return contents.state;
+  // Every worker checks, then they agree, then every worker assigns: all or none restore.
+  std::optional<Contents> contents;
+  Plan plan;
+  std::exception_ptr failure;
+  try {
+    contents = Parse(payload, path);
+    plan = Check(strategy, optimizer, *contents, path);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  AgreeOnFailure(strategy, "RestoreCheckpoint of " + path, failure);
+  try {
+    Commit(optimizer, *contents, plan);
+  } catch (...) {
+    // Out of memory half-way: this worker's state is neither the old one nor the checkpoint's.
+    impl.Break(std::current_exception());
+    throw;
+  }
+  return contents->state;
 }
 
 // ---- BackupAndRestore ----------------------------------------------------------------------
@@ -570,8 +717,13 @@ void BackupAndRestore::OnEpochEnd(int64_t epoch) {
 void BackupAndRestore::OnTrainEnd() {
   strategy_.Barrier();  // every worker has finished with the backup
   if (!options_.delete_on_train_end || !strategy_.IsChief()) return;
+  const std::string& who = strategy_.impl().who();
   const std::string path = PathOf(directory_);
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT) ThrowSystem("cannot delete", path, errno);
+  if (::unlink(path.c_str()) != 0) {
+    if (errno == ENOENT) return;
+    ThrowSystem(who, "cannot delete", path, errno);
+  }
+  SyncDirectory(who, directory_);  // the deletion survives a crash: no stale restore
 }
 
 }  // namespace collectives::strategy

@@ -130,19 +130,25 @@ std::vector<Optimizer::Slot> Optimizer::SaveSlots() const {
   return out;
 }
 
-void Optimizer::RestoreSlots(const std::vector<Slot>& slots, int64_t iterations) {
-  strategy_.impl().CheckCrossReplica((name_ + ".RestoreSlots").c_str());
-  const std::string where = strategy_.impl().who() + name_ + ".RestoreSlots: ";
+namespace {
+
+// Each variable's slots, in slot_names order.
+using ResolvedSlots = std::map<const MirroredVariable*, std::vector<const Optimizer::Slot*>>;
+
+// RestoreSlots' checks: resolves every slot to its variable, or throws kInvalidArgument after
+// `where`. Changes nothing.
+ResolvedSlots ResolveSlots(const Strategy& strategy, const std::vector<std::string>& slot_names,
+                           const std::vector<Optimizer::Slot>& slots, int64_t iterations,
+                           const std::string& where) {
   if (iterations < 0) Invalid(where + "negative iterations " + std::to_string(iterations));
-  // Resolve every slot before changing anything.
   std::map<std::string, std::pair<const MirroredVariable*, size_t>> expected;
-  for (MirroredVariable* v : strategy_.variables()) {
-    for (size_t s = 0; s < slot_names_.size(); ++s) {
-      expected.emplace(v->name() + "/" + slot_names_[s], std::make_pair(v, s));
+  for (MirroredVariable* v : strategy.variables()) {
+    for (size_t s = 0; s < slot_names.size(); ++s) {
+      expected.emplace(v->name() + "/" + slot_names[s], std::make_pair(v, s));
     }
   }
-  std::map<const MirroredVariable*, std::vector<const Slot*>> found;
-  for (const Slot& slot : slots) {
+  ResolvedSlots found;
+  for (const Optimizer::Slot& slot : slots) {
     auto it = expected.find(slot.name);
     if (it == expected.end()) {
       Invalid(where + "slot '" + slot.name + "' is not a slot of a variable of the strategy");
@@ -152,19 +158,35 @@ void Optimizer::RestoreSlots(const std::vector<Slot>& slots, int64_t iterations)
       Invalid(where + "slot '" + slot.name + "' has " + std::to_string(slot.value.size()) +
               " values, variable '" + variable->name() + "' " + std::to_string(variable->count()));
     }
-    std::vector<const Slot*>& of_variable = found[variable];
-    of_variable.resize(slot_names_.size(), nullptr);
+    std::vector<const Optimizer::Slot*>& of_variable = found[variable];
+    of_variable.resize(slot_names.size(), nullptr);
     if (of_variable[index] != nullptr) Invalid(where + "slot '" + slot.name + "' appears twice");
     of_variable[index] = &slot;
   }
   for (const auto& [variable, of_variable] : found) {
-    for (size_t s = 0; s < slot_names_.size(); ++s) {
+    for (size_t s = 0; s < slot_names.size(); ++s) {
       if (of_variable[s] == nullptr) {
         Invalid(where + "variable '" + variable->name() + "' has some slots but not '" +
-                slot_names_[s] + "'");
+                slot_names[s] + "'");
       }
     }
   }
+  return found;
+}
+
+}  // namespace
+
+void Optimizer::CheckSlots(const std::vector<Slot>& slots, int64_t iterations) const {
+  strategy_.impl().CheckCrossReplica((name_ + ".CheckSlots").c_str());
+  ResolveSlots(strategy_, slot_names_, slots, iterations,
+               strategy_.impl().who() + name_ + ".RestoreSlots: ");
+}
+
+void Optimizer::RestoreSlots(const std::vector<Slot>& slots, int64_t iterations) {
+  strategy_.impl().CheckCrossReplica((name_ + ".RestoreSlots").c_str());
+  // Resolve every slot before changing anything.
+  const ResolvedSlots found = ResolveSlots(strategy_, slot_names_, slots, iterations,
+                                           strategy_.impl().who() + name_ + ".RestoreSlots: ");
   for (State::Replica& replica : state_->replicas) {
     replica.iterations = iterations;
     replica.slots.clear();

@@ -2,19 +2,26 @@
 // workers; atomic replacement (no temporary left behind, an old file replaced); corrupt,
 // truncated and bad-checksum files and mismatched variables refused on every worker; a missing
 // checkpoint; a failed save reported on every worker; BackupAndRestore resuming a "crashed" job
-// to the same weights, bit for bit, as an uninterrupted run. Header damage named as such (the
-// checksum first), and meaningless fields a writer could have written refused.
+// to the same weights, bit for bit, as an uninterrupted run. A restore agreed by every worker
+// (another optimizer on one worker, or a file that fits one worker only, fails them all and
+// changes nothing); header damage named as such; concurrent savers in one process; no partial
+// temporary left by a failed write; every worker's error saying why; new directories.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/strategy.h"
@@ -283,6 +290,97 @@ TEST_F(CheckpointTest, AFailedSaveIsReportedOnEveryWorker) {
   fs::remove(dir_);
 }
 
+// ---- Restore is agreed: it succeeds on every worker or on none. ----
+
+// Saves a checkpoint of Model(5) after 3 steps of `make`'s optimizer, from one worker.
+void SaveTrained(const std::string& dir,
+                 const std::function<std::unique_ptr<Optimizer>(Strategy&)>& make) {
+  DefaultStrategy s;
+  Model model(s, 5);
+  std::unique_ptr<Optimizer> opt = make(s);
+  for (int step = 0; step < 3; ++step) model.Step(s, *opt, 0, step);
+  SaveCheckpoint(s, opt.get(), dir, {.epoch = 1, .step = 0});
+}
+
+// A worker that passes no optimizer (or one with other slots) where the others pass theirs would
+// restore other state than they do, and the workers would silently diverge from the next step
+// on: every worker gets kMismatch naming the difference, before anything changes.
+TEST_F(CheckpointTest, AnOptimizerOnOneWorkerOnlyFailsEveryWorker) {
+  SaveTrained(dir(), [](Strategy& s) { return std::make_unique<Adam>(s); });
+  std::vector<std::vector<float>> before(2), after(2);
+  std::vector<int64_t> iterations(2, -1);
+  auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    Model model(s, 7);
+    Adam adam(s);
+    before[rank] = model.Weights();
+    try {
+      RestoreCheckpoint(s, rank == 0 ? &adam : nullptr, dir());
+    } catch (...) {
+      after[rank] = model.Weights();
+      iterations[rank] = adam.iterations();
+      throw;
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    ExpectErrorPtr(errors[rank], ErrorCode::kMismatch,
+                   {"RestoreCheckpoint: the workers disagree on whether an optimizer is given: "
+                    "worker 0 has 'yes', worker 1 has 'no'"});
+    EXPECT_TRUE(BitEqual(after[rank], before[rank]));
+    EXPECT_EQ(iterations[rank], 0);
+  }
+
+  // Both "SGD", one with momentum (a slot), one without.
+  SaveTrained(dir(),
+              [](Strategy& s) { return std::make_unique<Sgd>(s, SgdOptions{.momentum = 0.9f}); });
+  errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    Model model(s, 7);
+    Sgd sgd(s, {.momentum = rank == 0 ? 0.9f : 0.0f});
+    RestoreCheckpoint(s, &sgd, dir());
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    ExpectErrorPtr(errors[rank], ErrorCode::kMismatch,
+                   {"the workers disagree on the optimizer's slots: worker 0 has '[momentum]', "
+                    "worker 1 has '[]'"});
+  }
+}
+
+// When the file does not fit one worker's state (here worker 1's optimizer belongs to a strategy
+// without the variables), every worker throws that worker's error, and no worker restores
+// anything: worker 0 keeps its weights and its optimizer state.
+TEST_F(CheckpointTest, ARestoreThatFailsOnOneWorkerFailsEveryWorkerAndChangesNothing) {
+  SaveTrained(dir(), [](Strategy& s) { return std::make_unique<Adam>(s); });
+  std::vector<std::vector<float>> before(2), after(2);
+  std::vector<int64_t> iterations(2, -1);
+  const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    Model model(s, 7);
+    Adam adam(s);
+    DefaultStrategy elsewhere;  // no variables
+    Adam foreign(elsewhere);    // "Adam" with slots [m, v], as worker 0's
+    before[rank] = model.Weights();
+    try {
+      RestoreCheckpoint(s, rank == 0 ? &adam : &foreign, dir());
+    } catch (...) {
+      after[rank] = model.Weights();
+      iterations[rank] = adam.iterations();
+      throw;
+    }
+  });
+  ExpectErrorPtr(errors[0], ErrorCode::kInvalidArgument,
+                 {"worker 0 RestoreCheckpoint of ", file().c_str(),
+                  " failed on worker 1: worker 1 checkpoint ",
+                  "does not match the strategy: Adam.RestoreSlots: slot 'dense/kernel/m' "
+                  "is not a slot of a variable of the strategy"});
+  ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument,
+                 {"worker 1 checkpoint ", file().c_str(), "'dense/kernel/m' is not a slot"});
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    EXPECT_TRUE(BitEqual(after[rank], before[rank]));
+    EXPECT_EQ(iterations[rank], 0);
+  }
+}
+
 // ---- The header: the checksum first, then what it covers. ----
 
 uint32_t Crc32(const std::vector<char>& bytes, size_t n) {
@@ -351,6 +449,107 @@ TEST_F(CheckpointTest, HeaderCorruptionIsNamedAsSuch) {
   DefaultStrategy s;
   Model model(s, 2);
   EXPECT_EQ(RestoreCheckpoint(s, nullptr, dir()), (TrainingState{2, 1}));
+}
+
+// ---- Saving. ----
+
+// Two savers in one process (two jobs, threads of a harness) saving to one directory: each has
+// its own temporary, so every save succeeds, and the file is always one whole checkpoint.
+TEST_F(CheckpointTest, ConcurrentSaversInOneProcessEachSucceedAndTheFileIsAlwaysWhole) {
+  constexpr int kSaves = 40;
+  std::atomic<int> failures{0};
+  std::mutex mu;
+  std::string first_failure;
+  const auto saver = [&](uint64_t seed) {
+    DefaultStrategy s;
+    s.CreateVariable("big", {1 << 16}, GlorotUniform(1, 1, seed));
+    DefaultStrategy reader;
+    reader.CreateVariable("big", {1 << 16}, Zeros());
+    for (int i = 0; i < kSaves; ++i) {
+      try {
+        SaveCheckpoint(s, nullptr, dir(), {.epoch = i, .step = 0});
+        const std::optional<TrainingState> state = RestoreCheckpoint(reader, nullptr, dir());
+        if (!state.has_value()) throw std::runtime_error("no checkpoint after a save");
+      } catch (const std::exception& e) {
+        ++failures;
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_failure.empty()) first_failure = e.what();
+      }
+    }
+  };
+  std::thread a(saver, 1), b(saver, 2);
+  a.join();
+  b.join();
+  EXPECT_EQ(failures.load(), 0) << first_failure;
+  EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});  // no temporary left behind
+}
+
+// A write that fails (here the file size limit, as a full disk would) on the chief and the other
+// worker: neither leaves its partial temporary in the directory, and every worker says why.
+TEST_F(CheckpointTest, AFailedWriteLeavesNoTemporaryOnAnyWorker) {
+  fs::create_directories(dir_);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    s.CreateVariable("big", {100'000}, Zeros());
+    s.Barrier();
+    if (rank == 0) ::setrlimit(RLIMIT_FSIZE, &small);  // the "disk" is full from now on
+    s.Barrier();
+    SaveCheckpoint(s, nullptr, dir(), {});
+  });
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  ExpectErrorPtr(errors[0], ErrorCode::kSystem, {"worker 0 cannot write ", "File too large"});
+  ExpectErrorPtr(errors[1], ErrorCode::kSystem,
+                 {"worker 1 SaveCheckpoint to ", " failed on worker 0: worker 0 cannot write ",
+                  "File too large"});
+  EXPECT_EQ(Listing(), std::vector<std::string>{});
+}
+
+// Only the chief fails (`checkpoint` is a directory, so its rename fails): the other worker's
+// error carries the chief's message, so that its log says why.
+TEST_F(CheckpointTest, WhenOnlyTheChiefFailsEveryWorkerSaysWhy) {
+  fs::create_directories(dir_ / "checkpoint");
+  const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
+    Model model(s, 1);
+    SaveCheckpoint(s, nullptr, dir(), {});
+  });
+  ExpectErrorPtr(errors[0], ErrorCode::kSystem,
+                 {"worker 0 cannot rename ", file().c_str(), "Is a directory"});
+  ExpectErrorPtr(errors[1], ErrorCode::kSystem,
+                 {"worker 1 SaveCheckpoint to ", " failed on worker 0: worker 0 cannot rename ",
+                  file().c_str(), "Is a directory"});
+  EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});  // the chief's temporary is gone
+}
+
+// Saving creates missing directories (nested, with a trailing '/', or relative to the working
+// directory) and fsyncs their parents; OnTrainEnd fsyncs the directory after its unlink. A test
+// cannot observe that an fsync made anything durable (that takes a power cut): this checks that
+// these paths work and the checkpoint is there, then gone.
+TEST_F(CheckpointTest, SavingIntoNewDirectoriesAndDeletingAtTheEndWork) {
+  for (const std::string& directory : {dir() + "/a/b/c/", std::string("relative/d")}) {
+    SCOPED_TRACE(directory);
+    const fs::path cwd = fs::current_path();
+    fs::create_directories(dir_);
+    fs::current_path(dir_);  // "relative/d" lands inside dir_
+    {
+      DefaultStrategy s;
+      Model model(s, 1);
+      Sgd sgd(s);
+      BackupAndRestore backup(s, &sgd, directory, {});
+      EXPECT_EQ(backup.OnTrainBegin(), TrainingState{});
+      backup.OnEpochEnd(0);
+      EXPECT_TRUE(fs::exists(fs::path(directory) / "checkpoint"));
+      BackupAndRestore again(s, &sgd, directory, {});
+      EXPECT_EQ(again.OnTrainBegin(), (TrainingState{1, 0}));
+      again.OnTrainEnd();
+      EXPECT_FALSE(fs::exists(fs::path(directory) / "checkpoint"));
+    }
+    fs::current_path(cwd);
+  }
 }
 
 // Trains 3 epochs of 4 steps with BackupAndRestore (a save every 3 steps and at every epoch's
