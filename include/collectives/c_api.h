@@ -174,8 +174,10 @@ coll_status coll_comm_create_from_env(const coll_options* options, coll_comm** o
 
 /* Creates rank `rank` of a job of `world_size` ranks. Rank 0 hosts the rendezvous store on
  * master_addr:master_port (it must be free there); the other ranks connect to it, retrying until
- * the timeout. master_addr NULL means "127.0.0.1". master_port 0 is valid only when
- * world_size == 1. Blocks until every rank has connected. On failure *out is set to NULL. */
+ * the timeout. master_addr NULL means "127.0.0.1"; otherwise a host name or address (IPv6 bare
+ * or in brackets), without a port: "10.0.0.1:29500" gives COLL_INVALID_ARGUMENT. master_port 0
+ * is valid only when world_size == 1. Blocks until every rank has connected. On failure *out is
+ * set to NULL. */
 coll_status coll_comm_create(int rank, int world_size, const char* master_addr,
                              uint16_t master_port, const coll_options* options, coll_comm** out);
 

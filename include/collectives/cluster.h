@@ -24,13 +24,16 @@ struct ClusterSpec {
   int rank = 0;
   // Number of ranks in the job.
   int world_size = 1;
-  // Host name or address the rendezvous store (hosted by rank 0) listens on / is reached at.
+  // Host name or address the rendezvous store (hosted by rank 0) listens on / is reached at: a
+  // name, an IPv4 address, or an IPv6 address bare or in brackets ("::1", "[::1]"). No port (that
+  // is master_port), '/', whitespace or control character: Validate refuses them.
   std::string master_addr = "127.0.0.1";
   // TCP port of the rendezvous store. 0 is only valid for world_size == 1.
   uint16_t master_port = 0;
   // Where rank 0's store listens, when not at master_addr: an address of rank 0's host, or
   // "0.0.0.0" / "::" for every interface (for a master_addr that is this host's name but
   // resolves to a loopback address here, as Debian's /etc/hosts makes it). Empty: master_addr.
+  // Checked as master_addr is.
   // FromEnvironment takes it from COLLECTIVES_STORE_LISTEN_ADDRESS.
   std::string store_listen_address;
   // Per-rank "host:port" when the source lists them (TF_CONFIG does); empty otherwise. When
@@ -70,7 +73,8 @@ struct ClusterSpec {
   // The same, over an explicit variable map (for tests and for embedding).
   static ClusterSpec FromEnvironment(const std::map<std::string, std::string>& env);
 
-  // Throws Error(kInvalidArgument) if the fields are inconsistent.
+  // Throws Error(kInvalidArgument) naming the field if the fields are inconsistent or
+  // master_addr or store_listen_address is no host name or address.
   void Validate() const;
 };
 

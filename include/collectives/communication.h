@@ -130,9 +130,11 @@ struct CommunicationOptions {
   // The address this rank's data listener binds to. Empty: $COLLECTIVES_LISTEN_ADDRESS when set,
   // else the host the ClusterSpec names for this rank (TF_CONFIG's cluster addresses), else the
   // local address that routes toward master_addr: never every interface unless asked.
-  // "0.0.0.0" or "::" asks for every interface (peers are then told this host's name). When
-  // the default is a name that resolves to loopback addresses only here (Debian maps a host's
-  // own name to 127.0.1.1), the rank logs a line to stderr: other hosts cannot connect to it.
+  // "0.0.0.0" or "::" asks for every interface (peers are then told this host's name). A host
+  // name or address (IPv6 bare or in brackets) without a port; anything else (or such a
+  // $COLLECTIVES_LISTEN_ADDRESS) raises Error(kInvalidArgument) naming it. When the default is a
+  // name that resolves to loopback addresses only here (Debian maps a host's own name to
+  // 127.0.1.1), the rank logs a line to stderr: other hosts cannot connect to it.
   // Default: "".
   std::string listen_address{};
 };

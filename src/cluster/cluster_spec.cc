@@ -25,6 +25,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/core/text.h"
 
 namespace collectives {
 namespace {
@@ -47,6 +48,23 @@ std::string Quote(std::string_view text) {
   out += '\'';
   return out;
 }
+
+// `text` quoted with its control bytes escaped: for a host, which may hold any byte.
+std::string QuoteHost(std::string_view text) { return Quote(core::OneLine(text, 256)); }
+
+// `value` checked as a host by CheckHost and returned without brackets; `name` ("environment
+// variable MASTER_ADDR", "ClusterSpec: master_addr") heads the message of a refusal.
+std::string CheckedHost(const std::string& name, std::string_view value,
+                        std::string_view port_remedy) {
+  std::string why;
+  std::optional<std::string> host = cluster::CheckHost(value, port_remedy, &why);
+  if (!host) {
+    Invalid(name + "=" + QuoteHost(value) + " is not a host name or address: " + why);
+  }
+  return std::move(*host);
+}
+
+constexpr char kStorePort[] = "the store listens on master_port (MASTER_PORT)";
 
 // One "host:port" entry of cluster.<role>.
 struct TaskAddress {
@@ -76,7 +94,7 @@ std::vector<TaskAddress> ReadRole(const Json& cluster, const char* role) {
     std::string why;
     std::optional<HostPort> parsed = ParseHostPort(text, &why);
     if (!parsed) {
-      Invalid("TF_CONFIG field " + Quote(entry_field) + " = " + Quote(text) +
+      Invalid("TF_CONFIG field " + Quote(entry_field) + " = " + QuoteHost(text) +
               " is not a valid host:port: " + why);
     }
     out.push_back(TaskAddress{entry_field, std::move(text), std::move(*parsed)});
@@ -149,16 +167,8 @@ ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, con
   spec.task_index = spec.rank;
 
   if (const std::string* addr = Find(env, "MASTER_ADDR")) {
-    std::string host = cluster::StripBrackets(*addr);
-    bool ok = !host.empty();
-    for (char c : host) {
-      if (std::isspace(static_cast<unsigned char>(c))) ok = false;
-    }
-    if (!ok) {
-      Invalid("environment variable MASTER_ADDR=" + Quote(*addr) +
-              " is not a host name or address");
-    }
-    spec.master_addr = std::move(host);
+    spec.master_addr =
+        CheckedHost("environment variable MASTER_ADDR", *addr, "put the port in MASTER_PORT");
   }
   if (const std::string* port = Find(env, "MASTER_PORT")) {
     std::optional<uint16_t> parsed = cluster::ParsePort(*port);
@@ -317,8 +327,10 @@ ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string
     spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
   }
   if (const std::string* token = Find(env, "COLLECTIVES_JOB_TOKEN")) spec.job_token = *token;
-  if (const std::string* listen = Find(env, "COLLECTIVES_STORE_LISTEN_ADDRESS")) {
-    spec.store_listen_address = *listen;
+  const std::string* listen = Find(env, "COLLECTIVES_STORE_LISTEN_ADDRESS");
+  if (listen != nullptr && !listen->empty()) {  // empty: unset, as for COLLECTIVES_LISTEN_ADDRESS
+    spec.store_listen_address =
+        CheckedHost("environment variable COLLECTIVES_STORE_LISTEN_ADDRESS", *listen, kStorePort);
   }
   if (const std::string* job_id = Find(env, "COLLECTIVES_JOB_ID")) {
     if (job_id->empty()) Invalid("environment variable COLLECTIVES_JOB_ID is set but empty");
@@ -349,6 +361,12 @@ void ClusterSpec::Validate() const {
     Invalid("ClusterSpec: master_addr is empty but world_size=" + std::to_string(world_size) +
             " > 1 needs the address of rank 0's store");
   }
+  if (!master_addr.empty()) {
+    (void)CheckedHost("ClusterSpec: master_addr", master_addr, "put the port in master_port");
+  }
+  if (!store_listen_address.empty()) {
+    (void)CheckedHost("ClusterSpec: store_listen_address", store_listen_address, kStorePort);
+  }
   if (!addresses.empty()) {
     if (addresses.size() != static_cast<size_t>(world_size)) {
       Invalid("ClusterSpec: addresses lists " + std::to_string(addresses.size()) +
@@ -357,7 +375,7 @@ void ClusterSpec::Validate() const {
     for (size_t i = 0; i < addresses.size(); ++i) {
       std::string why;
       if (!ParseHostPort(addresses[i], &why)) {
-        Invalid("ClusterSpec: addresses[" + std::to_string(i) + "] = " + Quote(addresses[i]) +
+        Invalid("ClusterSpec: addresses[" + std::to_string(i) + "] = " + QuoteHost(addresses[i]) +
                 " is not a valid host:port: " + why);
       }
     }

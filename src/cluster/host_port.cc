@@ -7,6 +7,69 @@
 #include <asio.hpp>
 
 namespace collectives::cluster {
+namespace {
+
+// False, with `*why` set, when `host` (brackets of an IPv6 address removed) holds a character
+// no host name or address does. Such a host would otherwise reach the resolver, which cuts it
+// at a NUL ("a\0x" resolves as "a") or retries a name that can never resolve until the timeout.
+bool HasOnlyHostCharacters(std::string_view host, std::string* why) {
+  for (char c : host) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (std::isspace(byte)) {
+      *why = "a whitespace character in the host";
+    } else if (byte == 0) {
+      *why = "a NUL byte in the host";
+    } else if (byte < 0x20 || byte == 0x7f) {
+      *why = "a control character in the host";
+    } else if (c == '/') {
+      *why = "'/' in the host (a host name or address, not a URL or a path)";
+    } else if (c == '[' || c == ']') {
+      *why = "a bracket in the host that does not enclose the whole of an IPv6 address, as [::1]";
+    } else {
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+bool IsIpv6Address(std::string_view host) {
+  asio::error_code ec;
+  (void)asio::ip::make_address_v6(std::string(host), ec);
+  return !ec;
+}
+
+constexpr char kBracketsHoldIpv6[] = "brackets enclose an IPv6 address only, as [::1]";
+
+}  // namespace
+
+std::optional<std::string> CheckHost(std::string_view text, std::string_view port_remedy,
+                                     std::string* why) {
+  std::string_view host = text;
+  const bool bracketed = host.size() >= 2 && host.front() == '[' && host.back() == ']';
+  if (bracketed) host = host.substr(1, host.size() - 2);
+  if (host.empty()) {
+    *why = "empty host";
+    return std::nullopt;
+  }
+  if (!HasOnlyHostCharacters(host, why)) return std::nullopt;
+  if (bracketed && !IsIpv6Address(host)) {
+    *why = kBracketsHoldIpv6;
+    return std::nullopt;
+  }
+  const size_t colon = host.find(':');
+  if (colon != std::string_view::npos && !IsIpv6Address(host)) {
+    if (host.find(':', colon + 1) == std::string_view::npos) {
+      *why = "it holds a port ('";
+      why->append(host.substr(colon)).append("')");
+      if (!port_remedy.empty()) why->append("; ").append(port_remedy);
+    } else {
+      *why = "it holds ':' but is not an IPv6 address";
+    }
+    return std::nullopt;
+  }
+  return std::string(host);
+}
 
 std::optional<uint16_t> ParsePort(std::string_view text) {
   if (text.empty() || text.size() > 5) return std::nullopt;
@@ -51,11 +114,10 @@ std::optional<HostPort> ParseHostPort(std::string_view text, std::string* why) {
     *why = "empty host";
     return std::nullopt;
   }
-  for (char c : host) {
-    if (std::isspace(static_cast<unsigned char>(c)) || c == '[' || c == ']' || c == '/') {
-      *why = "invalid character in host";
-      return std::nullopt;
-    }
+  if (!HasOnlyHostCharacters(host, why)) return std::nullopt;
+  if (text.front() == '[' && !IsIpv6Address(host)) {
+    *why = kBracketsHoldIpv6;
+    return std::nullopt;
   }
   if (rest.empty() || rest == ":") {
     *why = "missing port (expected host:port)";

@@ -2,7 +2,9 @@
 //
 // Accepted: "name:port", "1.2.3.4:port", "[::1]:port" (IPv6 in brackets). The host is returned
 // without brackets, so it can be handed to a resolver as is. Port must be 1..65535, written in
-// decimal digits only.
+// decimal digits only. A host holds no whitespace, control character (NUL included), '/' or
+// bracket other than the pair around an IPv6 address; the brackets hold an IPv6 address.
+// CheckHost applies the same rules to a host given alone (MASTER_ADDR, a listen address).
 //
 // Thread-safety: plain functions over values (LoopbackOnlyAddresses and WarnIfLoopbackOnly ask
 // the resolver).
@@ -24,6 +26,14 @@ struct HostPort {
 // Parses `text` as "host:port". On failure returns nullopt and sets `*why` to a short reason
 // ("missing port", "port 0 is not in 1..65535", ...).
 std::optional<HostPort> ParseHostPort(std::string_view text, std::string* why);
+
+// Checks `text` as a host given alone: a name, an IPv4 address, or an IPv6 address bare ("::1")
+// or in brackets ("[::1]"). Returns it without brackets. On failure returns nullopt and sets
+// `*why` to a short reason; a text with one ':' that is no IPv6 address ("10.0.0.1:29500") is
+// said to hold a port, followed by "; " and `port_remedy` when not empty (where the port goes:
+// "put the port in MASTER_PORT").
+std::optional<std::string> CheckHost(std::string_view text, std::string_view port_remedy,
+                                     std::string* why);
 
 // Parses a port written in decimal digits, 1..65535. Returns nullopt otherwise.
 std::optional<uint16_t> ParsePort(std::string_view text);

@@ -4,13 +4,16 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "collectives/communication.h"
 #include "src/cluster/cancellable_store.h"
 #include "src/cluster/host_port.h"
 #include "src/cluster/job_token.h"
 #include "src/core/arguments.h"
+#include "src/core/text.h"
 #include "src/hierarchical/planner.h"
 #include "src/ring/ring_communication.h"
 #if defined(COLLECTIVES_WITH_NCCL)
@@ -29,6 +32,29 @@ std::string ListedHost(const ClusterSpec& spec, int rank) {
   std::string why;
   const auto parsed = cluster::ParseHostPort(spec.addresses[size_t(rank)], &why);
   return parsed ? parsed->host : std::string();
+}
+
+// The host this rank's data listener is asked to bind to, without brackets:
+// options.listen_address, else $COLLECTIVES_LISTEN_ADDRESS, else "" (the spec decides). Throws
+// Error(kInvalidArgument) naming the option or the variable when it is no host name or address.
+std::string AskedListenHost(int rank, const CommunicationOptions& options) {
+  std::string name = "CommunicationOptions::listen_address";
+  std::string value = options.listen_address;
+  if (value.empty()) {
+    const char* env = std::getenv("COLLECTIVES_LISTEN_ADDRESS");
+    if (env == nullptr || *env == '\0') return {};
+    name = "environment variable COLLECTIVES_LISTEN_ADDRESS";
+    value = env;
+  }
+  std::string why;
+  std::optional<std::string> host = cluster::CheckHost(
+      value, "the listener's port is picked by the system: give the host alone", &why);
+  if (!host) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) + ": " + name + "='" +
+                                                 core::OneLine(value, 256) +
+                                                 "' is not a host name or address: " + why);
+  }
+  return std::move(*host);
 }
 
 // Where a communicator's ranks meet: the job, the key space in the store, and the address this
@@ -134,6 +160,7 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
   spec.Validate();
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
   const CommunicationOptions options = core::CheckOptions(spec.rank, given);
+  const std::string listen_host = AskedListenHost(spec.rank, options);
   const Clock::time_point deadline = start + options.timeout;  // a year at most: no overflow
   // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host);
   // choosing NCCL for CUDA tensors per call, across devices, is future work.
@@ -171,14 +198,13 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
   // (the other ranks), rather than the empty token every stranger knows.
   if (rendezvous.token.empty()) rendezvous.token = cluster::StoreJobToken(*store);
   rendezvous.key_prefix = spec.job_id + "/" + std::to_string(generation);
-  const char* listen_env = std::getenv("COLLECTIVES_LISTEN_ADDRESS");
-  if (!options.listen_address.empty()) {
-    rendezvous.bind_host = options.listen_address;
-  } else if (listen_env != nullptr && *listen_env != '\0') {
-    rendezvous.bind_host = listen_env;
+  if (!listen_host.empty()) {
+    rendezvous.bind_host = listen_host;
   } else if (spec.world_size > 1) {
-    rendezvous.bind_host = spec.addresses.empty() ? transport::LocalAddressToward(spec.master_addr)
-                                                  : ListedHost(spec, spec.rank);
+    rendezvous.bind_host =
+        spec.addresses.empty()
+            ? transport::LocalAddressToward(cluster::StripBrackets(spec.master_addr))
+            : ListedHost(spec, spec.rank);
     cluster::WarnIfLoopbackOnly(spec.rank, "the data listener", rendezvous.bind_host,
                                 "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
                                 "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0");
@@ -193,6 +219,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
   const Clock::time_point start = Clock::now();
   spec.Validate();
   const CommunicationOptions checked = core::CheckOptions(spec.rank, options);
+  (void)AskedListenHost(spec.rank, checked);  // refused before rank 0's store is up
   // Connecting to the store is the set-up's first step: all of the timeout is left for it. It
   // also stays the store's limit per operation, for as long as the store is used.
   return CreateThrough(spec, CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked)),

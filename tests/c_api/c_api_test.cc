@@ -562,6 +562,42 @@ TEST(CApiCreateTest, CreateFromAMalformedEnvironmentNamesTheVariable) {
   EXPECT_TRUE(Contains(coll_last_error(), "RANK")) << coll_last_error();
 }
 
+// A port in MASTER_ADDR used to be taken as a host name: every rank but 0 retried resolving
+// "127.0.0.1:29500" until its timeout and returned COLL_TIMEOUT. It is refused at once now.
+TEST(CApiCreateTest, MasterAddrWithAPortIsAnInvalidArgumentAtOnce) {
+  std::map<std::string, std::optional<std::string>> values = kNoLauncher;
+  values["RANK"] = "1";
+  values["WORLD_SIZE"] = "2";
+  values["MASTER_ADDR"] = "127.0.0.1:29500";
+  values["MASTER_PORT"] = "29500";
+  values["COLLECTIVES_STORE_LISTEN_ADDRESS"] = std::nullopt;
+  ScopedEnvironment env(values);
+  coll_options options = TestOptions();
+  options.timeout_ms = 20000;
+  coll_comm* comm = reinterpret_cast<coll_comm*>(&values);  // must be cleared
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(coll_comm_create_from_env(&options, &comm), COLL_INVALID_ARGUMENT) << coll_last_error();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(comm, nullptr);
+  EXPECT_TRUE(Contains(coll_last_error(), "MASTER_ADDR='127.0.0.1:29500'")) << coll_last_error();
+  EXPECT_TRUE(Contains(coll_last_error(), "MASTER_PORT")) << coll_last_error();
+}
+
+TEST(CApiCreateTest, AMasterAddrThatIsNoHostIsAnInvalidArgument) {
+  coll_options options = TestOptions();
+  options.timeout_ms = 20000;
+  for (const char* addr : {"127.0.0.1:29500", "[::1", "a/b", "a b"}) {
+    coll_comm* comm = nullptr;
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EQ(coll_comm_create(1, 2, addr, 29500, &options, &comm), COLL_INVALID_ARGUMENT)
+        << addr << ": " << coll_last_error();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2)) << addr;
+    EXPECT_TRUE(Contains(coll_last_error(), "master_addr='" + std::string(addr) + "'"))
+        << coll_last_error();
+    EXPECT_EQ(comm, nullptr);
+  }
+}
+
 TEST(CApiCreateTest, MalformedTfConfigIsAnInvalidArgument) {
   const coll_options options = TestOptions();
   for (const char* json :

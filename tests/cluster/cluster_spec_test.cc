@@ -4,6 +4,8 @@
 
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
@@ -200,6 +202,29 @@ TEST(TfConfigTest, MalformedHostPort) {
   }
 }
 
+// A NUL or control byte, or '/', in a host used to pass: "a\0x:1" and "a\0y:1" passed the
+// duplicate check, then both reached the resolver as "a". The message shows the byte escaped.
+// Brackets hold an IPv6 address only.
+TEST(TfConfigTest, ControlBytesSlashesAndBracketedNamesAreRefused) {
+  const char* cases[][2] = {
+      {"a/b:80", "'/'"},
+      {"a\\u0001:80", "control character"},
+      {"[node0]:80", "IPv6 address only"},
+      {"[1.2.3.4]:80", "IPv6 address only"},
+  };
+  for (const auto& [address, reason] : cases) {
+    std::string json = std::string(R"({"cluster": {"worker": ["ok:1", ")") + address +
+                       R"("]}, "task": {"type": "worker", "index": 0}})";
+    ExpectBadTfConfig(json, {"'cluster.worker[1]'", "host:port", reason});
+  }
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a\u0000x:1", "a\u0000y:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker[0]'", "'a\\x00x:1'", "NUL"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["ok:1", "b\u001b[2J:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker[1]'", "'b\\x1b[2J:1'", "control character"});
+}
+
 TEST(TfConfigTest, UnsupportedRoles) {
   ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
                         "task": {"type": "worker", "index": 0}})",
@@ -370,6 +395,77 @@ TEST(EnvironmentTest, PortRules) {
                {"MASTER_ADDR"});
 }
 
+// MASTER_ADDR is a host alone. "10.0.0.1:29500" used to be taken as a name: rank 0 failed to
+// bind, and every other rank retried resolving it until its timeout (COLL_TIMEOUT, 5 minutes).
+TEST(EnvironmentTest, MalformedMasterAddrIsRefusedNamingTheVariable) {
+  const std::pair<std::string, std::vector<std::string>> cases[] = {
+      {"10.0.0.1:29500", {"'10.0.0.1:29500'", "holds a port (':29500')", "MASTER_PORT"}},
+      {"node0:29500", {"'node0:29500'", "holds a port (':29500')", "MASTER_PORT"}},
+      {"[::1]:29500", {"'[::1]:29500'", "bracket"}},
+      {"[::1", {"'[::1'", "bracket"}},
+      {"::1]", {"'::1]'", "bracket"}},
+      {"[node0]", {"'[node0]'", "IPv6 address only"}},
+      {"a/b", {"'a/b'", "'/'"}},
+      {"http://node0", {"'http://node0'", "'/'"}},
+      {"node 0", {"'node 0'", "whitespace"}},
+      {"host\x01", {"'host\\x01'", "control character"}},
+      {"host\x7f", {"'host\\x7f'", "control character"}},
+      {std::string("a\0b", 3), {"'a\\x00b'", "NUL"}},
+      {"a:b:c", {"'a:b:c'", "not an IPv6 address"}},
+      {"", {"''", "empty host"}},
+      {"[]", {"'[]'", "empty host"}},
+  };
+  for (const auto& [addr, parts] : cases) {
+    SCOPED_TRACE(addr);
+    try {
+      ClusterSpec::FromEnvironment(
+          Env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", addr}, {"MASTER_PORT", "29500"}});
+      ADD_FAILURE() << "MASTER_ADDR accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find("environment variable MASTER_ADDR="), std::string::npos)
+          << e.message();
+      for (const std::string& part : parts) {
+        EXPECT_NE(e.message().find(part), std::string::npos)
+            << "message '" << e.message() << "' lacks '" << part << "'";
+      }
+    }
+  }
+}
+
+TEST(EnvironmentTest, MasterAddrTakesNamesAndAddresses) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"node0", "node0"},
+      {"node-0.example.com", "node-0.example.com"},
+      {"localhost", "localhost"},
+      {"10.0.0.1", "10.0.0.1"},
+      {"::1", "::1"},
+      {"[::1]", "::1"},
+      {"2001:db8::7", "2001:db8::7"},
+      {"[2001:db8::7]", "2001:db8::7"},
+      {"::ffff:10.0.0.1", "::ffff:10.0.0.1"},
+  };
+  for (const auto& [addr, host] : cases) {
+    ClusterSpec spec = ClusterSpec::FromEnvironment(
+        Env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", addr}, {"MASTER_PORT", "29500"}});
+    EXPECT_EQ(spec.master_addr, host) << addr;
+  }
+}
+
+TEST(EnvironmentTest, MalformedStoreListenAddressIsRefusedNamingTheVariable) {
+  const Env base = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}};
+  Env env = base;
+  env["COLLECTIVES_STORE_LISTEN_ADDRESS"] = "127.0.0.1:29500";
+  ExpectBadEnv(env, {"environment variable COLLECTIVES_STORE_LISTEN_ADDRESS='127.0.0.1:29500'",
+                     "holds a port", "master_port"});
+  env["COLLECTIVES_STORE_LISTEN_ADDRESS"] = "not an address";
+  ExpectBadEnv(env, {"COLLECTIVES_STORE_LISTEN_ADDRESS", "'not an address'", "whitespace"});
+  env["COLLECTIVES_STORE_LISTEN_ADDRESS"] = "[::]";
+  EXPECT_EQ(ClusterSpec::FromEnvironment(env).store_listen_address, "::");
+  env["COLLECTIVES_STORE_LISTEN_ADDRESS"] = "";  // empty: unset
+  EXPECT_EQ(ClusterSpec::FromEnvironment(env).store_listen_address, "");
+}
+
 TEST(EnvironmentTest, HalfOfAPairIsMissing) {
   ExpectBadEnv(Env{{"RANK", "0"}}, {"WORLD_SIZE"});
   ExpectBadEnv(Env{{"WORLD_SIZE", "1"}}, {"RANK"});
@@ -429,6 +525,36 @@ TEST(ValidateTest, Inconsistencies) {
   expect_bad(spec, {"job_id"});
 }
 
+// master_addr and store_listen_address filled in by code (coll_comm_create's master_addr) get
+// the checks MASTER_ADDR gets.
+TEST(ValidateTest, HostsAreChecked) {
+  auto expect_bad = [](ClusterSpec spec, std::initializer_list<std::string> parts) {
+    ExpectInvalid([&] { spec.Validate(); }, parts);
+  };
+  ClusterSpec spec;
+  spec.world_size = 2;
+  spec.master_port = 29500;
+  for (const char* good : {"node0", "localhost", "10.0.0.1", "::1", "[::1]", "fe80::1"}) {
+    spec.master_addr = good;
+    EXPECT_NO_THROW(spec.Validate()) << good;
+    spec.store_listen_address = good;
+    EXPECT_NO_THROW(spec.Validate()) << good;
+    spec.store_listen_address = "";
+  }
+  spec.master_addr = "10.0.0.1:29500";
+  expect_bad(spec, {"ClusterSpec: master_addr='10.0.0.1:29500'", "holds a port", "master_port"});
+  spec.master_addr = "[::1";
+  expect_bad(spec, {"master_addr='[::1'", "bracket"});
+  spec.master_addr = "a\nb";
+  expect_bad(spec, {"master_addr='a\\x0ab'", "whitespace"});
+  spec.world_size = 1;  // a single rank's master_addr is not used, but is still checked
+  spec.master_addr = "a/b";
+  expect_bad(spec, {"master_addr='a/b'", "'/'"});
+  spec.master_addr = "127.0.0.1";
+  spec.store_listen_address = "0.0.0.0:1";
+  expect_bad(spec, {"ClusterSpec: store_listen_address='0.0.0.0:1'", "holds a port"});
+}
+
 // ---- host:port ----
 
 TEST(HostPortTest, ParseAndFormat) {
@@ -446,6 +572,17 @@ TEST(HostPortTest, ParseAndFormat) {
   EXPECT_FALSE(cluster::ParsePort("+1"));
   EXPECT_FALSE(cluster::ParsePort("000000080"));
   EXPECT_EQ(cluster::ParsePort("080"), 80);
+}
+
+TEST(HostPortTest, CheckHost) {
+  std::string why;
+  EXPECT_EQ(cluster::CheckHost("[::1]", "", &why), "::1") << why;
+  EXPECT_EQ(cluster::CheckHost("fe80::1%lo", "", &why), "fe80::1%lo") << why;
+  EXPECT_EQ(cluster::CheckHost("0.0.0.0", "", &why), "0.0.0.0") << why;
+  EXPECT_FALSE(cluster::CheckHost("h:1", "", &why));
+  EXPECT_EQ(why, "it holds a port (':1')");
+  EXPECT_FALSE(cluster::CheckHost("h:1", "put it elsewhere", &why));
+  EXPECT_EQ(why, "it holds a port (':1'); put it elsewhere");
 }
 
 }  // namespace

@@ -76,6 +76,41 @@ TEST(ListenAddressTest, TheEnvironmentAsksWhenTheOptionIsEmpty) {
   EXPECT_NE(refused.messages[0].find("192.0.2.1"), std::string::npos) << refused.messages[0];
 }
 
+// A listen address that is no host (a port in it, an unbalanced bracket) is refused before the
+// store is reached, naming the option or the variable; it used to fail binding with kSystem.
+TEST(ListenAddressTest, AnAddressThatIsNoHostIsRefusedAtOnce) {
+  const uint16_t port = uint16_t(FreePort());  // nobody listens: rank 1 would wait for rank 0
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = std::chrono::seconds(20);
+  auto expect_refused = [&](const std::vector<std::string>& parts) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      CreateCommunication(LoopbackSpec(1, 2, port), options);
+      ADD_FAILURE() << "created";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      for (const std::string& part : parts) {
+        EXPECT_NE(e.message().find(part), std::string::npos) << e.message() << " lacks " << part;
+      }
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  };
+  {
+    ScopedEnv unset("COLLECTIVES_LISTEN_ADDRESS", nullptr);
+    options.listen_address = "127.0.0.1:29500";
+    expect_refused({"rank 1: CommunicationOptions::listen_address='127.0.0.1:29500'",
+                    "holds a port (':29500')"});
+    options.listen_address = "::1]";
+    expect_refused({"CommunicationOptions::listen_address='::1]'", "bracket"});
+  }
+  {
+    ScopedEnv set("COLLECTIVES_LISTEN_ADDRESS", "0.0.0.0/0");
+    options.listen_address = "";
+    expect_refused({"environment variable COLLECTIVES_LISTEN_ADDRESS='0.0.0.0/0'", "'/'"});
+  }
+}
+
 // A job that names this host by a name that resolves to loopback addresses only (Debian's
 // 127.0.1.1) works on this host, and every rank says that other hosts could not reach it.
 TEST(ListenAddressTest, EveryRankSaysWhenItsListenerIsOnlyOnLoopback) {
