@@ -171,10 +171,16 @@ ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, con
         CheckedHost("environment variable MASTER_ADDR", *addr, "put the port in MASTER_PORT");
   }
   if (const std::string* port = Find(env, "MASTER_PORT")) {
-    std::optional<uint16_t> parsed = cluster::ParsePort(*port);
+    // "0" is a port here: a single rank needs none. More ranks need rank 0's store port.
+    std::optional<uint16_t> parsed =
+        *port == "0" ? std::optional<uint16_t>(0) : cluster::ParsePort(*port);
     if (!parsed) {
       Invalid("environment variable MASTER_PORT=" + Quote(*port) +
-              " is not a port number in 1..65535");
+              " is not a port number in 1..65535 (or 0 when " + size_name + "=1)");
+    }
+    if (*parsed == 0 && spec.world_size > 1) {
+      Invalid(std::string("environment variable MASTER_PORT='0' is valid only when ") + size_name +
+              "=1; " + size_name + "=" + *size_value + " needs the port of rank 0's store");
     }
     spec.master_port = *parsed;
   } else if (spec.world_size > 1) {

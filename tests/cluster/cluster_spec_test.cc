@@ -388,7 +388,12 @@ TEST(EnvironmentTest, PortRules) {
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}},
                {"MASTER_PORT", "'70000'", "1..65535"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}},
-               {"MASTER_PORT", "'0'"});
+               {"MASTER_PORT='0'", "only when WORLD_SIZE=1", "WORLD_SIZE=2"});
+  ExpectBadEnv(
+      Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "3"}, {"MASTER_PORT", "0"}},
+      {"MASTER_PORT='0'", "only when OMPI_COMM_WORLD_SIZE=1"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "00"}},
+               {"MASTER_PORT", "'00'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}},
                {"MASTER_PORT", "'http'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}, {"MASTER_ADDR", ""}},
@@ -464,6 +469,18 @@ TEST(EnvironmentTest, MalformedStoreListenAddressIsRefusedNamingTheVariable) {
   EXPECT_EQ(ClusterSpec::FromEnvironment(env).store_listen_address, "::");
   env["COLLECTIVES_STORE_LISTEN_ADDRESS"] = "";  // empty: unset
   EXPECT_EQ(ClusterSpec::FromEnvironment(env).store_listen_address, "");
+}
+
+// ClusterSpec and coll_comm_create take port 0 with a single rank (no store is served); the
+// variable used to be refused as "not a port number in 1..65535".
+TEST(EnvironmentTest, PortZeroIsValidForASingleRank) {
+  ClusterSpec spec =
+      ClusterSpec::FromEnvironment(Env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}});
+  EXPECT_EQ(spec.world_size, 1);
+  EXPECT_EQ(spec.master_port, 0);
+  spec = ClusterSpec::FromEnvironment(
+      Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}});
+  EXPECT_EQ(spec.master_port, 0);
 }
 
 TEST(EnvironmentTest, HalfOfAPairIsMissing) {
