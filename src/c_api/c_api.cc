@@ -17,6 +17,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -87,13 +88,17 @@ static_assert(kOptionsV1Size == sizeof(coll_options),
 
 thread_local std::string t_last_error;
 
-// Records the message of a failure; never throws (a failed allocation leaves a short message
-// that fits the string's inline buffer).
-void SetLastError(const char* function, const std::string& message) noexcept {
+// Records the message of a failure, "<function>: <message><detail>"; never throws (a failed
+// allocation leaves a short message that fits the string's inline buffer). The parts are views,
+// and joined here, inside the try: a caller that built the text itself (in Guard's catch
+// handlers, which are noexcept) would end the process on a bad_alloc.
+void SetLastError(const char* function, std::string_view message,
+                  std::string_view detail = {}) noexcept {
   try {
     t_last_error.assign(function);
     t_last_error.append(": ");
     t_last_error.append(message);
+    t_last_error.append(detail);
   } catch (...) {
     t_last_error.clear();
     t_last_error = "out of memory";
@@ -119,7 +124,7 @@ coll_status Guard(const char* function, Body&& body) noexcept {
     SetLastError(function, "out of memory");
     return COLL_SYSTEM;
   } catch (const std::exception& e) {
-    SetLastError(function, std::string("unexpected exception: ") + e.what());
+    SetLastError(function, "unexpected exception: ", e.what());
     return COLL_INTERNAL;
   } catch (...) {
     SetLastError(function, "unexpected exception of unknown type");
