@@ -28,8 +28,9 @@ class GzReader {
   GzReader(const GzReader&) = delete;
   GzReader& operator=(const GzReader&) = delete;
 
-  // Reads exactly `bytes` bytes or throws, naming `what` was being read.
-  void ReadExactly(void* out, size_t bytes, const char* what) {
+  // Reads `bytes` bytes, fewer only at the end of the data; returns how many. Throws on a read
+  // error, naming `what` was being read.
+  size_t ReadUpTo(void* out, size_t bytes, const char* what) {
     auto* p = static_cast<unsigned char*>(out);
     size_t done = 0;
     while (done < bytes) {
@@ -40,12 +41,21 @@ class GzReader {
         const char* message = gzerror(file_, &errnum);
         Fail(path_, std::string("read error in ") + what + ": " + message);
       }
-      if (got == 0) {
-        Fail(path_, std::string("truncated ") + what + ": expected " + std::to_string(bytes) +
-                        " bytes, got " + std::to_string(done));
-      }
+      if (got == 0) break;
       done += static_cast<size_t>(got);
     }
+    return done;
+  }
+
+  // Reads exactly `bytes` bytes or throws, naming `what` was being read.
+  void ReadExactly(void* out, size_t bytes, const char* what) {
+    const size_t got = ReadUpTo(out, bytes, what);
+    if (got < bytes) Truncated(what, bytes, got);
+  }
+
+  [[noreturn]] void Truncated(const char* what, size_t expected, size_t got) const {
+    Fail(path_, std::string("truncated ") + what + ": expected " + std::to_string(expected) +
+                    " bytes, got " + std::to_string(got));
   }
 
  private:
@@ -93,8 +103,7 @@ IdxArray ReadIdx(const std::string& path, size_t max_items) {
     unsigned char b[4];
     in.ReadExactly(b, sizeof b, "header");
     const size_t size = BigEndian32(b);
-    // Fashion-MNIST has at most 60000 items of 28x28: anything near 2^32 is a corrupt header,
-    // refused before we allocate for it.
+    // Fashion-MNIST has at most 60000 items of 28x28: anything near 2^32 is a corrupt header.
     if (size == 0 || size > (size_t{1} << 28)) {
       Fail(path, "implausible dimension " + std::to_string(d) + " size " + std::to_string(size));
     }
@@ -105,8 +114,17 @@ IdxArray ReadIdx(const std::string& path, size_t max_items) {
     total *= size;
     if (total > (size_t{1} << 32)) Fail(path, "IDX array larger than 4 GiB");
   }
-  array.data.resize(total);
-  in.ReadExactly(array.data.data(), total, "body");
+  // The body is read in chunks that grow (1 MiB, then doubling) as data arrives, never sized by
+  // the header alone: a header that declares more than the file holds (up to 4 GiB) fails as
+  // "truncated body" having allocated at most 1 MiB more than the file's data.
+  constexpr size_t kFirstChunk = size_t{1} << 20;
+  while (array.data.size() < total) {
+    const size_t done = array.data.size();
+    const size_t want = std::min(total - done, std::max(kFirstChunk, done));
+    array.data.resize(done + want);
+    const size_t got = in.ReadUpTo(array.data.data() + done, want, "body");
+    if (got < want) in.Truncated("body", total, done + got);
+  }
   return array;
 }
 

@@ -4,6 +4,7 @@
 #include "examples/train/mlp.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -195,6 +196,22 @@ class MalformedIdxTest : public ::testing::Test {
     files_.push_back(path);
     return path;
   }
+  // Writes `bytes` as they are to <dir>/<name>.
+  std::string WritePlain(const std::string& name, const std::vector<uint8_t>& bytes) {
+    const std::string path = dir_ + "/" + name;
+    FILE* f = std::fopen(path.c_str(), "wb");
+    EXPECT_NE(f, nullptr);
+    EXPECT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+    files_.push_back(path);
+    return path;
+  }
+  // This process's peak resident set size so far.
+  static long MaxRssKiB() {
+    struct rusage usage {};
+    ::getrusage(RUSAGE_SELF, &usage);
+    return usage.ru_maxrss;
+  }
   static std::vector<uint8_t> Header(uint8_t rank, std::vector<uint32_t> dims) {
     std::vector<uint8_t> h = {0, 0, 0x08, rank};
     for (uint32_t d : dims) {
@@ -227,6 +244,22 @@ TEST_F(MalformedIdxTest, TruncatedBodyIsRefused) {
   const std::string path = WriteGz("short", bytes);
   const std::string error = ErrorOf([&] { ReadIdx(path); });
   EXPECT_NE(error.find("truncated body"), std::string::npos) << error;
+}
+
+// A header may declare up to 4 GiB. The reader used to allocate (and zero) all of it before
+// reading the body; a 120-byte file declaring 1 GiB now fails at once, allocating little.
+TEST_F(MalformedIdxTest, AHeaderThatDeclaresMoreThanTheFileHoldsAllocatesLittle) {
+  std::vector<uint8_t> bytes = Header(3, {16384, 256, 256});  // 1 GiB
+  bytes.resize(120, 1);
+  const std::string plain = WritePlain("huge", bytes);
+  const std::string gz = WriteGz("huge", bytes);
+  for (const std::string& path : {plain, gz}) {
+    const long before = MaxRssKiB();
+    const std::string error = ErrorOf([&] { ReadIdx(path); });
+    EXPECT_NE(error.find("truncated body: expected 1073741824 bytes, got 104"), std::string::npos)
+        << error;
+    EXPECT_LT(MaxRssKiB() - before, 64 * 1024) << path << ": the peak RSS grew by more than 64 MiB";
+  }
 }
 
 TEST_F(MalformedIdxTest, TruncatedGzipStreamIsRefused) {
