@@ -134,8 +134,9 @@ class ReplicaContext {
   // then all-reduce through the packer (fused into buckets of bytes_per_pack).
   // Any dtype and op (CPU tensors); kAvg is a sum divided once by NumReplicasInSync() (integer
   // division for integer types). Every replica of every worker gets the same bits. Replicas that
-  // pass different counts, dtypes or ops get kMismatch; two replicas passing the same buffer
-  // kInvalidArgument.
+  // pass different counts, dtypes or ops get kMismatch; tensors that share any memory (the same
+  // buffer on two replicas, one replica's tensor inside another's, a buffer twice in one list)
+  // kInvalidArgument, nothing written.
   void AllReduce(ReduceOp op, const std::vector<Tensor>& tensors);
   // The same for one scalar: returns the reduction of `value` over every replica.
   double AllReduce(ReduceOp op, double value);

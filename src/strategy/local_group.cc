@@ -12,17 +12,21 @@
 //
 // Deadlines. Enter waits `timeout_`: it waits for the other replicas' user code to reach the
 // call, which may be arbitrarily late. Step waits twice as long: it separates the phases of a
-// call that every replica has entered, and those phases are bounded by the local copies and by
-// the cross-worker collective that replica 0 runs, which its communicator bounds by the same
-// timeout. The longer deadline lets the communicator's error (which names the peer) come first;
-// and a replica that gave up in the middle of a call could otherwise free buffers that another
-// replica is still reading.
+// call that every replica has entered, which local copies and reductions bound; the longer
+// deadline lets an error of the replica that is late (which names its cause) come first, and a
+// replica that gave up in the middle of a call could otherwise free buffers that another
+// replica is still reading. A phase in which replica 0 runs the cross-worker all-reduce has no
+// deadline of its own: the packer issues one collective per bucket, each bounded by the
+// communicator's timeout, so a long list may take many timeouts while never stalling; replica 0
+// either finishes or fails, and its failure wakes the others.
 #include "src/strategy/local_group.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <utility>
 
 #include "collectives/errors.h"
@@ -201,10 +205,15 @@ void LocalGroup::Enter(int replica, const Call& call, const std::vector<Tensor>&
   throw error;
 }
 
-void LocalGroup::Step(int replica, const Call& call, const char* phase) {
+void LocalGroup::Step(int replica, const Call& call, const char* phase, StepWait wait) {
   std::unique_lock<std::mutex> lock(mu_);
   if (first_error_) ThrowAbortedLocked(replica, call);
-  Arrive(lock, replica, call, phase, 2 * timeout_);
+  // Doubled without overflow: milliseconds::max() means "never time out" (a year, kMaxTimeout).
+  const std::chrono::milliseconds deadline = wait == StepWait::kForReplicaZerosCollectives
+                                                 ? core::kMaxTimeout
+                                             : timeout_ >= core::kMaxTimeout / 2 ? core::kMaxTimeout
+                                                                                 : 2 * timeout_;
+  Arrive(lock, replica, call, phase, deadline);
 }
 
 void LocalGroup::Arrive(std::unique_lock<std::mutex>& lock, int replica, const Call& call,
@@ -285,18 +294,41 @@ std::string LocalGroup::CheckSlots() const {
       }
     }
   }
-  for (size_t j = 0; j < base.tensors.size(); ++j) {
-    for (int r = 0; r < size_; ++r) {
-      for (int k = r + 1; k < size_; ++k) {
-        const Tensor& a = slots_[r].tensors[j];
-        const Tensor& b = slots_[k].tensors[j];
-        if (a.count > 0 && a.data == b.data) {
-          return "!" + at + ": replicas " + std::to_string(r) + " and " + std::to_string(k) +
-                 " pass the same buffer as tensor " + std::to_string(j) +
-                 " (every replica reduces its own copy)";
-        }
-      }
+  // No two tensors of any replicas may share a byte: replicas write each other's buffers (a
+  // buffer passed twice is reduced twice, and two threads write it at once).
+  struct Range {
+    uintptr_t begin;
+    uintptr_t end;
+    int replica;
+    size_t tensor;
+  };
+  std::vector<Range> ranges;
+  for (int r = 0; r < size_; ++r) {
+    for (size_t j = 0; j < slots_[r].tensors.size(); ++j) {
+      const Tensor& t = slots_[r].tensors[j];
+      const auto begin = reinterpret_cast<uintptr_t>(t.data);
+      if (t.bytes() > 0) ranges.push_back(Range{begin, begin + t.bytes(), r, j});
     }
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t k = 1, reach = 0; k < ranges.size(); ++k) {  // ranges[reach] ends furthest so far
+    if (ranges[k].begin < ranges[reach].end) {
+      Range a = ranges[reach];
+      Range b = ranges[k];
+      if (std::tie(b.replica, b.tensor) < std::tie(a.replica, a.tensor)) std::swap(a, b);
+      if (a.tensor == b.tensor && a.begin == b.begin && a.replica != b.replica) {
+        return "!" + at + ": replicas " + std::to_string(a.replica) + " and " +
+               std::to_string(b.replica) + " pass the same buffer as tensor " +
+               std::to_string(a.tensor) + " (every replica reduces its own copy)";
+      }
+      return "!" + at + ": replica " + std::to_string(a.replica) + "'s tensor " +
+             std::to_string(a.tensor) + " and replica " + std::to_string(b.replica) + "'s tensor " +
+             std::to_string(b.tensor) +
+             " share memory (every replica reduces its own copy, and every tensor of a list is "
+             "memory of its own)";
+    }
+    if (ranges[k].end > ranges[reach].end) reach = k;
   }
   return {};
 }

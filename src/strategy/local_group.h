@@ -75,9 +75,13 @@ class LocalGroup {
   // The list replica `replica` published at the current call. Valid from Enter's return until
   // the replicas pass the last Step of the call.
   const std::vector<Tensor>& Published(int replica) const { return slots_[replica].tensors; }
+  // How long a Step waits: twice the timeout, or, where replica 0 runs the cross-worker
+  // collectives (each bounded by the communicator's timeout), until replica 0 finishes or fails.
+  enum class StepWait { kTwiceTheTimeout, kForReplicaZerosCollectives };
   // A barrier between the phases of a call every replica has entered. `phase` names what the
-  // replicas wait for, for the messages. Its deadline is twice the timeout (see local_group.cc).
-  void Step(int replica, const Call& call, const char* phase);
+  // replicas wait for, for the messages (see local_group.cc for the deadlines).
+  void Step(int replica, const Call& call, const char* phase,
+            StepWait wait = StepWait::kTwiceTheTimeout);
 
   // Records `error` as the group's failure if it is the first, and aborts the group. Returns
   // nothing; the caller goes on to throw its own error.

@@ -290,8 +290,10 @@ void StrategyImpl::ReduceToOneDevice(int r, const LocalGroup::Call& call, Reduce
     }
     CrossWorker(op, tensors);
   }
-  group_->Step(r, call, comm_ ? "replica 0 reduces and all-reduces across workers"
-                              : "replica 0 reduces");
+  group_->Step(r, call,
+               comm_ ? "replica 0 reduces and all-reduces across workers" : "replica 0 reduces",
+               comm_ ? LocalGroup::StepWait::kForReplicaZerosCollectives
+                     : LocalGroup::StepWait::kTwiceTheTimeout);
   if (r != 0) {
     const std::vector<Tensor>& root = group_->Published(0);
     for (size_t j = 0; j < tensors.size(); ++j) CopyTensor(tensors[j], root[j]);
@@ -339,7 +341,8 @@ void StrategyImpl::HierarchicalCopy(int r, const LocalGroup::Call& call, ReduceO
   if (r != 0) copy_slice(r, 0, r);  // gather the local result on replica 0
   group_->Step(r, call, "the replicas gather their slices on replica 0");
   if (r == 0) CrossWorker(op, tensors);
-  group_->Step(r, call, "replica 0 all-reduces across workers");
+  group_->Step(r, call, "replica 0 all-reduces across workers",
+               LocalGroup::StepWait::kForReplicaZerosCollectives);
   if (r != 0) {
     const std::vector<Tensor>& root = group_->Published(0);
     for (size_t j = 0; j < tensors.size(); ++j) CopyTensor(tensors[j], root[j]);

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -293,6 +294,131 @@ TEST(StrategyRunTest, ReplicasThatDisagreeOnACallGetMismatch) {
         ctx.AllReduce(ReduceOp::kSum, {Tensor{shared.data(), shared.size()}});
       });
     });
+  }
+}
+
+// Buffers shared other than as one tensor index on two replicas: lists that name each other's
+// buffers ({a, b} and {b, a}: every element was summed twice, 21 instead of 11), views that
+// overlap, a buffer twice in one replica's list. Two threads wrote the same memory, nothing said.
+TEST(StrategyRunTest, BuffersThatShareMemoryAnyWayAreRefused) {
+  for (CrossDeviceOps ops : {kR2O, kHC}) {
+    SCOPED_TRACE(ToString(ops));
+    std::vector<float> a(4, 1.0f), b(4, 10.0f), wide(6, 1.0f), own0(8), own1(8);
+    // A failed Run breaks a strategy of several replicas: a fresh one per case.
+    const auto refused = [ops](std::initializer_list<const char*> fragments,
+                               const std::function<std::vector<Tensor>(int)>& list) {
+      MirroredStrategy s({.num_replicas = 2, .cross_device_ops = ops});
+      ExpectError(ErrorCode::kInvalidArgument, fragments, [&] {
+        s.Run([&](ReplicaContext& ctx) {
+          ctx.AllReduce(ReduceOp::kSum, list(ctx.local_replica_id()));
+        });
+      });
+    };
+    // Which pair is named depends on which buffer lies lower in memory.
+    refused({"replica 0's tensor ", "and replica 1's tensor ", "share memory"}, [&](int r) {
+      return std::vector<Tensor>{Tensor{r == 0 ? a.data() : b.data(), 4},
+                                 Tensor{r == 0 ? b.data() : a.data(), 4}};
+    });
+    refused({"replica 0's tensor 0 and replica 1's tensor 0 share memory"}, [&](int r) {
+      return std::vector<Tensor>{Tensor{wide.data() + r, 4}};
+    });
+    refused({"replica 1's tensor 0 and replica 1's tensor 1 share memory"}, [&](int r) {
+      float* own = r == 0 ? own0.data() : own1.data();
+      return std::vector<Tensor>{Tensor{own, 4}, Tensor{own + (r == 1 ? 2 : 4), 4}};
+    });
+    for (float v : a) EXPECT_EQ(v, 1.0f);
+    for (float v : b) EXPECT_EQ(v, 10.0f);
+    for (float v : wide) EXPECT_EQ(v, 1.0f);
+  }
+}
+
+// milliseconds::max() is "never time out"; doubled for a Step it wrapped to -2 ms, and the first
+// replica to reach a Step timed out at once ("timed out after -2 ms").
+TEST(StrategyRunTest, ATimeoutOfMillisecondsMaxNeverTimesOut) {
+  for (CrossDeviceOps ops : {kR2O, kHC}) {
+    SCOPED_TRACE(ToString(ops));
+    MirroredStrategy s(
+        {.num_replicas = 2, .cross_device_ops = ops, .timeout = std::chrono::milliseconds::max()});
+    std::vector<std::vector<float>> buffers(2, std::vector<float>(1 << 16, 1.0f));
+    s.Run([&](ReplicaContext& ctx) {
+      if (ctx.local_replica_id() == 1) std::this_thread::sleep_for(20ms);
+      std::vector<float>& mine = buffers[size_t(ctx.local_replica_id())];
+      ctx.AllReduce(ReduceOp::kSum, {Tensor{mine.data(), mine.size()}});
+    });
+    for (const auto& buffer : buffers) {
+      for (float v : buffer) ASSERT_EQ(v, 2.0f);
+    }
+  }
+}
+
+// Forwards to a real communicator, each all-reduce issued `delay` late: a slow link.
+class SlowCommunication final : public CollectiveCommunication {
+ public:
+  SlowCommunication(std::unique_ptr<CollectiveCommunication> inner, std::chrono::milliseconds delay)
+      : inner_(std::move(inner)), delay_(delay) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  Implementation implementation() const override { return inner_->implementation(); }
+  std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
+                                       ReduceOp op) override {
+    std::this_thread::sleep_for(delay_);
+    return inner_->AllReduceAsync(send, recv, op);
+  }
+  std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root) override {
+    return inner_->BroadcastAsync(send, recv, root);
+  }
+  std::shared_ptr<Work> AllGatherAsync(const Tensor& send, const Tensor& recv) override {
+    return inner_->AllGatherAsync(send, recv);
+  }
+  std::shared_ptr<Work> ReduceScatterAsync(const Tensor& send, const Tensor& recv,
+                                           ReduceOp op) override {
+    return inner_->ReduceScatterAsync(send, recv, op);
+  }
+  std::shared_ptr<Work> BarrierAsync() override { return inner_->BarrierAsync(); }
+  void Abort() override { inner_->Abort(); }
+  void SetTimeout(std::chrono::milliseconds timeout) override { inner_->SetTimeout(timeout); }
+
+ private:
+  std::unique_ptr<CollectiveCommunication> inner_;
+  const std::chrono::milliseconds delay_;
+};
+
+// Two local replicas and a communicator whose every all-reduce takes 40 ms, within the 100 ms
+// timeout, and a list the packer cuts into 8 buckets (9 collectives with the lists' check):
+// replica 0's cross-worker step takes about 360 ms. Replica 1 used to wait for it at most twice
+// the timeout and raise kTimeout ("replica 1 timed out after 200 ms ... replica 0 all-reduces
+// across workers"), breaking a strategy whose collectives all kept their deadline.
+TEST(StrategyRunTest, ManyBucketsEachWithinTheTimeoutAreNotATimeout) {
+  for (CrossDeviceOps ops : {kR2O, kHC}) {
+    SCOPED_TRACE(ToString(ops));
+    StrategyImpl::Config config;
+    config.name = "slow";
+    config.devices.assign(2, Device::Cpu());
+    config.cross_device_ops = ops;
+    config.timeout = 100ms;
+    config.bytes_per_pack = 64;
+    ClusterSpec one;
+    one.rank = 0;
+    one.world_size = 1;
+    CommunicationOptions options;
+    options.timeout = 100ms;
+    config.comm = std::make_unique<SlowCommunication>(CreateCommunication(one, options), 40ms);
+    class SlowStrategy : public Strategy {
+     public:
+      explicit SlowStrategy(StrategyImpl::Config config)
+          : Strategy(std::make_unique<StrategyImpl>(std::move(config))) {}
+    } s(std::move(config));
+    std::vector<std::vector<float>> buffers(2, std::vector<float>(128, 0.0f));
+    s.Run([&](ReplicaContext& ctx) {
+      std::vector<float>& mine = buffers[size_t(ctx.local_replica_id())];
+      for (size_t i = 0; i < mine.size(); ++i) mine[i] = float(i + ctx.local_replica_id());
+      std::vector<Tensor> list;  // 8 tensors of 16 floats: one 64-byte bucket each
+      for (size_t k = 0; k < 8; ++k) list.push_back(Tensor{mine.data() + 16 * k, 16});
+      ctx.AllReduce(ReduceOp::kSum, list);
+    });
+    for (const auto& buffer : buffers) {
+      for (size_t i = 0; i < buffer.size(); ++i) ASSERT_EQ(buffer[i], float(2 * i + 1)) << i;
+    }
   }
 }
 
