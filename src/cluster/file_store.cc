@@ -171,11 +171,18 @@ class FileStore : public Store, public JobTokenSource {
   }
 
   // Reads the whole file at `path` into `*value`; false if it does not exist. Anything but a
-  // regular file is refused (a FIFO would block the open, or the reads, for good).
+  // regular file is refused (a FIFO would block the open, or the reads, for good), a symbolic
+  // link included (this store renames regular files into place; a link would read whatever file
+  // it points at, somebody else's secret as a peer's address).
   bool ReadIfExists(const std::string& path, std::string* value) const {
-    core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+    core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW));
     if (fd.get() < 0) {
       if (errno == ENOENT) return false;
+      if (errno == ELOOP) {
+        throw Error(ErrorCode::kSystem, name_ + ": '" + path +
+                                            "' is a symbolic link; it was not written by this "
+                                            "store");
+      }
       ThrowSystem("open", path);
     }
     struct stat info {};

@@ -240,5 +240,31 @@ TEST(FileStoreTest, AFifoInTheFolderIsAnErrorNotAWait) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, kLong);
 }
 
+// A value file planted as a symbolic link (by another user who can write the folder) was read
+// through: Get returned whatever file it pointed at, another file's secret as a peer's value.
+TEST(FileStoreTest, AValueThatIsASymbolicLinkIsRefused) {
+  TempDir temp;
+  auto store = CreateFileStore(temp.path().string());
+  const fs::path secret = temp.path() / "secret";
+  {
+    std::ofstream out(secret);
+    out << "secret-of-victim";
+  }
+  fs::create_symlink(secret, temp.path() / "key.h6b");  // the key "k"
+  for (int op = 0; op < 2; ++op) {
+    try {
+      if (op == 0) store->Get("k", kLong);
+      if (op == 1) store->Add("k", 1);
+      ADD_FAILURE() << "a value behind a symbolic link was read";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kSystem) << e.what();
+      EXPECT_NE(e.message().find("is a symbolic link; it was not written by this store"),
+                std::string::npos)
+          << e.message();
+      EXPECT_EQ(e.message().find("secret-of-victim"), std::string::npos) << e.message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace collectives
