@@ -49,16 +49,14 @@ enum class Plan { kRing, kShm, kTwoLevel };
 // checked hop by hop (the all-reduce and the all-gather write their slots, never the caller's
 // buffer, while they cross), so a host whose call differs from another's stops every rank
 // before anything is written, except where nothing crosses towards a host: a call of zero
-// elements, and the root's host in a broadcast, which only sends. There every member first
-// exchanges empty frames with its counterparts (the ranks of its local index) on every other
-// host, and waits for them before it enters the shared-memory call: every rank then compares its
-// call directly with one rank of every other host and, through shared memory, with its own
-// host's, so a mismatched call raises kMismatch on every rank with nothing written, as on RING.
-// Cost: one round of empty frames across hosts per two-level broadcast (and zero-element call).
-void AgreeAcrossHosts(ring::Context& cross) {
-  ring::CallAgreement agreement(cross);
-  agreement.Wait();
-}
+// elements, and the root's host in a broadcast, which only sends. There the first rank of every
+// host (its leader, whatever the call) exchanges empty frames with the other hosts' leaders
+// before it arrives in the shared-memory call, where its host's members wait for it: every host
+// then compares its call directly with every other, and through shared memory every rank with
+// its own host, so a mismatched call raises kMismatch on every rank with nothing written, as on
+// RING. Only the leaders send (a round of every member cost a two-level broadcast of 8 bytes
+// three times its time on 2 cores), and a broadcast posts the round before its crossing and
+// waits only before it arrives, overlapping the two.
 
 // What is left of the set-up until `deadline`, at least a millisecond: a key already in the
 // store is still read; a wait times out at once.
@@ -75,6 +73,27 @@ Error SetupTimedOut(int rank, std::chrono::milliseconds timeout, std::string wha
   return Error(ErrorCode::kTimeout, own + "timed out after " + std::to_string(timeout.count()) +
                                         " ms setting up the communicator: " + what);
 }
+
+// The leaders' round described above, posted on construction; Wait() returns once every other
+// host's leader sent the same call (kMismatch otherwise). Nothing on a rank that is not its
+// host's leader.
+class HostAgreement {
+ public:
+  HostAgreement(ring::Context& ctx, const std::vector<int>& leaders, int host, bool leader) {
+    if (!leader) return;
+    sub_.emplace(ctx.fabric, leaders, host);
+    round_.emplace(*sub_, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline);
+    agreement_.emplace(*round_);
+  }
+  void Wait() {
+    if (agreement_) agreement_->Wait();
+  }
+
+ private:
+  std::optional<SubFabric> sub_;
+  std::optional<ring::Context> round_;
+  std::optional<ring::CallAgreement> agreement_;
+};
 
 // Seconds of one all-reduce of n bytes in one plan: latency + n / bandwidth.
 struct PlanCost {
@@ -102,6 +121,7 @@ class HierarchicalPlanner final : public ring::Planner {
     for (size_t h = 0; h < topology_.hosts.size(); ++h) {
       if (topology_.host_of[size_t(rank)] == int(h)) cross_me_ = int(cross_ranks_.size());
       cross_ranks_.push_back(topology_.hosts[h][size_t(local)]);
+      leader_ranks_.push_back(topology_.hosts[h][0]);
     }
   }
 
@@ -122,10 +142,14 @@ class HierarchicalPlanner final : public ring::Planner {
       const int cross_me = cross_me_;
       const size_t small = small_message_bytes_;
       const size_t world = size_t(size_);
+      const std::vector<int>* leaders = &leader_ranks_;
+      const bool leader = topology_.local_index[size_t(rank_)] == 0;
       return [=](ring::Context& ctx) {
         SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
         ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
-        if (send.count == 0) AgreeAcrossHosts(cross);  // nothing else crosses
+        if (send.count == 0) {  // nothing else crosses
+          HostAgreement(ctx, *leaders, cross_me, leader).Wait();
+        }
         const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
         const size_t es = SizeOf(send.dtype);
         const auto hook = [&](void* slice, size_t count) {
@@ -159,13 +183,19 @@ class HierarchicalPlanner final : public ring::Planner {
     const std::vector<int>* cross_ranks = &cross_ranks_;
     const int cross_me = cross_me_;
     const size_t small = small_message_bytes_;
+    const std::vector<int>* leaders = &leader_ranks_;
+    const bool leader = topology_.local_index[size_t(rank_)] == 0;
     return [=](ring::Context& ctx) {
       SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
-      // The root's host only sends, so nothing would check its call against the other hosts'.
-      AgreeAcrossHosts(cross);
+      // The root's host only sends, so nothing would check its call against the other hosts'
+      // (HostAgreement). The round is posted now, before any data, and waited for before this
+      // rank arrives in shared memory, so that it overlaps the crossing of the first step.
+      HostAgreement agreement(ctx, *leaders, cross_me, leader);
+      const auto agreed = [&agreement] { agreement.Wait(); };
       if (!crosses) {
-        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), root_index);
+        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), root_index, {},
+                         agreed);
         return;
       }
       const auto* from = static_cast<const uint8_t*>(source);
@@ -177,7 +207,8 @@ class HierarchicalPlanner final : public ring::Planner {
           ring::ChainBroadcast(cross, send, slot, bytes, root_host);
         }
       };
-      group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index, fill);
+      group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index, fill,
+                       agreed);
     };
   }
 
@@ -195,10 +226,14 @@ class HierarchicalPlanner final : public ring::Planner {
     const std::vector<int>* cross_ranks = &cross_ranks_;
     const int cross_me = cross_me_;
     const Topology* topology = &topology_;
+    const std::vector<int>* leaders = &leader_ranks_;
+    const bool leader = topology_.local_index[size_t(rank_)] == 0;
     return [=](ring::Context& ctx) {
       SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
-      if (send.count == 0) AgreeAcrossHosts(cross);  // nothing else crosses
+      if (send.count == 0) {  // nothing else crosses
+        HostAgreement(ctx, *leaders, cross_me, leader).Wait();
+      }
       const auto* from = static_cast<const uint8_t*>(send.data);
       const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
         ring::RingAllGather(cross, from + offset, slot, bytes, DataType::kUInt8);
@@ -274,7 +309,9 @@ class HierarchicalPlanner final : public ring::Planner {
   const bool forced_;  // options.algorithm named the plan
   const size_t small_message_bytes_;
   std::vector<int> cross_ranks_;
-  int cross_me_ = 0;
+  int cross_me_ = 0;  // this rank's place in cross_ranks_, and in leader_ranks_ (its host's)
+  // The first rank of every host, which check a call across hosts where nothing else crosses.
+  std::vector<int> leader_ranks_;
 };
 
 }  // namespace

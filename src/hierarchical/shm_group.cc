@@ -772,7 +772,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
 }
 
 void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                         void* recv, size_t bytes, int root, const ChunkSource& fill) {
+                         void* recv, size_t bytes, int root, const ChunkSource& fill,
+                         const std::function<void()>& before_arrive) {
   Step step(*this, tag, deadline);
   const bool is_root = root == index_;
   const auto* in = static_cast<const uint8_t*>(send);
@@ -791,6 +792,7 @@ void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, c
       } else if (c != 0) {
         std::memcpy(slot, in + offset, c);
       }
+      if (offset == 0 && before_arrive) before_arrive();
       step.Arrive(s);
       step.AwaitEveryArrival(s);
       step.Reduced(s);
@@ -800,6 +802,7 @@ void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, c
         std::memcpy(out + offset, in + offset, c);
       }
     } else {
+      if (offset == 0 && before_arrive) before_arrive();
       step.Arrive(s);
       step.AwaitArrival(root, s);
       step.AwaitReduced(root, s);

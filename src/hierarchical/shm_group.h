@@ -111,10 +111,14 @@ class ShmGroup {
   // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
   // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
   // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives
-  // them from another host there, or sends them out).
+  // them from another host there, or sends them out). `before_arrive`, when given, is called by
+  // every member once, before it arrives at the first step (the root after its first fill): no
+  // member writes into recv before every member's call returned (the two-level plan waits there
+  // for its check across hosts).
   using ChunkSource = std::function<void(uint8_t* slot, size_t offset, size_t bytes)>;
   void Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
-                 size_t bytes, int root, const ChunkSource& fill = {});
+                 size_t bytes, int root, const ChunkSource& fill = {},
+                 const std::function<void()>& before_arrive = {});
   // recv = the members' send blocks (bytes each) in member order.
   void AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
                  size_t bytes);
