@@ -463,6 +463,19 @@ TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
   });
 }
 
+// A packed all-reduce (kMax, cap 4096) of `list`, which differs from another rank's: kMismatch
+// naming the list.
+void ExpectListsDiffer(CollectiveCommunication& comm, const std::vector<Tensor>& list) {
+  try {
+    packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
+    ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+    EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
+        << e.what();
+  }
+}
+
 // One rank's list does not fuse (one int64 tensor of 2) where the others' does (two of 1): the
 // rank that did not fuse used to skip the list check and send its tensor's all-reduce (int64,
 // max, 2 elements) against the others' check, which is one too. Its tensor came back reduced
@@ -478,14 +491,7 @@ TEST(PackedMismatchTest, ARankWhoseListDoesNotFuseStillRaises) {
       list = {Tensor{values.data(), 1, DataType::kInt64},
               Tensor{values.data() + 1, 1, DataType::kInt64}};
     }
-    try {
-      packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
-      ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
-      EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
-          << e.what();
-    }
+    ExpectListsDiffer(comm, list);
     for (int64_t v : values) ASSERT_EQ(v, comm.rank() + 1) << "rank " << comm.rank();
   });
 }
@@ -505,14 +511,7 @@ TEST(PackedMismatchTest, ARankWhoseListMovesNothingStillRaises) {
       } else if (!empty_list) {
         list = {Tensor{values.data(), 0, DataType::kInt64}};
       }
-      try {
-        packing::AllReduce(comm, list, ReduceOp::kMax, 4096);
-        ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
-        EXPECT_NE(std::string(e.what()).find("differs from another rank's"), std::string::npos)
-            << e.what();
-      }
+      ExpectListsDiffer(comm, list);
       for (int64_t v : values) ASSERT_EQ(v, comm.rank() + 1) << "rank " << comm.rank();
       std::vector<int64_t> next = {5, comm.rank() + 7};
       comm.AllReduce(Tensor{next.data(), 2, DataType::kInt64}, ReduceOp::kMax);
