@@ -44,6 +44,7 @@
 #include "src/core/aligned_bytes.h"
 #include "src/core/arguments.h"
 #include "src/core/environment.h"
+#include "src/core/fnv1a.h"
 #include "src/packing/schedule.h"
 
 namespace collectives::packing {
@@ -142,23 +143,17 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
 void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
                      const std::vector<Tensor>& tensors, const std::vector<Bucket>& planned,
                      size_t bytes_per_pack) {
-  const auto fnv1a = [](uint64_t& h, uint64_t value) {
-    for (int byte = 0; byte < 8; ++byte) {
-      h ^= (value >> (8 * byte)) & 0xffu;
-      h *= 0x100000001b3ull;
-    }
-  };
-  uint64_t list = 0xcbf29ce484222325ull;  // over (dtype, count) of every tensor
-  fnv1a(list, tensors.size());
+  uint64_t list = core::kFnv1aBasis;  // over (dtype, count) of every tensor
+  core::Fnv1a(list, tensors.size());
   for (const Tensor& t : tensors) {
-    fnv1a(list, static_cast<uint64_t>(t.dtype));
-    fnv1a(list, t.count);
+    core::Fnv1a(list, static_cast<uint64_t>(t.dtype));
+    core::Fnv1a(list, t.count);
   }
-  uint64_t plan = 0xcbf29ce484222325ull;  // over the index lists of the buckets
-  fnv1a(plan, planned.size());
+  uint64_t plan = core::kFnv1aBasis;  // over the index lists of the buckets
+  core::Fnv1a(plan, planned.size());
   for (const Bucket& bucket : planned) {
-    fnv1a(plan, bucket.size());
-    for (size_t index : bucket) fnv1a(plan, index);
+    core::Fnv1a(plan, bucket.size());
+    for (size_t index : bucket) core::Fnv1a(plan, index);
   }
   const int64_t mine[4] = {std::bit_cast<int64_t>(list), std::bit_cast<int64_t>(~list),
                            std::bit_cast<int64_t>(plan), std::bit_cast<int64_t>(~plan)};

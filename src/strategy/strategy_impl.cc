@@ -37,6 +37,7 @@
 
 #include "collectives/errors.h"
 #include "collectives/packing.h"
+#include "src/core/fnv1a.h"
 #include "src/core/kernels.h"
 #include "src/core/text.h"
 
@@ -83,13 +84,9 @@ std::optional<StrategyImpl::Description> Decode(std::string_view bytes) {
   return out;
 }
 
-// FNV-1a, 64 bits: the same on every worker whatever its standard library (std::hash is not).
 uint64_t Fingerprint(std::string_view bytes) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (char c : bytes) {
-    h ^= static_cast<uint8_t>(c);
-    h *= 0x100000001b3ULL;
-  }
+  uint64_t h = core::kFnv1aBasis;
+  core::Fnv1a(h, bytes.data(), bytes.size());
   return h;
 }
 
