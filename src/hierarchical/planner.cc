@@ -358,20 +358,23 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
             std::string(shm_here ? "1" : "0") + "\n" +
                 (slot_here ? std::to_string(*slot_here) : "") + "\n" + HostIdentity() + "\n" +
                 machine);
+  // Rank r's value of `kind` (key_prefix/kind/r) by the set-up's deadline; a timeout names it
+  // ("rank 3" + `missing`) and the set-up's whole timeout.
+  const auto get_by_deadline = [&](const char* kind, int r, const char* missing) {
+    try {
+      return store.Get(key_prefix + "/" + kind + "/" + std::to_string(r), Left(deadline));
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kTimeout) throw;
+      throw SetupTimedOut(rank, options.timeout,
+                          "rank " + std::to_string(r) + missing + " (" + error.message() + ")");
+    }
+  };
   std::vector<std::string> identities;
   std::vector<std::string> slots;
   size_t ranks_on_machine = 0;
   bool shm_allowed = true;
   for (int r = 0; r < size; ++r) {
-    std::string all;
-    try {
-      all = store.Get(key_prefix + "/host/" + std::to_string(r), Left(deadline));
-    } catch (const Error& error) {
-      if (error.code() != ErrorCode::kTimeout) throw;
-      throw SetupTimedOut(
-          rank, options.timeout,
-          "rank " + std::to_string(r) + "'s host record did not come (" + error.message() + ")");
-    }
+    const std::string all = get_by_deadline("host", r, "'s host record did not come");
     std::vector<std::string> fields;  // shm, slot, host; the machine is the rest
     size_t from = 0;
     for (size_t end; fields.size() < 3 && (end = all.find('\n', from)) != std::string::npos;) {
@@ -476,16 +479,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     store.Set(key_prefix + "/shm_outcome/" + std::to_string(rank),
               failed ? std::to_string(int(failed->code())) + "\n" + failed->message() : "ok");
     for (int r = 0; r < size; ++r) {
-      std::string outcome;
-      try {
-        outcome = store.Get(key_prefix + "/shm_outcome/" + std::to_string(r), Left(deadline));
-      } catch (const Error& error) {
-        if (error.code() != ErrorCode::kTimeout) throw;
-        throw SetupTimedOut(rank, options.timeout,
-                            "rank " + std::to_string(r) +
-                                " did not say how its shared memory went (" + error.message() +
-                                ")");
-      }
+      const std::string outcome =
+          get_by_deadline("shm_outcome", r, " did not say how its shared memory went");
       if (outcome == "ok") continue;
       if (r == rank) throw together(*failed);
       const size_t newline = outcome.find('\n');
