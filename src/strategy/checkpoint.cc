@@ -19,11 +19,12 @@
 // (a name no other save uses, even one of another thread of the process; opened with O_EXCL),
 // fsyncs it, renames it over `checkpoint` and fsyncs the directory: a crash leaves the old file
 // or the new one, never a torn one. Directories it had to create are made durable by fsyncing
-// their parents. A chief that dies while it writes leaves its temporary behind; the next save on
-// the same host removes those whose process is gone. Other workers write the same bytes to
-// `.worker-<index>.tmp` and delete it (also when the write fails). Then the workers all-reduce
-// the lowest failing rank, which broadcasts its error code and message, so that every worker
-// throws, saying why.
+// their parents. Other workers write the same bytes to a name of the same kind,
+// `.worker-<index>.tmp-<host>-<pid>.<n>.<random>` (another job's worker of the same index may
+// save into the same directory), and delete it, also when the write fails. A worker that dies
+// while it writes leaves its temporary behind; its next save on the same host removes those whose
+// process is gone. Then the workers all-reduce the lowest failing rank, which broadcasts its
+// error code and message, so that every worker throws, saying why.
 //
 // Restoring (a collective): the workers first agree on the optimizer (given or not, its name,
 // its slot names). The chief reads and verifies the file, then broadcasts a small header
@@ -381,8 +382,14 @@ std::optional<std::vector<unsigned char>> ReadFile(const std::string& who,
 
 std::string PathOf(const std::string& directory) { return directory + "/" + kFileName; }
 
-// "checkpoint.tmp-<host>-": the start of this host's temporaries' names.
-std::string TemporaryPrefix() { return std::string(kFileName) + ".tmp-" + core::HostName() + "-"; }
+// The start of the names of this host's temporaries: the chief's (worker < 0)
+// "checkpoint.tmp-<host>-", another worker's ".worker-<index>.tmp-<host>-" (hidden: it is
+// deleted once written).
+std::string TemporaryPrefix(int worker) {
+  const std::string start =
+      worker < 0 ? std::string(kFileName) : ".worker-" + std::to_string(worker);
+  return start + ".tmp-" + core::HostName() + "-";
+}
 
 // A name no other save uses: "<prefix><pid>.<n>.<random>", n counting this process's saves (two
 // savers in one process, threads, get different n), the random part guarding against another
@@ -396,7 +403,7 @@ std::string TemporaryName(const std::string& prefix) {
   return prefix + std::to_string(::getpid()) + "." + std::to_string(counter++) + "." + suffix;
 }
 
-// Removes the temporaries that chiefs on this host left in `directory` when they died while
+// Removes the temporaries that workers on this host left in `directory` when they died while
 // saving: the pid in the name ("<prefix><pid>" or "<prefix><pid>.<anything>") is no longer a
 // process. Others (a save in progress, a temporary of another host on a shared file system) are
 // left alone, and so are failures to remove one.
@@ -575,36 +582,31 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
     // waiting for this one in the all-reduce until their timeout.
     const std::vector<unsigned char> bytes = Serialize(Collect(strategy, optimizer, state));
     CreateDirectory(who, directory);
-    if (strategy.IsChief()) {
-      const std::string prefix = TemporaryPrefix();
-      RemoveStaleTemporaries(directory, prefix);
-      std::string temp;
-      for (int attempt = 1;; ++attempt) {
-        temp = directory + "/" + TemporaryName(prefix);
-        try {
-          if (WriteFile(who, temp, bytes, /*sync=*/true, /*exclusive=*/true) == 0) break;
-        } catch (...) {
-          ::unlink(temp.c_str());
-          throw;
-        }
-        if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
+    // Every worker writes a temporary of its own (another job's worker of the same index may be
+    // saving into the same directory); the chief's becomes the checkpoint, the others' go.
+    const bool chief = strategy.IsChief();
+    const std::string prefix = TemporaryPrefix(chief ? -1 : strategy.worker_index());
+    RemoveStaleTemporaries(directory, prefix);
+    std::string temp;
+    for (int attempt = 1;; ++attempt) {
+      temp = directory + "/" + TemporaryName(prefix);
+      try {
+        if (WriteFile(who, temp, bytes, /*sync=*/chief, /*exclusive=*/true) == 0) break;
+      } catch (...) {
+        ::unlink(temp.c_str());  // a partial file would only fill the disk further
+        throw;
       }
+      if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
+    }
+    if (!chief) {
+      if (::unlink(temp.c_str()) != 0) ThrowSystem(who, "cannot delete", temp, errno);
+    } else {
       if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {
         const int error = errno;
         ::unlink(temp.c_str());
         ThrowSystem(who, "cannot rename " + temp + " to", PathOf(directory), error);
       }
       SyncDirectory(who, directory);
-    } else {
-      const std::string temp =
-          directory + "/.worker-" + std::to_string(strategy.worker_index()) + ".tmp";
-      try {
-        WriteFile(who, temp, bytes, /*sync=*/false, /*exclusive=*/false);
-      } catch (...) {
-        ::unlink(temp.c_str());  // a partial file would only fill the disk further
-        throw;
-      }
-      if (::unlink(temp.c_str()) != 0) ThrowSystem(who, "cannot delete", temp, errno);
     }
   } catch (...) {
     failure = std::current_exception();

@@ -33,6 +33,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::BitEqual;
+using testing::Describe;
 using testing::ExpectError;
 using testing::ExpectErrorPtr;
 using testing::RunWorkers;
@@ -481,6 +482,29 @@ TEST_F(CheckpointTest, ConcurrentSaversInOneProcessEachSucceedAndTheFileIsAlways
   a.join();
   b.join();
   EXPECT_EQ(failures.load(), 0) << first_failure;
+  EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});  // no temporary left behind
+}
+
+// Two jobs of two workers each save into the same directory at once: their workers 1 used to
+// share `.worker-1.tmp`, so one job's delete took the other's file ("cannot delete ... No such
+// file or directory") or its write truncated the other's. Each save of each job succeeds.
+TEST_F(CheckpointTest, TwoJobsSavingIntoOneDirectoryDoNotShareTemporaries) {
+  constexpr int kSaves = 60;
+  const auto job = [&](uint64_t seed, std::vector<std::exception_ptr>* errors) {
+    *errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
+      s.CreateVariable("big", {1 << 15}, GlorotUniform(1, 1, seed));
+      for (int i = 0; i < kSaves; ++i) SaveCheckpoint(s, nullptr, dir(), {.epoch = i});
+    });
+  };
+  std::vector<std::exception_ptr> a_errors, b_errors;
+  std::thread a(job, 1, &a_errors), b(job, 2, &b_errors);
+  a.join();
+  b.join();
+  for (const auto* errors : {&a_errors, &b_errors}) {
+    for (size_t r = 0; r < errors->size(); ++r) {
+      if ((*errors)[r]) ADD_FAILURE() << "worker " << r << ": " << Describe((*errors)[r]);
+    }
+  }
   EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});  // no temporary left behind
 }
 
