@@ -24,9 +24,13 @@
 // synchronous exchange on that connection's own io_context under a deadline (run_until; on the
 // deadline the socket is closed), and returns the connection to the pool. Opening a connection
 // retries with a backoff (10 ms doubling to 200 ms) until the store's timeout, because clients
-// commonly start before rank 0. Deadlines: Set and Add get the store's timeout (at least 1 s),
-// Get gets its own timeout plus that. A lost connection raises kPeerLost; the next call opens a
-// new one.
+// commonly start before rank 0. Deadlines: a Set or an Add ends within the store's timeout (at
+// least 1 s), opening a connection again included; a Get within its own timeout and a grace of
+// 1 s for the server's answer to start coming (a connection opened again, the request and the
+// reply's header), and its value then gets the store's timeout to arrive, so that a set-up that
+// gives a Get what is left of its deadline ends near that deadline even when the server does
+// not answer. A timeout names the call, the key and the limit. A lost connection raises
+// kPeerLost; the next call opens a new one.
 //
 // Thread-safety: both classes may be called from any thread.
 #ifndef COLLECTIVES_SRC_CLUSTER_TCP_STORE_H_

@@ -27,6 +27,9 @@ constexpr std::chrono::milliseconds kFirstRetry{10};
 constexpr std::chrono::milliseconds kMaxRetry{200};
 constexpr std::chrono::milliseconds kMinIoTimeout{1000};
 constexpr std::chrono::milliseconds kMinAttempt{50};
+// How long after the end of a Get's wait the server's answer may take to start coming (its
+// timer ends the wait on its side); the value then gets the whole I/O limit to arrive.
+constexpr std::chrono::milliseconds kGetAnswerGrace{1000};
 constexpr size_t kMaxIdleConnections = 4;
 
 // One connection to the server with its own io_context, driven synchronously by the calling
@@ -151,18 +154,19 @@ class Connection {
     return Result::kOk;
   }
 
-  // Sends a request and reads its reply (header into `*reply`, value into `*reply_value`).
+  // Sends a request and reads its reply (header into `*reply`, value into `*reply_value`): the
+  // request and the reply's header by `answer_deadline`, the value by `deadline`.
   Result Call(const wire::Header& request, const std::string& key, const std::string& value,
-              Clock::time_point deadline, wire::Header* reply, std::string* reply_value,
-              std::string* why) {
+              Clock::time_point answer_deadline, Clock::time_point deadline, wire::Header* reply,
+              std::string* reply_value, std::string* why) {
     wire::HeaderBytes request_bytes = wire::Encode(request);
     std::array<asio::const_buffer, 3> out = {asio::buffer(request_bytes), asio::buffer(key),
                                              asio::buffer(value)};
-    Result step = WriteAll(out, deadline, "sending the request", why);
+    Result step = WriteAll(out, answer_deadline, "sending the request", why);
     if (step != Result::kOk) return step;
 
     wire::HeaderBytes reply_bytes{};
-    step = ReadAll(asio::buffer(reply_bytes), deadline, "waiting for the reply", why);
+    step = ReadAll(asio::buffer(reply_bytes), answer_deadline, "waiting for the reply", why);
     if (step != Result::kOk) return step;
     *reply = wire::Decode(reply_bytes);
     std::string malformed = wire::CheckReply(*reply, static_cast<wire::Op>(request.code));
@@ -255,7 +259,7 @@ class TcpStoreClient::Impl {
           ErrorCode::kInvalidArgument,
           "CreateTcpStore: a client needs the server's port; got port 0 for '" + host_ + "'");
     }
-    Release(Open());
+    Release(Open(timeout_, Clock::time_point::max(), ""));
   }
 
   const std::string& token() const { return token_; }
@@ -268,7 +272,7 @@ class TcpStoreClient::Impl {
     request.key_bytes = static_cast<uint32_t>(key.size());
     request.value_bytes = static_cast<uint32_t>(value.size());
     std::string ignored;
-    Call("Set", request, key, value, DeadlineAfter(io_timeout_), &ignored);
+    Call("Set", request, key, value, IoDeadlines(), &ignored);
   }
 
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) {
@@ -278,9 +282,16 @@ class TcpStoreClient::Impl {
     request.code = static_cast<uint8_t>(wire::Op::kGet);
     request.key_bytes = static_cast<uint32_t>(key.size());
     request.arg = clamped.count();
+    // The server answers when the key is set or its timer ends the wait: the answer must start
+    // coming within a grace after that (a set-up's Get ends near the set-up's deadline, not a
+    // whole store timeout later), a value then gets the I/O limit to arrive whole.
+    Deadlines deadlines;
+    deadlines.answer = DeadlineAfter(clamped + kGetAnswerGrace);
+    deadlines.whole = std::max(deadlines.answer, DeadlineAfter(clamped + io_timeout_));
+    deadlines.limit = "within " + std::to_string(kGetAnswerGrace.count()) +
+                      " ms of the end of its " + std::to_string(clamped.count()) + " ms wait";
     std::string value;
-    wire::Header reply =
-        Call("Get", request, key, "", DeadlineAfter(clamped + io_timeout_), &value);
+    wire::Header reply = Call("Get", request, key, "", deadlines, &value);
     if (reply.code == static_cast<uint8_t>(wire::Status::kTimeout)) {
       ThrowGetTimeout(name_, key, clamped);
     }
@@ -294,28 +305,45 @@ class TcpStoreClient::Impl {
     request.key_bytes = static_cast<uint32_t>(key.size());
     request.arg = delta;
     std::string ignored;
-    return Call("Add", request, key, "", DeadlineAfter(io_timeout_), &ignored).arg;
+    return Call("Add", request, key, "", IoDeadlines(), &ignored).arg;
   }
 
  private:
+  // When one call must end: `answer`, the connection (when it has to be opened again), the
+  // request and the reply's header; `whole`, the reply's value. `limit` says `answer` in errors.
+  struct Deadlines {
+    Clock::time_point answer;
+    Clock::time_point whole;
+    std::string limit;
+  };
+
+  // A Set's or an Add's: the I/O limit for all of it.
+  Deadlines IoDeadlines() const {
+    Deadlines deadlines;
+    deadlines.answer = deadlines.whole = DeadlineAfter(io_timeout_);
+    deadlines.limit = "within " + std::to_string(io_timeout_.count()) + " ms";
+    return deadlines;
+  }
+
   // Runs one exchange on a pooled (or new) connection. Returns the reply, whose status is kOk,
   // or kTimeout for a Get; throws for everything else. A reply malformed as the answer to this
   // request (wire::CheckReply: a timeout answering a Set, a value on an Add's "ok", ...) is a
   // server out of step with this client: kPeerLost, and the connection is not reused.
   wire::Header Call(const char* what, const wire::Header& request, const std::string& key,
-                    const std::string& value, Clock::time_point deadline,
+                    const std::string& value, const Deadlines& deadlines,
                     std::string* reply_value) {
-    std::unique_ptr<Connection> connection = Acquire();
+    const std::string context = std::string(what) + " of key " + QuoteKey(key);
+    std::unique_ptr<Connection> connection = Acquire(deadlines.answer, context);
     wire::Header reply;
     std::string why;
-    Connection::Result result =
-        connection->Call(request, key, value, deadline, &reply, reply_value, &why);
-    std::string context = name_ + ": " + what + " of key " + QuoteKey(key);
+    Connection::Result result = connection->Call(request, key, value, deadlines.answer,
+                                                 deadlines.whole, &reply, reply_value, &why);
     if (result == Connection::Result::kTimedOut) {
-      throw Error(ErrorCode::kTimeout, context + " got no reply in time (" + why + ")");
+      throw Error(ErrorCode::kTimeout,
+                  name_ + ": " + context + " got no reply " + deadlines.limit + " (" + why + ")");
     }
     if (result == Connection::Result::kFailed) {
-      throw Error(ErrorCode::kPeerLost, context + " failed: " + why);
+      throw Error(ErrorCode::kPeerLost, name_ + ": " + context + " failed: " + why);
     }
     Release(std::move(connection));
     if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {
@@ -324,7 +352,8 @@ class TcpStoreClient::Impl {
     return reply;
   }
 
-  std::unique_ptr<Connection> Acquire() {
+  // An idle connection, or a new one opened by `deadline` (`what` names the call in errors).
+  std::unique_ptr<Connection> Acquire(Clock::time_point deadline, const std::string& what) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!idle_.empty()) {
@@ -333,7 +362,8 @@ class TcpStoreClient::Impl {
         return connection;
       }
     }
-    return Open();
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+    return Open(std::max(left, std::chrono::milliseconds(0)), deadline, what + " ");
   }
 
   void Release(std::unique_ptr<Connection> connection) {
@@ -341,9 +371,12 @@ class TcpStoreClient::Impl {
     if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(connection));
   }
 
-  // Connects, retrying with a backoff until timeout_ has passed.
-  std::unique_ptr<Connection> Open() {
-    Clock::time_point deadline = DeadlineAfter(timeout_);
+  // Connects, retrying with a backoff until `budget` has passed; each attempt proves the token
+  // within the I/O limit, but not past `io_cap`. `what` ("Get of key 'k' ", or "") starts the
+  // timeout's message.
+  std::unique_ptr<Connection> Open(std::chrono::milliseconds budget, Clock::time_point io_cap,
+                                   const std::string& what) {
+    Clock::time_point deadline = DeadlineAfter(budget);
     std::chrono::milliseconds backoff = kFirstRetry;
     std::string last_error = "no attempt made";
     for (;;) {
@@ -361,7 +394,7 @@ class TcpStoreClient::Impl {
         auto connection = std::make_unique<Connection>();
         Connection::Result result = connection->Connect(endpoints, attempt_deadline, &last_error);
         const Clock::time_point io_deadline =
-            std::max(attempt_deadline, DeadlineAfter(io_timeout_));
+            std::max(attempt_deadline, std::min(DeadlineAfter(io_timeout_), io_cap));
         if (result == Connection::Result::kOk) {
           result = connection->ReadChallenge(io_deadline, &last_error);
         }
@@ -384,8 +417,8 @@ class TcpStoreClient::Impl {
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
       backoff = std::min(backoff * 2, kMaxRetry);
     }
-    throw Error(ErrorCode::kTimeout, name_ + ": could not connect within " +
-                                         std::to_string(timeout_.count()) +
+    throw Error(ErrorCode::kTimeout, name_ + ": " + what + "could not connect within " +
+                                         std::to_string(budget.count()) +
                                          " ms (last error: " + last_error + ")");
   }
 

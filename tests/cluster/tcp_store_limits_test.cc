@@ -3,7 +3,8 @@
 // (the server closes the oldest unproven one when there are too many, or when accept runs out of
 // descriptors), and with no descriptor left at all the backlog still moves. And an enrolment
 // whose reply never reached the client (it reset the connection) is undone, so that the rank's
-// retry is not refused as taken.
+// retry is not refused as taken. And a client's Get against a server whose process is stopped
+// ends soon after its own wait.
 #include <arpa/inet.h>
 #include <errno.h>
 #include <gtest/gtest.h>
@@ -179,6 +180,41 @@ TEST(TcpStoreOutOfDescriptorsTest, TheBacklogStillMoves) {
   for (int fd : waiting.fds()) {
     EXPECT_TRUE(ClosedByPeerBefore(fd, deadline)) << "a connection stayed in the backlog";
   }
+}
+
+// Stops the server's process and waits until every thread of it has stopped.
+void StopProcess(pid_t pid) {
+  ASSERT_EQ(kill(pid, SIGSTOP), 0);
+  int status = 0;  // kill only asks
+  ASSERT_EQ(waitpid(pid, &status, WUNTRACED), pid);
+  ASSERT_TRUE(WIFSTOPPED(status));
+}
+
+// A Get waits for its key as long as it is asked to (a communicator's set-up asks for what is
+// left of its deadline), and for the server's answer only a short grace after that, not the
+// store's whole timeout again: a server that does not answer (its process stopped, its host
+// gone) ends the Get about a second after its wait, with an error that names the store, the
+// key and what did not come.
+TEST(TcpStoreStoppedServerTest, AGetEndsAGraceAfterItsWaitNotAWholeTimeoutLater) {
+  ServerProcess server(0, "the token", 2);
+  ASSERT_GT(server.port(), 0) << "the server process did not start";
+  cluster::TcpStoreClient client("127.0.0.1", server.port(), 6'000ms, "the token");
+  client.Set("warm", "1");  // a connection in the pool
+  StopProcess(server.pid());
+  const auto start = Clock::now();
+  try {
+    client.Get("never", 200ms);
+    ADD_FAILURE() << "a stopped server answered";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    const std::string text = e.message();
+    EXPECT_NE(text.find("127.0.0.1:" + std::to_string(server.port())), std::string::npos) << text;
+    EXPECT_NE(text.find("'never'"), std::string::npos) << text;
+    EXPECT_NE(text.find("200 ms"), std::string::npos) << text;
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_LT(seconds, 3.0) << "the Get waited the store's 6 s timeout beyond its own 200 ms";
+  kill(server.pid(), SIGCONT);
 }
 
 // The server's half of the connection from `client_port` to `server_port` on loopback, as

@@ -671,6 +671,29 @@ TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {
   EXPECT_LT(Clock::now() - start, milliseconds(7000));
 }
 
+// A Get that has to connect again (its server went away) tries for as long as the Get may take,
+// its wait and a short grace, not for the store's whole timeout, and says which Get it was.
+TEST(TcpStoreTest, AGetThatMustReconnectTriesOnlyForItsOwnWait) {
+  auto server = Server();
+  const uint16_t port = TcpStorePort(*server);
+  cluster::TcpStoreClient client("127.0.0.1", port, milliseconds(6000));
+  client.Set("k", "v");
+  server.reset();
+  EXPECT_THROW(client.Set("k", "w"), Error);  // finds the connection gone
+  const Clock::time_point start = Clock::now();
+  try {
+    client.Get("k", milliseconds(200));
+    ADD_FAILURE() << "no server, yet the Get succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("Get of key 'k'"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("127.0.0.1:" + std::to_string(port)), std::string::npos)
+        << e.message();
+  }
+  EXPECT_LT(Clock::now() - start, milliseconds(3000))
+      << "the Get tried to connect for the store's 6 s timeout, not its own 200 ms";
+}
+
 TEST(CreateStoreForTest, SingleRankGetsAMemoryStore) {
   ClusterSpec spec;
   auto store = CreateStoreFor(spec, kLong);
