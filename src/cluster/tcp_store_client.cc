@@ -343,6 +343,9 @@ class TcpStoreClient::Impl {
                   name_ + ": " + context + " got no reply " + deadlines.limit + " (" + why + ")");
     }
     if (result == Connection::Result::kFailed) {
+      // The pooled connections lead to the same server, which is gone (or restarted, or out of
+      // step): the next call opens a new connection instead of failing on another of them.
+      DropIdle();
       throw Error(ErrorCode::kPeerLost, name_ + ": " + context + " failed: " + why);
     }
     Release(std::move(connection));
@@ -364,6 +367,12 @@ class TcpStoreClient::Impl {
     }
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
     return Open(std::max(left, std::chrono::milliseconds(0)), deadline, what + " ");
+  }
+
+  void DropIdle() {
+    std::vector<std::unique_ptr<Connection>> dropped;  // closed after the lock is released
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped.swap(idle_);
   }
 
   void Release(std::unique_ptr<Connection> connection) {

@@ -671,6 +671,35 @@ TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {
   EXPECT_LT(Clock::now() - start, milliseconds(7000));
 }
 
+// A server that stops and starts again on its port: the client's call that finds its connection
+// gone raises kPeerLost, and the next call connects to the new server, however many connections
+// the client had pooled (each of them led to the old server).
+TEST(TcpStoreTest, AfterTheServerRestartsOnlyTheCallThatFoundItOutFails) {
+  const uint16_t port = FreePort();
+  auto server = CreateTcpStore("127.0.0.1", port, true, kLong, "the token");
+  cluster::TcpStoreClient client("127.0.0.1", port, kLong, "the token");
+  // Two pooled connections: a Set runs on a second one while a Get waits on the first.
+  auto parked = std::async(std::launch::async, [&] { return client.Get("k", kLong); });
+  std::this_thread::sleep_for(milliseconds(50));
+  client.Set("k", "v");
+  ASSERT_EQ(parked.get(), "v");
+  server.reset();
+  server = CreateTcpStore("127.0.0.1", port, true, kLong, "the token");
+  try {
+    client.Set("a", "1");
+    ADD_FAILURE() << "a connection to the stopped server answered";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+  }
+  try {
+    client.Set("a", "2");
+    EXPECT_EQ(client.Get("a", kLong), "2");
+    EXPECT_EQ(server->Get("a", kLong), "2");
+  } catch (const Error& e) {
+    ADD_FAILURE() << "the call after the one that found the server gone: " << e.what();
+  }
+}
+
 // A Get that has to connect again (its server went away) tries for as long as the Get may take,
 // its wait and a short grace, not for the store's whole timeout, and says which Get it was.
 TEST(TcpStoreTest, AGetThatMustReconnectTriesOnlyForItsOwnWait) {
