@@ -26,7 +26,7 @@
 // retries with a backoff (10 ms doubling to 200 ms) until the store's timeout, because clients
 // commonly start before rank 0. Deadlines: a Set or an Add ends within the store's timeout (at
 // least 1 s), opening a connection again included; a Get within its own timeout and a grace of
-// 1 s for the server's answer to start coming (a connection opened again, the request and the
+// 2 s for the server's answer to start coming (a connection opened again, the request and the
 // reply's header), and its value then gets the store's timeout to arrive, so that a set-up that
 // gives a Get what is left of its deadline ends near that deadline even when the server does
 // not answer. A timeout names the call, the key and the limit. A lost connection raises

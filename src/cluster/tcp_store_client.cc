@@ -29,7 +29,7 @@ constexpr std::chrono::milliseconds kMinIoTimeout{1000};
 constexpr std::chrono::milliseconds kMinAttempt{50};
 // How long after the end of a Get's wait the server's answer may take to start coming (its
 // timer ends the wait on its side); the value then gets the whole I/O limit to arrive.
-constexpr std::chrono::milliseconds kGetAnswerGrace{1000};
+constexpr std::chrono::milliseconds kGetAnswerGrace{2000};  // ample on a loaded machine
 constexpr size_t kMaxIdleConnections = 4;
 
 // One connection to the server with its own io_context, driven synchronously by the calling
