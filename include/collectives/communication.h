@@ -218,9 +218,10 @@ class CollectiveCommunication {
   // An Abort of this one during the split (or any failure that breaks it) makes the split raise
   // that error on this rank: within about 50 ms while the new one's set-up waits for its
   // members (it polls for it), at the end of the step otherwise (AUTO's calibration, a few
-  // collectives on the new communicator, runs to its end). The other members' splits are not
-  // told: they end by their own Abort, or at the timeout. Implementations that cannot split
-  // throw Error(kNotSupported).
+  // collectives on the new communicator, runs to its end). The other members' splits learn of
+  // it through the store, as of any member whose set-up failed, and raise Error(kAborted) naming
+  // it and its reason within about 50 ms while theirs waits for its members (else at the end of
+  // the step, as above). Implementations that cannot split throw Error(kNotSupported).
   virtual std::unique_ptr<CollectiveCommunication> Split(int color, int key);
 
   // Breaks the communicator now: calls in flight and every later call raise Error(kAborted),

@@ -66,6 +66,12 @@ struct Rendezvous {
   std::string bind_host = "127.0.0.1";
 };
 
+std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
+                                                      std::shared_ptr<Store> store,
+                                                      const Rendezvous& rendezvous,
+                                                      const CommunicationOptions& options,
+                                                      const std::function<bool()>& parent_aborted);
+
 // The TCP mesh (and, for AUTO, the planner with this host's shared memory) under `rendezvous`;
 // a Split builds its communicators the same way under a key space of their own. options.timeout
 // bounds the set-up as a whole, not each step: every step ends by `deadline` (the set-up's start
@@ -108,7 +114,7 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
     sub.key_prefix += key_suffix;
     CommunicationOptions child = options;
     child.timeout = timeout;
-    return Connect(new_rank, new_size, store, sub, child, Clock::now() + timeout, parent_aborted);
+    return ConnectSplit(new_rank, new_size, store, sub, child, parent_aborted);
   };
   ring::Planner* const planner_view = planner.get();
   auto comm = ring::CreateRingCommunication(std::move(fabric), std::move(store), options,
@@ -117,6 +123,51 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
     hierarchical::Calibrate(*planner_view, *comm, deadline, options.timeout);
   }
   return comm;
+}
+
+// A split's child: Connect under the child's key space, giving up when the parent is aborted or
+// when another member gave up. A set-up waits for every member, and a member's Abort reaches the
+// others only through the parent's connections, which nobody reads while they set up the child:
+// they waited for it until their timeout, then named it as merely missing. So a member whose
+// set-up fails, for whatever reason, says so in the store (its error, then a count), and the
+// others, polling the count as they poll their parent, raise kAborted naming it.
+std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
+                                                      std::shared_ptr<Store> store,
+                                                      const Rendezvous& rendezvous,
+                                                      const CommunicationOptions& options,
+                                                      const std::function<bool()>& parent_aborted) {
+  const std::string why_key = rendezvous.key_prefix + "/gave_up/why";
+  const std::string count_key = rendezvous.key_prefix + "/gave_up/count";
+  const auto another_gave_up = [store, count_key] {
+    try {
+      return store->Add(count_key, 0) > 0;
+    } catch (const Error&) {
+      return false;  // the set-up's own store operations fail, and say why
+    }
+  };
+  try {
+    return Connect(
+        rank, size, store, rendezvous, options, Clock::now() + options.timeout,
+        [parent_aborted, another_gave_up] { return parent_aborted() || another_gave_up(); });
+  } catch (const Error& error) {
+    if (!parent_aborted() && another_gave_up()) {
+      std::string why;
+      try {
+        why = store->Get(why_key, options.timeout);
+      } catch (const Error& store_error) {
+        why = "(its reason could not be read: " + store_error.message() + ")";
+      }
+      throw Error(ErrorCode::kAborted, "rank " + std::to_string(rank) +
+                                           ": split: set-up abandoned by another member: " + why);
+    }
+    try {
+      store->Set(why_key, error.message());
+      store->Add(count_key, 1);
+    } catch (const Error&) {
+      // Best effort: the others then end at their own timeout, as before.
+    }
+    throw;
+  }
 }
 
 }  // namespace

@@ -209,6 +209,67 @@ TEST(SplitAbortTest, AnAbortEndsASplitWhoseMemberNeverComes) {
   }
 }
 
+// The other side: a member whose own parent is not aborted learns that another member's split
+// was abandoned, and gives up within a poll instead of waiting for it until its timeout. Rank 1
+// stands still publishing its address while rank 0's parent is aborted; released, rank 1 finds
+// rank 0's address but nobody behind it (it retried the connection until its 20 s timeout, then
+// raised kTimeout "still missing rank 0"). Now it raises kAborted naming rank 0's reason, and
+// its parent, which nothing broke, is left as it was.
+TEST(SplitAbortTest, TheOtherMembersLearnThatAMembersSplitWasAbandoned) {
+  for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+    auto store = std::make_shared<HoldingStore>(CreateMemoryStore(), "/split1/0/addr/1");
+    CommunicationOptions options;
+    options.implementation = impl;
+    options.timeout = std::chrono::seconds(20);
+    std::vector<std::unique_ptr<CollectiveCommunication>> comms(2);
+    std::vector<std::thread> setup;
+    for (int rank = 0; rank < 2; ++rank) {
+      setup.emplace_back([&, rank] {
+        ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = 2;
+        spec.master_port = 1;  // unused: the store is given
+        comms[size_t(rank)] = CreateCommunication(spec, store, options);
+      });
+    }
+    for (std::thread& t : setup) t.join();
+    ASSERT_TRUE(comms[0] && comms[1]);
+
+    std::thread rank0([&] {
+      try {
+        comms[0]->Split(0, 0);
+        ADD_FAILURE() << "rank 0: a split of an aborted communicator succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      }
+    });
+    std::chrono::steady_clock::time_point rank1_ended{};
+    std::thread rank1([&] {
+      try {
+        comms[1]->Split(0, 1);
+        ADD_FAILURE() << "rank 1: a split whose other member gave up succeeded";
+      } catch (const Error& e) {
+        rank1_ended = std::chrono::steady_clock::now();
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+        EXPECT_NE(e.message().find("rank 1: split: set-up abandoned by another member: rank 0: "),
+                  std::string::npos)
+            << e.what();
+      }
+    });
+    store->WaitUntilHolding();                                    // rank 1 stands still
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 0 waits for it
+    comms[0]->Abort();
+    rank0.join();
+    const auto released_at = std::chrono::steady_clock::now();
+    store->Release();  // rank 1 moves on, and finds rank 0 gone
+    rank1.join();
+    EXPECT_LT(rank1_ended - released_at, std::chrono::seconds(5))
+        << ToString(impl) << ": rank 1's split waited for its timeout";
+    comms[1]->SetTimeout(std::chrono::seconds(1));
+    EXPECT_THROW(comms[1]->Barrier(), Error);  // its peer is gone, but it was not aborted
+  }
+}
+
 TEST(SplitWithoutStoreTest, IsNotSupported) {
   RunRanks(Transport::kInProcess, 1, {}, [](CollectiveCommunication& comm) {
     try {
