@@ -10,6 +10,7 @@ const char* ToString(CollectiveKind kind) {
     case CollectiveKind::kAllGather: return "all_gather";
     case CollectiveKind::kReduceScatter: return "reduce_scatter";
     case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kSplit: return "split";
   }
   return "unknown_collective";
 }

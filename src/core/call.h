@@ -20,7 +20,12 @@ enum class CollectiveKind : uint8_t {
   kAllGather = 3,
   kReduceScatter = 4,
   kBarrier = 5,
+  // Split's exchange of (color, key): an all-gather of two int64 that no all-gather of the
+  // caller's may stand in for.
+  kSplit = 6,
 };
+// The largest wire value, for decoders.
+inline constexpr CollectiveKind kLastCollectiveKind = CollectiveKind::kSplit;
 const char* ToString(CollectiveKind kind);  // "all_reduce", "broadcast", ...
 
 // The collective's identity: kind, dtype, op, root and count (elements per rank, as the caller

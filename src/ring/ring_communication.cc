@@ -325,11 +325,15 @@ std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int
                     ": split: this communicator was built without a rendezvous store");
   }
   // Every rank learns every (color, key) through this communicator: the split is itself a
-  // collective, checked like any other.
+  // collective, checked like any other, and of a kind of its own: a peer's all-gather of two
+  // int64 is a mismatch, not a peer that takes this rank's color and key for its data.
   std::lock_guard<std::mutex> lock(split_mu_);
   int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * size_t(size_));
-  AllGather(Tensor{mine, 2, DataType::kInt64}, Tensor{all.data(), all.size(), DataType::kInt64});
+  Prepared exchange = PrepareAllGather(Tensor{mine, 2, DataType::kInt64},
+                                       Tensor{all.data(), all.size(), DataType::kInt64});
+  exchange.descriptor.kind = CollectiveKind::kSplit;
+  RunBlocking(std::move(exchange));
   const uint64_t split = ++splits_;
   if (color < 0) return nullptr;
   std::vector<std::pair<int64_t, int>> members;  // (key, rank) of every rank of this color

@@ -94,7 +94,7 @@ std::optional<FrameHeader> DecodeHeader(const uint8_t* bytes, std::string* why) 
   }
   const uint8_t collective = bytes[16];
   if (collective < static_cast<uint8_t>(core::CollectiveKind::kAllReduce) ||
-      collective > static_cast<uint8_t>(core::CollectiveKind::kBarrier)) {
+      collective > static_cast<uint8_t>(core::kLastCollectiveKind)) {
     SetWhy(why, "unknown collective kind " + std::to_string(collective));
     return std::nullopt;
   }

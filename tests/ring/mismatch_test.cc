@@ -219,3 +219,39 @@ INSTANTIATE_TEST_SUITE_P(Ring, TwoRankMismatchTest,
 
 }  // namespace
 }  // namespace collectives::testing
+
+namespace collectives::testing {
+namespace {
+
+// A Split's exchange of colors and keys is a collective of its own kind: a rank that splits
+// while its peer all-gathers two int64 (what the exchange moves) raises kMismatch on both, naming
+// the split. The peer's all-gather returned the splitting rank's color and key as its data, and
+// the splitting rank waited for it in the child's set-up until the timeout.
+TEST(SplitMismatchTest, ASplitAgainstAnAllGatherOfTwoInt64IsAMismatch) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(10);
+    RunRanks(transport, 2, options, [&](CollectiveCommunication& comm) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        if (comm.rank() == 0) {
+          comm.Split(0, 0);
+        } else {
+          std::vector<int64_t> mine = {7, 7}, all(4, -1);
+          comm.AllGather(Tensor{mine.data(), 2, DataType::kInt64},
+                         Tensor{all.data(), 4, DataType::kInt64});
+        }
+        ADD_FAILURE() << TransportName(transport) << ": rank " << comm.rank()
+                      << ": a split against an all-gather went unnoticed";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << TransportName(transport) << ": " << e.what();
+        EXPECT_NE(e.message().find("split(i64, count=2)"), std::string::npos) << e.what();
+      }
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5))
+          << TransportName(transport) << ": rank " << comm.rank();
+    });
+  }
+}
+
+}  // namespace
+}  // namespace collectives::testing
