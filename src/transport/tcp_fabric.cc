@@ -1567,7 +1567,12 @@ void MeshBuilder::Connect(int peer) {
     RetryConnect(peer);
     return;
   }
-  const tcp::endpoint endpoint = results.begin()->endpoint();
+  // A name may resolve to several addresses, of which the listener may take only some (a rank
+  // that listens on "0.0.0.0" gives its host name, whose first address may be an IPv6 one): each
+  // attempt takes the next address, so that every one is tried.
+  auto entry = results.begin();
+  std::advance(entry, static_cast<size_t>(attempts_[peer] - 1) % results.size());
+  const tcp::endpoint endpoint = entry->endpoint();
   // Opened close-on-exec (async_connect would open it without): a process this one spawns must
   // not hold the connection open, or the peer would not see this rank die (a timeout where a
   // lost peer should be raised at once).

@@ -3,6 +3,8 @@
 // a rank outside the world, LocalAddressToward, and measurements (8-byte ping-pong, 4 MiB
 // stream) between threads and between two processes.
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -302,6 +305,57 @@ TEST(TcpAbortFrameTest, ACulpritOutsideTheWorldIsAMalformedFrame) {
   EXPECT_NE(error->message().find("malformed abort frame from rank 0"), std::string::npos)
       << error->message();
   EXPECT_NE(error->message().find("culprit rank 12345"), std::string::npos) << error->message();
+}
+
+// A rank that listens on every interface ("0.0.0.0") tells its peers its host name, which may
+// resolve to more than one address, an IPv6 one first (a dual-stack host): the listener only
+// takes IPv4, so the connecting rank must try the other addresses rather than only the first.
+// Run in a child process whose /etc/hosts (a mount namespace of its own) maps this host's name
+// to ::1, then 127.0.0.1; skipped where mount namespaces cannot be made (needs root).
+TEST(TcpSetupTest, EveryAddressOfAPeersHostNameIsTried) {
+  const std::string hosts = (std::filesystem::temp_directory_path() /
+                             ("tcp_fabric_test_hosts_" + std::to_string(getpid())))
+                                .string();
+  const std::string name = asio::ip::host_name();
+  std::ofstream(hosts) << "::1 " << name << "\n127.0.0.1 " << name << "\n";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+        mount(hosts.c_str(), "/etc/hosts", nullptr, MS_BIND, nullptr) != 0) {
+      _exit(77);
+    }
+    {
+      asio::io_context io;
+      asio::error_code ec;
+      const auto results = tcp::resolver(io).resolve(name, "1", ec);
+      if (ec || results.size() < 2 || !results.begin()->endpoint().address().is_v6()) _exit(78);
+    }
+    auto store = CreateMemoryStore();
+    auto group = ConnectTcpGroup(2, *store, [](int rank) {
+      TcpFabricOptions options = Options(3'000ms);
+      if (rank == 1) options.bind_host = "0.0.0.0";
+      return options;
+    });
+    for (const auto& error : group.errors) {
+      if (error) {
+        std::fprintf(stderr, "%s\n", error->what());
+        _exit(1);
+      }
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  std::filesystem::remove(hosts);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "cannot mount an /etc/hosts in a mount namespace of its own (needs root)";
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 78) {
+    GTEST_SKIP() << "the private /etc/hosts does not resolve '" << name << "' to ::1 first";
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the mesh did not form (status " << status << "; the error is above)";
 }
 
 TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
