@@ -326,6 +326,9 @@ class TcpConnection final : public Connection {
   // Reads what has arrived of the payload of the first posted receive (read_state_ kPayload).
   void ReadPayload();
   void OnReadError(const asio::error_code& ec);
+  // "rank 1: <what> from rank 0: <why> while waiting for #5 all_reduce(...)" (kSystem); the call
+  // is the first posted receive's, left out when none is posted.
+  Error MalformedFrameError(const char* what, const std::string& why);
   // Enters kDiscard for the held header's payload (or arms the next header read if it is empty).
   void DiscardPayload();
   // A header read with inline_want_ > 0 splits what it gets past the header for
@@ -803,9 +806,7 @@ void TcpConnection::ReadAbortPayload() {
   // A culprit outside the world is a faulty peer's: it must not be named as the rank at fault.
   auto payload = DecodeAbortPayload(abort_buffer_.data(), header_.bytes, &why, fabric_->size_);
   if (!payload) {
-    fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
-                                                      ": malformed abort frame from rank " +
-                                                      std::to_string(peer_) + ": " + why));
+    fabric_->BreakLocal(MalformedFrameError("malformed abort frame", why));
     return;
   }
   // Relay it, culprit and message unchanged, to the peers it may not have reached.
@@ -861,9 +862,7 @@ void TcpConnection::OnHeader(bool match) {
   auto header = DecodeHeader(header_buffer_.data(), &why);
   if (!header) {
     read_state_ = ReadState::kStopped;
-    fabric_->BreakLocal(Error(ErrorCode::kSystem, "rank " + std::to_string(fabric_->rank_) +
-                                                      ": malformed frame from rank " +
-                                                      std::to_string(peer_) + ": " + why));
+    fabric_->BreakLocal(MalformedFrameError("malformed frame", why));
     return;
   }
   header_ = *header;
@@ -958,6 +957,13 @@ void TcpConnection::OnReadError(const asio::error_code& ec) {
     fabric_->BreakLocal(
         PeerLostError(fabric_->rank_, peer_, closed_reason_, &recvs_.front().tag, false));
   }
+}
+
+Error TcpConnection::MalformedFrameError(const char* what, const std::string& why) {
+  std::string message = "rank " + std::to_string(fabric_->rank_) + ": " + what + " from rank " +
+                        std::to_string(peer_) + ": " + why;
+  if (!recvs_.empty()) message += " while waiting for " + recvs_.front().tag.ToString();
+  return Error(ErrorCode::kSystem, message);
 }
 
 void TcpConnection::Close() {

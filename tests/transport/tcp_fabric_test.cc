@@ -244,10 +244,10 @@ TEST(TcpSetupTest, AListenerThatAlwaysClosesIsATimeoutNamingTheClose) {
   EXPECT_EQ(error->message().find("token"), std::string::npos) << error->message();
 }
 
-// An abort frame whose culprit is not a rank of the world is a faulty peer's malformed frame,
-// reported as such (naming the peer that sent it), never as "rank 12345 aborted the job". Rank
-// 0 is played here: it completes the handshake with the real rank 1, then sends the frame.
-TEST(TcpAbortFrameTest, ACulpritOutsideTheWorldIsAMalformedFrame) {
+// Plays rank 0 of a 2-rank mesh: completes the handshake with the real rank 1, which then waits
+// for #0 all_reduce(f32, sum, count=8) from it, and sends `stream` instead. Returns what rank 1's
+// wait threw.
+std::optional<Error> SendToAWaitingRank1(const std::string& stream) {
   auto store = CreateMemoryStore();
   std::optional<Error> error;
   std::promise<void> received;
@@ -283,9 +283,19 @@ TEST(TcpAbortFrameTest, ACulpritOutsideTheWorldIsAMalformedFrame) {
   if (!result || !result->ok) {
     connected.close();
     rank1.join();  // it times out
-    FAIL() << "handshake: " << (result ? result->why : "no result");
+    ADD_FAILURE() << "handshake: " << (result ? result->why : "no result");
+    return error;
   }
+  asio::write(connected, asio::buffer(stream));
+  // Keep the connection open until rank 1 has read the stream: no EOF to race it.
+  received.get_future().wait();
+  rank1.join();
+  return error;
+}
 
+// An abort frame whose culprit is not a rank of the world is a faulty peer's malformed frame,
+// reported as such (naming the peer that sent it), never as "rank 12345 aborted the job".
+TEST(TcpAbortFrameTest, ACulpritOutsideTheWorldIsAMalformedFrame) {
   AbortPayload payload;
   payload.code = ErrorCode::kAborted;
   payload.culprit = 12345;
@@ -295,16 +305,29 @@ TEST(TcpAbortFrameTest, ACulpritOutsideTheWorldIsAMalformedFrame) {
   header.kind = FrameKind::kAbort;
   header.bytes = body.size();
   const EncodedHeader head = EncodeHeader(header);
-  asio::write(connected, asio::buffer(head));
-  asio::write(connected, asio::buffer(body));
-  // Keep the connection open until rank 1 has read the frame: no EOF to race it.
-  received.get_future().wait();
-  rank1.join();
+  const auto error = SendToAWaitingRank1(std::string(head.begin(), head.end()) + body);
   ASSERT_TRUE(error) << "rank 1 received a frame from an abort frame";
   EXPECT_EQ(error->code(), ErrorCode::kSystem) << error->message();
   EXPECT_NE(error->message().find("malformed abort frame from rank 0"), std::string::npos)
       << error->message();
   EXPECT_NE(error->message().find("culprit rank 12345"), std::string::npos) << error->message();
+  EXPECT_NE(error->message().find("while waiting for #0 all_reduce(f32, sum, count=8)"),
+            std::string::npos)
+      << error->message();
+}
+
+// Bytes that are not a frame header (another protocol, a corrupted stream): the error names the
+// peer, what is wrong, and the call that was waiting for the frame, as every error does.
+TEST(TcpFrameTest, AMalformedHeaderNamesThePeerAndTheWaitingCall) {
+  const auto error = SendToAWaitingRank1(std::string(kFrameHeaderBytes, 'x'));
+  ASSERT_TRUE(error) << "rank 1 received a frame from 40 bytes of 'x'";
+  EXPECT_EQ(error->code(), ErrorCode::kSystem) << error->message();
+  EXPECT_NE(error->message().find("rank 1: malformed frame from rank 0: bad magic 0x78787878"),
+            std::string::npos)
+      << error->message();
+  EXPECT_NE(error->message().find("while waiting for #0 all_reduce(f32, sum, count=8)"),
+            std::string::npos)
+      << error->message();
 }
 
 // A rank that listens on every interface ("0.0.0.0") tells its peers its host name, which may
