@@ -17,6 +17,10 @@
 //   otherwise  ClusterSpec::FromEnvironment: TF_CONFIG, RANK / WORLD_SIZE / MASTER_*, or one rank.
 //
 // Exit status: 0 success, 1 error, 2 the run finished but --check found wrong elements.
+//
+// Test hook: with COLLECTIVES_BENCH_TEST_ROTATE_RESULT set, the last rank moves every element of
+// each checked result one place on before it verifies it, as a result written at the wrong
+// offset would be, so that a test can show that --check catches it.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -368,6 +372,9 @@ double Sentinel(DataType dtype) {
 // exact in every dtype with any number of ranks:
 //   sum, avg  v in 0..k, k = min(3, MaxExactInteger / world size): no partial sum overflows an
 //             i8/u8 or leaves the exact-integer range of f16/bf16; avg is then one division.
+//             v is a hash of (rank, p), so that the sum depends on p for any world size (with
+//             v = (p + 3 rank) mod 4, every multiple of 4 ranks summed to the same value at
+//             every p, and a result at the wrong offset passed the check).
 //   prod      v in {1, 2}, exactly t = p mod (min(world size, 6) + 1) ranks give 2, so every
 //             partial product is at most 2^6 = 64.
 //   min, max  v in -3..3 (0..6 for u8).
@@ -384,6 +391,15 @@ inline size_t PatternIndex(size_t i) {
          kPatternPeriod;
 }
 
+// A well-mixed 64-bit hash of (rank, p) (splitmix64's finaliser).
+uint64_t MixRankAndPattern(int rank, size_t p) {
+  uint64_t h = (static_cast<uint64_t>(p) * 0x9E3779B97F4A7C15ull) ^
+               (static_cast<uint64_t>(rank) * 0xC2B2AE3D27D4EB4Full);
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  return h ^ (h >> 32);
+}
+
 double ReductionInput(DataType dtype, ReduceOp op, int world_size, int rank, size_t p) {
   const int64_t r = rank;
   const int64_t j = static_cast<int64_t>(p);
@@ -391,7 +407,7 @@ double ReductionInput(DataType dtype, ReduceOp op, int world_size, int rank, siz
     case ReduceOp::kSum:
     case ReduceOp::kAvg: {
       const int64_t k = std::min<int64_t>(3, MaxExactInteger(dtype) / world_size);
-      return static_cast<double>((j + 3 * r) % (k + 1));
+      return static_cast<double>(MixRankAndPattern(rank, p) % static_cast<uint64_t>(k + 1));
     }
     case ReduceOp::kProd: {
       const int64_t twos = j % (std::min(world_size, 6) + 1);
@@ -723,7 +739,8 @@ class Sweep {
         world_size_(comm_.size()),
         csv_(csv),
         send_(config.in_place ? 0 : config.max_bytes),
-        recv_(config.max_bytes) {}
+        recv_(config.max_bytes),
+        rotate_checked_result_(std::getenv("COLLECTIVES_BENCH_TEST_ROTATE_RESULT") != nullptr) {}
 
   // Runs every case; returns the exit code.
   int Run() {
@@ -843,6 +860,7 @@ class Sweep {
       }
       FillInput(collective, dtype, op, send);
       run_on(comm);
+      if (rotate_checked_result_ && rank_ == world_size_ - 1) RotateByOneElement(recv);
       int64_t wrong = Verify(collective, dtype, op, send, recv);
       comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64, Device::Cpu()}, ReduceOp::kSum);
       return wrong;
@@ -905,6 +923,15 @@ class Sweep {
                            BusBandwidthFactor(collective, world_size_);
     }
     return row;
+  }
+
+  // The test hook behind COLLECTIVES_BENCH_TEST_ROTATE_RESULT: every element of `recv` moves
+  // one place on (the last to the front), as a result written at the wrong offset would be.
+  static void RotateByOneElement(const Tensor& recv) {
+    auto* bytes = static_cast<std::byte*>(recv.data);
+    const size_t element_bytes = SizeOf(recv.dtype);
+    const size_t total = recv.count * element_bytes;
+    std::rotate(bytes, bytes + total - element_bytes, bytes + total);
   }
 
   // Fills this rank's send buffer with its check input.
@@ -1098,6 +1125,7 @@ class Sweep {
   std::ofstream* csv_;
   AlignedBuffer send_;
   AlignedBuffer recv_;
+  const bool rotate_checked_result_;
 };
 
 // ---------------------------------------------------------------------------------------------
