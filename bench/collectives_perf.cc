@@ -1249,6 +1249,15 @@ int Main(int argc, char** argv) {
     config.ops = ParseReduceOps(ops);
     if (config.min_bytes == 0) throw CLI::ValidationError("-b must be at least 1 byte");
     if (config.min_bytes > config.max_bytes) throw CLI::ValidationError("-b is larger than -e");
+    if (config.pretend_hosts > 0 && config.local == 0) {
+      throw CLI::ValidationError(
+          "--pretend-hosts needs --local (other launchers: set COLLECTIVES_HOST_ID per rank)");
+    }
+    if (config.pretend_hosts > config.local) {
+      throw CLI::ValidationError("--pretend-hosts " + std::to_string(config.pretend_hosts) +
+                                 " is more hosts than --local " + std::to_string(config.local) +
+                                 " ranks");
+    }
     if (config.local > 0 && under_mpi_launcher && !local_child) {
       throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
     }
