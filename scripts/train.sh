@@ -33,6 +33,32 @@ if [[ ! -x ${TRAIN} ]]; then
   exit 1
 fi
 
+# timeout(1) runs its command in a process group of its own, which a Ctrl-C at the terminal does
+# not reach: every command here therefore runs in the background, the script waits for it with
+# `wait` (which a trapped signal interrupts at once), and on INT or TERM the trap sends TERM to
+# every one still running (timeout hands it on to train) before the script exits.
+limited=()
+stop_limited() {
+  if [[ ${#limited[@]} -gt 0 ]]; then kill -TERM "${limited[@]}" 2>/dev/null; fi
+  return 0
+}
+# start_limited ARGS...: `timeout $LIMIT ARGS` in the background, its pid in $! and in limited.
+# Sets the traps each time: a subshell (the --throughput runs) starts without them.
+start_limited() {
+  trap 'stop_limited; exit 130' INT
+  trap 'stop_limited; exit 143' TERM
+  timeout "$LIMIT" "$@" &
+  limited+=($!)
+}
+# run_limited ARGS...: the same, waited for; returns its status.
+run_limited() {
+  local rc=0
+  start_limited "$@"
+  wait $! || rc=$?
+  limited=()
+  return $rc
+}
+
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
@@ -49,14 +75,15 @@ run_workers() {
   # A fresh job token unless one is given: every connection of the job proves it.
   export COLLECTIVES_JOB_TOKEN=${COLLECTIVES_JOB_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
   for ((i = 1; i < n; ++i)); do
-    env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
+    start_limited env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
       RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      timeout "$LIMIT" "$TRAIN" --strategy multi_worker "$@" >"$work/worker$i.log" 2>&1 &
+      "$TRAIN" --strategy multi_worker "$@" >"$work/worker$i.log" 2>&1
     pids+=($!)
   done
-  env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
+  start_limited env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
     RANK=0 WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout "$LIMIT" "$TRAIN" --strategy multi_worker "$@" || rc=$?
+    "$TRAIN" --strategy multi_worker "$@"
+  wait $! || rc=$?
   for ((i = 1; i < n; ++i)); do
     if ! wait "${pids[i - 1]}"; then
       echo "train.sh: worker $i failed:" >&2
@@ -64,6 +91,7 @@ run_workers() {
       rc=1
     fi
   done
+  limited=()
   rm -rf "$work"
   return $rc
 }
@@ -91,9 +119,9 @@ case "${1:-}" in
   --throughput)
     shift
     common=(--epochs 1 --global-batch 256 --quiet-progress "$@")
-    throughput "one_device" timeout "$LIMIT" "$TRAIN" --strategy one_device "${common[@]}" 2>&1
+    throughput "one_device" run_limited "$TRAIN" --strategy one_device "${common[@]}" 2>&1
     one_device=$samples_per_s
-    throughput "mirrored, 2 replicas" timeout "$LIMIT" "$TRAIN" --strategy mirrored --replicas 2 \
+    throughput "mirrored, 2 replicas" run_limited "$TRAIN" --strategy mirrored --replicas 2 \
       "${common[@]}" 2>&1
     mirrored=$samples_per_s
     throughput "multi_worker, 1 worker" run_workers 1 "${common[@]}" 2>&1
@@ -110,6 +138,6 @@ case "${1:-}" in
       printf "ratio 2 workers / 1 worker:             %.2fx\n", c / d }'
     ;;
   *)
-    timeout "$LIMIT" "$TRAIN" "$@"
+    run_limited "$TRAIN" "$@"
     ;;
 esac
