@@ -33,16 +33,16 @@ std::string Ms(std::chrono::milliseconds ms) { return std::to_string(ms.count())
 
 // NCCL's text for `result`, with NCCL's last message when there is one. ncclGetLastError ignores
 // its argument: it returns the last message of the whole process, which may come from another
-// communicator or an earlier failure, so it is labelled as such.
+// communicator or an earlier failure, so it is labelled as such. `comm` may be null (NCCL's
+// documentation: the argument "is currently unused and can be set to NULL"): a failure before
+// there is a communicator (ncclGetUniqueId, an init refused at once) has its reason there too.
 std::string NcclText(const NcclApi& api, ncclResult_t result, ncclComm_t comm) {
   std::string out = api.ncclGetErrorString(result);
-  if (comm != nullptr) {
-    const char* last = api.ncclGetLastError(comm);
-    if (last != nullptr && *last != '\0') {
-      out += " (NCCL's last message (may be unrelated): ";
-      out += last;
-      out += ")";
-    }
+  const char* last = api.ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') {
+    out += " (NCCL's last message (may be unrelated): ";
+    out += last;
+    out += ")";
   }
   return out;
 }

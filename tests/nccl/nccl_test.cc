@@ -26,6 +26,8 @@
 #include "collectives/types.h"
 
 #if defined(COLLECTIVES_WITH_NCCL)
+#include <dlfcn.h>
+
 #include "src/nccl/nccl_communication.h"
 #include "src/nccl/nccl_loader.h"
 #endif
@@ -131,6 +133,50 @@ TEST(NcclOptionsTest, AForcedAlgorithmIsNotSupportedBeforeTheStoreIsTouched) {
       EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
       EXPECT_NE(e.message().find(std::string("\"") + algorithm + "\""), std::string::npos)
           << e.what();
+    }
+  }
+}
+
+// ---- Tests that need the CPU stand-in for CUDA and NCCL (tests/nccl/fake, ctest -L fake_nccl):
+// its fault injection, found in the libnccl the loader opened. Elsewhere they skip. ----
+
+using FakeNcclFailNext = void (*)(const char* function, ncclResult_t result, const char* message);
+
+FakeNcclFailNext FindFakeNcclFailNext() {
+  if (nccl::TryLoadNccl() == nullptr) return nullptr;
+  void* handle = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+  if (handle == nullptr) handle = dlopen("libnccl.so", RTLD_NOW | RTLD_NOLOAD);
+  if (handle == nullptr) return nullptr;
+  auto fail_next = reinterpret_cast<FakeNcclFailNext>(dlsym(handle, "collectivesFakeNcclFailNext"));
+  dlclose(handle);  // the loader keeps it loaded
+  return fail_next;
+}
+
+// A set-up step that fails before there is a communicator (ncclGetUniqueId, an
+// ncclCommInitRankConfig refused at once) names NCCL's reason, not only NCCL's generic "run with
+// NCCL_DEBUG=WARN for details".
+TEST(NcclFakeTest, ASetUpFailureBeforeACommunicatorExistsNamesNcclsReason) {
+  const FakeNcclFailNext fail_next = FindFakeNcclFailNext();
+  if (fail_next == nullptr) GTEST_SKIP() << "needs the fake NCCL of tests/nccl/fake";
+  struct Case {
+    const char* function;
+    ncclResult_t result;
+    const char* reason;
+    ErrorCode code;
+  };
+  for (const Case& c :
+       {Case{"ncclGetUniqueId", ncclSystemError, "Bootstrap : no socket interface found",
+             ErrorCode::kSystem},
+        Case{"ncclCommInitRankConfig", ncclInvalidArgument,
+             "Invalid config blocking attribute value -5", ErrorCode::kInvalidArgument}}) {
+    fail_next(c.function, c.result, c.reason);
+    try {
+      nccl::CreateNcclCommunication(0, 1, CreateMemoryStore(), "test/nccl/0", NcclOptionsFor());
+      ADD_FAILURE() << c.function << ": expected an Error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), c.code) << e.what();
+      EXPECT_NE(e.message().find(c.function), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find(c.reason), std::string::npos) << e.what();
     }
   }
 }

@@ -55,6 +55,10 @@
 //    an unknown stream or event), the fake prints "fake_cuda_nccl: CONTRACT VIOLATION: ..." to
 //    stderr and returns an error (ranks that disagree hang, as they typically do on NCCL). With
 //    COLLECTIVES_FAKE_NCCL_STRICT=1 a violation aborts the process instead.
+// Fault injection, for tests that need the fake (they find it with dlsym on the loaded
+// libnccl.so.2 and skip elsewhere): collectivesFakeNcclFailNext(function, result, message) makes
+// the next call of that NCCL function (ncclGetUniqueId or ncclCommInitRankConfig) return
+// `result` at once, with `message` as NCCL's last error.
 // Not modelled: per-thread default streams, managed and pinned host memory, peer access, P2P
 // calls, groups, fp8 types (refused with ncclInvalidArgument), ncclCommSplit and the rest.
 #include <cuda_runtime_api.h>
@@ -549,6 +553,7 @@ struct Registry {
   std::set<ncclComm*> dead;  // aborted or destroyed (kept: real NCCL freed them)
   uint64_t ids = 0;
   char last_error[1024] = "";
+  std::map<std::string, std::pair<ncclResult_t, std::string>> fail_next;  // by function name
 };
 
 Registry& Reg() {
@@ -565,6 +570,18 @@ Registry& Reg() {
   va_start(args, format);
   std::vsnprintf(reg.last_error + used, sizeof(reg.last_error) - used, format, args);
   va_end(args);
+}
+
+// The failure injected into the next call of `function`, if any (then consumed).
+std::optional<ncclResult_t> Injected(const char* function) {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.fail_next.find(function);
+  if (it == reg.fail_next.end()) return std::nullopt;
+  const ncclResult_t result = it->second.first;
+  std::snprintf(reg.last_error, sizeof(reg.last_error), "%s", it->second.second.c_str());
+  reg.fail_next.erase(it);
+  return result;
 }
 
 constexpr char kIdMagic[] = "collectives-fake-nccl-id";
@@ -1149,6 +1166,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
     SetLastError("ncclGetUniqueId: uniqueId argument is NULL");
     return ncclInvalidArgument;
   }
+  if (std::optional<ncclResult_t> injected = Injected("ncclGetUniqueId")) return *injected;
   std::memset(id->internal, 0, sizeof(id->internal));
   std::memcpy(id->internal, kIdMagic, sizeof(kIdMagic));
   uint64_t serial;
@@ -1170,6 +1188,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
     return ncclInvalidArgument;
   }
   *out = nullptr;
+  if (std::optional<ncclResult_t> injected = Injected("ncclCommInitRankConfig")) return *injected;
   if (nranks < 1 || rank < 0 || rank >= nranks) {
     SetLastError("Invalid rank requested : %d/%d", rank, nranks);
     return ncclInvalidArgument;
@@ -1379,6 +1398,13 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclD
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   return Collective(comm, stream, Call{Coll::kReduceScatter, send, recv, count, type, op, 0},
                     "ncclReduceScatter");
+}
+
+// The fake's own entry point (see the file comment); not part of NCCL.
+void collectivesFakeNcclFailNext(const char* function, ncclResult_t result, const char* message) {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.fail_next[function] = {result, message};
 }
 
 }  // extern "C"
