@@ -1470,6 +1470,14 @@ void MeshBuilder::ReadAddresses(Store& store) {
       value = store.Get(key, std::max(left, std::chrono::milliseconds(0)));
     } catch (const Error& error) {
       if (error.code() != ErrorCode::kTimeout) throw;
+      // Only the key's absence says the peer never published; any other timeout is the store's
+      // own (a TCP store that did not answer), which the next peer's Get would meet again.
+      if (error.message().find(cluster::kNotSetWithin) == std::string::npos) {
+        throw Error(ErrorCode::kTimeout,
+                    Prefix() + "timed out after " + std::to_string(options_.timeout.count()) +
+                        " ms setting up connections: reading rank " + std::to_string(peer) +
+                        "'s address from the store: " + error.message());
+      }
       unpublished.push_back(peer);
       continue;
     }

@@ -406,6 +406,38 @@ TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
   }
 }
 
+// A store that does not answer (its Get times out for its own reason, not because the key is
+// missing) is named as such: rank 1 did publish, and saying it never did would send the user
+// looking at the wrong process.
+TEST(TcpSetupTest, AStoreThatDoesNotAnswerIsNotARankThatNeverPublished) {
+  class SilentStore : public Store {
+   public:
+    explicit SilentStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+    void Set(const std::string& key, const std::string& value) override { inner_->Set(key, value); }
+    std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+      if (key.find("/addr/") == std::string::npos) return inner_->Get(key, timeout);
+      throw Error(ErrorCode::kTimeout, "TCP store at h:1: Get of key '" + key +
+                                           "' got no reply within 2000 ms of the end of its wait");
+    }
+    int64_t Add(const std::string& key, int64_t delta) override { return inner_->Add(key, delta); }
+
+   private:
+    std::shared_ptr<Store> inner_;
+  };
+  SilentStore store(CreateMemoryStore());
+  store.Set("tcp-test/addr/1", "127.0.0.1:1");  // published: only the store fails to say so
+  try {
+    ConnectTcpFabric(0, 2, store, Options(2'000ms));
+    ADD_FAILURE() << "a mesh formed without rank 1";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout) << error.what();
+    EXPECT_EQ(error.message().find("never published"), std::string::npos) << error.message();
+    EXPECT_NE(error.message().find("reading rank 1's address from the store: TCP store at h:1"),
+              std::string::npos)
+        << error.message();
+  }
+}
+
 TEST(TcpSetupTest, SingleRankNeedsNoNetwork) {
   auto store = CreateMemoryStore();
   auto fabric = ConnectTcpFabric(0, 1, *store, Options());
