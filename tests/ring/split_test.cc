@@ -156,6 +156,24 @@ class HoldingStore final : public Store {
   bool released_ = false;
 };
 
+// Two ranks as threads, set up through `store`.
+std::vector<std::unique_ptr<CollectiveCommunication>> CreateTwo(
+    const std::shared_ptr<Store>& store, const CommunicationOptions& options) {
+  std::vector<std::unique_ptr<CollectiveCommunication>> comms(2);
+  std::vector<std::thread> setup;
+  for (int rank = 0; rank < 2; ++rank) {
+    setup.emplace_back([&, rank] {
+      ClusterSpec spec;
+      spec.rank = rank;
+      spec.world_size = 2;
+      spec.master_port = 1;  // unused: the store is given
+      comms[size_t(rank)] = CreateCommunication(spec, store, options);
+    });
+  }
+  for (std::thread& t : setup) t.join();
+  return comms;
+}
+
 // A split whose child waits for a member that never comes (rank 1 stands still publishing its
 // address) ends at an Abort of the parent, within a poll, not at the 30 s timeout: the child's
 // set-up polls the parent's state in its store waits and in the mesh. Both ranks raise the
@@ -166,18 +184,7 @@ TEST(SplitAbortTest, AnAbortEndsASplitWhoseMemberNeverComes) {
     CommunicationOptions options;
     options.implementation = impl;
     options.timeout = std::chrono::seconds(30);
-    std::vector<std::unique_ptr<CollectiveCommunication>> comms(2);
-    std::vector<std::thread> setup;
-    for (int rank = 0; rank < 2; ++rank) {
-      setup.emplace_back([&, rank] {
-        ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = 2;
-        spec.master_port = 1;  // unused: the store is given
-        comms[size_t(rank)] = CreateCommunication(spec, store, options);
-      });
-    }
-    for (std::thread& t : setup) t.join();
+    std::vector<std::unique_ptr<CollectiveCommunication>> comms = CreateTwo(store, options);
     ASSERT_TRUE(comms[0] && comms[1]);
 
     const auto split = [&](int rank, std::chrono::steady_clock::duration* took) {
@@ -221,18 +228,7 @@ TEST(SplitAbortTest, TheOtherMembersLearnThatAMembersSplitWasAbandoned) {
     CommunicationOptions options;
     options.implementation = impl;
     options.timeout = std::chrono::seconds(20);
-    std::vector<std::unique_ptr<CollectiveCommunication>> comms(2);
-    std::vector<std::thread> setup;
-    for (int rank = 0; rank < 2; ++rank) {
-      setup.emplace_back([&, rank] {
-        ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = 2;
-        spec.master_port = 1;  // unused: the store is given
-        comms[size_t(rank)] = CreateCommunication(spec, store, options);
-      });
-    }
-    for (std::thread& t : setup) t.join();
+    std::vector<std::unique_ptr<CollectiveCommunication>> comms = CreateTwo(store, options);
     ASSERT_TRUE(comms[0] && comms[1]);
 
     std::thread rank0([&] {
