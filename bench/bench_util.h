@@ -87,6 +87,18 @@ class MpiStartup {
   bool initialized_ = false;
 };
 
+// A well-mixed 64-bit hash of (rank, index) (splitmix64's finaliser), for check inputs: each
+// rank's value at an index taken from it (mod a small k) makes the sum over ranks depend on the
+// index at any world size, so that a result at the wrong offset fails the check (a linear
+// pattern such as (index + 3 rank) mod 4 sums to the same value everywhere at some world sizes).
+inline uint64_t MixRankAndIndex(int rank, size_t index) {
+  uint64_t h = (static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull) ^
+               (static_cast<uint64_t>(rank) * 0xC2B2AE3D27D4EB4Full);
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  return h ^ (h >> 32);
+}
+
 }  // namespace collectives::bench
 
 #endif  // COLLECTIVES_BENCH_BENCH_UTIL_H_

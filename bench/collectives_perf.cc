@@ -391,15 +391,6 @@ inline size_t PatternIndex(size_t i) {
          kPatternPeriod;
 }
 
-// A well-mixed 64-bit hash of (rank, p) (splitmix64's finaliser).
-uint64_t MixRankAndPattern(int rank, size_t p) {
-  uint64_t h = (static_cast<uint64_t>(p) * 0x9E3779B97F4A7C15ull) ^
-               (static_cast<uint64_t>(rank) * 0xC2B2AE3D27D4EB4Full);
-  h ^= h >> 29;
-  h *= 0xBF58476D1CE4E5B9ull;
-  return h ^ (h >> 32);
-}
-
 double ReductionInput(DataType dtype, ReduceOp op, int world_size, int rank, size_t p) {
   const int64_t r = rank;
   const int64_t j = static_cast<int64_t>(p);
@@ -407,7 +398,7 @@ double ReductionInput(DataType dtype, ReduceOp op, int world_size, int rank, siz
     case ReduceOp::kSum:
     case ReduceOp::kAvg: {
       const int64_t k = std::min<int64_t>(3, MaxExactInteger(dtype) / world_size);
-      return static_cast<double>(MixRankAndPattern(rank, p) % static_cast<uint64_t>(k + 1));
+      return static_cast<double>(bench::MixRankAndIndex(rank, p) % static_cast<uint64_t>(k + 1));
     }
     case ReduceOp::kProd: {
       const int64_t twos = j % (std::min(world_size, 6) + 1);

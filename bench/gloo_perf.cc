@@ -165,7 +165,11 @@ class FloatBuffer {
 };
 
 // Element i of rank r's input.
-float ReductionInput(size_t i, int rank) { return static_cast<float>((i * 7 + 3 * rank) % 5); }
+// A hash of (rank, i), not (7 i + 3 rank) mod 5, whose sum was the same at every element for
+// any multiple of 5 ranks (a misplaced result passed the check).
+float ReductionInput(size_t i, int rank) {
+  return static_cast<float>(bench::MixRankAndIndex(rank, i) % 5);
+}
 float CopyInput(size_t i, int rank) { return static_cast<float>((i + 37 * rank) % 101); }
 
 // ---------------------------------------------------------------------------------------------

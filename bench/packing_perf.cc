@@ -188,7 +188,9 @@ float CheckInput(ReduceOp op, int rank, size_t tensor, size_t i) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      return static_cast<float>((r * 3 + tensor * 7 + i * 13) % 5);
+      // A hash, not a linear pattern: (3 r + 7 tensor + 13 i) mod 5 summed to the same value at
+      // every element for any multiple of 5 ranks, so a misplaced result passed the check.
+      return static_cast<float>(bench::MixRankAndIndex(rank, tensor * 1'000'003 + i) % 5);
     case ReduceOp::kProd:
       return (r + tensor + i) % 3 == 0 ? 2.0f : ((r * 5 + i) % 7 == 0 ? -1.0f : 1.0f);
     case ReduceOp::kMin:
