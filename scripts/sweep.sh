@@ -27,6 +27,6 @@ echo "sweep: rows written to out/sweep_4_auto.csv and out/sweep_4.csv"
 # epoch on 2 local replicas (MirroredStrategy) at global batch 256, then the test accuracy and
 # samples per second. Well under a minute on 2 cores.
 echo "== training demo: Fashion-MNIST, mirrored strategy, 2 replicas, 1 epoch =="
-timeout 300 "${BUILD_DIR}/examples/train/train" --strategy mirrored --replicas 2 --epochs 1 \
+timeout --foreground 300 "${BUILD_DIR}/examples/train/train" --strategy mirrored --replicas 2 --epochs 1 \
   --global-batch 256
 # ---------------------------------------------------------------------------------------------
