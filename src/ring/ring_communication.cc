@@ -30,6 +30,18 @@ namespace {
 using core::CallDescriptor;
 using core::CollectiveKind;
 
+// `broken`, the error that broke the communicator, as the error of a call it stopped: "rank 0:
+// the communicator was aborted by its caller (#3 all_reduce(f32, sum, count=7) did not run)".
+Error Stopped(const Error& broken, const core::CallTag& tag, const char* what) {
+  std::string message = broken.message();
+  message += " (";
+  message += tag.ToString();
+  message += ' ';
+  message += what;
+  message += ')';
+  return Error(broken.code(), message);
+}
+
 class RingCommunication final : public CollectiveCommunication {
  public:
   RingCommunication(std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
@@ -106,8 +118,9 @@ class RingCommunication final : public CollectiveCommunication {
                                std::chrono::milliseconds timeout);
   // The progress thread: runs queued calls in order until the destructor stops it.
   void Run();
-  // Records the first error (sticky) and breaks the fabric so that peers learn of it.
-  Error Break(const Error& error);
+  // Records the first error (sticky) and breaks the fabric so that peers learn of it. Returns
+  // the first error; sets `*first` to whether that is `error`.
+  Error Break(const Error& error, bool* first = nullptr);
 
   // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault.
   void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
@@ -246,8 +259,15 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
                                                 std::chrono::milliseconds timeout) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return broken_;
+    if (broken_) return Stopped(*broken_, tag, "did not run");
   }
+  // A failure of the call's own is its error (it names the call); a failure that comes of an
+  // earlier one (an Abort, another call's) names this call as one it stopped.
+  const auto fail = [this, &tag](const Error& error) {
+    bool first = false;
+    const Error broken = Break(error, &first);
+    return first ? broken : Stopped(broken, tag, "was running");
+  };
   try {
     const auto deadline = transport::Clock::now() + timeout;
     fabric_->SetDeadline(deadline);
@@ -265,19 +285,19 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
     if (aborted) fabric_->Abort(*aborted);
     return std::nullopt;
   } catch (const Error& e) {
-    return Break(e);
+    return fail(e);
   } catch (const std::bad_alloc&) {  // staging or scratch: the machine's limit, not a bug
-    return Break(Error(ErrorCode::kSystem, "rank " + std::to_string(rank_) + ": " + tag.ToString() +
-                                               ": out of memory"));
+    return fail(Error(ErrorCode::kSystem,
+                      "rank " + std::to_string(rank_) + ": " + tag.ToString() + ": out of memory"));
   } catch (const std::exception& e) {
-    return Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
-                                                 tag.ToString() + ": " + e.what()));
+    return fail(Error(ErrorCode::kInternal,
+                      "rank " + std::to_string(rank_) + ": " + tag.ToString() + ": " + e.what()));
   }
 }
 
 void RingCommunication::RunBlocking(Prepared prepared) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (broken_) throw *broken_;
+  if (broken_) throw Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run");
   if (busy_ || !queue_.empty()) {
     lock.unlock();
     Submit(std::move(prepared))->Wait();
@@ -296,10 +316,11 @@ void RingCommunication::RunBlocking(Prepared prepared) {
   if (failure) throw *failure;
 }
 
-Error RingCommunication::Break(const Error& error) {
+Error RingCommunication::Break(const Error& error, bool* first_error) {
   Error first = error;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (first_error != nullptr) *first_error = !broken_;
     if (broken_) {
       first = *broken_;
     } else {
@@ -375,7 +396,7 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {
-      work->Complete(broken_);
+      work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
       return work;
     }
     queue_.push_back(

@@ -660,6 +660,61 @@ TEST(RingAbortTest, AbortReturnsOnceThePeersAreTold) {
   }
 }
 
+// Every call an Abort ends says which call it was and what the Abort found it doing: the one
+// running, those queued behind it, one made after. All four used to raise the same "rank 0: the
+// communicator was aborted by its caller", which told a caller waiting on several Works nothing
+// about which had run.
+TEST(RingAbortTest, EveryCallItEndsIsNamed) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(20);
+    std::atomic<bool> checked{false};
+    RunRanks(transport, 2, options, [&](CollectiveCommunication& comm) {
+      if (comm.rank() == 1) {  // never joins
+        WaitFor(checked);
+        return;
+      }
+      std::vector<float> data(1000, 1.0f);
+      const Tensor t{data.data(), data.size(), DataType::kFloat32};
+      const Tensor u{data.data(), 7, DataType::kFloat32};
+      auto running = comm.AllReduceAsync(t, t, ReduceOp::kSum);
+      auto queued = comm.AllReduceAsync(u, u, ReduceOp::kMax);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // lets #0 block
+      comm.Abort();
+      const auto message = [](const std::shared_ptr<Work>& work) -> std::string {
+        try {
+          work->Wait();
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+          return e.message();
+        }
+        ADD_FAILURE() << "an aborted call succeeded";
+        return {};
+      };
+      const std::string first = message(running);
+      EXPECT_NE(first.find("aborted by its caller"), std::string::npos) << first;
+      EXPECT_NE(first.find("#0 all_reduce(f32, sum, count=1000) was running"), std::string::npos)
+          << first;
+      const std::string second = message(queued);
+      EXPECT_NE(second.find("aborted by its caller"), std::string::npos) << second;
+      EXPECT_NE(second.find("#1 all_reduce(f32, max, count=7) did not run"), std::string::npos)
+          << second;
+      const std::string later = message(comm.BroadcastAsync(u, u, 0));
+      EXPECT_NE(later.find("#2 broadcast(f32, root=0, count=7) did not run"), std::string::npos)
+          << later;
+      try {
+        comm.AllReduce(u, ReduceOp::kSum);
+        ADD_FAILURE() << "a call after Abort succeeded";
+      } catch (const Error& e) {
+        EXPECT_NE(e.message().find("#3 all_reduce(f32, sum, count=7) did not run"),
+                  std::string::npos)
+            << e.what();
+      }
+      checked = true;
+    });
+  }
+}
+
 // A call whose peer never shows up ends with kTimeout after the deadline, not a hang, whether
 // the waiter sleeps at once (yield_us 0), yields for the default 10 ms first, or would yield
 // for the longest yield_us, 1 s, twice the deadline (the deadline ends the yielding phase too).
