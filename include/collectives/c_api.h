@@ -294,6 +294,14 @@ coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, voi
                                       size_t recv_count, coll_dtype dtype, coll_op op,
                                       coll_work** work);
 coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
+/* coll_all_reduce_many's buckets, all issued before it returns. The fused buckets are copied
+ * into a buffer of the call's own, held until the call finishes (coll_work_wait, or
+ * coll_work_test setting *done, unpacks them; then the buffer is freed). Lists that differ
+ * across ranks: COLL_MISMATCH from coll_work_wait on every rank, no fused buffer written (a
+ * buffer alone in its bucket, larger than the cap, was issued before the check's answer came). */
+coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                       size_t n, coll_dtype dtype, coll_op op,
+                                       size_t bytes_per_pack, coll_work** work);
 
 /* Blocks until the collective completed (at most its communicator's timeout after it started)
  * and returns its status: COLL_OK, or the failure, with coll_last_error naming it. May be called

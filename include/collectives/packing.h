@@ -15,6 +15,7 @@
 #define COLLECTIVES_PACKING_H_
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "collectives/communication.h"
@@ -62,6 +63,26 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 // strategy layer uses it to make initial weights identical on every rank).
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
                size_t bytes_per_pack = 0);
+
+// AllReduce and Broadcast of a list that return at once, for overlapping the gradients' reduction
+// with other work (as Horovod's and DDP's buckets do). Every collective of the call is issued
+// before it returns, in order, from the calling thread (so the calls made after it on `comm`
+// follow them on every rank): the list check, then each bucket, fused buckets packed first into
+// a buffer of the call's own. That buffer holds a copy of every fused tensor (not of a tensor
+// alone in its bucket, which goes in place) until the call finishes; it is not reused. Wait (or a
+// Done that returns true) finishes the call: it unpacks the fused buckets and frees the buffer.
+// Until then the tensors must be neither read nor written. Results and argument checks are
+// AllReduce's and Broadcast's; argument errors are thrown here, the collectives' errors by Wait.
+// Lists that differ across ranks raise kMismatch in Wait on every rank, and no fused tensor is
+// written; unlike the blocking forms, a tensor alone in its bucket was issued before the check's
+// answer came, and holds what its collective left. A Work dropped unfinished waits in its
+// destructor for the collectives still in flight (they write its buffer).
+std::shared_ptr<Work> AllReduceAsync(CollectiveCommunication& comm,
+                                     const std::vector<Tensor>& tensors, ReduceOp op,
+                                     size_t bytes_per_pack = 0);
+std::shared_ptr<Work> BroadcastAsync(CollectiveCommunication& comm,
+                                     const std::vector<Tensor>& tensors, int root,
+                                     size_t bytes_per_pack = 0);
 
 }  // namespace collectives::packing
 

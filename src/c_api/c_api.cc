@@ -228,6 +228,36 @@ coll_status AllReduce(const char* function, Mode mode, coll_comm* comm, const vo
   });
 }
 
+coll_status AllReduceMany(const char* function, Mode mode, coll_comm* comm, void* const* buffers,
+                          const size_t* counts, size_t n, coll_dtype dtype, coll_op op,
+                          size_t bytes_per_pack, coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const ReduceOp reduce = ReduceOpOf(op);
+    if (n > 0) {
+      NotNull(buffers, "buffers");
+      NotNull(counts, "counts");
+    }
+    std::vector<Tensor> tensors;
+    if (n > tensors.max_size()) {
+      InvalidArgument("n is " + std::to_string(n) + ", more tensors than memory can list");
+    }
+    tensors.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      const std::string name = "buffers[" + std::to_string(i) + "]";
+      if (buffers[i] == nullptr && counts[i] > 0) {
+        InvalidArgument(name + " is NULL but counts[" + std::to_string(i) + "] is " +
+                        std::to_string(counts[i]));
+      }
+      tensors.push_back(TensorOf(name.c_str(), buffers[i], counts[i], type));
+    }
+    const size_t cap = bytes_per_pack != 0 ? bytes_per_pack : comm->bytes_per_pack;
+    if (async) return packing::AllReduceAsync(c, tensors, reduce, cap);
+    packing::AllReduce(c, tensors, reduce, cap);
+    return std::shared_ptr<Work>();
+  });
+}
+
 coll_status Broadcast(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
                       void* recvbuff, size_t count, coll_dtype dtype, int root,
                       coll_work** work) noexcept {
@@ -480,30 +510,15 @@ coll_status coll_barrier(coll_comm* comm) {
 
 coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
                                  size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack) {
-  return Guard("coll_all_reduce_many", [&] {
-    collectives::CollectiveCommunication& c = CommOf(comm);
-    const collectives::DataType type = DataTypeOf(dtype);
-    const collectives::ReduceOp reduce = ReduceOpOf(op);
-    if (n > 0) {
-      NotNull(buffers, "buffers");
-      NotNull(counts, "counts");
-    }
-    std::vector<collectives::Tensor> tensors;
-    if (n > tensors.max_size()) {
-      InvalidArgument("n is " + std::to_string(n) + ", more tensors than memory can list");
-    }
-    tensors.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      const std::string name = "buffers[" + std::to_string(i) + "]";
-      if (buffers[i] == nullptr && counts[i] > 0) {
-        InvalidArgument(name + " is NULL but counts[" + std::to_string(i) + "] is " +
-                        std::to_string(counts[i]));
-      }
-      tensors.push_back(TensorOf(name.c_str(), buffers[i], counts[i], type));
-    }
-    collectives::packing::AllReduce(c, tensors, reduce,
-                                    bytes_per_pack != 0 ? bytes_per_pack : comm->bytes_per_pack);
-  });
+  return AllReduceMany("coll_all_reduce_many", Mode::kBlocking, comm, buffers, counts, n, dtype, op,
+                       bytes_per_pack, nullptr);
+}
+
+coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                       size_t n, coll_dtype dtype, coll_op op,
+                                       size_t bytes_per_pack, coll_work** work) {
+  return AllReduceMany("coll_all_reduce_many_async", Mode::kAsync, comm, buffers, counts, n, dtype,
+                       op, bytes_per_pack, work);
 }
 
 coll_status coll_all_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff,

@@ -30,12 +30,14 @@
 #include "collectives/packing.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -140,9 +142,12 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
 // elements matches it: that tensor would be reduced with the hash and returned as a success.
 // Running it on every call also makes a broken communicator's error come back from a call that
 // moves nothing. Cost: one 32-byte all-reduce per packed call.
-void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
-                     const std::vector<Tensor>& tensors, const std::vector<Bucket>& planned,
-                     size_t bytes_per_pack) {
+//
+// The asynchronous calls issue the same check first and read its answer in Wait, once every
+// bucket has completed (ListsDiffer).
+using ListHashes = std::array<int64_t, 4>;
+
+ListHashes HashLists(const std::vector<Tensor>& tensors, const std::vector<Bucket>& planned) {
   uint64_t list = core::kFnv1aBasis;  // over (dtype, count) of every tensor
   core::Fnv1a(list, tensors.size());
   for (const Tensor& t : tensors) {
@@ -155,23 +160,42 @@ void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
     core::Fnv1a(plan, bucket.size());
     for (size_t index : bucket) core::Fnv1a(plan, index);
   }
-  const int64_t mine[4] = {std::bit_cast<int64_t>(list), std::bit_cast<int64_t>(~list),
-                           std::bit_cast<int64_t>(plan), std::bit_cast<int64_t>(~plan)};
-  int64_t seen[4] = {mine[0], mine[1], mine[2], mine[3]};
-  comm.AllReduce(Tensor{seen, 4, DataType::kInt64}, ReduceOp::kMax);
-  const std::string who = "rank " + std::to_string(comm.rank()) + ": packing " + collective + ": ";
+  return {std::bit_cast<int64_t>(list), std::bit_cast<int64_t>(~list), std::bit_cast<int64_t>(plan),
+          std::bit_cast<int64_t>(~plan)};
+}
+
+// The kMismatch error of a list check whose answer `seen` (the max over ranks) is not this
+// rank's own hashes `mine`, or nothing when the lists and plans agree. `outcome` says what the
+// call left undone ("nothing was reduced or written").
+std::optional<Error> ListsDiffer(int rank, const char* collective, size_t tensors,
+                                 size_t bytes_per_pack, const ListHashes& mine,
+                                 const ListHashes& seen, const std::string& outcome) {
+  const std::string who = "rank " + std::to_string(rank) + ": packing " + collective + ": ";
   if (seen[0] != mine[0] || seen[1] != mine[1]) {
-    throw Error(ErrorCode::kMismatch,
-                who + "the list of " + std::to_string(tensors.size()) +
-                    " tensors differs from another rank's (dtype and count of each tensor, in "
-                    "order); nothing was reduced or written");
+    return Error(ErrorCode::kMismatch,
+                 who + "the list of " + std::to_string(tensors) +
+                     " tensors differs from another rank's (dtype and count of each tensor, in "
+                     "order); " +
+                     outcome);
   }
   if (seen[2] != mine[2] || seen[3] != mine[3]) {
     const size_t cap = bytes_per_pack == 0 ? DefaultBytesPerPack() : bytes_per_pack;
-    throw Error(ErrorCode::kMismatch,
-                who + "the list is cut into buckets other than another rank's: bytes_per_pack (" +
-                    std::to_string(cap) +
-                    " here) must be the same on every rank; nothing was reduced or written");
+    return Error(ErrorCode::kMismatch,
+                 who + "the list is cut into buckets other than another rank's: bytes_per_pack (" +
+                     std::to_string(cap) + " here) must be the same on every rank; " + outcome);
+  }
+  return std::nullopt;
+}
+
+void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
+                     const std::vector<Tensor>& tensors, const std::vector<Bucket>& planned,
+                     size_t bytes_per_pack) {
+  const ListHashes mine = HashLists(tensors, planned);
+  ListHashes seen = mine;
+  comm.AllReduce(Tensor{seen.data(), seen.size(), DataType::kInt64}, ReduceOp::kMax);
+  if (auto error = ListsDiffer(comm.rank(), collective, tensors.size(), bytes_per_pack, mine, seen,
+                               "nothing was reduced or written")) {
+    throw *error;
   }
 }
 
@@ -228,6 +252,22 @@ class FusionBuffer {
   CachedBuffer buffer_;
 };
 
+// The tensors of `bucket`, back to back, into `out`; and back.
+void CopyIn(const std::vector<Tensor>& tensors, const Bucket& bucket, uint8_t* out) {
+  for (size_t index : bucket) {
+    const Tensor& t = tensors[index];
+    if (t.count > 0) std::memcpy(out, t.data, t.bytes());
+    out += t.bytes();
+  }
+}
+void CopyOut(const std::vector<Tensor>& tensors, const Bucket& bucket, const uint8_t* in) {
+  for (size_t index : bucket) {
+    const Tensor& t = tensors[index];
+    if (t.count > 0) std::memcpy(t.data, in, t.bytes());
+    in += t.bytes();
+  }
+}
+
 // What to do with each bucket: how to issue its collective (on one tensor, in place), and
 // whether the fusion buffer must be filled from the tensors before (pack) and copied back to
 // them after (unpack).
@@ -281,21 +321,17 @@ class Buckets {
     const Tensor& first = tensors_[bucket.front()];
     return Tensor{data, count, first.dtype, first.device};
   }
+  // Bucket's bytes; the bytes of every tensor of it, in order.
+  size_t Bytes(const Bucket& bucket) const {
+    size_t bytes = 0;
+    for (size_t index : bucket) bytes += tensors_[index].bytes();
+    return bytes;
+  }
   void Pack(const Bucket& bucket, uint8_t* out) const {
-    if (!runner_.pack) return;
-    for (size_t index : bucket) {
-      const Tensor& t = tensors_[index];
-      if (t.count > 0) std::memcpy(out, t.data, t.bytes());
-      out += t.bytes();
-    }
+    if (runner_.pack) CopyIn(tensors_, bucket, out);
   }
   void Unpack(const Bucket& bucket, const uint8_t* in) const {
-    if (!runner_.unpack) return;
-    for (size_t index : bucket) {
-      const Tensor& t = tensors_[index];
-      if (t.count > 0) std::memcpy(t.data, in, t.bytes());
-      in += t.bytes();
-    }
+    if (runner_.unpack) CopyOut(tensors_, bucket, in);
   }
 
  private:
@@ -396,6 +432,188 @@ void RunBuckets(CollectiveCommunication& comm, const char* collective, const Buc
   }
 }
 
+// The Work of AllReduceAsync / BroadcastAsync. Start issues every collective of the call, in
+// order, on the calling thread: the list check first, then each bucket, a tensor alone in its
+// bucket in place, a fused bucket packed first into the call's own buffer (one allocation for
+// all of them, each bucket at a cache-line offset of its own: nothing is reused, so nothing
+// waits for a buffer to come free). Once every collective has completed, Wait or Done finishes
+// the call: the list check's answer, then the unpacking, then the buffer is freed.
+class PackedWork final : public Work {
+ public:
+  PackedWork(int rank, const char* collective, std::vector<Tensor> tensors, size_t bytes_per_pack)
+      : rank_(rank),
+        collective_(collective),
+        tensors_(std::move(tensors)),
+        bytes_per_pack_(bytes_per_pack) {}
+  PackedWork(const PackedWork&) = delete;
+  PackedWork& operator=(const PackedWork&) = delete;
+  // What is still in flight may be writing this object's buffers: it is waited for (errors
+  // dropped; nobody asked for them).
+  ~PackedWork() override {
+    if (finished_) return;
+    for (const std::shared_ptr<Work>& work : AllWorks()) {
+      try {
+        work->Wait();
+      } catch (...) {
+      }
+    }
+  }
+
+  void Start(CollectiveCommunication& comm, const BucketRunner& runner) {
+    planned_ = PlanBuckets(SpecsOf(tensors_), bytes_per_pack_);
+    const Buckets buckets(runner, tensors_, planned_);
+    unpack_ = runner.unpack;
+    mine_ = HashLists(tensors_, planned_);
+    seen_ = mine_;
+    std::vector<size_t> offsets(buckets.size(), kInPlace);
+    size_t total = 0;
+    for (size_t k = 0; k < buckets.size(); ++k) {
+      if (buckets.Single(k) != nullptr) continue;
+      offsets[k] =
+          (total + core::kCacheLineBytes - 1) / core::kCacheLineBytes * core::kCacheLineBytes;
+      total = offsets[k] + buckets.Bytes(buckets[k]);
+    }
+    if (total > 0) buffer_ = core::AllocateAligned(total);
+    check_ =
+        comm.AllReduceAsync(Tensor{seen_.data(), seen_.size(), DataType::kInt64},
+                            Tensor{seen_.data(), seen_.size(), DataType::kInt64}, ReduceOp::kMax);
+    issued_.reserve(buckets.size());
+    for (size_t k = 0; k < buckets.size(); ++k) {
+      const Bucket& bucket = buckets[k];
+      if (const Tensor* single = buckets.Single(k)) {
+        issued_.push_back(Issued{&bucket, runner.issue_async(*single), kInPlace});
+        continue;
+      }
+      uint8_t* data = buffer_.get() + offsets[k];
+      buckets.Pack(bucket, data);
+      issued_.push_back(
+          Issued{&bucket, runner.issue_async(buckets.FusedView(bucket, data)), offsets[k]});
+    }
+  }
+
+  void Wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    FinishLocked();
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+  // Finishes the call (a copy, never a wait for a peer) once every collective has completed.
+  bool Done() const override {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return false;  // another thread is finishing it, or waiting
+    if (finished_) return true;
+    for (const std::shared_ptr<Work>& work : AllWorks()) {
+      if (!work->Done()) return false;
+    }
+    FinishLocked();
+    return true;
+  }
+
+ private:
+  static constexpr size_t kInPlace = SIZE_MAX;
+  struct Issued {
+    const Bucket* bucket;
+    std::shared_ptr<Work> work;
+    size_t offset;  // into buffer_; kInPlace for a tensor alone in its bucket
+  };
+
+  std::vector<std::shared_ptr<Work>> AllWorks() const {
+    std::vector<std::shared_ptr<Work>> works;
+    if (check_) works.push_back(check_);
+    for (const Issued& issued : issued_) works.push_back(issued.work);
+    return works;
+  }
+
+  // Waits for every collective; the call's error is the list check's own failure, else its
+  // answer (lists that differ make the buckets fail or mix tensors: the cause comes first), else
+  // the first bucket's failure. Unpacks only when there is none.
+  void FinishLocked() const {
+    if (finished_) return;
+    std::exception_ptr check_failure;
+    std::exception_ptr bucket_failure;
+    try {
+      check_->Wait();
+    } catch (...) {
+      check_failure = std::current_exception();
+    }
+    for (const Issued& issued : issued_) {
+      try {
+        issued.work->Wait();
+      } catch (...) {
+        if (!bucket_failure) bucket_failure = std::current_exception();
+      }
+    }
+    finished_ = true;
+    if (check_failure) {
+      failure_ = check_failure;
+    } else if (std::optional<Error> differ = ListsDiffer(
+                   rank_, collective_, tensors_.size(), bytes_per_pack_, mine_, seen_,
+                   "no fused tensor was written (a tensor alone in its bucket was issued "
+                   "before the answer came)")) {
+      failure_ = std::make_exception_ptr(*differ);
+    } else if (bucket_failure) {
+      failure_ = bucket_failure;
+    } else if (unpack_) {
+      for (const Issued& issued : issued_) {
+        if (issued.offset != kInPlace) {
+          CopyOut(tensors_, *issued.bucket, buffer_.get() + issued.offset);
+        }
+      }
+    }
+    buffer_.reset();
+  }
+
+  const int rank_;
+  const char* const collective_;
+  const std::vector<Tensor> tensors_;
+  const size_t bytes_per_pack_;
+  // Set by Start, read by FinishLocked.
+  std::vector<Bucket> planned_;
+  bool unpack_ = false;
+  ListHashes mine_{};
+  ListHashes seen_{};  // the list check's buffer, then its answer
+  std::shared_ptr<Work> check_;
+  std::vector<Issued> issued_;
+  // Under mu_ once Start has returned (Done, a const call, finishes the call too).
+  mutable std::mutex mu_;
+  mutable core::AlignedBytes buffer_;
+  mutable bool finished_ = false;
+  mutable std::exception_ptr failure_;
+};
+
+BucketRunner AllReduceRunner(CollectiveCommunication& comm, const std::vector<Tensor>& tensors,
+                             ReduceOp op) {
+  CheckTensors(comm, "all_reduce", tensors);
+  core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), op);
+  return BucketRunner{/*pack=*/true, /*unpack=*/true,
+                      [&comm, op](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
+                      [&comm, op](const Tensor& t) { comm.AllReduce(t, t, op); }};
+}
+
+BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Tensor>& tensors,
+                             int root) {
+  CheckTensors(comm, "broadcast", tensors);
+  if (root < 0 || root >= comm.size()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(comm.rank()) + ": packing broadcast: root " +
+                    std::to_string(root) + " is not a rank of this communicator (size " +
+                    std::to_string(comm.size()) + ")");
+  }
+  const bool is_root = comm.rank() == root;
+  // The root packs and its tensors are already the result; the others only unpack.
+  return BucketRunner{/*pack=*/is_root, /*unpack=*/!is_root,
+                      [&comm, root](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
+                      [&comm, root](const Tensor& t) { comm.Broadcast(t, t, root); }};
+}
+
+std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,
+                                 const BucketRunner& runner, const std::vector<Tensor>& tensors,
+                                 size_t bytes_per_pack) {
+  auto work = std::make_shared<PackedWork>(comm.rank(), collective, tensors, bytes_per_pack);
+  work->Start(comm, runner);
+  return work;
+}
+
 }  // namespace
 
 size_t DefaultBytesPerPack() { return kDefaultBytesPerPack; }
@@ -449,6 +667,20 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
   internal::Broadcast(comm, tensors, root, bytes_per_pack, internal::Schedule::kAuto);
 }
 
+std::shared_ptr<Work> AllReduceAsync(CollectiveCommunication& comm,
+                                     const std::vector<Tensor>& tensors, ReduceOp op,
+                                     size_t bytes_per_pack) {
+  return StartAsync(comm, "all_reduce", AllReduceRunner(comm, tensors, op), tensors,
+                    bytes_per_pack);
+}
+
+std::shared_ptr<Work> BroadcastAsync(CollectiveCommunication& comm,
+                                     const std::vector<Tensor>& tensors, int root,
+                                     size_t bytes_per_pack) {
+  return StartAsync(comm, "broadcast", BroadcastRunner(comm, tensors, root), tensors,
+                    bytes_per_pack);
+}
+
 namespace internal {
 
 // Overlap pays when the caller's packing and the progress thread's collective each have a core;
@@ -475,29 +707,14 @@ Schedule AutoSchedule(int world_size) {
 
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack, Schedule schedule) {
-  CheckTensors(comm, "all_reduce", tensors);
-  core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), op);
-  const BucketRunner runner{/*pack=*/true, /*unpack=*/true,
-                            [&](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
-                            [&](const Tensor& t) { comm.AllReduce(t, t, op); }};
-  RunBuckets(comm, "all_reduce", runner, tensors, bytes_per_pack, schedule);
+  RunBuckets(comm, "all_reduce", AllReduceRunner(comm, tensors, op), tensors, bytes_per_pack,
+             schedule);
 }
 
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
                size_t bytes_per_pack, Schedule schedule) {
-  CheckTensors(comm, "broadcast", tensors);
-  if (root < 0 || root >= comm.size()) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(comm.rank()) + ": packing broadcast: root " +
-                    std::to_string(root) + " is not a rank of this communicator (size " +
-                    std::to_string(comm.size()) + ")");
-  }
-  const bool is_root = comm.rank() == root;
-  // The root packs and its tensors are already the result; the others only unpack.
-  const BucketRunner runner{/*pack=*/is_root, /*unpack=*/!is_root,
-                            [&](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
-                            [&](const Tensor& t) { comm.Broadcast(t, t, root); }};
-  RunBuckets(comm, "broadcast", runner, tensors, bytes_per_pack, schedule);
+  RunBuckets(comm, "broadcast", BroadcastRunner(comm, tensors, root), tensors, bytes_per_pack,
+             schedule);
 }
 
 }  // namespace internal

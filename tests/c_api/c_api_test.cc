@@ -273,6 +273,7 @@ TEST_P(CApiCollectiveTest, AllReduceManyOddSizesEqualsOneAllReducePerBuffer) {
   const std::vector<std::vector<size_t>> lists = {
       {}, {0}, {1}, {0, 1, 2, 3, 5, 7, 11, 13, 0, 17}, {1009, 0, 3, 4099, 1, 65537}};
   RunRanks(size, [&](coll_comm* comm, int rank) {
+    int calls = 0;
     for (const std::vector<size_t>& counts : lists) {
       for (size_t bytes_per_pack : {size_t{0}, size_t{16}, size_t{4096}}) {
         for (DataType dtype :
@@ -290,12 +291,22 @@ TEST_P(CApiCollectiveTest, AllReduceManyOddSizesEqualsOneAllReducePerBuffer) {
               // An empty buffer may be NULL.
               buffers.push_back(counts[k] == 0 ? nullptr : storage[k].data());
             }
-            EXPECT_OK(coll_all_reduce_many(comm, counts.empty() ? nullptr : buffers.data(),
-                                           counts.empty() ? nullptr : counts.data(), counts.size(),
-                                           C(dtype), C(op), bytes_per_pack));
+            void* const* list = counts.empty() ? nullptr : buffers.data();
+            const size_t* sizes = counts.empty() ? nullptr : counts.data();
+            const bool async = ++calls % 2 == 0;  // the asynchronous form every other call
+            if (async) {
+              coll_work* work = nullptr;
+              EXPECT_OK(coll_all_reduce_many_async(comm, list, sizes, counts.size(), C(dtype),
+                                                   C(op), bytes_per_pack, &work));
+              EXPECT_OK(coll_work_free(work));
+            } else {
+              EXPECT_OK(coll_all_reduce_many(comm, list, sizes, counts.size(), C(dtype), C(op),
+                                             bytes_per_pack));
+            }
             first = 0;
             for (size_t k = 0; k < counts.size(); ++k) {
-              ExpectElements(Describe("all_reduce_many", rank, dtype, op, counts[k], true) +
+              ExpectElements(Describe(async ? "all_reduce_many_async" : "all_reduce_many", rank,
+                                      dtype, op, counts[k], true) +
                                  " buffer " + std::to_string(k) + " of " +
                                  std::to_string(counts.size()) +
                                  " bytes_per_pack=" + std::to_string(bytes_per_pack),
@@ -780,6 +791,8 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
   coll_comm* comm = nullptr;
   ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
   float x[4] = {1, 2, 3, 4};
+  void* buffers[2] = {x, nullptr};
+  const size_t counts[2] = {4, 3};
   const coll_dtype bad_dtype = static_cast<coll_dtype>(99);
   const coll_op bad_op = static_cast<coll_op>(42);
   coll_work* junk = reinterpret_cast<coll_work*>(uintptr_t{0x1});
@@ -810,6 +823,14 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
        "coll_all_reduce_async: comm is NULL"},
       {[&](coll_work** w) { return coll_barrier_async(nullptr, w); },
        "coll_barrier_async: comm is NULL"},
+      {[&](coll_work** w) {
+         return coll_all_reduce_many_async(comm, buffers, counts, 2, COLL_FLOAT32, COLL_SUM, 0, w);
+       },
+       "coll_all_reduce_many_async: buffers[1] is NULL but counts[1] is 3"},
+      {[&](coll_work** w) {
+         return coll_all_reduce_many_async(comm, buffers, counts, 1, COLL_FLOAT32, bad_op, 0, w);
+       },
+       "coll_all_reduce_many_async: op 42"},
   };
   for (const Case& c : cases) {
     coll_work* work = junk;

@@ -323,6 +323,17 @@ void CheckAllReduceMatchesOneByOne(CollectiveCommunication& comm, const std::vec
     for (size_t i = 0; i < packed.size(); ++i) {
       ASSERT_EQ(packed.bytes(i), reference.bytes(i)) << "default cap: " << Describe(packed, i);
     }
+    // The asynchronous form, every cap.
+    for (size_t cap : caps) {
+      TensorList async(specs);
+      async.Fill(op, comm.rank());
+      AllReduceAsync(comm, async.tensors(), op, cap)->Wait();
+      for (size_t i = 0; i < async.size(); ++i) {
+        ASSERT_EQ(async.bytes(i), reference.bytes(i))
+            << "rank " << comm.rank() << " of " << comm.size() << ", " << ToString(op) << ", cap "
+            << cap << ", async: " << Describe(async, i) << " differs from one-by-one";
+      }
+    }
   }
 }
 
@@ -403,6 +414,14 @@ TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
                   << "rank " << comm.rank() << " of " << size << ", root " << root << ", cap "
                   << cap << ", " << Name(schedule) << ": " << Describe(list, i);
             }
+          }
+          TensorList list(specs);
+          list.Fill(comm.rank() == root ? ReduceOp::kMin : ReduceOp::kSum, comm.rank());
+          BroadcastAsync(comm, list.tensors(), root, cap)->Wait();
+          for (size_t i = 0; i < list.size(); ++i) {
+            ASSERT_EQ(list.bytes(i), expected.bytes(i))
+                << "rank " << comm.rank() << " of " << size << ", root " << root << ", cap " << cap
+                << ", async: " << Describe(list, i);
           }
         }
       });
@@ -569,6 +588,108 @@ TEST(PackedMismatchTest, ACallThatMovesNothingReportsAnAbort) {
         EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
       }
     }
+  });
+}
+
+// The asynchronous form issues every collective before it returns: a blocking call and a second
+// packed call made after it, before any Wait, follow it on every rank, and each gets its own
+// result. A Done that returns true has finished the call (the fused buckets are unpacked), and
+// a Work dropped unwaited waits for its collectives before its buffer goes.
+TEST(PackedAsyncTest, CallsAfterItFollowItAndDoneFinishesIt) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(30);
+    RunRanks(transport, 3, options, [](CollectiveCommunication& comm) {
+      const std::vector<TensorSpec> specs = MixedList();
+      TensorList first(specs), second(specs), expected_sum(specs), expected_max(specs);
+      first.Fill(ReduceOp::kSum, comm.rank());
+      second.Fill(ReduceOp::kMax, comm.rank());
+      expected_sum.Fill(ReduceOp::kSum, comm.rank());
+      expected_max.Fill(ReduceOp::kMax, comm.rank());
+      {  // dropped unwaited: its destructor waits for what its buffer holds
+        TensorList dropped(specs);
+        dropped.Fill(ReduceOp::kSum, comm.rank());
+        AllReduceAsync(comm, dropped.tensors(), ReduceOp::kSum, 4096);
+      }
+      const std::shared_ptr<Work> a = AllReduceAsync(comm, first.tensors(), ReduceOp::kSum, 4096);
+      std::vector<int32_t> plain(1001, comm.rank() + 1);
+      comm.AllReduce(Tensor{plain.data(), plain.size(), DataType::kInt32}, ReduceOp::kSum);
+      const std::shared_ptr<Work> b = AllReduceAsync(comm, second.tensors(), ReduceOp::kMax, 100);
+      while (!b->Done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_TRUE(a->Done()) << "the call issued before b has not completed";
+      for (const Tensor& t : expected_sum.tensors()) comm.AllReduce(t, ReduceOp::kSum);
+      for (const Tensor& t : expected_max.tensors()) comm.AllReduce(t, ReduceOp::kMax);
+      for (size_t i = 0; i < specs.size(); ++i) {
+        ASSERT_EQ(second.bytes(i), expected_max.bytes(i)) << "after Done: " << Describe(second, i);
+      }
+      a->Wait();
+      a->Wait();  // again: returns again
+      for (size_t i = 0; i < specs.size(); ++i) {
+        ASSERT_EQ(first.bytes(i), expected_sum.bytes(i)) << Describe(first, i);
+      }
+      const int32_t sum = comm.size() * (comm.size() + 1) / 2;
+      for (int32_t v : plain) ASSERT_EQ(v, sum);
+    });
+  }
+}
+
+// Lists that differ but bucket alike: Wait raises kMismatch on every rank, the fused tensors
+// are untouched, and the communicator still works.
+TEST(PackedAsyncTest, ListsThatDifferRaiseInWaitAndWriteNoFusedTensor) {
+  ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
+    std::vector<float> a(odd ? 200 : 100, float(comm.rank() + 1));
+    std::vector<float> b(odd ? 100 : 200, float(comm.rank() + 1));
+    const std::vector<Tensor> list = {Tensor{a.data(), a.size(), DataType::kFloat32},
+                                      Tensor{b.data(), b.size(), DataType::kFloat32}};
+    for (bool broadcast : {false, true}) {
+      const std::shared_ptr<Work> work =
+          broadcast ? packing::BroadcastAsync(comm, list, 0, 4096)
+                    : packing::AllReduceAsync(comm, list, ReduceOp::kSum, 4096);
+      try {
+        work->Wait();
+        ADD_FAILURE() << "rank " << comm.rank() << ": differing lists went through";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+        EXPECT_NE(e.message().find("list of 2 tensors differs"), std::string::npos) << e.what();
+        EXPECT_NE(e.message().find("no fused tensor was written"), std::string::npos) << e.what();
+      }
+      EXPECT_THROW(work->Wait(), Error) << "a second Wait forgot the error";
+      for (float v : a) ASSERT_EQ(v, float(comm.rank() + 1)) << "a was written";
+      for (float v : b) ASSERT_EQ(v, float(comm.rank() + 1)) << "b was written";
+    }
+    std::vector<float> c(100, 1.0f), d(200, 2.0f);
+    packing::AllReduceAsync(comm,
+                            {Tensor{c.data(), c.size(), DataType::kFloat32},
+                             Tensor{d.data(), d.size(), DataType::kFloat32}},
+                            ReduceOp::kSum, 4096)
+        ->Wait();
+    for (float v : c) ASSERT_EQ(v, float(comm.size()));
+    for (float v : d) ASSERT_EQ(v, 2.0f * float(comm.size()));
+  });
+}
+
+void ExpectError(const std::function<void()>& call, ErrorCode code, const std::string& needle);
+
+// Argument errors come from the call itself, before anything is issued; the collectives' errors
+// (here an Abort) from Wait.
+TEST(PackedAsyncTest, ArgumentErrorsAreThrownAndCollectiveErrorsWaited) {
+  RunRanks(Transport::kInProcess, 2, CommunicationOptions{}, [](CollectiveCommunication& comm) {
+    std::vector<float> x(10, 1.0f);
+    const std::vector<Tensor> shared = {Tensor{x.data(), 10, DataType::kFloat32},
+                                        Tensor{x.data() + 5, 5, DataType::kFloat32}};
+    ExpectError([&] { AllReduceAsync(comm, shared, ReduceOp::kSum); }, ErrorCode::kInvalidArgument,
+                "shares memory with tensor 0");
+    ExpectError([&] { BroadcastAsync(comm, {}, 2); }, ErrorCode::kInvalidArgument, "root 2");
+    comm.Abort();
+    const std::shared_ptr<Work> work =
+        AllReduceAsync(comm, {Tensor{x.data(), 10, DataType::kFloat32}}, ReduceOp::kSum);
+    try {
+      work->Wait();
+      ADD_FAILURE() << "rank " << comm.rank() << ": a call on an aborted communicator succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    }
+    EXPECT_TRUE(work->Done());
   });
 }
 
