@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs an embedding example as a job of two processes on this host, the way torchrun would:
-# rank 1 in the background, rank 0 in the foreground, both with RANK / WORLD_SIZE / MASTER_ADDR /
-# MASTER_PORT (a port that was free a moment ago). Fails if either rank exits non-zero, runs
-# past the time limit, or prints no final checksum, or if the two final checksums differ.
+# ranks 0 and 1 in the background, both with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a
+# port that was free a moment ago); a Ctrl-C or a TERM stops both. Fails if either rank exits
+# non-zero, runs past the time limit, or prints no final checksum, or if the two final checksums
+# differ.
 #
 #   run_two_ranks.sh BINARY [TIME_LIMIT_SECONDS]     (default 60; without BINARY: usage, exit 2)
 set -u
@@ -20,15 +21,32 @@ port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-run_rank() {
+# timeout(1) runs its command in a process group of its own, which a Ctrl-C at the terminal does
+# not reach: both ranks therefore run in the background, the script waits for them with `wait`
+# (which a trapped signal interrupts at once), and on INT or TERM the trap sends TERM to every
+# job still running (timeout hands it on to the rank) before the script exits. `jobs -p` also
+# knows a rank whose pid the script has not stored yet.
+stop_ranks() {
+  local running
+  running=$(jobs -p)
+  if [ -n "$running" ]; then kill -TERM $running 2>/dev/null; fi
+  return 0
+}
+trap 'stop_ranks; exit 130' INT
+trap 'stop_ranks; exit 143' TERM
+
+# start_rank R: rank R under timeout in the background (env execs timeout: $! is its pid).
+start_rank() {
   env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u COLLECTIVES_JOB_ID \
     RANK="$1" WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-    timeout "$limit" "$binary" >"$work/rank$1.out" 2>&1
+    timeout "$limit" "$binary" >"$work/rank$1.out" 2>&1 &
 }
 
-run_rank 1 &
+start_rank 1
 pid1=$!
-run_rank 0
+start_rank 0
+pid0=$!
+wait "$pid0"
 rc0=$?
 wait "$pid1"
 rc1=$?
