@@ -65,20 +65,36 @@ job+=(--seed 7 --timeout 30)
 LIMIT=120      # seconds any one process may run
 DEADLINE=45    # seconds the survivor has to notice the loss of its peer and exit
 
+# kill_tree PID: stops PID, then each process under it in turn (a stopped process starts no
+# other), then kills them all.
+kill_tree() {
+  local tree=("$1") i=0 child
+  while [[ $i -lt ${#tree[@]} ]]; do
+    kill -STOP "${tree[i]}" 2>/dev/null
+    for child in $(pgrep -P "${tree[i]}"); do tree+=("${child}"); done
+    i=$((i + 1))
+  done
+  kill -KILL "${tree[@]}" 2>/dev/null
+}
+# On any exit, a Ctrl-C or a TERM included: every worker this script started and has not waited
+# for yet, with its timeout(1) and train (in a process group of their own, which a Ctrl-C does not
+# reach). The workers are the shell's jobs, which `jobs -p` knows from the moment each starts,
+# before start_job has found its train pid. Set before anything is created or started.
+work=""
+cleanup() {
+  local job
+  for job in $(jobs -p); do kill_tree "${job}"; done
+  [[ -n ${work} ]] || return 0
+  if [[ ${keep} == 1 ]]; then echo "kill-restart: work folder kept: ${work}"; else rm -rf "${work}"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
 work=$(mktemp -d /tmp/kill-restart.XXXXXX)
 started=$(date +%s.%N)
 failures=()
 fail() { failures+=("$1"); echo "kill-restart: FAIL: $1"; }
-cleanup() {
-  # Only the train processes this script started and has not waited for yet.
-  for pid in ${all_pids:-}; do
-    [[ $(cat "/proc/${pid}/comm" 2>/dev/null) == "$(basename "${train}" | cut -c1-15)" ]] &&
-      kill -9 "$pid" 2>/dev/null
-  done
-  if [[ ${keep} == 1 ]]; then echo "kill-restart: work folder kept: ${work}"; else rm -rf "${work}"; fi
-}
-trap cleanup EXIT
-all_pids=""
 
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -105,10 +121,9 @@ start_job() {
     eval "job_pid$i=$!"
   done
   for i in 0 1; do
-    local var="job_pid$i" pid
-    pid=$(train_pid_under "${!var}")
-    eval "train_pid$i=$pid"
-    all_pids+=" $pid"
+    local var="job_pid$i"
+    train_pid_under "${!var}"
+    eval "train_pid$i=${train_pid}"
   done
 }
 
@@ -116,7 +131,6 @@ start_job() {
 wait_job() {
   wait "$job_pid0"; rc0=$?
   wait "$job_pid1"; rc1=$?
-  all_pids=""
 }
 
 show_logs() {
@@ -127,16 +141,20 @@ show_logs() {
   done
 }
 
-# The pid of the train process under `pid` (subshell -> timeout -> train): the end of the chain
-# of first children, once it is the train binary. Empty if none appears within 5 s.
+# Sets train_pid to the pid of the train process under `pid` (subshell -> timeout -> train): the
+# end of the chain of first children, once it is the train binary. Empty if none appears within
+# 250 polls (5 s on an idle machine). It runs in this shell, not in a command substitution, so
+# that a Ctrl-C or a TERM meanwhile is handled at once: the shell runs a trap only once the
+# command it waits for has ended.
 train_pid_under() {
-  local pid name
+  local pid name child
+  train_pid=""
   for _ in $(seq 250); do
     pid=$1
     while child=$(pgrep -P "$pid" | head -1) && [[ -n ${child} ]]; do pid=${child}; done
     name=$(cat "/proc/${pid}/comm" 2>/dev/null)
     if [[ ${name} == "$(basename "${train}" | cut -c1-15)" ]]; then
-      echo "${pid}"
+      train_pid=${pid}
       return
     fi
     sleep 0.02
