@@ -16,7 +16,9 @@
 //
 // How the ranks start:
 //   --local N  this process forks N ranks on loopback and waits for them; they rendezvous
-//              through a Gloo FileStore in a fresh temporary folder, removed at the end.
+//              through a Gloo FileStore in a fresh temporary folder, removed at the end, also
+//              when the run is interrupted (SIGINT, SIGTERM, SIGHUP: the ranks are stopped,
+//              the folder removed, then this process ends by the same signal).
 //   otherwise  RANK and WORLD_SIZE from the environment and --store DIR, a folder every rank
 //              can read and write (on several hosts: a shared file system; pass --hostname).
 //
@@ -43,7 +45,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -484,11 +485,25 @@ int ExitCodeOf(int status) {
 // Forks `world_size` ranks (this process has no threads yet, so fork is safe) that rendezvous
 // in a fresh temporary folder, and waits for them. When a rank fails, the others get two
 // seconds to finish, then SIGTERM, then two more seconds, then SIGKILL. Returns the first
-// non-zero exit code.
+// non-zero exit code. SIGINT, SIGTERM and SIGHUP are blocked from before the folder exists and
+// taken in the wait loop: the ranks get SIGTERM at once (SIGKILL two seconds later), and once
+// they are gone and the folder is removed, this process ends by the signal it received.
 int RunLocal(const Config& config) {
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction action {};
+    sigaction(sig, nullptr, &action);
+    // One this process was started ignoring (a background job's SIGINT) stays ignored: Linux
+    // would queue it while it is blocked.
+    if (action.sa_handler != SIG_IGN) sigaddset(&stop_signals, sig);
+  }
+  sigset_t old_mask;
+  sigprocmask(SIG_BLOCK, &stop_signals, &old_mask);
   std::string dir_template = (std::filesystem::temp_directory_path() / "gloo_perf.XXXXXX").string();
   if (mkdtemp(dir_template.data()) == nullptr) {
     std::fprintf(stderr, "gloo_perf: mkdtemp: %s\n", std::strerror(errno));
+    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
     return kExitError;
   }
   const std::string store_dir = dir_template;
@@ -505,6 +520,7 @@ int RunLocal(const Config& config) {
       break;
     }
     if (pid == 0) {
+      sigprocmask(SIG_SETMASK, &old_mask, nullptr);
       prctl(PR_SET_PDEATHSIG, SIGTERM);  // die with the launcher rather than linger
       if (getppid() != launcher) _exit(kExitError);
       const int rc = RunRank(config, rank, config.local, store_dir);
@@ -519,6 +535,7 @@ int RunLocal(const Config& config) {
   size_t alive = pids.size();
   std::optional<Clock::time_point> terminate_at;
   std::optional<Clock::time_point> kill_at;
+  int stop_signal = 0;
   while (alive > 0) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
@@ -529,7 +546,7 @@ int RunLocal(const Config& config) {
       *it = -1;
       --alive;
       const int code = ExitCodeOf(status);
-      if (code != kExitOk && code != kExitWrong && !terminate_at) {
+      if (code != kExitOk && code != kExitWrong && !terminate_at && stop_signal == 0) {
         std::fprintf(stderr, "gloo_perf: rank %d exited with code %d\n",
                      static_cast<int>(it - pids.begin()), code);
         terminate_at = Clock::now() + std::chrono::seconds(2);
@@ -549,10 +566,26 @@ int RunLocal(const Config& config) {
       }
       kill_at = now + std::chrono::hours(1);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    timespec poll_interval{0, 20'000'000};
+    const int sig = sigtimedwait(&stop_signals, nullptr, &poll_interval);
+    if (sig > 0 && stop_signal == 0) {
+      stop_signal = sig;
+      std::fprintf(stderr, "gloo_perf: %s: stopping the ranks\n", strsignal(sig));
+      for (pid_t p : pids) {
+        if (p > 0) kill(p, SIGTERM);
+      }
+      terminate_at = Clock::now();
+      kill_at = *terminate_at + std::chrono::seconds(2);
+    }
   }
   std::error_code ignored;
   std::filesystem::remove_all(store_dir, ignored);
+  if (stop_signal != 0) {
+    signal(stop_signal, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    raise(stop_signal);
+  }
+  sigprocmask(SIG_SETMASK, &old_mask, nullptr);
   return result;
 }
 
