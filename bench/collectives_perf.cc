@@ -16,7 +16,8 @@
 //              OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE and needs MASTER_ADDR / MASTER_PORT.
 //   otherwise  ClusterSpec::FromEnvironment: TF_CONFIG, RANK / WORLD_SIZE / MASTER_*, or one rank.
 //
-// Exit status: 0 success, 1 error, 2 the run finished but --check found wrong elements.
+// Exit status: 0 success (--help too), 1 error (a bad command line too), 2 the run finished but
+// --check found wrong elements.
 //
 // Test hook: with COLLECTIVES_BENCH_TEST_ROTATE_RESULT set, the last rank moves every element of
 // each checked result one place on before it verifies it, as a result written at the wrong
@@ -1266,7 +1267,8 @@ int Main(int argc, char** argv) {
     std::ostream quiet(nullptr);
     const int rc = env_rank == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
     finalize();
-    return rc;
+    // --help is 0; a bad command line is an error (1), not CLI11's own code (104 to 114).
+    return rc == 0 ? kExitOk : kExitError;
   }
 
   if (config.local > 0 && !local_child) {

@@ -22,7 +22,8 @@
 //   otherwise  RANK and WORLD_SIZE from the environment and --store DIR, a folder every rank
 //              can read and write (on several hosts: a shared file system; pass --hostname).
 //
-// Exit status: 0 success, 1 error, 2 the run finished but --check found wrong elements.
+// Exit status: 0 success (--help too), 1 error (a bad command line too), 2 the run finished but
+// --check found wrong elements.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/types.h>
@@ -644,7 +645,8 @@ int Main(int argc, char** argv) {
       throw CLI::ValidationError("pass --local N, or RANK / WORLD_SIZE and --store DIR");
     }
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help is 0; a bad command line is an error (1), not CLI11's own code (104 to 114).
+    return app.exit(e) == 0 ? kExitOk : kExitError;
   }
 
   if (config.local > 0) return RunLocal(config);

@@ -9,7 +9,8 @@
 //              store on a free port and MPI_Bcast's it. Built without: ClusterSpec::
 //              FromEnvironment, which reads OMPI_COMM_WORLD_* and needs MASTER_ADDR / _PORT.
 //
-// Exit codes shared by the benchmarks: 0 success, 1 error, 2 finished but results were wrong.
+// Exit codes shared by the benchmarks: 0 success, 1 error (a bad command line too), 2 finished
+// but results were wrong.
 //
 // Thread-safety: call from the main thread, before other threads exist (fork).
 #ifndef COLLECTIVES_BENCH_LOCAL_LAUNCHER_H_

@@ -20,7 +20,8 @@
 //   resnet50  the 161 trainable tensors of ResNet-50 (25,557,032 parameters, 102 MB in f32).
 //
 // How the ranks start: --local N, mpirun, or the environment, as for collectives_perf (see
-// bench/local_launcher.h). Exit status: 0 success, 1 error, 2 --check found wrong elements.
+// bench/local_launcher.h). Exit status: 0 success (--help too), 1 error (a bad command line
+// too), 2 --check found wrong elements.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -532,7 +533,8 @@ int Main(int argc, char** argv) {
     std::ostream quiet(nullptr);
     const int rc = env_rank == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
     finalize();
-    return rc;
+    // --help is 0; a bad command line is an error (1), not CLI11's own code (104 to 114).
+    return rc == 0 ? kExitOk : kExitError;
   } catch (const std::exception& e) {  // out of memory for the lists, say
     std::fprintf(stderr, "packing_perf: %s\n", e.what());
     finalize();
