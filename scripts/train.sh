@@ -36,17 +36,24 @@ fi
 # timeout(1) runs its command in a process group of its own, which a Ctrl-C at the terminal does
 # not reach: every command here therefore runs in the background, the script waits for it with
 # `wait` (which a trapped signal interrupts at once), and on INT or TERM the trap sends TERM to
-# every one still running (timeout hands it on to train) before the script exits.
+# every one still running (timeout hands it on to train) and removes run_workers' folder of
+# worker logs before the script exits.
 limited=()
+work=""
 stop_limited() {
   if [[ ${#limited[@]} -gt 0 ]]; then kill -TERM "${limited[@]}" 2>/dev/null; fi
+  if [[ -n ${work} ]]; then rm -rf "${work}"; fi
   return 0
 }
-# start_limited ARGS...: `timeout $LIMIT ARGS` in the background, its pid in $! and in limited.
-# Sets the traps each time: a subshell (the --throughput runs) starts without them.
-start_limited() {
+# set_stop_traps: the traps, set by each function that starts something (and again each time: a
+# subshell, as the --throughput runs are, starts without them).
+set_stop_traps() {
   trap 'stop_limited; exit 130' INT
   trap 'stop_limited; exit 143' TERM
+}
+# start_limited ARGS...: `timeout $LIMIT ARGS` in the background, its pid in $! and in limited.
+start_limited() {
+  set_stop_traps
   timeout "$LIMIT" "$@" &
   limited+=($!)
 }
@@ -69,7 +76,8 @@ free_port() {
 run_workers() {
   local n=$1
   shift
-  local port work pids=() rc=0 i
+  local port pids=() rc=0 i
+  set_stop_traps  # before the folder exists
   port=$(free_port)
   work=$(mktemp -d)
   # A fresh job token unless one is given: every connection of the job proves it.
@@ -93,6 +101,7 @@ run_workers() {
   done
   limited=()
   rm -rf "$work"
+  work=""
   return $rc
 }
 

@@ -2,13 +2,17 @@
 # ctest train_sh_interrupt: scripts/train.sh stops, and every train process it started with it,
 # on a Ctrl-C at the terminal (SIGINT to the script's process group) and on a TERM to the script
 # alone, within 10 s. (timeout(1) gives train a process group of its own, which neither reaches
-# by itself: the workers used to train on for up to TRAIN_TIME_LIMIT, an hour.)
+# by itself: the workers used to train on for up to TRAIN_TIME_LIMIT, an hour.) It leaves
+# nothing in TMPDIR (--workers' folder of worker logs used to stay).
 #
 #   train_sh_interrupt_test.sh BUILD_DIR
 set -u
 build_dir=$1
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 set -m  # each job in a process group of its own, with SIGINT not ignored: as at a terminal
+
+tmp=$(mktemp -d)
+trap 'rm -rf "${tmp}"' EXIT
 
 descendants() {
   local p
@@ -25,7 +29,8 @@ status=0
 interrupt() {
   local signal=$1 target=$2 trains=$3 pid found=() p i
   shift 3
-  TRAIN_NO_BUILD=1 COLLECTIVES_BUILD_DIR=${build_dir} "${root}/scripts/train.sh" "$@" \
+  TMPDIR=${tmp} TRAIN_NO_BUILD=1 COLLECTIVES_BUILD_DIR=${build_dir} \
+    "${root}/scripts/train.sh" "$@" \
     --epochs 100000 --train-limit 1024 --test-limit 100 --quiet-progress >/dev/null 2>&1 &
   pid=$!
   for ((i = 0; i < 400 && ${#found[@]} < trains; ++i)); do
@@ -54,9 +59,13 @@ interrupt() {
     # The timeout(1) processes, then the script: TERM ends each with its train.
     kill -TERM $(pgrep -P "${pid}") "${pid}" "${found[@]}" 2>/dev/null
     status=1
+  elif [[ -n $(ls "${tmp}") ]]; then
+    echo "FAIL: SIG${signal} to train.sh $* (${target}) left $(ls "${tmp}") in TMPDIR"
+    status=1
   else
     echo "ok: SIG${signal} to train.sh $* (${target}) stopped it and its ${trains} train processes"
   fi
+  rm -rf "${tmp:?}"/*
 }
 
 interrupt INT group 2 --workers 2
