@@ -95,7 +95,11 @@ __attribute__((format(printf, 1, 2))) void Say(const char* format, ...) {
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  // At most a year (the library reads more as a year): the conversion of a larger --timeout
+  // (1e300) to milliseconds overflowed to a negative count, refused as "must be positive".
+  constexpr double kYearSeconds = 365.0 * 24 * 3600;
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(std::min(o.timeout_s, kYearSeconds) * 1000.0));
   const st::CrossDeviceOps cross_device = st::ParseCrossDeviceOps(o.cross_device);
   if ((o.strategy == "default" || o.strategy == "one_device") && o.replicas > 1) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
