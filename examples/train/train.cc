@@ -30,6 +30,7 @@
 #include <CLI/CLI.hpp>
 #include <Eigen/Core>
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <csignal>
 #include <cstdarg>
@@ -77,6 +78,19 @@ struct Options {
   double timeout_s = 300;
   int throttle_ms = 0;
 };
+
+// A CLI11 check for a count option (a size_t): digits only. CLI11 converts "-1" to a size_t as
+// 2^64 - 1, which ran on to "cannot create std::vector larger than max_size()" for a global batch.
+CLI::Validator Count() {
+  return CLI::Validator(
+      [](std::string& text) {
+        const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+          return std::isdigit(static_cast<unsigned char>(c));
+        });
+        return digits ? std::string() : "'" + text + "' is not a count (0, 1, 2, ...)";
+      },
+      "COUNT");
+}
 
 // "worker 1" in error messages: this process's rank as soon as it is known.
 std::string g_worker = "worker 0";
@@ -496,7 +510,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--global-batch", o.global_batch,
-                 "fix the global batch instead (a multiple of the replicas in sync)");
+                 "fix the global batch instead (a multiple of the replicas in sync)")
+      ->check(Count());
   app.add_option("--epochs", o.epochs, "epochs")
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
@@ -507,9 +522,12 @@ int main(int argc, char** argv) {
   app.add_option("--save-every-steps", o.save_every_steps,
                  "with --checkpoint-dir, also save every N steps")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--train-limit", o.train_limit, "use only the first N training examples");
-  app.add_option("--test-limit", o.test_limit, "use only the first N test examples");
-  app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch, "stop each epoch after N steps");
+  app.add_option("--train-limit", o.train_limit, "use only the first N training examples")
+      ->check(Count());
+  app.add_option("--test-limit", o.test_limit, "use only the first N test examples")
+      ->check(Count());
+  app.add_option("--max-steps-per-epoch", o.max_steps_per_epoch, "stop each epoch after N steps")
+      ->check(Count());
   app.add_option("--data-dir", o.data_dir, "folder of the IDX files")->capture_default_str();
   app.add_option("--save-weights", o.save_weights,
                  "the chief writes the final weights here (raw little-endian floats)");
