@@ -590,6 +590,17 @@ int RunLocal(const Config& config) {
   return result;
 }
 
+// `text` as a number of at most 1 << 20 written in digits only, else -1.
+int ParseEnvironmentCount(const char* text) {
+  const std::string value = text;
+  if (value.empty() || value.size() > 7 ||
+      !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return -1;
+  }
+  const int number = std::stoi(value);
+  return number <= (1 << 20) ? number : -1;
+}
+
 int Main(int argc, char** argv) {
   Config config;
   std::string min_bytes = "8";
@@ -656,7 +667,18 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "gloo_perf: without --local, RANK and WORLD_SIZE must be set\n");
     return kExitError;
   }
-  return RunRank(config, std::atoi(rank), std::atoi(world_size), config.store_dir);
+  // Digits only, rank < world size: atoi read "abc" as rank 0, which then waited for the other
+  // ranks until --timeout.
+  const int rank_number = ParseEnvironmentCount(rank);
+  const int world_number = ParseEnvironmentCount(world_size);
+  if (rank_number < 0 || world_number < 1 || rank_number >= world_number) {
+    std::fprintf(stderr,
+                 "gloo_perf: RANK='%s' WORLD_SIZE='%s' is not a rank of a world (digits only, "
+                 "0 <= RANK < WORLD_SIZE <= 1048576)\n",
+                 rank, world_size);
+    return kExitError;
+  }
+  return RunRank(config, rank_number, world_number, config.store_dir);
 }
 
 }  // namespace
