@@ -5,7 +5,8 @@
 # non-zero, runs past the time limit, or prints no final checksum, or if the two final checksums
 # differ.
 #
-#   run_two_ranks.sh BINARY [TIME_LIMIT_SECONDS]     (default 60; without BINARY: usage, exit 2)
+#   run_two_ranks.sh BINARY [TIME_LIMIT_SECONDS]     (default 60; without an executable BINARY or
+#                                                     with a limit that is not 1, 2, ...: exit 2)
 set -u
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then
   echo "usage: $0 BINARY [TIME_LIMIT_SECONDS]   (BINARY: e.g. build/examples/embed_cpp or embed_c)" >&2
@@ -13,6 +14,17 @@ if [ $# -lt 1 ] || [ $# -gt 2 ]; then
 fi
 binary=$1
 limit=${2:-60}
+# Usage errors, before anything starts (a rank could not say them more clearly than timeout(1)).
+if [ ! -f "$binary" ] || [ ! -x "$binary" ]; then
+  echo "run_two_ranks.sh: BINARY '$binary' is not an executable file" >&2
+  exit 2
+fi
+case $limit in
+  '' | *[!0-9]* | 0 | 00*)
+    echo "run_two_ranks.sh: TIME_LIMIT_SECONDS '$limit' is not a number of seconds (1, 2, ...)" >&2
+    exit 2
+    ;;
+esac
 
 # A free port: bind port 0 and read what the kernel picked; without python3, a random one.
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null) \
