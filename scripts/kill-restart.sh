@@ -28,8 +28,11 @@ keep=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) quick=1 ;;
-    --victim) victim=$2; shift ;;
-    --train) train=$2; shift ;;
+    --victim | --train)
+      if [[ $# -lt 2 ]]; then echo "kill-restart.sh: $1 needs a value" >&2; exit 2; fi
+      if [[ $1 == --victim ]]; then victim=$2; else train=$2; fi
+      shift
+      ;;
     --keep) keep=1 ;;
     *) echo "kill-restart.sh: unknown argument $1" >&2; exit 2 ;;
   esac
