@@ -121,7 +121,12 @@ throughput() {
 
 case "${1:-}" in
   --workers)
-    n=${2:?--workers needs a number}
+    n=${2:-}
+    # Checked here: bash's arithmetic below would read any other text as an expression.
+    if [[ ! ${n} =~ ^[1-9][0-9]{0,3}$ ]]; then
+      echo "train.sh: --workers needs a number of workers (1 to 9999), got '${n}'" >&2
+      exit 2
+    fi
     shift 2
     run_workers "$n" "$@"
     ;;
