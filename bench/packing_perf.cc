@@ -526,6 +526,7 @@ int Main(int argc, char** argv) {
       throw CLI::ValidationError(e.message());
     }
     if (config.workloads.empty()) throw CLI::ValidationError("--workload: none given");
+    if (config.caps.empty()) throw CLI::ValidationError("--bytes-per-pack: none given");
     if (config.local > 0 && under_mpi_launcher && !local_child) {
       throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
     }
