@@ -12,9 +12,11 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "collectives/communication.h"
+#include "collectives/packing.h"
 #include "src/core/kernels.h"
 
 namespace collectives::testing {
@@ -234,6 +236,68 @@ inline size_t CheckMatrix(CollectiveCommunication& comm, size_t large,
     run("all_gather", DataType::kBFloat16, ReduceOp::kSum, large / n + 1, false, 0);
     run("reduce_scatter", DataType::kFloat32, ReduceOp::kSum, large / n + 1, false, 0);
     run("reduce_scatter", DataType::kInt8, ReduceOp::kProd, large / n + 1, true, 0);
+  }
+  return wrong;
+}
+
+// Packed all-reduces and broadcasts of a list (odd counts, mixed dtypes, a zero-size tensor, one
+// tensor larger than the cap, alone in its bucket), blocking and asynchronous, for a few ops and
+// two caps; every element of every tensor checked. Returns the number of wrong elements.
+inline size_t CheckPacked(CollectiveCommunication& comm, std::vector<std::string>* failures) {
+  const std::vector<std::pair<DataType, size_t>> specs = {
+      {DataType::kFloat32, 7},  {DataType::kFloat64, 0}, {DataType::kInt32, 1009},
+      {DataType::kFloat16, 13}, {DataType::kInt8, 3},    {DataType::kFloat32, 20011},
+      {DataType::kBFloat16, 1}};
+  const int n = comm.size();
+  const int rank = comm.rank();
+  const int root = n - 1;
+  size_t wrong = 0;
+  for (const char* collective : {"all_reduce", "broadcast"}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
+      const bool reduces = std::string(collective) == "all_reduce";
+      if (!reduces && op != ReduceOp::kSum) continue;
+      for (size_t cap : {size_t{4096}, size_t{0}}) {
+        for (bool async : {false, true}) {
+          std::vector<Buffer> buffers;
+          std::vector<Tensor> tensors;
+          buffers.reserve(specs.size());
+          for (size_t t = 0; t < specs.size(); ++t) {
+            buffers.emplace_back(specs[t].first, specs[t].second);
+            // A broadcast's other ranks keep the fill bytes (0xA5: negative, never an input).
+            for (size_t i = 0; i < specs[t].second && (reduces || rank == root); ++i) {
+              Store(specs[t].first, buffers[t].bytes.data(), i,
+                    InputValue(op, specs[t].first, rank, t * 7919 + i));
+            }
+            tensors.push_back(buffers[t].tensor());
+          }
+          if (reduces && async) {
+            packing::AllReduceAsync(comm, tensors, op, cap)->Wait();
+          } else if (reduces) {
+            packing::AllReduce(comm, tensors, op, cap);
+          } else if (async) {
+            packing::BroadcastAsync(comm, tensors, root, cap)->Wait();
+          } else {
+            packing::Broadcast(comm, tensors, root, cap);
+          }
+          for (size_t t = 0; t < specs.size(); ++t) {
+            std::ostringstream what;
+            what << "rank " << rank << " packed " << collective << (async ? " async " : " ")
+                 << ToString(op) << " cap=" << cap << " tensor " << t << " ("
+                 << ToString(specs[t].first) << " x" << specs[t].second << ")";
+            CheckResult result;
+            for (size_t i = 0; i < specs[t].second; ++i) {
+              const size_t index = t * 7919 + i;
+              const double want = reduces ? Expected(op, specs[t].first, n, index)
+                                          : InputValue(op, specs[t].first, root, index);
+              const double got = Load(specs[t].first, buffers[t].bytes.data(), i);
+              if (got != want) result.Note(what.str(), i, got, want);
+            }
+            wrong += result.wrong;
+            if (result.wrong > 0 && failures->size() < 10) failures->push_back(result.first);
+          }
+        }
+      }
+    }
   }
   return wrong;
 }

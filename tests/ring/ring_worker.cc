@@ -1,7 +1,8 @@
 // One rank of a multi-process test, started by multiprocess_test.cc with RANK, WORLD_SIZE,
 // MASTER_ADDR and MASTER_PORT in its environment.
 //
-//   ring_worker check [large]  runs the whole collective matrix; exit 0 iff every element is right
+//   ring_worker check [large]  runs the whole collective matrix and packed lists (blocking and
+//                              asynchronous); exit 0 iff every element is right
 //   ring_worker loop [collective [count [timeout_ms]]]
 //                              runs the collective (all_reduce, broadcast or all_gather; default
 //                              all_reduce of 4 Mi floats = 16 MiB) in a loop, printing "ready"
@@ -80,7 +81,8 @@ int main(int argc, char** argv) {
     if (mode == "check") {
       const size_t large = argc > 2 ? std::stoul(argv[2]) : 0;
       std::vector<std::string> failures;
-      const size_t wrong = testing::CheckMatrix(*comm, large, &failures);
+      const size_t wrong =
+          testing::CheckMatrix(*comm, large, &failures) + testing::CheckPacked(*comm, &failures);
       for (const std::string& f : failures) std::fprintf(stderr, "%s\n", f.c_str());
       std::printf("rank %d: algorithm %s\n", comm->rank(),
                   comm->AllReduceAlgorithm(large * sizeof(float)).c_str());
