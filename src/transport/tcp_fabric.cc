@@ -50,8 +50,12 @@
 #include <cstring>
 #include <deque>
 #include <iostream>
+#include <map>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "src/cluster/listener_guard.h"
@@ -1362,6 +1366,89 @@ using cluster::AfterAcceptFailure;
 using cluster::RateLimitedLog;
 using cluster::SpareDescriptor;
 
+// Looks host names up on threads of their own, so that a slow name server neither stalls the
+// set-up's event loop (accepts, handshakes, cancellation) nor holds the set-up past its deadline:
+// getaddrinfo cannot be cancelled, and asio's async_resolve runs it on one thread that the
+// io_context's destructor joins. A lookup still running when Close is called (or the owner is
+// gone) ends on its thread, and its answer is dropped. Lookups of one name share one thread.
+// Used by the thread that runs `io` (the answers are posted to it).
+class NameLookups {
+ public:
+  using Done = std::function<void(const asio::error_code&, const tcp::resolver::results_type&)>;
+
+  explicit NameLookups(asio::io_context& io) : shared_(std::make_shared<Shared>()) {
+    shared_->io = &io;
+  }
+  ~NameLookups() { Close(); }
+  NameLookups(const NameLookups&) = delete;
+  NameLookups& operator=(const NameLookups&) = delete;
+
+  // Looks `host` up (the answers' ports are 0); `done` runs on the io_context unless Close comes
+  // first.
+  void Resolve(const std::string& host, Done done) {
+    if (shared_->io == nullptr) return;  // closed
+    auto [entry, first] = shared_->waiting.try_emplace(host, asio::make_work_guard(*shared_->io));
+    entry->second.done.push_back(std::move(done));
+    if (!first) return;  // a lookup of this name is under way
+    try {
+      std::thread([shared = shared_, host] {
+        // Nothing may escape this thread (it would end the process): a failure is an answer.
+        asio::error_code ec;
+        tcp::resolver::results_type results;
+        try {
+          asio::io_context io;  // the resolver's; its blocking resolve blocks this thread only
+          results = tcp::resolver(io).resolve(host, "0", ec);
+        } catch (const std::system_error& error) {
+          ec = error.code();
+        } catch (const std::bad_alloc&) {
+          ec = asio::error::no_memory;
+        }
+        std::lock_guard<std::mutex> lock(shared->mutex);
+        if (shared->io == nullptr) return;
+        try {
+          asio::post(*shared->io, [=] { Answer(*shared, host, ec, results); });
+        } catch (const std::bad_alloc&) {  // no answer: the set-up's deadline ends the wait
+        }
+      }).detach();
+    } catch (const std::system_error& error) {  // no thread: an answer that says so
+      const asio::error_code ec(error.code().value(), asio::system_category());
+      asio::post(*shared_->io, [shared = shared_, host, ec] {
+        Answer(*shared, host, ec, tcp::resolver::results_type());
+      });
+    }
+  }
+
+  // Drops every answer not delivered yet.
+  void Close() {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->io = nullptr;
+    shared_->waiting.clear();
+  }
+
+ private:
+  struct Waiting {
+    // Keeps the io_context from running out of work (and stopping) while the lookup runs.
+    explicit Waiting(asio::executor_work_guard<asio::io_context::executor_type> guard)
+        : work(std::move(guard)) {}
+    asio::executor_work_guard<asio::io_context::executor_type> work;
+    std::vector<Done> done;
+  };
+  struct Shared {
+    std::mutex mutex;
+    asio::io_context* io = nullptr;  // null once closed; written under `mutex`, on io's thread
+    std::map<std::string, Waiting> waiting;  // by name; only on io's thread, empty once closed
+  };
+
+  static void Answer(Shared& shared, const std::string& host, const asio::error_code& ec,
+                     const tcp::resolver::results_type& results) {
+    if (shared.io == nullptr) return;  // closed since it was posted
+    auto node = shared.waiting.extract(host);
+    for (auto& done : node.mapped().done) done(ec, results);
+  }
+
+  std::shared_ptr<Shared> shared_;
+};
+
 // Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
 // Used by one thread.
 class MeshBuilder {
@@ -1397,7 +1484,9 @@ class MeshBuilder {
   void OnAcceptError(const asio::error_code& ec);
   // Cancels the server handshake that has waited longest; false if none is in progress.
   bool EvictOldestStranger(const char* why);
+  // Looks the peer's host up (unless it is an address) and connects to it (ConnectTo).
   void Connect(int peer);
+  void ConnectTo(int peer, const tcp::endpoint& endpoint);
   void RetryConnect(int peer);
   void Admit(int peer, tcp::socket socket);
   [[noreturn]] void ThrowTimeout();
@@ -1412,6 +1501,7 @@ class MeshBuilder {
   const SendBuffers send_buffers_;  // SO_SNDBUF of the data connections; 0: autotuning
 
   asio::io_context io_{1};  // declared before every socket and timer
+  NameLookups lookups_{io_};
   tcp::acceptor acceptor_;
   std::vector<std::optional<tcp::socket>> sockets_;  // admitted, by peer rank
   std::vector<std::string> status_;                  // last news of each missing peer
@@ -1574,19 +1664,28 @@ void MeshBuilder::Connect(int peer) {
   ++attempts_[peer];
   const HostPort& address = addresses_[peer];
   asio::error_code ec;
-  tcp::resolver resolver(io_);
-  auto results = resolver.resolve(address.host, std::to_string(address.port), ec);
-  if (ec || results.empty()) {
-    status_[peer] = "cannot resolve " + address.host + ": " + ec.message();
-    RetryConnect(peer);
-    return;
-  }
-  // A name may resolve to several addresses, of which the listener may take only some (a rank
-  // that listens on "0.0.0.0" gives its host name, whose first address may be an IPv6 one): each
-  // attempt takes the next address, so that every one is tried.
-  auto entry = results.begin();
-  std::advance(entry, static_cast<size_t>(attempts_[peer] - 1) % results.size());
-  const tcp::endpoint endpoint = entry->endpoint();
+  const auto numeric = asio::ip::make_address(address.host, ec);
+  if (!ec) return ConnectTo(peer, tcp::endpoint(numeric, address.port));
+  status_[peer] = "the lookup of host " + address.host + " has not answered";
+  lookups_.Resolve(address.host, [this, peer](const asio::error_code& error,
+                                              const tcp::resolver::results_type& results) {
+    const HostPort& looked_up = addresses_[peer];
+    if (error || results.empty()) {
+      status_[peer] = "cannot resolve " + looked_up.host + ": " + error.message();
+      RetryConnect(peer);
+      return;
+    }
+    // A name may resolve to several addresses, of which the listener may take only some (a rank
+    // that listens on "0.0.0.0" gives its host name, whose first address may be an IPv6 one):
+    // each attempt takes the next address, so that every one is tried.
+    auto entry = results.begin();
+    std::advance(entry, static_cast<size_t>(attempts_[peer] - 1) % results.size());
+    ConnectTo(peer, tcp::endpoint(entry->endpoint().address(), looked_up.port));
+  });
+}
+
+void MeshBuilder::ConnectTo(int peer, const tcp::endpoint& endpoint) {
+  asio::error_code ec;
   // Opened close-on-exec (async_connect would open it without): a process this one spawns must
   // not hold the connection open, or the peer would not see this rank die (a timeout where a
   // lost peer should be raised at once).
@@ -1719,7 +1818,8 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
     }
   }
 
-  // Stop what is still going on (strangers' handshakes, retries) before leaving.
+  // Stop what is still going on (strangers' handshakes, retries, lookups) before leaving.
+  lookups_.Close();
   acceptor_.close(ec);
   for (auto& weak : sessions_) {
     if (auto session = weak.lock()) session->Cancel();

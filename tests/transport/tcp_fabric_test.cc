@@ -11,6 +11,7 @@
 
 #include <asio.hpp>
 #include <climits>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -379,6 +380,79 @@ TEST(TcpSetupTest, EveryAddressOfAPeersHostNameIsTried) {
   }
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the mesh did not form (status " << status << "; the error is above)";
+}
+
+// A peer's host name whose lookup never answers (a name server that is down or slow) does not
+// hold the set-up past its timeout: it ends on time with a timeout naming the host. Run in a child
+// process whose /etc/resolv.conf (a mount namespace of its own) names a local UDP socket that
+// reads nothing and has the resolver wait 30 s; skipped where that cannot be made (needs root).
+TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
+  const std::string resolv_conf = (std::filesystem::temp_directory_path() /
+                                   ("tcp_fabric_test_resolv_" + std::to_string(getpid())))
+                                      .string();
+  // A loopback address of this test's own, so that parallel runs do not share the server.
+  const std::string server =
+      "127.53." + std::to_string((getpid() >> 8) % 256) + "." + std::to_string(1 + getpid() % 250);
+  std::ofstream(resolv_conf) << "nameserver " << server << "\noptions timeout:30 attempts:1\n";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+        mount(resolv_conf.c_str(), "/etc/resolv.conf", nullptr, MS_BIND, nullptr) != 0) {
+      _exit(77);
+    }
+    asio::io_context io;
+    asio::ip::udp::socket silent(io);
+    asio::error_code ec;
+    silent.open(asio::ip::udp::v4(), ec);
+    if (!ec) silent.bind(asio::ip::udp::endpoint(asio::ip::make_address(server), 53), ec);
+    if (ec) _exit(77);
+    auto store = CreateMemoryStore();
+    store->Set("tcp-test/addr/1", "peer.collectives-test.example:1");
+    const auto start = Clock::now();
+    std::optional<Error> error;
+    try {
+      ConnectTcpFabric(0, 2, *store, Options(1'000ms));
+    } catch (const Error& e) {
+      error = e;
+    }
+    const auto took = Clock::now() - start;
+    if (silent.available(ec) == 0) _exit(78);  // the lookup never asked this server
+    if (!error || error->code() != ErrorCode::kTimeout ||
+        error->message().find("the lookup of host peer.collectives-test.example has not "
+                              "answered") == std::string::npos ||
+        took > 3s) {
+      std::fprintf(stderr, "after %lld ms: %s\n",
+                   static_cast<long long>(
+                       std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
+                   error ? error->what() : "no error");
+      _exit(1);
+    }
+    _exit(0);
+  }
+  // Without the bound, the set-up waits for the resolver's 30 s: stop it well before.
+  int status = 0;
+  pid_t done = 0;
+  for (const auto until = Clock::now() + 5s; done == 0 && Clock::now() < until;) {
+    done = waitpid(child, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(10ms);
+  }
+  if (done == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+  }
+  std::filesystem::remove(resolv_conf);
+  ASSERT_NE(done, 0) << "the set-up with a timeout of 1 s was still running after 5 s";
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "cannot mount an /etc/resolv.conf in a mount namespace of its own, or bind "
+                 << server << ":53 (needs root)";
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 78) {
+    GTEST_SKIP() << "the name lookup did not ask the private name server " << server;
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the set-up did not time out on time naming the host (status " << status
+      << "; the error is above)";
 }
 
 TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
