@@ -1458,7 +1458,9 @@ class MeshBuilder {
         size_(size),
         options_(options),
         start_(Clock::now()),
-        deadline_(std::min(start_ + options.timeout, options.deadline)),
+        // Capped (a year), so that a timeout of milliseconds::max() ("never") cannot overflow
+        // the clock into a deadline already past.
+        deadline_(std::min(start_ + cluster::ClampTimeout(options.timeout), options.deadline)),
         receive_buffer_(ConfiguredReceiveBuffer(size)),
         send_buffers_(SendBufferBytes(std::getenv("COLLECTIVES_SOCKET_SNDBUF"))),
         acceptor_(io_),

@@ -36,7 +36,8 @@ struct TcpFabricOptions {
   std::string token;
   // Prefix of this fabric's keys in the store (lets several communicators share one store).
   std::string key_prefix = "collectives";
-  // Limit on the whole set-up: store lookups, name lookups, connects, accepts, handshakes.
+  // Limit on the whole set-up: store lookups, name lookups, connects, accepts, handshakes. One
+  // of more than a year (milliseconds::max() for "never") is read as a year.
   std::chrono::milliseconds timeout{60'000};
   // When the set-up must be done, if sooner than `timeout` after it starts: a communicator
   // whose set-up has other steps gives the mesh what is left of its timeout. Errors still

@@ -512,6 +512,17 @@ TEST(TcpSetupTest, AStoreThatDoesNotAnswerIsNotARankThatNeverPublished) {
   }
 }
 
+// A timeout of milliseconds::max() means "never": the mesh forms. The set-up must not add it to
+// the clock as it is (a year at most), which overflowed into a deadline already past.
+TEST(TcpSetupTest, ATimeoutOfMillisecondsMaxNeverTimesOut) {
+  auto store = CreateMemoryStore();
+  auto group =
+      ConnectTcpGroup(2, *store, [](int) { return Options(std::chrono::milliseconds::max()); });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+}
+
 TEST(TcpSetupTest, SingleRankNeedsNoNetwork) {
   auto store = CreateMemoryStore();
   auto fabric = ConnectTcpFabric(0, 1, *store, Options());
