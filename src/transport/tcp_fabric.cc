@@ -1739,9 +1739,8 @@ void MeshBuilder::ConnectTo(int peer, const tcp::endpoint& endpoint) {
 }
 
 void MeshBuilder::RetryConnect(int peer) {
-  // Back off 2, 4, 8 ... ms, at most 200 ms, never past the deadline.
-  const int shift = std::min(attempts_[peer], 7);
-  const auto delay = std::chrono::milliseconds(std::min(1 << shift, 200));
+  // Back off 2, 4, 8 ... ms, at most 128 ms, never past the deadline.
+  const auto delay = std::chrono::milliseconds(1 << std::min(attempts_[peer], 7));
   const auto when = std::min(Clock::now() + delay, deadline_);
   if (when >= deadline_) return;
   auto timer = std::make_unique<asio::steady_timer>(io_, when);
