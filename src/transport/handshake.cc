@@ -5,7 +5,6 @@
 #include <asio/read.hpp>
 #include <asio/write.hpp>
 #include <cstring>
-#include <iostream>
 #include <utility>
 
 #include "src/cluster/store_common.h"
@@ -456,12 +455,6 @@ void HandshakeSession::Finish(bool ok, ErrorCode code, std::string why) {
   if (!ok) {
     asio::error_code ignored;
     socket_.close(ignored);
-    if (role_ == HandshakeRole::kServer && code != ErrorCode::kAborted) {
-      // One write, so that lines of concurrent ranks do not interleave.
-      const std::string line = "collectives: rank " + std::to_string(config_.rank) +
-                               " refused a connection from " + remote_ + ": " + result.why + "\n";
-      std::cerr << line << std::flush;
-    }
   }
   HandshakeDone done = std::move(done_);
   done_ = nullptr;

@@ -27,11 +27,11 @@
 // the bytes of its message (nothing past the handshake is consumed); the job id length is
 // checked before any byte of it is read.
 //
-// A server that rejects a connection logs one line to stderr with the remote address (what the
-// peer sent is escaped) and closes it; the caller keeps accepting. A client that is refused or
-// rejected, or that finds the server is not the rank of this job it expected, gets
-// ErrorCode::kUnauthenticated naming what differs. A client whose server closes the connection
-// without a refusal or a verdict (the server stopped, or gave up its own set-up) gets
+// A server that rejects a connection closes it and reports why to its caller (what the peer sent
+// is escaped), which logs it (tcp_fabric.cc: at most a line a second) and keeps accepting. A
+// client that is refused or rejected, or that finds the server is not the rank of this job it
+// expected, gets ErrorCode::kUnauthenticated naming what differs. A client whose server closes the
+// connection without a refusal or a verdict (the server stopped, or gave up its own set-up) gets
 // ErrorCode::kPeerLost: nothing says that the server would refuse it, and a caller may retry.
 //
 // Thread-safety: the encode/decode/proof functions are pure. A HandshakeSession runs on its
@@ -143,7 +143,8 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
                                                      HandshakeDone done);
 
   // Runs the server side on an accepted `socket`; `accept_rank(r)` says whether a client that
-  // claims rank r is one this rank expects. Failures are logged to stderr.
+  // claims rank r is one this rank expects. Failures are not logged: `done` has the why and the
+  // remote address.
   static std::weak_ptr<HandshakeSession> StartServer(asio::ip::tcp::socket socket,
                                                      const HandshakeConfig& config,
                                                      std::function<bool(int)> accept_rank,
@@ -173,7 +174,7 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   void ReadClientProof();
   void ReadServerVerdict();
   void ReadClientVerdict();
-  // Ends the session (once): cancels the timer, logs a server-side failure, calls done_.
+  // Ends the session (once): cancels the timer, calls done_.
   void Finish(bool ok, ErrorCode code, std::string why);
   // Finish for an error on the socket during `step`.
   void Fail(const asio::error_code& ec, const char* step);

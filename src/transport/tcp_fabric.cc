@@ -1524,6 +1524,14 @@ class MeshBuilder {
   std::string last_accept_error_;  // for ThrowTimeout
   RateLimitedLog accept_log_;
   RateLimitedLog eviction_log_;
+  // Refused handshakes (strangers, a wrong token or job): a line a second at most, so that a
+  // stranger who hammers the port cannot flood the log; Build ends with how many were left out.
+  RateLimitedLog refusal_log_{[this](const std::string& text) {
+    ++refusals_logged_;
+    std::fwrite(text.data(), 1, text.size(), stderr);
+  }};
+  long refusals_ = 0;
+  long refusals_logged_ = 0;
   std::optional<Error> failure_;
   int missing_ = 0;
 };
@@ -1611,14 +1619,20 @@ void MeshBuilder::AcceptNext() {
     auto accept_rank = [this](int client) {
       return client < rank_ && client >= 0 && !sockets_[client].has_value();
     };
-    auto session =
-        HandshakeSession::StartServer(std::move(socket), config_, accept_rank,
-                                      std::min(deadline_, Clock::now() + kServerHandshakeLimit),
-                                      [this](const HandshakeResult& result, tcp::socket admitted) {
-                                        if (!result.ok)
-                                          return;  // logged by the session; keep accepting
-                                        Admit(result.peer_rank, std::move(admitted));
-                                      });
+    auto session = HandshakeSession::StartServer(
+        std::move(socket), config_, accept_rank,
+        std::min(deadline_, Clock::now() + kServerHandshakeLimit),
+        [this](const HandshakeResult& result, tcp::socket admitted) {
+          if (result.ok) {
+            return Admit(result.peer_rank, std::move(admitted));
+          }
+          if (result.code != ErrorCode::kAborted) {
+            ++refusals_;
+            refusal_log_.Write("rank " + std::to_string(rank_) + " refused a connection from " +
+                               result.remote + ": " + result.why);
+          }
+          // keep accepting
+        });
     server_handshakes_.push_back(session);
     sessions_.push_back(std::move(session));
     AcceptNext();
@@ -1828,6 +1842,13 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
   for (auto& timer : timers_) timer->cancel();
   io_.restart();
   io_.poll();
+  if (refusals_ > refusals_logged_) {
+    const std::string line = "collectives: rank " + std::to_string(rank_) + " refused " +
+                             std::to_string(refusals_) + " connections in its set-up, " +
+                             std::to_string(refusals_ - refusals_logged_) +
+                             " of them not logged above\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);
+  }
   if (failure_) throw *failure_;
   if (missing_ > 0) ThrowTimeout();
   return sockets_;

@@ -4,7 +4,8 @@
 // under "<key_prefix>/addr/<rank>", reads every peer's address, connects to the peers of higher
 // rank and accepts the peers of lower rank. Each connection starts with the handshake of
 // handshake.h (magic, version, job id, ranks, HMAC-SHA256 proof of the job token over both
-// nonces); a connection that fails it is closed and the stranger is logged, never admitted.
+// nonces); a connection that fails it is closed and the stranger is logged (a line a second at
+// most), never admitted.
 //
 // Data: one io_context owned by the fabric; only the thread that calls Post*/Wait* touches the
 // sockets. Each connection keeps one async_write in flight with a queue behind it (header and

@@ -245,6 +245,50 @@ TEST(TcpSetupTest, AListenerThatAlwaysClosesIsATimeoutNamingTheClose) {
   EXPECT_EQ(error->message().find("token"), std::string::npos) << error->message();
 }
 
+// A stranger that hammers the listener is refused every time but logged at most once a second:
+// 50 refusals within a set-up make a line or two, and the set-up's end says how many it left out.
+TEST(TcpSetupTest, RefusedConnectionsAreLoggedAtMostOnceASecond) {
+  constexpr int kStrangers = 50;
+  auto store = CreateMemoryStore();
+  ::testing::internal::CaptureStderr();
+  std::optional<Error> errors[2];
+  std::thread rank1([&] {
+    try {
+      ConnectTcpFabric(1, 2, *store, Options(10'000ms));
+    } catch (const Error& e) {
+      errors[1] = e;
+    }
+  });
+  asio::io_context io;
+  const tcp::endpoint target = ParseEndpoint(store->Get("tcp-test/addr/1", 10'000ms));
+  for (int i = 0; i < kStrangers; ++i) {
+    tcp::socket stranger(io);
+    asio::error_code ec;
+    stranger.connect(target, ec);
+    asio::write(stranger, asio::buffer(std::string(kHelloFixedBytes, 'x')), ec);
+    std::array<uint8_t, 1> byte{};
+    asio::read(stranger, asio::buffer(byte), ec);  // until rank 1 closes it
+  }
+  try {
+    ConnectTcpFabric(0, 2, *store, Options(10'000ms));
+  } catch (const Error& e) {
+    errors[0] = e;
+  }
+  rank1.join();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  for (const auto& error : errors) EXPECT_FALSE(error) << error->what();
+  int lines = 0;
+  for (size_t at = log.find("rank 1 refused a connection from"); at != std::string::npos;
+       at = log.find("rank 1 refused a connection from", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1) << log;
+  EXPECT_LE(lines, 5) << log;
+  EXPECT_NE(log.find("rank 1 refused " + std::to_string(kStrangers) + " connections in its set-up"),
+            std::string::npos)
+      << log;
+}
+
 // Plays rank 0 of a 2-rank mesh: completes the handshake with the real rank 1, which then waits
 // for #0 all_reduce(f32, sum, count=8) from it, and sends `stream` instead. Returns what rank 1's
 // wait threw.
