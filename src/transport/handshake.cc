@@ -348,6 +348,7 @@ void HandshakeSession::ReadClientProof() {
         const Proof want = ComputeProof(config.token, config.job_id, self->peer_.rank, config.rank,
                                         self->peer_.nonce, self->my_nonce_, HandshakeRole::kClient);
         const bool good = ProofsEqual(got, want);
+        self->proven_ = good;
         self->out_.assign(1 + kProofBytes, 0);
         if (good) {
           self->out_[0] = kAccepted;

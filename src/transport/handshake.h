@@ -158,6 +158,10 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   // Whether `done` has run (or is running).
   bool finished() const { return finished_; }
 
+  // Server: whether the client proved the job's token (only its verdict is still to come): a
+  // rank of the job, not a stranger.
+  bool proven() const { return proven_; }
+
   HandshakeSession(asio::ip::tcp::socket socket, const HandshakeConfig& config, HandshakeRole role,
                    int expected_peer, std::function<bool(int)> accept_rank,
                    Clock::time_point deadline, HandshakeDone done);
@@ -191,6 +195,7 @@ class HandshakeSession : public std::enable_shared_from_this<HandshakeSession> {
   bool answered_ = false;  // client: the server's hello came
   bool timed_out_ = false;
   bool cancelled_ = false;
+  bool proven_ = false;  // server: the client's proof was right
 
   Nonce my_nonce_{};
   Hello peer_;

@@ -1484,7 +1484,8 @@ class MeshBuilder {
   // On a failed accept: makes room (EvictOldestStranger, or the spare descriptor) and accepts
   // again, waits for the next connection, or retries shortly.
   void OnAcceptError(const asio::error_code& ec);
-  // Cancels the server handshake that has waited longest; false if none is in progress.
+  // Cancels the server handshake that has waited longest, of those whose client has not proved
+  // the token; false if none is in progress.
   bool EvictOldestStranger(const char* why);
   // Looks the peer's host up (unless it is an address) and connects to it (ConnectTo).
   void Connect(int peer);
@@ -1664,10 +1665,20 @@ void MeshBuilder::OnAcceptError(const asio::error_code& ec) {
 }
 
 bool MeshBuilder::EvictOldestStranger(const char* why) {
-  while (!server_handshakes_.empty()) {
-    const auto session = server_handshakes_.front().lock();
-    server_handshakes_.pop_front();
-    if (!session || session->finished()) continue;
+  for (auto it = server_handshakes_.begin(); it != server_handshakes_.end();) {
+    const auto session = it->lock();
+    if (!session || session->finished()) {
+      it = server_handshakes_.erase(it);
+      continue;
+    }
+    // A client that proved the token is a rank, whose handshake ends with its next message. It
+    // is not cancelled: it would take the connection for made (its side of the handshake is
+    // over), and the mesh would lose it.
+    if (session->proven()) {
+      ++it;
+      continue;
+    }
+    server_handshakes_.erase(it);
     session->Cancel();  // closes its socket now; its `done` runs later with kAborted
     eviction_log_.Write(Prefix() + "closed the oldest of the connections still in their " +
                         "handshake (" + why + ")");

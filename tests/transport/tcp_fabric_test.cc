@@ -245,6 +245,65 @@ TEST(TcpSetupTest, AListenerThatAlwaysClosesIsATimeoutNamingTheClose) {
   EXPECT_EQ(error->message().find("token"), std::string::npos) << error->message();
 }
 
+// Strangers that crowd the listener make it cancel its oldest handshakes, but not one whose client
+// has proved the token: that client (here rank 0, played by hand, with its verdict held back) has
+// its side done once it sends its verdict, and would hold a connection that rank 1 had closed.
+// Rank 1's set-up must admit it after the crowd has come.
+TEST(TcpSetupTest, ARankThatProvedTheTokenIsNotEvictedForStrangers) {
+  auto store = CreateMemoryStore();
+  std::optional<Error> error;
+  std::thread rank1([&] {
+    try {
+      ConnectTcpFabric(1, 2, *store, Options(3'000ms));
+    } catch (const Error& e) {
+      error = e;
+    }
+  });
+  asio::io_context io;
+  const tcp::endpoint target = ParseEndpoint(store->Get("tcp-test/addr/1", 10'000ms));
+  tcp::socket rank0(io);
+  rank0.connect(target);
+  Hello hello;
+  hello.version = kWireVersion;
+  hello.rank = 0;
+  hello.world_size = 2;
+  hello.nonce = RandomNonce();
+  hello.job_id = "tcp-test";
+  asio::write(rank0, asio::buffer(EncodeHello(hello)));
+  std::vector<uint8_t> reply(kHelloFixedBytes);
+  asio::read(rank0, asio::buffer(reply));
+  size_t job_id_bytes = 0;
+  auto server_hello = DecodeHelloFixed(reply.data(), &job_id_bytes, nullptr);
+  ASSERT_TRUE(server_hello);
+  std::vector<uint8_t> job_id(job_id_bytes);
+  asio::read(rank0, asio::buffer(job_id));
+  const Proof proof = ComputeProof("s3cret", "tcp-test", 0, 1, hello.nonce, server_hello->nonce,
+                                   HandshakeRole::kClient);
+  asio::write(rank0, asio::buffer(proof));
+  std::array<uint8_t, 1 + kProofBytes> verdict{};
+  asio::read(rank0, asio::buffer(verdict));
+  ASSERT_EQ(verdict[0], 1);
+  // More silent strangers than rank 1 keeps handshakes for (2 per lower rank and 16), then one
+  // that sends junk: rank 1 accepts in order, so once the junk is refused, every stranger was
+  // accepted (and the oldest handshakes evicted).
+  std::vector<tcp::socket> strangers;
+  for (int i = 0; i < 24; ++i) {
+    strangers.emplace_back(io);
+    strangers.back().connect(target);
+  }
+  tcp::socket probe(io);
+  probe.connect(target);
+  asio::write(probe, asio::buffer(std::string(kHelloFixedBytes, 'x')));
+  asio::error_code ec;
+  std::array<uint8_t, 1> byte{};
+  asio::read(probe, asio::buffer(byte), ec);
+  EXPECT_EQ(ec, asio::error::eof) << ec.message();
+  const uint8_t accepted = 1;
+  asio::write(rank0, asio::buffer(&accepted, 1), ec);  // fails where rank 1 evicted rank 0
+  rank1.join();
+  EXPECT_FALSE(error) << error->what();
+}
+
 // A stranger that hammers the listener is refused every time but logged at most once a second:
 // 50 refusals within a set-up make a line or two, and the set-up's end says how many it left out.
 TEST(TcpSetupTest, RefusedConnectionsAreLoggedAtMostOnceASecond) {
