@@ -766,14 +766,21 @@ std::unique_ptr<CollectiveCommunication> CreateNcclCommunication(int rank, int s
   } else {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    std::string text;
     try {
-      id = DecodeUniqueId(store->Get(key, std::max(left, std::chrono::milliseconds(1))));
+      text = store->Get(key, std::max(left, std::chrono::milliseconds(1)));
     } catch (const Error& error) {
       if (error.code() != ErrorCode::kTimeout) throw;
       throw Error(ErrorCode::kTimeout, where + ": timed out after " + Ms(options.timeout) +
                                            " setting up the communicator: rank 0's NCCL unique "
                                            "id did not come (" +
                                            error.message() + ")");
+    }
+    try {
+      id = DecodeUniqueId(text);
+    } catch (const Error& error) {
+      throw Error(error.code(), where + ": the store's \"" + key +
+                                    "\" does not hold rank 0's NCCL unique id: " + error.message());
     }
   }
 

@@ -181,6 +181,25 @@ TEST(NcclFakeTest, ASetUpFailureBeforeACommunicatorExistsNamesNcclsReason) {
   }
 }
 
+// A unique id in the store that is not one (another job's key, a corrupted store) is named as
+// such, with the rank, the set-up step and the key, not only as "an NCCL unique id has ...".
+TEST(NcclFakeTest, AMalformedUniqueIdInTheStoreNamesTheRankAndTheKey) {
+  if (FindFakeNcclFailNext() == nullptr) GTEST_SKIP() << "needs the fake NCCL of tests/nccl/fake";
+  for (const std::string& text : {std::string("not an id"), std::string(256, 'z')}) {
+    auto store = CreateMemoryStore();
+    store->Set("test/nccl/0/id", text);
+    try {
+      nccl::CreateNcclCommunication(1, 2, store, "test/nccl/0", NcclOptionsFor());
+      ADD_FAILURE() << "expected Error(kInvalidArgument)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find("rank 1: NCCL set-up"), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("\"test/nccl/0/id\""), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("an NCCL unique id"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // ---- GPU tests: skipped without NCCL and enough devices, failed instead when
 // COLLECTIVES_REQUIRE_GPU=1, so that a run on a GPU machine cannot pass by skipping. ----
 
