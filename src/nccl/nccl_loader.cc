@@ -59,6 +59,7 @@ Loaded Load() {
   COLLECTIVES_NCCL_RESOLVE_CUDART(cudaMalloc)
 #undef COLLECTIVES_NCCL_RESOLVE_CUDART
 
+  error.clear();  // libcudart loaded: its earlier names' failures are not the reason
   void* libnccl = OpenFirst({"libnccl.so.2", "libnccl.so"}, &error);
   if (libnccl == nullptr) return fail(error);
 #define COLLECTIVES_NCCL_RESOLVE_NCCL(name) \

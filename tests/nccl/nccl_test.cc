@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -27,6 +28,9 @@
 
 #if defined(COLLECTIVES_WITH_NCCL)
 #include <dlfcn.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "src/nccl/nccl_communication.h"
 #include "src/nccl/nccl_loader.h"
@@ -135,6 +139,44 @@ TEST(NcclOptionsTest, AForcedAlgorithmIsNotSupportedBeforeTheStoreIsTouched) {
           << e.what();
     }
   }
+}
+
+// The loader's reason names only the library that failed: where libcudart loads (the fake as
+// libcudart.so.12, after a libcudart.so.13 that does not) and libnccl does not, it names
+// libnccl's failures, not libcudart.so.13's. Runs this binary again over a folder of stand-ins.
+TEST(NcclLoaderTest, TheReasonNamesOnlyTheLibraryThatFailedToLoad) {
+  const std::string fake =
+      std::string(COLLECTIVES_TEST_BIN_DIR) + "/fake_nccl/libfake_cuda_nccl.so";
+  if (access(fake.c_str(), R_OK) != 0) GTEST_SKIP() << "needs the fake NCCL of tests/nccl/fake";
+  char self[4096];
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(length, 0);
+  self[length] = '\0';
+  char folder[] = "/tmp/nccl_loader_test_XXXXXX";
+  ASSERT_NE(mkdtemp(folder), nullptr);
+  const std::string dir = folder;
+  for (const char* name : {"libcudart.so.13", "libnccl.so.2", "libnccl.so"}) {
+    std::ofstream(dir + "/" + name);  // empty: dlopen fails ("file too short")
+  }
+  ASSERT_EQ(symlink(fake.c_str(), (dir + "/libcudart.so.12").c_str()), 0);
+  const std::string command =
+      "LD_LIBRARY_PATH=" + dir + " '" + self + "' --gtest_filter=NcclUnavailableTest.* 2>&1";
+  std::string output;
+  if (FILE* pipe = popen(command.c_str(), "r")) {
+    char buffer[4096];
+    size_t n;
+    while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
+    pclose(pipe);
+  }
+  for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libnccl.so.2", "libnccl.so"}) {
+    unlink((dir + "/" + name).c_str());
+  }
+  rmdir(dir.c_str());
+  const size_t at = output.find("loader's reason: ");
+  ASSERT_NE(at, std::string::npos) << output;
+  const std::string reason = output.substr(at, output.find('\n', at) - at);
+  EXPECT_NE(reason.find("libnccl.so.2"), std::string::npos) << reason;
+  EXPECT_EQ(reason.find("libcudart"), std::string::npos) << reason;
 }
 
 // ---- Tests that need the CPU stand-in for CUDA and NCCL (tests/nccl/fake, ctest -L fake_nccl):
