@@ -4,8 +4,9 @@
 //  - Every rank issues the same sequence of collectives with the same dtype, op, count and root.
 //    The library checks this: a difference raises Error(kMismatch) on the ranks that see it.
 //  - Calls run in the order they were issued, one at a time, on the communicator's progress
-//    thread. The async forms return at once with a Work handle; the blocking forms are the async
-//    ones waited on.
+//    thread. The async forms return at once with a Work handle (NCCL's once the call is on its
+//    CUDA stream, which for the first can wait until every rank has issued its own: see
+//    src/nccl/nccl_communication.h); the blocking forms are the async ones waited on.
 //  - Buffers are borrowed: the caller keeps them alive and untouched until the Work completes.
 //  - In-place: AllReduce and Broadcast are in place when send.data == recv.data. AllGather is in
 //    place when send.data == recv.data + rank * count elements; ReduceScatter when

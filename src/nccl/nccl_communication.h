@@ -15,7 +15,17 @@
 // that is from when the call before it on the stream is seen complete (or from its issue when
 // nothing ran), so calls queued behind a long one do not time out while they wait. Issuing is
 // serialised by a mutex, so calls reach NCCL in the order they entered the library, as
-// communication.h requires. The first failure breaks the communicator (sticky, as for RING),
+// communication.h requires.
+// An async call returns once NCCL has put the collective on the stream, so that work queued
+// after the call runs after it (NcclOptions::stream). A non-blocking communicator may take a
+// while for that (ncclInProgress, polled under the mutex): at the first collective NCCL
+// connects the ranks (NCCL 2.22+ connects at run time), which needs every peer to issue its
+// own. So the first async call of a rank can return only when every rank has issued its first,
+// unlike RING's, which return at once; a program that drives several ranks from one thread
+// times out there (Error(kTimeout), "NCCL did not accept the call within ...", after the
+// timeout; Abort ends the wait sooner): it needs a thread per rank. Returning before NCCL has
+// accepted the call would let work queued after it run first.
+// The first failure breaks the communicator (sticky, as for RING),
 // NCCL's refusal of a call included: NCCL then sets an asynchronous error on a non-blocking
 // communicator, which leaves it unusable. Abort calls ncclCommAbort; after it, NCCL's kernels
 // return early and the events after them complete over partial data, so a Work whose event

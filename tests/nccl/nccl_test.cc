@@ -863,6 +863,65 @@ TEST(NcclGpuTest, AsyncWorksCompleteInOrder) {
   });
 }
 
+// A collective is on its stream when its async form returns, the first one included (which NCCL
+// may accept only once every peer has issued its own): work the caller queues on the legacy
+// default stream after the call, here a device-to-host copy without a Wait, runs after it (see
+// NcclOptions::stream), while rank 1 issues 300 ms late. (An issue that returned before NCCL
+// had accepted the call read 0 of 1024 reduced elements here, on both ranks.)
+TEST(NcclGpuTest, WorkQueuedAfterAnAsyncCallRunsAfterIt) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<float> buffer(api, comm.rank(), 1024);
+    buffer.Upload(std::vector<float>(1024, 1.0f));
+    if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto work = comm.AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum);
+    const std::vector<float> got = buffer.Download();  // no Wait: ordered by the streams
+    work->Wait();
+    EXPECT_EQ(std::count(got.begin(), got.end(), 2.0f), 1024) << "rank " << comm.rank();
+  });
+}
+
+// The price of that order (see nccl_communication.h): an async call returns once NCCL has
+// accepted it, which for the first call waits for every peer to issue its own. One thread that
+// issues rank 0's first call before rank 1's therefore waits, but no longer than the timeout:
+// the call then raises kTimeout naming it, and rank 1 is left unharmed.
+TEST(NcclGpuTest, AFirstCallIssuedBeforeItsPeersWaitsForThemAtMostTheTimeout) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  auto store = CreateMemoryStore();
+  std::unique_ptr<CollectiveCommunication> comms[2];
+  std::thread setups[2];
+  for (int rank = 0; rank < 2; ++rank) {
+    setups[rank] = std::thread([&, rank] {
+      try {
+        nccl::NcclOptions nccl_options;
+        nccl_options.device = rank;
+        comms[rank] = nccl::CreateNcclCommunication(rank, 2, store, "test/nccl/0", NcclOptionsFor(),
+                                                    nccl_options);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << " threw: " << e.what();
+      }
+    });
+  }
+  for (std::thread& t : setups) t.join();
+  if (comms[0] == nullptr || comms[1] == nullptr) return;
+  DeviceBuffer<float> buffer(api, 0, 1024);
+  comms[0]->SetTimeout(std::chrono::milliseconds(500));
+  const auto start = std::chrono::steady_clock::now();
+  auto work = comms[0]->AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, std::chrono::milliseconds(450));
+  EXPECT_LT(took, std::chrono::seconds(5));
+  try {
+    work->Wait();
+    ADD_FAILURE() << "expected Error(kTimeout)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find("rank 0: all_reduce #0"), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find("did not accept the call within 500 ms"), std::string::npos)
+        << e.what();
+  }
+}
+
 #endif  // COLLECTIVES_WITH_NCCL
 
 }  // namespace
