@@ -45,14 +45,16 @@ std::string CancellableStore::Get(const std::string& key, std::chrono::milliseco
     try {
       return store_->Get(key, std::min(left, poll_));
     } catch (const Error& error) {
-      // Only the key's absence at the end of the slice is worth another slice: any other
-      // timeout (a TCP store that could not connect or did not answer in time) already took
-      // its own limit and ends the Get.
+      // Only the key's absence at the end of the slice is worth another slice: the store's own
+      // failure (a TCP store that could not connect or did not answer in time) already took its
+      // own limit and ends the Get.
+      if (!IsNotSet(error)) throw;
+      if (left > poll_) continue;
+      // The last slice's message names the slice: say the whole wait, as one Get would (a
+      // store of the user's that words its timeout otherwise is left as it is).
       const std::string& text = error.message();
       const size_t at = text.rfind(kNotSetWithin);
-      if (error.code() != ErrorCode::kTimeout || at == std::string::npos) throw;
-      if (left > poll_) continue;
-      // The last slice's message names the slice: say the whole wait, as one Get would.
+      if (at == std::string::npos) throw;
       throw Error(ErrorCode::kTimeout, text.substr(0, at) + std::string(kNotSetWithin) +
                                            std::to_string(ClampTimeout(timeout).count()) + " ms");
     }

@@ -86,6 +86,11 @@ void SetCloseOnExec(int fd) {
   if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
 }
 
+bool IsNotSet(const Error& error) {
+  return error.code() == ErrorCode::kTimeout &&
+         dynamic_cast<const StoreFailure*>(&error) == nullptr;
+}
+
 void ThrowGetTimeout(std::string_view store, const std::string& key,
                      std::chrono::milliseconds timeout) {
   throw Error(ErrorCode::kTimeout, std::string(store) + ": key " + QuoteKey(key) +

@@ -15,6 +15,8 @@
 #include <string>
 #include <string_view>
 
+#include "collectives/errors.h"
+
 namespace collectives::cluster {
 
 using Clock = std::chrono::steady_clock;
@@ -49,8 +51,24 @@ std::string QuoteKey(std::string_view key);
 void SetCloseOnExec(int fd);
 
 // What a Get's timeout says between the key and the time ("... key 'k' was not set within
-// 500 ms"): a store that waits in slices (CancellableStore) tells its own timeouts by it.
+// 500 ms"): a store that waits in slices (CancellableStore) finds the time in it to name the
+// whole wait.
 inline constexpr std::string_view kNotSetWithin = " was not set within ";
+
+// The Error our own stores throw for a failure of the store itself rather than a key's absence:
+// a TCP store that could not connect, got no reply in time, or lost its connection. A Store
+// says that a key was not set within a Get's wait with a plain Error(kTimeout) (cluster.h), as
+// stores that users write do, whatever their wording; so a caller that must tell the two apart
+// (CancellableStore's slices, the TCP fabric naming a rank that never published) does it by
+// type, not by searching the message. Callers outside the library see an Error.
+class StoreFailure final : public Error {
+ public:
+  using Error::Error;
+};
+
+// Whether `error`, from a Get, says that the key was not set within the wait: a kTimeout that is
+// no StoreFailure.
+bool IsNotSet(const Error& error);
 
 // Throws Error(kTimeout): "<store>: key '<key>' was not set within <timeout> ms".
 [[noreturn]] void ThrowGetTimeout(std::string_view store, const std::string& key,

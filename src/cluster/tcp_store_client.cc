@@ -339,14 +339,14 @@ class TcpStoreClient::Impl {
     Connection::Result result = connection->Call(request, key, value, deadlines.answer,
                                                  deadlines.whole, &reply, reply_value, &why);
     if (result == Connection::Result::kTimedOut) {
-      throw Error(ErrorCode::kTimeout,
-                  name_ + ": " + context + " got no reply " + deadlines.limit + " (" + why + ")");
+      throw StoreFailure(ErrorCode::kTimeout, name_ + ": " + context + " got no reply " +
+                                                  deadlines.limit + " (" + why + ")");
     }
     if (result == Connection::Result::kFailed) {
       // The pooled connections lead to the same server, which is gone (or restarted, or out of
       // step): the next call opens a new connection instead of failing on another of them.
       DropIdle();
-      throw Error(ErrorCode::kPeerLost, name_ + ": " + context + " failed: " + why);
+      throw StoreFailure(ErrorCode::kPeerLost, name_ + ": " + context + " failed: " + why);
     }
     Release(std::move(connection));
     if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {
@@ -426,9 +426,9 @@ class TcpStoreClient::Impl {
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
       backoff = std::min(backoff * 2, kMaxRetry);
     }
-    throw Error(ErrorCode::kTimeout, name_ + ": " + what + "could not connect within " +
-                                         std::to_string(budget.count()) +
-                                         " ms (last error: " + last_error + ")");
+    throw StoreFailure(ErrorCode::kTimeout, name_ + ": " + what + "could not connect within " +
+                                                std::to_string(budget.count()) +
+                                                " ms (last error: " + last_error + ")");
   }
 
   // The token every connection proves, and whether this client must still enrol for it (as

@@ -1573,7 +1573,7 @@ void MeshBuilder::ReadAddresses(Store& store) {
       if (error.code() != ErrorCode::kTimeout) throw;
       // Only the key's absence says the peer never published; any other timeout is the store's
       // own (a TCP store that did not answer), which the next peer's Get would meet again.
-      if (error.message().find(cluster::kNotSetWithin) == std::string::npos) {
+      if (!cluster::IsNotSet(error)) {
         throw Error(ErrorCode::kTimeout,
                     Prefix() + "timed out after " + std::to_string(options_.timeout.count()) +
                         " ms setting up connections: reading rank " + std::to_string(peer) +

@@ -16,6 +16,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/cancellable_store.h"
+#include "src/cluster/store_common.h"
 
 namespace collectives {
 namespace {
@@ -282,15 +283,16 @@ TEST(CancellableStoreTest, ACancelEndsAWaitingGetWithinAPoll) {
 }
 
 // A slice that timed out for another reason than the key's absence (a TCP store that could not
-// connect, or got no reply, within its own limit) ends the Get: another slice would wait that
-// limit again, past the Get's timeout.
+// connect, or got no reply, within its own limit: a cluster::StoreFailure) ends the Get: another
+// slice would wait that limit again, past the Get's timeout.
 TEST(CancellableStoreTest, AnotherTimeoutEndsTheGetAtOnce) {
   struct Unreachable final : Store {
     std::atomic<int> gets{0};
     void Set(const std::string&, const std::string&) override {}
     std::string Get(const std::string&, milliseconds) override {
       ++gets;
-      throw Error(ErrorCode::kTimeout, "TCP store at h:1: could not connect within 5000 ms");
+      throw cluster::StoreFailure(ErrorCode::kTimeout,
+                                  "TCP store at h:1: could not connect within 5000 ms");
     }
     int64_t Add(const std::string&, int64_t) override { return 0; }
   };
@@ -326,6 +328,48 @@ TEST(CancellableStoreTest, ASlicedGetSeesALateSetAndNamesTheWholeTimeout) {
     EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
     EXPECT_NE(e.message().find("was not set within 130 ms"), std::string::npos) << e.what();
   }
+}
+
+// A store the user wrote says that a key is not set with Error(kTimeout) in words of its own
+// (cluster.h asks no more): that is the key's absence, worth another slice, not a failure of
+// the store. (Before, a timeout without the words of our stores ended the Get after its first
+// slice, so a split set up over such a store gave up after 50 ms.)
+TEST(CancellableStoreTest, AUserStoresTimeoutInItsOwnWordsIsTheKeysAbsence) {
+  struct OwnWords final : Store {
+    std::shared_ptr<Store> inner = CreateMemoryStore();
+    void Set(const std::string& key, const std::string& value) override { inner->Set(key, value); }
+    std::string Get(const std::string& key, milliseconds timeout) override {
+      try {
+        return inner->Get(key, timeout);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kTimeout) throw;
+        throw Error(ErrorCode::kTimeout, "my store: no " + key + " yet");
+      }
+    }
+    int64_t Add(const std::string& key, int64_t delta) override { return inner->Add(key, delta); }
+  };
+  auto own = std::make_shared<OwnWords>();
+  cluster::CancellableStore store(
+      own, [] { return false; }, "unused", milliseconds(20));
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(150));
+    own->Set("late", "here");
+  });
+  try {
+    EXPECT_EQ(store.Get("late", kLong), "here");
+  } catch (const Error& e) {
+    ADD_FAILURE() << "a Get of a key set after 150 ms failed: " << e.what();
+  }
+  setter.join();
+  const auto start = Clock::now();
+  try {
+    store.Get("missing", milliseconds(130));
+    ADD_FAILURE() << "a Get of a key nobody sets returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_EQ(e.message(), "my store: no missing yet");
+  }
+  EXPECT_GE(Clock::now() - start, milliseconds(120)) << "ended before the Get's 130 ms";
 }
 
 }  // namespace

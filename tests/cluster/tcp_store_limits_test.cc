@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "collectives/errors.h"
+#include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
 #include "src/cluster/tcp_store_auth.h"
 #include "tests/transport/idle_connections.h"
@@ -211,6 +212,7 @@ TEST(TcpStoreStoppedServerTest, AGetEndsAGraceAfterItsWaitNotAWholeTimeoutLater)
     EXPECT_NE(text.find("127.0.0.1:" + std::to_string(server.port())), std::string::npos) << text;
     EXPECT_NE(text.find("'never'"), std::string::npos) << text;
     EXPECT_NE(text.find("200 ms"), std::string::npos) << text;
+    EXPECT_FALSE(cluster::IsNotSet(e)) << "a server that does not answer is no key that is unset";
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   EXPECT_LT(seconds, 4.5) << "the Get waited the store's 6 s timeout beyond its own 200 ms";

@@ -19,6 +19,7 @@
 #include <future>
 #include <thread>
 
+#include "src/cluster/store_common.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
 #include "tests/transport/fabric_test_util.h"
@@ -593,8 +594,9 @@ TEST(TcpSetupTest, AStoreThatDoesNotAnswerIsNotARankThatNeverPublished) {
     void Set(const std::string& key, const std::string& value) override { inner_->Set(key, value); }
     std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
       if (key.find("/addr/") == std::string::npos) return inner_->Get(key, timeout);
-      throw Error(ErrorCode::kTimeout, "TCP store at h:1: Get of key '" + key +
-                                           "' got no reply within 2000 ms of the end of its wait");
+      throw cluster::StoreFailure(ErrorCode::kTimeout,
+                                  "TCP store at h:1: Get of key '" + key +
+                                      "' got no reply within 2000 ms of the end of its wait");
     }
     int64_t Add(const std::string& key, int64_t delta) override { return inner_->Add(key, delta); }
 
@@ -623,6 +625,37 @@ TEST(TcpSetupTest, ATimeoutOfMillisecondsMaxNeverTimesOut) {
       ConnectTcpGroup(2, *store, [](int) { return Options(std::chrono::milliseconds::max()); });
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+}
+
+// A store the user wrote says that a key is not set with Error(kTimeout) in words of its own
+// (cluster.h asks no more): the rank that did not publish is named, as over our stores. (Before,
+// a timeout without our stores' words was taken for a store that did not answer.)
+TEST(TcpSetupTest, AUserStoresTimeoutInItsOwnWordsNamesTheRankThatNeverPublished) {
+  class OwnWords : public Store {
+   public:
+    void Set(const std::string& key, const std::string& value) override { inner_->Set(key, value); }
+    std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+      try {
+        return inner_->Get(key, timeout);
+      } catch (const Error& error) {
+        if (error.code() != ErrorCode::kTimeout) throw;
+        throw Error(ErrorCode::kTimeout, "my store: no " + key + " yet");
+      }
+    }
+    int64_t Add(const std::string& key, int64_t delta) override { return inner_->Add(key, delta); }
+
+   private:
+    std::shared_ptr<Store> inner_ = CreateMemoryStore();
+  };
+  OwnWords store;
+  try {
+    ConnectTcpFabric(0, 2, store, Options(300ms));
+    ADD_FAILURE() << "a mesh formed without rank 1";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout) << error.what();
+    EXPECT_NE(error.message().find("rank(s) 1 never published"), std::string::npos)
+        << error.message();
   }
 }
 
