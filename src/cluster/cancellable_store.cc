@@ -1,5 +1,5 @@
 // CancellableStore: the wrapped store's operations, polling `cancelled` before each and
-// between the slices of a Get's wait.
+// between the slices of a Get's wait. DeadlineBoundStore: its Sets and Adds by the deadline.
 #include "src/cluster/cancellable_store.h"
 
 #include <algorithm>
@@ -59,6 +59,21 @@ std::string CancellableStore::Get(const std::string& key, std::chrono::milliseco
                                            std::to_string(ClampTimeout(timeout).count()) + " ms");
     }
   }
+}
+
+DeadlineBoundStore::DeadlineBoundStore(std::shared_ptr<Store> store, Clock::time_point deadline)
+    : store_(std::move(store)), deadline_(deadline) {}
+
+void DeadlineBoundStore::Set(const std::string& key, const std::string& value) {
+  SetBy(*store_, key, value, deadline_);
+}
+
+std::string DeadlineBoundStore::Get(const std::string& key, std::chrono::milliseconds timeout) {
+  return store_->Get(key, timeout);
+}
+
+int64_t DeadlineBoundStore::Add(const std::string& key, int64_t delta) {
+  return AddBy(*store_, key, delta, deadline_);
 }
 
 }  // namespace collectives::cluster

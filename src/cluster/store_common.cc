@@ -86,6 +86,21 @@ void SetCloseOnExec(int fd) {
   if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
 }
 
+void SetBy(Store& store, const std::string& key, const std::string& value,
+           Clock::time_point deadline) {
+  if (auto* bounded = dynamic_cast<DeadlineStore*>(&store)) {
+    return bounded->SetBy(key, value, deadline);
+  }
+  store.Set(key, value);
+}
+
+int64_t AddBy(Store& store, const std::string& key, int64_t delta, Clock::time_point deadline) {
+  if (auto* bounded = dynamic_cast<DeadlineStore*>(&store)) {
+    return bounded->AddBy(key, delta, deadline);
+  }
+  return store.Add(key, delta);
+}
+
 bool IsNotSet(const Error& error) {
   return error.code() == ErrorCode::kTimeout &&
          dynamic_cast<const StoreFailure*>(&error) == nullptr;

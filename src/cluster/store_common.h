@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "collectives/cluster.h"
 #include "collectives/errors.h"
 
 namespace collectives::cluster {
@@ -44,6 +45,28 @@ std::string AddToCounter(std::string_view store, const std::string& key, const s
 
 // The key for messages: quoted, non-printable bytes as \xNN, long keys shortened.
 std::string QuoteKey(std::string_view key);
+
+// Implemented by the stores whose Set and Add can end by a deadline of the caller's rather than
+// by a limit of their own (the TCP store's client gives each its whole timeout, reconnection
+// included, which a server that is gone takes to the end), beside the Store interface (which
+// stays as it is for users who write their own store). A communicator's set-up calls its store
+// through SetBy and AddBy, so that its Sets and Adds end by its deadline.
+class DeadlineStore {
+ public:
+  // As Store::Set and Store::Add, ending by `deadline` (Error(kTimeout) past it).
+  virtual void SetBy(const std::string& key, const std::string& value,
+                     Clock::time_point deadline) = 0;
+  virtual int64_t AddBy(const std::string& key, int64_t delta, Clock::time_point deadline) = 0;
+
+ protected:
+  ~DeadlineStore() = default;
+};
+
+// store.SetBy / store.AddBy for a DeadlineStore; store.Set / store.Add, under the store's own
+// limits, for every other store.
+void SetBy(Store& store, const std::string& key, const std::string& value,
+           Clock::time_point deadline);
+int64_t AddBy(Store& store, const std::string& key, int64_t delta, Clock::time_point deadline);
 
 // Marks a descriptor close-on-exec (Asio does not), so that a child the process starts does
 // not inherit the store's sockets: an inherited listener would keep the port, an inherited

@@ -25,7 +25,8 @@
 // deadline the socket is closed), and returns the connection to the pool. Opening a connection
 // retries with a backoff (10 ms doubling to 200 ms) until the store's timeout, because clients
 // commonly start before rank 0. Deadlines: a Set or an Add ends within the store's timeout (at
-// least 1 s), opening a connection again included; a Get within its own timeout and a grace of
+// least 1 s), opening a connection again included, or by the caller's deadline when sooner
+// (SetBy, AddBy: a communicator's set-up); a Get within its own timeout and a grace of
 // 2 s for the server's answer to start coming (a connection opened again, the request and the
 // reply's header), and its value then gets the store's timeout to arrive, so that a set-up that
 // gives a Get what is left of its deadline ends near that deadline even when the server does
@@ -43,6 +44,7 @@
 
 #include "collectives/cluster.h"
 #include "src/cluster/job_token.h"
+#include "src/cluster/store_common.h"
 
 namespace collectives::cluster {
 
@@ -73,7 +75,7 @@ class TcpStoreServer final : public Store, public JobTokenSource {
   std::unique_ptr<Impl> impl_;
 };
 
-class TcpStoreClient final : public Store, public JobTokenSource {
+class TcpStoreClient final : public Store, public JobTokenSource, public DeadlineStore {
  public:
   // Connects to host:port, retrying until `timeout`, and proves `token` (tcp_store_auth.h).
   // With an empty `token` and `rank` >= 0, it first enrols for `rank` and receives the token
@@ -91,6 +93,10 @@ class TcpStoreClient final : public Store, public JobTokenSource {
   void Set(const std::string& key, const std::string& value) override;
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) override;
   int64_t Add(const std::string& key, int64_t delta) override;
+  // Set and Add ending by `deadline` when it comes before the store's timeout (a communicator's
+  // set-up: store_common.h).
+  void SetBy(const std::string& key, const std::string& value, Clock::time_point deadline) override;
+  int64_t AddBy(const std::string& key, int64_t delta, Clock::time_point deadline) override;
 
   // The token this client proves: the one given, else the one it enrolled for, else empty.
   std::string JobToken() const override;

@@ -264,7 +264,7 @@ class TcpStoreClient::Impl {
 
   const std::string& token() const { return token_; }
 
-  void Set(const std::string& key, const std::string& value) {
+  void Set(const std::string& key, const std::string& value, Clock::time_point deadline) {
     CheckKey(name_, key);
     CheckValue(name_, key, value);
     wire::Header request;
@@ -272,7 +272,7 @@ class TcpStoreClient::Impl {
     request.key_bytes = static_cast<uint32_t>(key.size());
     request.value_bytes = static_cast<uint32_t>(value.size());
     std::string ignored;
-    Call("Set", request, key, value, IoDeadlines(), &ignored);
+    Call("Set", request, key, value, IoDeadlines(deadline), &ignored);
   }
 
   std::string Get(const std::string& key, std::chrono::milliseconds timeout) {
@@ -298,14 +298,14 @@ class TcpStoreClient::Impl {
     return value;
   }
 
-  int64_t Add(const std::string& key, int64_t delta) {
+  int64_t Add(const std::string& key, int64_t delta, Clock::time_point deadline) {
     CheckKey(name_, key);
     wire::Header request;
     request.code = static_cast<uint8_t>(wire::Op::kAdd);
     request.key_bytes = static_cast<uint32_t>(key.size());
     request.arg = delta;
     std::string ignored;
-    return Call("Add", request, key, "", IoDeadlines(), &ignored).arg;
+    return Call("Add", request, key, "", IoDeadlines(deadline), &ignored).arg;
   }
 
  private:
@@ -317,11 +317,19 @@ class TcpStoreClient::Impl {
     std::string limit;
   };
 
-  // A Set's or an Add's: the I/O limit for all of it.
-  Deadlines IoDeadlines() const {
+  // A Set's or an Add's: the I/O limit for all of it, or the caller's `deadline` when sooner
+  // (but a moment at least, as for a connection, so that a server that is up always answers).
+  Deadlines IoDeadlines(Clock::time_point deadline) const {
     Deadlines deadlines;
     deadlines.answer = deadlines.whole = DeadlineAfter(io_timeout_);
-    deadlines.limit = "within " + std::to_string(io_timeout_.count()) + " ms";
+    std::chrono::milliseconds limit = io_timeout_;
+    deadline = std::max(deadline, Clock::now() + kMinAttempt);
+    if (deadline < deadlines.answer) {
+      deadlines.answer = deadlines.whole = deadline;
+      limit = std::max(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()),
+                       std::chrono::milliseconds(0));
+    }
+    deadlines.limit = "within " + std::to_string(limit.count()) + " ms";
     return deadlines;
   }
 
@@ -455,7 +463,12 @@ std::string TcpStoreClient::JobToken() const { return impl_->token(); }
 TcpStoreClient::~TcpStoreClient() = default;
 
 void TcpStoreClient::Set(const std::string& key, const std::string& value) {
-  impl_->Set(key, value);
+  impl_->Set(key, value, Clock::time_point::max());
+}
+
+void TcpStoreClient::SetBy(const std::string& key, const std::string& value,
+                           Clock::time_point deadline) {
+  impl_->Set(key, value, deadline);
 }
 
 std::string TcpStoreClient::Get(const std::string& key, std::chrono::milliseconds timeout) {
@@ -463,7 +476,11 @@ std::string TcpStoreClient::Get(const std::string& key, std::chrono::millisecond
 }
 
 int64_t TcpStoreClient::Add(const std::string& key, int64_t delta) {
-  return impl_->Add(key, delta);
+  return impl_->Add(key, delta, Clock::time_point::max());
+}
+
+int64_t TcpStoreClient::AddBy(const std::string& key, int64_t delta, Clock::time_point deadline) {
+  return impl_->Add(key, delta, deadline);
 }
 
 }  // namespace collectives::cluster

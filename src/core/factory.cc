@@ -1,6 +1,7 @@
 // The factory: from a ClusterSpec and options to a connected communicator. It is the one file of
 // src/core that includes the implementations (src/ring, src/hierarchical, src/nccl,
 // src/transport); the rest of core depends on none of them.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
@@ -12,6 +13,7 @@
 #include "src/cluster/cancellable_store.h"
 #include "src/cluster/host_port.h"
 #include "src/cluster/job_token.h"
+#include "src/cluster/store_common.h"
 #include "src/core/arguments.h"
 #include "src/core/text.h"
 #include "src/hierarchical/planner.h"
@@ -87,10 +89,12 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   // runs collectives on the child with every member already connected.
   const std::string abandoned = "rank " + std::to_string(rank) +
                                 ": set-up abandoned: the communicator it was split from broke";
+  // Every Set and Add ends by `deadline` too, where the store can say so.
+  std::shared_ptr<Store> bounded = std::make_shared<cluster::DeadlineBoundStore>(store, deadline);
   std::shared_ptr<Store> setup_store =
-      cancelled ? std::make_shared<cluster::CancellableStore>(store, cancelled, abandoned,
+      cancelled ? std::make_shared<cluster::CancellableStore>(bounded, cancelled, abandoned,
                                                               transport::kCancelPoll)
-                : store;
+                : bounded;
   transport::TcpFabricOptions tcp;
   tcp.job_id = rendezvous.job_id;
   tcp.token = rendezvous.token;
@@ -125,6 +129,13 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   return comm;
 }
 
+// How long a split's member waits for the store to say whether another member gave up (a check
+// between its waits), and, once its own set-up failed, at most past its deadline to tell the
+// others or to read another's reason: a store that does not answer would otherwise hold it
+// for the store's timeout each time.
+constexpr std::chrono::milliseconds kGaveUpCheckLimit{200};
+constexpr std::chrono::milliseconds kNoticeLimit{500};
+
 // A split's child: Connect under the child's key space, giving up when the parent is aborted or
 // when another member gave up. A set-up waits for every member, and a member's Abort reaches the
 // others only through the parent's connections, which nobody reads while they set up the child:
@@ -138,22 +149,28 @@ std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
                                                       const std::function<bool()>& parent_aborted) {
   const std::string why_key = rendezvous.key_prefix + "/gave_up/why";
   const std::string count_key = rendezvous.key_prefix + "/gave_up/count";
-  const auto another_gave_up = [store, count_key] {
+  const Clock::time_point deadline = Clock::now() + options.timeout;
+  const auto another_gave_up = [store, count_key, deadline] {
     try {
-      return store->Add(count_key, 0) > 0;
+      // A check, not a step of the set-up: a store that does not answer soon says no.
+      return cluster::AddBy(*store, count_key, 0,
+                            std::min(deadline, Clock::now() + kGaveUpCheckLimit)) > 0;
     } catch (const Error&) {
       return false;  // the set-up's own store operations fail, and say why
     }
   };
   try {
     return Connect(
-        rank, size, store, rendezvous, options, Clock::now() + options.timeout,
+        rank, size, store, rendezvous, options, deadline,
         [parent_aborted, another_gave_up] { return parent_aborted() || another_gave_up(); });
   } catch (const Error& error) {
+    // Telling the others, or reading why another gave up, ends a little after the deadline.
+    const Clock::time_point notice_by = std::max(deadline, Clock::now() + kNoticeLimit);
     if (!parent_aborted() && another_gave_up()) {
       std::string why;
       try {
-        why = store->Get(why_key, options.timeout);
+        why = store->Get(why_key,
+                         std::chrono::ceil<std::chrono::milliseconds>(notice_by - Clock::now()));
       } catch (const Error& store_error) {
         why = "(its reason could not be read: " + store_error.message() + ")";
       }
@@ -161,8 +178,8 @@ std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
                                            ": split: set-up abandoned by another member: " + why);
     }
     try {
-      store->Set(why_key, error.message());
-      store->Add(count_key, 1);
+      cluster::SetBy(*store, why_key, error.message(), notice_by);
+      cluster::AddBy(*store, count_key, 1, notice_by);
     } catch (const Error&) {
       // Best effort: the others then end at their own timeout, as before.
     }
@@ -221,8 +238,8 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
     nccl::CheckNcclAlgorithm(spec.rank, options.algorithm);
     nccl::LoadNccl();
     // The generation as for RING below: one key space per communicator built on this store.
-    const int64_t generation =
-        store->Add(spec.job_id + "/generation/" + std::to_string(spec.rank), 1);
+    const int64_t generation = cluster::AddBy(
+        *store, spec.job_id + "/generation/" + std::to_string(spec.rank), 1, deadline);
     nccl::NcclOptions nccl_options;
     nccl_options.setup_deadline = deadline;
     return nccl::CreateNcclCommunication(spec.rank, spec.world_size, std::move(store),
@@ -241,7 +258,7 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
   // Every rank counts the communicators it has built on this store; building them in the same
   // order on every rank (as collectives require anyway) gives each its own key space.
   const int64_t generation =
-      store->Add(spec.job_id + "/generation/" + std::to_string(spec.rank), 1);
+      cluster::AddBy(*store, spec.job_id + "/generation/" + std::to_string(spec.rank), 1, deadline);
   Rendezvous rendezvous;
   rendezvous.job_id = spec.job_id;
   rendezvous.token = ResolveJobToken(spec, options);

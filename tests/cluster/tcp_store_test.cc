@@ -671,6 +671,32 @@ TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {
   EXPECT_LT(Clock::now() - start, milliseconds(7000));
 }
 
+// A communicator's set-up Sets and Adds by its deadline (SetBy, AddBy): one whose deadline has
+// passed still gets a moment, which a server that is up answers in, and with the server gone
+// one ends by its deadline, not after the store's 5 s timeout.
+TEST(TcpStoreTest, ASetOrAnAddByADeadlineEndsByItAndAServerThatIsUpStillAnswers) {
+  auto server = Server();
+  cluster::TcpStoreClient client("127.0.0.1", TcpStorePort(*server), kLong);
+  try {
+    client.SetBy("k", "v", Clock::now() - milliseconds(100));
+    EXPECT_EQ(client.AddBy("n", 2, Clock::now() - milliseconds(100)), 2);
+    EXPECT_EQ(server->Get("k", kLong), "v");
+  } catch (const Error& e) {
+    ADD_FAILURE() << "a server that is up did not answer a call past its deadline: " << e.what();
+  }
+  server.reset();
+  for (int call = 0; call < 2; ++call) {  // on the pooled connection, then on a new one
+    const auto start = Clock::now();
+    try {
+      client.AddBy("n", 1, start + milliseconds(300));
+      ADD_FAILURE() << "a stopped server answered";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kPeerLost) << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, milliseconds(1500)) << "call " << call;
+  }
+}
+
 // A server that stops and starts again on its port: the client's call that finds its connection
 // gone raises kPeerLost, and the next call connects to the new server, however many connections
 // the client had pooled (each of them led to the old server).

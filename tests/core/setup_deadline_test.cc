@@ -6,6 +6,8 @@
 // succeeded after about 1.6 times the timeout.)
 //   - CreateCommunication with a given store;
 //   - Split: the child's set-up, under the parent's timeout.
+// And a TCP store whose server is gone in the middle of a job: a split's set-up ends about its
+// timeout, not one store timeout per Set and Add later.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -151,6 +153,54 @@ TEST(SetupDeadlineTest, SplitSharesOneTimeoutAmongTheChildsSteps) {
         *start = Clock::now();
         return parent->Split(0, rank);
       });
+}
+
+// Two ranks build their parent over a TCP store (the server apart, as rank 0's process hosts it,
+// each rank a client whose own timeout is 3 s), then the server stops, and both split. Each
+// child's set-up ends about its 1 s timeout: its Sets and Adds end by its deadline. (Before,
+// each got the store's 3 s: the poll of whether another member gave up, the mesh address's Set,
+// and then the notice that this member gave up, a check, a Set and an Add; about 12 s.)
+TEST(SetupDeadlineTest, ASplitEndsNearItsDeadlineWhenTheStoresServerStops) {
+  constexpr std::chrono::milliseconds kStoreTimeout{3000};
+  constexpr std::chrono::milliseconds kSplitTimeout{1000};
+  auto server = CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, kStoreTimeout);
+  const uint16_t port = TcpStorePort(*server);
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = kSplitTimeout;
+  std::vector<std::unique_ptr<CollectiveCommunication>> comms(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto client = CreateTcpStore("127.0.0.1", port, /*is_server=*/false, kStoreTimeout);
+      comms[size_t(rank)] = CreateCommunication(Spec(rank), std::move(client), options);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  ASSERT_TRUE(comms[0] && comms[1]);
+  server.reset();  // rank 0's process, say, is gone
+
+  std::vector<Clock::duration> took(2);
+  threads.clear();
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      const auto start = Clock::now();
+      try {
+        comms[size_t(rank)]->Split(0, rank);
+        ADD_FAILURE() << "rank " << rank << ": a split without the store's server succeeded";
+      } catch (const Error&) {
+        // Whatever it raises (the store's timeout, or the other member's notice), it raised.
+      }
+      took[size_t(rank)] = Clock::now() - start;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_LT(took[size_t(rank)], kSplitTimeout + kSlack)
+        << "rank " << rank << "'s split took "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(took[size_t(rank)]).count()
+        << " ms";
+  }
 }
 
 }  // namespace
