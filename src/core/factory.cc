@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -135,6 +136,10 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
 // for the store's timeout each time.
 constexpr std::chrono::milliseconds kGaveUpCheckLimit{200};
 constexpr std::chrono::milliseconds kNoticeLimit{500};
+// How often a split's member asks the store, while it waits, whether another member gave up:
+// each ask is a round trip to rank 0's store, made by every waiting member, and the waits poll
+// their cancellation every transport::kCancelPoll (about 20 asks a second otherwise).
+constexpr std::chrono::milliseconds kGaveUpPoll{200};
 
 // A split's child: Connect under the child's key space, giving up when the parent is aborted or
 // when another member gave up. A set-up waits for every member, and a member's Abort reaches the
@@ -159,10 +164,25 @@ std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
       return false;  // the set-up's own store operations fail, and say why
     }
   };
+  // The poll between the waits asks the store once per kGaveUpPoll, and remembers a yes.
+  struct Asked {
+    std::mutex mu;
+    Clock::time_point next{};  // guarded by mu
+    bool gave_up = false;      // guarded by mu
+  };
+  const auto asked = std::make_shared<Asked>();
+  const auto poll = [parent_aborted, another_gave_up, asked] {
+    if (parent_aborted()) return true;
+    std::lock_guard<std::mutex> lock(asked->mu);
+    const Clock::time_point now = Clock::now();
+    if (!asked->gave_up && now >= asked->next) {
+      asked->next = now + kGaveUpPoll;
+      asked->gave_up = another_gave_up();
+    }
+    return asked->gave_up;
+  };
   try {
-    return Connect(
-        rank, size, store, rendezvous, options, deadline,
-        [parent_aborted, another_gave_up] { return parent_aborted() || another_gave_up(); });
+    return Connect(rank, size, store, rendezvous, options, deadline, poll);
   } catch (const Error& error) {
     // Telling the others, or reading why another gave up, ends a little after the deadline.
     const Clock::time_point notice_by = std::max(deadline, Clock::now() + kNoticeLimit);

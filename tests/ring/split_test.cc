@@ -266,6 +266,61 @@ TEST(SplitAbortTest, TheOtherMembersLearnThatAMembersSplitWasAbandoned) {
   }
 }
 
+// Counts the Adds of keys that contain `counted`.
+class CountingStore final : public Store {
+ public:
+  CountingStore(std::shared_ptr<Store> store, std::string counted)
+      : store_(std::move(store)), counted_(std::move(counted)) {}
+  void Set(const std::string& key, const std::string& value) override { store_->Set(key, value); }
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return store_->Get(key, timeout);
+  }
+  int64_t Add(const std::string& key, int64_t delta) override {
+    if (key.find(counted_) != std::string::npos) ++adds_;
+    return store_->Add(key, delta);
+  }
+  int adds() const { return adds_.load(); }
+
+ private:
+  const std::shared_ptr<Store> store_;
+  const std::string counted_;
+  std::atomic<int> adds_{0};
+};
+
+// A member waiting in its child's set-up asks the store whether another member gave up a few
+// times a second, not on every poll of its waits: over a TCP store each ask is a round trip to
+// rank 0's server, and every waiting member makes them. Rank 1 stands still publishing its
+// address for a second while rank 0 waits for it. (Before, rank 0 asked about 20 times a second.)
+TEST(SplitAbortTest, AWaitingMemberAsksWhetherAnotherGaveUpAFewTimesASecond) {
+  auto server = CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, std::chrono::seconds(10));
+  auto client = CreateTcpStore("127.0.0.1", TcpStorePort(*server), /*is_server=*/false,
+                               std::chrono::seconds(10));
+  auto counting = std::make_shared<CountingStore>(client, "/gave_up/count");
+  auto store = std::make_shared<HoldingStore>(counting, "/split1/0/addr/1");
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = std::chrono::seconds(20);
+  std::vector<std::unique_ptr<CollectiveCommunication>> comms = CreateTwo(store, options);
+  ASSERT_TRUE(comms[0] && comms[1]);
+
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] { EXPECT_NE(comms[size_t(rank)]->Split(0, rank), nullptr); });
+  }
+  store->WaitUntilHolding();  // rank 1 stands still; rank 0 waits for its address
+  const int before = counting->adds();
+  const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const int asks = counting->adds() - before;
+  const auto waited = std::chrono::steady_clock::now() - start;
+  store->Release();
+  for (std::thread& rank : ranks) rank.join();
+  // One ask per 200 ms at most, and one more for a poll that straddles the start.
+  EXPECT_LE(asks, int(waited / std::chrono::milliseconds(200)) + 1)
+      << asks << " asks in "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms";
+}
+
 TEST(SplitWithoutStoreTest, IsNotSupported) {
   RunRanks(Transport::kInProcess, 1, {}, [](CollectiveCommunication& comm) {
     try {
