@@ -14,7 +14,10 @@
 //               others read it. A token file that another user owns or that group or others may
 //               read or write is refused with Error(kUnauthenticated): whoever can read it can
 //               join the job. Created only when asked, so a job that sets a token never has one.
-// Get polls for the file with a backoff from 1 ms doubling to 50 ms; Add polls for its lock the
+// Get polls for the file with a backoff from 1 ms doubling to 50 ms, and reads it once more at
+// the end of its wait; a Get of a key that a Get of this store gave up on just before (a caller
+// that waits in slices, as CancellableStore does) goes on at the pace that one reached (starting
+// again, it read the file 140 times a second, not 26). Add polls for its lock the
 // same way, for 300 s at most. Anything in the folder under a key's name that is not a regular
 // file (a FIFO, say) is an error, not a wait. flock locks belong to the
 // open file description, so Add excludes other threads of this process as well as other
@@ -32,6 +35,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -111,13 +115,19 @@ class FileStore : public Store, public JobTokenSource {
     Clock::time_point deadline = DeadlineAfter(timeout);
     std::string path = ValuePath(key);
     std::string value;
-    std::chrono::milliseconds poll = kFirstPoll;
+    Backoff backoff = TakeBackoff(key);
     for (;;) {
-      if (ReadIfExists(path, &value)) return value;
       Clock::time_point now = Clock::now();
-      if (now >= deadline) ThrowGetTimeout(name_, key, ClampTimeout(timeout));
-      std::this_thread::sleep_for(std::min<Clock::duration>(poll, deadline - now));
-      poll = std::min(poll * 2, kMaxPoll);
+      if (now >= backoff.next_read || now >= deadline) {
+        if (ReadIfExists(path, &value)) return value;
+        backoff.next_read = Clock::now() + backoff.poll;
+        backoff.poll = std::min(backoff.poll * 2, kMaxPoll);
+      }
+      if (now >= deadline) {
+        KeepBackoff(key, backoff);
+        ThrowGetTimeout(name_, key, ClampTimeout(timeout));
+      }
+      std::this_thread::sleep_for(std::min(backoff.next_read, deadline) - Clock::now());
     }
   }
 
@@ -160,6 +170,34 @@ class FileStore : public Store, public JobTokenSource {
   }
 
  private:
+  // Where a Get's polling of a key stands: the next read and the sleep after it.
+  struct Backoff {
+    Clock::time_point next_read;
+    std::chrono::milliseconds poll;
+  };
+
+  // The backoff a Get of `key` that gave up at most kMaxPoll ago reached, or a fresh one.
+  Backoff TakeBackoff(const std::string& key) {
+    const Clock::time_point now = Clock::now();
+    std::lock_guard<std::mutex> lock(backoff_mu_);
+    auto kept = backoffs_.find(key);
+    if (kept == backoffs_.end()) return Backoff{now, kFirstPoll};
+    const Backoff backoff = kept->second;
+    backoffs_.erase(kept);
+    if (backoff.next_read + kMaxPoll < now) return Backoff{now, kFirstPoll};
+    return backoff;
+  }
+
+  // Keeps the backoff of a Get of `key` that gives up, for a Get that follows; drops those kept
+  // long enough that no Get would carry them on.
+  void KeepBackoff(const std::string& key, const Backoff& backoff) {
+    const Clock::time_point now = Clock::now();
+    std::lock_guard<std::mutex> lock(backoff_mu_);
+    std::erase_if(backoffs_,
+                  [now](const auto& entry) { return entry.second.next_read + kMaxPoll < now; });
+    backoffs_[key] = backoff;
+  }
+
   std::string ValuePath(const std::string& key) const {
     return directory_ + "/key." + EncodeKey(key);
   }
@@ -301,6 +339,8 @@ class FileStore : public Store, public JobTokenSource {
   mutable std::atomic<uint64_t> temp_counter_{0};
   mutable std::once_flag token_once_;
   mutable std::string token_;  // written once, under token_once_
+  std::mutex backoff_mu_;
+  std::map<std::string, Backoff> backoffs_;  // guarded by backoff_mu_
 };
 
 }  // namespace
