@@ -18,7 +18,8 @@
 // the end of its wait; a Get of a key that a Get of this store gave up on just before (a caller
 // that waits in slices, as CancellableStore does) goes on at the pace that one reached (starting
 // again, it read the file 140 times a second, not 26). Add polls for its lock the
-// same way, for 300 s at most. Anything in the folder under a key's name that is not a regular
+// same way, for 300 s at most, or until the deadline of a communicator's set-up (AddBy).
+// Anything in the folder under a key's name that is not a regular
 // file (a FIFO, say) is an error, not a wait. flock locks belong to the
 // open file description, so Add excludes other threads of this process as well as other
 // processes (Linux NFS maps flock onto POSIX byte-range locks).
@@ -86,7 +87,7 @@ std::string EncodeKey(const std::string& key) {
   return name;
 }
 
-class FileStore : public Store, public JobTokenSource {
+class FileStore : public Store, public JobTokenSource, public DeadlineStore {
  public:
   explicit FileStore(std::string directory)
       : directory_(std::move(directory)), name_("file store at '" + directory_ + "'") {
@@ -132,6 +133,16 @@ class FileStore : public Store, public JobTokenSource {
   }
 
   int64_t Add(const std::string& key, int64_t delta) override {
+    return AddBy(key, delta, Clock::time_point::max());
+  }
+
+  // A Set waits for nothing; an Add gives up on another process's lock at `deadline` when it
+  // comes before kLockWait (a communicator's set-up: store_common.h).
+  void SetBy(const std::string& key, const std::string& value, Clock::time_point) override {
+    Set(key, value);
+  }
+
+  int64_t AddBy(const std::string& key, int64_t delta, Clock::time_point deadline) override {
     CheckKey(name_, key);
     std::string lock_path = directory_ + "/lock." + EncodeKey(key);
     core::UniqueFd lock(
@@ -139,19 +150,26 @@ class FileStore : public Store, public JobTokenSource {
     if (lock.get() < 0) ThrowSystem("open", lock_path);
     // Held for one read-modify-write by whoever has it; a holder that keeps it (stopped, or
     // not a rank at all) is an error after kLockWait rather than a wait without end.
-    const Clock::time_point give_up = Clock::now() + kLockWait;
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point give_up = std::min(start + kLockWait, deadline);
     std::chrono::milliseconds poll = kFirstPoll;
     while (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
       if (errno == EINTR) continue;
       if (errno != EWOULDBLOCK) ThrowSystem("lock", lock_path);
-      if (Clock::now() >= give_up) {
+      const Clock::time_point now = Clock::now();
+      if (now >= give_up) {
+        const std::string waited =
+            give_up == start + kLockWait
+                ? std::to_string(kLockWait.count()) + " s"
+                : std::to_string(
+                      std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()) +
+                      " ms";
         throw Error(ErrorCode::kTimeout, name_ + ": '" + lock_path +
-                                             "' has been locked by another process for " +
-                                             std::to_string(kLockWait.count()) +
-                                             " s (a rank stopped in Add, or a "
+                                             "' has been locked by another process for " + waited +
+                                             " (a rank stopped in Add, or a "
                                              "process that is not one of this job's holding it)");
       }
-      std::this_thread::sleep_for(poll);
+      std::this_thread::sleep_for(std::min<Clock::duration>(poll, give_up - now));
       poll = std::min(poll * 2, kMaxPoll);
     }
     // Unlocked by closing the descriptor, on every path.

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
 #include <string>
 #include <thread>
@@ -23,6 +25,7 @@
 #include "collectives/errors.h"
 #include "src/cluster/cancellable_store.h"
 #include "src/cluster/job_token.h"
+#include "src/cluster/store_common.h"
 
 // A seam for counting the store's reads: the store reads a key by opening its file, and this
 // test binary's open() (which the library's calls reach before libc's) counts the opens of paths
@@ -315,6 +318,34 @@ TEST(FileStoreTest, AGetWaitingInSlicesReadsAtTheBackoffsPace) {
   g_counted_path = nullptr;
   EXPECT_GT(g_counted_opens.load(), 10);  // the seam counts
   EXPECT_LE(g_counted_opens.load(), 40) << "reads of the key's file in the Get's 1000 ms";
+}
+
+// A communicator's set-up Adds by its deadline (cluster::AddBy): another process that holds a
+// key's lock (a rank stopped in Add) ends the Add at the deadline with an error naming the lock,
+// not after the store's own 300 s (as a plain Add still does). Before, a set-up over a file store
+// with a 500 ms timeout waited the 300 s.
+TEST(FileStoreTest, AnAddByADeadlineGivesUpOnAHeldLockAtTheDeadline) {
+  TempDir temp;
+  auto store = CreateFileStore(temp.path());
+  const std::string lock_path = (temp.path() / "lock.h6b").string();  // the key "k"
+  const int holder = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(holder, 0);
+  ASSERT_EQ(::flock(holder, LOCK_EX), 0);
+  const auto start = std::chrono::steady_clock::now();
+  auto add = std::async(std::launch::async,
+                        [&] { return cluster::AddBy(*store, "k", 1, start + milliseconds(300)); });
+  const bool ended = add.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+  ::close(holder);  // lets an Add that still waits finish
+  EXPECT_TRUE(ended) << "an Add by a 300 ms deadline still waited for the lock after 3 s";
+  try {
+    add.get();
+    if (ended) ADD_FAILURE() << "an Add got a lock another process held";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(e.message().find(lock_path + "' has been locked by another process for "),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
