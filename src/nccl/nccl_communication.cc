@@ -199,6 +199,22 @@ class Shared {
   std::deque<InFlight> in_flight;        // guarded by mu; in issue order
 };
 
+// `error` as the error of the call `where` names ("rank 0: all_reduce #3 (f32, sum, count=7)"):
+// as it is when it is that call's own (it begins with `where`), else with the call and `what`
+// became of it appended: "rank 0: the communicator was aborted by its caller (all_reduce #3
+// (f32, sum, count=7) was in flight)". A caller waiting on several Works learns which is which.
+Error ForCall(const Error& error, const std::string& where, const char* what) {
+  if (error.message().compare(0, where.size(), where) == 0) return error;
+  const size_t colon = where.find(": ");
+  std::string message = error.message();
+  message += " (";
+  message += colon == std::string::npos ? where : where.substr(colon + 2);
+  message += ' ';
+  message += what;
+  message += ')';
+  return Error(error.code(), message);
+}
+
 // One issued collective: completes when the CUDA event recorded after it has.
 // Thread-safety: Wait and Done from any thread; concurrent Waits take turns.
 class NcclWork final : public Work {
@@ -298,7 +314,7 @@ class NcclWork final : public Work {
 
   // Under wait_mu_.
   void Finish(const std::optional<Error>& error) {
-    error_ = error;
+    if (error) error_ = ForCall(*error, where_, "was in flight");
     done_.store(true, std::memory_order_release);
   }
 
@@ -553,9 +569,12 @@ class NcclCommunication final : public CollectiveCommunication {
     std::string where =
         "rank " + std::to_string(rank_) + ": " + collective + " #" + std::to_string(next_seq_++);
     if (!detail.empty()) where += " (" + detail + ")";
-    if (shared_->broken) return std::make_shared<NcclWork>(*shared_->broken);
+    if (shared_->broken) {
+      return std::make_shared<NcclWork>(ForCall(*shared_->broken, where, "was not issued"));
+    }
     if (shared_->abort_requested.load(std::memory_order_acquire)) {
-      return std::make_shared<NcclWork>(shared_->BreakLocked(AbortedError()));
+      return std::make_shared<NcclWork>(
+          ForCall(shared_->BreakLocked(AbortedError()), where, "was not issued"));
     }
 
     const auto deadline = Clock::now() + timeout;

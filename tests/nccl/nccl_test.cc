@@ -694,6 +694,10 @@ TEST(NcclGpuTest, AbortBreaksTheCommunicator) {
       ADD_FAILURE() << "expected Error(kAborted)";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      // The call it refused is named.
+      EXPECT_NE(e.message().find("aborted by its caller (all_reduce #0 "), std::string::npos)
+          << e.what();
+      EXPECT_NE(e.message().find(" was not issued)"), std::string::npos) << e.what();
     }
   });
 }
@@ -717,6 +721,10 @@ TEST(NcclGpuTest, AbortWithCallsInFlightMakesTheirWaitsRaiseAborted) {
         ADD_FAILURE() << "work " << i << ": expected Error(kAborted)";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kAborted) << "work " << i << ": " << e.what();
+        // Each names its own call.
+        EXPECT_NE(e.message().find("(all_reduce #" + std::to_string(i) + " "), std::string::npos)
+            << "work " << i << ": " << e.what();
+        EXPECT_NE(e.message().find(" was in flight)"), std::string::npos) << e.what();
       }
     }
   });
