@@ -593,10 +593,21 @@ class ShmGroup::Step {
       ThrowIfBroken();
       const auto now = Clock::now();
       if (now >= deadline_) {
-        Fail(Error(ErrorCode::kTimeout,
-                   "rank " + std::to_string(g_.rank_) + ": deadline passed while waiting for " +
-                       tag_.ToString() + " (" + what + ", in shared memory) from rank " +
-                       std::to_string(g_.members_[size_t(j)])));
+        // Member j reduces (or, a broadcast's root, releases) step s once every member arrived
+        // at it: a member that has not holds j up, and is the one to name, not j.
+        std::string from = std::string(what) + ", in shared memory) from rank " +
+                           std::to_string(g_.members_[size_t(j)]);
+        for (int k = 0; word == &Control::reduced && k < n(); ++k) {
+          if (k != me() && k != j && !Reached(seg_.control(k).arrived.load(), s)) {
+            from = "its input, which rank " + std::to_string(g_.members_[size_t(j)]) +
+                   " waits for, in shared memory) from rank " +
+                   std::to_string(g_.members_[size_t(k)]);
+            break;
+          }
+        }
+        Fail(Error(ErrorCode::kTimeout, "rank " + std::to_string(g_.rank_) +
+                                            ": deadline passed while waiting for " +
+                                            tag_.ToString() + " (" + from));
       }
       if (now - last_check >= std::chrono::milliseconds(100)) {
         last_check = now;

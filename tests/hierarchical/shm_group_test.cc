@@ -679,6 +679,39 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
   EXPECT_GE(std::max(small_elapsed[0], small_elapsed[1]), std::chrono::milliseconds(400));
 }
 
+// A broadcast whose root (rank 3) is there and whose member 2 (rank 9) never calls: member 1
+// (rank 5), whose deadline comes first, waits for the root, which waits for member 2. Both raise
+// kTimeout naming rank 9, the one missing, not the root.
+TEST(ShmGroupFailureTest, ABroadcastTimeoutNamesTheMissingMemberNotTheRoot) {
+  const std::vector<int> ranks = {3, 5, 9};
+  ShmGroupOptions options = Options("broadcast_timeout", 4096, 4096, 3);
+  std::atomic<int> finished{0};
+  std::array<std::string, 2> errors;
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 2) {  // keeps its group (alive, attached) until the others gave up
+      while (finished < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    std::vector<float> data(10, 1.0f);
+    const auto timeout = me == 1 ? std::chrono::milliseconds(300) : std::chrono::seconds(20);
+    try {
+      m.group->Broadcast(
+          m.Tag(core::CollectiveKind::kBroadcast, DataType::kFloat32, ReduceOp::kSum, 0, 10),
+          Clock::now() + timeout, me == 0 ? data.data() : nullptr, data.data(), 10 * sizeof(float),
+          0);
+      ADD_FAILURE() << "member " << me << ": a broadcast without member 2 succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      errors[size_t(me)] = e.message();
+    }
+    ++finished;
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("from rank 9"), std::string::npos) << e;
+    EXPECT_EQ(e.find("from rank 3"), std::string::npos) << e;
+  }
+}
+
 // An all-reduce among members one of which is gone: raises kPeerLost with a message that holds
 // `lost` (and `reason`, when not empty), and leaves the data untouched.
 void ExpectAllReduceLosesPeer(Member& m, int me, const std::string& lost,
