@@ -37,8 +37,14 @@ namespace collectives::hierarchical {
 namespace {
 
 constexpr uint64_t kMagic = 0x316d6873'6c6c6f63ULL;  // "collshm1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kPage = 4096;
+// Header::broken: kSound; kBrokenWritten, the error that broke the group is written; or
+// kBreakingBy + i, member i has begun to break it (the index goes with the claim, so that a
+// breaker killed before it wrote why can still be named).
+constexpr uint32_t kSound = 0;
+constexpr uint32_t kBrokenWritten = 2;
+constexpr uint32_t kBreakingBy = 3;
 // How long a sleeping waiter sleeps before it looks at the deadline, the broken flag and the
 // liveness of the member it waits for.
 constexpr int kSleepSliceMs = 20;
@@ -89,7 +95,7 @@ struct Header {
   uint32_t members;
   uint64_t slot_bytes;
   std::atomic<uint32_t> attached;
-  alignas(64) std::atomic<uint32_t> broken;  // 0: sound; 1: being written; 2: written
+  alignas(64) std::atomic<uint32_t> broken;  // kSound, kBrokenWritten or kBreakingBy + i
   int32_t broken_code;
   int32_t broken_rank;
   char broken_message[1024];
@@ -438,7 +444,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     header.members = uint32_t(seg.members);
     header.slot_bytes = seg.slot_bytes;
     header.attached.store(0);
-    header.broken.store(0);
+    header.broken.store(kSound);
     header.magic = kMagic;
     published = true;  // whether or not the Set below gets through: no "!" after it
     store.Set(key, seg.name);
@@ -641,16 +647,17 @@ class ShmGroup::Step {
 
 Error ShmGroup::BrokenError() const {
   const Header& header = segment_->header();
-  // The breaker writes the error between 1 and 2; it takes microseconds, unless the breaker
-  // was killed in between (then it is never written, and waiting for it would hang every
-  // member, Abort and the destructor included).
+  // The breaker writes the error between kBreakingBy + its index and kBrokenWritten; it takes
+  // microseconds, unless the breaker was killed in between (then it is never written, and
+  // waiting for it would hang every member, Abort and the destructor included).
   const auto give_up = Clock::now() + kBreakerWritesWithin;
-  while (header.broken.load(std::memory_order_acquire) == 1) {
+  for (uint32_t state; (state = header.broken.load(std::memory_order_acquire)) >= kBreakingBy;) {
     if (Clock::now() >= give_up) {
+      const size_t breaker = state - kBreakingBy;
       return Error(ErrorCode::kPeerLost,
-                   "rank " + std::to_string(rank_) +
-                       ": shared memory: a member of this host's group broke it and stopped "
-                       "before writing why (killed?)");
+                   "rank " + std::to_string(rank_) + ": shared memory: rank " +
+                       (breaker < members_.size() ? std::to_string(members_[breaker]) : "?") +
+                       " broke this host's group and stopped before writing why (killed?)");
     }
     std::this_thread::yield();
   }
@@ -666,15 +673,17 @@ Error ShmGroup::BrokenError() const {
 
 Error ShmGroup::BreakWith(const Error& error) {
   Header& header = segment_->header();
-  uint32_t expected = 0;
-  if (!header.broken.compare_exchange_strong(expected, 1)) return BrokenError();
+  uint32_t expected = kSound;
+  if (!header.broken.compare_exchange_strong(expected, kBreakingBy + uint32_t(index_))) {
+    return BrokenError();
+  }
   header.broken_code = int32_t(error.code());
   header.broken_rank = rank_;
   const std::string& message = error.message();
   const size_t n = std::min(message.size(), sizeof header.broken_message - 1);
   std::memcpy(header.broken_message, message.data(), n);
   header.broken_message[n] = '\0';
-  header.broken.store(2, std::memory_order_seq_cst);
+  header.broken.store(kBrokenWritten, std::memory_order_seq_cst);
   for (int j = 0; j < size(); ++j) {
     Control& c = segment_->control(j);
     FutexWakeAll(&c.arrived);
@@ -686,7 +695,9 @@ Error ShmGroup::BreakWith(const Error& error) {
 
 void ShmGroup::Abort(const Error& error) { BreakWith(error); }
 
-void ShmGroup::BreakHalfwayForTesting() { segment_->header().broken.store(1); }
+void ShmGroup::BreakHalfwayForTesting() {
+  segment_->header().broken.store(kBreakingBy + uint32_t(index_));
+}
 
 void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                          void* recv, size_t count, DataType dtype, ReduceOp op,

@@ -1289,8 +1289,8 @@ TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
 // A member killed between beginning to break the group and writing why
 // (BreakHalfwayForTesting stands in for the kill) leaves the group half broken. Every member's
 // next call, and its Abort, used to wait for the error to be written: forever, at full speed
-// (the destructor joined a thread spinning there). Now they raise kPeerLost saying so, within
-// about ShmGroup::kBreakerWritesWithin, and write nothing.
+// (the destructor joined a thread spinning there). Now they raise kPeerLost saying so and naming
+// the member that broke it, within about ShmGroup::kBreakerWritesWithin, and write nothing.
 TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers) {
   const std::vector<int> ranks = {0, 1, 2};
   ShmGroupOptions options = Options("half_broken", 4096, 4096, 3);
@@ -1312,6 +1312,7 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
       EXPECT_NE(e.message().find("stopped before writing why"), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("rank 0 broke"), std::string::npos) << e.what();
     }
     m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
     EXPECT_GE(Clock::now() - start, ShmGroup::kBreakerWritesWithin) << "member " << me;
