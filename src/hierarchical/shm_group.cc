@@ -27,6 +27,7 @@
 #include <random>
 #include <thread>
 
+#include "src/cluster/store_common.h"
 #include "src/core/environment.h"
 #include "src/core/kernels.h"
 #include "src/core/text.h"
@@ -386,7 +387,16 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       throw report(Error(ErrorCode::kSystem, prefix + why));
     }
   } else {
-    seg.name = store.Get(key, left());
+    try {
+      seg.name = store.Get(key, left());
+    } catch (const Error& error) {
+      if (!cluster::IsNotSet(error)) throw;
+      // The member that did not come is the creator: name it, as the attach's timeout does.
+      throw Error(ErrorCode::kTimeout,
+                  prefix + "rank " + std::to_string(members.front()) +
+                      ", which creates this host's segment, did not publish its name within " +
+                      std::to_string(options.timeout.count()) + " ms (" + error.message() + ")");
+    }
     if (!seg.name.empty() && seg.name.front() == '!') {  // the creator's failure (see report)
       throw PublishedFailure(seg.name.substr(1), prefix, true);
     }

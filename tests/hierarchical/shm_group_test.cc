@@ -1072,7 +1072,8 @@ TEST(ShmGroupSegmentTest, ACreatorThatCannotPublishTheNameRemovesTheSegment) {
   EXPECT_FALSE(ShmNameExists(store.published)) << DevShmPath(store.published) << " was left";
 }
 
-// Members {0, 1}, only member 1 calls Create: the name never appears in the store; kTimeout.
+// Members {0, 1}, only member 1 calls Create: the name never appears in the store; kTimeout
+// naming rank 0, the member that did not come (it creates the segment).
 TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
   ShmGroupOptions options = Options("attach_timeout", 4096, 4096, 2);
   options.timeout = std::chrono::milliseconds(300);
@@ -1083,6 +1084,11 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
     ADD_FAILURE() << "a group of two was built by one member";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 1: shared memory: rank 0, which creates this host's "
+                                "segment, did not publish its name within 300 ms",
+                                0),
+              0u)
+        << e.what();
   }
   EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(5));
 }
