@@ -25,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <system_error>
 #include <thread>
 
 #include "src/cluster/store_common.h"
@@ -479,7 +480,12 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
   pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
   pthread_mutex_init(&own.alive, &attr);
   pthread_mutexattr_destroy(&attr);
-  seg.StartKeeper();
+  try {
+    seg.StartKeeper();
+  } catch (const std::system_error& error) {  // a pids limit, no room for its stack
+    const std::string why = "cannot start the thread that holds this member's liveness mutex: ";
+    throw report(Error(ErrorCode::kSystem, prefix + why + error.what()));
+  }
   std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
   std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
 

@@ -10,10 +10,12 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -26,6 +28,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -1276,6 +1279,68 @@ TEST(ShmGroupSegmentTest, ANameLeftByAKilledCreatorIsRemovedByTheNextCreator) {
   }
   shm_unlink(left.c_str());
   std::filesystem::remove_all(dir);
+}
+
+// A member that cannot start its keeper thread (a container's pids limit, no room for the
+// thread's stack) raises Error(kSystem) naming shared memory, as every other failure of the
+// set-up does (the planner publishes those to the other ranks), and removes the segment it
+// created. Run in a child process whose address space is capped a few MiB above what it uses,
+// with a default thread stack larger than that; skipped under sanitizers, whose shadow memory
+// the cap forbids.
+TEST(ShmGroupSegmentTest, AKeeperThreadThatCannotStartIsAnError) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "an address-space cap breaks the sanitizers' shadow memory";
+#endif
+  ShmGroupOptions options = Options("no_keeper", 4096, 4096, 1);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  // Forked before this test starts any thread.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(pipe_fds[0]);
+    std::string outcome;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, size_t{256} << 20);
+    pthread_setattr_default_np(&attr);
+    auto store = CreateMemoryStore();
+    long pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    const rlim_t cap = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE)) + (rlim_t{16} << 20);
+    const rlimit limit{cap, cap};
+    if (pages <= 0 || setrlimit(RLIMIT_AS, &limit) != 0) _exit(77);
+    try {
+      auto group = ShmGroup::Create(4, {4}, *store, options);
+      outcome = "attached";
+    } catch (const Error& e) {
+      outcome = std::to_string(int(e.code())) + " " + e.message();
+    } catch (const std::exception& e) {
+      outcome = std::string("not a collectives::Error: ") + e.what();
+    }
+    const std::string name = store->Get(options.key_prefix + "/shm/4", std::chrono::seconds(1));
+    if (ShmNameExists(name)) outcome += "; " + name + " was left behind";
+    _exit(write(pipe_fds[1], outcome.data(), outcome.size()) == ssize_t(outcome.size()) ? 0 : 1);
+  }
+  close(pipe_fds[1]);
+  std::string outcome;
+  char buffer[512];
+  for (ssize_t got; (got = read(pipe_fds[0], buffer, sizeof buffer)) > 0;) {
+    outcome.append(buffer, size_t(got));
+  }
+  close(pipe_fds[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "cannot cap the address space";
+  }
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << ": " << outcome;
+  EXPECT_EQ(outcome.rfind(std::to_string(int(ErrorCode::kSystem)) +
+                              " rank 4: shared memory: cannot start the thread that holds "
+                              "this member's liveness mutex: ",
+                          0),
+            0u)
+      << outcome;
 }
 
 TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
