@@ -476,7 +476,9 @@ struct TrainingState {
 };
 
 // Collective (every worker calls it): saves every variable of the strategy, the optimizer's slots
-// and iterations, and `state`. The chief writes `<directory>/checkpoint` atomically: a temporary
+// and iterations, and `state`. Every worker passes the same `state` and an optimizer of the same
+// name and slots, or none (else every worker throws kMismatch naming the field, and nothing is
+// written). The chief writes `<directory>/checkpoint` atomically: a temporary
 // file in the same directory, fsync, rename over the old one, fsync of the directory; a crash at
 // any point leaves either the old or the new checkpoint, never a torn one. Other workers write the
 // same bytes to their own temporary place (`<directory>/.worker-<index>.tmp`) and delete it, as the

@@ -14,11 +14,13 @@
 //     rank u32, dims u64 x rank, count u64 (= product of dims), count x f32
 //   checksum   u32: CRC-32 (IEEE, as zlib's crc32) of every byte before it
 //
-// Saving (a collective): every worker serialises (the variables are identical everywhere, so the
-// bytes are too). The chief writes `checkpoint.tmp-<host>-<pid>.<n>.<random>` in the directory
-// (a name no other save uses, even one of another thread of the process; opened with O_EXCL),
-// fsyncs it, renames it over `checkpoint` and fsyncs the directory: a crash leaves the old file
-// or the new one, never a torn one. Directories it had to create are made durable by fsyncing
+// Saving (a collective): the workers first agree on the training state and the optimizer (given
+// or not, its name, its slot names); then every worker serialises (the variables are identical
+// everywhere, so the bytes are too). The chief writes
+// `checkpoint.tmp-<host>-<pid>.<n>.<random>` in the directory (a name no other save uses, even
+// one of another thread of the process; opened with O_EXCL), fsyncs it, renames it over
+// `checkpoint` and fsyncs the directory: a crash leaves the old file or the new one, never a
+// torn one. Directories it had to create are made durable by fsyncing
 // their parents. Other workers write the same bytes to a name of the same kind,
 // `.worker-<index>.tmp-<host>-<pid>.<n>.<random>` (another job's worker of the same index may
 // save into the same directory), and delete it, also when the write fails. A worker that dies
@@ -575,6 +577,16 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
                     TrainingState state) {
   StrategyImpl& impl = strategy.impl();
   impl.CheckCrossReplica("SaveCheckpoint");
+  // First, before anything is written: the chief's arguments alone make the file, so a worker
+  // that saves another state, or an optimizer where the chief passes none, would be overruled
+  // in silence (and a backup without the optimizer's state cannot be restored with it).
+  impl.AgreeAcrossWorkers(
+      "SaveCheckpoint", {{"the training state", "epoch " + std::to_string(state.epoch) + ", step " +
+                                                    std::to_string(state.step)},
+                         {"whether an optimizer is given", optimizer != nullptr ? "yes" : "no"},
+                         {"the optimizer", optimizer != nullptr ? optimizer->name() : ""},
+                         {"the optimizer's slots",
+                          optimizer != nullptr ? SlotNamesText(optimizer->slot_names()) : ""}});
   const std::string& who = impl.who();
   std::exception_ptr failure;
   try {

@@ -291,6 +291,41 @@ TEST_F(CheckpointTest, AFailedSaveIsReportedOnEveryWorker) {
   fs::remove(dir_);
 }
 
+// The chief's arguments alone make the file: a worker that saves another training state, or an
+// optimizer where the chief passes none (a backup whose optimizer state no restore could find),
+// would be overruled in silence. Every worker gets kMismatch naming the difference, and the
+// checkpoint already there stays as it was.
+TEST_F(CheckpointTest, WorkersThatSaveDifferentStatesOrOptimizersAllGetMismatch) {
+  RunWorkers(2, 1, kHC, [&](Strategy& s, int) {
+    Model model(s, 1);
+    SaveCheckpoint(s, nullptr, dir(), {.epoch = 1, .step = 2});
+  });
+  const std::vector<char> good = ReadAll();
+  auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    Model model(s, 2);
+    SaveCheckpoint(s, nullptr, dir(), {.epoch = 1, .step = rank == 0 ? 3 : 4});
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    ExpectErrorPtr(errors[rank], ErrorCode::kMismatch,
+                   {"SaveCheckpoint: the workers disagree on the training state: worker 0 has "
+                    "'epoch 1, step 3', worker 1 has 'epoch 1, step 4'"});
+  }
+  errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    Model model(s, 2);
+    Adam adam(s);
+    SaveCheckpoint(s, rank == 0 ? nullptr : &adam, dir(), {.epoch = 1, .step = 3});
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    ExpectErrorPtr(errors[rank], ErrorCode::kMismatch,
+                   {"SaveCheckpoint: the workers disagree on whether an optimizer is given: "
+                    "worker 0 has 'no', worker 1 has 'yes'"});
+  }
+  EXPECT_EQ(ReadAll(), good);
+  EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});
+}
+
 // ---- Restore is agreed: it succeeds on every worker or on none. ----
 
 // Saves a checkpoint of Model(5) after 3 steps of `make`'s optimizer, from one worker.
