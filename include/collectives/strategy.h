@@ -225,7 +225,8 @@ class Strategy {
   // mirrored variable. The chief runs `init` on one copy; every copy on every worker receives it.
   // Names must be unique. Workers that pass different names or shapes (or one an empty `init`)
   // all get kMismatch naming both values, and no variable is created on any of them (an 8-byte
-  // all-gather checks this before the broadcast).
+  // all-gather checks this before the broadcast). When `init` throws, the chief rethrows it, every
+  // other worker throws kAborted with its message, and no variable is created on any of them.
   MirroredVariable& CreateVariable(const std::string& name, std::vector<size_t> shape,
                                    const Initializer& init);
   // Every variable, in creation order.

@@ -425,14 +425,41 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
   }
   auto variable = std::make_unique<MirroredVariable>(name, std::move(shape), num_local_replicas());
   variable->strategy_ = this;
+  std::exception_ptr failure;
   if (IsChief()) {
     try {
       init(variable->value(0));
     } catch (...) {
-      // The other workers wait for the broadcast below; release them.
-      if (comm_) comm_->Abort();
-      throw;
+      failure = std::current_exception();
     }
+  }
+  if (comm_) {
+    // The chief says whether its initializer ran (16 bytes: 0 or the length of why not, then
+    // the text), so that the other workers, which would wait for its value in the broadcast
+    // below, throw with the reason instead; every worker stops here, the strategy stays usable.
+    std::string why;
+    if (failure) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& e) {
+        why = e.what();
+      } catch (...) {
+        why = "an exception that is not a std::exception";
+      }
+      why.resize(std::min<size_t>(why.size(), 64 << 10));
+    }
+    int64_t header[2] = {failure ? 1 : 0, static_cast<int64_t>(why.size())};
+    comm_->Broadcast(Tensor{header, 2, DataType::kInt64}, 0);
+    if (header[0] != 0) {
+      why.resize(static_cast<size_t>(header[1]));
+      if (!why.empty()) comm_->Broadcast(Tensor{why.data(), why.size(), DataType::kUInt8}, 0);
+      if (failure) std::rethrow_exception(failure);
+      throw Error(ErrorCode::kAborted,
+                  who_ + "CreateVariable('" + name +
+                      "'): the initializer failed on the chief, worker 0: " + why);
+    }
+  } else if (failure) {
+    std::rethrow_exception(failure);
   }
   if (comm_ && variable->count() > 0) comm_->Broadcast(variable->tensor(0), 0);
   const std::span<const float> value = std::as_const(*variable).value(0);

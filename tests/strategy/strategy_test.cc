@@ -821,6 +821,40 @@ TEST(StrategyVariableTest, WorkersThatCreateDifferentVariablesAllGetMismatchAndN
   });
 }
 
+// The initializer runs on the chief only (one that reads pretrained weights from the chief's
+// disk, say). When it throws, the chief throws its exception and every other worker an error
+// that names the call and says why, instead of an abort that names neither; no variable is
+// created, and every worker stopped at the same point, so the strategy is still usable.
+TEST(StrategyVariableTest, AChiefWhoseInitializerFailsTellsEveryWorkerWhy) {
+  const auto errors = RunWorkersCatching(3, 2, kHC, [](Strategy& s, int rank) {
+    try {
+      s.CreateVariable("dense/kernel", {3, 5}, [](std::span<float>) {
+        throw std::runtime_error("cannot read pretrained.bin");
+      });
+      ADD_FAILURE() << "worker " << rank << ": CreateVariable returned";
+    } catch (const Error& e) {
+      EXPECT_NE(rank, 0) << e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      const std::string expected = "worker " + std::to_string(rank) +
+                                   " CreateVariable('dense/kernel'): the initializer failed on "
+                                   "the chief, worker 0: cannot read pretrained.bin";
+      EXPECT_NE(e.message().find(expected), std::string::npos) << e.what();
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(rank, 0);
+      EXPECT_STREQ(e.what(), "cannot read pretrained.bin");
+    }
+    EXPECT_TRUE(s.variables().empty());
+    MirroredVariable& w = s.CreateVariable("dense/kernel", {3, 5}, Constant(2.0f));
+    for (int r = 0; r < 2; ++r) {
+      for (float x : w.value(r)) EXPECT_EQ(x, 2.0f);
+    }
+    EXPECT_EQ(s.Reduce(ReduceOp::kSum, PerReplica<double>{1.0, 1.0}), 6.0);
+  });
+  for (size_t rank = 0; rank < errors.size(); ++rank) {
+    if (errors[rank]) ADD_FAILURE() << "worker " << rank << ": " << testing::Describe(errors[rank]);
+  }
+}
+
 TEST(StrategyAgreementTest, EveryWorkerNamesTheFirstFieldThatDiffersFromWorkerZero) {
   using Description = StrategyImpl::Description;
   RunWorkers(4, 1, kHC, [](Strategy& s, int rank) {
