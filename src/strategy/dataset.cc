@@ -100,7 +100,9 @@ size_t DistributedDataset::per_replica_batch_size() const {
 
 size_t DistributedDataset::steps_per_epoch() const {
   const size_t b = options_.global_batch_size;
-  return options_.drop_remainder ? num_examples_ / b : (num_examples_ + b - 1) / b;
+  // Rounded up without n + b - 1, which wraps around for a b near the largest size_t.
+  const size_t full = num_examples_ / b;
+  return options_.drop_remainder || num_examples_ % b == 0 ? full : full + 1;
 }
 
 size_t DistributedDataset::GlobalBatchSize(size_t step) const {

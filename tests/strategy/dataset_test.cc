@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <string>
@@ -114,6 +115,26 @@ TEST(DistributedDatasetTest, PartialLastBatchFillsReplicasInOrder) {
   EXPECT_EQ(dropped.steps_per_epoch(), 1u);
   ExpectError(ErrorCode::kInvalidArgument, {"step 1", "1 steps"},
               [&] { dropped.ReplicaBatch(0, 1, 0); });
+}
+
+// A global batch larger than the dataset is one partial batch per epoch, whatever its size: the
+// largest size_t (one batch of everything, on one replica or on 3, which divide it) too, whose
+// round-up (n + B - 1) / B wrapped around to 0 steps, so that every epoch silently saw nothing.
+TEST(DistributedDatasetTest, AGlobalBatchLargerThanTheDatasetIsOneStep) {
+  constexpr size_t kLargest = std::numeric_limits<size_t>::max();
+  for (int local : {1, 3}) {
+    SCOPED_TRACE(local);
+    LayoutStrategy worker(1, 0, local);
+    DistributedDataset data(worker, 10, {.global_batch_size = kLargest});
+    ASSERT_EQ(data.steps_per_epoch(), 1u);
+    EXPECT_EQ(data.GlobalBatchSize(0), 10u);
+    std::vector<size_t> all = data.ReplicaBatch(0, 0, 0);
+    std::vector<size_t> expected(10);
+    std::iota(expected.begin(), expected.end(), size_t{0});
+    EXPECT_EQ(all, expected);  // replica 0 takes up to B / N: all of them
+    DistributedDataset dropped(worker, 10, {.global_batch_size = kLargest, .drop_remainder = true});
+    EXPECT_EQ(dropped.steps_per_epoch(), 0u);
+  }
 }
 
 TEST(DistributedDatasetTest, ShuffleDependsOnSeedAndEpochOnly) {
