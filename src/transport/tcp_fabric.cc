@@ -1478,7 +1478,11 @@ class MeshBuilder {
 
  private:
   std::string Prefix() const { return "rank " + std::to_string(rank_) + ": "; }
+  // Binds the listener to options_.bind_host, looking a name up first.
   void Listen();
+  // Runs the set-up's event loop until `done`, a failure, the deadline or the caller's
+  // cancellation (which becomes failure_).
+  void RunUntil(const std::function<bool()>& done);
   void ReadAddresses(Store& store);
   void AcceptNext();
   // On a failed accept: makes room (EvictOldestStranger, or the spare descriptor) and accepts
@@ -1541,13 +1545,26 @@ void MeshBuilder::Listen() {
   asio::error_code ec;
   asio::ip::address address = asio::ip::make_address(options_.bind_host, ec);
   if (ec) {
-    tcp::resolver resolver(io_);
-    auto results = resolver.resolve(options_.bind_host, "0", ec);
-    if (ec || results.empty()) {
-      throw Error(ErrorCode::kSystem, Prefix() + "cannot resolve bind host '" + options_.bind_host +
-                                          "': " + ec.message());
+    // A name, looked up as the peers' are (NameLookups): by the deadline, and cancellable.
+    std::optional<asio::error_code> answer;
+    lookups_.Resolve(options_.bind_host,
+                     [&answer, &address](const asio::error_code& error,
+                                         const tcp::resolver::results_type& found) {
+                       answer = !error && found.empty() ? asio::error::host_not_found : error;
+                       if (!*answer) address = found.begin()->endpoint().address();
+                     });
+    RunUntil([&answer] { return answer.has_value(); });  // past it, ~NameLookups drops the answer
+    if (failure_) throw *failure_;
+    if (!answer) {
+      throw Error(ErrorCode::kTimeout, Prefix() + "timed out after " +
+                                           std::to_string(options_.timeout.count()) +
+                                           " ms setting up connections: the lookup of bind host '" +
+                                           options_.bind_host + "' has not answered");
     }
-    address = results.begin()->endpoint().address();
+    if (*answer) {
+      throw Error(ErrorCode::kSystem, Prefix() + "cannot resolve bind host '" + options_.bind_host +
+                                          "': " + answer->message());
+    }
   }
   const tcp::endpoint endpoint(address, 0);
   acceptor_.open(endpoint.protocol(), ec);
@@ -1557,6 +1574,19 @@ void MeshBuilder::Listen() {
   if (ec) {
     throw Error(ErrorCode::kSystem,
                 Prefix() + "cannot listen on " + options_.bind_host + ": " + ec.message());
+  }
+}
+
+void MeshBuilder::RunUntil(const std::function<bool()>& done) {
+  io_.restart();  // a run that ran out of work stopped the io_context
+  while (!done() && !failure_ && Clock::now() < deadline_) {
+    if (!options_.cancelled) {
+      io_.run_one_until(deadline_);
+    } else if (options_.cancelled()) {
+      failure_.emplace(ErrorCode::kAborted, Prefix() + "set-up abandoned: its caller cancelled it");
+    } else {
+      io_.run_one_until(std::min(deadline_, Clock::now() + kCancelPoll));
+    }
   }
 }
 
@@ -1834,15 +1864,7 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
   missing_ = size_ - 1;
   if (rank_ > 0) AcceptNext();
   for (int peer = rank_ + 1; peer < size_; ++peer) Connect(peer);
-  while (missing_ > 0 && !failure_ && Clock::now() < deadline_) {
-    if (!options_.cancelled) {
-      io_.run_one_until(deadline_);
-    } else if (options_.cancelled()) {
-      failure_.emplace(ErrorCode::kAborted, Prefix() + "set-up abandoned: its caller cancelled it");
-    } else {
-      io_.run_one_until(std::min(deadline_, Clock::now() + kCancelPoll));
-    }
-  }
+  RunUntil([this] { return missing_ == 0; });
 
   // Stop what is still going on (strangers' handshakes, retries, lookups) before leaving.
   lookups_.Close();

@@ -486,11 +486,13 @@ TEST(TcpSetupTest, EveryAddressOfAPeersHostNameIsTried) {
       << "the mesh did not form (status " << status << "; the error is above)";
 }
 
-// A peer's host name whose lookup never answers (a name server that is down or slow) does not
-// hold the set-up past its timeout: it ends on time with a timeout naming the host. Run in a child
-// process whose /etc/resolv.conf (a mount namespace of its own) names a local UDP socket that
-// reads nothing and has the resolver wait 30 s; skipped where that cannot be made (needs root).
-TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
+// Runs `body` in a child process where a name lookup does not answer: its /etc/resolv.conf (a
+// mount namespace of its own) names a local UDP socket that reads nothing and has the resolver
+// wait 30 s. Waits for it at most 5 s (then kills it): a set-up bounded by a timeout of 1 s ends
+// well before. Fails, or skips where such a process cannot be made (needs root) or where the
+// lookups did not ask that server; `body` returns 0 when what it checks holds, and says why not
+// on stderr otherwise.
+void WithANameServerThatDoesNotAnswer(const std::function<int()>& body) {
   const std::string resolv_conf = (std::filesystem::temp_directory_path() /
                                    ("tcp_fabric_test_resolv_" + std::to_string(getpid())))
                                       .string();
@@ -511,30 +513,11 @@ TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
     silent.open(asio::ip::udp::v4(), ec);
     if (!ec) silent.bind(asio::ip::udp::endpoint(asio::ip::make_address(server), 53), ec);
     if (ec) _exit(77);
-    auto store = CreateMemoryStore();
-    store->Set("tcp-test/addr/1", "peer.collectives-test.example:1");
-    const auto start = Clock::now();
-    std::optional<Error> error;
-    try {
-      ConnectTcpFabric(0, 2, *store, Options(1'000ms));
-    } catch (const Error& e) {
-      error = e;
-    }
-    const auto took = Clock::now() - start;
+    const int status = body();
     if (silent.available(ec) == 0) _exit(78);  // the lookup never asked this server
-    if (!error || error->code() != ErrorCode::kTimeout ||
-        error->message().find("the lookup of host peer.collectives-test.example has not "
-                              "answered") == std::string::npos ||
-        took > 3s) {
-      std::fprintf(stderr, "after %lld ms: %s\n",
-                   static_cast<long long>(
-                       std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
-                   error ? error->what() : "no error");
-      _exit(1);
-    }
-    _exit(0);
+    _exit(status);
   }
-  // Without the bound, the set-up waits for the resolver's 30 s: stop it well before.
+  // Without a bound, the body waits for the resolver's 30 s: stop it well before.
   int status = 0;
   pid_t done = 0;
   for (const auto until = Clock::now() + 5s; done == 0 && Clock::now() < until;) {
@@ -546,7 +529,7 @@ TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
     waitpid(child, &status, 0);
   }
   std::filesystem::remove(resolv_conf);
-  ASSERT_NE(done, 0) << "the set-up with a timeout of 1 s was still running after 5 s";
+  ASSERT_NE(done, 0) << "a set-up with a timeout of 1 s was still running after 5 s";
   if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
     GTEST_SKIP() << "cannot mount an /etc/resolv.conf in a mount namespace of its own, or bind "
                  << server << ":53 (needs root)";
@@ -557,6 +540,52 @@ TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the set-up did not time out on time naming the host (status " << status
       << "; the error is above)";
+}
+
+// Whether `run` raises kTimeout whose message holds `part` within 3 s: 0 if so, else 1 after
+// saying what happened on stderr.
+int TimesOutSaying(const std::function<void()>& run, const std::string& part) {
+  const auto start = Clock::now();
+  std::optional<Error> error;
+  try {
+    run();
+  } catch (const Error& e) {
+    error = e;
+  }
+  const auto took = Clock::now() - start;
+  if (error && error->code() == ErrorCode::kTimeout &&
+      error->message().find(part) != std::string::npos && took <= 3s) {
+    return 0;
+  }
+  std::fprintf(
+      stderr, "after %lld ms: %s\n",
+      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
+      error ? error->what() : "no error");
+  return 1;
+}
+
+// A peer's host name whose lookup never answers (a name server that is down or slow) does not
+// hold the set-up past its timeout: it ends on time with a timeout naming the host.
+TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
+  WithANameServerThatDoesNotAnswer([] {
+    auto store = CreateMemoryStore();
+    store->Set("tcp-test/addr/1", "peer.collectives-test.example:1");
+    return TimesOutSaying([&] { ConnectTcpFabric(0, 2, *store, Options(1'000ms)); },
+                          "the lookup of host peer.collectives-test.example has not answered");
+  });
+}
+
+// Likewise a bind host given by name, looked up before the listener binds. Before, that lookup
+// blocked for the resolver's 30 s whatever the timeout.
+TEST(TcpSetupTest, ABindHostThatDoesNotResolveIsBoundedByTheTimeout) {
+  WithANameServerThatDoesNotAnswer([] {
+    auto store = CreateMemoryStore();
+    TcpFabricOptions options = Options(1'000ms);
+    options.bind_host = "self.collectives-test.example";
+    return TimesOutSaying([&] { ConnectTcpFabric(1, 2, *store, options); },
+                          "rank 1: timed out after 1000 ms setting up connections: the lookup of "
+                          "bind host 'self.collectives-test.example' has not answered");
+  });
 }
 
 TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
