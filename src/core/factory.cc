@@ -37,6 +37,23 @@ std::string ListedHost(const ClusterSpec& spec, int rank) {
   return parsed ? parsed->host : std::string();
 }
 
+// This host's address toward master_addr (transport::LocalAddressToward), for a set-up that
+// must end by `deadline`: Error(kTimeout), naming `timeout`, when the name's lookup has not
+// answered by then.
+std::string HostTowardMaster(const ClusterSpec& spec, std::chrono::milliseconds timeout,
+                             Clock::time_point deadline) {
+  const std::string master_host = cluster::StripBrackets(spec.master_addr);
+  std::optional<std::string> host = transport::LocalAddressToward(master_host, deadline);
+  if (!host) {
+    throw Error(ErrorCode::kTimeout,
+                "rank " + std::to_string(spec.rank) + ": timed out after " +
+                    std::to_string(timeout.count()) +
+                    " ms setting up: the lookup of master_addr '" + master_host +
+                    "' (for the address this rank listens on) has not answered");
+  }
+  return std::move(*host);
+}
+
 // The host this rank's data listener is asked to bind to, without brackets:
 // options.listen_address, else $COLLECTIVES_LISTEN_ADDRESS, else "" (the spec decides). Throws
 // Error(kInvalidArgument) naming the option or the variable when it is no host name or address.
@@ -289,10 +306,9 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
   if (!listen_host.empty()) {
     rendezvous.bind_host = listen_host;
   } else if (spec.world_size > 1) {
-    rendezvous.bind_host =
-        spec.addresses.empty()
-            ? transport::LocalAddressToward(cluster::StripBrackets(spec.master_addr))
-            : ListedHost(spec, spec.rank);
+    rendezvous.bind_host = spec.addresses.empty()
+                               ? HostTowardMaster(spec, options.timeout, deadline)
+                               : ListedHost(spec, spec.rank);
     cluster::WarnIfLoopbackOnly(spec.rank, "the data listener", rendezvous.bind_host,
                                 "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
                                 "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0");

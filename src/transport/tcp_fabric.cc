@@ -1908,19 +1908,36 @@ std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
   return std::make_unique<TcpFabric>(rank, size, builder.Build(store));
 }
 
-std::string LocalAddressToward(const std::string& remote_host) {
+std::optional<std::string> LocalAddressToward(const std::string& remote_host,
+                                              Clock::time_point deadline) {
   asio::io_context io;
   asio::error_code ec;
-  asio::ip::udp::resolver resolver(io);
-  auto results = resolver.resolve(remote_host, "9", ec);
-  if (ec || results.empty()) return "127.0.0.1";
-  for (const auto& entry : results) {
-    const auto address = entry.endpoint().address();
+  std::vector<asio::ip::address> addresses;
+  if (const auto address = asio::ip::make_address(remote_host, ec); !ec) {
+    addresses.push_back(address);
+  } else {
+    // A name, looked up as the peers' are (NameLookups): a name server that does not answer
+    // cannot hold the caller past its deadline.
+    NameLookups lookups(io);
+    bool answered = false;
+    lookups.Resolve(remote_host,
+                    [&](const asio::error_code& error, const tcp::resolver::results_type& results) {
+                      answered = true;
+                      if (error) return;
+                      for (const auto& entry : results)
+                        addresses.push_back(entry.endpoint().address());
+                    });
+    while (!answered && io.run_one_until(deadline) > 0) {
+    }
+    if (!answered) return std::nullopt;
+  }
+  for (const auto& address : addresses) {
     if (address.is_loopback()) return remote_host;
+    const asio::ip::udp::endpoint endpoint(address, 9);
     asio::ip::udp::socket socket(io);
-    socket.open(entry.endpoint().protocol(), ec);
+    socket.open(endpoint.protocol(), ec);
     if (ec) continue;
-    socket.connect(entry.endpoint(), ec);  // no packet is sent: only the route is chosen
+    socket.connect(endpoint, ec);  // no packet is sent: only the route is chosen
     if (ec) continue;
     const auto local = socket.local_endpoint(ec);
     if (ec) continue;

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "collectives/cluster.h"
@@ -60,8 +61,10 @@ std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
                                          const TcpFabricOptions& options);
 
 // The local address of the interface this host would use to reach `remote_host` (resolving
-// names); "127.0.0.1" when it cannot tell.
-std::string LocalAddressToward(const std::string& remote_host);
+// names); "127.0.0.1" when it cannot tell; nullopt when the name's lookup has not answered by
+// `deadline` (it goes on on a thread of its own, and its answer is dropped).
+std::optional<std::string> LocalAddressToward(const std::string& remote_host,
+                                              Clock::time_point deadline);
 
 // The receive buffer (SO_RCVBUF) a data connection asks for, in bytes; 0 leaves it to the
 // kernel's autotuning. `env` is $COLLECTIVES_SOCKET_RCVBUF (null when unset; a byte count, 0 for

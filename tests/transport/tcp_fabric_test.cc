@@ -19,6 +19,7 @@
 #include <future>
 #include <thread>
 
+#include "collectives/communication.h"
 #include "src/cluster/store_common.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
@@ -51,9 +52,11 @@ tcp::endpoint ParseEndpoint(const std::string& text) {
 }
 
 TEST(LocalAddressTowardTest, LoopbackAndUnknownNames) {
-  EXPECT_EQ(LocalAddressToward("127.0.0.1"), "127.0.0.1");
-  EXPECT_EQ(LocalAddressToward("localhost"), "localhost");
-  EXPECT_EQ(LocalAddressToward("no-such-host.invalid"), "127.0.0.1");
+  const auto deadline = Clock::now() + 20s;
+  EXPECT_EQ(LocalAddressToward("127.0.0.1", deadline).value_or("(no answer)"), "127.0.0.1");
+  EXPECT_EQ(LocalAddressToward("localhost", deadline).value_or("(no answer)"), "localhost");
+  EXPECT_EQ(LocalAddressToward("no-such-host.invalid", deadline).value_or("(no answer)"),
+            "127.0.0.1");
 }
 
 // Connects sockets to rank 2's listener before the mesh forms: garbage, a huge job id, a
@@ -585,6 +588,31 @@ TEST(TcpSetupTest, ABindHostThatDoesNotResolveIsBoundedByTheTimeout) {
     return TimesOutSaying([&] { ConnectTcpFabric(1, 2, *store, options); },
                           "rank 1: timed out after 1000 ms setting up connections: the lookup of "
                           "bind host 'self.collectives-test.example' has not answered");
+  });
+}
+
+// LocalAddressToward gives up on a lookup at its deadline; a communicator's set-up, which asks
+// it for the address toward master_addr, then raises kTimeout naming the rank and the name.
+// Before, the lookup blocked for the resolver's 30 s whatever the set-up's timeout.
+TEST(LocalAddressTowardTest, ALookupThatDoesNotAnswerEndsAtTheDeadline) {
+  WithANameServerThatDoesNotAnswer([] {
+    const auto start = Clock::now();
+    if (LocalAddressToward("master.collectives-test.example", start + 500ms).has_value() ||
+        Clock::now() - start > 2s) {
+      std::fprintf(stderr, "LocalAddressToward answered, or not by its deadline\n");
+      return 1;
+    }
+    ClusterSpec spec;
+    spec.rank = 1;
+    spec.world_size = 2;
+    spec.master_addr = "master.collectives-test.example";
+    spec.master_port = 1;  // unused: the store is given
+    CommunicationOptions options;
+    options.implementation = Implementation::kRing;
+    options.timeout = 1'000ms;
+    return TimesOutSaying([&] { CreateCommunication(spec, CreateMemoryStore(), options); },
+                          "rank 1: timed out after 1000 ms setting up: the lookup of master_addr "
+                          "'master.collectives-test.example'");
   });
 }
 
