@@ -92,6 +92,19 @@ std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
                                                       const CommunicationOptions& options,
                                                       const std::function<bool()>& parent_aborted);
 
+// Runs `step`, a part of rank `rank`'s set-up. A failure of the store itself
+// (cluster::StoreFailure: a TCP store that could not connect, got no reply or lost its
+// connection) names the store and what it did, but not the rank, which every message names: it
+// is raised again as an Error with "rank N: " before its message, under its code.
+template <typename Step>
+auto NamingTheRank(int rank, Step&& step) -> decltype(step()) {
+  try {
+    return step();
+  } catch (const cluster::StoreFailure& failure) {
+    throw Error(failure.code(), "rank " + std::to_string(rank) + ": " + failure.message());
+  }
+}
+
 // The TCP mesh (and, for AUTO, the planner with this host's shared memory) under `rendezvous`;
 // a Split builds its communicators the same way under a key space of their own. options.timeout
 // bounds the set-up as a whole, not each step: every step ends by `deadline` (the set-up's start
@@ -199,7 +212,8 @@ std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
     return asked->gave_up;
   };
   try {
-    return Connect(rank, size, store, rendezvous, options, deadline, poll);
+    return NamingTheRank(
+        rank, [&] { return Connect(rank, size, store, rendezvous, options, deadline, poll); });
   } catch (const Error& error) {
     // Telling the others, or reading why another gave up, ends a little after the deadline.
     const Clock::time_point notice_by = std::max(deadline, Clock::now() + kNoticeLimit);
@@ -326,14 +340,24 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
   (void)AskedListenHost(spec.rank, checked);  // refused before rank 0's store is up
   // Connecting to the store is the set-up's first step: all of the timeout is left for it. It
   // also stays the store's limit per operation, for as long as the store is used.
-  return CreateThrough(spec, CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked)),
-                       checked, start);
+  std::shared_ptr<Store> store;
+  try {
+    store = CreateStoreFor(spec, checked.timeout, ResolveJobToken(spec, checked));
+  } catch (const Error& error) {
+    // The store's words (its server cannot listen, its client could not connect or was
+    // refused), which name the store but not the rank.
+    throw Error(error.code(), "rank " + std::to_string(spec.rank) + ": " + error.message());
+  }
+  return NamingTheRank(spec.rank,
+                       [&] { return CreateThrough(spec, std::move(store), checked, start); });
 }
 
 std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& spec,
                                                              std::shared_ptr<Store> store,
                                                              const CommunicationOptions& options) {
-  return CreateThrough(spec, std::move(store), options, Clock::now());
+  const Clock::time_point start = Clock::now();
+  return NamingTheRank(spec.rank,
+                       [&] { return CreateThrough(spec, std::move(store), options, start); });
 }
 
 std::unique_ptr<CollectiveCommunication> CollectiveCommunication::Split(int color, int key) {

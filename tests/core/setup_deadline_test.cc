@@ -26,6 +26,7 @@ namespace collectives {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
 
 constexpr std::chrono::milliseconds kTimeout{1500};
 constexpr std::chrono::milliseconds kDelay{1200};  // of each slow step
@@ -188,8 +189,10 @@ TEST(SetupDeadlineTest, ASplitEndsNearItsDeadlineWhenTheStoresServerStops) {
       try {
         comms[size_t(rank)]->Split(0, rank);
         ADD_FAILURE() << "rank " << rank << ": a split without the store's server succeeded";
-      } catch (const Error&) {
-        // Whatever it raises (the store's timeout, or the other member's notice), it raised.
+      } catch (const Error& e) {
+        // Whatever it raises (the store's timeout, or the other member's notice), it raised,
+        // naming the rank (before, the address's Set raised the store's words alone).
+        EXPECT_EQ(e.message().rfind("rank " + std::to_string(rank) + ": ", 0), 0u) << e.what();
       }
       took[size_t(rank)] = Clock::now() - start;
     });
@@ -200,6 +203,48 @@ TEST(SetupDeadlineTest, ASplitEndsNearItsDeadlineWhenTheStoresServerStops) {
         << "rank " << rank << "'s split took "
         << std::chrono::duration_cast<std::chrono::milliseconds>(took[size_t(rank)]).count()
         << " ms";
+  }
+}
+
+// A set-up over a TCP store whose server is gone raises the store's failure under its code,
+// naming the rank as every message does. Before: "TCP store at 127.0.0.1:43165: Add of key
+// 'collectives/generation/1' failed: the server closed the connection", without the rank.
+TEST(SetupDeadlineTest, AStoreFailureInTheSetUpNamesTheRank) {
+  auto server = CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, kTimeout);
+  const uint16_t port = TcpStorePort(*server);
+  auto client = CreateTcpStore("127.0.0.1", port, /*is_server=*/false, 500ms);
+  server.reset();
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = 500ms;
+  try {
+    CreateCommunication(Spec(1), std::move(client), options);
+    ADD_FAILURE() << "a set-up without the store's server succeeded";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kPeerLost) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 1: TCP store at 127.0.0.1:" + std::to_string(port) + ": ", 0),
+              0u)
+        << e.what();
+  }
+}
+
+// Rank 0 whose store cannot listen (its port is taken, here by a listener of this test) says so
+// naming the rank. Before: "TCP store server at 127.0.0.1:P: cannot listen: ...".
+TEST(SetupDeadlineTest, AStoreThatCannotListenNamesTheRank) {
+  auto taken = CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, kTimeout);
+  ClusterSpec spec = Spec(0);
+  spec.master_addr = "127.0.0.1";
+  spec.master_port = TcpStorePort(*taken);
+  try {
+    CreateCommunication(spec, Options());
+    ADD_FAILURE() << "a store listened on a port that another holds";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 0: TCP store server at 127.0.0.1:" +
+                                    std::to_string(spec.master_port) + ": cannot listen",
+                                0),
+              0u)
+        << e.what();
   }
 }
 
