@@ -6,6 +6,8 @@
 // A standard header (above) comes before <asio.hpp>: see tcp_store_server.cc.
 #include <asio.hpp>
 
+#include "src/cluster/name_lookups.h"
+
 namespace collectives::cluster {
 namespace {
 
@@ -150,16 +152,14 @@ std::string FormatHostPort(std::string_view host, uint16_t port) {
   return out;
 }
 
-std::string LoopbackOnlyAddresses(const std::string& host) {
+std::string LoopbackOnlyAddresses(const std::string& host, Clock::time_point deadline) {
   asio::error_code ec;
   (void)asio::ip::make_address(host, ec);
   if (!ec || host == "localhost") return {};  // an address, or a name that says what it is
-  asio::io_context io;
-  asio::ip::tcp::resolver resolver(io);
-  const auto results = resolver.resolve(host, "1", asio::ip::tcp::resolver::numeric_service, ec);
-  if (ec || results.empty()) return {};
+  const auto results = LookUpBy(host, deadline);
+  if (!results || results->empty()) return {};
   std::string addresses;
-  for (const auto& entry : results) {
+  for (const auto& entry : *results) {
     const asio::ip::address address = entry.endpoint().address();
     if (!address.is_loopback()) return {};
     const std::string text = address.to_string();
@@ -171,8 +171,8 @@ std::string LoopbackOnlyAddresses(const std::string& host) {
 }
 
 void WarnIfLoopbackOnly(int rank, const std::string& listener, const std::string& host,
-                        const std::string& remedy) {
-  const std::string addresses = LoopbackOnlyAddresses(StripBrackets(host));
+                        const std::string& remedy, Clock::time_point deadline) {
+  const std::string addresses = LoopbackOnlyAddresses(StripBrackets(host), deadline);
   if (addresses.empty()) return;
   const std::string line = "collectives: rank " + std::to_string(rank) + ": " + listener +
                            " binds to '" + host + "', which is " + addresses +

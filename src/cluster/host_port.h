@@ -7,16 +7,19 @@
 // CheckHost applies the same rules to a host given alone (MASTER_ADDR, a listen address).
 //
 // Thread-safety: plain functions over values (LoopbackOnlyAddresses and WarnIfLoopbackOnly ask
-// the resolver).
+// the resolver, by a deadline).
 #ifndef COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
 #define COLLECTIVES_SRC_CLUSTER_HOST_PORT_H_
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
 
 namespace collectives::cluster {
+
+using Clock = std::chrono::steady_clock;
 
 struct HostPort {
   std::string host;  // without IPv6 brackets
@@ -46,15 +49,18 @@ std::string FormatHostPort(std::string_view host, uint16_t port);
 
 // When `host` is a name (not an address, not "localhost") and every address it resolves to
 // here is a loopback one, those addresses ("127.0.1.1"); otherwise, or when it does not
-// resolve, "". A listener bound to such a name cannot be reached from another host: Debian and
-// Ubuntu map a host's own name to 127.0.1.1 in /etc/hosts.
-std::string LoopbackOnlyAddresses(const std::string& host);
+// resolve, or when its lookup (name_lookups.h) has not answered by `deadline`, "". A listener
+// bound to such a name cannot be reached from another host: Debian and Ubuntu map a host's own
+// name to 127.0.1.1 in /etc/hosts.
+std::string LoopbackOnlyAddresses(const std::string& host,
+                                  Clock::time_point deadline = Clock::time_point::max());
 
 // Before rank `rank` binds `listener` to `host` (brackets allowed) in a job of several ranks:
-// when LoopbackOnlyAddresses says no other host can reach it, writes one line on stderr saying
-// so, with `remedy`.
+// when LoopbackOnlyAddresses (by `deadline`) says no other host can reach it, writes one line on
+// stderr saying so, with `remedy`.
 void WarnIfLoopbackOnly(int rank, const std::string& listener, const std::string& host,
-                        const std::string& remedy);
+                        const std::string& remedy,
+                        Clock::time_point deadline = Clock::time_point::max());
 
 }  // namespace collectives::cluster
 

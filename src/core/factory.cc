@@ -325,7 +325,8 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
                                : ListedHost(spec, spec.rank);
     cluster::WarnIfLoopbackOnly(spec.rank, "the data listener", rendezvous.bind_host,
                                 "name this host's address in TF_CONFIG or MASTER_ADDR, or set "
-                                "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0");
+                                "COLLECTIVES_LISTEN_ADDRESS to it or to 0.0.0.0",
+                                deadline);
   }
   return Connect(spec.rank, spec.world_size, std::move(store), rendezvous, options, deadline);
 }

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "src/cluster/listener_guard.h"
+#include "src/cluster/name_lookups.h"
 #include "src/cluster/store_common.h"
 #include "src/core/environment.h"
 #include "src/transport/fabric_errors.h"
@@ -1363,91 +1364,9 @@ bool PeerOnThisHost(const tcp::socket& socket) {
 constexpr std::chrono::seconds kServerHandshakeLimit{10};
 
 using cluster::AfterAcceptFailure;
+using cluster::NameLookups;
 using cluster::RateLimitedLog;
 using cluster::SpareDescriptor;
-
-// Looks host names up on threads of their own, so that a slow name server neither stalls the
-// set-up's event loop (accepts, handshakes, cancellation) nor holds the set-up past its deadline:
-// getaddrinfo cannot be cancelled, and asio's async_resolve runs it on one thread that the
-// io_context's destructor joins. A lookup still running when Close is called (or the owner is
-// gone) ends on its thread, and its answer is dropped. Lookups of one name share one thread.
-// Used by the thread that runs `io` (the answers are posted to it).
-class NameLookups {
- public:
-  using Done = std::function<void(const asio::error_code&, const tcp::resolver::results_type&)>;
-
-  explicit NameLookups(asio::io_context& io) : shared_(std::make_shared<Shared>()) {
-    shared_->io = &io;
-  }
-  ~NameLookups() { Close(); }
-  NameLookups(const NameLookups&) = delete;
-  NameLookups& operator=(const NameLookups&) = delete;
-
-  // Looks `host` up (the answers' ports are 0); `done` runs on the io_context unless Close comes
-  // first.
-  void Resolve(const std::string& host, Done done) {
-    if (shared_->io == nullptr) return;  // closed
-    auto [entry, first] = shared_->waiting.try_emplace(host, asio::make_work_guard(*shared_->io));
-    entry->second.done.push_back(std::move(done));
-    if (!first) return;  // a lookup of this name is under way
-    try {
-      std::thread([shared = shared_, host] {
-        // Nothing may escape this thread (it would end the process): a failure is an answer.
-        asio::error_code ec;
-        tcp::resolver::results_type results;
-        try {
-          asio::io_context io;  // the resolver's; its blocking resolve blocks this thread only
-          results = tcp::resolver(io).resolve(host, "0", ec);
-        } catch (const std::system_error& error) {
-          ec = error.code();
-        } catch (const std::bad_alloc&) {
-          ec = asio::error::no_memory;
-        }
-        std::lock_guard<std::mutex> lock(shared->mutex);
-        if (shared->io == nullptr) return;
-        try {
-          asio::post(*shared->io, [=] { Answer(*shared, host, ec, results); });
-        } catch (const std::bad_alloc&) {  // no answer: the set-up's deadline ends the wait
-        }
-      }).detach();
-    } catch (const std::system_error& error) {  // no thread: an answer that says so
-      const asio::error_code ec(error.code().value(), asio::system_category());
-      asio::post(*shared_->io, [shared = shared_, host, ec] {
-        Answer(*shared, host, ec, tcp::resolver::results_type());
-      });
-    }
-  }
-
-  // Drops every answer not delivered yet.
-  void Close() {
-    std::lock_guard<std::mutex> lock(shared_->mutex);
-    shared_->io = nullptr;
-    shared_->waiting.clear();
-  }
-
- private:
-  struct Waiting {
-    // Keeps the io_context from running out of work (and stopping) while the lookup runs.
-    explicit Waiting(asio::executor_work_guard<asio::io_context::executor_type> guard)
-        : work(std::move(guard)) {}
-    asio::executor_work_guard<asio::io_context::executor_type> work;
-    std::vector<Done> done;
-  };
-  struct Shared {
-    std::mutex mutex;
-    asio::io_context* io = nullptr;  // null once closed; written under `mutex`, on io's thread
-    std::map<std::string, Waiting> waiting;  // by name; only on io's thread, empty once closed
-  };
-
-  static void Answer(Shared& shared, const std::string& host, const asio::error_code& ec,
-                     const tcp::resolver::results_type& results) {
-    if (shared.io == nullptr) return;  // closed since it was posted
-    auto node = shared.waiting.extract(host);
-    for (auto& done : node.mapped().done) done(ec, results);
-  }
-
-  std::shared_ptr<Shared> shared_;
-};
 
 // Builds the mesh on its own io_context; the finished sockets are then moved to the fabric's.
 // Used by one thread.
@@ -1916,20 +1835,10 @@ std::optional<std::string> LocalAddressToward(const std::string& remote_host,
   if (const auto address = asio::ip::make_address(remote_host, ec); !ec) {
     addresses.push_back(address);
   } else {
-    // A name, looked up as the peers' are (NameLookups): a name server that does not answer
-    // cannot hold the caller past its deadline.
-    NameLookups lookups(io);
-    bool answered = false;
-    lookups.Resolve(remote_host,
-                    [&](const asio::error_code& error, const tcp::resolver::results_type& results) {
-                      answered = true;
-                      if (error) return;
-                      for (const auto& entry : results)
-                        addresses.push_back(entry.endpoint().address());
-                    });
-    while (!answered && io.run_one_until(deadline) > 0) {
-    }
-    if (!answered) return std::nullopt;
+    // A name server that does not answer cannot hold the caller past its deadline.
+    const auto results = cluster::LookUpBy(remote_host, deadline);
+    if (!results) return std::nullopt;
+    for (const auto& entry : *results) addresses.push_back(entry.endpoint().address());
   }
   for (const auto& address : addresses) {
     if (address.is_loopback()) return remote_host;

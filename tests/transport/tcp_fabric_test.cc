@@ -616,6 +616,27 @@ TEST(LocalAddressTowardTest, ALookupThatDoesNotAnswerEndsAtTheDeadline) {
   });
 }
 
+// A communicator whose ranks are listed by host name (TF_CONFIG) binds rank 1's listener to its
+// listed name: the look-ups of that name (the check that it is not loopback only, then the
+// bind) end by the set-up's deadline too. Before, the check's lookup blocked for the
+// resolver's 30 s whatever the timeout.
+TEST(TcpSetupTest, AListedHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
+  WithANameServerThatDoesNotAnswer([] {
+    ClusterSpec spec;
+    spec.rank = 1;
+    spec.world_size = 2;
+    spec.addresses = {"chief.collectives-test.example:1", "worker.collectives-test.example:2"};
+    spec.master_addr = "chief.collectives-test.example";
+    spec.master_port = 1;  // unused: the store is given
+    CommunicationOptions options;
+    options.implementation = Implementation::kRing;
+    options.timeout = 1'000ms;
+    return TimesOutSaying([&] { CreateCommunication(spec, CreateMemoryStore(), options); },
+                          "rank 1: timed out after 1000 ms setting up connections: the lookup of "
+                          "bind host 'worker.collectives-test.example' has not answered");
+  });
+}
+
 TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
   auto store = CreateMemoryStore();
   const auto start = Clock::now();
