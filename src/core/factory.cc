@@ -23,6 +23,7 @@
 #include "src/nccl/nccl_communication.h"
 #include "src/nccl/nccl_loader.h"
 #endif
+#include "src/transport/handshake.h"
 #include "src/transport/tcp_fabric.h"
 
 namespace collectives {
@@ -75,6 +76,20 @@ std::string AskedListenHost(int rank, const CommunicationOptions& options) {
                                                  "' is not a host name or address: " + why);
   }
   return std::move(*host);
+}
+
+// Refuses, with Error(kInvalidArgument) naming the rank, a job id longer than the TCP mesh's
+// handshake carries (RING and AUTO; NCCL has no such limit), before the store is touched: the
+// mesh would refuse it only after the store counted this communicator.
+void CheckJobIdFitsTheHandshake(const ClusterSpec& spec, const CommunicationOptions& options) {
+  if (options.implementation == Implementation::kNccl) return;
+  if (spec.job_id.size() > transport::kMaxJobIdBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(spec.rank) + ": job id '" +
+                    core::OneLine(spec.job_id, 64) + "' (" + std::to_string(spec.job_id.size()) +
+                    " bytes) is longer than the " + std::to_string(transport::kMaxJobIdBytes) +
+                    " bytes a connection's handshake carries");
+  }
 }
 
 // Where a communicator's ranks meet: the job, the key space in the store, and the address this
@@ -306,6 +321,7 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
 
   // Refused before the store is touched (CreateRingCommunication would, after connecting).
   ring::CheckRingAlgorithm(spec.rank, spec.world_size, options.algorithm);
+  CheckJobIdFitsTheHandshake(spec, options);
   // Every rank counts the communicators it has built on this store; building them in the same
   // order on every rank (as collectives require anyway) gives each its own key space.
   const int64_t generation =
@@ -339,6 +355,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
   spec.Validate();
   const CommunicationOptions checked = core::CheckOptions(spec.rank, options);
   (void)AskedListenHost(spec.rank, checked);  // refused before rank 0's store is up
+  CheckJobIdFitsTheHandshake(spec, checked);
   // Connecting to the store is the set-up's first step: all of the timeout is left for it. It
   // also stays the store's limit per operation, for as long as the store is used.
   std::shared_ptr<Store> store;

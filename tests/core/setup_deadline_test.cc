@@ -248,5 +248,25 @@ TEST(SetupDeadlineTest, AStoreThatCannotListenNamesTheRank) {
   }
 }
 
+// A job id longer than the mesh's handshake carries is refused before the store is touched (no
+// generation counted, rank 0's store not waited for), naming the rank. Before, the mesh refused
+// it after the generation's Add: "job id 'xxx...' is longer than 256 bytes", the whole id in the
+// message and no rank.
+TEST(SetupDeadlineTest, AJobIdTooLongForTheHandshakeIsRefusedBeforeTheStore) {
+  ClusterSpec spec = Spec(1);
+  spec.job_id = std::string(300, 'j');
+  auto store = CreateMemoryStore();
+  CommunicationOptions options = Options();
+  try {
+    CreateCommunication(spec, store, options);
+    ADD_FAILURE() << "a job id of 300 bytes was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 1: ", 0), 0u) << e.what();
+    EXPECT_LT(e.message().size(), 300u) << e.what();
+  }
+  EXPECT_EQ(store->Add(spec.job_id + "/generation/1", 0), 0) << "the store was touched";
+}
+
 }  // namespace
 }  // namespace collectives
