@@ -6,14 +6,30 @@
 //               queued back to back, but each is still one collective with its own latency);
 //   packed      packing::AllReduce with each --bytes-per-pack cap (fusion buckets).
 //
+// With --compute-ms X, what the packer's asynchronous form buys a trainer, which issues the
+// gradients' reduction and computes while it runs: a step is then X ms of computation on the
+// calling thread (a busy loop calibrated at start-up to take X ms on an otherwise idle core, the
+// same number of iterations on every rank), and per cap four more modes run:
+//
+//   compute       the computation alone (once per workload, not per cap);
+//   packed-async  packing::AllReduceAsync, then Wait at once (the async form's own cost);
+//   sequential    packing::AllReduce, then the computation (no overlap);
+//   overlapped    packing::AllReduceAsync, the computation, then Wait.
+//
+// hidden = (sequential - overlapped) / (sequential - compute): the share of the communication's
+// time in a sequential step that overlapping took off the step (1: all of it, the step costs only
+// its computation; 0: none; below 0: overlapping made the step slower). The progress thread that
+// runs the collectives needs a core of its own to overlap anything: with as many ranks as cores,
+// the computation and the progress thread of a rank share one.
+//
 // Per workload: three rounds; in each, every mode runs -w warm-up steps then a third of its -n
 // timed steps, each after a barrier (rounds spread whatever else the host does over every
 // mode; warm-ups absorb the slow first steps after a change of mode). A step's time is that of
 // its slowest rank; time = the median over steps (--mean: the mean); speed-up = one-by-one time
 // / this time.
 // With --check, every packed cap is run once more on inputs with an exact answer and every
-// element of every tensor is verified on every rank (#wrong, summed over ranks). Only the
-// public API is used.
+// element of every tensor is verified on every rank (#wrong, summed over ranks); with
+// --compute-ms, the overlapped mode of every cap too. Only the public API is used.
 //
 // Workloads (--workload, a comma list):
 //   NxS       N tensors of S bytes each (1000x4K, 200x256K, ...: K, M, G suffixes);
@@ -118,6 +134,7 @@ struct Workload {
 struct Config {
   std::vector<Workload> workloads;
   std::vector<size_t> caps;  // bytes_per_pack values; 0 = the library default
+  double compute_ms = 0;     // > 0: the overlap modes, with this much computation per step
   ReduceOp op = ReduceOp::kSum;
   int iters = 20;
   int warmup_iters = 3;
@@ -225,6 +242,42 @@ double CheckExpected(ReduceOp op, int world_size, size_t tensor, size_t i) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The computation of a step (--compute-ms): `units` blocks of a dependent xorshift chain, which
+// keeps a core busy without touching memory (it competes with the collectives for a core, not
+// for memory bandwidth) and cannot be shortened by the compiler. A unit takes about 2 us on the
+// development machine.
+// ---------------------------------------------------------------------------------------------
+
+volatile uint64_t compute_sink;
+
+void Compute(uint64_t units) {
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (uint64_t u = 0; u < units; ++u) {
+    for (int i = 0; i < 1024; ++i) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+    }
+  }
+  compute_sink = x;
+}
+
+// Units of Compute per millisecond on this rank: the fastest of five runs of ~20 ms (the least
+// disturbed by whatever else the host does).
+double CalibrateUnitsPerMs() {
+  double best = 0;
+  uint64_t units = 1000;
+  for (int run = 0; run < 5; ++run) {
+    const Clock::time_point start = Clock::now();
+    Compute(units);
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    best = std::max(best, static_cast<double>(units) / std::max(ms, 1e-3));
+    units = static_cast<uint64_t>(std::max(best * 20, 1.0));  // the next runs take ~20 ms
+  }
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The benchmark.
 // ---------------------------------------------------------------------------------------------
 
@@ -232,11 +285,12 @@ struct Row {
   std::string workload;
   size_t tensors = 0;
   size_t bytes = 0;
-  std::string mode;  // one-by-one, async, packed
+  std::string mode;  // one-by-one, async, packed; compute, packed-async, sequential, overlapped
   std::optional<size_t> cap;
   size_t buckets = 0;
   double time_ms = 0;
-  double speedup = 1;
+  std::optional<double> speedup;  // one-by-one time / this time; none for rows that compute
+  std::optional<double> hidden;   // overlapped rows (see the file comment)
   std::optional<int64_t> wrong;
 };
 
@@ -252,6 +306,7 @@ class Bench {
         csv_(csv) {}
 
   int Run() {
+    if (config_.compute_ms > 0) CalibrateCompute();
     PrintHeader();
     int64_t total_wrong = 0;
     for (const Workload& workload : config_.workloads) {
@@ -308,14 +363,56 @@ class Bench {
         rows.push_back(packed);
         steps.push_back([&, cap] { packing::AllReduce(comm_, tensors, config_.op, cap); });
       }
+      const size_t timed_modes = rows.size();  // those with a speed-up
+      if (config_.compute_ms > 0) {
+        Row compute = base;
+        compute.mode = "compute";
+        rows.push_back(compute);
+        steps.push_back([&] { Compute(compute_units_); });
+        for (size_t cap : config_.caps) {
+          Row packed = base;
+          packed.cap = cap;
+          packed.buckets = packing::PlanBuckets(specs, cap).size();
+          packed.mode = "packed-async";
+          rows.push_back(packed);
+          steps.push_back(
+              [&, cap] { packing::AllReduceAsync(comm_, tensors, config_.op, cap)->Wait(); });
+          packed.mode = "sequential";
+          rows.push_back(packed);
+          steps.push_back([&, cap] {
+            packing::AllReduce(comm_, tensors, config_.op, cap);
+            Compute(compute_units_);
+          });
+          packed.mode = "overlapped";
+          rows.push_back(packed);
+          steps.push_back([&, cap] {
+            const std::shared_ptr<Work> work =
+                packing::AllReduceAsync(comm_, tensors, config_.op, cap);
+            Compute(compute_units_);
+            work->Wait();
+          });
+        }
+      }
       const std::vector<double> times = TimeSteps(steps);
       for (size_t m = 0; m < rows.size(); ++m) {
         Row& row = rows[m];
         row.time_ms = times[m];
-        row.speedup = rows[0].time_ms / row.time_ms;
-        if (config_.check && row.cap) {
+        if (m < timed_modes) row.speedup = rows[0].time_ms / row.time_ms;
+        if (row.mode == "overlapped") {
+          // rows[m - 1] is this cap's sequential mode, rows[timed_modes] the computation alone.
+          const double communication = rows[m - 1].time_ms - rows[timed_modes].time_ms;
+          if (communication > 0) row.hidden = (rows[m - 1].time_ms - row.time_ms) / communication;
+        }
+        if (config_.check && row.cap && (row.mode == "packed" || row.mode == "overlapped")) {
           fill();
-          packing::AllReduce(comm_, tensors, config_.op, *row.cap);
+          if (row.mode == "packed") {
+            packing::AllReduce(comm_, tensors, config_.op, *row.cap);
+          } else {
+            const std::shared_ptr<Work> work =
+                packing::AllReduceAsync(comm_, tensors, config_.op, *row.cap);
+            Compute(compute_units_);
+            work->Wait();
+          }
           int64_t wrong = CountWrong(workload, storage);
           comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64}, ReduceOp::kSum);
           row.wrong = wrong;
@@ -332,6 +429,18 @@ class Bench {
   }
 
  private:
+  // --compute-ms: every rank calibrates (at the same time) and every rank then runs the mean of
+  // the ranks' units: the same work everywhere, --compute-ms of a core that nothing else wants.
+  // With more busy threads than cores it takes longer; the compute mode says how long.
+  void CalibrateCompute() {
+    comm_.Barrier();
+    double units_per_ms = CalibrateUnitsPerMs();
+    comm_.AllReduce(Tensor{&units_per_ms, 1, DataType::kFloat64}, ReduceOp::kSum);
+    units_per_ms /= world_size_;
+    compute_units_ =
+        static_cast<uint64_t>(std::max(std::llround(units_per_ms * config_.compute_ms), 1LL));
+  }
+
   // Milliseconds per step of each of `steps`, timed in kRounds rounds; in each round every mode
   // runs -w warm-up steps and then its share of the -n timed steps, each after a barrier (so no
   // rank carries the skew of one step into the next). A mode's first steps after another mode
@@ -409,14 +518,22 @@ class Bench {
                 config_.check ? "on" : "off", FormatBytes(packing::DefaultBytesPerPack()).c_str());
     std::printf(
         "# a step all-reduces every tensor once; time = %s over steps of the slowest rank's step\n"
-        "# time; speed-up = one-by-one time / this time\n#\n",
+        "# time; speed-up = one-by-one time / this time\n",
         config_.mean ? "mean" : "median");
-    std::printf("# %-10s %8s %13s %-11s %8s %8s %14s %9s %7s\n", "workload", "tensors", "bytes",
-                "mode", "cap", "buckets", "time/step(ms)", "speed-up", "#wrong");
+    if (config_.compute_ms > 0) {
+      std::printf(
+          "# compute: %.3g ms of an idle core per step on the calling thread (%llu units of a\n"
+          "# busy loop, the same on every rank)\n"
+          "# hidden = (sequential - overlapped) / (sequential - compute)\n",
+          config_.compute_ms, static_cast<unsigned long long>(compute_units_));
+    }
+    std::printf("#\n# %-10s %8s %13s %-12s %8s %8s %14s %9s %7s%s\n", "workload", "tensors",
+                "bytes", "mode", "cap", "buckets", "time/step(ms)", "speed-up", "#wrong",
+                config_.compute_ms > 0 ? "  hidden" : "");
     std::fflush(stdout);
     if (csv_ != nullptr) {
       *csv_ << "workload,world_size,tensors,total_bytes,mode,bytes_per_pack,buckets,time_ms,"
-               "speedup,wrong\n";
+               "speedup,wrong,compute_ms,hidden\n";
     }
   }
 
@@ -424,17 +541,26 @@ class Bench {
     if (rank_ != 0) return;
     const std::string cap = row.cap ? FormatBytes(*row.cap) : "-";
     const std::string wrong = row.wrong ? std::to_string(*row.wrong) : "-";
-    std::printf("  %-10s %8zu %13zu %-11s %8s %8zu %14.3f %9.2f %7s\n", row.workload.c_str(),
+    const std::string speedup = row.speedup ? bench::Format("%.2f", *row.speedup) : "-";
+    std::string hidden;  // a column only with --compute-ms
+    if (config_.compute_ms > 0)
+      hidden = row.hidden ? bench::Format("%8.2f", *row.hidden) : "       -";
+    std::printf("  %-10s %8zu %13zu %-12s %8s %8zu %14.3f %9s %7s%s\n", row.workload.c_str(),
                 row.tensors, row.bytes, row.mode.c_str(), cap.c_str(), row.buckets, row.time_ms,
-                row.speedup, wrong.c_str());
+                speedup.c_str(), wrong.c_str(), hidden.c_str());
     std::fflush(stdout);
     if (csv_ != nullptr) {
       *csv_ << row.workload << ',' << world_size_ << ',' << row.tensors << ',' << row.bytes << ','
             << row.mode << ','
             << (row.cap ? std::to_string(*row.cap == 0 ? packing::DefaultBytesPerPack() : *row.cap)
                         : "")
-            << ',' << row.buckets << ',' << row.time_ms << ',' << row.speedup << ','
-            << (row.wrong ? std::to_string(*row.wrong) : "") << '\n';
+            << ',' << row.buckets << ',' << row.time_ms << ',';
+      if (row.speedup) *csv_ << *row.speedup;
+      *csv_ << ',' << (row.wrong ? std::to_string(*row.wrong) : "") << ',';
+      if (config_.compute_ms > 0) *csv_ << config_.compute_ms;
+      *csv_ << ',';
+      if (row.hidden) *csv_ << *row.hidden;
+      *csv_ << '\n';
       csv_->flush();
     }
   }
@@ -445,6 +571,7 @@ class Bench {
   const int world_size_;
   const std::string launcher_;
   std::ofstream* csv_;
+  uint64_t compute_units_ = 0;  // of Compute per step (--compute-ms)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -490,6 +617,11 @@ int Main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 20));
   app.add_flag("--check", config.check,
                "Verify every packed cap on exact inputs on every rank; exit 2 on a wrong element");
+  app.add_option("--compute-ms", config.compute_ms,
+                 "Also time a step of this many ms of computation on the calling thread, alone, "
+                 "after a packed all-reduce and overlapped with an async one (0: not)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 60'000.0));
   app.add_flag("--mean", config.mean,
                "Report the mean step time of the slowest rank instead of the median");
   app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
