@@ -69,8 +69,9 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 // before it returns, in order, from the calling thread (so the calls made after it on `comm`
 // follow them on every rank): the list check, then each bucket, fused buckets packed first into
 // a buffer of the call's own. That buffer holds a copy of every fused tensor (not of a tensor
-// alone in its bucket, which goes in place) until the call finishes; it is not reused. Wait (or a
-// Done that returns true) finishes the call: it unpacks the fused buckets and frees the buffer.
+// alone in its bucket, which goes in place) until the call finishes. Wait (or a Done that
+// returns true) finishes the call: it unpacks the fused buckets and gives the buffer back to a
+// process-wide pool for later calls (at most two buffers of at most 64 MiB each are kept).
 // Until then the tensors must be neither read nor written. Results and argument checks are
 // AllReduce's and Broadcast's; argument errors are thrown here, the collectives' errors by Wait.
 // Lists that differ across ranks raise kMismatch in Wait on every rank, and no fused tensor is
