@@ -17,13 +17,8 @@ cp /bin/sleep "${work}/hang_rank"
 printf '#!/bin/sh\nexec "%s" 300\n' "${work}/hang_rank" >"${work}/rank.sh"
 chmod +x "${work}/rank.sh"
 
-descendants() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    echo "$p"
-    descendants "$p"
-  done
-}
+# descendants, signal_and_wait
+source "${root}/examples/interrupt_test_lib.sh"
 
 # interrupt SIGNAL TARGET: starts run_two_ranks.sh on the stand-in, waits for its two ranks,
 # sends SIGNAL to its process group (TARGET group) or to the script (TARGET script), and checks
@@ -44,18 +39,9 @@ interrupt() {
     echo "FAIL: run_two_ranks.sh started ${#found[@]} of 2 ranks"
     status=1
   fi
-  if [[ ${target} == group ]]; then kill "-${signal}" -- "-${pid}"; else kill "-${signal}" "${pid}"; fi
-  local left=()
-  for ((i = 0; i < 100; ++i)); do
-    left=()
-    for p in "${pid}" "${found[@]}"; do
-      [[ -e /proc/${p} && $(cut -d' ' -f3 "/proc/${p}/stat" 2>/dev/null) != Z ]] && left+=("${p}")
-    done
-    [[ ${#left[@]} -eq 0 ]] && break
-    sleep 0.05
-  done
-  if [[ ${#left[@]} -gt 0 ]]; then
-    echo "FAIL: SIG${signal} to run_two_ranks.sh (${target}): ${left[*]} still running after 5 s"
+  local left
+  if ! left=$(signal_and_wait "${signal}" "${target}" "${pid}" 100 "${found[@]}"); then
+    echo "FAIL: SIG${signal} to run_two_ranks.sh (${target}): ${left} still running after 5 s"
     kill -KILL "${found[@]}" 2>/dev/null
     kill -TERM "${pid}" 2>/dev/null
     status=1

@@ -19,13 +19,8 @@ cp /bin/sleep "${work}/bin/starting"
 printf '#!/bin/sh\n"%s" 300\n' "${work}/bin/starting" >"${work}/bin/train"
 chmod +x "${work}/bin/train"
 
-descendants() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    echo "$p"
-    descendants "$p"
-  done
-}
+# descendants, signal_and_wait
+source "${root}/examples/interrupt_test_lib.sh"
 
 # interrupt SIGNAL TARGET: starts kill-restart.sh on the stand-in, waits for both workers'
 # `starting` processes, sends SIGNAL to the script (TARGET script) or its process group (TARGET
@@ -52,18 +47,9 @@ interrupt() {
     echo "FAIL: kill-restart.sh started ${#workers[@]} of 2 workers"
     status=1
   fi
-  if [[ ${target} == group ]]; then kill "-${signal}" -- "-${pid}"; else kill "-${signal}" "${pid}"; fi
-  local left=()
-  for ((i = 0; i < 100; ++i)); do
-    left=()
-    for p in "${pid}" "${found[@]}"; do
-      [[ -e /proc/${p} && $(cut -d' ' -f3 "/proc/${p}/stat" 2>/dev/null) != Z ]] && left+=("${p}")
-    done
-    [[ ${#left[@]} -eq 0 ]] && break
-    sleep 0.05
-  done
-  if [[ ${#left[@]} -gt 0 ]]; then
-    echo "FAIL: SIG${signal} to kill-restart.sh (${target}): ${left[*]} still running after 5 s"
+  local left
+  if ! left=$(signal_and_wait "${signal}" "${target}" "${pid}" 100 "${found[@]}"); then
+    echo "FAIL: SIG${signal} to kill-restart.sh (${target}): ${left} still running after 5 s"
     kill -KILL "${found[@]}" "${pid}" 2>/dev/null
     status=1
   else

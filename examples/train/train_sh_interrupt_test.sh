@@ -14,13 +14,8 @@ set -m  # each job in a process group of its own, with SIGINT not ignored: as at
 tmp=$(mktemp -d)
 trap 'rm -rf "${tmp}"' EXIT
 
-descendants() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    echo "$p"
-    descendants "$p"
-  done
-}
+# descendants, signal_and_wait
+source "${root}/examples/interrupt_test_lib.sh"
 
 # interrupt SIGNAL TARGET TRAINS ARGS...: starts train.sh ARGS, waits for TRAINS train processes
 # under it, sends SIGNAL to its process group (TARGET group) or to the script (TARGET script),
@@ -44,18 +39,9 @@ interrupt() {
     echo "FAIL: train.sh $* started ${#found[@]} of ${trains} train processes"
     status=1
   fi
-  if [[ ${target} == group ]]; then kill "-${signal}" -- "-${pid}"; else kill "-${signal}" "${pid}"; fi
-  local left=()
-  for ((i = 0; i < 200; ++i)); do
-    left=()
-    for p in "${pid}" "${found[@]}"; do
-      [[ -e /proc/${p} && $(cut -d' ' -f3 "/proc/${p}/stat" 2>/dev/null) != Z ]] && left+=("${p}")
-    done
-    [[ ${#left[@]} -eq 0 ]] && break
-    sleep 0.05
-  done
-  if [[ ${#left[@]} -gt 0 ]]; then
-    echo "FAIL: SIG${signal} to train.sh $* (${target}): ${left[*]} still running after 10 s"
+  local left
+  if ! left=$(signal_and_wait "${signal}" "${target}" "${pid}" 200 "${found[@]}"); then
+    echo "FAIL: SIG${signal} to train.sh $* (${target}): ${left} still running after 10 s"
     # The timeout(1) processes, then the script: TERM ends each with its train.
     kill -TERM $(pgrep -P "${pid}") "${pid}" "${found[@]}" 2>/dev/null
     status=1
