@@ -606,15 +606,17 @@ class ShmGroup::Step {
           std::chrono::duration_cast<std::chrono::microseconds>(deadline_ - Clock::now());
       if (core::YieldUntil(left, core::kWaitYieldPolls, reached)) return;
     }
-    for (auto last_check = Clock::now();;) {
+    for (;;) {
       theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
       const uint32_t seen = w.load(std::memory_order_seq_cst);
       if (!Reached(seen, s)) FutexWait(&w, seen, kSleepSliceMs);
       theirs.sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if (Reached(w.load(std::memory_order_acquire), s)) return;
       ThrowIfBroken();
-      const auto now = Clock::now();
-      if (now >= deadline_) {
+      // Every slice (a trylock in the segment, no system call): a member that is gone is found
+      // within a slice, and is the cause even when the deadline has passed meanwhile.
+      CheckAlive(j);
+      if (Clock::now() >= deadline_) {
         // Member j reduces (or, a broadcast's root, releases) step s once every member arrived
         // at it: a member that has not holds j up, and is the one to name, not j.
         std::string from = std::string(what) + ", in shared memory) from rank " +
@@ -630,10 +632,6 @@ class ShmGroup::Step {
         Fail(Error(ErrorCode::kTimeout, "rank " + std::to_string(g_.rank_) +
                                             ": deadline passed while waiting for " +
                                             tag_.ToString() + " (" + from));
-      }
-      if (now - last_check >= std::chrono::milliseconds(100)) {
-        last_check = now;
-        CheckAlive(j);
       }
     }
   }

@@ -715,6 +715,36 @@ TEST(ShmGroupFailureTest, ABroadcastTimeoutNamesTheMissingMemberNotTheRoot) {
   }
 }
 
+// Member 1 (rank 9) leaves the group before member 0 calls; member 0, which does not spin,
+// sleeps waiting for it with a deadline 90 ms away. Every slice of its sleep (20 ms, shm_group.h)
+// checks that the member it waits for is there, so it raises kPeerLost naming rank 9 before the
+// deadline. Before, liveness was checked every 100 ms only, past that deadline: kTimeout.
+TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
+  const std::vector<int> ranks = {3, 9};
+  ShmGroupOptions options = Options("liveness_slice", 4096, 4096, 2);
+  options.spin = std::chrono::microseconds(0);
+  std::atomic<bool> left{false};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 1) {
+      m.group.reset();
+      left = true;
+      return;
+    }
+    while (!left) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::vector<float> data(10, 1.0f);
+    try {
+      m.group->AllReduce(
+          m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 10),
+          Clock::now() + std::chrono::milliseconds(90), data.data(), data.data(), data.size(),
+          DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "an all-reduce without member 1 succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+      EXPECT_NE(e.message().find("lost rank 9"), std::string::npos) << e.what();
+    }
+  });
+}
+
 // An all-reduce among members one of which is gone: raises kPeerLost with a message that holds
 // `lost` (and `reason`, when not empty), and leaves the data untouched.
 void ExpectAllReduceLosesPeer(Member& m, int me, const std::string& lost,
