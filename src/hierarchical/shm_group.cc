@@ -591,8 +591,11 @@ class ShmGroup::Step {
     const auto reached = [&] { return Reached(w.load(std::memory_order_acquire), s); };
     if (reached()) return;
     if (g_.spin_.count() > 0) {
+      // Never past the deadline: a spin budget near the call's timeout would overshoot it.
+      const auto left =
+          std::chrono::duration_cast<std::chrono::microseconds>(deadline_ - Clock::now());
       const Header& header = seg_.header();
-      if (core::SpinUntil(g_.spin_, [&] {
+      if (core::SpinUntil(std::min(g_.spin_, left), [&] {
             if (reached()) return true;
             if (header.broken.load(std::memory_order_relaxed) != 0) ThrowIfBroken();
             return false;

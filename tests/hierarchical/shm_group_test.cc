@@ -745,6 +745,35 @@ TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
   });
 }
 
+// A spin budget longer than the call's timeout (1 s against 100 ms) ends at the deadline: the
+// member raises kTimeout about 100 ms after it called. Before, it spun the whole second first.
+TEST(ShmGroupFailureTest, ASpinLongerThanTheTimeoutEndsByTheDeadline) {
+  const std::vector<int> ranks = {3, 9};
+  ShmGroupOptions options = Options("spin_deadline", 4096, 4096, 2);
+  options.spin = std::chrono::seconds(1);
+  std::atomic<bool> finished{false};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 1) {  // keeps its group (alive, attached) until member 0 gave up
+      while (!finished) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    std::vector<float> data(10, 1.0f);
+    const auto start = Clock::now();
+    try {
+      m.group->AllReduce(
+          m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 10),
+          start + std::chrono::milliseconds(100), data.data(), data.data(), data.size(),
+          DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "an all-reduce without member 1 succeeded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(e.message().find("from rank 9"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(600));
+    finished = true;
+  });
+}
+
 // An all-reduce among members one of which is gone: raises kPeerLost with a message that holds
 // `lost` (and `reason`, when not empty), and leaves the data untouched.
 void ExpectAllReduceLosesPeer(Member& m, int me, const std::string& lost,
