@@ -664,6 +664,10 @@ class ShmGroup::Step {
 
 Error ShmGroup::BrokenError() const {
   const Header& header = segment_->header();
+  {
+    std::lock_guard<std::mutex> lock(given_up_mu_);
+    if (given_up_) return *given_up_;  // waited for once already
+  }
   // The breaker writes the error between kBreakingBy + its index and kBrokenWritten; it takes
   // microseconds, unless the breaker was killed in between (then it is never written, and
   // waiting for it would hang every member, Abort and the destructor included).
@@ -671,10 +675,13 @@ Error ShmGroup::BrokenError() const {
   for (uint32_t state; (state = header.broken.load(std::memory_order_acquire)) >= kBreakingBy;) {
     if (Clock::now() >= give_up) {
       const size_t breaker = state - kBreakingBy;
-      return Error(ErrorCode::kPeerLost,
-                   "rank " + std::to_string(rank_) + ": shared memory: rank " +
-                       (breaker < members_.size() ? std::to_string(members_[breaker]) : "?") +
-                       " broke this host's group and stopped before writing why (killed?)");
+      const Error error(ErrorCode::kPeerLost,
+                        "rank " + std::to_string(rank_) + ": shared memory: rank " +
+                            (breaker < members_.size() ? std::to_string(members_[breaker]) : "?") +
+                            " broke this host's group and stopped before writing why (killed?)");
+      std::lock_guard<std::mutex> lock(given_up_mu_);
+      if (!given_up_) given_up_ = error;
+      return *given_up_;
     }
     std::this_thread::yield();
   }

@@ -42,6 +42,8 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -138,7 +140,9 @@ class ShmGroup {
   // Breaks the group with `error`: every member's pending and later call raises. Any thread.
   void Abort(const Error& error);
 
-  // How long a member waits for the error of a member that has begun to break the group.
+  // How long a member waits for the error of a member that has begun to break the group, once:
+  // past it, this member's calls and Abort raise kPeerLost naming the breaker, its later ones at
+  // once.
   static constexpr std::chrono::seconds kBreakerWritesWithin{2};
   // Begins to break the group and stops, as a member killed in the middle of Abort would.
   void BreakHalfwayForTesting();
@@ -153,6 +157,9 @@ class ShmGroup {
   Error BrokenError() const;
   // Breaks the group with `error` unless it is broken already; returns the first error.
   Error BreakWith(const Error& error);
+  // The error BrokenError gave once it stopped waiting for a breaker that did not write why.
+  mutable std::mutex given_up_mu_;
+  mutable std::optional<Error> given_up_;  // guarded by given_up_mu_
 
   const int rank_;
   const std::vector<int> members_;

@@ -1451,5 +1451,42 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
   });
 }
 
+// Once a member found the group half broken (its breaker stopped before writing why), its later
+// calls and its Abort raise the same error at once: they do not wait kBreakerWritesWithin again
+// for an error that will not come. Before, every call took those 2 s to fail.
+TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError) {
+  const std::vector<int> ranks = {0, 1};
+  ShmGroupOptions options = Options("half_broken_later", 4096, 4096, 2);
+  std::atomic<bool> broken{false};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 0) {
+      m.group->BreakHalfwayForTesting();
+      broken = true;
+    }
+    while (!broken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::vector<float> data(100, 1.0f);
+    const auto call = [&] {
+      try {
+        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                 ReduceOp::kSum, 0, data.size()),
+                           Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
+                           data.size(), DataType::kFloat32, ReduceOp::kSum);
+        ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
+        return std::string();
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+        return e.message();
+      }
+    };
+    const std::string first = call();
+    EXPECT_NE(first.find("rank 0 broke"), std::string::npos) << first;
+    const auto start = Clock::now();
+    EXPECT_EQ(call(), first);
+    m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+    for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+  });
+}
+
 }  // namespace
 }  // namespace collectives
