@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <new>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -471,6 +472,12 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
       failed = error.code() == ErrorCode::kTimeout
                    ? SetupTimedOut(rank, options.timeout, error.message())
                    : error;
+    } catch (const std::bad_alloc&) {  // before Create could report it: it raises Errors after
+      failed = Error(ErrorCode::kSystem,
+                     "rank " + std::to_string(rank) + ": shared memory: out of memory");
+    } catch (const std::exception& error) {
+      failed = Error(ErrorCode::kInternal,
+                     "rank " + std::to_string(rank) + ": shared memory: " + error.what());
     }
     // A host's members learn of each other's failure through the store, but the other hosts
     // would not: they would go on to the mesh's first call and see a lost peer (or, when rank 0

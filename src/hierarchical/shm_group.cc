@@ -23,6 +23,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <random>
 #include <system_error>
@@ -355,165 +356,181 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     }
   };
 
-  int fd = -1;
-  if (index == 0) {
-    std::random_device random;
-    const uint64_t nonce = (uint64_t(random()) << 32) ^ random();
-    const std::string job = options.job_id + "\n" + options.key_prefix;
-    seg.name = "/collectives-";
-    seg.name.append(Hex(std::hash<std::string>{}(job)), 8, 8);
-    seg.name.append("-").append(std::to_string(members.front()));
-    seg.name.append(CreatorMark(PidNamespace())).append(std::to_string(getpid()));
-    seg.name.append("-").append(Hex(nonce));
-    RemoveNamesOfDeadCreators();
-    fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
-    }
-    // ftruncate only sets the size: on a full /dev/shm (a container's is 64 MiB by default) the
-    // first touch of a page that does not fit would kill the process with SIGBUS. Reserving
-    // every page now turns that into an error here.
-    int sized = fchmod(fd, 0600) == 0 && ftruncate(fd, off_t(seg.bytes)) == 0 ? 0 : errno;
-    if (sized == 0) sized = posix_fallocate(fd, 0, off_t(seg.bytes));
-    if (sized != 0) {
-      std::string why = "sizing " + seg.name + " to " + std::to_string(seg.bytes) +
-                        " bytes: " + std::strerror(sized);
-      if (sized == ENOSPC) {
-        why +=
-            " (/dev/shm is too small for this host's ranks: enlarge it, e.g. docker "
-            "--shm-size, or set COLLECTIVES_SHM=0 on every rank to use TCP inside the host)";
+  // Anything else that escapes the set-up (std::bad_alloc, a std::system_error of the library
+  // or of a store) is reported too, so that the members waiting for this one raise it at once
+  // rather than at their timeout, and raised as an Error, which the planner publishes.
+  const auto set_up = [&] {
+    int fd = -1;
+    if (index == 0) {
+      std::random_device random;
+      const uint64_t nonce = (uint64_t(random()) << 32) ^ random();
+      const std::string job = options.job_id + "\n" + options.key_prefix;
+      seg.name = "/collectives-";
+      seg.name.append(Hex(std::hash<std::string>{}(job)), 8, 8);
+      seg.name.append("-").append(std::to_string(members.front()));
+      seg.name.append(CreatorMark(PidNamespace())).append(std::to_string(getpid()));
+      seg.name.append("-").append(Hex(nonce));
+      RemoveNamesOfDeadCreators();
+      fd = shm_open(seg.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) {
+        throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
       }
-      close(fd);
-      shm_unlink(seg.name.c_str());
-      throw report(Error(ErrorCode::kSystem, prefix + why));
-    }
-  } else {
-    try {
-      seg.name = store.Get(key, left());
-    } catch (const Error& error) {
-      if (!cluster::IsNotSet(error)) throw;
-      // The member that did not come is the creator: name it, as the attach's timeout does.
-      throw Error(ErrorCode::kTimeout,
-                  prefix + "rank " + std::to_string(members.front()) +
-                      ", which creates this host's segment, did not publish its name within " +
-                      std::to_string(options.timeout.count()) + " ms (" + error.message() + ")");
-    }
-    if (!seg.name.empty() && seg.name.front() == '!') {  // the creator's failure (see report)
-      throw PublishedFailure(seg.name.substr(1), prefix, true);
-    }
-    fd = shm_open(seg.name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      const int open_errno = errno;
-      // The creator removes the name when a member that attached first published its failure:
-      // that failure is the cause, not the missing name.
-      if (open_errno == ENOENT && failure_published()) {
-        throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
-      }
-      errno = open_errno;
-      throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
-    }
-    struct stat st {};
-    const bool stated = fstat(fd, &st) == 0;
-    if (!stated || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
-      close(fd);
-      throw report(Error(ErrorCode::kUnauthenticated,
-                         prefix + "segment " + seg.name +
-                             " is not this job's (another owner, or open to others)"));
-    }
-    if (size_t(st.st_size) != seg.bytes) {
-      close(fd);
-      throw report(
-          Error(ErrorCode::kUnauthenticated,
-                prefix + "segment " + seg.name + " is not this job's: it has " +
-                    std::to_string(st.st_size) + " bytes where this rank expects " +
-                    std::to_string(seg.bytes) +
-                    " (is COLLECTIVES_SHM_SLOT_BYTES the same on every rank of this host?)"));
-    }
-  }
-  seg.base = mmap(nullptr, seg.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int map_errno = errno;
-  close(fd);
-  if (seg.base == MAP_FAILED) {
-    errno = map_errno;
-    if (index == 0) shm_unlink(seg.name.c_str());
-    throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("mmap " + seg.name)));
-  }
-
-  // From here on, a failure of the member that created the segment (the store unreachable when
-  // it publishes the name, say) removes the name: nobody else may ever learn it.
-  struct UnlinkUnlessKept {
-    const std::string& name;
-    bool keep;
-    ~UnlinkUnlessKept() {
-      if (!keep) shm_unlink(name.c_str());
-    }
-  } created{seg.name, index != 0};
-
-  Header& header = seg.header();
-  if (index == 0) {
-    header.version = kVersion;
-    header.members = uint32_t(seg.members);
-    header.slot_bytes = seg.slot_bytes;
-    header.attached.store(0);
-    header.broken.store(kSound);
-    header.magic = kMagic;
-    published = true;  // whether or not the Set below gets through: no "!" after it
-    store.Set(key, seg.name);
-  } else if (header.magic != kMagic || header.version != kVersion ||
-             header.members != seg.members || header.slot_bytes != seg.slot_bytes) {
-    throw report(Error(ErrorCode::kUnauthenticated,
-                       prefix + "segment " + seg.name + " does not have this group's layout"));
-  }
-
-  // This member's block: counters at zero, the liveness mutex held, its slots touched once so
-  // that the first collective does not pay the page faults.
-  Control& own = seg.control(index);
-  own.arrived.store(0);
-  own.reduced.store(0);
-  own.done.store(0);
-  own.sleepers.store(0);
-  own.pid = int32_t(getpid());
-  std::memset(own.tag, 0, sizeof own.tag);
-  pthread_mutexattr_t attr;
-  pthread_mutexattr_init(&attr);
-  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-  pthread_mutex_init(&own.alive, &attr);
-  pthread_mutexattr_destroy(&attr);
-  try {
-    seg.StartKeeper();
-  } catch (const std::system_error& error) {  // a pids limit, no room for its stack
-    const std::string why = "cannot start the thread that holds this member's liveness mutex: ";
-    throw report(Error(ErrorCode::kSystem, prefix + why + error.what()));
-  }
-  std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
-  std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
-
-  // The last member to attach removes the name: from then on only the mappings hold the
-  // segment, and the kernel frees it when the last member exits, however it exits.
-  if (header.attached.fetch_add(1) + 1 == seg.members) shm_unlink(seg.name.c_str());
-  auto next_look = Clock::now();
-  while (header.attached.load() < seg.members) {
-    if (Clock::now() >= next_look) {  // a member that could not attach says so in the store
-      next_look = Clock::now() + std::chrono::milliseconds(20);
-      if (store.Add(failures_key, 0) > 0) {
+      // ftruncate only sets the size: on a full /dev/shm (a container's is 64 MiB by default) the
+      // first touch of a page that does not fit would kill the process with SIGBUS. Reserving
+      // every page now turns that into an error here.
+      int sized = fchmod(fd, 0600) == 0 && ftruncate(fd, off_t(seg.bytes)) == 0 ? 0 : errno;
+      if (sized == 0) sized = posix_fallocate(fd, 0, off_t(seg.bytes));
+      if (sized != 0) {
+        std::string why = "sizing " + seg.name + " to " + std::to_string(seg.bytes) +
+                          " bytes: " + std::strerror(sized);
+        if (sized == ENOSPC) {
+          why +=
+              " (/dev/shm is too small for this host's ranks: enlarge it, e.g. docker "
+              "--shm-size, or set COLLECTIVES_SHM=0 on every rank to use TCP inside the host)";
+        }
+        close(fd);
         shm_unlink(seg.name.c_str());
-        throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
+        throw report(Error(ErrorCode::kSystem, prefix + why));
+      }
+    } else {
+      try {
+        seg.name = store.Get(key, left());
+      } catch (const Error& error) {
+        if (!cluster::IsNotSet(error)) throw;
+        // The member that did not come is the creator: name it, as the attach's timeout does.
+        throw Error(ErrorCode::kTimeout,
+                    prefix + "rank " + std::to_string(members.front()) +
+                        ", which creates this host's segment, did not publish its name within " +
+                        std::to_string(options.timeout.count()) + " ms (" + error.message() + ")");
+      }
+      if (!seg.name.empty() && seg.name.front() == '!') {  // the creator's failure (see report)
+        throw PublishedFailure(seg.name.substr(1), prefix, true);
+      }
+      fd = shm_open(seg.name.c_str(), O_RDWR, 0);
+      if (fd < 0) {
+        const int open_errno = errno;
+        // The creator removes the name when a member that attached first published its failure:
+        // that failure is the cause, not the missing name.
+        if (open_errno == ENOENT && failure_published()) {
+          throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
+        }
+        errno = open_errno;
+        throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("shm_open " + seg.name)));
+      }
+      struct stat st {};
+      const bool stated = fstat(fd, &st) == 0;
+      if (!stated || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+        close(fd);
+        throw report(Error(ErrorCode::kUnauthenticated,
+                           prefix + "segment " + seg.name +
+                               " is not this job's (another owner, or open to others)"));
+      }
+      if (size_t(st.st_size) != seg.bytes) {
+        close(fd);
+        throw report(
+            Error(ErrorCode::kUnauthenticated,
+                  prefix + "segment " + seg.name + " is not this job's: it has " +
+                      std::to_string(st.st_size) + " bytes where this rank expects " +
+                      std::to_string(seg.bytes) +
+                      " (is COLLECTIVES_SHM_SLOT_BYTES the same on every rank of this host?)"));
       }
     }
-    if (Clock::now() >= deadline) {
-      shm_unlink(seg.name.c_str());
-      std::string missing;
-      for (size_t i = 0; i < seg.members; ++i) {
-        if (seg.control(int(i)).pid == 0) missing.append(" ").append(std::to_string(members[i]));
-      }
-      throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing + " did not attach to segment " +
-                                           seg.name + " in " +
-                                           std::to_string(options.timeout.count()) + " ms");
+    seg.base = mmap(nullptr, seg.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int map_errno = errno;
+    close(fd);
+    if (seg.base == MAP_FAILED) {
+      errno = map_errno;
+      if (index == 0) shm_unlink(seg.name.c_str());
+      throw report(Error(ErrorCode::kSystem, prefix + SystemMessage("mmap " + seg.name)));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+
+    // From here on, a failure of the member that created the segment (the store unreachable when
+    // it publishes the name, say) removes the name: nobody else may ever learn it.
+    struct UnlinkUnlessKept {
+      const std::string& name;
+      bool keep;
+      ~UnlinkUnlessKept() {
+        if (!keep) shm_unlink(name.c_str());
+      }
+    } created{seg.name, index != 0};
+
+    Header& header = seg.header();
+    if (index == 0) {
+      header.version = kVersion;
+      header.members = uint32_t(seg.members);
+      header.slot_bytes = seg.slot_bytes;
+      header.attached.store(0);
+      header.broken.store(kSound);
+      header.magic = kMagic;
+      published = true;  // whether or not the Set below gets through: no "!" after it
+      store.Set(key, seg.name);
+    } else if (header.magic != kMagic || header.version != kVersion ||
+               header.members != seg.members || header.slot_bytes != seg.slot_bytes) {
+      throw report(Error(ErrorCode::kUnauthenticated,
+                         prefix + "segment " + seg.name + " does not have this group's layout"));
+    }
+
+    // This member's block: counters at zero, the liveness mutex held, its slots touched once so
+    // that the first collective does not pay the page faults.
+    Control& own = seg.control(index);
+    own.arrived.store(0);
+    own.reduced.store(0);
+    own.done.store(0);
+    own.sleepers.store(0);
+    own.pid = int32_t(getpid());
+    std::memset(own.tag, 0, sizeof own.tag);
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&own.alive, &attr);
+    pthread_mutexattr_destroy(&attr);
+    try {
+      seg.StartKeeper();
+    } catch (const std::system_error& error) {  // a pids limit, no room for its stack
+      const std::string why = "cannot start the thread that holds this member's liveness mutex: ";
+      throw report(Error(ErrorCode::kSystem, prefix + why + error.what()));
+    }
+    std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
+    std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
+
+    // The last member to attach removes the name: from then on only the mappings hold the
+    // segment, and the kernel frees it when the last member exits, however it exits.
+    if (header.attached.fetch_add(1) + 1 == seg.members) shm_unlink(seg.name.c_str());
+    auto next_look = Clock::now();
+    while (header.attached.load() < seg.members) {
+      if (Clock::now() >= next_look) {  // a member that could not attach says so in the store
+        next_look = Clock::now() + std::chrono::milliseconds(20);
+        if (store.Add(failures_key, 0) > 0) {
+          shm_unlink(seg.name.c_str());
+          throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
+        }
+      }
+      if (Clock::now() >= deadline) {
+        shm_unlink(seg.name.c_str());
+        std::string missing;
+        for (size_t i = 0; i < seg.members; ++i) {
+          if (seg.control(int(i)).pid == 0) missing.append(" ").append(std::to_string(members[i]));
+        }
+        throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing +
+                                             " did not attach to segment " + seg.name + " in " +
+                                             std::to_string(options.timeout.count()) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    created.keep = true;  // unlinked by the last member to attach
+  };
+  try {
+    set_up();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw report(Error(ErrorCode::kSystem, prefix + "out of memory"));
+  } catch (const std::system_error& error) {
+    throw report(Error(ErrorCode::kSystem, prefix + error.what()));
+  } catch (const std::exception& error) {
+    throw report(Error(ErrorCode::kInternal, prefix + error.what()));
   }
-  created.keep = true;  // unlinked by the last member to attach
   return group;
 }
 

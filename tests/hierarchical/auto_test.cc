@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -250,6 +251,69 @@ TEST(AutoAsyncTest, MixedCallsInFlightAreExact) {
         }
       }
     });
+  }
+}
+
+// A store through which one rank's read of its host's shared-memory segment name (the key
+// ".../shm/0") throws std::bad_alloc: an allocation that fails in the middle of the set-up, not a
+// collectives::Error.
+class NameReadRunsOutOfMemory final : public Store {
+ public:
+  explicit NameReadRunsOutOfMemory(std::shared_ptr<Store> store) : store_(std::move(store)) {}
+  void Set(const std::string& key, const std::string& value) override { store_->Set(key, value); }
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    if (key.ends_with("/shm/0")) throw std::bad_alloc();
+    return store_->Get(key, timeout);
+  }
+  int64_t Add(const std::string& key, int64_t delta) override { return store_->Add(key, delta); }
+
+ private:
+  std::shared_ptr<Store> store_;
+};
+
+// Rank 1 of two on one host fails to set up shared memory with something other than a
+// collectives::Error (std::bad_alloc): both ranks raise kSystem "out of memory" naming shared
+// memory at once, rank 0 (the segment's creator, waiting for rank 1 to attach) included. Before,
+// the std::bad_alloc escaped rank 1's CreateCommunication and rank 0 waited for the set-up's
+// timeout: kTimeout "ranks 1 did not attach".
+TEST(AutoSetupTest, ASharedMemoryFailureThatIsNotAnErrorReachesEveryRankAtOnce) {
+  OneHost one_host;
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(4);
+  auto memory = CreateMemoryStore();
+  std::vector<std::string> outcomes(2);
+  std::vector<std::chrono::steady_clock::duration> took(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      ClusterSpec spec;
+      spec.rank = rank;
+      spec.world_size = 2;
+      spec.master_port = 1;  // unused: the store is given
+      std::shared_ptr<Store> store =
+          rank == 1 ? std::make_shared<NameReadRunsOutOfMemory>(memory) : memory;
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        auto comm = CreateCommunication(spec, store, options);
+        outcomes[size_t(rank)] = "built";
+      } catch (const Error& e) {
+        outcomes[size_t(rank)] = std::to_string(int(e.code())) + " " + e.message();
+      } catch (const std::exception& e) {
+        outcomes[size_t(rank)] = std::string("not a collectives::Error: ") + e.what();
+      }
+      took[size_t(rank)] = std::chrono::steady_clock::now() - start;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string& outcome = outcomes[size_t(rank)];
+    EXPECT_EQ(
+        outcome.rfind(
+            std::to_string(int(ErrorCode::kSystem)) + " rank " + std::to_string(rank) + ": ", 0),
+        0u)
+        << outcome;
+    EXPECT_NE(outcome.find("rank 1: shared memory: out of memory"), std::string::npos) << outcome;
+    EXPECT_LT(took[size_t(rank)], std::chrono::seconds(3)) << "rank " << rank << ": " << outcome;
   }
 }
 
