@@ -2,6 +2,8 @@
 #include "src/hierarchical/planner.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <new>
@@ -350,15 +352,20 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   // the machine the process really runs on, whose ranks compete for its cores. Every rank
   // decides from what every rank published, so they decide alike even when one rank's
   // environment differs: shared memory only if all allow it.
+  // The shm field is "n" where COLLECTIVES_SHM allows shared memory but the process cannot use
+  // it (no /dev/shm, a read-only one, not this user's): that turns it off as "0" does, on every
+  // rank alike, instead of failing the set-up at shm_open.
   const char* shm_env = std::getenv("COLLECTIVES_SHM");
-  const bool shm_here = shm_env == nullptr || std::string(shm_env) != "0";
+  const bool shm_wanted = shm_env == nullptr || std::string(shm_env) != "0";
+  const std::string shm_unusable = shm_wanted ? SharedMemoryUnavailable() : "";
+  const bool shm_here = shm_wanted && shm_unusable.empty();
+  const char* const shm_field = shm_here ? "1" : shm_wanted ? "n" : "0";
   const std::optional<uint64_t> slot_here =
       core::EnvCount("COLLECTIVES_SHM_SLOT_BYTES", "a byte count");
   const std::string machine = MachineIdentity();
   store.Set(key_prefix + "/host/" + std::to_string(rank),
-            std::string(shm_here ? "1" : "0") + "\n" +
-                (slot_here ? std::to_string(*slot_here) : "") + "\n" + HostIdentity() + "\n" +
-                machine);
+            std::string(shm_field) + "\n" + (slot_here ? std::to_string(*slot_here) : "") + "\n" +
+                HostIdentity() + "\n" + machine);
   // Rank r's value of `kind` (key_prefix/kind/r) by the set-up's deadline; a timeout names it
   // ("rank 3" + `missing`) and the set-up's whole timeout.
   const auto get_by_deadline = [&](const char* kind, int r, const char* missing) {
@@ -374,6 +381,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   std::vector<std::string> slots;
   size_t ranks_on_machine = 0;
   bool shm_allowed = true;
+  int shm_unusable_on = -1;  // the first rank that cannot use shared memory ("n")
   for (int r = 0; r < size; ++r) {
     const std::string all = get_by_deadline("host", r, "'s host record did not come");
     std::vector<std::string> fields;  // shm, slot, host; the machine is the rest
@@ -387,12 +395,27 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                             ": malformed host record of rank " + std::to_string(r));
     }
     shm_allowed = shm_allowed && fields[0] == "1";
+    if (fields[0] == "n" && shm_unusable_on < 0) shm_unusable_on = r;
     slots.push_back(fields[1]);
     identities.push_back(fields[2]);
     if (all.compare(from, std::string::npos, machine) == 0) ++ranks_on_machine;
   }
   Topology topology = Topology::FromIdentities(identities);
   const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];
+
+  if (shm_unusable_on >= 0 && local.size() >= 2) {
+    // Once per process (a trainer that builds many communicators is told once).
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true)) {
+      const std::string line =
+          "collectives: rank " + std::to_string(rank) + ": " +
+          (shm_unusable.empty() ? "rank " + std::to_string(shm_unusable_on) +
+                                      " cannot use shared memory (see its warning)"
+                                : "shared memory cannot be used here (" + shm_unusable + ")") +
+          ": AUTO runs every collective over TCP, on every rank\n";
+      std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines of ranks do not mix
+    }
+  }
 
   Plan plan = Plan::kRing;
   if (shm_allowed && local.size() >= 2) {

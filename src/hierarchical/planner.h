@@ -33,7 +33,9 @@ struct Topology {
 
 // Collective over the ranks: publishes this rank's HostIdentity() under "<key_prefix>/host/R",
 // reads everyone's, and builds the shared-memory group of this host when COLLECTIVES_SHM is not
-// "0" on any rank and either every rank is on this host or every host has as many ranks (two or
+// "0" on any rank, every rank can use shared memory (SharedMemoryUnavailable: where one cannot,
+// every rank runs over TCP, and a rank whose host has several says so once per process on
+// stderr), and either every rank is on this host or every host has as many ranks (two or
 // more); hosts of different rank counts run every collective on the flat TCP ring. Throws
 // Error(kNotSupported) when options.algorithm names a plan this topology cannot run. With several
 // hosts of as many ranks each, the planner runs all-reduces on the flat ring until Calibrate.

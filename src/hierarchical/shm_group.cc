@@ -264,6 +264,31 @@ struct ShmGroup::Segment {
   }
 };
 
+std::string SharedMemoryUnavailable() {
+  // The name carries this process's mark, so that one left by a process killed in between is
+  // removed as a dead creator's is.
+  static std::atomic<uint64_t> probes{0};
+  const std::string name = "/collectives-probe" + CreatorMark(PidNamespace()) +
+                           std::to_string(getpid()) + "-" + Hex(probes.fetch_add(1));
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd >= 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return {};
+  }
+  switch (errno) {
+    case ENOENT:
+    case ENOTDIR:
+    case EROFS:
+    case EACCES:
+    case EPERM:
+    case ENOSYS:
+      return SystemMessage("shm_open " + name);
+    default:
+      return {};
+  }
+}
+
 std::string HostIdentity() {
   if (const char* id = std::getenv("COLLECTIVES_HOST_ID"); id != nullptr && *id != '\0') {
     return id;

@@ -175,6 +175,12 @@ class ShmGroup {
   uint32_t known_done_ = 0;
 };
 
+// Why this process cannot use POSIX shared memory at all, or empty when it can: a name of its
+// own cannot be created because there is no /dev/shm (ENOENT, ENOTDIR), it is mounted read-only
+// (EROFS), this user may not write there (EACCES, EPERM), or the system has none (ENOSYS). Other
+// failures (no room, no file descriptor left) are left to Create, which raises them.
+std::string SharedMemoryUnavailable();
+
 // This host's identity: $COLLECTIVES_HOST_ID when set (tests pretend several hosts on one
 // machine with it), else MachineIdentity() and the device of /dev/shm (containers that share a
 // machine's network but each have a /dev/shm of their own are different hosts here).
