@@ -254,7 +254,9 @@ class CollectiveCommunication {
 // by timings taken right after connecting (8 B and 4 MiB all-reduces under both plans, the
 // median of 3 rounds, the slowest rank's), else flat over TCP; reduce-scatter and barrier run
 // flat over TCP. Other layouts run everything over TCP. COLLECTIVES_SHM=0 on any rank turns
-// shared memory off for every rank; so does options.algorithm naming a TCP algorithm.
+// shared memory off for every rank; so does options.algorithm naming a TCP algorithm, and so
+// does a rank that cannot use shared memory at all (no /dev/shm, one mounted read-only or not
+// writable: it says so once on stderr).
 // The job token a communicator built with `options` proves on every connection, the store's
 // included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty (CreateCommunication
 // then proves the token its store generated or enrolled for, if any). For callers that create
