@@ -207,6 +207,40 @@ std::vector<ReduceOp> ParseReduceOps(const std::string& text) {
   return result;
 }
 
+// The all-reduce algorithms CommunicationOptions::algorithm names (--algorithm, --versus
+// IMPL:ALGORITHM). Whether the implementation can run one on this job is known only once its
+// communicator is built (halving_doubling needs 4, 8, ... ranks; two_level several hosts).
+constexpr std::array<std::string_view, 5> kAlgorithms = {"ring", "recursive_doubling",
+                                                         "halving_doubling", "shm", "two_level"};
+
+// `algorithm`, given by `what`, is empty (chosen per call) or one of kAlgorithms.
+void CheckAlgorithm(const std::string& what, const std::string& algorithm) {
+  if (algorithm.empty() ||
+      std::find(kAlgorithms.begin(), kAlgorithms.end(), algorithm) != kAlgorithms.end()) {
+    return;
+  }
+  throw CLI::ValidationError(what + ": unknown algorithm '" + algorithm +
+                             "' (ring, recursive_doubling, halving_doubling, shm, two_level)");
+}
+
+// --algorithm, and every --versus item: IMPL (ring or auto, as --impl) or IMPL:ALGORITHM.
+// Checked before any rank starts: each rank used to find a bad one only when it built that
+// communicator.
+void CheckAlgorithms(const Config& config) {
+  CheckAlgorithm("--algorithm", config.algorithm);
+  for (const std::string& item : config.versus) {
+    const size_t colon = item.find(':');
+    const std::string impl = item.substr(0, colon);
+    if (impl != "ring" && impl != "auto") {
+      throw CLI::ValidationError("--versus: '" + item + "': unknown implementation '" + impl +
+                                 "' (IMPL or IMPL:ALGORITHM, IMPL ring or auto)");
+    }
+    if (colon != std::string::npos) {
+      CheckAlgorithm("--versus: '" + item + "'", item.substr(colon + 1));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element types: conversions to and from double for filling and checking buffers.
 // ---------------------------------------------------------------------------------------------
@@ -1239,6 +1273,7 @@ int Main(int argc, char** argv) {
     config.collectives = ParseCollectives(collectives);
     config.dtypes = ParseDataTypes(dtypes);
     config.ops = ParseReduceOps(ops);
+    CheckAlgorithms(config);
     if (config.min_bytes == 0) throw CLI::ValidationError("-b must be at least 1 byte");
     if (config.min_bytes > config.max_bytes) throw CLI::ValidationError("-b is larger than -e");
     if (config.pretend_hosts > 0 && config.local == 0) {
