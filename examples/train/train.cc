@@ -340,6 +340,20 @@ int Train(const Options& o) {
   g_chief = chief;
 
   const size_t replicas_in_sync = static_cast<size_t>(strategy.NumReplicasInSync());
+  const train::ImageDataset train_set = train::LoadFashionMnist(o.data_dir, "train", o.train_limit);
+  // At most every training example: a step takes no more, and each replica's scratch is sized
+  // for its share of the global batch (--global-batch 4294967296 failed with std::bad_alloc).
+  // Compared before the product, which a huge --batch-per-replica wrapped around.
+  if (o.global_batch > train_set.count ||
+      (o.global_batch == 0 && o.batch_per_replica > train_set.count / replicas_in_sync)) {
+    const std::string asked =
+        o.global_batch > 0 ? "--global-batch " + std::to_string(o.global_batch)
+                           : "--batch-per-replica " + std::to_string(o.batch_per_replica) + " x " +
+                                 std::to_string(replicas_in_sync) + " replicas in sync";
+    throw co::Error(co::ErrorCode::kInvalidArgument,
+                    asked + " is more than the " + std::to_string(train_set.count) +
+                        " training examples (a step takes at most all of them)");
+  }
   const size_t global_batch =
       o.global_batch > 0 ? o.global_batch : o.batch_per_replica * replicas_in_sync;
   if (global_batch == 0 || global_batch % replicas_in_sync != 0) {
@@ -349,7 +363,6 @@ int Train(const Options& o) {
                         " replicas in sync");
   }
 
-  const train::ImageDataset train_set = train::LoadFashionMnist(o.data_dir, "train", o.train_limit);
   const train::ImageDataset test_set = train::LoadFashionMnist(o.data_dir, "t10k", o.test_limit);
   Say("data: Fashion-MNIST from %s: %zu training, %zu test examples of %zux%zu\n",
       o.data_dir.c_str(), train_set.count, test_set.count, train_set.rows, train_set.cols);
