@@ -655,6 +655,12 @@ int Main(int argc, char** argv) {
     if (config.local == 0 && config.store_dir.empty()) {
       throw CLI::ValidationError("pass --local N, or RANK / WORLD_SIZE and --store DIR");
     }
+    // Gloo's FileStore said only "realpath: No such file or directory", naming neither.
+    std::error_code error;
+    if (config.local == 0 && !std::filesystem::is_directory(config.store_dir, error)) {
+      throw CLI::ValidationError("--store " + config.store_dir +
+                                 ": not a folder (create it; every rank must share it)");
+    }
   } catch (const CLI::ParseError& e) {
     // --help is 0; a bad command line is an error (1), not CLI11's own code (104 to 114).
     return app.exit(e) == 0 ? kExitOk : kExitError;
