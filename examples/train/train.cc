@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -90,6 +91,22 @@ CLI::Validator Count() {
         return digits ? std::string() : "'" + text + "' is not a count (0, 1, 2, ...)";
       },
       "COUNT");
+}
+
+// A CLI11 check for a learning rate: a finite number >= 0 (0 leaves the weights as they are).
+// Without it "nan", "-1" and "1e39" (infinity as a float) trained on to NaN weights or away from
+// the minimum without an error.
+CLI::Validator FiniteNonNegative() {
+  return CLI::Validator(
+      [](std::string& text) {
+        char* end = nullptr;
+        const double value = std::strtod(text.c_str(), &end);
+        const bool number = !text.empty() && end == text.c_str() + text.size();
+        return number && value >= 0 && value <= std::numeric_limits<float>::max()
+                   ? std::string()
+                   : "'" + text + "' is not a finite number >= 0";
+      },
+      "NUMBER >= 0");
 }
 
 // "worker 1" in error messages: this process's rank as soon as it is known.
@@ -528,7 +545,9 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", o.epochs, "epochs")
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
-  app.add_option("--learning-rate", o.learning_rate, "Adam's learning rate")->capture_default_str();
+  app.add_option("--learning-rate", o.learning_rate, "Adam's learning rate")
+      ->check(FiniteNonNegative())
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "initialisation and shuffle seed")->capture_default_str();
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
                  "back up and restore here (resume at start, save every epoch)");
