@@ -27,9 +27,14 @@
 // mode; warm-ups absorb the slow first steps after a change of mode). A step's time is that of
 // its slowest rank; time = the median over steps (--mean: the mean); speed-up = one-by-one time
 // / this time.
+// Every timed step starts from the same inputs, restored (outside the timed region) before it:
+// the steps reduce in place, and a sum of the previous step's results doubled every element per
+// step with 2 ranks, so that f32 sums reached infinity after ~130 steps and the steps timed
+// arithmetic on infinities. The inputs are kept twice for this.
 // With --check, every packed cap is run once more on inputs with an exact answer and every
 // element of every tensor is verified on every rank (#wrong, summed over ranks); with
-// --compute-ms, the overlapped mode of every cap too. Only the public API is used.
+// --compute-ms, the overlapped mode of every cap too; and what the last timed step (of the last
+// mode) left, on a line of its own. Only the public API is used.
 //
 // Workloads (--workload, a comma list):
 //   NxS       N tensors of S bytes each (1000x4K, 200x256K, ...: K, M, G suffixes);
@@ -330,6 +335,12 @@ class Bench {
         }
       };
       fill();  // also what the timed steps reduce: no denormals, no NaNs
+      const std::vector<std::vector<float>> inputs = storage;
+      auto restore = [&] {
+        for (size_t t = 0; t < storage.size(); ++t) {
+          std::copy(inputs[t].begin(), inputs[t].end(), storage[t].begin());
+        }
+      };
       Row base;
       base.workload = workload.name;
       base.tensors = tensors.size();
@@ -393,7 +404,15 @@ class Bench {
           });
         }
       }
-      const std::vector<double> times = TimeSteps(steps);
+      const std::vector<double> times = TimeSteps(steps, restore);
+      // The last timed step (the last mode's, a packed or overlapped all-reduce of every tensor)
+      // left one all-reduce of the inputs.
+      int64_t last_step_wrong = 0;
+      if (config_.check) {
+        last_step_wrong = CountWrong(workload, storage);
+        comm_.AllReduce(Tensor{&last_step_wrong, 1, DataType::kInt64}, ReduceOp::kSum);
+        total_wrong += last_step_wrong;
+      }
       for (size_t m = 0; m < rows.size(); ++m) {
         Row& row = rows[m];
         row.time_ms = times[m];
@@ -420,6 +439,12 @@ class Bench {
         }
         Emit(row);
       }
+      if (config_.check && rank_ == 0) {
+        std::printf("  # %s: last timed step (%s, %s): %lld wrong elements\n",
+                    workload.name.c_str(), rows.back().mode.c_str(),
+                    FormatBytes(*rows.back().cap).c_str(), static_cast<long long>(last_step_wrong));
+        std::fflush(stdout);
+      }
     }
     if (rank_ == 0) {
       PrintWrongSummary(config_.check, total_wrong);
@@ -442,13 +467,14 @@ class Bench {
   }
 
   // Milliseconds per step of each of `steps`, timed in kRounds rounds; in each round every mode
-  // runs -w warm-up steps and then its share of the -n timed steps, each after a barrier (so no
-  // rank carries the skew of one step into the next). A mode's first steps after another mode
-  // run slower (threads migrate, caches refill), hence the warm-up per round; rounds spread
-  // what else the host does over every mode. A step's time is that of its slowest rank; the
-  // result is the median over steps (or the mean, --mean).
+  // runs -w warm-up steps and then its share of the -n timed steps, each after `restore` (not
+  // timed) and a barrier (so no rank carries the skew of one step into the next). A mode's first
+  // steps after another mode run slower (threads migrate, caches refill), hence the warm-up per
+  // round; rounds spread what else the host does over every mode. A step's time is that of its
+  // slowest rank; the result is the median over steps (or the mean, --mean).
   static constexpr size_t kRounds = 3;
-  std::vector<double> TimeSteps(const std::vector<std::function<void()>>& steps) {
+  std::vector<double> TimeSteps(const std::vector<std::function<void()>>& steps,
+                                const std::function<void()>& restore) {
     const size_t iters = static_cast<size_t>(config_.iters);
     std::vector<double> seconds(steps.size() * iters);  // [mode][step]
     for (size_t round = 0; round < kRounds; ++round) {
@@ -458,6 +484,7 @@ class Bench {
         if (first == last) continue;
         for (int i = 0; i < config_.warmup_iters; ++i) steps[m]();
         for (size_t i = first; i < last; ++i) {
+          restore();
           comm_.Barrier();
           const Clock::time_point start = Clock::now();
           steps[m]();
