@@ -115,6 +115,16 @@ std::chrono::milliseconds TimeoutFromSeconds(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, kYear) * 1000.0));
 }
 
+std::function<std::string(const std::string&)> TimeoutSeconds() {
+  return [](const std::string& text) -> std::string {
+    char* end = nullptr;
+    const double seconds = std::strtod(text.c_str(), &end);
+    const bool number = !text.empty() && end == text.c_str() + text.size();
+    if (number && seconds >= 0.001) return {};  // false for NaN
+    return "'" + text + "' is not a number of seconds >= 0.001";
+  };
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes) {
   constexpr size_t kAlignment = 4096;
   if (bytes > std::numeric_limits<size_t>::max() - kAlignment) throw std::bad_alloc();

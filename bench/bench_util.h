@@ -22,6 +22,11 @@ namespace collectives::bench {
 // clamp keeps the conversion of a huge value defined).
 std::chrono::milliseconds TimeoutFromSeconds(double seconds);
 
+// A CLI11 check for --timeout: a number of seconds, at least 0.001 (a millisecond, the library's
+// unit). CLI::PositiveNumber let NaN through, whose conversion to milliseconds is undefined:
+// here it gave -2^63 ms, which every rank refused naming neither the flag nor its value.
+std::function<std::string(const std::string&)> TimeoutSeconds();
+
 // "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
 // Throws CLI::ValidationError on anything else.
 size_t ParseBytes(const std::string& text);

@@ -1227,7 +1227,7 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--timeout", config.timeout_s,
                  "Seconds a collective or the rendezvous may take before it fails")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(bench::TimeoutSeconds());
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));

@@ -637,7 +637,7 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"ring", "bcube"}));
   app.add_option("--timeout", config.timeout_s, "Seconds a collective or the rendezvous may take")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(bench::TimeoutSeconds());
   app.add_option("--local", config.local, "Fork this many ranks on loopback and wait for them")
       ->check(CLI::Range(1, 1024));
   app.add_option("--store", config.store_dir,

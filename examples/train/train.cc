@@ -109,6 +109,21 @@ CLI::Validator FiniteNonNegative() {
       "NUMBER >= 0");
 }
 
+// A CLI11 check for --timeout: a number of seconds, at least 0.001 (a millisecond, the library's
+// unit). CLI::PositiveNumber let NaN through, whose conversion to milliseconds is undefined: here
+// -2^63 ms, refused as "MirroredStrategy: timeout must be positive, got -9223372036854775808 ms".
+CLI::Validator TimeoutSeconds() {
+  return CLI::Validator(
+      [](std::string& text) {
+        char* end = nullptr;
+        const double seconds = std::strtod(text.c_str(), &end);
+        const bool number = !text.empty() && end == text.c_str() + text.size();
+        return number && seconds >= 0.001 ? std::string()  // false for NaN
+                                          : "'" + text + "' is not a number of seconds >= 0.001";
+      },
+      "SECONDS");
+}
+
 // "worker 1" in error messages: this process's rank as soon as it is known.
 std::string g_worker = "worker 0";
 
@@ -565,7 +580,7 @@ int main(int argc, char** argv) {
                  "the chief writes the final weights here (raw little-endian floats)");
   app.add_flag("--quiet-progress", o.quiet_progress, "print only the per-epoch summary lines");
   app.add_option("--timeout", o.timeout_s, "seconds a replica or worker waits for its peers")
-      ->check(CLI::PositiveNumber)
+      ->check(TimeoutSeconds())
       ->capture_default_str();
   app.add_option("--throttle-ms", o.throttle_ms,
                  "sleep this long after every step: slows a demonstration down so that a worker "
