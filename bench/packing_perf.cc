@@ -684,6 +684,11 @@ int Main(int argc, char** argv) {
     } catch (const Error& e) {
       throw CLI::ValidationError(e.message());
     }
+    // CLI::Range lets NaN through (it fails every comparison); it then ran without the overlap
+    // modes, as if --compute-ms had not been given.
+    if (std::isnan(config.compute_ms)) {
+      throw CLI::ValidationError("--compute-ms: nan is not a number of milliseconds (0 to 60000)");
+    }
     if (config.workloads.empty()) throw CLI::ValidationError("--workload: none given");
     if (config.caps.empty()) throw CLI::ValidationError("--bytes-per-pack: none given");
     if (config.local > 0 && under_mpi_launcher && !local_child) {
