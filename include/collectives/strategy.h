@@ -134,11 +134,10 @@ class ReplicaContext {
   // then all-reduce through the packer (fused into buckets of bytes_per_pack).
   // Any dtype and op (CPU tensors); kAvg is a sum divided once by NumReplicasInSync() (integer
   // division for integer types). Every replica of every worker gets the same bits. Replicas that
-  // pass different counts, dtypes or ops get kMismatch, with one exception: between workers,
-  // kAvg travels as kSum, so a worker that averages where another sums is not caught (each
-  // finishes its own way: with 2 workers of 2 replicas and 1.0 everywhere, 1 on the one, 4 on the
-  // other). Tensors that share any memory (the same buffer on two replicas, one replica's tensor
-  // inside another's, a buffer twice in one list) get kInvalidArgument, nothing written.
+  // pass different counts, dtypes or ops get kMismatch, kAvg where another worker passes kSum
+  // included (kAvg crosses workers as a sum, checked as kAvg). Tensors that share any memory
+  // (the same buffer on two replicas, one replica's tensor inside another's, a buffer twice in
+  // one list) get kInvalidArgument, nothing written.
   void AllReduce(ReduceOp op, const std::vector<Tensor>& tensors);
   // The same for one scalar: returns the reduction of `value` over every replica.
   double AllReduce(ReduceOp op, double value);
@@ -218,9 +217,8 @@ class Strategy {
   void RunEach(const std::function<void(ReplicaContext&)>& fn);
 
   // Cross-replica context: reduces one value per local replica over every replica of every
-  // worker (kSum, kAvg over NumReplicasInSync(), kMin, kMax). The same result on every worker
-  // that passes the same op (as for AllReduce, kAvg on one worker and kSum on another is not
-  // caught).
+  // worker (kSum, kAvg over NumReplicasInSync(), kMin, kMax). The same result on every worker;
+  // workers that pass different ops (kAvg and kSum included) all get kMismatch, as for AllReduce.
   double Reduce(ReduceOp op, const PerReplica<double>& values);
   // The same, element-wise, for float vectors of equal size.
   std::vector<float> Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values);

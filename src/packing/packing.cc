@@ -48,6 +48,7 @@
 #include "src/core/environment.h"
 #include "src/core/fnv1a.h"
 #include "src/packing/schedule.h"
+#include "src/ring/ring_communication.h"
 
 namespace collectives::packing {
 namespace {
@@ -642,6 +643,21 @@ BucketRunner AllReduceRunner(CollectiveCommunication& comm, const std::vector<Te
                       [&comm, op](const Tensor& t) { comm.AllReduce(t, t, op); }};
 }
 
+// The buckets reduce with `op` and are checked as `checked_as` (internal::AllReduce).
+BucketRunner AllReduceCheckedAsRunner(CollectiveCommunication& comm,
+                                      const std::vector<Tensor>& tensors, ReduceOp op,
+                                      ReduceOp checked_as) {
+  BucketRunner runner = AllReduceRunner(comm, tensors, op);
+  core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), checked_as);
+  runner.issue_async = [&comm, op, checked_as](const Tensor& t) {
+    return ring::AllReduceCheckedAsAsync(comm, t, t, op, checked_as);
+  };
+  runner.issue_blocking = [&comm, op, checked_as](const Tensor& t) {
+    ring::AllReduceCheckedAs(comm, t, t, op, checked_as);
+  };
+  return runner;
+}
+
 BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Tensor>& tensors,
                              int root) {
   CheckTensors(comm, "broadcast", tensors);
@@ -761,6 +777,12 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
                size_t bytes_per_pack, Schedule schedule) {
   RunBuckets(comm, "all_reduce", AllReduceRunner(comm, tensors, op), tensors, bytes_per_pack,
              schedule);
+}
+
+void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
+               ReduceOp checked_as, size_t bytes_per_pack) {
+  RunBuckets(comm, "all_reduce", AllReduceCheckedAsRunner(comm, tensors, op, checked_as), tensors,
+             bytes_per_pack, Schedule::kAuto);
 }
 
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,

@@ -36,6 +36,12 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
                size_t bytes_per_pack, Schedule schedule);
 
+// packing::AllReduce whose collectives reduce with `op` and are checked against the other ranks
+// as `checked_as` (ring::AllReduceCheckedAs): for the strategy layer, whose kAvg crosses workers
+// as a kSum it divides itself, so that a worker that sums where another averages is a mismatch.
+void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
+               ReduceOp checked_as, size_t bytes_per_pack);
+
 }  // namespace collectives::packing::internal
 
 #endif  // COLLECTIVES_SRC_PACKING_SCHEDULE_H_

@@ -79,6 +79,16 @@ class RingCommunication final : public CollectiveCommunication {
   }
   void Barrier() override { RunBlocking(PrepareBarrier()); }
 
+  // ring::AllReduceCheckedAs (ring_communication.h).
+  std::shared_ptr<Work> AllReduceCheckedAsAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                                ReduceOp checked_as) {
+    return Submit(PrepareAllReduce(send, recv, op, checked_as));
+  }
+  void AllReduceCheckedAs(const Tensor& send, const Tensor& recv, ReduceOp op,
+                          ReduceOp checked_as) {
+    RunBlocking(PrepareAllReduce(send, recv, op, checked_as));
+  }
+
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
   void Abort() override;
   void SetTimeout(std::chrono::milliseconds timeout) override;
@@ -100,8 +110,14 @@ class RingCommunication final : public CollectiveCommunication {
     std::chrono::milliseconds timeout;  // the communicator's when the call was issued
   };
 
-  // Argument checks (throwing on the caller's thread) and the choice of algorithm.
-  Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) const;
+  // Argument checks (throwing on the caller's thread) and the choice of algorithm. An all-reduce
+  // reduces with `op` and is checked against the other ranks as `checked_as` (the op of its
+  // descriptor), which is `op` but for ring::AllReduceCheckedAs.
+  Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) const {
+    return PrepareAllReduce(send, recv, op, op);
+  }
+  Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
+                            ReduceOp checked_as) const;
   Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
@@ -448,11 +464,12 @@ void RingCommunication::CheckWholeIsSizeTimesBlock(const char* collective,
 }
 
 RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& send,
-                                                                const Tensor& recv,
-                                                                ReduceOp op) const {
+                                                                const Tensor& recv, ReduceOp op,
+                                                                ReduceOp checked_as) const {
   constexpr const char* kName = "all_reduce";
   CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
+  CheckOp(rank_, kName, checked_as);
   if (send.count != recv.count) {
     throw Error(ErrorCode::kInvalidArgument,
                 CountMismatch(rank_, kName, "recv must have send's " +
@@ -461,7 +478,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
   }
   core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
                           "recv.data");
-  const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, op, 0, send.count};
+  const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, checked_as, 0, send.count};
   if (planner_) {
     if (Body body = planner_->AllReduce(send, recv, op)) return Prepared{call, std::move(body)};
   }
@@ -632,6 +649,24 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
   }
   return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), checked,
                                              std::move(planner), std::move(split));
+}
+
+std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, const Tensor& send,
+                                              const Tensor& recv, ReduceOp op,
+                                              ReduceOp checked_as) {
+  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
+    return ring->AllReduceCheckedAsAsync(send, recv, op, checked_as);
+  }
+  return comm.AllReduceAsync(send, recv, op);
+}
+
+void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
+                        ReduceOp op, ReduceOp checked_as) {
+  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
+    ring->AllReduceCheckedAs(send, recv, op, checked_as);
+  } else {
+    comm.AllReduce(send, recv, op);
+  }
 }
 
 bool HalvingDoublingRunsOn(int size) { return size >= 4 && (size & (size - 1)) == 0; }

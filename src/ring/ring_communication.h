@@ -63,6 +63,18 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     const CommunicationOptions& options, std::unique_ptr<Planner> planner = nullptr,
     SplitBuilder split = {});
 
+// For a layer that finishes an average itself (the strategy layer sums kAvg across workers and
+// divides once by its replica count, not by this communicator's size): comm.AllReduce(send,
+// recv, op), checked against the other ranks as an all-reduce with `checked_as` (the op its
+// frames and shared-memory steps carry). A rank that sums where another averages then raises
+// kMismatch on every rank, nothing written, as any other difference of op does. On a
+// communicator that is not RING or AUTO (NCCL, a wrapper), the plain all-reduce with `op`,
+// unchecked.
+std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, const Tensor& send,
+                                              const Tensor& recv, ReduceOp op, ReduceOp checked_as);
+void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
+                        ReduceOp op, ReduceOp checked_as);
+
 // The ring's own all-reduce algorithms, by the names of CommunicationOptions::algorithm.
 bool IsRingAlgorithm(const std::string& name);
 

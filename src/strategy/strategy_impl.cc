@@ -16,8 +16,9 @@
 //      replica 0's; kHierarchicalCopy: every other replica's slice, an all-gather).
 //      With several workers: under kHierarchicalCopy every replica first copies its slice into
 //      replica 0's buffers; then replica 0 alone all-reduces its buffers with the other workers
-//      through the packer (fused into buckets of bytes_per_pack, kSum for kAvg), divides once by
-//      NumReplicasInSync() for kAvg, and every other replica copies replica 0's result.
+//      through the packer (fused into buckets of bytes_per_pack, kSum for kAvg, checked as kAvg
+//      against the other workers), divides once by NumReplicasInSync() for kAvg, and every other
+//      replica copies replica 0's result.
 //   4. A last Step, so that no replica returns (and lets its caller overwrite its buffers) while
 //      another still reads them.
 // Every element of the result is computed once, on one thread, and copied byte for byte to the
@@ -40,6 +41,8 @@
 #include "src/core/fnv1a.h"
 #include "src/core/kernels.h"
 #include "src/core/text.h"
+#include "src/packing/schedule.h"
+#include "src/ring/ring_communication.h"
 
 namespace collectives::strategy {
 namespace {
@@ -136,6 +139,9 @@ void CopyTensor(const Tensor& dst, const Tensor& src) {
   if (dst.count > 0 && dst.data != src.data) std::memcpy(dst.data, src.data, dst.bytes());
 }
 
+// kAvg is a sum divided once by NumReplicasInSync(), here: the replicas and the workers sum. The
+// workers' collectives are still checked as kAvg (ring::AllReduceCheckedAs), so that a worker
+// that sums where another averages is a mismatch on every worker.
 ReduceOp WireOp(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
 
 }  // namespace
@@ -242,7 +248,7 @@ void StrategyImpl::CheckTensors(int r, const LocalGroup::Call& call,
 }
 
 void StrategyImpl::CrossWorker(ReduceOp op, const std::vector<Tensor>& tensors) {
-  if (comm_) packing::AllReduce(*comm_, tensors, WireOp(op), bytes_per_pack_);
+  if (comm_) packing::internal::AllReduce(*comm_, tensors, WireOp(op), op, bytes_per_pack_);
   const size_t divisor = static_cast<size_t>(NumReplicasInSync());
   if (op == ReduceOp::kAvg && divisor > 1) {
     for (const Tensor& t : tensors) {
@@ -362,7 +368,10 @@ double StrategyImpl::Reduce(ReduceOp op, const PerReplica<double>& values) {
   for (size_t k = 1; k < values.size(); ++k) {
     core::Reduce(DataType::kFloat64, wire, &acc, &acc, &values[k], 1);
   }
-  if (comm_) comm_->AllReduce(Tensor{&acc, 1, DataType::kFloat64}, wire);
+  if (comm_) {
+    const Tensor t{&acc, 1, DataType::kFloat64};
+    ring::AllReduceCheckedAs(*comm_, t, t, wire, op);
+  }
   if (op == ReduceOp::kAvg) acc /= static_cast<double>(NumReplicasInSync());
   return acc;
 }
@@ -394,7 +403,7 @@ std::vector<float> StrategyImpl::Reduce(ReduceOp op, const PerReplica<std::vecto
     }
   }
   const Tensor t{acc.data(), count, DataType::kFloat32};
-  if (comm_ && count > 0) comm_->AllReduce(t, wire);
+  if (comm_ && count > 0) ring::AllReduceCheckedAs(*comm_, t, t, wire, op);
   const size_t divisor = static_cast<size_t>(NumReplicasInSync());
   if (op == ReduceOp::kAvg && divisor > 1 && count > 0) {
     core::DivideInPlace(DataType::kFloat32, acc.data(), count, divisor);

@@ -714,6 +714,54 @@ TEST(StrategyMultiWorkerTest, WorkersWithDifferentReplicaCountsAreRefused) {
   }
 }
 
+// A worker that averages where another sums: kAvg crosses workers as a sum (divided once
+// afterwards), and used to be sent as kSum, so nothing caught it: with 2 workers of 2 replicas and
+// 1.0 everywhere, the averaging worker ended with 1, the summing one with 4. Now every worker gets
+// kMismatch naming both ops, on RING and AUTO, from ReplicaContext::AllReduce (a list, through the
+// packer, and a scalar) and Strategy::Reduce (a value, a vector), and no cross-worker result is
+// written: with one replica the tensors are untouched; with several, the local replicas' own
+// reduction (2 here) may be, as after any failed cross-worker call, but never the sum of 4.
+TEST(StrategyMultiWorkerTest, AWorkerThatAveragesWhereAnotherSumsGetsMismatch) {
+  for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+    for (int local = 1; local <= 2; ++local) {
+      for (int call = 0; call < 4; ++call) {
+        SCOPED_TRACE(std::string(ToString(impl)) + " local " + std::to_string(local) + " call " +
+                     std::to_string(call));
+        std::vector<std::vector<float>> values(4, std::vector<float>(3, 1.0f));
+        auto errors = RunWorkersCatching(
+            2, local, call % 2 == 0 ? kHC : kR2O,
+            [&](Strategy& s, int rank) {
+              const ReduceOp op = rank == 0 ? ReduceOp::kAvg : ReduceOp::kSum;
+              if (call == 0 || call == 1) {
+                s.Run([&](ReplicaContext& ctx) {
+                  std::vector<float>& mine = values[size_t(ctx.replica_id_in_sync_group())];
+                  if (call == 0) {
+                    ctx.AllReduce(op, {Tensor{mine.data(), mine.size()}});
+                  } else {
+                    mine[0] = static_cast<float>(ctx.AllReduce(op, 1.0));
+                  }
+                });
+              } else if (call == 2) {
+                s.Reduce(op, PerReplica<double>(size_t(local), 1.0));
+              } else {
+                s.Reduce(op, PerReplica<std::vector<float>>(size_t(local), {1, 1}));
+              }
+            },
+            [&](MultiWorkerOptions& o) { o.communication.implementation = impl; });
+        for (int rank = 0; rank < 2; ++rank) {
+          ExpectErrorPtr(errors[rank], ErrorCode::kMismatch, {"all_reduce(", "avg", "sum"});
+        }
+        for (size_t g = 0; g < values.size(); ++g) {
+          for (float v : values[g]) {
+            if (local == 1) EXPECT_EQ(v, 1.0f) << "replica " << g;
+            EXPECT_NE(v, 4.0f) << "replica " << g;
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- Reduce, variables, broadcast --------------------------------------------------------------
 
 TEST(StrategyReduceTest, LocalReplicas) {
