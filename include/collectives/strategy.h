@@ -220,7 +220,8 @@ class Strategy {
   // worker (kSum, kAvg over NumReplicasInSync(), kMin, kMax). The same result on every worker;
   // workers that pass different ops (kAvg and kSum included) all get kMismatch, as for AllReduce.
   double Reduce(ReduceOp op, const PerReplica<double>& values);
-  // The same, element-wise, for float vectors of equal size.
+  // The same, element-wise, for float vectors of equal size. Workers whose vectors differ in
+  // size (one empty included) all get kMismatch naming both counts.
   std::vector<float> Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values);
 
   // Cross-replica context, every worker in the same order ("inside the scope"): creates a

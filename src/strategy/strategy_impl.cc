@@ -402,8 +402,10 @@ std::vector<float> StrategyImpl::Reduce(ReduceOp op, const PerReplica<std::vecto
       core::Reduce(DataType::kFloat32, wire, acc.data(), acc.data(), values[k].data(), count);
     }
   }
+  // Empty vectors too: a worker that skipped the call would leave the others waiting in theirs;
+  // this way a count that differs is a mismatch on every worker.
   const Tensor t{acc.data(), count, DataType::kFloat32};
-  if (comm_ && count > 0) ring::AllReduceCheckedAs(*comm_, t, t, wire, op);
+  if (comm_) ring::AllReduceCheckedAs(*comm_, t, t, wire, op);
   const size_t divisor = static_cast<size_t>(NumReplicasInSync());
   if (op == ReduceOp::kAvg && divisor > 1 && count > 0) {
     core::DivideInPlace(DataType::kFloat32, acc.data(), count, divisor);

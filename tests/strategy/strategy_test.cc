@@ -762,6 +762,38 @@ TEST(StrategyMultiWorkerTest, AWorkerThatAveragesWhereAnotherSumsGetsMismatch) {
   }
 }
 
+// A worker that passes nothing where another passes values: every worker gets kMismatch naming
+// the counts, at once. Strategy::Reduce of empty vectors skipped the all-reduce, so the other
+// worker waited in its own until this one's strategy went away (kPeerLost) or the timeout.
+TEST(StrategyMultiWorkerTest, AWorkerThatPassesNothingWhereAnotherPassesValuesGetsMismatch) {
+  for (int call = 0; call < 2; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    const auto start = std::chrono::steady_clock::now();
+    auto errors = RunWorkersCatching(2, 2, kHC, [&](Strategy& s, int rank) {
+      if (call == 0) {
+        s.Run([&](ReplicaContext& ctx) {
+          std::vector<float> mine(2, 1.0f);
+          std::vector<Tensor> list;
+          if (rank == 1) list.push_back(Tensor{mine.data(), mine.size()});
+          ctx.AllReduce(ReduceOp::kSum, list);
+        });
+      } else {
+        const std::vector<float> v = rank == 1 ? std::vector<float>{1, 2} : std::vector<float>{};
+        s.Reduce(ReduceOp::kSum, PerReplica<std::vector<float>>{v, v});
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // not the 20 s timeout
+    for (int rank = 0; rank < 2; ++rank) {
+      if (call == 0) {
+        const std::string list = "the list of " + std::to_string(rank) + " tensors differs";
+        ExpectErrorPtr(errors[rank], ErrorCode::kMismatch, {list.c_str()});
+      } else {
+        ExpectErrorPtr(errors[rank], ErrorCode::kMismatch, {"count=0", "count=2"});
+      }
+    }
+  }
+}
+
 // ---- Reduce, variables, broadcast --------------------------------------------------------------
 
 TEST(StrategyReduceTest, LocalReplicas) {
