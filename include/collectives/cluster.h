@@ -113,7 +113,8 @@ std::shared_ptr<Store> CreateFileStore(const std::string& directory);
 // travels) before its first request: a server logs and closes a connection that cannot, and a
 // client raises Error(kUnauthenticated). An empty `job_token` is the key here (every job that
 // sets none shares it); CreateStoreFor does better. Throws Error(kSystem) when the port cannot
-// be bound, Error(kTimeout) when the server cannot be reached in time.
+// be bound, Error(kTimeout) when the server cannot be reached in time, or when the lookup of a
+// host name (the server's too) has not answered within `timeout`.
 std::shared_ptr<Store> CreateTcpStore(const std::string& host, uint16_t port, bool is_server,
                                       std::chrono::milliseconds timeout,
                                       const std::string& job_token = {});

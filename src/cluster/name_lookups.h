@@ -1,7 +1,8 @@
 // Name lookups that end by a deadline: getaddrinfo, which cannot be cancelled, runs on a thread
 // of its own, and a caller that stops waiting leaves it to end there. Used by the TCP fabric's
-// set-up (src/transport) for its bind host and its peers' names, and by the checks of the
-// set-up that look a name up before it (host_port.h, LocalAddressToward).
+// set-up (src/transport) for its bind host and its peers' names, by the checks of the set-up
+// that look a name up before it (host_port.h, LocalAddressToward), and by the TCP store's server
+// and client (tcp_store.h) for the store's host.
 //
 // Thread-safety: see each class and function.
 #ifndef COLLECTIVES_SRC_CLUSTER_NAME_LOOKUPS_H_
@@ -112,15 +113,16 @@ class NameLookups {
 
 // Looks `host` up (NameLookups, on a thread of its own) and waits for the answer until
 // `deadline`: nullopt when it has not come by then, the addresses otherwise (none when the name
-// does not resolve). Any thread.
-inline std::optional<asio::ip::tcp::resolver::results_type> LookUpBy(const std::string& host,
-                                                                     Clock::time_point deadline) {
+// does not resolve; the resolver's error then in `*error` when given). Any thread.
+inline std::optional<asio::ip::tcp::resolver::results_type> LookUpBy(
+    const std::string& host, Clock::time_point deadline, asio::error_code* error = nullptr) {
   asio::io_context io;
   NameLookups lookups(io);
   std::optional<asio::ip::tcp::resolver::results_type> answer;
-  lookups.Resolve(host, [&answer](const asio::error_code& error,
-                                  const asio::ip::tcp::resolver::results_type& results) {
-    answer = error ? asio::ip::tcp::resolver::results_type() : results;
+  lookups.Resolve(host, [&answer, error](const asio::error_code& ec,
+                                         const asio::ip::tcp::resolver::results_type& results) {
+    if (error != nullptr) *error = ec;
+    answer = ec ? asio::ip::tcp::resolver::results_type() : results;
   });
   while (!answer && io.run_one_until(deadline) > 0) {
   }

@@ -24,14 +24,15 @@
 // synchronous exchange on that connection's own io_context under a deadline (run_until; on the
 // deadline the socket is closed), and returns the connection to the pool. Opening a connection
 // retries with a backoff (10 ms doubling to 200 ms) until the store's timeout, because clients
-// commonly start before rank 0. Deadlines: a Set or an Add ends within the store's timeout (at
-// least 1 s), opening a connection again included, or by the caller's deadline when sooner
-// (SetBy, AddBy: a communicator's set-up); a Get within its own timeout and a grace of
-// 2 s for the server's answer to start coming (a connection opened again, the request and the
-// reply's header), and its value then gets the store's timeout to arrive, so that a set-up that
-// gives a Get what is left of its deadline ends near that deadline even when the server does
-// not answer. A timeout names the call, the key and the limit. A lost connection raises
-// kPeerLost; the next call opens a new one.
+// commonly start before rank 0; each attempt looks the host up again, on a thread of its own
+// (name_lookups.h), by the attempt's deadline. Deadlines: a Set or an Add ends within the store's
+// timeout (at least 1 s), opening a connection again included, or by the caller's deadline when
+// sooner (SetBy, AddBy: a communicator's set-up); a Get within its own timeout and a grace of 2 s
+// for the server's answer to start coming (a connection opened again, the request and the reply's
+// header), and its value then gets the store's timeout to arrive, so that a set-up that gives a Get
+// what is left of its deadline ends near that deadline even when the server does not answer. A
+// timeout names the call, the key and the limit. A lost connection raises kPeerLost; the next call
+// opens a new one.
 //
 // Thread-safety: both classes may be called from any thread.
 #ifndef COLLECTIVES_SRC_CLUSTER_TCP_STORE_H_
@@ -51,12 +52,15 @@ namespace collectives::cluster {
 class TcpStoreServer final : public Store, public JobTokenSource {
  public:
   // Resolves `host`, binds (SO_REUSEADDR) and listens on host:port (0: a free port), and starts
-  // the server thread. Throws Error(kSystem) when it cannot resolve or bind. Every connection
-  // must prove the job token (tcp_store_auth.h) before its first request: `token`; when it is
-  // empty and `world_size` > 1, 32 random bytes generated here, which ranks 1..world_size-1 may
-  // each enrol for once; when both are unset, the empty token (no enrolment).
+  // the server thread. A host name is looked up by `lookup_deadline` (name_lookups.h). Throws
+  // Error(kSystem) when it cannot resolve or bind, Error(kTimeout) naming `timeout` when the
+  // lookup has not answered by the deadline. Every connection must prove the job token
+  // (tcp_store_auth.h) before its first request: `token`; when it is empty and `world_size` > 1,
+  // 32 random bytes generated here, which ranks 1..world_size-1 may each enrol for once; when
+  // both are unset, the empty token (no enrolment).
   TcpStoreServer(const std::string& host, uint16_t port, const std::string& token = {},
-                 int world_size = 0);
+                 int world_size = 0, Clock::time_point lookup_deadline = Clock::time_point::max(),
+                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   ~TcpStoreServer() override;
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;

@@ -12,6 +12,7 @@
 
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/name_lookups.h"
 #include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
 #include "src/cluster/tcp_store_auth.h"
@@ -42,16 +43,16 @@ class Connection {
   Connection() : socket_(io_) {}
 
   // Tries each endpoint in turn until one connects or the deadline passes.
-  Result Connect(const tcp::resolver::results_type& endpoints, Clock::time_point deadline,
+  Result Connect(const std::vector<tcp::endpoint>& endpoints, Clock::time_point deadline,
                  std::string* why) {
     *why = "no address";
-    for (const auto& entry : endpoints) {
+    for (const tcp::endpoint& endpoint : endpoints) {
       asio::error_code error;
-      socket_.open(entry.endpoint().protocol(), error);
+      socket_.open(endpoint.protocol(), error);
       if (error) return Failed(why, error);
       SetCloseOnExec(socket_.native_handle());
       error = asio::error::would_block;
-      socket_.async_connect(entry.endpoint(), [&error](const asio::error_code& ec) { error = ec; });
+      socket_.async_connect(endpoint, [&error](const asio::error_code& ec) { error = ec; });
       if (!RunUntil(deadline)) return TimedOut(why, "connecting");
       if (!error) {
         asio::error_code ignored;
@@ -397,17 +398,11 @@ class TcpStoreClient::Impl {
     std::chrono::milliseconds backoff = kFirstRetry;
     std::string last_error = "no attempt made";
     for (;;) {
-      asio::io_context resolver_io;
-      tcp::resolver resolver(resolver_io);
-      asio::error_code ec;
-      auto endpoints =
-          resolver.resolve(host_, std::to_string(port_), tcp::resolver::numeric_service, ec);
-      if (ec) {
-        last_error = "cannot resolve '" + host_ + "': " + ec.message();
-      } else {
-        // Every attempt gets a moment, even with a zero timeout, so that a server that is up
-        // is always reached.
-        Clock::time_point attempt_deadline = std::max(deadline, Clock::now() + kMinAttempt);
+      // Every attempt gets a moment, even with a zero timeout, so that a server that is up
+      // is always reached.
+      Clock::time_point attempt_deadline = std::max(deadline, Clock::now() + kMinAttempt);
+      std::vector<tcp::endpoint> endpoints;
+      if (Resolve(attempt_deadline, &endpoints, &last_error)) {
         auto connection = std::make_unique<Connection>();
         Connection::Result result = connection->Connect(endpoints, attempt_deadline, &last_error);
         const Clock::time_point io_deadline =
@@ -437,6 +432,30 @@ class TcpStoreClient::Impl {
     throw StoreFailure(ErrorCode::kTimeout, name_ + ": " + what + "could not connect within " +
                                                 std::to_string(budget.count()) +
                                                 " ms (last error: " + last_error + ")");
+  }
+
+  // The server's addresses, with its port, in `*endpoints`: an address as it is, a name looked
+  // up on a thread of its own by `deadline` (getaddrinfo cannot be cancelled). False, with why
+  // in `*why`, when the name does not resolve or its lookup has not answered by then.
+  bool Resolve(Clock::time_point deadline, std::vector<tcp::endpoint>* endpoints,
+               std::string* why) const {
+    asio::error_code ec;
+    const asio::ip::address address = asio::ip::make_address(host_, ec);
+    if (!ec) {
+      endpoints->emplace_back(address, port_);
+      return true;
+    }
+    const auto found = LookUpBy(host_, deadline, &ec);
+    if (!found) {
+      *why = "the lookup of '" + host_ + "' has not answered";
+      return false;
+    }
+    for (const auto& entry : *found) endpoints->emplace_back(entry.endpoint().address(), port_);
+    if (endpoints->empty()) {
+      *why = "cannot resolve '" + host_ + "': " + (ec ? ec.message() : "no address");
+      return false;
+    }
+    return true;
   }
 
   // The token every connection proves, and whether this client must still enrol for it (as

@@ -20,6 +20,7 @@
 #include "src/cluster/host_port.h"
 #include "src/cluster/listener_guard.h"
 #include "src/cluster/memory_store.h"
+#include "src/cluster/name_lookups.h"
 #include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
 #include "src/cluster/tcp_store_auth.h"
@@ -45,7 +46,8 @@ std::string Describe(const tcp::endpoint& endpoint) {
 // thread once the constructor has started it.
 class TcpStoreServer::Impl {
  public:
-  Impl(const std::string& host, uint16_t port, std::string token, int world_size);
+  Impl(const std::string& host, uint16_t port, std::string token, int world_size,
+       Clock::time_point lookup_deadline, std::chrono::milliseconds timeout);
   ~Impl();
 
   MemoryStore& table() { return *table_; }
@@ -405,7 +407,8 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
 };
 
 TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port, std::string token,
-                           int world_size)
+                           int world_size, Clock::time_point lookup_deadline,
+                           std::chrono::milliseconds timeout)
     : token_(std::move(token)),
       enrolling_(token_.empty() && world_size > 1),
       world_size_(world_size),
@@ -416,16 +419,32 @@ TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port, std::string t
     token_.assign(reinterpret_cast<const char*>(random.data()), random.size());
     enrolled_from_.resize(size_t(world_size));
   }
+  // An address, or every interface (""), needs no name server; a name is looked up on a thread
+  // of its own, by the deadline, since getaddrinfo cannot be cancelled.
   asio::error_code ec;
-  tcp::resolver resolver(io_);
-  auto endpoints = resolver.resolve(host, std::to_string(port),
-                                    tcp::resolver::passive | tcp::resolver::numeric_service, ec);
-  if (ec) {
-    throw Error(ErrorCode::kSystem, name_ + ": cannot resolve '" + host + "': " + ec.message());
+  std::vector<tcp::endpoint> endpoints;
+  const asio::ip::address address = asio::ip::make_address(host, ec);
+  if (!ec) {
+    endpoints.emplace_back(address, port);
+  } else if (host.empty()) {
+    for (const auto& entry : tcp::resolver(io_).resolve(host, "0", tcp::resolver::passive, ec)) {
+      endpoints.emplace_back(entry.endpoint().address(), port);
+    }
+  } else {
+    const auto found = LookUpBy(host, lookup_deadline, &ec);
+    if (!found) {
+      throw Error(ErrorCode::kTimeout, name_ + ": the lookup of '" + host +
+                                           "' has not answered within " +
+                                           std::to_string(timeout.count()) + " ms");
+    }
+    for (const auto& entry : *found) endpoints.emplace_back(entry.endpoint().address(), port);
+  }
+  if (endpoints.empty()) {
+    throw Error(ErrorCode::kSystem,
+                name_ + ": cannot resolve '" + host + "': " + (ec ? ec.message() : "no address"));
   }
   std::string failures;
-  for (const auto& entry : endpoints) {
-    tcp::endpoint endpoint = entry.endpoint();
+  for (const tcp::endpoint& endpoint : endpoints) {
     asio::error_code step;
     acceptor_.open(endpoint.protocol(), step);
     if (!step) SetCloseOnExec(acceptor_.native_handle());
@@ -602,8 +621,9 @@ void TcpStoreServer::Impl::RemoveWaiter(const std::string& key, Session* session
 }
 
 TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, const std::string& token,
-                               int world_size)
-    : impl_(std::make_unique<Impl>(host, port, token, world_size)) {}
+                               int world_size, Clock::time_point lookup_deadline,
+                               std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>(host, port, token, world_size, lookup_deadline, timeout)) {}
 
 TcpStoreServer::~TcpStoreServer() = default;
 
