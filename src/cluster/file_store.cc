@@ -164,10 +164,11 @@ class FileStore : public Store, public JobTokenSource, public DeadlineStore {
                 : std::to_string(
                       std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()) +
                       " ms";
-        throw Error(ErrorCode::kTimeout, name_ + ": '" + lock_path +
-                                             "' has been locked by another process for " + waited +
-                                             " (a rank stopped in Add, or a "
-                                             "process that is not one of this job's holding it)");
+        throw StoreFailure(ErrorCode::kTimeout,
+                           name_ + ": '" + lock_path + "' has been locked by another process for " +
+                               waited +
+                               " (a rank stopped in Add, or a "
+                               "process that is not one of this job's holding it)");
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(poll, give_up - now));
       poll = std::min(poll * 2, kMaxPoll);
@@ -222,8 +223,8 @@ class FileStore : public Store, public JobTokenSource, public DeadlineStore {
 
   [[noreturn]] void ThrowSystem(const char* what, const std::string& path) const {
     int error = errno;
-    throw Error(ErrorCode::kSystem, name_ + ": cannot " + what + " '" + path +
-                                        "': " + std::system_category().message(error));
+    throw StoreFailure(ErrorCode::kSystem, name_ + ": cannot " + what + " '" + path +
+                                               "': " + std::system_category().message(error));
   }
 
   // Reads the whole file at `path` into `*value`; false if it does not exist. Anything but a
@@ -235,16 +236,17 @@ class FileStore : public Store, public JobTokenSource, public DeadlineStore {
     if (fd.get() < 0) {
       if (errno == ENOENT) return false;
       if (errno == ELOOP) {
-        throw Error(ErrorCode::kSystem, name_ + ": '" + path +
-                                            "' is a symbolic link; it was not written by this "
-                                            "store");
+        throw StoreFailure(ErrorCode::kSystem,
+                           name_ + ": '" + path +
+                               "' is a symbolic link; it was not written by this "
+                               "store");
       }
       ThrowSystem("open", path);
     }
     struct stat info {};
     if (::fstat(fd.get(), &info) != 0) ThrowSystem("stat", path);
     if (!S_ISREG(info.st_mode)) {
-      throw Error(
+      throw StoreFailure(
           ErrorCode::kSystem,
           name_ + ": '" + path + "' is not a regular file; it was not written by this store");
     }
@@ -258,9 +260,9 @@ class FileStore : public Store, public JobTokenSource, public DeadlineStore {
       }
       if (n == 0) return true;
       if (value->size() + static_cast<size_t>(n) > kMaxValueBytes) {
-        throw Error(ErrorCode::kSystem, name_ + ": '" + path + "' holds more than " +
-                                            std::to_string(kMaxValueBytes) +
-                                            " bytes; it was not written by this store");
+        throw StoreFailure(ErrorCode::kSystem, name_ + ": '" + path + "' holds more than " +
+                                                   std::to_string(kMaxValueBytes) +
+                                                   " bytes; it was not written by this store");
       }
       value->append(buffer, static_cast<size_t>(n));
     }
@@ -318,17 +320,17 @@ class FileStore : public Store, public JobTokenSource, public DeadlineStore {
     if (::fstat(fd, &info) != 0) ThrowSystem("stat", path);
     const std::string refuse = name_ + ": refusing the job token in '" + path + "': ";
     if (!S_ISREG(info.st_mode)) {
-      throw Error(ErrorCode::kUnauthenticated, refuse + "it is not a regular file");
+      throw StoreFailure(ErrorCode::kUnauthenticated, refuse + "it is not a regular file");
     }
     if (info.st_uid != ::geteuid()) {
-      throw Error(ErrorCode::kUnauthenticated,
-                  refuse + "it is owned by uid " + std::to_string(info.st_uid) +
-                      ", not by this process's uid " + std::to_string(::geteuid()));
+      throw StoreFailure(ErrorCode::kUnauthenticated,
+                         refuse + "it is owned by uid " + std::to_string(info.st_uid) +
+                             ", not by this process's uid " + std::to_string(::geteuid()));
     }
     if ((info.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
       char mode[8];
       std::snprintf(mode, sizeof(mode), "%04o", unsigned(info.st_mode & 07777));
-      throw Error(
+      throw StoreFailure(
           ErrorCode::kUnauthenticated,
           refuse + "group or others may read or write it (mode " + mode + "; it must be 0600)");
     }
@@ -345,8 +347,8 @@ class FileStore : public Store, public JobTokenSource, public DeadlineStore {
     const bool hex = token.size() == 2 * core::kNonceBytes &&
                      token.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
     if (!hex) {
-      throw Error(ErrorCode::kUnauthenticated,
-                  refuse + "it does not hold 64 hex digits (a token this store writes)");
+      throw StoreFailure(ErrorCode::kUnauthenticated,
+                         refuse + "it does not hold 64 hex digits (a token this store writes)");
     }
     return token;
   }

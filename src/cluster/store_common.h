@@ -79,11 +79,13 @@ void SetCloseOnExec(int fd);
 inline constexpr std::string_view kNotSetWithin = " was not set within ";
 
 // The Error our own stores throw for a failure of the store itself rather than a key's absence:
-// a TCP store that could not connect, got no reply in time, or lost its connection. A Store
+// a TCP store that could not connect, got no reply in time, lost its connection or was refused;
+// a file store that could not read, write or lock its files, or refused its token file. A Store
 // says that a key was not set within a Get's wait with a plain Error(kTimeout) (cluster.h), as
 // stores that users write do, whatever their wording; so a caller that must tell the two apart
 // (CancellableStore's slices, the TCP fabric naming a rank that never published) does it by
-// type, not by searching the message. Callers outside the library see an Error.
+// type, not by searching the message; a communicator's set-up names the rank before its message.
+// Callers outside the library see an Error.
 class StoreFailure final : public Error {
  public:
   using Error::Error;

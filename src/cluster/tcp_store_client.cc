@@ -421,7 +421,7 @@ class TcpStoreClient::Impl {
           if (result == Connection::Result::kOk) return connection;
         }
         if (result == Connection::Result::kRejected) {
-          throw Error(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
+          throw StoreFailure(ErrorCode::kUnauthenticated, name_ + ": " + last_error);
         }
       }
       Clock::time_point now = Clock::now();

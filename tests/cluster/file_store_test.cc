@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "collectives/cluster.h"
+#include "collectives/communication.h"
 #include "collectives/errors.h"
 #include "src/cluster/cancellable_store.h"
 #include "src/cluster/job_token.h"
@@ -346,6 +347,45 @@ TEST(FileStoreTest, AnAddByADeadlineGivesUpOnAHeldLockAtTheDeadline) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A failure of the file store in a communicator's set-up is raised under its code naming the
+// rank, as a TCP store's is: here the lock of the generation counter, held by another process
+// past the set-up's deadline. Before: "file store at '...': '.../lock.h...' has been locked by
+// another process for 300 ms ...", without the rank.
+TEST(FileStoreTest, AFailureInTheSetUpNamesTheRank) {
+  TempDir temp;
+  const std::string key = "collectives/generation/1";  // the spec's job id, then its rank
+  std::string hex;
+  for (unsigned char c : key) {
+    char digits[3];
+    std::snprintf(digits, sizeof(digits), "%02x", c);
+    hex += digits;
+  }
+  const std::string lock_path = (temp.path() / ("lock.h" + hex)).string();
+  const int holder = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(holder, 0);
+  ASSERT_EQ(::flock(holder, LOCK_EX), 0);
+  ClusterSpec spec;
+  spec.rank = 1;
+  spec.world_size = 2;
+  spec.master_addr = "127.0.0.1";
+  spec.master_port = 1;  // unused: the store is given
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = milliseconds(300);
+  try {
+    CreateCommunication(spec, CreateFileStore(temp.path().string()), options);
+    ADD_FAILURE() << "a set-up got a lock another process held";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 1: file store at '" + temp.path().string() + "': '" +
+                                    lock_path + "' has been locked by another process for ",
+                                0),
+              0u)
+        << e.what();
+  }
+  ::close(holder);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "collectives/cluster.h"
+#include "collectives/communication.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
 #include "src/cluster/job_token.h"
@@ -729,6 +730,34 @@ TEST(TcpStoreTest, AfterTheServerRestartsOnlyTheCallThatFoundItOutFails) {
     EXPECT_EQ(server->Get("a", kLong), "2");
   } catch (const Error& e) {
     ADD_FAILURE() << "the call after the one that found the server gone: " << e.what();
+  }
+}
+
+// A client whose connection is refused on reconnecting (the server that answers on its port now
+// holds another token) raises kUnauthenticated; in a communicator's set-up naming the rank, as
+// the store's other failures do. Before: "TCP store at 127.0.0.1:P: the server rejected this
+// client's proof of the job token ...", without the rank.
+TEST(TcpStoreTest, ARefusalOnReconnectingInTheSetUpNamesTheRank) {
+  const uint16_t port = FreePort();
+  auto server = CreateTcpStore("127.0.0.1", port, true, kLong, "the token");
+  auto client = CreateTcpStore("127.0.0.1", port, false, kLong, "the token");
+  server.reset();
+  server = CreateTcpStore("127.0.0.1", port, true, kLong, "another token");
+  // The pooled connection led to the stopped server: the call that finds it out fails.
+  EXPECT_THROW(client->Set("a", "1"), Error);
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = milliseconds(1000);
+  try {
+    CreateCommunication(LoopbackSpec(1, 2, port), client, options);
+    ADD_FAILURE() << "a set-up went on through a store that refused the client";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnauthenticated) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 1: TCP store at 127.0.0.1:" + std::to_string(port) +
+                                    ": the server rejected this client's proof",
+                                0),
+              0u)
+        << e.what();
   }
 }
 
