@@ -25,14 +25,15 @@
 // deadline the socket is closed), and returns the connection to the pool. Opening a connection
 // retries with a backoff (10 ms doubling to 200 ms) until the store's timeout, because clients
 // commonly start before rank 0; each attempt looks the host up again, on a thread of its own
-// (name_lookups.h), by the attempt's deadline. Deadlines: a Set or an Add ends within the store's
-// timeout (at least 1 s), opening a connection again included, or by the caller's deadline when
-// sooner (SetBy, AddBy: a communicator's set-up); a Get within its own timeout and a grace of 2 s
-// for the server's answer to start coming (a connection opened again, the request and the reply's
-// header), and its value then gets the store's timeout to arrive, so that a set-up that gives a Get
-// what is left of its deadline ends near that deadline even when the server does not answer. A
-// timeout names the call, the key and the limit. A lost connection raises kPeerLost; the next call
-// opens a new one.
+// (name_lookups.h), by the attempt's deadline, and tries its addresses in turn, each but the last
+// for 1 s at most (one that drops connection requests does not keep the others from being tried).
+// Deadlines: a Set or an Add ends within the store's timeout (at least 1 s), opening a connection
+// again included, or by the caller's deadline when sooner (SetBy, AddBy: a communicator's set-up);
+// a Get within its own timeout and a grace of 2 s for the server's answer to start coming (a
+// connection opened again, the request and the reply's header), and its value then gets the store's
+// timeout to arrive, so that a set-up that gives a Get what is left of its deadline ends near that
+// deadline even when the server does not answer. A timeout names the call, the key and the limit. A
+// lost connection raises kPeerLost; the next call opens a new one.
 //
 // Thread-safety: both classes may be called from any thread.
 #ifndef COLLECTIVES_SRC_CLUSTER_TCP_STORE_H_

@@ -28,6 +28,10 @@ constexpr std::chrono::milliseconds kFirstRetry{10};
 constexpr std::chrono::milliseconds kMaxRetry{200};
 constexpr std::chrono::milliseconds kMinIoTimeout{1000};
 constexpr std::chrono::milliseconds kMinAttempt{50};
+// How long a connection to one of several addresses may take before the next is tried: TCP
+// sends its SYN again after 1 s, so a connection not made by then lost one (or the address
+// drops them); the next round of attempts comes back to it.
+constexpr std::chrono::milliseconds kConnectSlice{1000};
 // How long after the end of a Get's wait the server's answer may take to start coming (its
 // timer ends the wait on its side); the value then gets the whole I/O limit to arrive.
 constexpr std::chrono::milliseconds kGetAnswerGrace{2000};  // ample on a loaded machine
@@ -42,18 +46,30 @@ class Connection {
 
   Connection() : socket_(io_) {}
 
-  // Tries each endpoint in turn until one connects or the deadline passes.
+  // Tries each endpoint in turn until one connects or the deadline passes. Each but the last
+  // gets kConnectSlice at most: one that drops connection requests (a host that is down, a
+  // firewall) would otherwise hold every attempt until its deadline, and the next endpoint would
+  // never be tried.
   Result Connect(const std::vector<tcp::endpoint>& endpoints, Clock::time_point deadline,
                  std::string* why) {
     *why = "no address";
-    for (const tcp::endpoint& endpoint : endpoints) {
+    for (size_t i = 0; i < endpoints.size(); ++i) {
+      const tcp::endpoint& endpoint = endpoints[i];
+      const bool last = i + 1 == endpoints.size();
       asio::error_code error;
       socket_.open(endpoint.protocol(), error);
-      if (error) return Failed(why, error);
+      if (error) {  // this address's family may be off here: the next may do
+        Failed(why, error);
+        continue;
+      }
       SetCloseOnExec(socket_.native_handle());
       error = asio::error::would_block;
       socket_.async_connect(endpoint, [&error](const asio::error_code& ec) { error = ec; });
-      if (!RunUntil(deadline)) return TimedOut(why, "connecting");
+      if (!RunUntil(last ? deadline : std::min(deadline, Clock::now() + kConnectSlice))) {
+        TimedOut(why, "connecting");
+        if (last || Clock::now() >= deadline) return Result::kTimedOut;
+        continue;  // RunUntil closed the socket
+      }
       if (!error) {
         asio::error_code ignored;
         socket_.set_option(tcp::no_delay(true), ignored);

@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
@@ -1130,6 +1131,59 @@ TEST(CreateStoreForTest, AClientsMasterAddrThatDoesNotResolveIsBoundedByTheTimeo
                           "1000 ms (last error: the lookup of 'store.collectives-test.example' "
                           "has not answered)");
   }));
+}
+
+// A server's name that resolves to two addresses, the first of which drops connection requests
+// (a host that is down, a firewall) while the second serves: the client goes on to the second
+// rather than spending its whole timeout on the first. Run in a child process whose /etc/hosts
+// (a mount namespace of its own) maps a name to 127.0.0.1, where a listener whose backlog one
+// connection fills drops every later SYN, then to 127.0.0.2, where the store listens. Before,
+// every attempt waited on 127.0.0.1 until the deadline: kTimeout after the client's 3 s.
+TEST(TcpStoreClientTest, AnAddressThatDropsConnectionsDoesNotHideTheNext) {
+  const std::string name = "store.collectives-test.example";
+  const int status =
+      InAMountNamespace("/etc/hosts", "127.0.0.1 " + name + "\n127.0.0.2 " + name + "\n", [&name] {
+        // As the client asks (asio's flags), 127.0.0.1 must come first: getaddrinfo sorts.
+        addrinfo hints{};
+        hints.ai_socktype = SOCK_STREAM;
+        hints.ai_flags = AI_ADDRCONFIG;
+        addrinfo* list = nullptr;
+        if (getaddrinfo(name.c_str(), "1", &hints, &list) != 0) return 78;
+        const auto first = reinterpret_cast<const sockaddr_in*>(list->ai_addr);
+        const bool in_order = list->ai_family == AF_INET && list->ai_next != nullptr &&
+                              ntohl(first->sin_addr.s_addr) == INADDR_LOOPBACK;
+        freeaddrinfo(list);
+        if (!in_order) return 78;
+        cluster::TcpStoreServer server("127.0.0.2", 0);
+        sockaddr_in address{};
+        address.sin_family = AF_INET;
+        address.sin_port = htons(server.port());
+        address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        const auto to = reinterpret_cast<sockaddr*>(&address);
+        const int full = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        const int filler = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (bind(full, to, sizeof(address)) != 0 || listen(full, 0) != 0 ||
+            connect(filler, to, sizeof(address)) != 0) {
+          return 79;
+        }
+        const auto start = Clock::now();
+        try {
+          auto client =
+              CreateTcpStore(name, server.port(), /*is_server=*/false, milliseconds(3000));
+          client->Set("k", "v");
+          return server.Get("k", kLong) == "v" ? 0 : 1;
+        } catch (const Error& e) {
+          std::fprintf(stderr, "after %lld ms: %s\n",
+                       static_cast<long long>(
+                           std::chrono::duration_cast<milliseconds>(Clock::now() - start).count()),
+                       e.what());
+          return 1;
+        }
+      });
+  if (status == 77) GTEST_SKIP() << "cannot mount an /etc/hosts in a mount namespace (needs root)";
+  if (status == 78) GTEST_SKIP() << "the private /etc/hosts does not give 127.0.0.1 first";
+  if (status == 79) GTEST_SKIP() << "cannot make a listener at 127.0.0.1 that drops SYNs";
+  EXPECT_EQ(status, 0) << "the client did not reach the store at the name's second address";
 }
 
 }  // namespace
