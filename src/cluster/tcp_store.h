@@ -6,8 +6,10 @@
 // the key is set (by a remote client or by the hosting process) or when the timer fires; a
 // client that closes (or talks) while its Get is parked is dropped at once. A malformed request
 // closes that connection and is logged to stderr with the peer's address; it never stops the
-// server. The hosting process uses the table directly. The destructor stops the io_context, joins
-// the thread and closes every socket, whether clients are connected or not.
+// server, nor does an exception out of a handler (an allocation or RAND_bytes that fails): it is
+// logged, and the server accepts again. The hosting process uses the table directly. The destructor
+// stops the io_context, joins the thread and closes every socket, whether clients are connected or
+// not.
 //
 // Authentication: every connection starts with a mutual proof of the job token
 // (tcp_store_auth.h); a connection that fails it is logged with its address and closed, and

@@ -58,6 +58,10 @@ class TcpStoreServer::Impl {
   class Session;
 
   void Accept();
+  // After an exception ended a run of the io thread (a handler threw: an allocation or RAND_bytes
+  // failed): starts accepting again, as the one chain of accepts, whether the current chain's
+  // accept, wait or retry is still pending or was lost with the exception (the accept threw).
+  void ResumeAccepting();
   // On a failed accept: makes room (EvictOldestUnproven, or the spare descriptor) and accepts
   // again, waits for the next connection, or retries shortly.
   void OnAcceptError(const asio::error_code& ec);
@@ -88,6 +92,9 @@ class TcpStoreServer::Impl {
   asio::io_context io_;
   tcp::acceptor acceptor_{io_};
   asio::steady_timer accept_retry_{io_};
+  // Which chain of accepts is current: ResumeAccepting starts a new one, and a handler of an
+  // older one does nothing (only the io thread touches it).
+  uint64_t accept_chain_ = 0;
   // Only the io thread touches the rest.
   // The connections that have not proven the token yet, oldest first (with some that since
   // have, or closed, not yet dropped). At most MaxUnproven(): a new connection past it closes
@@ -469,12 +476,18 @@ TcpStoreServer::Impl::Impl(const std::string& host, uint16_t port, std::string t
       name_, [this](const std::string& key) { asio::post(io_, [this, key] { OnKeySet(key); }); });
   Accept();
   thread_ = std::thread([this] {
+    // Only the destructor's stop ends the runs: a handler that threw does not leave the
+    // io_context out of work, hence stopped, with the accept it was to start again.
+    const auto work = asio::make_work_guard(io_);
+    bool resume = false;
     for (;;) {
       try {
+        if (resume) ResumeAccepting();
         io_.run();
         return;
       } catch (const std::exception& e) {
-        Log(name_ + ": unexpected exception in the server thread: " + e.what());
+        Log(name_ + ": unexpected exception in the server thread (accepting again): " + e.what());
+        resume = true;
       }
     }
   });
@@ -495,9 +508,18 @@ TcpStoreServer::Impl::~Impl() {
   waiters_.clear();
 }
 
+void TcpStoreServer::Impl::ResumeAccepting() {
+  ++accept_chain_;
+  asio::error_code ignored;
+  acceptor_.cancel(ignored);
+  accept_retry_.cancel();
+  Accept();
+}
+
 void TcpStoreServer::Impl::Accept() {
-  acceptor_.async_accept([this](const asio::error_code& ec, tcp::socket socket) {
-    if (ec == asio::error::operation_aborted) return;
+  acceptor_.async_accept([this, chain = accept_chain_](const asio::error_code& ec,
+                                                       tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || chain != accept_chain_) return;
     if (ec) return OnAcceptError(ec);
     asio::error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
@@ -523,14 +545,15 @@ void TcpStoreServer::Impl::OnAcceptError(const asio::error_code& ec) {
     case AfterAcceptFailure::kAcceptAgain:
       return Accept();
     case AfterAcceptFailure::kWaitForConnection:
-      acceptor_.async_wait(tcp::acceptor::wait_read, [this](const asio::error_code& wait_ec) {
-        if (!wait_ec) Accept();
-      });
+      acceptor_.async_wait(tcp::acceptor::wait_read,
+                           [this, chain = accept_chain_](const asio::error_code& wait_ec) {
+                             if (!wait_ec && chain == accept_chain_) Accept();
+                           });
       return;
     case AfterAcceptFailure::kRetryShortly:
       accept_retry_.expires_after(kAcceptRetryDelay);
-      accept_retry_.async_wait([this](const asio::error_code& wait_ec) {
-        if (!wait_ec) Accept();
+      accept_retry_.async_wait([this, chain = accept_chain_](const asio::error_code& wait_ec) {
+        if (!wait_ec && chain == accept_chain_) Accept();
       });
       return;
   }
