@@ -132,8 +132,9 @@ typedef struct coll_options {
    * Default: 300000 (5 minutes: long enough for a 1 GiB all-reduce over a slow link). */
   int64_t timeout_ms;
 
-  /* Byte cap of one fusion bucket of coll_all_reduce_many when its own bytes_per_pack argument
-   * is 0. 0 picks the library's default (collectives::packing::DefaultBytesPerPack()).
+  /* Byte cap of one fusion bucket of coll_all_reduce_many and coll_broadcast_many when the
+   * call's own bytes_per_pack argument is 0. 0 picks the library's default
+   * (collectives::packing::DefaultBytesPerPack()).
    * Default: 0. */
   size_t bytes_per_pack;
 
@@ -266,6 +267,18 @@ coll_status coll_barrier(coll_comm* comm);
 coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
                                  size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack);
 
+/* Broadcasts n buffers in place from `root`, buffers[i] holding counts[i] elements of `dtype`,
+ * fused into buckets as coll_all_reduce_many does (bytes_per_pack likewise): afterwards every
+ * rank's buffers hold the root's, bit for bit, as with one coll_broadcast per buffer. Unlike
+ * coll_broadcast, every rank passes its buffers (the root's are read, the others' written).
+ * Buffers that overlap, and a root outside [0, size), return COLL_INVALID_ARGUMENT. Every rank
+ * passes the same n, counts and bytes_per_pack (else COLL_MISMATCH on every rank, nothing
+ * written) and the same root (else a mismatch as for any collective: see the top of this file).
+ * buffers and counts may be NULL when n == 0; buffers[i] may be NULL when counts[i] == 0. Every
+ * call, n == 0 included, is a collective. */
+coll_status coll_broadcast_many(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                size_t n, coll_dtype dtype, int root, size_t bytes_per_pack);
+
 /* ---- Asynchronous collectives. ----
  * Each coll_*_async function takes the arguments of its blocking form and checks them, queues the
  * collective behind those already issued on the communicator, and returns at once with *work set
@@ -302,6 +315,16 @@ coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
 coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
                                        size_t n, coll_dtype dtype, coll_op op,
                                        size_t bytes_per_pack, coll_work** work);
+
+/* coll_broadcast_many's buckets, issued and checked as coll_all_reduce_many_async's: fused
+ * buckets go through a buffer of the call's own, and lists that differ across ranks give
+ * COLL_MISMATCH from coll_work_wait on every rank, no fused buffer written (a buffer alone in
+ * its bucket, larger than the cap, was issued before the check's answer came). The buckets were
+ * issued before that answer too: one that differs from another rank's breaks the communicator,
+ * as any mismatch does. */
+coll_status coll_broadcast_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                      size_t n, coll_dtype dtype, int root, size_t bytes_per_pack,
+                                      coll_work** work);
 
 /* Blocks until the collective completed (at most its communicator's timeout after it started)
  * and returns its status: COLL_OK, or the failure, with coll_last_error naming it. May be called

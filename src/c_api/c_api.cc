@@ -228,32 +228,52 @@ coll_status AllReduce(const char* function, Mode mode, coll_comm* comm, const vo
   });
 }
 
+// The tensors of a packed list (coll_*_many): buffers[i] holding counts[i] elements of `dtype`.
+std::vector<Tensor> TensorsOf(void* const* buffers, const size_t* counts, size_t n,
+                              DataType dtype) {
+  if (n > 0) {
+    NotNull(buffers, "buffers");
+    NotNull(counts, "counts");
+  }
+  std::vector<Tensor> tensors;
+  if (n > tensors.max_size()) {
+    InvalidArgument("n is " + std::to_string(n) + ", more tensors than memory can list");
+  }
+  tensors.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string name = "buffers[" + std::to_string(i) + "]";
+    if (buffers[i] == nullptr && counts[i] > 0) {
+      InvalidArgument(name + " is NULL but counts[" + std::to_string(i) + "] is " +
+                      std::to_string(counts[i]));
+    }
+    tensors.push_back(TensorOf(name.c_str(), buffers[i], counts[i], dtype));
+  }
+  return tensors;
+}
+
 coll_status AllReduceMany(const char* function, Mode mode, coll_comm* comm, void* const* buffers,
                           const size_t* counts, size_t n, coll_dtype dtype, coll_op op,
                           size_t bytes_per_pack, coll_work** work) noexcept {
   return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
     const DataType type = DataTypeOf(dtype);
     const ReduceOp reduce = ReduceOpOf(op);
-    if (n > 0) {
-      NotNull(buffers, "buffers");
-      NotNull(counts, "counts");
-    }
-    std::vector<Tensor> tensors;
-    if (n > tensors.max_size()) {
-      InvalidArgument("n is " + std::to_string(n) + ", more tensors than memory can list");
-    }
-    tensors.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      const std::string name = "buffers[" + std::to_string(i) + "]";
-      if (buffers[i] == nullptr && counts[i] > 0) {
-        InvalidArgument(name + " is NULL but counts[" + std::to_string(i) + "] is " +
-                        std::to_string(counts[i]));
-      }
-      tensors.push_back(TensorOf(name.c_str(), buffers[i], counts[i], type));
-    }
+    const std::vector<Tensor> tensors = TensorsOf(buffers, counts, n, type);
     const size_t cap = bytes_per_pack != 0 ? bytes_per_pack : comm->bytes_per_pack;
     if (async) return packing::AllReduceAsync(c, tensors, reduce, cap);
     packing::AllReduce(c, tensors, reduce, cap);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status BroadcastMany(const char* function, Mode mode, coll_comm* comm, void* const* buffers,
+                          const size_t* counts, size_t n, coll_dtype dtype, int root,
+                          size_t bytes_per_pack, coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const std::vector<Tensor> tensors = TensorsOf(buffers, counts, n, type);
+    const size_t cap = bytes_per_pack != 0 ? bytes_per_pack : comm->bytes_per_pack;
+    if (async) return packing::BroadcastAsync(c, tensors, root, cap);
+    packing::Broadcast(c, tensors, root, cap);
     return std::shared_ptr<Work>();
   });
 }
@@ -384,6 +404,7 @@ using collectives::c_api::AllGather;
 using collectives::c_api::AllReduce;
 using collectives::c_api::Barrier;
 using collectives::c_api::Broadcast;
+using collectives::c_api::BroadcastMany;
 using collectives::c_api::CommOf;
 using collectives::c_api::Create;
 using collectives::c_api::DataTypeOf;
@@ -519,6 +540,19 @@ coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, co
                                        size_t bytes_per_pack, coll_work** work) {
   return AllReduceMany("coll_all_reduce_many_async", Mode::kAsync, comm, buffers, counts, n, dtype,
                        op, bytes_per_pack, work);
+}
+
+coll_status coll_broadcast_many(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                size_t n, coll_dtype dtype, int root, size_t bytes_per_pack) {
+  return BroadcastMany("coll_broadcast_many", Mode::kBlocking, comm, buffers, counts, n, dtype,
+                       root, bytes_per_pack, nullptr);
+}
+
+coll_status coll_broadcast_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
+                                      size_t n, coll_dtype dtype, int root, size_t bytes_per_pack,
+                                      coll_work** work) {
+  return BroadcastMany("coll_broadcast_many_async", Mode::kAsync, comm, buffers, counts, n, dtype,
+                       root, bytes_per_pack, work);
 }
 
 coll_status coll_all_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff,

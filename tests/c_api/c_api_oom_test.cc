@@ -107,4 +107,19 @@ TEST(CApiOutOfMemoryTest, AMalformedMasterAddressReturnsAStatusWhateverAllocatio
   EXPECT_GT(runs, 3);
 }
 
+// A packed broadcast refused after its list was built (a root that is no rank): whichever
+// allocation fails (the list, a buffer's name, the packer's checks, the message), a status.
+TEST(CApiOutOfMemoryTest, ABroadcastManyToNoRankReturnsAStatusWhateverAllocationFails) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x[3] = {1, 2, 3};
+  void* buffers[3] = {&x[0], &x[1], &x[2]};
+  const size_t counts[3] = {1, 1, 1};
+  const int runs = FailEachAllocation("coll_broadcast_many", COLL_INVALID_ARGUMENT, "root 5", [&] {
+    return coll_broadcast_many(comm, buffers, counts, 3, COLL_FLOAT32, 5, 0);
+  });
+  EXPECT_GT(runs, 3);
+  EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
+}
+
 }  // namespace

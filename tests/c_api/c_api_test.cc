@@ -1,12 +1,13 @@
 // The C API: every collective checked element by element against a locally computed reference,
 // for world sizes 1 to 4 (ranks are threads, over real loopback TCP), through communicators made
 // both from a memory-store rendezvous (WrapCommunication) and by coll_comm_create /
-// coll_comm_create_from_tf_config on a real TCP store; the asynchronous forms (every collective
-// in flight at once, waited on, polled, or freed unwaited; handles that outlive their
-// communicator); coll_comm_split and coll_comm_set_timeout; the error paths (NULL pointers, enum
-// values out of range, bad options, counts that differ across ranks, malformed TF_CONFIG, abort)
-// return the documented status with a message naming the argument, never an exception; status
-// names; the last error is per thread.
+// coll_comm_create_from_tf_config on a real TCP store; packed lists (coll_all_reduce_many,
+// coll_broadcast_many) of odd sizes, and lists that differ across ranks; the asynchronous forms
+// (every collective in flight at once, waited on, polled, or freed unwaited; handles that
+// outlive their communicator); coll_comm_split and coll_comm_set_timeout; the error paths (NULL
+// pointers, enum values out of range, bad options, counts that differ across ranks, malformed
+// TF_CONFIG, abort) return the documented status with a message naming the argument, never an
+// exception; status names; the last error is per thread.
 #include "collectives/c_api.h"
 
 #include <arpa/inet.h>
@@ -312,6 +313,72 @@ TEST_P(CApiCollectiveTest, AllReduceManyOddSizesEqualsOneAllReducePerBuffer) {
                                  " bytes_per_pack=" + std::to_string(bytes_per_pack),
                              dtype, storage[k], counts[k],
                              [&](size_t i) { return Expected(op, dtype, size, first + i); });
+              first += counts[k];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// coll_broadcast_many from every root, lists of odd sizes (empty, 0, 1, primes; caps that fuse
+// none, some and all of them), several dtypes: every rank's buffers end up holding the root's
+// element by element. Every other call is the asynchronous form, waited on or polled with
+// coll_work_test until done.
+TEST_P(CApiCollectiveTest, BroadcastManyOddSizesFromEveryRoot) {
+  const int size = GetParam();
+  const std::vector<std::vector<size_t>> lists = {
+      {}, {0}, {1}, {0, 1, 2, 3, 5, 7, 11, 13, 0, 17}, {1009, 0, 3, 4099, 1, 65537}};
+  RunRanks(size, [&](coll_comm* comm, int rank) {
+    int calls = 0;
+    for (int root = 0; root < size; ++root) {
+      for (const std::vector<size_t>& counts : lists) {
+        for (size_t bytes_per_pack : {size_t{0}, size_t{16}, size_t{4096}}) {
+          for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
+                                 DataType::kInt8, DataType::kInt64}) {
+            // Every rank's input differs (InputValue of its own rank): only the root's survives.
+            std::vector<std::vector<uint8_t>> storage;
+            std::vector<void*> buffers;
+            size_t first = 0;
+            for (size_t count : counts) {
+              storage.push_back(Buffer(dtype, count));
+              Fill(dtype, ReduceOp::kSum, rank, storage.back().data(), count, first);
+              first += count;
+              buffers.push_back(count == 0 ? nullptr : storage.back().data());
+            }
+            void* const* list = counts.empty() ? nullptr : buffers.data();
+            const size_t* sizes = counts.empty() ? nullptr : counts.data();
+            const int call = ++calls;
+            if (call % 2 == 0) {
+              coll_work* work = nullptr;
+              EXPECT_OK(coll_broadcast_many_async(comm, list, sizes, counts.size(), C(dtype), root,
+                                                  bytes_per_pack, &work));
+              if (call % 4 == 0) {
+                int done = 0;
+                while (done == 0) {
+                  EXPECT_OK(coll_work_test(work, &done));
+                  std::this_thread::yield();  // four ranks share two cores
+                }
+              } else {
+                EXPECT_OK(coll_work_wait(work));
+              }
+              EXPECT_OK(coll_work_free(work));
+            } else {
+              EXPECT_OK(coll_broadcast_many(comm, list, sizes, counts.size(), C(dtype), root,
+                                            bytes_per_pack));
+            }
+            first = 0;
+            for (size_t k = 0; k < counts.size(); ++k) {
+              ExpectElements(Describe(call % 2 == 0 ? "broadcast_many_async" : "broadcast_many",
+                                      rank, dtype, ReduceOp::kSum, counts[k], true) +
+                                 " root=" + std::to_string(root) + " buffer " + std::to_string(k) +
+                                 " of " + std::to_string(counts.size()) +
+                                 " bytes_per_pack=" + std::to_string(bytes_per_pack),
+                             dtype, storage[k], counts[k], [&](size_t i) {
+                               return Stored(dtype,
+                                             InputValue(ReduceOp::kSum, dtype, root, first + i));
+                             });
               first += counts[k];
             }
           }
@@ -714,6 +781,8 @@ TEST(CApiErrorTest, NullCommIsAnInvalidArgumentNamingTheFunction) {
        [&] {
          return coll_all_reduce_many(nullptr, buffers, counts, 1, COLL_FLOAT32, COLL_SUM, 0);
        }},
+      {"coll_broadcast_many",
+       [&] { return coll_broadcast_many(nullptr, buffers, counts, 1, COLL_FLOAT32, 0, 0); }},
   };
   for (const auto& [name, call] : calls) {
     EXPECT_EQ(call(), COLL_INVALID_ARGUMENT) << name;
@@ -773,6 +842,34 @@ TEST(CApiErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
        "counts is NULL"},
       {[&] { return coll_all_reduce_many(comm, buffers, counts, 2, COLL_FLOAT32, COLL_SUM, 0); },
        "buffers[1] is NULL but counts[1] is 3"},
+      {[&] { return coll_broadcast_many(comm, buffers, counts, 1, bad_dtype, 0, 0); },
+       "coll_broadcast_many: dtype 99"},
+      {[&] { return coll_broadcast_many(comm, nullptr, counts, 1, COLL_FLOAT32, 0, 0); },
+       "coll_broadcast_many: buffers is NULL"},
+      {[&] { return coll_broadcast_many(comm, buffers, nullptr, 1, COLL_FLOAT32, 0, 0); },
+       "coll_broadcast_many: counts is NULL"},
+      {[&] { return coll_broadcast_many(comm, buffers, counts, 2, COLL_FLOAT32, 0, 0); },
+       "coll_broadcast_many: buffers[1] is NULL but counts[1] is 3"},
+      // A root that is no rank (this communicator has one), also with nothing to move.
+      {[&] { return coll_broadcast_many(comm, buffers, counts, 1, COLL_FLOAT32, 1, 0); },
+       "root 1 is not a rank"},
+      {[&] { return coll_broadcast_many(comm, buffers, counts, 1, COLL_FLOAT32, -1, 0); },
+       "root -1 is not a rank"},
+      {[&] { return coll_broadcast_many(comm, nullptr, nullptr, 0, COLL_FLOAT32, 1, 0); },
+       "root 1 is not a rank"},
+      // Buffers that share memory; one not aligned to its element size.
+      {[&] {
+         void* overlapping[2] = {x, x + 1};
+         const size_t twos[2] = {2, 2};
+         return coll_broadcast_many(comm, overlapping, twos, 2, COLL_FLOAT32, 0, 0);
+       },
+       "tensor 1 shares memory with tensor 0"},
+      {[&] {
+         void* misaligned[1] = {reinterpret_cast<char*>(x) + 1};
+         const size_t one[1] = {1};
+         return coll_broadcast_many(comm, misaligned, one, 1, COLL_FLOAT32, 0, 0);
+       },
+       "is not aligned"},
       // Sizes whose bytes overflow size_t.
       {[&] { return coll_all_reduce(comm, x, x, SIZE_MAX / 2, COLL_FLOAT32, COLL_SUM); },
        "more bytes than size_t holds"},
@@ -831,6 +928,26 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
          return coll_all_reduce_many_async(comm, buffers, counts, 1, COLL_FLOAT32, bad_op, 0, w);
        },
        "coll_all_reduce_many_async: op 42"},
+      {[&](coll_work** w) {
+         return coll_broadcast_many_async(comm, buffers, counts, 2, COLL_FLOAT32, 0, 0, w);
+       },
+       "coll_broadcast_many_async: buffers[1] is NULL but counts[1] is 3"},
+      {[&](coll_work** w) {
+         return coll_broadcast_many_async(comm, nullptr, counts, 1, COLL_FLOAT32, 0, 0, w);
+       },
+       "coll_broadcast_many_async: buffers is NULL"},
+      {[&](coll_work** w) {
+         return coll_broadcast_many_async(comm, buffers, counts, 1, bad_dtype, 0, 0, w);
+       },
+       "coll_broadcast_many_async: dtype 99"},
+      {[&](coll_work** w) {
+         return coll_broadcast_many_async(comm, buffers, counts, 1, COLL_FLOAT32, 1, 0, w);
+       },
+       "root 1 is not a rank"},
+      {[&](coll_work** w) {
+         return coll_broadcast_many_async(nullptr, buffers, counts, 1, COLL_FLOAT32, 0, 0, w);
+       },
+       "coll_broadcast_many_async: comm is NULL"},
   };
   for (const Case& c : cases) {
     coll_work* work = junk;
@@ -844,6 +961,9 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
   EXPECT_EQ(std::string(coll_last_error()), "coll_all_reduce_async: work is NULL");
   EXPECT_EQ(coll_barrier_async(comm, nullptr), COLL_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(coll_last_error()), "coll_barrier_async: work is NULL");
+  EXPECT_EQ(coll_broadcast_many_async(comm, buffers, counts, 1, COLL_FLOAT32, 0, 0, nullptr),
+            COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_broadcast_many_async: work is NULL");
   // NULL handles.
   int done = 7;
   EXPECT_EQ(coll_work_wait(nullptr), COLL_INVALID_ARGUMENT);
@@ -895,6 +1015,48 @@ TEST(CApiAsyncTest, AMismatchIsReportedByTheHandleOnEveryRank) {
     EXPECT_EQ(coll_work_free(work), status);
   });
   EXPECT_GE(mismatches.load(), 1);
+}
+
+// coll_broadcast_many with a list that differs on one rank (rank 2 has 6 elements where the
+// others have 5): COLL_MISMATCH naming the list on every rank, nothing written off the root.
+// Blocking, the check comes before any bucket: the communicator still works. Asynchronous, the
+// bucket was issued before the check's answer came, the same status from wait and free.
+TEST(CApiAsyncTest, BroadcastManyListsThatDifferAreAMismatchOnEveryRank) {
+  RunRanks(3, [&](coll_comm* comm, int rank) {
+    for (bool async : {false, true}) {
+      std::vector<int32_t> a(3, rank + 10), b(rank == 2 ? 3 : 2, rank + 10);
+      void* buffers[2] = {a.data(), b.data()};
+      const size_t counts[2] = {a.size(), b.size()};
+      coll_status status = COLL_OK;
+      std::string message;
+      if (async) {
+        coll_work* work = nullptr;
+        EXPECT_OK(coll_broadcast_many_async(comm, buffers, counts, 2, COLL_INT32, 0, 0, &work));
+        status = coll_work_wait(work);
+        message = coll_last_error();
+        EXPECT_EQ(coll_work_free(work), status);
+      } else {
+        status = coll_broadcast_many(comm, buffers, counts, 2, COLL_INT32, 0, 0);
+        message = coll_last_error();
+      }
+      EXPECT_EQ(status, COLL_MISMATCH) << "rank " << rank << " async=" << async << ": " << message;
+      EXPECT_TRUE(Contains(message, async ? "coll_work_wait: " : "coll_broadcast_many: "))
+          << message;
+      EXPECT_TRUE(Contains(message, "rank " + std::to_string(rank) +
+                                        ": packing broadcast: the list of 2 tensors differs"))
+          << message;
+      EXPECT_EQ(std::count(a.begin(), a.end(), rank + 10), 3) << "rank " << rank;
+      EXPECT_EQ(std::count(b.begin(), b.end(), rank + 10), std::ptrdiff_t(b.size()))
+          << "rank " << rank;
+      if (!async) {
+        std::vector<int32_t> c(3, rank + 10);
+        void* list[1] = {c.data()};
+        const size_t sizes[1] = {c.size()};
+        EXPECT_OK(coll_broadcast_many(comm, list, sizes, 1, COLL_INT32, 1, 0));
+        EXPECT_EQ(std::count(c.begin(), c.end(), 11), 3) << "rank " << rank;
+      }
+    }
+  });
 }
 
 // A watchdog's coll_comm_abort ends a wait on a handle whose collective cannot complete (the
