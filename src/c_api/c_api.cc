@@ -5,7 +5,8 @@
 // checked below), std::bad_alloc into COLL_SYSTEM, anything else into COLL_INTERNAL. Arguments
 // the C++ layer cannot see (NULL comm or out pointers, enum values outside their range, counts
 // whose byte size overflows) are checked here and raised as Error(kInvalidArgument) naming the
-// function and the argument, so one path reports every failure.
+// function and the argument (and the rank, once the communicator is known), so one path reports
+// every failure.
 //
 // Thread-safety: as c_api.h says; the only state of this file is the per-thread last error.
 #include "collectives/c_api.h"
@@ -132,8 +133,15 @@ coll_status Guard(const char* function, Body&& body) noexcept {
   }
 }
 
+// A bad argument found by this file's own checks. Inside a collective, where the communicator
+// is known, Issue gives it the rank (NamingRank), as the C++ layer's messages have it.
+class ArgumentError : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] void InvalidArgument(const std::string& message) {
-  throw Error(ErrorCode::kInvalidArgument, message);
+  throw ArgumentError(ErrorCode::kInvalidArgument, message);
 }
 
 template <typename T>
@@ -190,6 +198,18 @@ Work& WorkOf(const coll_work* work) {
   return *impl;
 }
 
+// Runs `body`, which checks the arguments of a call on `c`; an ArgumentError of those checks
+// is raised again as "rank R: <message>" (the C++ layer's errors name the rank already).
+template <typename Body>
+auto NamingRank(const CollectiveCommunication& c, Body&& body) {
+  try {
+    return body();
+  } catch (const ArgumentError& e) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(c.rank()) + ": " + e.message());
+  }
+}
+
 // How a collective is issued: the blocking function, or its _async form.
 enum class Mode { kBlocking, kAsync };
 
@@ -203,13 +223,15 @@ coll_status Issue(const char* function, Mode mode, coll_comm* comm, coll_work** 
                   IssueBody&& issue) noexcept {
   return Guard(function, [&] {
     if (mode == Mode::kBlocking) {
-      issue(CommOf(comm), false);
+      CollectiveCommunication& c = CommOf(comm);
+      NamingRank(c, [&] { issue(c, false); });
       return;
     }
     coll_work*& result = NotNull(work, "work");
     result = nullptr;
     auto handle = std::make_unique<coll_work>();
-    handle->impl = issue(CommOf(comm), true);
+    CollectiveCommunication& c = CommOf(comm);
+    handle->impl = NamingRank(c, [&] { return issue(c, true); });
     result = handle.release();
   });
 }
@@ -411,6 +433,7 @@ using collectives::c_api::DataTypeOf;
 using collectives::c_api::Guard;
 using collectives::c_api::InvalidArgument;
 using collectives::c_api::Mode;
+using collectives::c_api::NamingRank;
 using collectives::c_api::NotNull;
 using collectives::c_api::ReduceOpOf;
 using collectives::c_api::ReduceScatter;
@@ -480,9 +503,11 @@ coll_status coll_comm_split(coll_comm* comm, int color, int key, coll_comm** out
 coll_status coll_comm_set_timeout(coll_comm* comm, int64_t timeout_ms) {
   return Guard("coll_comm_set_timeout", [&] {
     collectives::CollectiveCommunication& c = CommOf(comm);
-    if (timeout_ms <= 0) {
-      InvalidArgument("timeout_ms is " + std::to_string(timeout_ms) + "; it must be positive");
-    }
+    NamingRank(c, [&] {
+      if (timeout_ms <= 0) {
+        InvalidArgument("timeout_ms is " + std::to_string(timeout_ms) + "; it must be positive");
+      }
+    });
     c.SetTimeout(std::chrono::milliseconds(timeout_ms));
   });
 }

@@ -843,13 +843,13 @@ TEST(CApiErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
       {[&] { return coll_all_reduce_many(comm, buffers, counts, 2, COLL_FLOAT32, COLL_SUM, 0); },
        "buffers[1] is NULL but counts[1] is 3"},
       {[&] { return coll_broadcast_many(comm, buffers, counts, 1, bad_dtype, 0, 0); },
-       "coll_broadcast_many: dtype 99"},
+       "coll_broadcast_many: rank 0: dtype 99"},
       {[&] { return coll_broadcast_many(comm, nullptr, counts, 1, COLL_FLOAT32, 0, 0); },
-       "coll_broadcast_many: buffers is NULL"},
+       "coll_broadcast_many: rank 0: buffers is NULL"},
       {[&] { return coll_broadcast_many(comm, buffers, nullptr, 1, COLL_FLOAT32, 0, 0); },
-       "coll_broadcast_many: counts is NULL"},
+       "coll_broadcast_many: rank 0: counts is NULL"},
       {[&] { return coll_broadcast_many(comm, buffers, counts, 2, COLL_FLOAT32, 0, 0); },
-       "coll_broadcast_many: buffers[1] is NULL but counts[1] is 3"},
+       "coll_broadcast_many: rank 0: buffers[1] is NULL but counts[1] is 3"},
       // A root that is no rank (this communicator has one), also with nothing to move.
       {[&] { return coll_broadcast_many(comm, buffers, counts, 1, COLL_FLOAT32, 1, 0); },
        "root 1 is not a rank"},
@@ -877,6 +877,8 @@ TEST(CApiErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
   for (const Case& c : cases) {
     EXPECT_EQ(c.call(), COLL_INVALID_ARGUMENT) << c.expect;
     EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << c.expect << " / " << coll_last_error();
+    // The communicator is known: the message names its rank, whichever layer found the error.
+    EXPECT_TRUE(Contains(coll_last_error(), ": rank 0: ")) << coll_last_error();
   }
   // None of them ran: the communicator still works.
   EXPECT_OK(coll_all_reduce(comm, x, x, 4, COLL_FLOAT32, COLL_SUM));
@@ -899,9 +901,9 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
   };
   const Case cases[] = {
       {[&](coll_work** w) { return coll_all_reduce_async(comm, x, x, 4, bad_dtype, COLL_SUM, w); },
-       "coll_all_reduce_async: dtype 99"},
+       "coll_all_reduce_async: rank 0: dtype 99"},
       {[&](coll_work** w) { return coll_all_reduce_async(comm, x, x, 4, COLL_FLOAT32, bad_op, w); },
-       "coll_all_reduce_async: op 42"},
+       "coll_all_reduce_async: rank 0: op 42"},
       {[&](coll_work** w) {
          return coll_all_reduce_async(comm, x, nullptr, 4, COLL_FLOAT32, COLL_SUM, w);
        },
@@ -909,11 +911,11 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
       {[&](coll_work** w) { return coll_broadcast_async(comm, x, x, 4, COLL_FLOAT32, 1, w); },
        "root 1"},
       {[&](coll_work** w) { return coll_all_gather_async(comm, x, x, 4, bad_dtype, w); },
-       "coll_all_gather_async: dtype 99"},
+       "coll_all_gather_async: rank 0: dtype 99"},
       {[&](coll_work** w) {
          return coll_reduce_scatter_async(comm, x, x, 4, COLL_FLOAT32, bad_op, w);
        },
-       "coll_reduce_scatter_async: op 42"},
+       "coll_reduce_scatter_async: rank 0: op 42"},
       {[&](coll_work** w) {
          return coll_all_reduce_async(nullptr, x, x, 4, COLL_FLOAT32, COLL_SUM, w);
        },
@@ -923,23 +925,23 @@ TEST(CApiAsyncTest, BadArgumentsAreReturnedAtIssueWithNoHandle) {
       {[&](coll_work** w) {
          return coll_all_reduce_many_async(comm, buffers, counts, 2, COLL_FLOAT32, COLL_SUM, 0, w);
        },
-       "coll_all_reduce_many_async: buffers[1] is NULL but counts[1] is 3"},
+       "coll_all_reduce_many_async: rank 0: buffers[1] is NULL but counts[1] is 3"},
       {[&](coll_work** w) {
          return coll_all_reduce_many_async(comm, buffers, counts, 1, COLL_FLOAT32, bad_op, 0, w);
        },
-       "coll_all_reduce_many_async: op 42"},
+       "coll_all_reduce_many_async: rank 0: op 42"},
       {[&](coll_work** w) {
          return coll_broadcast_many_async(comm, buffers, counts, 2, COLL_FLOAT32, 0, 0, w);
        },
-       "coll_broadcast_many_async: buffers[1] is NULL but counts[1] is 3"},
+       "coll_broadcast_many_async: rank 0: buffers[1] is NULL but counts[1] is 3"},
       {[&](coll_work** w) {
          return coll_broadcast_many_async(comm, nullptr, counts, 1, COLL_FLOAT32, 0, 0, w);
        },
-       "coll_broadcast_many_async: buffers is NULL"},
+       "coll_broadcast_many_async: rank 0: buffers is NULL"},
       {[&](coll_work** w) {
          return coll_broadcast_many_async(comm, buffers, counts, 1, bad_dtype, 0, 0, w);
        },
-       "coll_broadcast_many_async: dtype 99"},
+       "coll_broadcast_many_async: rank 0: dtype 99"},
       {[&](coll_work** w) {
          return coll_broadcast_many_async(comm, buffers, counts, 1, COLL_FLOAT32, 1, 0, w);
        },
@@ -1181,7 +1183,7 @@ TEST(CApiTimeoutTest, SetTimeoutAppliesToTheNextCollectives) {
     if (rank == 0) {
       EXPECT_EQ(coll_comm_set_timeout(comm, 0), COLL_INVALID_ARGUMENT);
       EXPECT_EQ(std::string(coll_last_error()),
-                "coll_comm_set_timeout: timeout_ms is 0; it must be positive");
+                "coll_comm_set_timeout: rank 0: timeout_ms is 0; it must be positive");
       EXPECT_EQ(coll_comm_set_timeout(comm, -5), COLL_INVALID_ARGUMENT);
       EXPECT_EQ(coll_comm_set_timeout(nullptr, 100), COLL_INVALID_ARGUMENT);
       EXPECT_OK(coll_comm_set_timeout(comm, 200));
@@ -1207,6 +1209,40 @@ TEST(CApiTimeoutTest, Int64MaxMeansAYear) {
     EXPECT_OK(coll_all_reduce(comm, data.data(), data.data(), data.size(), COLL_INT64, COLL_SUM));
     EXPECT_EQ(std::count(data.begin(), data.end(), int64_t{6}), 777);
     EXPECT_OK(coll_barrier(comm));
+  });
+}
+
+// A bad argument names the rank that passed it, as every message of the library does: in a job
+// whose ranks log to one place, "dtype 99" alone does not say which rank to look at. Each rank
+// fails alone (nothing is issued), so no rank waits for another.
+TEST(CApiErrorTest, ArgumentErrorsNameTheRank) {
+  RunRanks(3, [&](coll_comm* comm, int rank) {
+    const std::string who = ": rank " + std::to_string(rank) + ": ";
+    float x = 0;
+    coll_work* work = nullptr;
+    EXPECT_EQ(coll_all_reduce(comm, &x, &x, 1, static_cast<coll_dtype>(99), COLL_SUM),
+              COLL_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(coll_last_error()),
+              "coll_all_reduce" + who + "dtype 99 is not a coll_dtype (valid: 0..7)");
+    EXPECT_EQ(
+        coll_reduce_scatter_async(comm, &x, &x, 1, COLL_FLOAT32, static_cast<coll_op>(42), &work),
+        COLL_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(coll_last_error()),
+              "coll_reduce_scatter_async" + who + "op 42 is not a coll_op (valid: 0..4)");
+    EXPECT_EQ(coll_all_gather(comm, &x, &x, SIZE_MAX / 2, COLL_FLOAT32), COLL_INVALID_ARGUMENT);
+    EXPECT_TRUE(Contains(coll_last_error(), "coll_all_gather" + who + "count_per_rank = "))
+        << coll_last_error();
+    EXPECT_EQ(coll_all_reduce_many(comm, nullptr, nullptr, 1, COLL_FLOAT32, COLL_SUM, 0),
+              COLL_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(coll_last_error()), "coll_all_reduce_many" + who + "buffers is NULL");
+    EXPECT_EQ(coll_comm_set_timeout(comm, -1), COLL_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(coll_last_error()),
+              "coll_comm_set_timeout" + who + "timeout_ms is -1; it must be positive");
+    // Found by the C++ layer: named there already, and once.
+    EXPECT_EQ(coll_broadcast(comm, &x, &x, 1, COLL_FLOAT32, 7), COLL_INVALID_ARGUMENT);
+    EXPECT_TRUE(Contains(coll_last_error(), "coll_broadcast" + who)) << coll_last_error();
+    EXPECT_FALSE(Contains(coll_last_error(), who + "rank ")) << coll_last_error();
+    EXPECT_OK(coll_barrier(comm));  // nothing was issued before: the ranks still agree
   });
 }
 
