@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -567,12 +568,39 @@ void DivideFloat(T* data, size_t count, T divisor) {
   TransformInPlace(data, count, [divisor](T x) { return x / divisor; });
 }
 
-// f16 / bf16: divided in f32 and rounded once more. f32 carries at least 2p + 2 bits for both
-// (p = 11 and 8), so this double rounding gives the correctly rounded quotient.
+// f16 / bf16: divided in f32 and rounded once more. This double rounding gives the correctly
+// rounded quotient for divisors below kWidenedDivisorLimit: a quotient x / d of a p-bit x that is
+// not a tie of the 16-bit format lies at least 2^-(p + 1) / d of itself away from one (2^-12 / d
+// for f16, p = 11; 2^-134 / d among bf16's subnormals, a fixed grid), more than the rounding to
+// f32 moves it (2^-24 of itself; 2^-150 among f32's subnormals). Past that the f32 quotient can
+// land on a tie (f16 0x3956 / 8195 rounded to 0x0556, not 0x0555), so larger divisors take
+// DivideWidenedExactly.
+constexpr size_t kWidenedDivisorLimit = size_t{1} << 12;
+
 template <typename Codec>
 void DivideWidened(uint16_t* data, size_t count, float divisor) {
   TransformInPlace(data, count,
                    [divisor](uint16_t x) { return Codec::Narrow(Codec::Widen(x) / divisor); });
+}
+
+// f16 / bf16 by a divisor of kWidenedDivisorLimit or more (kAvg over that many ranks), one
+// element at a time: the quotient in double, whose rounding (2^-53) stays far inside the gap
+// above for any divisor below 2^41, then rounded to f32 toward zero with the lowest bit set when
+// inexact ("round to odd"), which keeps the sticky information a tie needs: rounding that f32 to
+// 16 bits gives the correctly rounded quotient. A NaN is divided as in DivideWidened (the same
+// bits: payload kept, quiet bit set).
+template <typename Codec>
+void DivideWidenedExactly(uint16_t* data, size_t count, double divisor) {
+  for (size_t i = 0; i < count; ++i) {
+    const double quotient = static_cast<double>(Codec::Widen(data[i])) / divisor;
+    float rounded = static_cast<float>(quotient);
+    if (static_cast<double>(rounded) != quotient && quotient == quotient) {
+      uint32_t bits = std::bit_cast<uint32_t>(rounded);
+      if (std::fabs(static_cast<double>(rounded)) > std::fabs(quotient)) --bits;
+      rounded = std::bit_cast<float>(bits | 1u);
+    }
+    data[i] = Codec::Narrow(rounded);
+  }
 }
 
 // Integers of at most 32 bits: divided in double, then truncated toward zero, which vectorises
@@ -685,6 +713,10 @@ void DivideInPlace(DataType dtype, void* data, size_t count, size_t divisor) {
     case DataType::kFloat64:
       return DivideFloat(static_cast<double*>(data), count, static_cast<double>(divisor));
     case DataType::kFloat16: {
+      if (divisor >= kWidenedDivisorLimit) {
+        return DivideWidenedExactly<HalfCodec>(static_cast<uint16_t*>(data), count,
+                                               static_cast<double>(divisor));
+      }
       size_t done = 0;
 #ifdef COLLECTIVES_HAVE_F16C_PATH
       if (HasF16c()) {
@@ -695,6 +727,10 @@ void DivideInPlace(DataType dtype, void* data, size_t count, size_t divisor) {
                                       static_cast<float>(divisor));
     }
     case DataType::kBFloat16:
+      if (divisor >= kWidenedDivisorLimit) {
+        return DivideWidenedExactly<BFloat16Codec>(static_cast<uint16_t*>(data), count,
+                                                   static_cast<double>(divisor));
+      }
       return DivideWidened<BFloat16Codec>(static_cast<uint16_t*>(data), count,
                                           static_cast<float>(divisor));
     case DataType::kInt8:

@@ -880,6 +880,31 @@ TEST(DivideInPlaceTest, VectorAndScalarHalfPathsAgree) {
   }
 }
 
+// kAvg over many ranks: an f32 quotient rounded to f32 and then to 16 bits can land on a tie of
+// the 16-bit format that the exact quotient is not on, once the divisor has more bits than the
+// format (f16 0x3956 / 8195 gave 0x0556 for 0x0555; bf16 subnormal 0x0690 / 69391 gave 0x0008
+// for 0x0009). Every code, the NaNs quieted with their payload as below.
+TEST(DivideInPlaceTest, HalfTypesAreCorrectlyRoundedByLargeDivisors) {
+  for (auto [dtype, format] :
+       {std::pair{DataType::kFloat16, kHalf}, std::pair{DataType::kBFloat16, kBFloat16}}) {
+    SCOPED_TRACE(ToString(dtype));
+    for (size_t divisor : {size_t{4096}, size_t{8195}, size_t{69391}, size_t{92671},
+                           size_t{1000003}, size_t{1} << 40}) {
+      std::vector<uint16_t> data(65536);
+      for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint16_t>(i);
+      DivideInPlace(dtype, data.data(), data.size(), divisor);
+      for (size_t i = 0; i < data.size(); ++i) {
+        const uint16_t code = static_cast<uint16_t>(i);
+        const uint16_t expected =
+            IsNaN16(format, code)
+                ? NarrowNaNLikeF16c(dtype, WidenNaNLikeF16c(dtype, code))
+                : RefEncode(format, RefDecode(format, code) / static_cast<double>(divisor));
+        ASSERT_EQ(data[i], expected) << std::hex << "code 0x" << i << " / " << std::dec << divisor;
+      }
+    }
+  }
+}
+
 // As ReduceTest.EveryStartWithinACacheLine, for the division that finishes kAvg.
 TEST(DivideInPlaceTest, EveryStartWithinACacheLine) {
   alignas(64) static float f32[1001 + 16];
