@@ -48,7 +48,9 @@ KernelIsa ActiveKernelIsa();
 KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, bool is_intel);
 
 // Conversions of the 16-bit float types (round to nearest even). A NaN stays a NaN of its sign
-// and gets the quiet bit; f16 keeps its payload (the top 10 bits when narrowing), as F16C does.
+// and gets the quiet bit, except in BFloat16ToFloat, which widens every code exactly (a shift:
+// a signalling NaN stays signalling, as the AVX2 loop's widening does); f16 keeps its payload
+// (the top 10 bits when narrowing), as F16C does.
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 float BFloat16ToFloat(uint16_t b);
