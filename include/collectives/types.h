@@ -29,7 +29,8 @@ inline constexpr int kNumDataTypes = 8;
 // division, truncating toward zero, for integer types). Integer kSum, kProd and kAvg's sum wrap
 // modulo 2^bits (two's complement), so an integer average of large values wraps before the
 // division (u8: avg(200, 200) is 72). f16's partial sums are rounded to f16 at each step, so an
-// f16 kAvg is inf once a partial sum passes 65504 (avg(40000, 40000) is inf; NCCL, which
+// f16 kAvg is inf once a partial sum reaches 65520, which rounds past the largest f16, 65504
+// (avg(65504, 15) is 32752, avg(65504, 16) is inf, avg(40000, 40000) is inf; NCCL, which
 // multiplies each input by 1/n first, gives 40000); scale such values first. Every rank gets the
 // same bits, with one exception: where ranks contribute different NaNs to one element, which of
 // them a rank ends with may differ (x86 keeps one operand's NaN, and the compiler orders the

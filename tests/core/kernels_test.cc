@@ -631,6 +631,22 @@ TEST(ReduceTest, HalfSumRoundsAndOverflows) {
   EXPECT_EQ(ReduceOne<uint16_t>(DataType::kBFloat16, ReduceOp::kProd, 0x4000, 0xc040), 0xc0c0);
 }
 
+// The kAvg examples types.h gives, for 2 ranks: a sum, then DivideInPlace.
+template <typename T>
+T AvgOfTwo(DataType dtype, T a, T b) {
+  T sum = ReduceOne<T>(dtype, ReduceOp::kAvg, a, b);
+  DivideInPlace(dtype, &sum, 1, 2);
+  return sum;
+}
+
+TEST(ReduceTest, TypesHeaderAvgExamplesHold) {
+  EXPECT_EQ(AvgOfTwo<uint8_t>(DataType::kUInt8, 200, 200), 72);
+  EXPECT_EQ(AvgOfTwo<uint16_t>(DataType::kFloat16, FloatToHalf(65504), FloatToHalf(15)),
+            FloatToHalf(32752));
+  EXPECT_EQ(AvgOfTwo<uint16_t>(DataType::kFloat16, FloatToHalf(65504), FloatToHalf(16)), 0x7c00);
+  EXPECT_EQ(AvgOfTwo<uint16_t>(DataType::kFloat16, FloatToHalf(40000), FloatToHalf(40000)), 0x7c00);
+}
+
 TEST(ReduceTest, UnknownDataTypeOrOpIsInvalidArgument) {
   float a = 1, b = 2, dst = 0;
   try {
