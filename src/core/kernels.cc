@@ -452,7 +452,11 @@ template <typename Op>
   return i;
 }
 
-[[gnu::target("avx2,f16c")]] size_t DivideHalfF16c(uint16_t* data, size_t count, float divisor) {
+// Aligned to a cache line, so that its short loop (35 bytes with GCC 12) stays in one wherever
+// the linker puts the function: a loop across two lines cost up to a fifth (kernels_bench
+// BM_HalfDivideInPlace, 5 alternating runs: 14.0-14.8 GB/s in one line, 11.4-13.7 across two).
+[[gnu::target("avx2,f16c"), gnu::aligned(64)]] size_t DivideHalfF16c(uint16_t* data, size_t count,
+                                                                     float divisor) {
   const __m256 d = _mm256_set1_ps(divisor);
   size_t i = 0;
   for (; i + 8 <= count; i += 8) {
