@@ -1154,18 +1154,27 @@ TEST(TcpStoreClientTest, AnAddressThatDropsConnectionsDoesNotHideTheNext) {
                               ntohl(first->sin_addr.s_addr) == INADDR_LOOPBACK;
         freeaddrinfo(list);
         if (!in_order) return 78;
-        cluster::TcpStoreServer server("127.0.0.2", 0);
-        sockaddr_in address{};
-        address.sin_family = AF_INET;
-        address.sin_port = htons(server.port());
-        address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        const auto to = reinterpret_cast<sockaddr*>(&address);
-        const int full = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        const int filler = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (bind(full, to, sizeof(address)) != 0 || listen(full, 0) != 0 ||
-            connect(filler, to, sizeof(address)) != 0) {
-          return 79;
+        // The store's port at 127.0.0.1 may be another test's: try other ports a few times.
+        std::unique_ptr<cluster::TcpStoreServer> listening;
+        for (int attempt = 0; attempt < 20 && !listening; ++attempt) {
+          auto candidate = std::make_unique<cluster::TcpStoreServer>("127.0.0.2", 0);
+          sockaddr_in address{};
+          address.sin_family = AF_INET;
+          address.sin_port = htons(candidate->port());
+          address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+          const auto to = reinterpret_cast<sockaddr*>(&address);
+          const int full = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+          const int filler = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+          if (bind(full, to, sizeof(address)) == 0 && listen(full, 0) == 0 &&
+              connect(filler, to, sizeof(address)) == 0) {
+            listening = std::move(candidate);  // `full` and `filler` stay open until _exit
+          } else {
+            close(full);
+            close(filler);
+          }
         }
+        if (!listening) return 79;
+        cluster::TcpStoreServer& server = *listening;
         const auto start = Clock::now();
         try {
           auto client =
