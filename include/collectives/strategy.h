@@ -192,7 +192,8 @@ class Strategy {
   // a variable's Assign), rethrow the same error (a checkpoint of replicas that stopped at
   // different points must not replace a good one), and with several workers the communicator is
   // aborted, so that the other workers fail at once instead of waiting for collectives this one
-  // will not issue.
+  // will not issue: they throw kAborted naming the cause ("rank 0: rank 1 aborted the job: rank
+  // 1: the strategy aborted the communicator: worker 1 replica 1 failed: <its error>").
   // With one replica and one worker an exception just propagates and the strategy stays usable.
   //
   // A replica's result is kept in its own std::optional until every replica has returned, so

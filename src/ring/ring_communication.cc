@@ -91,6 +91,8 @@ class RingCommunication final : public CollectiveCommunication {
 
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
   void Abort() override;
+  // ring::Abort (ring_communication.h).
+  void Abort(const Error& error) { Break(error); }
   void SetTimeout(std::chrono::milliseconds timeout) override;
 
  private:
@@ -666,6 +668,14 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
     ring->AllReduceCheckedAs(send, recv, op, checked_as);
   } else {
     comm.AllReduce(send, recv, op);
+  }
+}
+
+void Abort(CollectiveCommunication& comm, const Error& error) {
+  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
+    ring->Abort(error);
+  } else {
+    comm.Abort();
   }
 }
 

@@ -75,6 +75,15 @@ std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, con
 void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
                         ReduceOp op, ReduceOp checked_as);
 
+// For a layer that aborts a communicator because of a failure of its own (the strategy layer,
+// when a replica's function or a caller's arguments fail on one worker): comm.Abort(), with
+// `error` as the error that breaks it. Its pending and later calls raise `error`, and its peers
+// receive it as the abort's reason ("rank 0: rank 1 aborted the job: <error's message>", with
+// error's code; the message is cut at transport::kMaxAbortPayload bytes), rather than "the
+// communicator was aborted by its caller". On a communicator that is not RING or AUTO (NCCL, a
+// wrapper), the plain comm.Abort().
+void Abort(CollectiveCommunication& comm, const Error& error);
+
 // The ring's own all-reduce algorithms, by the names of CommunicationOptions::algorithm.
 bool IsRingAlgorithm(const std::string& name);
 

@@ -173,8 +173,13 @@ void LocalGroup::Fail(int replica, std::exception_ptr error) {
 
 void LocalGroup::RunFailureHook() {
   if (!failure_hook_) return;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reason = abort_reason_;
+  }
   try {
-    failure_hook_();
+    failure_hook_(reason);
   } catch (...) {  // the hook only releases others; the original error is what matters
   }
 }

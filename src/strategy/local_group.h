@@ -46,10 +46,13 @@ class LocalGroup {
   int size() const { return size_; }
 
   // Called once, from the failing replica's thread and outside the group's lock, when the first
-  // failure is recorded (the strategy aborts its communicator there, so that replica 0, which may
-  // be blocked in a cross-worker collective, and the other workers are released at once). Set it
-  // before the first Run.
-  void SetFailureHook(std::function<void()> hook) { failure_hook_ = std::move(hook); }
+  // failure is recorded, with the reason the other replicas' kAborted give ("worker 1 replica 1
+  // failed: <its error>"): the strategy aborts its communicator there with that reason, so that
+  // replica 0, which may be blocked in a cross-worker collective, and the other workers are
+  // released at once and learn why. Set it before the first Run.
+  void SetFailureHook(std::function<void(const std::string& reason)> hook) {
+    failure_hook_ = std::move(hook);
+  }
 
   // Runs body(r) for every r in [0, size()), in parallel: r = 0 on the calling thread, the others
   // on the group's threads. Returns when every replica has returned; then rethrows the first
@@ -100,7 +103,7 @@ class LocalGroup {
               const char* phase, std::chrono::milliseconds deadline);
   // Under mu_: records the first failure; true if this call recorded it.
   bool RecordLocked(int replica, std::exception_ptr error);
-  // Calls failure_hook_ (without mu_ held), swallowing what it throws.
+  // Calls failure_hook_ (without mu_ held) with abort_reason_, swallowing what it throws.
   void RunFailureHook();
   [[noreturn]] void ThrowAbortedLocked(int replica, const Call& call) const;
   std::string ReplicaName(int replica) const;
@@ -109,7 +112,7 @@ class LocalGroup {
   const int size_;
   const std::chrono::milliseconds timeout_;
   const std::string who_;
-  std::function<void()> failure_hook_;
+  std::function<void(const std::string&)> failure_hook_;
 
   std::mutex mu_;
   std::condition_variable barrier_cv_;  // waiters at Enter / Step

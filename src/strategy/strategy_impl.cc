@@ -139,6 +139,16 @@ void CopyTensor(const Tensor& dst, const Tensor& src) {
   if (dst.count > 0 && dst.data != src.data) std::memcpy(dst.data, src.data, dst.bytes());
 }
 
+std::string WhatOf(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 // kAvg is a sum divided once by NumReplicasInSync(), here: the replicas and the workers sum. The
 // workers' collectives are still checked as kAvg (ring::AllReduceCheckedAs), so that a worker
 // that sums where another averages is a mismatch on every worker.
@@ -159,9 +169,7 @@ StrategyImpl::StrategyImpl(Config config)
       seq_(devices_.size(), 0) {
   if (devices_.size() > 1) {
     group_ = std::make_unique<LocalGroup>(static_cast<int>(devices_.size()), timeout_, who_);
-    group_->SetFailureHook([this] {
-      if (comm_) comm_->Abort();
-    });
+    group_->SetFailureHook([this](const std::string& reason) { AbortCommunication(reason); });
   }
 }
 
@@ -177,9 +185,16 @@ void StrategyImpl::CheckCrossReplica(const char* call) const {
   if (broken_) std::rethrow_exception(broken_);
 }
 
-void StrategyImpl::Break(std::exception_ptr error) {
-  if (!broken_) broken_ = std::move(error);
-  if (comm_) comm_->Abort();
+void StrategyImpl::Break(std::exception_ptr error, const std::string& who_failed) {
+  if (!broken_) broken_ = error;
+  if (comm_) AbortCommunication(who_failed + WhatOf(error));
+}
+
+void StrategyImpl::AbortCommunication(const std::string& reason) {
+  if (!comm_) return;
+  ring::Abort(*comm_, Error(ErrorCode::kAborted, "rank " + std::to_string(comm_->rank()) +
+                                                     ": the strategy aborted the communicator: " +
+                                                     core::OneLine(reason, 1024)));
 }
 
 void StrategyImpl::RunEach(const std::function<void(ReplicaContext&)>& fn) {
@@ -205,7 +220,7 @@ void StrategyImpl::RunEach(const std::function<void(ReplicaContext&)>& fn) {
     try {
       body(0);
     } catch (...) {
-      if (comm_) Break(std::current_exception());
+      if (comm_) Break(std::current_exception(), who_ + "replica 0 failed: ");
       throw;
     }
     return;

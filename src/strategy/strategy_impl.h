@@ -92,9 +92,15 @@ class StrategyImpl {
   // Throws kInvalidUsage naming `call` when called from inside RunEach, and rethrows the error
   // that broke the strategy (see broken_) when one did.
   void CheckCrossReplica(const char* call) const;
-  // Marks the strategy broken by `error` and aborts the communicator, so that the other
-  // workers, which may wait in a collective this worker will never issue, fail at once.
-  void Break(std::exception_ptr error);
+  // Marks the strategy broken by `error` and aborts the communicator with it as the reason
+  // (see AbortCommunication), so that the other workers, which may wait in a collective this
+  // worker will never issue, fail at once and learn why. `who_failed` ("worker 1 replica 0
+  // failed: ") goes before the error's message in that reason.
+  void Break(std::exception_ptr error, const std::string& who_failed = "");
+  // Aborts the communicator, if any, with `reason`: the other workers' calls raise kAborted
+  // "rank 0: rank 1 aborted the job: rank 1: the strategy aborted the communicator: <reason>"
+  // (ring::Abort; the public Abort() on other communicators). Any thread.
+  void AbortCommunication(const std::string& reason);
 
  private:
   void ReduceToOneDevice(int r, const internal::LocalGroup::Call& call, ReduceOp op,
