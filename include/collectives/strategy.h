@@ -220,9 +220,15 @@ class Strategy {
   // Cross-replica context: reduces one value per local replica over every replica of every
   // worker (kSum, kAvg over NumReplicasInSync(), kMin, kMax). The same result on every worker;
   // workers that pass different ops (kAvg and kSum included) all get kMismatch, as for AllReduce.
+  // A mistake one worker can see alone (values for another number of replicas than
+  // num_local_replicas(), an unknown op) throws kInvalidArgument there; with several workers it
+  // also breaks the strategy, as a failed Run does, so that the other workers, which would wait
+  // for this one's all-reduce, throw kAborted naming it at once. With one worker the strategy
+  // stays usable.
   double Reduce(ReduceOp op, const PerReplica<double>& values);
-  // The same, element-wise, for float vectors of equal size. Workers whose vectors differ in
-  // size (one empty included) all get kMismatch naming both counts.
+  // The same, element-wise, for float vectors of equal size (local vectors of different sizes:
+  // kInvalidArgument, as above). Workers whose vectors differ in size (one empty included) all
+  // get kMismatch naming both counts.
   std::vector<float> Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values);
 
   // Cross-replica context, every worker in the same order ("inside the scope"): creates a

@@ -190,6 +190,11 @@ void StrategyImpl::Break(std::exception_ptr error, const std::string& who_failed
   if (comm_) AbortCommunication(who_failed + WhatOf(error));
 }
 
+void StrategyImpl::Refuse(const Error& error) {
+  if (comm_) Break(std::make_exception_ptr(error));
+  throw error;
+}
+
 void StrategyImpl::AbortCommunication(const std::string& reason) {
   if (!comm_) return;
   ring::Abort(*comm_, Error(ErrorCode::kAborted, "rank " + std::to_string(comm_->rank()) +
@@ -371,12 +376,12 @@ void StrategyImpl::HierarchicalCopy(int r, const LocalGroup::Call& call, ReduceO
 double StrategyImpl::Reduce(ReduceOp op, const PerReplica<double>& values) {
   CheckCrossReplica("Strategy::Reduce");
   if (values.size() != devices_.size()) {
-    throw Error(ErrorCode::kInvalidArgument,
-                who_ + "Strategy::Reduce got " + std::to_string(values.size()) +
-                    " values for " + std::to_string(devices_.size()) + " local replicas");
+    Refuse(Error(ErrorCode::kInvalidArgument,
+                 who_ + "Strategy::Reduce got " + std::to_string(values.size()) + " values for " +
+                     std::to_string(devices_.size()) + " local replicas"));
   }
   if (static_cast<unsigned>(op) >= static_cast<unsigned>(kNumReduceOps)) {
-    throw Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: unknown reduce op");
+    Refuse(Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: unknown reduce op"));
   }
   const ReduceOp wire = WireOp(op);
   double acc = values[0];
@@ -394,19 +399,19 @@ double StrategyImpl::Reduce(ReduceOp op, const PerReplica<double>& values) {
 std::vector<float> StrategyImpl::Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values) {
   CheckCrossReplica("Strategy::Reduce");
   if (values.size() != devices_.size()) {
-    throw Error(ErrorCode::kInvalidArgument,
-                who_ + "Strategy::Reduce got " + std::to_string(values.size()) +
-                    " vectors for " + std::to_string(devices_.size()) + " local replicas");
+    Refuse(Error(ErrorCode::kInvalidArgument,
+                 who_ + "Strategy::Reduce got " + std::to_string(values.size()) + " vectors for " +
+                     std::to_string(devices_.size()) + " local replicas"));
   }
   if (static_cast<unsigned>(op) >= static_cast<unsigned>(kNumReduceOps)) {
-    throw Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: unknown reduce op");
+    Refuse(Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: unknown reduce op"));
   }
   for (size_t k = 1; k < values.size(); ++k) {
     if (values[k].size() != values[0].size()) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  who_ + "Strategy::Reduce: replica 0's vector has " +
-                      std::to_string(values[0].size()) + " elements, replica " +
-                      std::to_string(k) + "'s " + std::to_string(values[k].size()));
+      Refuse(Error(ErrorCode::kInvalidArgument, who_ + "Strategy::Reduce: replica 0's vector has " +
+                                                    std::to_string(values[0].size()) +
+                                                    " elements, replica " + std::to_string(k) +
+                                                    "'s " + std::to_string(values[k].size())));
     }
   }
   const ReduceOp wire = WireOp(op);

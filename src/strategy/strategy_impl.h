@@ -101,6 +101,11 @@ class StrategyImpl {
   // "rank 0: rank 1 aborted the job: rank 1: the strategy aborted the communicator: <reason>"
   // (ring::Abort; the public Abort() on other communicators). Any thread.
   void AbortCommunication(const std::string& reason);
+  // Throws `error`, a caller mistake that only this worker sees (Strategy::Reduce's arguments).
+  // With several workers, breaks the strategy with it first (Break), as a failed Run does: the
+  // other workers, which would wait for this worker's all-reduce until their timeout, throw
+  // kAborted naming it at once. With one worker the strategy stays usable.
+  [[noreturn]] void Refuse(const Error& error);
 
  private:
   void ReduceToOneDevice(int r, const internal::LocalGroup::Call& call, ReduceOp op,

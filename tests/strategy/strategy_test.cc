@@ -805,6 +805,54 @@ TEST(StrategyMultiWorkerTest, AWorkerThatPassesNothingWhereAnotherPassesValuesGe
   }
 }
 
+// A caller mistake in Strategy::Reduce on one worker only (values for the wrong number of
+// replicas, an unknown op, vectors of different sizes): that worker throws kInvalidArgument, and
+// breaks the strategy as a failed Run does, so that the other worker, waiting in its all-reduce,
+// throws kAborted naming the mistake at once, on RING and AUTO. Before, it waited out its timeout
+// and its error named the wrong thing ("deadline passed while waiting for #1 all_reduce(...)
+// from rank 0"). A later call on the worker that made the mistake rethrows it.
+TEST(StrategyMultiWorkerTest, AReduceMistakeOnOneWorkerReachesTheOthersAtOnce) {
+  const char* const mistakes[] = {"Strategy::Reduce got 1 values for 2 local replicas",
+                                  "Strategy::Reduce: unknown reduce op",
+                                  "replica 0's vector has 2 elements, replica 1's 1"};
+  for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+    for (int mistake = 0; mistake < 3; ++mistake) {
+      SCOPED_TRACE(std::string(ToString(impl)) + " mistake " + std::to_string(mistake));
+      const auto start = std::chrono::steady_clock::now();
+      auto errors = RunWorkersCatching(
+          2, 2, kHC,
+          [&](Strategy& s, int rank) {
+            const bool wrong = rank == 1;
+            const auto reduce = [&] {
+              if (mistake == 0) {
+                s.Reduce(ReduceOp::kSum, wrong ? PerReplica<double>{1} : PerReplica<double>{1, 2});
+              } else if (mistake == 1) {
+                s.Reduce(wrong ? static_cast<ReduceOp>(99) : ReduceOp::kSum,
+                         PerReplica<double>{1, 2});
+              } else {
+                const std::vector<float> two = {1, 2};
+                const std::vector<float> one = {3};
+                s.Reduce(ReduceOp::kSum, PerReplica<std::vector<float>>{two, wrong ? one : two});
+              }
+            };
+            if (!wrong) {
+              reduce();
+              ADD_FAILURE() << "worker 0 returned from Reduce";
+              return;
+            }
+            ExpectError(ErrorCode::kInvalidArgument, {mistakes[mistake]}, reduce);
+            s.Barrier();  // rethrows the mistake: the strategy is broken
+            ADD_FAILURE() << "worker 1 went on";
+          },
+          [&](MultiWorkerOptions& o) { o.communication.implementation = impl; });
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // not the 20 s timeout
+      ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument, {mistakes[mistake]});
+      ExpectErrorPtr(errors[0], ErrorCode::kAborted,
+                     {"rank 1 aborted the job", "worker 1 ", mistakes[mistake]});
+    }
+  }
+}
+
 // ---- Reduce, variables, broadcast --------------------------------------------------------------
 
 TEST(StrategyReduceTest, LocalReplicas) {
@@ -822,6 +870,10 @@ TEST(StrategyReduceTest, LocalReplicas) {
   ExpectError(ErrorCode::kInvalidArgument, {"replica 2's 1"}, [&] {
     s.Reduce(ReduceOp::kSum, PerReplica<std::vector<float>>{{1, 2}, {3, 4}, {5}});
   });
+  ExpectError(ErrorCode::kInvalidArgument, {"unknown reduce op"},
+              [&] { s.Reduce(static_cast<ReduceOp>(99), v); });
+  // With one worker a caller mistake breaks nothing: the strategy stays usable.
+  EXPECT_EQ(s.Reduce(ReduceOp::kSum, v), 3.5);
 }
 
 TEST(StrategyReduceTest, AcrossWorkers) {
