@@ -764,7 +764,9 @@ TEST(StrategyMultiWorkerTest, AWorkerThatAveragesWhereAnotherSumsGetsMismatch) {
         }
         for (size_t g = 0; g < values.size(); ++g) {
           for (float v : values[g]) {
-            if (local == 1) EXPECT_EQ(v, 1.0f) << "replica " << g;
+            if (local == 1) {
+              EXPECT_EQ(v, 1.0f) << "replica " << g;
+            }
             EXPECT_NE(v, 4.0f) << "replica " << g;
           }
         }
