@@ -110,11 +110,12 @@ typedef enum coll_implementation {
  *   options.timeout_ms = 30000;
  *
  * Growing: new fields are only ever appended. struct_size records how large the caller's struct
- * is (sizeof as the caller's header saw it); the library reads a field only if it lies within
- * struct_size and uses the field's default otherwise, so a program built against an older header
- * keeps working with a newer library. A struct_size larger than the library knows (a header
- * newer than the library) is rejected with COLL_INVALID_ARGUMENT rather than silently ignoring
- * settings, as is a struct_size smaller than this first version (e.g. an uninitialised struct).
+ * is (sizeof as the caller's header saw it, which coll_options_init passes to the library); the
+ * library writes only that many bytes and reads a field only if it lies within struct_size,
+ * using the field's default otherwise, so a program built against an older header keeps working
+ * with a newer library. A struct_size larger than the library knows (a header newer than the
+ * library) is rejected with COLL_INVALID_ARGUMENT rather than silently ignoring settings, as is
+ * a struct_size smaller than this first version (e.g. an uninitialised struct).
  *
  * Wherever a `const coll_options*` is taken, NULL means all defaults. */
 typedef struct coll_options {
@@ -149,9 +150,21 @@ typedef struct coll_options {
   const char* job_token;
 } coll_options;
 
-/* Fills *options with the defaults above and sets struct_size. Returns COLL_INVALID_ARGUMENT if
- * options is NULL. */
-coll_status coll_options_init(coll_options* options);
+/* Fills the first struct_size bytes of *options with the defaults above and sets
+ * options->struct_size to struct_size, the caller's sizeof(coll_options): nothing past the
+ * caller's struct is written, whatever the library's own size. A struct_size smaller than this
+ * first version or larger than the library knows (a header newer than the library) returns
+ * COLL_INVALID_ARGUMENT naming both sizes, as does a NULL options; nothing is written then.
+ * Call it through coll_options_init, which passes the size; a foreign-function interface, which
+ * cannot call an inline function, passes the size of its own declaration of the struct. */
+coll_status coll_options_init_sized(coll_options* options, size_t struct_size);
+
+/* Fills *options with the defaults above and sets struct_size: coll_options_init_sized with
+ * sizeof(coll_options) as this header sees it (inline, so that the size is the caller's, not
+ * the library's). Returns COLL_INVALID_ARGUMENT if options is NULL. */
+static inline coll_status coll_options_init(coll_options* options) {
+  return coll_options_init_sized(options, sizeof(coll_options));
+}
 
 /* ---- Communicators. ---- */
 

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
@@ -355,21 +356,29 @@ struct CreateOptions {
   size_t bytes_per_pack = 0;
 };
 
-CreateOptions OptionsOf(const coll_options* options) {
-  coll_options defaults;
-  coll_options_init(&defaults);
-  if (options == nullptr) options = &defaults;
-  if (options->struct_size < kOptionsV1Size) {
-    InvalidArgument("options->struct_size is " + std::to_string(options->struct_size) +
+// Refuses a size of the caller's coll_options that this library cannot take: below the first
+// version's, or above its own (a program built against a newer header). `name` names the size in
+// the message; `hint` ends the message of one too small.
+void CheckOptionsSize(const char* name, size_t struct_size, const char* hint) {
+  if (struct_size < kOptionsV1Size) {
+    InvalidArgument(std::string(name) + " is " + std::to_string(struct_size) +
                     ", less than any coll_options (" + std::to_string(kOptionsV1Size) +
-                    " bytes): fill the options with coll_options_init first");
+                    " bytes): " + hint);
   }
-  if (options->struct_size > sizeof(coll_options)) {
-    InvalidArgument("options->struct_size is " + std::to_string(options->struct_size) +
+  if (struct_size > sizeof(coll_options)) {
+    InvalidArgument(std::string(name) + " is " + std::to_string(struct_size) +
                     " but this library knows a coll_options of " +
                     std::to_string(sizeof(coll_options)) +
                     " bytes: the program was built against a newer c_api.h than the library");
   }
+}
+
+CreateOptions OptionsOf(const coll_options* options) {
+  coll_options defaults;
+  coll_options_init(&defaults);
+  if (options == nullptr) options = &defaults;
+  CheckOptionsSize("options->struct_size", options->struct_size,
+                   "fill the options with coll_options_init first");
   CreateOptions out;
   const int implementation = static_cast<int>(options->implementation);
   if (implementation < COLL_IMPLEMENTATION_RING || implementation > COLL_IMPLEMENTATION_AUTO) {
@@ -427,6 +436,7 @@ using collectives::c_api::AllReduce;
 using collectives::c_api::Barrier;
 using collectives::c_api::Broadcast;
 using collectives::c_api::BroadcastMany;
+using collectives::c_api::CheckOptionsSize;
 using collectives::c_api::CommOf;
 using collectives::c_api::Create;
 using collectives::c_api::DataTypeOf;
@@ -443,15 +453,20 @@ using collectives::c_api::WorkOf;
 
 extern "C" {
 
-coll_status coll_options_init(coll_options* options) {
-  return Guard("coll_options_init", [&] {
-    coll_options& o = NotNull(options, "options");
-    o = coll_options{};
-    o.struct_size = sizeof(coll_options);
+// The caller's struct may be smaller than this library's (an older header): only its
+// struct_size bytes are written.
+coll_status coll_options_init_sized(coll_options* options, size_t struct_size) {
+  return Guard("coll_options_init_sized", [&] {
+    NotNull(options, "options");
+    CheckOptionsSize("struct_size", struct_size,
+                     "pass sizeof(coll_options), as coll_options_init does");
+    coll_options o{};
+    o.struct_size = struct_size;
     o.implementation = COLL_IMPLEMENTATION_AUTO;
     o.timeout_ms = 300'000;
     o.bytes_per_pack = 0;
     o.job_token = nullptr;
+    std::memcpy(options, &o, struct_size);
   });
 }
 

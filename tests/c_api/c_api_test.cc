@@ -19,10 +19,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -716,7 +718,7 @@ TEST(CApiCreateTest, OptionsAreChecked) {
   EXPECT_EQ(defaults.bytes_per_pack, 0u);
   EXPECT_EQ(defaults.job_token, nullptr);
   EXPECT_EQ(coll_options_init(nullptr), COLL_INVALID_ARGUMENT);
-  EXPECT_TRUE(Contains(coll_last_error(), "coll_options_init: options is NULL"))
+  EXPECT_TRUE(Contains(coll_last_error(), "coll_options_init_sized: options is NULL"))
       << coll_last_error();
 
   struct Case {
@@ -739,6 +741,70 @@ TEST(CApiCreateTest, OptionsAreChecked) {
     EXPECT_EQ(comm, nullptr);
     EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << coll_last_error();
   }
+}
+
+// coll_options_init passes sizeof(coll_options) as the caller's header sees it, and the library
+// writes only that many bytes: a program built against an older, smaller header keeps what lies
+// past its struct when a newer library's coll_options has grown. Before, the library assigned
+// its own whole coll_options. Sizes it cannot take are refused naming them, nothing written.
+TEST(CApiCreateTest, OptionsInitWritesOnlyTheCallersStruct) {
+  constexpr unsigned char kCanary = 0xA5;
+  // The first version of coll_options ends with job_token.
+  constexpr size_t kFirstSize = offsetof(coll_options, job_token) + sizeof(const char*);
+  alignas(coll_options) unsigned char buffer[sizeof(coll_options) + 32];
+  auto* options = reinterpret_cast<coll_options*>(buffer);
+  const auto canaries_from = [&](size_t offset) {
+    return std::all_of(buffer + offset, std::end(buffer),
+                       [](unsigned char b) { return b == kCanary; });
+  };
+
+  std::fill(std::begin(buffer), std::end(buffer), kCanary);
+  ASSERT_EQ(coll_options_init(options), COLL_OK) << coll_last_error();
+  EXPECT_EQ(options->struct_size, sizeof(coll_options));
+  EXPECT_TRUE(canaries_from(sizeof(coll_options)));
+
+  // A struct of the first version's size (an older header's, once coll_options has grown): the
+  // defaults, nothing past it written, and coll_comm_create takes it.
+  std::fill(std::begin(buffer), std::end(buffer), kCanary);
+  ASSERT_EQ(coll_options_init_sized(options, kFirstSize), COLL_OK) << coll_last_error();
+  EXPECT_EQ(options->struct_size, kFirstSize);
+  EXPECT_EQ(options->implementation, COLL_IMPLEMENTATION_AUTO);
+  EXPECT_EQ(options->timeout_ms, 300'000);
+  EXPECT_EQ(options->bytes_per_pack, 0u);
+  EXPECT_EQ(options->job_token, nullptr);
+  EXPECT_TRUE(canaries_from(kFirstSize));
+  options->timeout_ms = kTimeoutMs;
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, options, &comm), COLL_OK) << coll_last_error();
+  EXPECT_OK(coll_comm_destroy(comm));
+
+  const std::string first = std::to_string(kFirstSize);
+  const std::string known = std::to_string(sizeof(coll_options));
+  struct Case {
+    size_t struct_size;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {0, "struct_size is 0, less than any coll_options (" + first + " bytes)"},
+      {sizeof(size_t), "struct_size is " + std::to_string(sizeof(size_t)) +
+                           ", less than any coll_options (" + first + " bytes)"},
+      {kFirstSize - 1, "struct_size is " + std::to_string(kFirstSize - 1) +
+                           ", less than any coll_options (" + first + " bytes)"},
+      {sizeof(coll_options) + 8, "struct_size is " + std::to_string(sizeof(coll_options) + 8) +
+                                     " but this library knows a coll_options of " + known +
+                                     " bytes: the program was built against a newer c_api.h"},
+  };
+  for (const Case& c : cases) {
+    std::fill(std::begin(buffer), std::end(buffer), kCanary);
+    EXPECT_EQ(coll_options_init_sized(options, c.struct_size), COLL_INVALID_ARGUMENT)
+        << c.struct_size;
+    EXPECT_TRUE(Contains(coll_last_error(), "coll_options_init_sized: " + c.expect))
+        << coll_last_error();
+    EXPECT_TRUE(canaries_from(0)) << c.struct_size << ": written though refused";
+  }
+  EXPECT_EQ(coll_options_init_sized(nullptr, sizeof(coll_options)), COLL_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(coll_last_error(), "coll_options_init_sized: options is NULL"))
+      << coll_last_error();
 }
 
 // The C API's buffers are CPU tensors, which NCCL cannot take: NCCL is refused at once, built in
