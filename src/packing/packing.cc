@@ -167,7 +167,7 @@ ListHashes HashLists(const std::vector<Tensor>& tensors, const std::vector<Bucke
 
 // The kMismatch error of a list check whose answer `seen` (the max over ranks) is not this
 // rank's own hashes `mine`, or nothing when the lists and plans agree. `outcome` says what the
-// call left undone ("nothing was reduced or written").
+// call left undone (a blocking call's BucketRunner::untouched).
 std::optional<Error> ListsDiffer(int rank, const char* collective, size_t tensors,
                                  size_t bytes_per_pack, const ListHashes& mine,
                                  const ListHashes& seen, const std::string& outcome) {
@@ -190,12 +190,12 @@ std::optional<Error> ListsDiffer(int rank, const char* collective, size_t tensor
 
 void CheckListsAgree(CollectiveCommunication& comm, const char* collective,
                      const std::vector<Tensor>& tensors, const std::vector<Bucket>& planned,
-                     size_t bytes_per_pack) {
+                     size_t bytes_per_pack, const char* untouched) {
   const ListHashes mine = HashLists(tensors, planned);
   ListHashes seen = mine;
   comm.AllReduce(Tensor{seen.data(), seen.size(), DataType::kInt64}, ReduceOp::kMax);
   if (auto error = ListsDiffer(comm.rank(), collective, tensors.size(), bytes_per_pack, mine, seen,
-                               "nothing was reduced or written")) {
+                               untouched)) {
     throw *error;
   }
 }
@@ -279,6 +279,8 @@ struct BucketRunner {
   std::function<std::shared_ptr<Work>(const Tensor& t)> issue_async;
   // The same, blocking.
   std::function<void(const Tensor& t)> issue_blocking;
+  // What a blocking call whose list check fails has left undone, in the collective's words.
+  const char* untouched;
 };
 
 // The buckets of one call: those with bytes, and how to pack, issue and unpack them.
@@ -423,7 +425,7 @@ void RunBuckets(CollectiveCommunication& comm, const char* collective, const Buc
                 internal::Schedule schedule) {
   const std::vector<Bucket> planned = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
   const Buckets buckets(runner, tensors, planned);
-  CheckListsAgree(comm, collective, tensors, planned, bytes_per_pack);
+  CheckListsAgree(comm, collective, tensors, planned, bytes_per_pack, runner.untouched);
   if (buckets.size() == 0) return;
   if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(comm.size());
   if (buckets.size() == 1 || schedule == internal::Schedule::kSerial) {
@@ -640,7 +642,8 @@ BucketRunner AllReduceRunner(CollectiveCommunication& comm, const std::vector<Te
   core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), op);
   return BucketRunner{/*pack=*/true, /*unpack=*/true,
                       [&comm, op](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
-                      [&comm, op](const Tensor& t) { comm.AllReduce(t, t, op); }};
+                      [&comm, op](const Tensor& t) { comm.AllReduce(t, t, op); },
+                      "nothing was reduced or written"};
 }
 
 // The buckets reduce with `op` and are checked as `checked_as` (internal::AllReduce).
@@ -671,7 +674,8 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
   // The root packs and its tensors are already the result; the others only unpack.
   return BucketRunner{/*pack=*/is_root, /*unpack=*/!is_root,
                       [&comm, root](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
-                      [&comm, root](const Tensor& t) { comm.Broadcast(t, t, root); }};
+                      [&comm, root](const Tensor& t) { comm.Broadcast(t, t, root); },
+                      "no tensor was broadcast or written"};
 }
 
 std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,

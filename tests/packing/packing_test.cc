@@ -467,6 +467,10 @@ TEST(PackedMismatchTest, ListsThatDifferButBucketAlikeRaiseOnEveryRank) {
         EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
         EXPECT_NE(std::string(e.what()).find("list of 2 tensors differs"), std::string::npos)
             << e.what();
+        // What the call left undone, in the words of the collective it is.
+        const std::string outcome =
+            broadcast ? "no tensor was broadcast or written" : "nothing was reduced or written";
+        EXPECT_NE(std::string(e.what()).find(outcome), std::string::npos) << e.what();
       }
       for (float v : a) ASSERT_EQ(v, float(comm.rank() + 1)) << "a was written";
       for (float v : b) ASSERT_EQ(v, float(comm.rank() + 1)) << "b was written";
@@ -562,7 +566,8 @@ TEST(PackedMismatchTest, CapsThatDifferAcrossRanksAreNamed) {
         const std::string expected =
             "the list is cut into buckets other than another rank's: bytes_per_pack (" +
             std::string(odd ? "512" : std::to_string(packing::DefaultBytesPerPack())) +
-            " here) must be the same on every rank";
+            " here) must be the same on every rank; " +
+            (broadcast ? "no tensor was broadcast or written" : "nothing was reduced or written");
         EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
       }
       for (float v : data) ASSERT_EQ(v, float(comm.rank() + 1)) << "rank " << comm.rank();
