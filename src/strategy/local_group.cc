@@ -33,8 +33,6 @@
 #include "src/core/arguments.h"
 
 namespace collectives::strategy::internal {
-namespace {
-
 std::string WhatOf(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -44,6 +42,8 @@ std::string WhatOf(const std::exception_ptr& error) {
     return "an exception that is not a std::exception";
   }
 }
+
+namespace {
 
 // now + d, without overflowing for very long timeouts.
 std::chrono::steady_clock::time_point DeadlineAfter(std::chrono::milliseconds d) {

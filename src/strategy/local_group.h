@@ -34,6 +34,9 @@
 
 namespace collectives::strategy::internal {
 
+// What `error` says: its what(), or that it is not a std::exception.
+std::string WhatOf(const std::exception_ptr& error);
+
 class LocalGroup {
  public:
   // `timeout`: how long a replica waits for the others to arrive at a call. `who` prefixes every

@@ -48,6 +48,7 @@ namespace collectives::strategy {
 namespace {
 
 using internal::LocalGroup;
+using internal::WhatOf;
 
 // The bytes a Description travels as: every key and every value after its length (4 bytes,
 // little-endian), in order.
@@ -137,16 +138,6 @@ void FoldInOrder(DataType dtype, ReduceOp op, unsigned char* dst,
 
 void CopyTensor(const Tensor& dst, const Tensor& src) {
   if (dst.count > 0 && dst.data != src.data) std::memcpy(dst.data, src.data, dst.bytes());
-}
-
-std::string WhatOf(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
 }
 
 // kAvg is a sum divided once by NumReplicasInSync(), here: the replicas and the workers sum. The
@@ -470,13 +461,7 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
     // below, throw with the reason instead; every worker stops here, the strategy stays usable.
     std::string why;
     if (failure) {
-      try {
-        std::rethrow_exception(failure);
-      } catch (const std::exception& e) {
-        why = e.what();
-      } catch (...) {
-        why = "an exception that is not a std::exception";
-      }
+      why = WhatOf(failure);
       why.resize(std::min<size_t>(why.size(), 64 << 10));
     }
     int64_t header[2] = {failure ? 1 : 0, static_cast<int64_t>(why.size())};
