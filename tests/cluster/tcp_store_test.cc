@@ -38,6 +38,7 @@
 #include "src/cluster/tcp_store_auth.h"
 #include "src/cluster/tcp_store_wire.h"
 #include "src/core/environment.h"
+#include "tests/child_process.h"
 #include "tests/free_port.h"
 #include "tests/loopback_spec.h"
 #include "tests/scoped_env.h"
@@ -46,9 +47,13 @@
 namespace collectives {
 namespace {
 
+using collectives::testing::ExpectEndedOnTime;
 using collectives::testing::FreePort;
+using collectives::testing::InAMountNamespace;
 using collectives::testing::LoopbackSpec;
 using collectives::testing::ScopedEnv;
+using collectives::testing::TimesOutSaying;
+using collectives::testing::WithANameServerThatDoesNotAnswer;
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 namespace wire = cluster::wire;
@@ -1014,94 +1019,6 @@ TEST(CreateStoreForTest, InvalidSpecIsRejected) {
   ClusterSpec spec;
   spec.world_size = 2;  // no port
   EXPECT_THROW(CreateStoreFor(spec, kLong), Error);
-}
-
-// Runs `body` in a child process that sees `contents` at `target` (/etc/hosts, /etc/resolv.conf:
-// a bind mount in a mount namespace of its own), and waits for it at most 5 s (then kills it).
-// Returns what `body` returns (0 when what it checks holds; it says why not on stderr), 77 where
-// such a process cannot be made (needs root), or -1 when it was still running after 5 s.
-int InAMountNamespace(const std::string& target, const std::string& contents,
-                      const std::function<int()>& body) {
-  const std::string file =
-      (std::filesystem::temp_directory_path() / ("tcp_store_test_etc_" + std::to_string(getpid())))
-          .string();
-  std::ofstream(file) << contents;
-  const pid_t child = fork();
-  if (child < 0) return 77;
-  if (child == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
-        mount(file.c_str(), target.c_str(), nullptr, MS_BIND, nullptr) != 0) {
-      _exit(77);
-    }
-    _exit(body());
-  }
-  int status = 0;
-  pid_t done = 0;
-  for (const auto until = Clock::now() + std::chrono::seconds(5);
-       done == 0 && Clock::now() < until;) {
-    done = waitpid(child, &status, WNOHANG);
-    if (done == 0) std::this_thread::sleep_for(milliseconds(10));
-  }
-  if (done == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-  }
-  std::filesystem::remove(file);
-  if (done == 0) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-// `body` in a child process where a name lookup does not answer: its /etc/resolv.conf names a
-// local UDP socket that reads nothing and has the resolver wait 30 s. 78 when the lookups did
-// not ask that server; otherwise as InAMountNamespace.
-int WithANameServerThatDoesNotAnswer(const std::function<int()>& body) {
-  // A loopback address of this test's own, so that parallel runs do not share the server.
-  const std::string server =
-      "127.53." + std::to_string((getpid() >> 8) % 256) + "." + std::to_string(1 + getpid() % 250);
-  return InAMountNamespace(
-      "/etc/resolv.conf", "nameserver " + server + "\noptions timeout:30 attempts:1\n",
-      [&server, &body] {
-        const int silent = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-        sockaddr_in address{};
-        address.sin_family = AF_INET;
-        address.sin_port = htons(53);
-        if (silent < 0 || inet_pton(AF_INET, server.c_str(), &address.sin_addr) != 1 ||
-            bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-          return 77;
-        }
-        const int status = body();
-        char byte;
-        if (recv(silent, &byte, 1, MSG_DONTWAIT | MSG_PEEK) < 0) return 78;  // never asked
-        return status;
-      });
-}
-
-// Whether `run` raises kTimeout whose message holds `part` within 3 s: 0 if so, else 1 after
-// saying what happened on stderr.
-int TimesOutSaying(const std::function<void()>& run, const std::string& part) {
-  const auto start = Clock::now();
-  std::optional<Error> error;
-  try {
-    run();
-  } catch (const Error& e) {
-    error = e;
-  }
-  const auto took = Clock::now() - start;
-  if (error && error->code() == ErrorCode::kTimeout &&
-      error->message().find(part) != std::string::npos && took <= std::chrono::seconds(3)) {
-    return 0;
-  }
-  std::fprintf(stderr, "after %lld ms: %s\n",
-               static_cast<long long>(std::chrono::duration_cast<milliseconds>(took).count()),
-               error ? error->what() : "no error");
-  return 1;
-}
-
-void ExpectEndedOnTime(int status) {
-  if (status == 77) GTEST_SKIP() << "cannot make a mount namespace or bind port 53 (needs root)";
-  if (status == 78) GTEST_SKIP() << "the name lookup did not ask the private name server";
-  EXPECT_EQ(status, 0) << (status == -1 ? "still running after 5 s with a timeout of 1 s"
-                                        : "did not time out on time naming the lookup (above)");
 }
 
 // Rank 0's store at a master_addr given by name, whose lookup never answers (a name server that

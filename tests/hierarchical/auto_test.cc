@@ -24,6 +24,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "tests/child_process.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
 #include "tests/scoped_env.h"
@@ -335,8 +336,7 @@ TEST(AutoSetupTest, WithoutUsableSharedMemoryEveryRankFallsBackToTcp) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     close(pipe_fds[0]);
-    if (dup2(pipe_fds[1], STDERR_FILENO) < 0 || unshare(CLONE_NEWNS) != 0 ||
-        mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+    if (dup2(pipe_fds[1], STDERR_FILENO) < 0 || !testing::EnterAPrivateMountNamespace() ||
         mount("tmpfs", "/dev/shm", "tmpfs", MS_RDONLY, "size=64k") != 0) {
       _exit(77);
     }
@@ -380,12 +380,7 @@ TEST(AutoSetupTest, WithoutUsableSharedMemoryEveryRankFallsBackToTcp) {
     _exit(wrong.empty() ? 0 : 1);
   }
   close(pipe_fds[1]);
-  std::string output;
-  char buffer[512];
-  for (ssize_t got; (got = read(pipe_fds[0], buffer, sizeof buffer)) > 0;) {
-    output.append(buffer, size_t(got));
-  }
-  close(pipe_fds[0]);
+  const std::string output = testing::ReadToEndAndClose(pipe_fds[0]);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {

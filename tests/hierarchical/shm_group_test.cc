@@ -42,6 +42,7 @@
 #include "collectives/errors.h"
 #include "collectives/types.h"
 #include "src/core/call.h"
+#include "tests/child_process.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/scoped_env.h"
 
@@ -1211,7 +1212,7 @@ TEST(ShmGroupSegmentTest, AnotherDevShmIsAnotherHost) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     close(pipe_fds[0]);
-    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+    if (!testing::EnterAPrivateMountNamespace() ||
         mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=256k") != 0) {
       _exit(77);
     }
@@ -1219,12 +1220,7 @@ TEST(ShmGroupSegmentTest, AnotherDevShmIsAnotherHost) {
     _exit(write(pipe_fds[1], there.data(), there.size()) == ssize_t(there.size()) ? 0 : 1);
   }
   close(pipe_fds[1]);
-  std::string there;
-  char buffer[256];
-  for (ssize_t got; (got = read(pipe_fds[0], buffer, sizeof buffer)) > 0;) {
-    there.append(buffer, size_t(got));
-  }
-  close(pipe_fds[0]);
+  const std::string there = testing::ReadToEndAndClose(pipe_fds[0]);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
@@ -1243,7 +1239,7 @@ TEST(ShmGroupSegmentTest, ASmallDevShmIsAnErrorOnEveryMemberNotABusError) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+    if (!testing::EnterAPrivateMountNamespace() ||
         mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=256k") != 0) {
       _exit(77);
     }
@@ -1382,12 +1378,7 @@ TEST(ShmGroupSegmentTest, AKeeperThreadThatCannotStartIsAnError) {
     _exit(write(pipe_fds[1], outcome.data(), outcome.size()) == ssize_t(outcome.size()) ? 0 : 1);
   }
   close(pipe_fds[1]);
-  std::string outcome;
-  char buffer[512];
-  for (ssize_t got; (got = read(pipe_fds[0], buffer, sizeof buffer)) > 0;) {
-    outcome.append(buffer, size_t(got));
-  }
-  close(pipe_fds[0]);
+  const std::string outcome = testing::ReadToEndAndClose(pipe_fds[0]);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {

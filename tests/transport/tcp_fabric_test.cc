@@ -23,6 +23,7 @@
 #include "src/cluster/store_common.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
+#include "tests/child_process.h"
 #include "tests/transport/fabric_test_util.h"
 #include "tests/transport/piece_relay.h"
 
@@ -31,6 +32,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using asio::ip::tcp;
+using collectives::testing::EnterAPrivateMountNamespace;
+using collectives::testing::ExpectEndedOnTime;
+using collectives::testing::TimesOutSaying;
+using collectives::testing::WithANameServerThatDoesNotAnswer;
 using testing::ConnectTcpGroup;
 using testing::Pattern;
 using testing::RunRanks;
@@ -452,7 +457,7 @@ TEST(TcpSetupTest, EveryAddressOfAPeersHostNameIsTried) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+    if (!EnterAPrivateMountNamespace() ||
         mount(hosts.c_str(), "/etc/hosts", nullptr, MS_BIND, nullptr) != 0) {
       _exit(77);
     }
@@ -489,113 +494,35 @@ TEST(TcpSetupTest, EveryAddressOfAPeersHostNameIsTried) {
       << "the mesh did not form (status " << status << "; the error is above)";
 }
 
-// Runs `body` in a child process where a name lookup does not answer: its /etc/resolv.conf (a
-// mount namespace of its own) names a local UDP socket that reads nothing and has the resolver
-// wait 30 s. Waits for it at most 5 s (then kills it): a set-up bounded by a timeout of 1 s ends
-// well before. Fails, or skips where such a process cannot be made (needs root) or where the
-// lookups did not ask that server; `body` returns 0 when what it checks holds, and says why not
-// on stderr otherwise.
-void WithANameServerThatDoesNotAnswer(const std::function<int()>& body) {
-  const std::string resolv_conf = (std::filesystem::temp_directory_path() /
-                                   ("tcp_fabric_test_resolv_" + std::to_string(getpid())))
-                                      .string();
-  // A loopback address of this test's own, so that parallel runs do not share the server.
-  const std::string server =
-      "127.53." + std::to_string((getpid() >> 8) % 256) + "." + std::to_string(1 + getpid() % 250);
-  std::ofstream(resolv_conf) << "nameserver " << server << "\noptions timeout:30 attempts:1\n";
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
-        mount(resolv_conf.c_str(), "/etc/resolv.conf", nullptr, MS_BIND, nullptr) != 0) {
-      _exit(77);
-    }
-    asio::io_context io;
-    asio::ip::udp::socket silent(io);
-    asio::error_code ec;
-    silent.open(asio::ip::udp::v4(), ec);
-    if (!ec) silent.bind(asio::ip::udp::endpoint(asio::ip::make_address(server), 53), ec);
-    if (ec) _exit(77);
-    const int status = body();
-    if (silent.available(ec) == 0) _exit(78);  // the lookup never asked this server
-    _exit(status);
-  }
-  // Without a bound, the body waits for the resolver's 30 s: stop it well before.
-  int status = 0;
-  pid_t done = 0;
-  for (const auto until = Clock::now() + 5s; done == 0 && Clock::now() < until;) {
-    done = waitpid(child, &status, WNOHANG);
-    if (done == 0) std::this_thread::sleep_for(10ms);
-  }
-  if (done == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-  }
-  std::filesystem::remove(resolv_conf);
-  ASSERT_NE(done, 0) << "a set-up with a timeout of 1 s was still running after 5 s";
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
-    GTEST_SKIP() << "cannot mount an /etc/resolv.conf in a mount namespace of its own, or bind "
-                 << server << ":53 (needs root)";
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 78) {
-    GTEST_SKIP() << "the name lookup did not ask the private name server " << server;
-  }
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      << "the set-up did not time out on time naming the host (status " << status
-      << "; the error is above)";
-}
-
-// Whether `run` raises kTimeout whose message holds `part` within 3 s: 0 if so, else 1 after
-// saying what happened on stderr.
-int TimesOutSaying(const std::function<void()>& run, const std::string& part) {
-  const auto start = Clock::now();
-  std::optional<Error> error;
-  try {
-    run();
-  } catch (const Error& e) {
-    error = e;
-  }
-  const auto took = Clock::now() - start;
-  if (error && error->code() == ErrorCode::kTimeout &&
-      error->message().find(part) != std::string::npos && took <= 3s) {
-    return 0;
-  }
-  std::fprintf(
-      stderr, "after %lld ms: %s\n",
-      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
-      error ? error->what() : "no error");
-  return 1;
-}
-
 // A peer's host name whose lookup never answers (a name server that is down or slow) does not
 // hold the set-up past its timeout: it ends on time with a timeout naming the host.
 TEST(TcpSetupTest, AHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
-  WithANameServerThatDoesNotAnswer([] {
+  ExpectEndedOnTime(WithANameServerThatDoesNotAnswer([] {
     auto store = CreateMemoryStore();
     store->Set("tcp-test/addr/1", "peer.collectives-test.example:1");
     return TimesOutSaying([&] { ConnectTcpFabric(0, 2, *store, Options(1'000ms)); },
                           "the lookup of host peer.collectives-test.example has not answered");
-  });
+  }));
 }
 
 // Likewise a bind host given by name, looked up before the listener binds. Before, that lookup
 // blocked for the resolver's 30 s whatever the timeout.
 TEST(TcpSetupTest, ABindHostThatDoesNotResolveIsBoundedByTheTimeout) {
-  WithANameServerThatDoesNotAnswer([] {
+  ExpectEndedOnTime(WithANameServerThatDoesNotAnswer([] {
     auto store = CreateMemoryStore();
     TcpFabricOptions options = Options(1'000ms);
     options.bind_host = "self.collectives-test.example";
     return TimesOutSaying([&] { ConnectTcpFabric(1, 2, *store, options); },
                           "rank 1: timed out after 1000 ms setting up connections: the lookup of "
                           "bind host 'self.collectives-test.example' has not answered");
-  });
+  }));
 }
 
 // LocalAddressToward gives up on a lookup at its deadline; a communicator's set-up, which asks
 // it for the address toward master_addr, then raises kTimeout naming the rank and the name.
 // Before, the lookup blocked for the resolver's 30 s whatever the set-up's timeout.
 TEST(LocalAddressTowardTest, ALookupThatDoesNotAnswerEndsAtTheDeadline) {
-  WithANameServerThatDoesNotAnswer([] {
+  ExpectEndedOnTime(WithANameServerThatDoesNotAnswer([] {
     const auto start = Clock::now();
     if (LocalAddressToward("master.collectives-test.example", start + 500ms).has_value() ||
         Clock::now() - start > 2s) {
@@ -613,7 +540,7 @@ TEST(LocalAddressTowardTest, ALookupThatDoesNotAnswerEndsAtTheDeadline) {
     return TimesOutSaying([&] { CreateCommunication(spec, CreateMemoryStore(), options); },
                           "rank 1: timed out after 1000 ms setting up: the lookup of master_addr "
                           "'master.collectives-test.example'");
-  });
+  }));
 }
 
 // A communicator whose ranks are listed by host name (TF_CONFIG) binds rank 1's listener to its
@@ -621,7 +548,7 @@ TEST(LocalAddressTowardTest, ALookupThatDoesNotAnswerEndsAtTheDeadline) {
 // bind) end by the set-up's deadline too. Before, the check's lookup blocked for the
 // resolver's 30 s whatever the timeout.
 TEST(TcpSetupTest, AListedHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
-  WithANameServerThatDoesNotAnswer([] {
+  ExpectEndedOnTime(WithANameServerThatDoesNotAnswer([] {
     ClusterSpec spec;
     spec.rank = 1;
     spec.world_size = 2;
@@ -634,7 +561,7 @@ TEST(TcpSetupTest, AListedHostNameThatDoesNotResolveIsBoundedByTheTimeout) {
     return TimesOutSaying([&] { CreateCommunication(spec, CreateMemoryStore(), options); },
                           "rank 1: timed out after 1000 ms setting up connections: the lookup of "
                           "bind host 'worker.collectives-test.example' has not answered");
-  });
+  }));
 }
 
 TEST(TcpSetupTest, AMissingRankIsNamedInTheTimeout) {
