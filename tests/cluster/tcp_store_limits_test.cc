@@ -37,29 +37,20 @@
 #include "src/cluster/store_common.h"
 #include "src/cluster/tcp_store.h"
 #include "src/cluster/tcp_store_auth.h"
+#include "tests/replaced_operator_new.h"
 #include "tests/transport/idle_connections.h"
 
 namespace {
 // While true, the next allocation fails with std::bad_alloc (and clears it).
 std::atomic<bool> fail_next_allocation{false};
-}  // namespace
 
-// GCC pairs these replacements with malloc/free and warns about the mix; they are consistent.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
-void* operator new(size_t bytes) {
+void FailTheNextAllocationIfAsked() {
   if (fail_next_allocation.load(std::memory_order_relaxed) &&
       fail_next_allocation.exchange(false)) {
     throw std::bad_alloc();
   }
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
 }
-void* operator new[](size_t bytes) { return operator new(bytes); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
+}  // namespace
 
 namespace collectives {
 namespace {
@@ -318,7 +309,10 @@ TEST(TcpStoreEnrolResetTest, AnEnrolmentWhoseReplyFailedIsUndone) {
 // Before, the accept was not started again: the server logged "unexpected exception in the
 // server thread" and every later client waited in the backlog until its timeout (kTimeout).
 TEST(TcpStoreAcceptFailureTest, TheServerGoesOnAccepting) {
-  ServerProcess server(0, "the token", 2, [] { fail_next_allocation = true; });
+  ServerProcess server(0, "the token", 2, [] {
+    testing::before_allocation = FailTheNextAllocationIfAsked;
+    fail_next_allocation = true;
+  });
   ASSERT_GT(server.port(), 0) << "the server process did not start";
   const int first = Connect(server.port());  // the accept that throws
   ASSERT_GE(first, 0);

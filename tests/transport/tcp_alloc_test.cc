@@ -7,26 +7,17 @@
 #include <cstdlib>
 #include <new>
 
+#include "tests/replaced_operator_new.h"
 #include "tests/transport/fabric_test_util.h"
 
 namespace {
 std::atomic<bool> counting{false};
 std::atomic<long> allocations{0};
-}  // namespace
 
-// GCC pairs these replacements with malloc/free and warns about the mix; they are consistent.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
-void* operator new(size_t bytes) {
+void CountIfCounting() {
   if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1);
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
 }
-void* operator new[](size_t bytes) { return operator new(bytes); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
+}  // namespace
 
 namespace collectives::transport {
 namespace {
@@ -36,6 +27,7 @@ using testing::Tag;
 
 TEST(TcpAllocationTest, SteadyStateMakesNoAllocations) {
   // The counter works.
+  collectives::testing::before_allocation = CountIfCounting;
   counting.store(true);
   ::operator delete(::operator new(16));
   counting.store(false);
