@@ -94,6 +94,14 @@ std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::mill
 CommunicationOptions CheckOptions(int rank, const CommunicationOptions& options) {
   const std::string prefix = "rank " + std::to_string(rank) + ": CommunicationOptions::";
   CommunicationOptions checked = options;
+  if (options.implementation != Implementation::kRing &&
+      options.implementation != Implementation::kNccl &&
+      options.implementation != Implementation::kAuto) {
+    throw Error(ErrorCode::kInvalidArgument,
+                prefix + "implementation is " +
+                    std::to_string(static_cast<int>(options.implementation)) +
+                    ", which names no implementation (kRing, kNccl or kAuto)");
+  }
   checked.timeout = CheckTimeout(prefix + "timeout", options.timeout);
   if (options.chunk_bytes > kMaxChunkBytes) {
     throw Error(ErrorCode::kInvalidArgument,

@@ -402,6 +402,11 @@ TEST(RingOptionsTest, OptionsItCannotKeepAreRefusedWhenBuilt) {
        ErrorCode::kInvalidArgument,
        ": CommunicationOptions::yield_us is 1000001: -1 (the default) or 0..1000000 "
        "microseconds"},
+      {"an implementation that is none",
+       [](CommunicationOptions& o) { o.implementation = static_cast<Implementation>(7); }, 2,
+       ErrorCode::kInvalidArgument,
+       ": CommunicationOptions::implementation is 7, which names no implementation (kRing, kNccl "
+       "or kAuto)"},
       {"halving-doubling on 3", [](CommunicationOptions& o) { o.algorithm = "halving_doubling"; },
        3, ErrorCode::kNotSupported,
        ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two number of "
