@@ -110,19 +110,8 @@ std::unique_ptr<std::ofstream> OpenCsv(const std::string& path) {
   return csv;
 }
 
-std::chrono::milliseconds TimeoutFromSeconds(double seconds) {
-  constexpr double kYear = 365.0 * 24 * 3600;
-  return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, kYear) * 1000.0));
-}
-
 std::function<std::string(const std::string&)> TimeoutSeconds() {
-  return [](const std::string& text) -> std::string {
-    char* end = nullptr;
-    const double seconds = std::strtod(text.c_str(), &end);
-    const bool number = !text.empty() && end == text.c_str() + text.size();
-    if (number && seconds >= 0.001) return {};  // false for NaN
-    return "'" + text + "' is not a number of seconds >= 0.001";
-  };
+  return [](const std::string& text) { return CheckTimeoutSeconds(text); };
 }
 
 AlignedBuffer::AlignedBuffer(size_t bytes) {

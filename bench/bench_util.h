@@ -14,17 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "bench/seconds_flag.h"
 #include "collectives/collectives.h"
 
 namespace collectives::bench {
 
-// --timeout in seconds as milliseconds, at most a year (the library reads more as a year; the
-// clamp keeps the conversion of a huge value defined).
-std::chrono::milliseconds TimeoutFromSeconds(double seconds);
-
-// A CLI11 check for --timeout: a number of seconds, at least 0.001 (a millisecond, the library's
-// unit). CLI::PositiveNumber let NaN through, whose conversion to milliseconds is undefined:
-// here it gave -2^63 ms, which every rank refused naming neither the flag nor its value.
+// A CLI11 check for --timeout (CheckTimeoutSeconds in seconds_flag.h, which also has
+// TimeoutFromSeconds).
 std::function<std::string(const std::string&)> TimeoutSeconds();
 
 // "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.

@@ -47,6 +47,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/seconds_flag.h"
 #include "collectives/collectives.h"
 #include "collectives/strategy.h"
 #include "examples/train/fashion_mnist.h"
@@ -99,29 +100,18 @@ CLI::Validator Count() {
 CLI::Validator FiniteNonNegative() {
   return CLI::Validator(
       [](std::string& text) {
-        char* end = nullptr;
-        const double value = std::strtod(text.c_str(), &end);
-        const bool number = !text.empty() && end == text.c_str() + text.size();
-        return number && value >= 0 && value <= std::numeric_limits<float>::max()
-                   ? std::string()
+        const std::optional<double> value = co::bench::WholeNumber(text);
+        return value && *value >= 0 && *value <= std::numeric_limits<float>::max()
+                   ? std::string()  // false for NaN
                    : "'" + text + "' is not a finite number >= 0";
       },
       "NUMBER >= 0");
 }
 
-// A CLI11 check for --timeout: a number of seconds, at least 0.001 (a millisecond, the library's
-// unit). CLI::PositiveNumber let NaN through, whose conversion to milliseconds is undefined: here
-// -2^63 ms, refused as "MirroredStrategy: timeout must be positive, got -9223372036854775808 ms".
+// A CLI11 check for --timeout, the benchmarks' (seconds_flag.h).
 CLI::Validator TimeoutSeconds() {
-  return CLI::Validator(
-      [](std::string& text) {
-        char* end = nullptr;
-        const double seconds = std::strtod(text.c_str(), &end);
-        const bool number = !text.empty() && end == text.c_str() + text.size();
-        return number && seconds >= 0.001 ? std::string()  // false for NaN
-                                          : "'" + text + "' is not a number of seconds >= 0.001";
-      },
-      "SECONDS");
+  return CLI::Validator([](std::string& text) { return co::bench::CheckTimeoutSeconds(text); },
+                        "SECONDS");
 }
 
 // "worker 1" in error messages: this process's rank as soon as it is known.
@@ -141,11 +131,7 @@ __attribute__((format(printf, 1, 2))) void Say(const char* format, ...) {
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
-  // At most a year (the library reads more as a year): the conversion of a larger --timeout
-  // (1e300) to milliseconds overflowed to a negative count, refused as "must be positive".
-  constexpr double kYearSeconds = 365.0 * 24 * 3600;
-  const auto timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(std::min(o.timeout_s, kYearSeconds) * 1000.0));
+  const auto timeout = co::bench::TimeoutFromSeconds(o.timeout_s);  // at most a year
   const st::CrossDeviceOps cross_device = st::ParseCrossDeviceOps(o.cross_device);
   if ((o.strategy == "default" || o.strategy == "one_device") && o.replicas > 1) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
