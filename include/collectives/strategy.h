@@ -495,8 +495,11 @@ struct TrainingState {
 // same bytes to their own temporary place (`<directory>/.worker-<index>.tmp`) and delete it, as the
 // guide advises, so that no two workers write the same file. The file carries a checksum.
 // Directories it creates are made durable too (their parents are fsynced). Several savers may
-// save to one directory at once (each has its own temporary; the last rename wins). When a worker
-// fails, every worker throws: the lowest failing worker's error code, with its message.
+// save to one directory at once (each has its own temporary; the last rename wins). When the
+// chief fails, every worker throws the chief's error code, with its message. Only the chief's file
+// is the checkpoint: when another worker fails (to write or delete its temporary, say its disk is
+// full), that worker writes a line saying why to stderr and every worker returns, the chief's new
+// checkpoint in place.
 void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::string& directory,
                     TrainingState state);
 

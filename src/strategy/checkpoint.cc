@@ -25,8 +25,11 @@
 // `.worker-<index>.tmp-<host>-<pid>.<n>.<random>` (another job's worker of the same index may
 // save into the same directory), and delete it, also when the write fails. A worker that dies
 // while it writes leaves its temporary behind; its next save on the same host removes those whose
-// process is gone. Then the workers all-reduce the lowest failing rank, which broadcasts its
-// error code and message, so that every worker throws, saying why.
+// process is gone. Only the chief's file is the checkpoint: another worker's failure (to write
+// or delete its temporary) is a line on its stderr, not an error, since the chief may have
+// renamed the new checkpoint into place already. Then the workers all-reduce whether the chief
+// failed; if so it broadcasts its error code and message, so that every worker throws, saying
+// why.
 //
 // Restoring (a collective): the workers first agree on the optimizer (given or not, its name,
 // its slot names). The chief reads and verifies the file, then broadcasts a small header
@@ -53,6 +56,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -515,6 +519,26 @@ void Commit(Optimizer* optimizer, const Contents& c, const Plan& plan) {
   for (const auto& [variable, entry] : plan.variables) variable->Assign(entry->values);
 }
 
+// The code and message of `failure`, the message starting with `who` ("worker 1 "); an exception
+// that is not an Error is kInternal, saying that `what` failed.
+std::pair<ErrorCode, std::string> CodeAndMessage(const std::exception_ptr& failure,
+                                                 const std::string& who, const std::string& what) {
+  ErrorCode code = ErrorCode::kInternal;
+  std::string message;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const Error& e) {
+    code = e.code();
+    message = e.message();
+  } catch (const std::exception& e) {  // std::bad_alloc, say
+    message = what + ": " + e.what();
+  } catch (...) {
+    message = what + ": an exception that is not a std::exception";
+  }
+  if (message.compare(0, who.size(), who) != 0) message = who + message;
+  return {code, message};
+}
+
 // Collective: every worker passes its own outcome (`failure` null when it succeeded). Returns
 // when every worker succeeded; else every worker throws the lowest failing worker's error: that
 // worker throws it (an Error whose message starts with its name), the others an Error of the
@@ -536,18 +560,8 @@ void AgreeOnFailure(Strategy& strategy, const std::string& what, std::exception_
   std::array<int64_t, 2> header = {0, 0};  // error code, message bytes
   std::string message;
   if (root == self) {
-    ErrorCode code = ErrorCode::kInternal;
-    try {
-      std::rethrow_exception(failure);
-    } catch (const Error& e) {
-      code = e.code();
-      message = e.message();
-    } catch (const std::exception& e) {  // std::bad_alloc, say
-      message = what + ": " + e.what();
-    } catch (...) {
-      message = what + ": an exception that is not a std::exception";
-    }
-    if (message.compare(0, who.size(), who) != 0) message = who + message;
+    ErrorCode code;
+    std::tie(code, message) = CodeAndMessage(failure, who, what);
     constexpr size_t kMaxBytes = 64 << 10;
     if (message.size() > kMaxBytes) message.resize(kMaxBytes);
     header = {static_cast<int64_t>(code), static_cast<int64_t>(message.size())};
@@ -623,7 +637,17 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
   } catch (...) {
     failure = std::current_exception();
   }
-  AgreeOnFailure(strategy, "SaveCheckpoint to " + directory, failure);
+  const std::string what = "SaveCheckpoint to " + directory;
+  if (failure && !strategy.IsChief()) {
+    // Only the chief's file is the checkpoint (the others write to temporary places, as the
+    // guide advises): this worker's failure changes nothing a restore reads, and the chief may
+    // have renamed the new checkpoint into place already. So it is a warning, not an error.
+    const std::string line = "collectives: " + CodeAndMessage(failure, who, what).second + " (" +
+                             what + " goes on: only the chief's file is the checkpoint)\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines of workers do not mix
+    failure = nullptr;
+  }
+  AgreeOnFailure(strategy, what, failure);
 }
 
 std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,

@@ -584,6 +584,37 @@ TEST_F(CheckpointTest, WhenOnlyTheChiefFailsEveryWorkerSaysWhy) {
   EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});  // the chief's temporary is gone
 }
 
+// Only the chief's file is the checkpoint (as in Keras, where the other workers save to
+// temporary places): when another worker's own write fails (here its directory is a file),
+// that worker says so on its stderr and every worker returns, with the chief's new checkpoint
+// in place. Before, every worker threw kSystem although the new file had replaced the old one.
+TEST_F(CheckpointTest, ANonChiefsFailedWriteIsAWarningAndTheChiefsCheckpointStands) {
+  RunWorkers(2, 1, kHC, [&](Strategy& s, int) {
+    Model model(s, 1);
+    SaveCheckpoint(s, nullptr, dir(), {.epoch = 1, .step = 0});
+  });
+  const std::string elsewhere = dir() + "_worker_1";
+  { std::ofstream(elsewhere) << "a file where worker 1's directory should be"; }
+  ::testing::internal::CaptureStderr();
+  const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int rank) {
+    Model model(s, 2);
+    SaveCheckpoint(s, nullptr, rank == 0 ? dir() : elsewhere, {.epoch = 2, .step = 0});
+  });
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  fs::remove(elsewhere);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_FALSE(errors[rank]) << "worker " << rank << ": " << Describe(errors[rank]);
+  }
+  EXPECT_NE(log.find("collectives: worker 1 cannot create directory " + elsewhere),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("only the chief's file is the checkpoint"), std::string::npos) << log;
+  EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});
+  DefaultStrategy s;
+  Model model(s, 3);
+  EXPECT_EQ(RestoreCheckpoint(s, nullptr, dir()), (TrainingState{2, 0}));
+}
+
 // Saving creates missing directories (nested, with a trailing '/', or relative to the working
 // directory) and fsyncs their parents; OnTrainEnd fsyncs the directory after its unlink. A test
 // cannot observe that an fsync made anything durable (that takes a power cut): this checks that
