@@ -519,7 +519,9 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
 
 // Keras' BackupAndRestore for a custom loop: restores at the start of training when a backup
 // exists, saves at the end of every epoch (and every `save_every_steps` steps when > 0), and
-// deletes the backup when training ends normally.
+// deletes the backup when training ends normally. Every call is collective. When the chief
+// cannot delete the backup, OnTrainEnd throws on every worker (kSystem, naming the file): a
+// backup left behind would make the next run with this directory resume a finished training.
 //
 //   BackupAndRestore backup(strategy, &adam, "ckpt", {});
 //   TrainingState start = backup.OnTrainBegin();    // {0, 0} on a fresh start

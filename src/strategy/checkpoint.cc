@@ -754,14 +754,23 @@ void BackupAndRestore::OnEpochEnd(int64_t epoch) {
 
 void BackupAndRestore::OnTrainEnd() {
   strategy_.Barrier();  // every worker has finished with the backup
-  if (!options_.delete_on_train_end || !strategy_.IsChief()) return;
   const std::string& who = strategy_.impl().who();
   const std::string path = PathOf(directory_);
-  if (::unlink(path.c_str()) != 0) {
-    if (errno == ENOENT) return;
-    ThrowSystem(who, "cannot delete", path, errno);
+  std::exception_ptr failure;
+  if (options_.delete_on_train_end && strategy_.IsChief()) {
+    try {
+      if (::unlink(path.c_str()) == 0) {
+        SyncDirectory(who, directory_);  // the deletion survives a crash: no stale restore
+      } else if (errno != ENOENT) {
+        ThrowSystem(who, "cannot delete", path, errno);
+      }
+    } catch (...) {
+      failure = std::current_exception();
+    }
   }
-  SyncDirectory(who, directory_);  // the deletion survives a crash: no stale restore
+  // A backup left behind would be restored by the next run with this directory, which would
+  // skip the training: every worker throws, not the chief alone.
+  AgreeOnFailure(strategy_, "BackupAndRestore::OnTrainEnd deleting " + path, failure);
 }
 
 }  // namespace collectives::strategy

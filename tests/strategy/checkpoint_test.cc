@@ -724,5 +724,29 @@ TEST_F(CheckpointTest, BackupAndRestoreResumesToTheSameWeights) {
   EXPECT_FALSE(fs::exists(file()));
 }
 
+// A backup that outlives a finished training would make the next run with this directory resume
+// it (and skip the training): when the chief cannot delete it (here `checkpoint` is a
+// directory), OnTrainEnd throws on every worker, the others saying that it failed on the chief
+// and why. Before, the chief threw and the other worker returned as if all was well.
+TEST_F(CheckpointTest, OnTrainEndThatCannotDeleteTheBackupFailsOnEveryWorker) {
+  fs::create_directories(dir_ / "checkpoint");
+  const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
+    Model model(s, 1);
+    BackupAndRestore backup(s, nullptr, dir(), {});
+    backup.OnTrainEnd();
+  });
+  ExpectErrorPtr(errors[0], ErrorCode::kSystem,
+                 {"worker 0 cannot delete ", file().c_str(), "Is a directory"});
+  ExpectErrorPtr(errors[1], ErrorCode::kSystem,
+                 {"worker 1 BackupAndRestore::OnTrainEnd deleting ", " failed on worker 0: ",
+                  "worker 0 cannot delete ", file().c_str(), "Is a directory"});
+  // Without delete_on_train_end nothing is deleted, and every worker returns.
+  RunWorkers(2, 1, kHC, [&](Strategy& s, int) {
+    Model model(s, 1);
+    BackupAndRestore backup(s, nullptr, dir(), {.delete_on_train_end = false});
+    backup.OnTrainEnd();
+  });
+}
+
 }  // namespace
 }  // namespace collectives::strategy
