@@ -507,7 +507,8 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
 // every worker assigns the variables and optimizer state. Returns the saved state, or nullopt when
 // there is no checkpoint (nothing changed). Throws kInvalidArgument on a corrupt file or one whose
 // variables do not match the strategy's (names, shapes) or whose optimizer state does not match
-// `optimizer` (name, slots).
+// `optimizer` (name, slots), and on a path that is not a regular file (a FIFO, a device, a
+// directory: refused before it is read, which could block or never end).
 // It succeeds on every worker or on none: the workers first check that they all pass an
 // optimizer or all pass none, of the same name with the same slot names (else every worker throws
 // kMismatch naming the field); then every worker checks the file against its variables and

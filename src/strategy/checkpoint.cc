@@ -364,13 +364,26 @@ int WriteFile(const std::string& who, const std::string& path,
   return 0;
 }
 
-// nullopt when the file does not exist.
+// nullopt when the file does not exist. Anything but a regular file is refused before it is
+// read: a FIFO would block the open or the reads forever, /dev/zero would never end.
 std::optional<std::vector<unsigned char>> ReadFile(const std::string& who,
                                                    const std::string& path) {
-  core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) {
     if (errno == ENOENT) return std::nullopt;
     ThrowSystem(who, "cannot open", path, errno);
+  }
+  struct stat status;
+  if (::fstat(fd.get(), &status) != 0) ThrowSystem(who, "cannot stat", path, errno);
+  if (!S_ISREG(status.st_mode)) {
+    const char* kind = S_ISDIR(status.st_mode)    ? "a directory"
+                       : S_ISFIFO(status.st_mode) ? "a FIFO"
+                       : S_ISCHR(status.st_mode)  ? "a character device"
+                       : S_ISBLK(status.st_mode)  ? "a block device"
+                       : S_ISSOCK(status.st_mode) ? "a socket"
+                                                  : "not a file";
+    throw Error(ErrorCode::kInvalidArgument,
+                who + "checkpoint " + path + " is " + kind + ", not a regular file");
   }
   std::vector<unsigned char> bytes;
   unsigned char buffer[1 << 16];

@@ -6,16 +6,20 @@
 // (another optimizer on one worker, or a file that fits one worker only, fails them all and
 // changes nothing); header damage named as such; concurrent savers in one process; no partial
 // temporary left by a failed write; every worker's error saying why; new directories.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <memory>
 #include <mutex>
@@ -746,6 +750,29 @@ TEST_F(CheckpointTest, OnTrainEndThatCannotDeleteTheBackupFailsOnEveryWorker) {
     BackupAndRestore backup(s, nullptr, dir(), {.delete_on_train_end = false});
     backup.OnTrainEnd();
   });
+}
+
+// A FIFO at the checkpoint's path (or a device: /dev/zero would never end) is refused before it
+// is read, kInvalidArgument naming the file and what it is, on every worker. Before, the chief's
+// open blocked until a writer came, forever, and the other workers waited for its broadcast.
+TEST_F(CheckpointTest, AFifoAtThePathIsRefusedInsteadOfBlockingForever) {
+  fs::create_directories(dir_);
+  ASSERT_EQ(::mkfifo(file().c_str(), 0644), 0);
+  auto restore = std::async(std::launch::async, [&] {
+    return RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
+      Model model(s, 1);
+      RestoreCheckpoint(s, nullptr, dir());
+    });
+  });
+  if (restore.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    ADD_FAILURE() << "RestoreCheckpoint still blocked after 5 s";
+    ::close(::open(file().c_str(), O_WRONLY));  // a writer that closes: the chief reads nothing
+  }
+  const auto errors = restore.get();
+  ExpectErrorPtr(errors[0], ErrorCode::kInvalidArgument,
+                 {"worker 0 checkpoint ", file().c_str(), " is a FIFO, not a regular file"});
+  ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument,
+                 {file().c_str(), " is a FIFO, not a regular file (read by the chief, worker 0)"});
 }
 
 }  // namespace
