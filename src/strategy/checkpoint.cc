@@ -686,14 +686,11 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
         payload = std::move(*file);
         header[0] = static_cast<int64_t>(Status::kOk);
       }
-    } catch (const Error& e) {
+    } catch (...) {  // std::bad_alloc of a huge file too: still told
+      const auto [code, message] =
+          CodeAndMessage(std::current_exception(), impl.who(), "RestoreCheckpoint of " + path);
       header[0] = static_cast<int64_t>(Status::kFailed);
-      header[1] = static_cast<int64_t>(e.code());
-      payload.assign(e.message().begin(), e.message().end());
-    } catch (const std::exception& e) {  // std::bad_alloc of a huge file, say: still told
-      const std::string message = impl.who() + "RestoreCheckpoint of " + path + ": " + e.what();
-      header[0] = static_cast<int64_t>(Status::kFailed);
-      header[1] = static_cast<int64_t>(ErrorCode::kInternal);
+      header[1] = static_cast<int64_t>(code);
       payload.assign(message.begin(), message.end());
     }
     header[2] = static_cast<int64_t>(payload.size());
@@ -709,7 +706,10 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
     case Status::kMissing: return std::nullopt;
     case Status::kFailed: {
       std::string message(payload.begin(), payload.end());
-      if (!strategy.IsChief()) message += " (read by the chief, worker 0)";
+      if (!strategy.IsChief()) {
+        message = impl.who() + "RestoreCheckpoint of " + path +
+                  " failed on worker 0 (the chief, which reads the file): " + message;
+      }
       throw Error(static_cast<ErrorCode>(header[1]), message);
     }
     case Status::kOk: break;

@@ -231,10 +231,13 @@ TEST_F(CheckpointTest, CorruptFilesFailOnEveryWorker) {
       Adam adam(s);
       RestoreCheckpoint(s, &adam, dir());
     });
-    for (int rank = 0; rank < 2; ++rank) {
-      SCOPED_TRACE(rank);
-      ExpectErrorPtr(errors[rank], ErrorCode::kInvalidArgument, {file().c_str(), c.expected});
-    }
+    // Each worker's message starts with its name; the other worker's says the chief failed.
+    ExpectErrorPtr(errors[0], ErrorCode::kInvalidArgument,
+                   {"worker 0 checkpoint ", file().c_str(), c.expected});
+    ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument,
+                   {"worker 1 RestoreCheckpoint of ", file().c_str(),
+                    " failed on worker 0 (the chief, which reads the file): worker 0 checkpoint ",
+                    c.expected});
   }
 }
 
@@ -772,7 +775,9 @@ TEST_F(CheckpointTest, AFifoAtThePathIsRefusedInsteadOfBlockingForever) {
   ExpectErrorPtr(errors[0], ErrorCode::kInvalidArgument,
                  {"worker 0 checkpoint ", file().c_str(), " is a FIFO, not a regular file"});
   ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument,
-                 {file().c_str(), " is a FIFO, not a regular file (read by the chief, worker 0)"});
+                 {"worker 1 RestoreCheckpoint of ", file().c_str(),
+                  " failed on worker 0 (the chief, which reads the file): worker 0 checkpoint ",
+                  " is a FIFO, not a regular file"});
 }
 
 }  // namespace
