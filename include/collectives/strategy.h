@@ -492,8 +492,9 @@ struct TrainingState {
 // written). The chief writes `<directory>/checkpoint` atomically: a temporary
 // file in the same directory, fsync, rename over the old one, fsync of the directory; a crash at
 // any point leaves either the old or the new checkpoint, never a torn one. Other workers write the
-// same bytes to their own temporary place (`<directory>/.worker-<index>.tmp`) and delete it, as the
-// guide advises, so that no two workers write the same file. The file carries a checksum.
+// same bytes to their own temporary place (`<directory>/.worker-<index>.tmp-...`)
+// and delete it, as the guide advises, so that no two workers write the same file. The file
+// carries a checksum.
 // Directories it creates are made durable too (their parents are fsynced). Several savers may
 // save to one directory at once (each has its own temporary; the last rename wins). When the
 // chief fails, every worker throws the chief's error code, with its message. Only the chief's file
