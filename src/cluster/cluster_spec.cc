@@ -263,8 +263,11 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
   auto index_it = task_it->find("index");
   if (index_it == task_it->end()) Invalid("TF_CONFIG is missing the field 'task.index'");
   if (!index_it->is_number_integer()) {
+    // An array or object is named by its type alone: dump() walks it recursively (200000 nested
+    // arrays overflowed the stack) and would copy all of it into the message.
     Invalid(std::string("TF_CONFIG field 'task.index' must be an integer, got ") +
-            index_it->type_name() + " " + index_it->dump());
+            index_it->type_name() +
+            (index_it->is_structured() ? "" : " " + core::OneLine(index_it->dump(), 64)));
   }
   const std::vector<TaskAddress>& role_list = type == kChief ? chiefs : workers;
   bool in_range = index_it->is_number_unsigned()

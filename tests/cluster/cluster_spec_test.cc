@@ -153,6 +153,30 @@ TEST(TfConfigTest, WrongTypes) {
                     {"'job_id'", "empty"});
 }
 
+// An index of another type is shown cut short, an array or an object by its type alone. Before,
+// the message held all of it: 200000 nested arrays overflowed the stack (SIGSEGV) in dump(), and
+// a string of 1 MiB made a message of 1 MiB.
+TEST(TfConfigTest, AnIndexOfAnotherTypeIsShownShortAndNotWalked) {
+  const std::string head =
+      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": )";
+  const std::pair<std::string, std::string> cases[] = {
+      {std::string(200000, '[') + std::string(200000, ']'), "got array"},
+      {R"({"a": 1})", "got object"},
+      {'"' + std::string(1 << 20, 'x') + '"', "got string \"xxx"},
+  };
+  for (const auto& [index, part] : cases) {
+    try {
+      ClusterSpec::FromTfConfig(head + index + "}}");
+      ADD_FAILURE() << "an index of " << index.size() << " bytes was taken";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find("'task.index' must be an integer, " + part), std::string::npos)
+          << e.message().substr(0, 200);
+      EXPECT_LT(e.message().size(), 200u) << e.message().substr(0, 200);
+    }
+  }
+}
+
 TEST(TfConfigTest, NoTasks) {
   ExpectBadTfConfig(R"({"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}})",
                     {"'cluster.worker'", "no 'cluster.chief'"});
