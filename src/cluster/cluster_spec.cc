@@ -42,15 +42,14 @@ constexpr char kWorker[] = "worker";
   throw Error(ErrorCode::kInvalidArgument, message);
 }
 
+// `text` quoted, its control bytes and ill-formed UTF-8 escaped and cut after 256 bytes
+// (core::OneLine): a value, a role or a host from TF_CONFIG or a variable may hold any byte.
 std::string Quote(std::string_view text) {
   std::string out = "'";  // built by append: GCC 12 warns (-Wrestrict) on "'" + string
-  out.append(text);
+  out.append(core::OneLine(text, 256));
   out += '\'';
   return out;
 }
-
-// `text` quoted with its control bytes escaped: for a host, which may hold any byte.
-std::string QuoteHost(std::string_view text) { return Quote(core::OneLine(text, 256)); }
 
 // `value` checked as a host by CheckHost and returned without brackets; `name` ("environment
 // variable MASTER_ADDR", "ClusterSpec: master_addr") heads the message of a refusal.
@@ -59,7 +58,7 @@ std::string CheckedHost(const std::string& name, std::string_view value,
   std::string why;
   std::optional<std::string> host = cluster::CheckHost(value, port_remedy, &why);
   if (!host) {
-    Invalid(name + "=" + QuoteHost(value) + " is not a host name or address: " + why);
+    Invalid(name + "=" + Quote(value) + " is not a host name or address: " + why);
   }
   return std::move(*host);
 }
@@ -94,7 +93,7 @@ std::vector<TaskAddress> ReadRole(const Json& cluster, const char* role) {
     std::string why;
     std::optional<HostPort> parsed = ParseHostPort(text, &why);
     if (!parsed) {
-      Invalid("TF_CONFIG field " + Quote(entry_field) + " = " + QuoteHost(text) +
+      Invalid("TF_CONFIG field " + Quote(entry_field) + " = " + Quote(text) +
               " is not a valid host:port: " + why);
     }
     out.push_back(TaskAddress{entry_field, std::move(text), std::move(*parsed)});
@@ -197,11 +196,12 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
   try {
     root = Json::parse(json.begin(), json.end());
   } catch (const Json::parse_error& e) {
+    // Its "last read" is the token as written: all of an unterminated string, any byte.
     Invalid("TF_CONFIG is not valid JSON (error at byte " + std::to_string(e.byte) +
-            "): " + e.what());
+            "): " + core::OneLine(e.what(), 512));
   } catch (const Json::exception& e) {
     // A number out of range ("1e999") is not a parse_error; found by tests/fuzz/tf_config.
-    Invalid(std::string("TF_CONFIG is not valid JSON: ") + e.what());
+    Invalid(std::string("TF_CONFIG is not valid JSON: ") + core::OneLine(e.what(), 512));
   }
   if (!root.is_object()) {
     Invalid(std::string("TF_CONFIG must be a JSON object, got ") + root.type_name());
@@ -384,7 +384,7 @@ void ClusterSpec::Validate() const {
     for (size_t i = 0; i < addresses.size(); ++i) {
       std::string why;
       if (!ParseHostPort(addresses[i], &why)) {
-        Invalid("ClusterSpec: addresses[" + std::to_string(i) + "] = " + QuoteHost(addresses[i]) +
+        Invalid("ClusterSpec: addresses[" + std::to_string(i) + "] = " + Quote(addresses[i]) +
                 " is not a valid host:port: " + why);
       }
     }

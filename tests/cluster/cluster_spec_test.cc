@@ -266,6 +266,46 @@ TEST(TfConfigTest, UnsupportedRoles) {
                     {"'task.type'", "'ps'"});
 }
 
+// Text from TF_CONFIG or a variable that a message shows (a role, a key, a value, the token where
+// the JSON broke) has its control bytes and ill-formed UTF-8 escaped and is cut short, as hosts
+// are. Before, an ESC in task.type or in a role reached the message (and the log) as is, a byte
+// 0xe9 that broke the JSON was shown raw, and an unterminated string of 1 MiB made a message of
+// 1 MiB.
+TEST(TfConfigTest, TextFromTheEnvironmentIsEscapedAndCutInMessages) {
+  const std::pair<std::string, std::vector<std::string>> cases[] = {
+      {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "w\u001b[2J", "index": 0}})",
+       {"'task.type'", "'w\\x1b[2J'"}},
+      {R"({"cluster": {"worker": ["a:1"], "x\u001b[31m": ["b:1"]},
+           "task": {"type": "worker", "index": 0}})",
+       {"'cluster.x\\x1b[31m'", "role 'x\\x1b[31m'"}},
+      {"{\"cluster\": {\"worker\": [\"caf\xe9:1\"]}}", {"not valid JSON", "\\xe9"}},
+      {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": ")" + std::string(1 << 20, 'z') +
+           R"(", "index": 0}})",
+       {"'task.type'", "'zzz", "...'"}},
+      {R"({"cluster": ")" + std::string(1 << 20, 'y'), {"not valid JSON", "yyy", "..."}},
+  };
+  for (const auto& [json, parts] : cases) {
+    SCOPED_TRACE(json.substr(0, 100));
+    try {
+      ClusterSpec::FromTfConfig(json);
+      ADD_FAILURE() << "taken";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      for (const std::string& part : parts) {
+        EXPECT_NE(e.message().find(part), std::string::npos)
+            << "message '" << e.message().substr(0, 300) << "' lacks '" << part << "'";
+      }
+      EXPECT_EQ(e.message().find('\x1b'), std::string::npos) << e.message().substr(0, 300);
+      EXPECT_EQ(e.message().find('\xe9'), std::string::npos) << e.message().substr(0, 300);
+      EXPECT_LT(e.message().size(), 1000u) << e.message().substr(0, 300);
+    }
+  }
+  ExpectBadEnv(Env{{"RANK", "1\x1b[2J"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
+               {"RANK", "'1\\x1b[2J'"});
+  ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1\n2"}},
+               {"MASTER_PORT", "'1\\x0a2'"});
+}
+
 // ---- Environment ----
 
 TEST(EnvironmentTest, NothingSetIsASingleRank) {
