@@ -192,6 +192,11 @@ ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, con
 }  // namespace
 
 ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
+  // The parser takes a NUL byte for the end of the text: "{...}\0junk" would pass, the rest unread.
+  if (const size_t nul = json.find('\0'); nul != std::string_view::npos) {
+    Invalid("TF_CONFIG is not valid JSON (error at byte " + std::to_string(nul + 1) +
+            "): a NUL byte, which JSON text holds nowhere");
+  }
   Json root;
   try {
     root = Json::parse(json.begin(), json.end());

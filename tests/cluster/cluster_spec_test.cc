@@ -117,6 +117,16 @@ TEST(TfConfigTest, NotJsonNamesThePosition) {
                     {"not valid JSON"});
 }
 
+// The parser ends the text at a NUL byte: what followed it used to pass unread.
+TEST(TfConfigTest, ANulByteIsRefusedWhereverItIs) {
+  const std::string json =
+      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}})";
+  ExpectBadTfConfig(json + '\0' + "junk",
+                    {"not valid JSON", "byte " + std::to_string(json.size() + 1), "NUL"});
+  ExpectBadTfConfig(json + '\0', {"not valid JSON", "NUL"});
+  ExpectBadTfConfig(std::string(1, '\0') + json, {"not valid JSON", "byte 1", "NUL"});
+}
+
 TEST(TfConfigTest, NotAnObject) {
   ExpectBadTfConfig(R"(["a:1"])", {"JSON object", "array"});
   ExpectBadTfConfig("42", {"JSON object", "number"});
