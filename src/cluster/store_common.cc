@@ -12,22 +12,22 @@ namespace collectives::cluster {
 
 void CheckKey(std::string_view store, const std::string& key) {
   if (key.empty()) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(store) + ": the key is empty");
+    throw StoreFailure(ErrorCode::kInvalidArgument, std::string(store) + ": the key is empty");
   }
   if (key.size() > kMaxKeyBytes) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(store) + ": key " + QuoteKey(key) +
-                                                 " is " + std::to_string(key.size()) +
-                                                 " bytes, more than the limit of " +
-                                                 std::to_string(kMaxKeyBytes));
+    throw StoreFailure(ErrorCode::kInvalidArgument, std::string(store) + ": key " + QuoteKey(key) +
+                                                        " is " + std::to_string(key.size()) +
+                                                        " bytes, more than the limit of " +
+                                                        std::to_string(kMaxKeyBytes));
   }
 }
 
 void CheckValue(std::string_view store, const std::string& key, const std::string& value) {
   if (value.size() > kMaxValueBytes) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(store) + ": the value of key " + QuoteKey(key) + " is " +
-                    std::to_string(value.size()) + " bytes, more than the limit of " +
-                    std::to_string(kMaxValueBytes));
+    throw StoreFailure(ErrorCode::kInvalidArgument,
+                       std::string(store) + ": the value of key " + QuoteKey(key) + " is " +
+                           std::to_string(value.size()) + " bytes, more than the limit of " +
+                           std::to_string(kMaxValueBytes));
   }
 }
 
@@ -49,15 +49,15 @@ std::string AddToCounter(std::string_view store, const std::string& key, const s
     const char* end = begin + current->size();
     auto [ptr, ec] = std::from_chars(begin, end, value);
     if (current->empty() || ec != std::errc() || ptr != end) {
-      throw Error(ErrorCode::kInvalidArgument, std::string(store) + ": Add on key " +
-                                                   QuoteKey(key) +
-                                                   ", whose value is not a decimal integer");
+      throw StoreFailure(ErrorCode::kInvalidArgument, std::string(store) + ": Add on key " +
+                                                          QuoteKey(key) +
+                                                          ", whose value is not a decimal integer");
     }
   }
   if (__builtin_add_overflow(value, delta, sum)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(store) + ": Add of " + std::to_string(delta) + " to key " +
-                    QuoteKey(key) + " (= " + std::to_string(value) + ") overflows int64");
+    throw StoreFailure(ErrorCode::kInvalidArgument,
+                       std::string(store) + ": Add of " + std::to_string(delta) + " to key " +
+                           QuoteKey(key) + " (= " + std::to_string(value) + ") overflows int64");
   }
   return std::to_string(*sum);
 }

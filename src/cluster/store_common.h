@@ -25,10 +25,10 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxKeyBytes = 4 * 1024;
 constexpr size_t kMaxValueBytes = 16 * 1024 * 1024;
 
-// Throws Error(kInvalidArgument) when `key` is empty or longer than kMaxKeyBytes. `store` names
-// the store in the message ("TCP store at 10.0.0.1:29500").
+// Throws StoreFailure(kInvalidArgument) when `key` is empty or longer than kMaxKeyBytes. `store`
+// names the store in the message ("TCP store at 10.0.0.1:29500").
 void CheckKey(std::string_view store, const std::string& key);
-// Throws Error(kInvalidArgument) when `value` is longer than kMaxValueBytes.
+// Throws StoreFailure(kInvalidArgument) when `value` is longer than kMaxValueBytes.
 void CheckValue(std::string_view store, const std::string& key, const std::string& value);
 
 // now + timeout, with negative timeouts read as 0 and very long ones capped (a year), so that
@@ -38,8 +38,8 @@ Clock::time_point DeadlineAfter(std::chrono::milliseconds timeout);
 std::chrono::milliseconds ClampTimeout(std::chrono::milliseconds timeout);
 
 // `current` (an Add counter's decimal text, or nullptr when the key is absent) plus `delta`, as
-// decimal text. Throws Error(kInvalidArgument) when the current value is not a decimal int64 or
-// the sum overflows.
+// decimal text. Throws StoreFailure(kInvalidArgument) when the current value is not a decimal
+// int64 or the sum overflows.
 std::string AddToCounter(std::string_view store, const std::string& key, const std::string* current,
                          int64_t delta, int64_t* sum);
 
@@ -80,9 +80,11 @@ inline constexpr std::string_view kNotSetWithin = " was not set within ";
 
 // The Error our own stores throw for a failure of the store itself rather than a key's absence:
 // a TCP store that could not connect, got no reply in time, lost its connection or was refused;
-// a file store that could not read, write or lock its files, or refused its token file. A Store
-// says that a key was not set within a Get's wait with a plain Error(kTimeout) (cluster.h), as
-// stores that users write do, whatever their wording; so a caller that must tell the two apart
+// a file store that could not read, write or lock its files, or refused its token file; and any
+// of them refusing an operation, kInvalidArgument (a key or value past the limits, an Add on a
+// value that is no decimal integer or that would overflow, the TCP server's reply saying so). A
+// Store says that a key was not set within a Get's wait with a plain Error(kTimeout) (cluster.h),
+// as stores that users write do, whatever their wording; so a caller that must tell the two apart
 // (CancellableStore's slices, the TCP fabric naming a rank that never published) does it by
 // type, not by searching the message; a communicator's set-up names the rank before its message.
 // Callers outside the library see an Error.

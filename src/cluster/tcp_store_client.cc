@@ -375,7 +375,7 @@ class TcpStoreClient::Impl {
     }
     Release(std::move(connection));
     if (reply.code == static_cast<uint8_t>(wire::Status::kInvalidArgument)) {
-      throw Error(ErrorCode::kInvalidArgument, core::OneLine(*reply_value));
+      throw StoreFailure(ErrorCode::kInvalidArgument, core::OneLine(*reply_value));
     }
     return reply;
   }

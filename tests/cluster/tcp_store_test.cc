@@ -767,6 +767,32 @@ TEST(TcpStoreTest, ARefusalOnReconnectingInTheSetUpNamesTheRank) {
   }
 }
 
+// A refusal of the store (the server's kInvalidArgument reply: here an Add on a key whose value
+// is no number, the set-up's count of communicators, which the caller's own Set took) raised in
+// a communicator's set-up names the rank, as the store's other failures there do. Before, it was
+// the server's words alone: "TCP store server at ...: Add on key 'collectives/generation/1',
+// whose value is not a decimal integer".
+TEST(TcpStoreTest, ARefusalOfTheStoreInTheSetUpNamesTheRank) {
+  auto server = Server();
+  const uint16_t port = TcpStorePort(*server);
+  auto client = CreateTcpStore("127.0.0.1", port, false, kLong);
+  client->Set("collectives/generation/1", "not a number");  // the spec's job id, then its rank
+  CommunicationOptions options;
+  options.implementation = Implementation::kRing;
+  options.timeout = milliseconds(1000);
+  try {
+    CreateCommunication(LoopbackSpec(1, 2, port), client, options);
+    ADD_FAILURE() << "a set-up went on though the store refused its Add";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_EQ(e.message().rfind("rank 1: ", 0), 0u) << e.what();
+    EXPECT_NE(e.message().find("Add on key 'collectives/generation/1', whose value is not a "
+                               "decimal integer"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A Get that has to connect again (its server went away) tries for as long as the Get may take,
 // its wait and a short grace, not for the store's whole timeout, and says which Get it was.
 TEST(TcpStoreTest, AGetThatMustReconnectTriesOnlyForItsOwnWait) {
