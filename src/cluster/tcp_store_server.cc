@@ -108,6 +108,9 @@ class TcpStoreServer::Impl {
   SpareDescriptor spare_;
   RateLimitedLog accept_log_;
   RateLimitedLog eviction_log_;
+  // The connections closed with a reason (a failed proof, a malformed request): a stranger who
+  // connects again and again must not write a line each time, for as long as the job runs.
+  RateLimitedLog close_log_;
   std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;
   std::unordered_map<std::string, std::vector<std::weak_ptr<Session>>> waiters_;
   // Only the io thread touches these two: the address each rank enrolled from ("" not yet),
@@ -144,10 +147,11 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
                       });
   }
 
-  // Closes the socket; logs `reason` when it is not empty.
+  // Closes the socket; logs `reason` when it is not empty (a line a second at most).
   void Close(const std::string& reason) {
     if (!reason.empty()) {
-      Log(server_->name_ + ": closing the connection from " + peer_ + ": " + reason);
+      server_->close_log_.Write(server_->name_ + ": closing the connection from " + peer_ + ": " +
+                                reason);
     }
     if (waiting_) server_->RemoveWaiter(key_, this);
     Shutdown();
