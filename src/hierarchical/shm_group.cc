@@ -201,6 +201,19 @@ Part PartOf(size_t count, int parts, int part) {
   return Part{p * base + std::min(p, extra), base + (p < extra ? 1 : 0)};
 }
 
+// Why the member of control block `c` is gone, or nullptr while its keeper thread holds its
+// liveness mutex (a trylock, no system call).
+const char* WhyGone(Control& c) {
+  const int rc = pthread_mutex_trylock(&c.alive);
+  if (rc == EBUSY) return nullptr;
+  if (rc == 0) {
+    pthread_mutex_unlock(&c.alive);
+    return "it left the shared-memory group: its communicator was destroyed";
+  }
+  if (rc == EOWNERDEAD) pthread_mutex_unlock(&c.alive);  // left unrecoverable: still dead
+  return "its process died while in shared memory";
+}
+
 }  // namespace
 
 // The mapping, the keeper thread that holds this member's liveness mutex, and the words.
@@ -612,11 +625,11 @@ class ShmGroup::Step {
   void Done(uint32_t s) { Publish(&Control::done, s); }
 
   // Breaks the group with `error` (or the error that broke it first) and throws it.
-  [[noreturn]] void Fail(const Error& error) { throw g_.BreakWith(error); }
+  [[noreturn]] void Fail(const Error& error) { throw g_.BreakWith(error, deadline_); }
 
  private:
   void ThrowIfBroken() {
-    if (seg_.header().broken.load(std::memory_order_acquire) != 0) throw g_.BrokenError();
+    if (seg_.header().broken.load(std::memory_order_acquire) != 0) throw g_.BrokenError(deadline_);
   }
 
   void Publish(std::atomic<uint32_t> Control::*word, uint32_t s) {
@@ -683,17 +696,8 @@ class ShmGroup::Step {
 
   // Throws kPeerLost when member j's process died or its communicator is gone.
   void CheckAlive(int j) {
-    pthread_mutex_t* alive = &seg_.control(j).alive;
-    const int rc = pthread_mutex_trylock(alive);
-    if (rc == EBUSY) return;
-    std::string reason;
-    if (rc == 0) {
-      pthread_mutex_unlock(alive);
-      reason = "it left the shared-memory group: its communicator was destroyed";
-    } else {
-      if (rc == EOWNERDEAD) pthread_mutex_unlock(alive);  // left unrecoverable: still dead
-      reason = "its process died while in shared memory";
-    }
+    const char* reason = WhyGone(seg_.control(j));
+    if (reason == nullptr) return;
     Fail(transport::PeerLostError(g_.rank_, g_.members_[size_t(j)], reason, &tag_, false));
   }
 
@@ -704,28 +708,36 @@ class ShmGroup::Step {
   const Clock::time_point deadline_;
 };
 
-Error ShmGroup::BrokenError() const {
-  const Header& header = segment_->header();
-  {
-    std::lock_guard<std::mutex> lock(given_up_mu_);
-    if (given_up_) return *given_up_;  // waited for once already
-  }
-  // The breaker writes the error between kBreakingBy + its index and kBrokenWritten; it takes
-  // microseconds, unless the breaker was killed in between (then it is never written, and
-  // waiting for it would hang every member, Abort and the destructor included).
-  const auto give_up = Clock::now() + kBreakerWritesWithin;
+Error ShmGroup::BrokenError(Clock::time_point deadline) const {
+  Header& header = segment_->header();
+  // The breaker writes the error between kBreakingBy + its index and kBrokenWritten: it takes
+  // microseconds, unless the breaker stalls (descheduled, stopped) or is killed in between, when
+  // it may never come. This member waits for it until its own deadline, or until the breaker is
+  // gone; the error it then raises in place of the breaker's, its later calls raise at once,
+  // until the breaker's is written.
+  // A call past its deadline still waits a slice: a write under way is not missed.
+  const auto until = std::max(deadline, Clock::now() + std::chrono::milliseconds(kSleepSliceMs));
   for (uint32_t state; (state = header.broken.load(std::memory_order_acquire)) >= kBreakingBy;) {
-    if (Clock::now() >= give_up) {
-      const size_t breaker = state - kBreakingBy;
-      const Error error(ErrorCode::kPeerLost,
-                        "rank " + std::to_string(rank_) + ": shared memory: rank " +
-                            (breaker < members_.size() ? std::to_string(members_[breaker]) : "?") +
-                            " broke this host's group and stopped before writing why (killed?)");
+    const size_t breaker = state - kBreakingBy;
+    const char* gone =
+        breaker < members_.size() ? WhyGone(segment_->control(int(breaker))) : nullptr;
+    const auto now = Clock::now();
+    {
       std::lock_guard<std::mutex> lock(given_up_mu_);
-      if (!given_up_) given_up_ = error;
-      return *given_up_;
+      if (given_up_) return *given_up_;  // waited for once already
+      if (gone != nullptr || now >= until) {
+        given_up_ =
+            Error(ErrorCode::kPeerLost,
+                  "rank " + std::to_string(rank_) + ": shared memory: rank " +
+                      (breaker < members_.size() ? std::to_string(members_[breaker]) : "?") +
+                      " broke this host's group and stopped before writing why (" +
+                      (gone != nullptr ? gone : "not written by this call's deadline") + ")");
+        return *given_up_;
+      }
     }
-    std::this_thread::yield();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
+    FutexWait(&header.broken, state,
+              int(std::clamp<int64_t>(left.count(), 1, kSleepSliceMs)));  // woken by the write
   }
   const std::string message(header.broken_message,
                             strnlen(header.broken_message, sizeof header.broken_message));
@@ -737,12 +749,14 @@ Error ShmGroup::BrokenError() const {
   return transport::AbortReceivedError(rank_, payload);
 }
 
-Error ShmGroup::BreakWith(const Error& error) {
-  Header& header = segment_->header();
+bool ShmGroup::BeginBreaking() {
   uint32_t expected = kSound;
-  if (!header.broken.compare_exchange_strong(expected, kBreakingBy + uint32_t(index_))) {
-    return BrokenError();
-  }
+  return segment_->header().broken.compare_exchange_strong(expected,
+                                                           kBreakingBy + uint32_t(index_));
+}
+
+void ShmGroup::WriteBroken(const Error& error) {
+  Header& header = segment_->header();
   header.broken_code = int32_t(error.code());
   header.broken_rank = rank_;
   const std::string& message = error.message();
@@ -750,20 +764,29 @@ Error ShmGroup::BreakWith(const Error& error) {
   std::memcpy(header.broken_message, message.data(), n);
   header.broken_message[n] = '\0';
   header.broken.store(kBrokenWritten, std::memory_order_seq_cst);
+  FutexWakeAll(&header.broken);
   for (int j = 0; j < size(); ++j) {
     Control& c = segment_->control(j);
     FutexWakeAll(&c.arrived);
     FutexWakeAll(&c.reduced);
     FutexWakeAll(&c.done);
   }
+}
+
+Error ShmGroup::BreakWith(const Error& error, Clock::time_point deadline) {
+  if (!BeginBreaking()) return BrokenError(deadline);
+  WriteBroken(error);
   return error;
 }
 
-void ShmGroup::Abort(const Error& error) { BreakWith(error); }
-
-void ShmGroup::BreakHalfwayForTesting() {
-  segment_->header().broken.store(kBreakingBy + uint32_t(index_));
+// Broken already: nothing to wait for, the pending calls raise that first error.
+void ShmGroup::Abort(const Error& error) {
+  if (BeginBreaking()) WriteBroken(error);
 }
+
+void ShmGroup::BreakHalfwayForTesting() { BeginBreaking(); }
+
+void ShmGroup::FinishBreakingForTesting(const Error& error) { WriteBroken(error); }
 
 void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                          void* recv, size_t count, DataType dtype, ReduceOp op,

@@ -138,14 +138,17 @@ class ShmGroup {
   void Barrier(const core::CallTag& tag, Clock::time_point deadline);
 
   // Breaks the group with `error`: every member's pending and later call raises. Any thread.
+  // A group broken already stays broken with its first error.
   void Abort(const Error& error);
 
-  // How long a member waits for the error of a member that has begun to break the group, once:
-  // past it, this member's calls and Abort raise kPeerLost naming the breaker, its later ones at
-  // once.
-  static constexpr std::chrono::seconds kBreakerWritesWithin{2};
-  // Begins to break the group and stops, as a member killed in the middle of Abort would.
+  // A member that finds the group broken by another that has not written why yet waits for it
+  // until its call's deadline (at least one 20 ms slice), or until the breaker is gone (its
+  // liveness mutex): then that call raises kPeerLost naming the breaker, and its later calls at
+  // once, until the breaker's error is written; from then on they raise that.
+  // Begins to break the group and stops, as a member killed or stopped in the middle of Abort
+  // would; FinishBreakingForTesting writes why, as that member would once it runs again.
   void BreakHalfwayForTesting();
+  void FinishBreakingForTesting(const Error& error);
 
  private:
   struct Segment;
@@ -153,10 +156,15 @@ class ShmGroup {
 
   class Step;
   friend class Step;
-  // The error that broke the group, as this member raises it.
-  Error BrokenError() const;
+  // The error that broke the group, as this member raises it (waiting for it until `deadline`
+  // at most, see BreakHalfwayForTesting).
+  Error BrokenError(Clock::time_point deadline) const;
   // Breaks the group with `error` unless it is broken already; returns the first error.
-  Error BreakWith(const Error& error);
+  Error BreakWith(const Error& error, Clock::time_point deadline);
+  // Claims the broken flag for this member (false: broken already), then writes why and wakes
+  // every waiter.
+  bool BeginBreaking();
+  void WriteBroken(const Error& error);
   // The error BrokenError gave once it stopped waiting for a breaker that did not write why.
   mutable std::mutex given_up_mu_;
   mutable std::optional<Error> given_up_;  // guarded by given_up_mu_

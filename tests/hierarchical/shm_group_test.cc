@@ -1407,44 +1407,91 @@ TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
   }
 }
 
-// A member killed between beginning to break the group and writing why
-// (BreakHalfwayForTesting stands in for the kill) leaves the group half broken. Every member's
-// next call, and its Abort, used to wait for the error to be written: forever, at full speed
-// (the destructor joined a thread spinning there). Now they raise kPeerLost saying so and naming
-// the member that broke it, within about ShmGroup::kBreakerWritesWithin, and write nothing.
+// Member 2, another process, begins to break the group and exits before writing why
+// (BreakHalfwayForTesting and _exit stand in for a kill in the middle of Abort). Every other
+// member's next call, and its Abort, used to wait for the error to be written: forever, at full
+// speed (the destructor joined a thread spinning there). Then they waited 2 s. Now they raise
+// kPeerLost saying so and naming member 2 once its liveness mutex says it is gone, long before
+// their 60 s deadline, and write nothing.
 TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers) {
+  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
   const std::vector<int> ranks = {0, 1, 2};
   ShmGroupOptions options = Options("half_broken", 4096, 4096, 3);
-  std::atomic<bool> broken{false};
-  RunMembers(ranks, options, [&](Member& m, int me) {
-    if (me == 0) {
-      m.group->BreakHalfwayForTesting();
-      broken = true;
-    }
-    while (!broken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    std::vector<float> data(100, 1.0f);
-    const auto start = Clock::now();
+  options.timeout = std::chrono::seconds(10);
+  // Forked before this test starts any thread, so the child may start its own.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int rc = 0;
     try {
-      m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum,
-                               0, data.size()),
-                         Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
-                         data.size(), DataType::kFloat32, ReduceOp::kSum);
-      ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
-      EXPECT_NE(e.message().find("stopped before writing why"), std::string::npos) << e.what();
-      EXPECT_NE(e.message().find("rank 0 broke"), std::string::npos) << e.what();
+      auto store = CreateFileStore(dir);
+      auto group = ShmGroup::Create(2, ranks, *store, options);
+      group->BreakHalfwayForTesting();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      _exit(0);  // the group is never destroyed: the process just ends
+    } catch (...) {
+      rc = 3;
     }
-    m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
-    EXPECT_GE(Clock::now() - start, ShmGroup::kBreakerWritesWithin) << "member " << me;
-    EXPECT_LT(Clock::now() - start, std::chrono::seconds(30)) << "member " << me;
-    for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
-  });
+    _exit(rc);
+  }
+  auto store = CreateFileStore(dir);
+  std::vector<std::thread> threads;
+  for (int me = 0; me < 2; ++me) {
+    threads.emplace_back([&, me] {
+      Member m;
+      try {
+        m.group = ShmGroup::Create(ranks[size_t(me)], ranks, *store, options);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "member " << me << ": " << e.what();
+        return;
+      }
+      std::vector<float> data(100, 1.0f);
+      const auto start = Clock::now();
+      try {
+        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                 ReduceOp::kSum, 0, data.size()),
+                           Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
+                           data.size(), DataType::kFloat32, ReduceOp::kSum);
+        ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+        EXPECT_NE(e.message().find("stopped before writing why"), std::string::npos) << e.what();
+        EXPECT_NE(e.message().find("rank 2 broke"), std::string::npos) << e.what();
+        EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
+      }
+      m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
+      EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+      for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  std::filesystem::remove_all(dir);
 }
 
-// Once a member found the group half broken (its breaker stopped before writing why), its later
-// calls and its Abort raise the same error at once: they do not wait kBreakerWritesWithin again
-// for an error that will not come. Before, every call took those 2 s to fail.
+// An all-reduce of 100 floats on `m` that must fail: the error it raised.
+Error FailingAllReduce(Member& m, int me, Clock::duration timeout) {
+  std::vector<float> data(100, 1.0f);
+  try {
+    m.group->AllReduce(
+        m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, data.size()),
+        Clock::now() + timeout, data.data(), data.data(), data.size(), DataType::kFloat32,
+        ReduceOp::kSum);
+    ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
+  } catch (const Error& e) {
+    for (float v : data) EXPECT_EQ(v, 1.0f) << "member " << me << ": data written";
+    return e;
+  }
+  return Error(ErrorCode::kInternal, "no error");
+}
+
+// Once a member gave up waiting for why the group broke (its breaker, alive, did not write it
+// by the call's 300 ms deadline), its later calls and its Abort raise the same error at once:
+// they do not wait again for an error that may not come.
 TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError) {
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("half_broken_later", 4096, 4096, 2);
@@ -1455,27 +1502,69 @@ TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError)
       broken = true;
     }
     while (!broken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    std::vector<float> data(100, 1.0f);
-    const auto call = [&] {
-      try {
-        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                 ReduceOp::kSum, 0, data.size()),
-                           Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
-                           data.size(), DataType::kFloat32, ReduceOp::kSum);
-        ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
-        return std::string();
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
-        return e.message();
-      }
-    };
-    const std::string first = call();
-    EXPECT_NE(first.find("rank 0 broke"), std::string::npos) << first;
+    const Error first = FailingAllReduce(m, me, std::chrono::milliseconds(300));
+    EXPECT_EQ(first.code(), ErrorCode::kPeerLost) << first.what();
+    EXPECT_NE(first.message().find("rank 0 broke"), std::string::npos) << first.what();
     const auto start = Clock::now();
-    EXPECT_EQ(call(), first);
+    const Error later = FailingAllReduce(m, me, std::chrono::seconds(60));
+    EXPECT_EQ(later.code(), ErrorCode::kPeerLost);
+    EXPECT_EQ(later.message(), first.message());
     m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
     EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
-    for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+  });
+}
+
+// Member 0 begins to break the group and writes why only 2.2 s later (a breaker descheduled or
+// stopped in between). The others, whose deadline is 20 s away, raise its error (kAborted, its
+// message), not a guess. Before, they gave up after 2 s: kPeerLost "rank 0 broke this host's
+// group and stopped before writing why (killed?)".
+TEST(ShmGroupFailureTest, ABreakerThatWritesWhyLateIsHeardWithinTheDeadline) {
+  const std::vector<int> ranks = {0, 1, 2};
+  ShmGroupOptions options = Options("slow_breaker", 4096, 4096, 3);
+  std::atomic<bool> broken{false};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 0) {
+      m.group->BreakHalfwayForTesting();
+      broken = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2200));
+      m.group->FinishBreakingForTesting(Error(ErrorCode::kAborted, "rank 0: the breaker's reason"));
+      return;
+    }
+    while (!broken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const Error e = FailingAllReduce(m, me, std::chrono::seconds(20));
+    EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    EXPECT_NE(e.message().find("the breaker's reason"), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find("rank " + std::to_string(me)), std::string::npos) << e.what();
+  });
+}
+
+// A member that gave up waiting for why the group broke (300 ms deadline) raises the breaker's
+// error in its later calls once it is written. Before, it kept raising kPeerLost "stopped before
+// writing why" for good, the real cause written next to it.
+TEST(ShmGroupFailureTest, TheBreakersErrorReplacesTheGuessOnceWritten) {
+  const std::vector<int> ranks = {0, 1};
+  ShmGroupOptions options = Options("late_reason", 4096, 4096, 2);
+  std::atomic<int> stage{0};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 0) {
+      m.group->BreakHalfwayForTesting();
+      stage = 1;
+      while (stage != 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      m.group->FinishBreakingForTesting(Error(ErrorCode::kAborted, "rank 0: the breaker's reason"));
+      stage = 3;
+      return;
+    }
+    while (stage != 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const Error guess = FailingAllReduce(m, me, std::chrono::milliseconds(300));
+    EXPECT_EQ(guess.code(), ErrorCode::kPeerLost) << guess.what();
+    EXPECT_NE(guess.message().find("rank 0 broke this host's group and stopped before writing why"),
+              std::string::npos)
+        << guess.what();
+    stage = 2;
+    while (stage != 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const Error e = FailingAllReduce(m, me, std::chrono::seconds(20));
+    EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    EXPECT_NE(e.message().find("the breaker's reason"), std::string::npos) << e.what();
   });
 }
 
