@@ -867,6 +867,93 @@ TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
   std::filesystem::remove_all(dir);
 }
 
+// Member 2 is another process that runs large all-reduces (64 steps of a 64 KiB slot each)
+// with the others until it is killed with SIGKILL, 0 to 40 ms into them: before it arrives at a
+// step, while it copies in or out, after it reduced its slice. Every time, both other members
+// raise kPeerLost naming rank 2 within a second of the kill (the liveness check runs every
+// 20 ms slice), and their next call raises at once.
+TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMember) {
+  const std::vector<int> ranks = {0, 1, 2};
+  constexpr size_t kCount = 1 << 20;  // 4 MiB of floats
+  for (int delay_ms : {0, 1, 2, 5, 10, 20, 40}) {
+    SCOPED_TRACE("killed " + std::to_string(delay_ms) + " ms into the all-reduces");
+    char dir_template[] = "/tmp/shm_group_test_XXXXXX";
+    ASSERT_NE(mkdtemp(dir_template), nullptr);
+    const std::string dir = dir_template;
+    ShmGroupOptions options = Options("killed", 64 * 1024, 4096, 3);
+    options.timeout = std::chrono::seconds(10);
+    // Forked while this test runs no thread, so the child may start its own.
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      try {
+        auto store = CreateFileStore(dir);
+        Member m;
+        m.group = ShmGroup::Create(2, ranks, *store, options);
+        std::vector<float> data(kCount, 1.0f);
+        for (;;) {
+          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                   ReduceOp::kSum, 0, kCount),
+                             Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
+                             kCount, DataType::kFloat32, ReduceOp::kSum);
+        }
+      } catch (...) {
+      }
+      _exit(3);
+    }
+    auto store = CreateFileStore(dir);
+    std::atomic<int> attached{0};
+    std::atomic<int64_t> killed_at{0};
+    std::vector<std::thread> threads;
+    for (int me = 0; me < 2; ++me) {
+      threads.emplace_back([&, me] {
+        Member m;
+        try {
+          m.group = ShmGroup::Create(ranks[size_t(me)], ranks, *store, options);
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "member " << me << ": " << e.what();
+          ++attached;
+          return;
+        }
+        ++attached;
+        std::vector<float> data(kCount, 1.0f);
+        const auto call = [&] {
+          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                   ReduceOp::kSum, 0, kCount),
+                             Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
+                             kCount, DataType::kFloat32, ReduceOp::kSum);
+        };
+        try {
+          for (;;) call();
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << "member " << me << ": " << e.what();
+          EXPECT_NE(e.message().find("lost rank 2"), std::string::npos) << e.what();
+          ASSERT_NE(killed_at.load(), 0) << "member " << me << " raised before the kill";
+          const auto since = Clock::now() - Clock::time_point(Clock::duration(killed_at.load()));
+          EXPECT_LT(since, std::chrono::seconds(1)) << "member " << me;
+        }
+        const auto start = Clock::now();
+        try {
+          call();
+          ADD_FAILURE() << "member " << me << ": a call after the loss succeeded";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+        }
+        EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500)) << "member " << me;
+      });
+    }
+    while (attached < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    killed_at = Clock::now().time_since_epoch().count();
+    kill(child, SIGKILL);
+    for (std::thread& t : threads) t.join();
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child status " << status;
+    std::filesystem::remove_all(dir);
+  }
+}
+
 // A long random sequence of every kind of call (the same on every member: one seed), with
 // counts on both sides of the small path and of the slot, so that steps of different shapes
 // (broadcasts whose non-roots do not wait for the slots' release, barriers, one- and two-sync
