@@ -87,8 +87,8 @@ struct alignas(64) Control {
   std::atomic<uint32_t> done;      // the last step this member finished reading
   std::atomic<uint32_t> sleepers;  // waiters asleep on one of the three words above
   WireTag tag[2];                  // the call of the last step in each buffer
-  alignas(64) int32_t pid;
-  pthread_mutex_t alive;  // held by the member's keeper thread while it lives
+  alignas(64) int32_t pid;  // set once `alive` is held (atomic_ref: others read it meanwhile)
+  pthread_mutex_t alive;    // held by the member's keeper thread while it lives
 };
 static_assert(offsetof(Control, pid) == 64, "counters and tags fill exactly one cache line");
 
@@ -201,8 +201,10 @@ Part PartOf(size_t count, int parts, int part) {
   return Part{p * base + std::min(p, extra), base + (p < extra ? 1 : 0)};
 }
 
+constexpr char kDiedInSharedMemory[] = "its process died while in shared memory";
+
 // Why the member of control block `c` is gone, or nullptr while its keeper thread holds its
-// liveness mutex (a trylock, no system call).
+// liveness mutex (a trylock, no system call): kDiedInSharedMemory, or that it left the group.
 const char* WhyGone(Control& c) {
   const int rc = pthread_mutex_trylock(&c.alive);
   if (rc == EBUSY) return nullptr;
@@ -211,7 +213,7 @@ const char* WhyGone(Control& c) {
     return "it left the shared-memory group: its communicator was destroyed";
   }
   if (rc == EOWNERDEAD) pthread_mutex_unlock(&c.alive);  // left unrecoverable: still dead
-  return "its process died while in shared memory";
+  return kDiedInSharedMemory;
 }
 
 }  // namespace
@@ -515,7 +517,6 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     own.reduced.store(0);
     own.done.store(0);
     own.sleepers.store(0);
-    own.pid = int32_t(getpid());
     std::memset(own.tag, 0, sizeof own.tag);
     pthread_mutexattr_t attr;
     pthread_mutexattr_init(&attr);
@@ -529,6 +530,8 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
       const std::string why = "cannot start the thread that holds this member's liveness mutex: ";
       throw report(Error(ErrorCode::kSystem, prefix + why + error.what()));
     }
+    // From here on its liveness tells: a member killed before it attached is not waited for.
+    std::atomic_ref<int32_t>(own.pid).store(int32_t(getpid()), std::memory_order_release);
     std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
     std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
 
@@ -543,12 +546,24 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
           shm_unlink(seg.name.c_str());
           throw PublishedFailure(store.Get(failure_key, failure_wait()), prefix, false);
         }
+        for (size_t i = 0; i < seg.members; ++i) {
+          Control& c = seg.control(int(i));
+          if (std::atomic_ref<int32_t>(c.pid).load(std::memory_order_acquire) != 0 &&
+              WhyGone(c) == kDiedInSharedMemory) {
+            shm_unlink(seg.name.c_str());
+            throw Error(ErrorCode::kPeerLost, prefix + "rank " + std::to_string(members[i]) +
+                                                  " died while attaching to segment " + seg.name +
+                                                  " (" + kDiedInSharedMemory + ")");
+          }
+        }
       }
       if (Clock::now() >= deadline) {
         shm_unlink(seg.name.c_str());
         std::string missing;
         for (size_t i = 0; i < seg.members; ++i) {
-          if (seg.control(int(i)).pid == 0) missing.append(" ").append(std::to_string(members[i]));
+          if (std::atomic_ref<int32_t>(seg.control(int(i)).pid).load() == 0) {
+            missing.append(" ").append(std::to_string(members[i]));
+          }
         }
         throw Error(ErrorCode::kTimeout, prefix + "ranks" + missing +
                                              " did not attach to segment " + seg.name + " in " +

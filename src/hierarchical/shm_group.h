@@ -82,10 +82,11 @@ class ShmGroup {
  public:
   // Collective over `members` (the global ranks of this host, ascending; `rank` is one of them):
   // creates or attaches the segment. Throws Error(kTimeout) naming the members that did not
-  // attach, Error(kSystem) when shared memory cannot be had (a /dev/shm too small for the
-  // segment included: its pages are reserved here), Error(kUnauthenticated) for a segment that
-  // is not ours alone or not of this member's size. A member that fails publishes its error in
-  // the store, and the others raise it (same code, its message) instead of waiting it out.
+  // attach, Error(kPeerLost) naming one whose process died while it attached, Error(kSystem) when
+  // shared memory cannot be had (a /dev/shm too small for the segment included: its pages are
+  // reserved here), Error(kUnauthenticated) for a segment that is not ours alone or not of this
+  // member's size. A member that fails publishes its error in the store, and the others raise it
+  // (same code, its message) instead of waiting it out.
   static std::unique_ptr<ShmGroup> Create(int rank, const std::vector<int>& members, Store& store,
                                           const ShmGroupOptions& options);
   ~ShmGroup();

@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1558,6 +1559,60 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
   std::filesystem::remove_all(dir);
+}
+
+// Member 1 is another process, killed (SIGKILL) while it attaches: after it took its liveness
+// mutex, while it touches its 64 MiB slots (its shared memory passes 16 MiB), before it counts
+// itself attached. The creator, waiting for it, raises kPeerLost naming rank 1 within a second
+// of the kill, not a kTimeout at the set-up's end. Before, it waited the whole 3 s and said
+// "ranks did not attach to segment ...", naming no one (the member had written its pid).
+TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
+  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::vector<int> ranks = {0, 1};
+  ShmGroupOptions options = Options("killed_attaching", size_t(64) << 20, 4096, 2);
+  options.timeout = std::chrono::seconds(3);
+  // Forked while this test runs no thread, so the child may start its own.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      auto store = CreateFileStore(dir);
+      auto group = ShmGroup::Create(1, ranks, *store, options);
+      _exit(0);
+    } catch (...) {
+    }
+    _exit(3);
+  }
+  auto store = CreateFileStore(dir);
+  std::optional<Error> error;
+  std::atomic<int64_t> killed_at{0};
+  std::thread creator([&] {
+    try {
+      auto group = ShmGroup::Create(0, ranks, *store, options);
+    } catch (const Error& e) {
+      error = e;
+    }
+  });
+  const std::string statm = "/proc/" + std::to_string(child) + "/statm";
+  for (long pages = 0, shared = 0; shared < 4096;) {  // 16 MiB of its shared memory touched
+    std::ifstream(statm) >> pages >> pages >> shared;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  killed_at = Clock::now().time_since_epoch().count();
+  kill(child, SIGKILL);
+  creator.join();
+  const auto since = Clock::now() - Clock::time_point(Clock::duration(killed_at.load()));
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  std::filesystem::remove_all(dir);
+  if (WIFEXITED(status)) GTEST_SKIP() << "the member attached before the kill came";
+  ASSERT_TRUE(error.has_value()) << "the creator attached without member 1";
+  EXPECT_EQ(error->code(), ErrorCode::kPeerLost) << error->what();
+  EXPECT_NE(error->message().find("rank 1 died while attaching"), std::string::npos)
+      << error->what();
+  EXPECT_LT(since, std::chrono::seconds(1)) << error->what();
 }
 
 // An all-reduce of 100 floats on `m` that must fail: the error it raised.
