@@ -87,8 +87,8 @@ typedef enum coll_op {
   COLL_MIN = 2,
   COLL_MAX = 3,
   COLL_AVG = 4, /* a sum, then one division by the number of ranks (truncating for integers);
-                 integer sums wrap before the division, f16 partial sums overflow to inf past
-                 65504 (see ReduceOp in collectives/types.h) */
+                 integer sums wrap before the division, f16 partial sums overflow to inf once
+                 one reaches 65520 (see ReduceOp in collectives/types.h) */
   COLL_OP_FORCE_INT_ = 0x7fffffff
 } coll_op;
 
