@@ -243,6 +243,15 @@ class CollectiveCommunication {
   CollectiveCommunication() = default;
 };
 
+// The job token a communicator built with `options` proves on every connection, the store's
+// included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty (CreateCommunication
+// then proves the token its store generated or enrolled for, if any). For callers that create
+// the store themselves (CreateTcpStore) and pass it to CreateCommunication.
+std::string ResolveJobToken(const CommunicationOptions& options);
+// The same for a communicator of `spec`: options.job_token, else spec.job_token, else
+// $COLLECTIVES_JOB_TOKEN, else empty.
+std::string ResolveJobToken(const ClusterSpec& spec, const CommunicationOptions& options);
+
 // Builds a communicator for this process's rank of `spec`, rendezvousing through the store the
 // spec names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed.
 // RING connects every pair of ranks over TCP. AUTO does too, and also groups the ranks by host
@@ -257,15 +266,6 @@ class CollectiveCommunication {
 // shared memory off for every rank; so does options.algorithm naming a TCP algorithm, and so
 // does a rank that cannot use shared memory at all (no /dev/shm, one mounted read-only or not
 // writable: it says so once on stderr).
-// The job token a communicator built with `options` proves on every connection, the store's
-// included: options.job_token, else $COLLECTIVES_JOB_TOKEN, else empty (CreateCommunication
-// then proves the token its store generated or enrolled for, if any). For callers that create
-// the store themselves (CreateTcpStore) and pass it to CreateCommunication.
-std::string ResolveJobToken(const CommunicationOptions& options);
-// The same for a communicator of `spec`: options.job_token, else spec.job_token, else
-// $COLLECTIVES_JOB_TOKEN, else empty.
-std::string ResolveJobToken(const ClusterSpec& spec, const CommunicationOptions& options);
-
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options = {});
 
