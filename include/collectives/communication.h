@@ -270,7 +270,8 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options = {});
 
 // The same, through a store the caller made (a memory store for ranks that are threads, a file
-// store on a shared folder, ...).
+// store on a shared folder, ...). spec.Validate() still applies: with world_size > 1,
+// master_port must not be 0 although the store is given (master_addr picks the listen address).
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, std::shared_ptr<Store> store,
     const CommunicationOptions& options = {});
