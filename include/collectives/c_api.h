@@ -128,8 +128,9 @@ typedef struct coll_options {
   coll_implementation implementation;
 
   /* Longest a collective may take once it runs, and longest the rendezvous and connection set-up
-   * may take; a silent peer then gives COLL_TIMEOUT naming it. Must be positive; above a year
-   * (INT64_MAX for "never" included) it is read as a year.
+   * may take; a silent peer then gives COLL_TIMEOUT naming it (once the peers have been told
+   * why: up to about 200 ms after the deadline when a peer is not reading). Must be positive;
+   * above a year (INT64_MAX for "never" included) it is read as a year.
    * Default: 300000 (5 minutes: long enough for a 1 GiB all-reduce over a slow link). */
   int64_t timeout_ms;
 

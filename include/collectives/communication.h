@@ -64,9 +64,11 @@ struct CommunicationOptions {
   // together (the store's rendezvous, the connections, AUTO's host records, shared memory and
   // calibration; a rank that comes early spends it waiting for the others). The TCP store keeps
   // it as its own limit per operation. A peer that is silent for longer raises
-  // Error(kTimeout) naming it. Long enough for a 1 GiB all-reduce over a slow link. Must be
-  // positive (else Error(kInvalidArgument)); anything above a year, milliseconds::max() for
-  // "never" included, is read as a year.
+  // Error(kTimeout) naming it; RING and AUTO raise it once they have told the peers why, up to
+  // about 200 ms after the deadline when a peer is not reading (busy outside the library).
+  // Long enough for a 1 GiB all-reduce over a slow link. Must be positive (else
+  // Error(kInvalidArgument)); anything above a year, milliseconds::max() for "never" included,
+  // is read as a year.
   // Default: 300 s.
   std::chrono::milliseconds timeout{300'000};
 
