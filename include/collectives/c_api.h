@@ -191,8 +191,9 @@ coll_status coll_comm_create_from_env(const coll_options* options, coll_comm** o
  * master_addr:master_port (it must be free there); the other ranks connect to it, retrying until
  * the timeout. master_addr NULL means "127.0.0.1"; otherwise a host name or address (IPv6 bare
  * or in brackets), without a port: "10.0.0.1:29500" gives COLL_INVALID_ARGUMENT. master_port 0
- * is valid only when world_size == 1. Blocks until every rank has connected. On failure *out is
- * set to NULL. */
+ * is valid only when world_size == 1; world_size is at most 1048576 (2^20: every rank connects to
+ * every other), else COLL_INVALID_ARGUMENT. Blocks until every rank has connected. On failure
+ * *out is set to NULL. */
 coll_status coll_comm_create(int rank, int world_size, const char* master_addr,
                              uint16_t master_port, const coll_options* options, coll_comm** out);
 

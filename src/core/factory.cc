@@ -92,6 +92,23 @@ void CheckJobIdFitsTheHandshake(const ClusterSpec& spec, const CommunicationOpti
   }
 }
 
+// The most ranks a job may have: 2^20. A RING or AUTO rank holds a connection to every other
+// rank, and Linux lets a process hold at most 2^20 descriptors unless fs.nr_open is raised; far
+// larger sizes (INT_MAX) only ran the set-up out of memory, in rank 0's store (a record per
+// rank) or in the mesh's per-rank tables, with a bare "out of memory".
+constexpr int kMaxWorldSize = 1 << 20;
+
+void CheckWorldSize(const ClusterSpec& spec) {
+  if (spec.world_size > kMaxWorldSize) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(spec.rank) +
+                    ": world_size=" + std::to_string(spec.world_size) +
+                    " is more ranks than a job can have (" + std::to_string(kMaxWorldSize) +
+                    ": every rank connects to every other, and a process holds at most " +
+                    std::to_string(kMaxWorldSize) + " descriptors by default)");
+  }
+}
+
 // Where a communicator's ranks meet: the job, the key space in the store, and the address this
 // rank listens on.
 struct Rendezvous {
@@ -292,6 +309,7 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
                                                        const CommunicationOptions& given,
                                                        Clock::time_point start) {
   spec.Validate();
+  CheckWorldSize(spec);
   if (!store) throw Error(ErrorCode::kInvalidArgument, "CreateCommunication: the store is null");
   const CommunicationOptions options = core::CheckOptions(spec.rank, given);
   const std::string listen_host = AskedListenHost(spec.rank, options);
@@ -353,6 +371,7 @@ std::unique_ptr<CollectiveCommunication> CreateCommunication(const ClusterSpec& 
                                                              const CommunicationOptions& options) {
   const Clock::time_point start = Clock::now();
   spec.Validate();
+  CheckWorldSize(spec);  // before rank 0's store keeps a record per rank
   const CommunicationOptions checked = core::CheckOptions(spec.rank, options);
   (void)AskedListenHost(spec.rank, checked);  // refused before rank 0's store is up
   CheckJobIdFitsTheHandshake(spec, checked);

@@ -709,6 +709,27 @@ TEST(CApiCreateTest, BadRankSizeOrPortIsAnInvalidArgument) {
   EXPECT_EQ(comm, nullptr);
 }
 
+// A world size no job can have is the caller's invalid argument, named, at once on every rank;
+// before, rank 0 returned COLL_SYSTEM "coll_comm_create: out of memory" (its store kept a record
+// per rank) and the others waited for the store until their timeout.
+TEST(CApiCreateTest, AWorldSizeNoJobCanHaveIsAnInvalidArgument) {
+  coll_options options = TestOptions();
+  options.timeout_ms = 1000;  // what rank 1 waited for the store without the check
+  const uint16_t port = FreePort();
+  for (int rank : {0, 1}) {
+    for (int world_size : {INT32_MAX, (1 << 20) + 1}) {
+      coll_comm* comm = reinterpret_cast<coll_comm*>(uintptr_t{0x1});
+      EXPECT_STATUS(COLL_INVALID_ARGUMENT,
+                    coll_comm_create(rank, world_size, "127.0.0.1", port, &options, &comm));
+      EXPECT_TRUE(Contains(coll_last_error(), "coll_comm_create: rank " + std::to_string(rank) +
+                                                  ": world_size=" + std::to_string(world_size) +
+                                                  " is more ranks than a job can have"))
+          << coll_last_error();
+      EXPECT_EQ(comm, nullptr);
+    }
+  }
+}
+
 TEST(CApiCreateTest, OptionsAreChecked) {
   coll_options defaults;
   ASSERT_EQ(coll_options_init(&defaults), COLL_OK);

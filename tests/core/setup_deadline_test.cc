@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -266,6 +267,39 @@ TEST(SetupDeadlineTest, AJobIdTooLongForTheHandshakeIsRefusedBeforeTheStore) {
     EXPECT_LT(e.message().size(), 300u) << e.what();
   }
   EXPECT_EQ(store->Add(spec.job_id + "/generation/1", 0), 0) << "the store was touched";
+}
+
+// A world size no job can have (INT_MAX ranks, or one more than 2^20) is refused before any
+// store is made or touched, naming it and the rank: with the store given, and with rank 0 to
+// host the TCP store. Before, rank 0's store tried to keep a record per rank, and the set-up
+// ended in std::bad_alloc (COLL_SYSTEM "out of memory" through the C API).
+TEST(SetupDeadlineTest, AWorldSizeNoJobCanHaveIsRefusedBeforeTheStore) {
+  for (int world_size : {std::numeric_limits<int>::max(), (1 << 20) + 1}) {
+    for (bool given_store : {true, false}) {
+      ClusterSpec spec = Spec(0);
+      spec.world_size = world_size;
+      spec.master_addr = "127.0.0.1";
+      auto store = CreateMemoryStore();
+      try {
+        if (given_store) {
+          CreateCommunication(spec, store, Options());
+        } else {
+          CreateCommunication(spec, Options());
+        }
+        ADD_FAILURE() << "world_size " << world_size << " was taken";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_EQ(e.message().rfind("rank 0: world_size=" + std::to_string(world_size) +
+                                        " is more ranks than a job can have (1048576",
+                                    0),
+                  0u)
+            << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "world_size " << world_size << ": " << e.what();
+      }
+      EXPECT_EQ(store->Add(spec.job_id + "/generation/0", 0), 0) << "the store was touched";
+    }
+  }
 }
 
 }  // namespace
