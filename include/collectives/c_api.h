@@ -305,9 +305,12 @@ coll_status coll_broadcast_many(coll_comm* comm, void* const* buffers, const siz
  * A bad argument is returned by the coll_*_async function itself, with *work set to NULL and
  * nothing queued; every other failure (one met while the collective runs, which breaks the
  * communicator as for a blocking call, or a communicator broken before) is returned by
- * coll_work_wait and coll_work_test. Every handle must be released with coll_work_free, in any
- * order. A handle stays valid after its communicator is destroyed (coll_comm_destroy first finishes
- * every collective issued on it). */
+ * coll_work_wait and coll_work_test. An allocation that fails while a coll_*_many_async call
+ * issues its collectives returns COLL_SYSTEM there, *work NULL; if part of them were queued, the
+ * communicator is aborted with that error, which the other ranks' calls then return (rather than
+ * wait for the rest). Every handle must be released with coll_work_free, in any order. A handle
+ * stays valid after its communicator is destroyed (coll_comm_destroy first finishes every
+ * collective issued on it). */
 
 /* An opaque handle on one asynchronous collective. */
 typedef struct coll_work coll_work;

@@ -77,7 +77,10 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 // Lists that differ across ranks raise kMismatch in Wait on every rank, and no fused tensor is
 // written; unlike the blocking forms, a tensor alone in its bucket was issued before the check's
 // answer came, and holds what its collective left. A Work dropped unfinished waits in its
-// destructor for the collectives still in flight (they write its buffer).
+// destructor for the collectives still in flight (they write its buffer). An allocation that
+// fails once part of the call is issued aborts `comm` with the error thrown here (kSystem,
+// "... out of memory after 1 of the call's 3 collectives were queued ..."), which the other
+// ranks then receive, rather than leave them waiting for the rest.
 std::shared_ptr<Work> AllReduceAsync(CollectiveCommunication& comm,
                                      const std::vector<Tensor>& tensors, ReduceOp op,
                                      size_t bytes_per_pack = 0);

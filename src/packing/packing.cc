@@ -38,6 +38,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -528,6 +529,7 @@ class PackedWork final : public Work {
       total = offsets[k] + buckets.Bytes(buckets[k]);
     }
     if (total > 0) buffer_ = AsyncBuffers().Take(total);
+    collectives_ = 1 + buckets.size();
     check_ =
         comm.AllReduceAsync(Tensor{seen_.data(), seen_.size(), DataType::kInt64},
                             Tensor{seen_.data(), seen_.size(), DataType::kInt64}, ReduceOp::kMax);
@@ -544,6 +546,10 @@ class PackedWork final : public Work {
           Issued{&bucket, runner.issue_async(buckets.FusedView(bucket, data)), offsets[k]});
     }
   }
+
+  // How many collectives Start queued, and how many the call has.
+  size_t Queued() const { return (check_ ? 1 : 0) + issued_.size(); }
+  size_t Collectives() const { return collectives_; }
 
   void Wait() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -627,6 +633,7 @@ class PackedWork final : public Work {
   bool unpack_ = false;
   ListHashes mine_{};
   ListHashes seen_{};  // the list check's buffer, then its answer
+  size_t collectives_ = 0;  // the list check and the buckets
   std::shared_ptr<Work> check_;
   std::vector<Issued> issued_;
   // Under mu_ once Start has returned (Done, a const call, finishes the call too).
@@ -678,11 +685,56 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
                       "no tensor was broadcast or written"};
 }
 
+// The error of an asynchronous call whose Start failed (`failure`) after queuing `queued` of its
+// `total` collectives.
+Error PartlyQueued(int rank, const char* collective, size_t queued, size_t total,
+                   std::exception_ptr failure) {
+  ErrorCode code = ErrorCode::kInternal;
+  std::string what;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const Error& e) {
+    code = e.code();
+    what = e.message();
+  } catch (const std::bad_alloc&) {
+    code = ErrorCode::kSystem;
+    what = "out of memory";
+  } catch (const std::exception& e) {
+    what = std::string("unexpected exception: ") + e.what();
+  } catch (...) {
+    what = "unexpected exception of unknown type";
+  }
+  return Error(code, "rank " + std::to_string(rank) + ": packing " + collective + ": " + what +
+                         " after " + std::to_string(queued) + " of the call's " +
+                         std::to_string(total) +
+                         " collectives were queued; the communicator is aborted, since the other "
+                         "ranks' calls would wait for the rest");
+}
+
 std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,
                                  const BucketRunner& runner, const std::vector<Tensor>& tensors,
                                  size_t bytes_per_pack) {
   auto work = std::make_shared<PackedWork>(comm.rank(), collective, tensors, bytes_per_pack);
-  work->Start(comm, runner);
+  try {
+    work->Start(comm, runner);
+  } catch (...) {
+    // Nothing queued: the call did not happen, on this rank as on the others (they wait for it).
+    if (work->Queued() == 0) throw;
+    // Part of the call is queued, an allocation having failed (the communicator's own failures
+    // complete the Work instead): the other ranks would wait for the rest, or pair it with
+    // this rank's next call. The communicator is aborted naming the failure, so that every
+    // rank's call fails now; `work`, released, waits for what was queued (failing at once).
+    std::optional<Error> error;
+    try {
+      error = PartlyQueued(comm.rank(), collective, work->Queued(), work->Collectives(),
+                           std::current_exception());
+    } catch (...) {  // no memory for the message either: aborted all the same
+      comm.Abort();
+      throw;
+    }
+    ring::Abort(comm, *error);
+    throw *error;
+  }
   return work;
 }
 

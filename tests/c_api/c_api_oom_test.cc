@@ -3,19 +3,27 @@
 // runs to its end without meeting the failure. Whichever allocation fails (parsing TF_CONFIG,
 // building the error's text, recording it as the last error), the call returns a status (the
 // argument's error, or COLL_SYSTEM with "out of memory") and coll_last_error names it: no
-// exception crosses the API and the process does not end.
+// exception crosses the API and the process does not end. And an asynchronous packed call whose
+// allocation fails after part of it was queued fails every rank, naming the failure.
 //
 // Not covered: a TF_CONFIG that parses into a non-empty JSON object. nlohmann::json's destructor
 // (noexcept) allocates a stack to free nested values, so a failure there ends any process that
 // uses the library; the malformed TF_CONFIG here fails before any value is built.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <new>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "collectives/c_api.h"
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "src/c_api/c_api_internal.h"
 
 namespace {
 
@@ -25,6 +33,9 @@ thread_local int64_t t_allocations_left = -1;
 thread_local bool t_failed = false;
 
 }  // namespace
+
+// GCC pairs these replacements with malloc/free and warns about the mix; they are consistent.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 
 void* operator new(std::size_t size) {
   if (t_allocations_left == 0) {
@@ -120,6 +131,102 @@ TEST(CApiOutOfMemoryTest, ABroadcastManyToNoRankReturnsAStatusWhateverAllocation
   });
   EXPECT_GT(runs, 3);
   EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
+}
+
+// Rank 1's asynchronous packed call (the list check, then a fused bucket and a tensor alone in
+// its bucket: three collectives) with its n-th allocation failing, for n = 0, 1, ... until it
+// runs to its end; rank 0 issues the same call without failures and waits. Rank 1's call returns
+// COLL_SYSTEM "out of memory" with no handle, or COLL_OK. Then rank 1 issues the call again.
+// When nothing was queued, both ranks' calls complete with the sum. When part of the call was
+// queued, the communicator is aborted naming the failure: rank 0's wait returns it at once
+// (not a mismatch with rank 1's next call, nor a timeout), and so does rank 1's next call.
+TEST(CApiOutOfMemoryTest, APackedAsyncCallThatRunsOutOfMemoryFailsEveryRankSayingSo) {
+  for (bool broadcast : {false, true}) {
+    bool met_a_partial_call = false;
+    for (int64_t n = 0;; ++n) {
+      const std::string what = std::string(broadcast ? "broadcast" : "all_reduce") +
+                               " with allocation " + std::to_string(n) + " failing";
+      auto store = collectives::CreateMemoryStore();
+      coll_status first = COLL_OK;  // rank 1's call that meets the failure
+      bool failed = false;          // whether it did
+      coll_status waited[2] = {COLL_OK, COLL_OK};
+      std::string message[2];
+      float sums[2] = {0, 0};
+      std::vector<std::thread> threads;
+      for (int rank = 0; rank < 2; ++rank) {
+        threads.emplace_back([&, rank] {
+          collectives::ClusterSpec spec;
+          spec.rank = rank;
+          spec.world_size = 2;
+          spec.master_port = 1;  // unused: the store is given
+          collectives::CommunicationOptions options;
+          options.timeout = std::chrono::milliseconds(5000);
+          coll_comm* comm = collectives::c_api::WrapCommunication(
+              collectives::CreateCommunication(spec, store, options));
+          std::vector<float> a(3, float(rank + 1)), b(5, float(rank + 1)), c(300, float(rank + 1));
+          void* buffers[3] = {a.data(), b.data(), c.data()};
+          const size_t counts[3] = {a.size(), b.size(), c.size()};
+          auto issue = [&](coll_work** work) {
+            return broadcast ? coll_broadcast_many_async(comm, buffers, counts, 3, COLL_FLOAT32, 0,
+                                                         32, work)
+                             : coll_all_reduce_many_async(comm, buffers, counts, 3, COLL_FLOAT32,
+                                                          COLL_SUM, 32, work);
+          };
+          coll_work* work = nullptr;
+          if (rank == 1) {
+            t_failed = false;
+            t_allocations_left = n;
+            first = issue(&work);
+            t_allocations_left = -1;
+            failed = t_failed;
+            if (first != COLL_OK) {
+              EXPECT_EQ(first, COLL_SYSTEM) << what << ": " << coll_last_error();
+              EXPECT_NE(std::string(coll_last_error()).find("out of memory"), std::string::npos)
+                  << what << ": " << coll_last_error();
+              EXPECT_EQ(work, nullptr) << what;
+              const coll_status again = issue(&work);  // COLL_OK, or the abort's status
+              if (again != COLL_OK) {
+                waited[rank] = again;
+                message[rank] = coll_last_error();
+              }
+            }
+          } else {
+            EXPECT_EQ(issue(&work), COLL_OK) << what << ": " << coll_last_error();
+          }
+          if (work != nullptr) {
+            waited[rank] = coll_work_wait(work);
+            message[rank] = coll_last_error();
+            EXPECT_EQ(coll_work_free(work), waited[rank]);
+          }
+          sums[rank] = c[0];
+          EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      if (first == COLL_OK && !failed) {
+        EXPECT_EQ(waited[0], COLL_OK) << what << ": " << message[0];
+        EXPECT_EQ(waited[1], COLL_OK) << what << ": " << message[1];
+        break;
+      }
+      if (waited[0] == COLL_OK && waited[1] == COLL_OK) {  // nothing was queued: the retry ran
+        EXPECT_EQ(sums[0], broadcast ? 1.0f : 3.0f) << what;
+        EXPECT_EQ(sums[1], broadcast ? 1.0f : 3.0f) << what;
+      } else {
+        met_a_partial_call = true;
+        for (int rank = 0; rank < 2; ++rank) {
+          EXPECT_NE(message[rank].find("rank 1: packing " +
+                                       std::string(broadcast ? "broadcast" : "all_reduce") +
+                                       ": out of memory after "),
+                    std::string::npos)
+              << what << ": rank " << rank << ": " << coll_status_string(waited[rank]) << ": "
+              << message[rank];
+        }
+      }
+      if (::testing::Test::HasFailure()) return;
+      ASSERT_LT(n, 10000) << what << ": the call still allocates";
+    }
+    EXPECT_TRUE(met_a_partial_call) << (broadcast ? "broadcast" : "all_reduce");
+  }
 }
 
 }  // namespace
