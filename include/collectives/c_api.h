@@ -278,7 +278,9 @@ coll_status coll_barrier(coll_comm* comm);
  * and max; float sums may differ in the last bits, identically on every rank). Every rank passes
  * the same n, the same counts and the same bytes_per_pack (else COLL_MISMATCH on every rank,
  * nothing written). buffers and counts may be NULL when n == 0; buffers[i] may be NULL when
- * counts[i] == 0. Every call, n == 0 included, is a collective. */
+ * counts[i] == 0. Every call, n == 0 included, is a collective. An allocation that fails once
+ * the call has begun issuing returns COLL_SYSTEM and aborts the communicator with that error,
+ * which the other ranks' calls then return (so does coll_broadcast_many). */
 coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const size_t* counts,
                                  size_t n, coll_dtype dtype, coll_op op, size_t bytes_per_pack);
 

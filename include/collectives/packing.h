@@ -55,7 +55,9 @@ std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t b
 // bit whenever the reduction is exact (integers; float min and max up to the sign of a zero
 // compared with a zero, and which NaN comes back); for float sums the order of additions
 // depends on the algorithm, which is chosen by message size, so the last bits may differ (every
-// rank still gets the same bits). Throws what the collectives throw.
+// rank still gets the same bits). Throws what the collectives throw. An allocation that fails
+// once the call has begun issuing aborts `comm` with the error thrown (kSystem, "... out of
+// memory while issuing the call's 3 collectives ..."), which the other ranks then receive.
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack = 0);
 

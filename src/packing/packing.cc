@@ -26,7 +26,9 @@
 //
 // Failure: a collective that fails breaks the communicator (communication.h), so every bucket
 // still in flight fails at once; we wait for all of them before the fusion buffers are given
-// back, then rethrow the first error.
+// back, then rethrow the first error. Any other failure once the call has begun issuing (an
+// allocation) aborts the communicator with it (AbortPartlyIssued): the other ranks would
+// otherwise wait for the collectives this rank did not issue.
 #include "collectives/packing.h"
 
 #include <algorithm>
@@ -421,18 +423,67 @@ void RunOverlapped(const BucketRunner& runner, const Buckets& buckets) {
   }
 }
 
+// A failure that is not the communicator's own (an allocation) once part of a call was issued:
+// the other ranks would wait for the rest, or pair it with this rank's next call. Aborts `comm`
+// with it, "rank R: packing <collective>: out of memory <when()>; the communicator is aborted,
+// since the other ranks' calls would wait for the rest", and throws that error (when even its
+// message cannot be built, aborts plainly and throws `failure`).
+template <typename When>
+[[noreturn]] void AbortPartlyIssued(CollectiveCommunication& comm, const char* collective,
+                                    When&& when, std::exception_ptr failure) {
+  std::optional<Error> error;
+  try {
+    ErrorCode code = ErrorCode::kInternal;
+    std::string what;
+    try {
+      std::rethrow_exception(failure);
+    } catch (const Error& e) {
+      code = e.code();
+      what = e.message();
+    } catch (const std::bad_alloc&) {
+      code = ErrorCode::kSystem;
+      what = "out of memory";
+    } catch (const std::exception& e) {
+      what = std::string("unexpected exception: ") + e.what();
+    } catch (...) {
+      what = "unexpected exception of unknown type";
+    }
+    error = Error(code, "rank " + std::to_string(comm.rank()) + ": packing " + collective + ": " +
+                            what + " " + when() +
+                            "; the communicator is aborted, since the other ranks' calls would "
+                            "wait for the rest");
+  } catch (...) {
+    comm.Abort();
+    std::rethrow_exception(failure);
+  }
+  ring::Abort(comm, *error);
+  throw *error;
+}
+
 void RunBuckets(CollectiveCommunication& comm, const char* collective, const BucketRunner& runner,
                 const std::vector<Tensor>& tensors, size_t bytes_per_pack,
                 internal::Schedule schedule) {
   const std::vector<Bucket> planned = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
   const Buckets buckets(runner, tensors, planned);
-  CheckListsAgree(comm, collective, tensors, planned, bytes_per_pack, runner.untouched);
-  if (buckets.size() == 0) return;
-  if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(comm.size());
-  if (buckets.size() == 1 || schedule == internal::Schedule::kSerial) {
-    RunSerial(runner, buckets);
-  } else {
-    RunOverlapped(runner, buckets);
+  try {
+    CheckListsAgree(comm, collective, tensors, planned, bytes_per_pack, runner.untouched);
+    if (buckets.size() == 0) return;
+    if (schedule == internal::Schedule::kAuto) schedule = internal::AutoSchedule(comm.size());
+    if (buckets.size() == 1 || schedule == internal::Schedule::kSerial) {
+      RunSerial(runner, buckets);
+    } else {
+      RunOverlapped(runner, buckets);
+    }
+  } catch (const Error&) {
+    throw;  // a collective's (the communicator is broken), or the lists differ (it is not)
+  } catch (...) {
+    AbortPartlyIssued(
+        comm, collective,
+        [&] {
+          return "while issuing the call's " + std::to_string(1 + buckets.size()) +
+                 " collectives (the list check and the buckets)";
+        },
+        std::current_exception());
   }
 }
 
@@ -685,32 +736,6 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
                       "no tensor was broadcast or written"};
 }
 
-// The error of an asynchronous call whose Start failed (`failure`) after queuing `queued` of its
-// `total` collectives.
-Error PartlyQueued(int rank, const char* collective, size_t queued, size_t total,
-                   std::exception_ptr failure) {
-  ErrorCode code = ErrorCode::kInternal;
-  std::string what;
-  try {
-    std::rethrow_exception(failure);
-  } catch (const Error& e) {
-    code = e.code();
-    what = e.message();
-  } catch (const std::bad_alloc&) {
-    code = ErrorCode::kSystem;
-    what = "out of memory";
-  } catch (const std::exception& e) {
-    what = std::string("unexpected exception: ") + e.what();
-  } catch (...) {
-    what = "unexpected exception of unknown type";
-  }
-  return Error(code, "rank " + std::to_string(rank) + ": packing " + collective + ": " + what +
-                         " after " + std::to_string(queued) + " of the call's " +
-                         std::to_string(total) +
-                         " collectives were queued; the communicator is aborted, since the other "
-                         "ranks' calls would wait for the rest");
-}
-
 std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,
                                  const BucketRunner& runner, const std::vector<Tensor>& tensors,
                                  size_t bytes_per_pack) {
@@ -721,19 +746,14 @@ std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* coll
     // Nothing queued: the call did not happen, on this rank as on the others (they wait for it).
     if (work->Queued() == 0) throw;
     // Part of the call is queued, an allocation having failed (the communicator's own failures
-    // complete the Work instead): the other ranks would wait for the rest, or pair it with
-    // this rank's next call. The communicator is aborted naming the failure, so that every
-    // rank's call fails now; `work`, released, waits for what was queued (failing at once).
-    std::optional<Error> error;
-    try {
-      error = PartlyQueued(comm.rank(), collective, work->Queued(), work->Collectives(),
-                           std::current_exception());
-    } catch (...) {  // no memory for the message either: aborted all the same
-      comm.Abort();
-      throw;
-    }
-    ring::Abort(comm, *error);
-    throw *error;
+    // complete the Work instead). `work`, released, waits for what was queued (failing at once).
+    AbortPartlyIssued(
+        comm, collective,
+        [&] {
+          return "after " + std::to_string(work->Queued()) + " of the call's " +
+                 std::to_string(work->Collectives()) + " collectives were queued";
+        },
+        std::current_exception());
   }
   return work;
 }

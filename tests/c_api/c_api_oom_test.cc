@@ -133,99 +133,116 @@ TEST(CApiOutOfMemoryTest, ABroadcastManyToNoRankReturnsAStatusWhateverAllocation
   EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
 }
 
-// Rank 1's asynchronous packed call (the list check, then a fused bucket and a tensor alone in
-// its bucket: three collectives) with its n-th allocation failing, for n = 0, 1, ... until it
-// runs to its end; rank 0 issues the same call without failures and waits. Rank 1's call returns
-// COLL_SYSTEM "out of memory" with no handle, or COLL_OK. Then rank 1 issues the call again.
-// When nothing was queued, both ranks' calls complete with the sum. When part of the call was
-// queued, the communicator is aborted naming the failure: rank 0's wait returns it at once
-// (not a mismatch with rank 1's next call, nor a timeout), and so does rank 1's next call.
+// Rank 1's packed call (the list check, then a fused bucket and a tensor alone in its bucket:
+// three collectives) with its n-th allocation failing, for n = 0, 1, ... until it runs to its
+// end; rank 0 makes the same call without failures. Rank 1's call returns COLL_SYSTEM "out of
+// memory" (an asynchronous one with no handle), or COLL_OK. Then rank 1 makes the call again.
+// When nothing was issued, both ranks' calls complete with the sum. When part of the call was
+// issued, the communicator is aborted naming the failure: rank 0's call returns it at once (not
+// a mismatch with rank 1's next call, nor a timeout), and so does rank 1's next call.
+void ExpectAPartlyIssuedCallFailsEveryRankSayingSo(bool broadcast, bool async) {
+  const std::string collective = broadcast ? "broadcast" : "all_reduce";
+  bool met_a_partial_call = false;
+  for (int64_t n = 0;; ++n) {
+    const std::string what = collective + (async ? " async" : " blocking") + " with allocation " +
+                             std::to_string(n) + " failing";
+    auto store = collectives::CreateMemoryStore();
+    coll_status first = COLL_OK;  // rank 1's call that meets the failure
+    bool failed = false;          // whether it did
+    coll_status status[2] = {COLL_OK, COLL_OK};
+    std::string message[2];
+    float sums[2] = {0, 0};
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank) {
+      threads.emplace_back([&, rank] {
+        collectives::ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = 2;
+        spec.master_port = 1;  // unused: the store is given
+        collectives::CommunicationOptions options;
+        options.timeout = std::chrono::milliseconds(5000);
+        coll_comm* comm = collectives::c_api::WrapCommunication(
+            collectives::CreateCommunication(spec, store, options));
+        std::vector<float> a(3, float(rank + 1)), b(5, float(rank + 1)), c(300, float(rank + 1));
+        void* buffers[3] = {a.data(), b.data(), c.data()};
+        const size_t counts[3] = {a.size(), b.size(), c.size()};
+        coll_work* work = nullptr;
+        // Issues the call; a blocking one leaves work NULL.
+        auto issue = [&] {
+          if (!async) {
+            return broadcast
+                       ? coll_broadcast_many(comm, buffers, counts, 3, COLL_FLOAT32, 0, 32)
+                       : coll_all_reduce_many(comm, buffers, counts, 3, COLL_FLOAT32, COLL_SUM, 32);
+          }
+          return broadcast ? coll_broadcast_many_async(comm, buffers, counts, 3, COLL_FLOAT32, 0,
+                                                       32, &work)
+                           : coll_all_reduce_many_async(comm, buffers, counts, 3, COLL_FLOAT32,
+                                                        COLL_SUM, 32, &work);
+        };
+        coll_status issued = COLL_OK;
+        if (rank == 1) {
+          t_failed = false;
+          t_allocations_left = n;
+          first = issue();
+          t_allocations_left = -1;
+          failed = t_failed;
+          if (first != COLL_OK) {
+            EXPECT_EQ(first, COLL_SYSTEM) << what << ": " << coll_last_error();
+            EXPECT_TRUE(Contains(coll_last_error(), "out of memory"))
+                << what << ": " << coll_last_error();
+            EXPECT_EQ(work, nullptr) << what;
+            issued = issue();  // COLL_OK, or the abort's status
+          }
+        } else {
+          issued = issue();
+        }
+        status[rank] = issued;
+        message[rank] = coll_last_error();
+        if (work != nullptr) {
+          EXPECT_EQ(issued, COLL_OK) << what << ": " << coll_last_error();
+          status[rank] = coll_work_wait(work);
+          message[rank] = coll_last_error();
+          EXPECT_EQ(coll_work_free(work), status[rank]);
+        }
+        sums[rank] = c[0];
+        EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    if (first == COLL_OK && !failed) {
+      EXPECT_EQ(status[0], COLL_OK) << what << ": " << message[0];
+      EXPECT_EQ(status[1], COLL_OK) << what << ": " << message[1];
+      break;
+    }
+    if (status[0] == COLL_OK && status[1] == COLL_OK) {  // nothing was issued: the retry ran
+      EXPECT_EQ(sums[0], broadcast ? 1.0f : 3.0f) << what;
+      EXPECT_EQ(sums[1], broadcast ? 1.0f : 3.0f) << what;
+    } else {
+      met_a_partial_call = true;
+      for (int rank = 0; rank < 2; ++rank) {
+        EXPECT_TRUE(Contains(message[rank], "rank 1: packing " + collective + ": out of memory ") &&
+                    Contains(message[rank], "; the communicator is aborted"))
+            << what << ": rank " << rank << ": " << coll_status_string(status[rank]) << ": "
+            << message[rank];
+      }
+    }
+    if (::testing::Test::HasFailure()) return;
+    ASSERT_LT(n, 10000) << what << ": the call still allocates";
+  }
+  EXPECT_TRUE(met_a_partial_call) << collective << (async ? " async" : " blocking");
+}
+
 TEST(CApiOutOfMemoryTest, APackedAsyncCallThatRunsOutOfMemoryFailsEveryRankSayingSo) {
   for (bool broadcast : {false, true}) {
-    bool met_a_partial_call = false;
-    for (int64_t n = 0;; ++n) {
-      const std::string what = std::string(broadcast ? "broadcast" : "all_reduce") +
-                               " with allocation " + std::to_string(n) + " failing";
-      auto store = collectives::CreateMemoryStore();
-      coll_status first = COLL_OK;  // rank 1's call that meets the failure
-      bool failed = false;          // whether it did
-      coll_status waited[2] = {COLL_OK, COLL_OK};
-      std::string message[2];
-      float sums[2] = {0, 0};
-      std::vector<std::thread> threads;
-      for (int rank = 0; rank < 2; ++rank) {
-        threads.emplace_back([&, rank] {
-          collectives::ClusterSpec spec;
-          spec.rank = rank;
-          spec.world_size = 2;
-          spec.master_port = 1;  // unused: the store is given
-          collectives::CommunicationOptions options;
-          options.timeout = std::chrono::milliseconds(5000);
-          coll_comm* comm = collectives::c_api::WrapCommunication(
-              collectives::CreateCommunication(spec, store, options));
-          std::vector<float> a(3, float(rank + 1)), b(5, float(rank + 1)), c(300, float(rank + 1));
-          void* buffers[3] = {a.data(), b.data(), c.data()};
-          const size_t counts[3] = {a.size(), b.size(), c.size()};
-          auto issue = [&](coll_work** work) {
-            return broadcast ? coll_broadcast_many_async(comm, buffers, counts, 3, COLL_FLOAT32, 0,
-                                                         32, work)
-                             : coll_all_reduce_many_async(comm, buffers, counts, 3, COLL_FLOAT32,
-                                                          COLL_SUM, 32, work);
-          };
-          coll_work* work = nullptr;
-          if (rank == 1) {
-            t_failed = false;
-            t_allocations_left = n;
-            first = issue(&work);
-            t_allocations_left = -1;
-            failed = t_failed;
-            if (first != COLL_OK) {
-              EXPECT_EQ(first, COLL_SYSTEM) << what << ": " << coll_last_error();
-              EXPECT_NE(std::string(coll_last_error()).find("out of memory"), std::string::npos)
-                  << what << ": " << coll_last_error();
-              EXPECT_EQ(work, nullptr) << what;
-              const coll_status again = issue(&work);  // COLL_OK, or the abort's status
-              if (again != COLL_OK) {
-                waited[rank] = again;
-                message[rank] = coll_last_error();
-              }
-            }
-          } else {
-            EXPECT_EQ(issue(&work), COLL_OK) << what << ": " << coll_last_error();
-          }
-          if (work != nullptr) {
-            waited[rank] = coll_work_wait(work);
-            message[rank] = coll_last_error();
-            EXPECT_EQ(coll_work_free(work), waited[rank]);
-          }
-          sums[rank] = c[0];
-          EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
-        });
-      }
-      for (std::thread& t : threads) t.join();
-      if (first == COLL_OK && !failed) {
-        EXPECT_EQ(waited[0], COLL_OK) << what << ": " << message[0];
-        EXPECT_EQ(waited[1], COLL_OK) << what << ": " << message[1];
-        break;
-      }
-      if (waited[0] == COLL_OK && waited[1] == COLL_OK) {  // nothing was queued: the retry ran
-        EXPECT_EQ(sums[0], broadcast ? 1.0f : 3.0f) << what;
-        EXPECT_EQ(sums[1], broadcast ? 1.0f : 3.0f) << what;
-      } else {
-        met_a_partial_call = true;
-        for (int rank = 0; rank < 2; ++rank) {
-          EXPECT_NE(message[rank].find("rank 1: packing " +
-                                       std::string(broadcast ? "broadcast" : "all_reduce") +
-                                       ": out of memory after "),
-                    std::string::npos)
-              << what << ": rank " << rank << ": " << coll_status_string(waited[rank]) << ": "
-              << message[rank];
-        }
-      }
-      if (::testing::Test::HasFailure()) return;
-      ASSERT_LT(n, 10000) << what << ": the call still allocates";
-    }
-    EXPECT_TRUE(met_a_partial_call) << (broadcast ? "broadcast" : "all_reduce");
+    ExpectAPartlyIssuedCallFailsEveryRankSayingSo(broadcast, /*async=*/true);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(CApiOutOfMemoryTest, APackedBlockingCallThatRunsOutOfMemoryFailsEveryRankSayingSo) {
+  for (bool broadcast : {false, true}) {
+    ExpectAPartlyIssuedCallFailsEveryRankSayingSo(broadcast, /*async=*/false);
+    if (::testing::Test::HasFailure()) return;
   }
 }
 
