@@ -26,6 +26,7 @@ import collections
 import csv
 import math
 import os
+import re
 import sys
 
 try:
@@ -225,7 +226,9 @@ def plot_collective(collective, series, out_dir, log_y):
     ax.grid(True, which="minor", axis="x", alpha=0.12)
     ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
     fig.tight_layout()
-    path = os.path.join(out_dir, f"busbw_{collective}.png")
+    # The collective's name as the CSV wrote it, with anything but letters, digits, '_', '-' and
+    # '.' as '_': a '/' in it named a folder that does not exist (a FileNotFoundError traceback).
+    path = os.path.join(out_dir, f"busbw_{re.sub(r'[^A-Za-z0-9_.-]', '_', collective)}.png")
     fig.savefig(path)
     plt.close(fig)
     return path

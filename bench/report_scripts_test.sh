@@ -6,6 +6,9 @@
 #     unreadable_files  speed_targets_report.py on a folder whose CSVs lack a column or hold NaN
 #                       and whose JSON does not parse (each a KeyError, ValueError or
 #                       JSONDecodeError traceback before)
+#     collective_path   plot_sweep.py on a CSV whose collective is "all/reduce" writes
+#                       busbw_all_reduce.png in --out (a FileNotFoundError traceback before);
+#                       skipped (77) without matplotlib
 set -u
 case_name=$1
 python=$2
@@ -48,6 +51,20 @@ case ${case_name} in
       "r1_bcast_gather_1M_2.csv line 2: wrong 'nan' is not a finite number" \
       "r1_kernels.json: Expecting value" "r1_packing.csv: no column mode" \
       "^all-reduce 1 MiB, 2 ranks: ours/MPI time +- +- " "some files could not be read"
+    ;;
+  collective_path)
+    printf 'collective,world_size,size_bytes,busbw_gbps\nall/reduce,2,1024,1.5\n' >"${tmp}/sweep.csv"
+    "${python}" "${script}" --out "${tmp}/plots" "${tmp}/sweep.csv" >"${tmp}/out" 2>&1
+    rc=$?
+    if grep -q "matplotlib is missing" "${tmp}/out"; then
+      echo "skipped: plot_sweep.py needs matplotlib"
+      exit 77
+    fi
+    expect 0 "plots/busbw_all_reduce.png"
+    if [[ ! -f ${tmp}/plots/busbw_all_reduce.png ]]; then
+      echo "FAIL: no busbw_all_reduce.png in --out: $(cd "${tmp}" && find . -name '*.png')"
+      failed=1
+    fi
     ;;
   *)
     echo "FAIL: unknown case ${case_name}"
