@@ -641,7 +641,7 @@ int Main(int argc, char** argv) {
   app.add_option("--local", config.local, "Fork this many ranks on loopback and wait for them")
       ->check(CLI::Range(1, 1024));
   app.add_option("--store", config.store_dir,
-                 "Without --local: the FileStore folder every rank shares");
+                 "Without --local (refused with it): the FileStore folder every rank shares");
   app.add_option("--hostname", config.hostname, "Address of this rank's Gloo TCP device")
       ->capture_default_str();
   try {
@@ -654,6 +654,14 @@ int Main(int argc, char** argv) {
     if (config.min_bytes > config.max_bytes) throw CLI::ValidationError("-b is larger than -e");
     if (config.local == 0 && config.store_dir.empty()) {
       throw CLI::ValidationError("pass --local N, or RANK / WORLD_SIZE and --store DIR");
+    }
+    // The ranks of --local meet in a temporary folder of their own: a --store beside it was
+    // ignored without a word.
+    if (config.local > 0 && !config.store_dir.empty()) {
+      throw CLI::ValidationError("--store " + config.store_dir + " and --local " +
+                                 std::to_string(config.local) +
+                                 ": --local ranks meet in a temporary folder of their own; "
+                                 "pass --store only without --local");
     }
     // Gloo's FileStore said only "realpath: No such file or directory", naming neither.
     std::error_code error;
