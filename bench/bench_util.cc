@@ -14,7 +14,6 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
-#include <new>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -114,13 +113,17 @@ std::function<std::string(const std::string&)> TimeoutSeconds() {
   return [](const std::string& text) { return CheckTimeoutSeconds(text); };
 }
 
-AlignedBuffer::AlignedBuffer(size_t bytes) {
+AlignedBuffer::AlignedBuffer(size_t bytes, const std::string& what) {
   constexpr size_t kAlignment = 4096;
-  if (bytes > std::numeric_limits<size_t>::max() - kAlignment) throw std::bad_alloc();
   const size_t rounded =
-      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-  data_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlignment, rounded)));
-  if (!data_) throw std::bad_alloc();
+      bytes > std::numeric_limits<size_t>::max() - kAlignment
+          ? 0
+          : std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  if (rounded > 0) data_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlignment, rounded)));
+  if (!data_) {
+    throw std::runtime_error(Format("cannot allocate %s: %zu bytes (%.1f GiB): out of memory",
+                                    what.c_str(), bytes, static_cast<double>(bytes) / (1 << 30)));
+  }
   std::memset(data_.get(), 0, rounded);  // touch every page before timing
 }
 

@@ -47,10 +47,12 @@ std::string Format(const char* format, ...) __attribute__((format(printf, 1, 2))
 std::unique_ptr<std::ofstream> OpenCsv(const std::string& path);
 
 // A zeroed, page-aligned buffer of at least `bytes` bytes (and at least one page); every page
-// is touched before timing.
+// is touched before timing. Where it cannot be allocated, throws std::runtime_error naming
+// `what` (the buffer and the flag that sized it: "the receive buffer (-e)") and the size; it was
+// a bare std::bad_alloc.
 class AlignedBuffer {
  public:
-  explicit AlignedBuffer(size_t bytes);
+  AlignedBuffer(size_t bytes, const std::string& what);
   std::byte* data() const { return data_.get(); }
 
  private:

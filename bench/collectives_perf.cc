@@ -764,8 +764,8 @@ class Sweep {
         rank_(comm_.rank()),
         world_size_(comm_.size()),
         csv_(csv),
-        send_(config.in_place ? 0 : config.max_bytes),
-        recv_(config.max_bytes),
+        send_(config.in_place ? 0 : config.max_bytes, "the send buffer (-e)"),
+        recv_(config.max_bytes, "the receive buffer (-e)"),
         rotate_checked_result_(std::getenv("COLLECTIVES_BENCH_TEST_ROTATE_RESULT") != nullptr) {}
 
   // Runs every case; returns the exit code.

@@ -159,7 +159,7 @@ std::vector<Collective> ParseCollectives(const std::string& text) {
 // `count` floats (at least one page), page-aligned and zeroed.
 class FloatBuffer {
  public:
-  explicit FloatBuffer(size_t count) : bytes_(count * sizeof(float)) {}
+  FloatBuffer(size_t count, const std::string& what) : bytes_(count * sizeof(float), what) {}
   float* data() const { return reinterpret_cast<float*>(bytes_.data()); }
 
  private:
@@ -197,8 +197,8 @@ class Sweep {
         rank_(context_->rank),
         world_size_(context_->size),
         csv_(csv),
-        send_(config.max_bytes / sizeof(float)),
-        recv_(config.max_bytes / sizeof(float)) {}
+        send_(config.max_bytes / sizeof(float), "the send buffer (-e)"),
+        recv_(config.max_bytes / sizeof(float), "the receive buffer (-e)") {}
 
   int Run() {
     PrintHeader();
