@@ -1311,7 +1311,8 @@ int Main(int argc, char** argv) {
       setenv("COLLECTIVES_PERF_PRETEND_HOSTS", std::to_string(config.pretend_hosts).c_str(), 1);
     }
     return RunLocalLauncher("collectives_perf", config.local, argv,
-                            config.timeout() + std::chrono::seconds(10));
+                            config.timeout() + std::chrono::seconds(10),
+                            1 + static_cast<int>(config.versus.size()));
   }
 
   int rank = env_rank;

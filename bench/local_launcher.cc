@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <stdexcept>
@@ -156,10 +158,52 @@ std::string FreshJobToken() {
   return hex;
 }
 
+// The files (sockets mostly) rank 0 of `world_size` ranks may hold open: for each of its
+// `communicators` a TCP connection to every other rank, the store's connection from every other
+// rank, and a margin (listeners, shared memory, pipes, the program's own). Measured with one
+// communicator: 2N + 11 in rank 0, N + 11 in the others (N = 32 and 128).
+size_t FilesOfRankZero(int world_size, int communicators) {
+  return static_cast<size_t>(world_size) * static_cast<size_t>(communicators + 1) + 32;
+}
+
+// Raises the soft limit on open files of this process, which its ranks inherit, towards what rank
+// 0 needs, up to the hard limit. Returns why `world_size` ranks cannot have the files they need
+// (this limit, or the system's in all, fs.file-max), or an empty string. Without this, rank 0
+// failed only at --timeout, "socket: Too many open files" deep in one line of 80.
+std::string CheckFileLimits(int world_size, int communicators) {
+  const size_t needed = FilesOfRankZero(world_size, communicators);
+  const std::string local = "--local " + std::to_string(world_size);
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < needed) {
+    limit.rlim_cur = std::min<rlim_t>(limit.rlim_max, needed);
+    setrlimit(RLIMIT_NOFILE, &limit);
+    if (limit.rlim_cur < needed) {
+      return local + ": rank 0 may open about " + std::to_string(needed) +
+             " files (a connection to every other rank, per communicator, and the store's from "
+             "every rank), more than the limit of " +
+             std::to_string(limit.rlim_max) + " (ulimit -n): raise it or start fewer ranks";
+    }
+  }
+  const size_t n = static_cast<size_t>(world_size);
+  const size_t in_all = n * (n * static_cast<size_t>(communicators) + 32) + n;
+  size_t system_limit = 0;
+  if (std::ifstream("/proc/sys/fs/file-max") >> system_limit && in_all > system_limit) {
+    return local + ": the ranks may open about " + std::to_string(in_all) +
+           " files in all (both ends of a TCP connection between every two ranks), more than "
+           "this system's limit of " +
+           std::to_string(system_limit) + " (fs.file-max): start fewer ranks";
+  }
+  return {};
+}
+
 }  // namespace
 
 int RunLocalLauncher(const char* program, int world_size, char** argv,
-                     std::chrono::milliseconds timeout) {
+                     std::chrono::milliseconds timeout, int communicators) {
+  if (const std::string refused = CheckFileLimits(world_size, communicators); !refused.empty()) {
+    std::fprintf(stderr, "%s: %s\n", program, refused.c_str());
+    return kExitError;
+  }
   const char* inherited_token = std::getenv("COLLECTIVES_JOB_TOKEN");
   const std::string token =
       inherited_token != nullptr && *inherited_token != 0 ? inherited_token : FreshJobToken();

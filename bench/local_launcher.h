@@ -47,8 +47,12 @@ int RankFromEnvironment();
 // When a rank fails (anything but kExitOk or kExitWrong), the others get two seconds to finish
 // on their own, then SIGTERM, then two more seconds, then SIGKILL. Returns the first non-zero
 // exit code. `program` prefixes its messages; `timeout` bounds the wait for rank 0's port.
+// Each rank connects `communicators` communicators (a TCP connection to every other rank each):
+// before any rank starts, the limit on open files is raised towards what rank 0 needs (up to the
+// hard limit), and where that limit or the system's (fs.file-max) cannot be enough, no rank
+// starts and the message names it (kExitError).
 int RunLocalLauncher(const char* program, int world_size, char** argv,
-                     std::chrono::milliseconds timeout);
+                     std::chrono::milliseconds timeout, int communicators = 1);
 
 // This rank's place in a job and the job's store: enough to build communicators, the first and
 // any later ones (each in its own key space of the store, e.g. with other options, to time them
