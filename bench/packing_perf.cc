@@ -55,8 +55,10 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -319,13 +321,24 @@ class Bench {
       std::vector<std::vector<float>> storage;
       std::vector<Tensor> tensors;
       std::vector<packing::TensorSpec> specs;
-      storage.reserve(workload.counts.size());
       size_t bytes = 0;
-      for (size_t count : workload.counts) {
-        storage.emplace_back(count);
-        tensors.push_back(Tensor{storage.back().data(), count, DataType::kFloat32});
-        specs.push_back(packing::TensorSpec{DataType::kFloat32, Device::Cpu(), count});
-        bytes += count * sizeof(float);
+      for (size_t count : workload.counts) bytes += count * sizeof(float);
+      // What cannot be allocated names the workload and its size; it was a bare std::bad_alloc.
+      auto out_of_memory = [&] {
+        return std::runtime_error(bench::Format(
+            "workload '%s': cannot allocate its tensors and a copy of their inputs, twice %zu "
+            "bytes (%.1f GiB): out of memory",
+            workload.name.c_str(), bytes, static_cast<double>(bytes) / (1 << 30)));
+      };
+      try {
+        storage.reserve(workload.counts.size());
+        for (size_t count : workload.counts) {
+          storage.emplace_back(count);
+          tensors.push_back(Tensor{storage.back().data(), count, DataType::kFloat32});
+          specs.push_back(packing::TensorSpec{DataType::kFloat32, Device::Cpu(), count});
+        }
+      } catch (const std::bad_alloc&) {
+        throw out_of_memory();
       }
       auto fill = [&] {
         for (size_t t = 0; t < storage.size(); ++t) {
@@ -335,7 +348,13 @@ class Bench {
         }
       };
       fill();  // also what the timed steps reduce: no denormals, no NaNs
-      const std::vector<std::vector<float>> inputs = storage;
+      const std::vector<std::vector<float>> inputs = [&] {
+        try {
+          return storage;
+        } catch (const std::bad_alloc&) {
+          throw out_of_memory();
+        }
+      }();
       auto restore = [&] {
         for (size_t t = 0; t < storage.size(); ++t) {
           std::copy(inputs[t].begin(), inputs[t].end(), storage[t].begin());
