@@ -24,6 +24,7 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "src/c_api/c_api_internal.h"
+#include "tests/replaced_operator_new.h"
 
 namespace {
 
@@ -32,28 +33,17 @@ thread_local int64_t t_allocations_left = -1;
 // Whether an allocation failed since the limit was set.
 thread_local bool t_failed = false;
 
-}  // namespace
-
-// GCC pairs these replacements with malloc/free and warns about the mix; they are consistent.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
-void* operator new(std::size_t size) {
+// Every allocation's hook (replaced_operator_new.h), from the start of the binary.
+void FailWhenNoneLeft() {
   if (t_allocations_left == 0) {
     t_failed = true;
     t_allocations_left = -1;  // one failure per call: what follows must still cope
     throw std::bad_alloc();
   }
   if (t_allocations_left > 0) --t_allocations_left;
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
 }
-void* operator new[](std::size_t size) { return ::operator new(size); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-
-namespace {
+[[maybe_unused]] const bool kHooked =
+    (collectives::testing::before_allocation = FailWhenNoneLeft, true);
 
 bool Contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
