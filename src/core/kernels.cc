@@ -308,9 +308,16 @@ template <typename T, typename Op>
 // units are 512 bits wide), f32 sum in place against the AVX2 loop, medians of 3 alternating
 // runs of kernels_bench (5 repetitions each): 1.35x at 4 KiB, 1.37x at 256 KiB (61 -> 84 GB/s,
 // memcpy 81-84), 1.18x at 4 MiB, 1.02x at 64 MiB; out of place 1.13x at 256 KiB and 0.98x at
-// 4 MiB (sum), 0.95-1.09x (min, max). ChooseKernelIsa leaves it off on Intel CPUs, as glibc's
-// string functions do: there 512-bit instructions can lower the core's clock, which would slow
-// the caller's own code on that core, and it was not measured there.
+// 4 MiB (sum), 0.95-1.09x (min, max). ChooseKernelIsa leaves it off by default on Intel CPUs
+// without AVX-VNNI (Skylake-SP to Ice Lake), whose clock 512-bit instructions can lower, which
+// would slow the caller's own code on that core; Intel CPUs with AVX-VNNI (Sapphire Rapids on)
+// do not lower it for them and get it, as glibc's string functions decide since 2.34
+// (sysdeps/x86/cpu-features.c sets Prefer_No_AVX512 only without AVX_VNNI), so memcpy there
+// is 512 bits wide too. On an Intel Xeon of that kind (KVM, 2 cores, family 6 model 207), f32 sum
+// on 64-byte aligned buffers (as TensorFlow's and PyTorch's CPU allocators give), AVX-512 /
+// memcpy against AVX2 / memcpy in two alternating runs (a standalone probe): 4 KiB in place
+// 0.96-1.03 against 0.57-0.58, out of place 0.93-0.95 against 0.56-0.61; at 256 KiB and 4 MiB
+// the two within noise (in place 0.98-1.03, out of place 0.84-0.85 and 0.66-0.69 either way).
 #ifdef COLLECTIVES_HAVE_F16C_PATH
 template <typename T, typename Op>
 [[gnu::target("avx2")]] void ReduceTypedAvx2(void* dst, const void* a, const void* b, size_t count,
@@ -649,11 +656,13 @@ const char* KernelIsaName(KernelIsa isa) {
   return "unknown";
 }
 
-KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, bool is_intel) {
-  const KernelIsa best = has_avx512 ? KernelIsa::kAvx512
-                         : has_avx2 ? KernelIsa::kAvx2
+KernelIsa ChooseKernelIsa(const char* asked, const KernelCpu& cpu) {
+  const KernelIsa best = cpu.avx512 ? KernelIsa::kAvx512
+                         : cpu.avx2 ? KernelIsa::kAvx2
                                     : KernelIsa::kBaseline;
-  const KernelIsa by_default = best == KernelIsa::kAvx512 && is_intel ? KernelIsa::kAvx2 : best;
+  const bool clock_may_drop = cpu.intel && !cpu.avx_vnni;
+  const KernelIsa by_default =
+      best == KernelIsa::kAvx512 && clock_may_drop ? KernelIsa::kAvx2 : best;
   if (asked == nullptr || *asked == '\0') return by_default;
   const std::string name = asked;
   for (const KernelIsa isa : {KernelIsa::kBaseline, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
@@ -679,6 +688,8 @@ KernelCpu DetectKernelCpu() {
   cpu.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   cpu.intel = __builtin_cpu_is("intel");
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  cpu.avx_vnni = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 4)) != 0;
 #endif
   return cpu;
 }
@@ -686,7 +697,7 @@ KernelCpu DetectKernelCpu() {
 KernelIsa ActiveKernelIsa() {
   static const KernelIsa isa = [] {
     const KernelCpu cpu = DetectKernelCpu();
-    return ChooseKernelIsa(std::getenv("COLLECTIVES_KERNEL_ISA"), cpu.avx2, cpu.avx512, cpu.intel);
+    return ChooseKernelIsa(std::getenv("COLLECTIVES_KERNEL_ISA"), cpu);
   }();
   return isa;
 }

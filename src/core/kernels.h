@@ -28,10 +28,12 @@ enum class KernelIsa { kBaseline, kAvx2, kAvx512 };
 const char* KernelIsaName(KernelIsa isa);
 
 // What this CPU offers the kernels (all false off x86-64): AVX2; AVX-512 F, BW, VL and DQ
-// together; and whether Intel made it.
+// together; AVX-VNNI (the 256-bit VEX form, CPUID leaf 7 subleaf 1 EAX bit 4: Intel cores
+// from Sapphire Rapids and Alder Lake on); and whether Intel made it.
 struct KernelCpu {
   bool avx2 = false;
   bool avx512 = false;
+  bool avx_vnni = false;
   bool intel = false;
 };
 KernelCpu DetectKernelCpu();
@@ -40,12 +42,12 @@ KernelCpu DetectKernelCpu();
 // $COLLECTIVES_KERNEL_ISA and DetectKernelCpu().
 KernelIsa ActiveKernelIsa();
 
-// The set to run with, given `asked` (the variable's value, null when unset) and what the CPU
-// has (`has_avx2`; `has_avx512`: F, BW, VL and DQ; `is_intel`). Unset: the best the CPU has,
-// except AVX-512 on Intel, which only `asked` = "avx512" picks (see kernels.cc). A set the CPU
-// lacks gives the best it has below that one; an unknown name, the default. Either writes a
-// line on stderr naming the variable and its value.
-KernelIsa ChooseKernelIsa(const char* asked, bool has_avx2, bool has_avx512, bool is_intel);
+// The set to run with, given `asked` (the variable's value, null when unset) and what `cpu`
+// has. Unset: the best the CPU has, except AVX-512 on an Intel CPU without AVX-VNNI (one whose
+// clock 512-bit instructions may lower; see kernels.cc), which only `asked` = "avx512" picks. A
+// set the CPU lacks gives the best it has below that one; an unknown name, the default. Either
+// writes a line on stderr naming the variable and its value.
+KernelIsa ChooseKernelIsa(const char* asked, const KernelCpu& cpu);
 
 // Conversions of the 16-bit float types (round to nearest even). A NaN stays a NaN of its sign
 // and gets the quiet bit, except in BFloat16ToFloat, which widens every code exactly (a shift:
