@@ -110,6 +110,35 @@ struct Member {
   }
 };
 
+// A new folder under /tmp for a file store that members in several processes meet through.
+std::string NewStoreDir() {
+  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
+  if (mkdtemp(dir_template) == nullptr) {
+    ADD_FAILURE() << "mkdtemp: " << std::strerror(errno);
+    return "";
+  }
+  return dir_template;
+}
+
+// Forks a process that joins the group as `rank` through a file store in `dir`, runs `then` on
+// its group and exits 0, never destroying the group (the process ends as a killed one would);
+// it exits 3 if joining or `then` throws. Call it while the test runs no thread, so that the
+// child may start its own. Returns the child's pid (-1 if fork failed).
+pid_t ForkMember(const std::string& dir, int rank, const std::vector<int>& ranks,
+                 const ShmGroupOptions& options, const std::function<void(Member&)>& then) {
+  const pid_t child = fork();
+  if (child != 0) return child;
+  try {
+    auto store = CreateFileStore(dir);
+    Member m;
+    m.group = ShmGroup::Create(rank, ranks, *store, options);
+    then(m);
+    _exit(0);
+  } catch (...) {
+  }
+  _exit(3);
+}
+
 // Builds the group on one thread per member (Create is collective), then runs `body(member,
 // index)` on those threads. An exception escaping Create or body fails the test.
 void RunMembers(const std::vector<int>& ranks, const ShmGroupOptions& options,
@@ -823,27 +852,15 @@ TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
 // keeper thread dies with it, holding the liveness mutex): the others, waiting for it, raise
 // kPeerLost naming it within about a second. The members rendezvous through a file store.
 TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
-  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::string dir = NewStoreDir();
+  ASSERT_FALSE(dir.empty());
   const std::vector<int> ranks = {0, 1, 2};
   ShmGroupOptions options = Options("process_died", 4096, 4096, 3);
   options.timeout = std::chrono::seconds(10);
-  // Forked before this test starts any thread, so the child may start its own.
-  const pid_t child = fork();
+  const pid_t child = ForkMember(dir, 2, ranks, options, [](Member&) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  });
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    int rc = 0;
-    try {
-      auto store = CreateFileStore(dir);
-      auto group = ShmGroup::Create(2, ranks, *store, options);
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      _exit(0);  // the group is never destroyed: the process just ends
-    } catch (...) {
-      rc = 3;
-    }
-    _exit(rc);
-  }
   auto store = CreateFileStore(dir);
   std::vector<std::thread> threads;
   for (int me = 0; me < 2; ++me) {
@@ -878,30 +895,20 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
   constexpr size_t kCount = 1 << 20;  // 4 MiB of floats
   for (int delay_ms : {0, 1, 2, 5, 10, 20, 40}) {
     SCOPED_TRACE("killed " + std::to_string(delay_ms) + " ms into the all-reduces");
-    char dir_template[] = "/tmp/shm_group_test_XXXXXX";
-    ASSERT_NE(mkdtemp(dir_template), nullptr);
-    const std::string dir = dir_template;
+    const std::string dir = NewStoreDir();
+    ASSERT_FALSE(dir.empty());
     ShmGroupOptions options = Options("killed", 64 * 1024, 4096, 3);
     options.timeout = std::chrono::seconds(10);
-    // Forked while this test runs no thread, so the child may start its own.
-    const pid_t child = fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-      try {
-        auto store = CreateFileStore(dir);
-        Member m;
-        m.group = ShmGroup::Create(2, ranks, *store, options);
-        std::vector<float> data(kCount, 1.0f);
-        for (;;) {
-          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                   ReduceOp::kSum, 0, kCount),
-                             Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
-                             kCount, DataType::kFloat32, ReduceOp::kSum);
-        }
-      } catch (...) {
+    const pid_t child = ForkMember(dir, 2, ranks, options, [](Member& m) {
+      std::vector<float> data(kCount, 1.0f);
+      for (;;) {
+        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                 ReduceOp::kSum, 0, kCount),
+                           Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
+                           kCount, DataType::kFloat32, ReduceOp::kSum);
       }
-      _exit(3);
-    }
+    });
+    ASSERT_GE(child, 0);
     auto store = CreateFileStore(dir);
     std::atomic<int> attached{0};
     std::atomic<int64_t> killed_at{0};
@@ -1370,22 +1377,13 @@ TEST(ShmGroupSegmentTest, ASmallDevShmIsAnErrorOnEveryMemberNotABusError) {
 // name in /dev/shm (nothing of a killed process runs); the next creator on the host removes it.
 // Names of a live creator, of another pid namespace, or without a creator's mark stay.
 TEST(ShmGroupSegmentTest, ANameLeftByAKilledCreatorIsRemovedByTheNextCreator) {
-  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::string dir = NewStoreDir();
+  ASSERT_FALSE(dir.empty());
   ShmGroupOptions options = Options("killed_creator", 4096, 4096, 2);
   options.timeout = std::chrono::seconds(60);
-  // Forked before this test starts any thread, so the child may start its own.
-  const pid_t child = fork();
+  // Its Create waits for member 1, which never comes.
+  const pid_t child = ForkMember(dir, 0, {0, 1}, options, [](Member&) {});
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    try {
-      auto store = CreateFileStore(dir);
-      auto group = ShmGroup::Create(0, {0, 1}, *store, options);  // waits for member 1
-    } catch (...) {
-    }
-    _exit(3);
-  }
   auto store = CreateFileStore(dir);
   // The creator publishes the name once the segment exists.
   const std::string left = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(30));
@@ -1502,28 +1500,16 @@ TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
 // kPeerLost saying so and naming member 2 once its liveness mutex says it is gone, long before
 // their 60 s deadline, and write nothing.
 TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers) {
-  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::string dir = NewStoreDir();
+  ASSERT_FALSE(dir.empty());
   const std::vector<int> ranks = {0, 1, 2};
   ShmGroupOptions options = Options("half_broken", 4096, 4096, 3);
   options.timeout = std::chrono::seconds(10);
-  // Forked before this test starts any thread, so the child may start its own.
-  const pid_t child = fork();
+  const pid_t child = ForkMember(dir, 2, ranks, options, [](Member& m) {
+    m.group->BreakHalfwayForTesting();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  });
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    int rc = 0;
-    try {
-      auto store = CreateFileStore(dir);
-      auto group = ShmGroup::Create(2, ranks, *store, options);
-      group->BreakHalfwayForTesting();
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      _exit(0);  // the group is never destroyed: the process just ends
-    } catch (...) {
-      rc = 3;
-    }
-    _exit(rc);
-  }
   auto store = CreateFileStore(dir);
   std::vector<std::thread> threads;
   for (int me = 0; me < 2; ++me) {
@@ -1567,24 +1553,13 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
 // of the kill, not a kTimeout at the set-up's end. Before, it waited the whole 3 s and said
 // "ranks did not attach to segment ...", naming no one (the member had written its pid).
 TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
-  char dir_template[] = "/tmp/shm_group_test_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const std::string dir = NewStoreDir();
+  ASSERT_FALSE(dir.empty());
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("killed_attaching", size_t(64) << 20, 4096, 2);
   options.timeout = std::chrono::seconds(3);
-  // Forked while this test runs no thread, so the child may start its own.
-  const pid_t child = fork();
+  const pid_t child = ForkMember(dir, 1, ranks, options, [](Member&) {});
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    try {
-      auto store = CreateFileStore(dir);
-      auto group = ShmGroup::Create(1, ranks, *store, options);
-      _exit(0);
-    } catch (...) {
-    }
-    _exit(3);
-  }
   auto store = CreateFileStore(dir);
   std::optional<Error> error;
   std::atomic<int64_t> killed_at{0};
