@@ -140,14 +140,16 @@ pid_t ForkMember(const std::string& dir, int rank, const std::vector<int>& ranks
 }
 
 // Builds the group on one thread per member (Create is collective), then runs `body(member,
-// index)` on those threads. An exception escaping Create or body fails the test.
+// index)` on those threads. An exception escaping Create or body fails the test. With `here`
+// above 0, only members 0 to here - 1 run on this process's threads (the others join from
+// elsewhere, e.g. ForkMember through a file store).
 void RunMembers(const std::vector<int>& ranks, const ShmGroupOptions& options,
                 const std::function<void(Member&, int)>& body,
-                std::shared_ptr<Store> store = nullptr) {
+                std::shared_ptr<Store> store = nullptr, size_t here = 0) {
   if (!store) store = CreateMemoryStore();
   std::vector<Member> members(ranks.size());
   std::vector<std::thread> threads;
-  for (size_t i = 0; i < ranks.size(); ++i) {
+  for (size_t i = 0; i < (here > 0 ? here : ranks.size()); ++i) {
     threads.emplace_back([&, i] {
       try {
         members[i].group = ShmGroup::Create(ranks[i], ranks, *store, options);
@@ -861,24 +863,15 @@ TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   });
   ASSERT_GE(child, 0);
-  auto store = CreateFileStore(dir);
-  std::vector<std::thread> threads;
-  for (int me = 0; me < 2; ++me) {
-    threads.emplace_back([&, me] {
-      Member m;
-      try {
-        m.group = ShmGroup::Create(ranks[size_t(me)], ranks, *store, options);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "member " << me << ": " << e.what();
-        return;
-      }
-      const auto start = Clock::now();
-      ExpectAllReduceLosesPeer(m, me, "lost rank 2", "died");
-      // The child exits about 300 ms after everyone attached.
-      EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunMembers(
+      ranks, options,
+      [&](Member& m, int me) {
+        const auto start = Clock::now();
+        ExpectAllReduceLosesPeer(m, me, "lost rank 2", "died");
+        // The child exits about 300 ms after everyone attached.
+        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
+      },
+      CreateFileStore(dir), /*here=*/2);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
@@ -902,10 +895,10 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
     const pid_t child = ForkMember(dir, 2, ranks, options, [](Member& m) {
       std::vector<float> data(kCount, 1.0f);
       for (;;) {
-        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                 ReduceOp::kSum, 0, kCount),
-                           Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
-                           kCount, DataType::kFloat32, ReduceOp::kSum);
+        m.group->AllReduce(
+            m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, kCount),
+            Clock::now() + std::chrono::seconds(20), data.data(), data.data(), kCount,
+            DataType::kFloat32, ReduceOp::kSum);
       }
     });
     ASSERT_GE(child, 0);
@@ -1510,37 +1503,28 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   });
   ASSERT_GE(child, 0);
-  auto store = CreateFileStore(dir);
-  std::vector<std::thread> threads;
-  for (int me = 0; me < 2; ++me) {
-    threads.emplace_back([&, me] {
-      Member m;
-      try {
-        m.group = ShmGroup::Create(ranks[size_t(me)], ranks, *store, options);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "member " << me << ": " << e.what();
-        return;
-      }
-      std::vector<float> data(100, 1.0f);
-      const auto start = Clock::now();
-      try {
-        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                 ReduceOp::kSum, 0, data.size()),
-                           Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
-                           data.size(), DataType::kFloat32, ReduceOp::kSum);
-        ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
-        EXPECT_NE(e.message().find("stopped before writing why"), std::string::npos) << e.what();
-        EXPECT_NE(e.message().find("rank 2 broke"), std::string::npos) << e.what();
-        EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
-      }
-      m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
-      EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
-      for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunMembers(
+      ranks, options,
+      [&](Member& m, int me) {
+        std::vector<float> data(100, 1.0f);
+        const auto start = Clock::now();
+        try {
+          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
+                                   ReduceOp::kSum, 0, data.size()),
+                             Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
+                             data.size(), DataType::kFloat32, ReduceOp::kSum);
+          ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+          EXPECT_NE(e.message().find("stopped before writing why"), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find("rank 2 broke"), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
+        }
+        m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
+        EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+        for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
+      },
+      CreateFileStore(dir), /*here=*/2);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
