@@ -108,6 +108,13 @@ struct Member {
                     size_t count) {
     return core::CallTag{++seq, core::CallDescriptor{kind, dtype, op, root, uint64_t(count)}};
   }
+
+  // The failure tests' call: an f32 sum of `data` in place, by `deadline`.
+  void SumInPlace(std::vector<float>& data, Clock::time_point deadline) {
+    group->AllReduce(
+        Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, data.size()),
+        deadline, data.data(), data.data(), data.size(), DataType::kFloat32, ReduceOp::kSum);
+  }
 };
 
 // A new folder under /tmp for a file store that members in several processes meet through.
@@ -652,10 +659,7 @@ TEST(ShmGroupFailureTest, AbortFromAnotherThreadRaisesOnEveryMember) {
       std::vector<float> data(5000, 1.0f);
       const auto start = Clock::now();
       try {
-        m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                 ReduceOp::kSum, 0, data.size()),
-                           Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
-                           data.size(), DataType::kFloat32, ReduceOp::kSum);
+        m.SumInPlace(data, Clock::now() + std::chrono::seconds(20));
         ADD_FAILURE() << "member " << me << ": an aborted all-reduce succeeded";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), code) << "member " << me << ": " << e.what();
@@ -695,9 +699,7 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
       const auto start = Clock::now();
       const auto timeout = std::chrono::milliseconds(400);
       try {
-        m.group->AllReduce(
-            m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, count),
-            start + timeout, data.data(), data.data(), count, DataType::kFloat32, ReduceOp::kSum);
+        m.SumInPlace(data, start + timeout);
         ADD_FAILURE() << "member " << me << ": an all-reduce without member 2 succeeded";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
@@ -766,10 +768,7 @@ TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
     while (!left) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     std::vector<float> data(10, 1.0f);
     try {
-      m.group->AllReduce(
-          m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 10),
-          Clock::now() + std::chrono::milliseconds(90), data.data(), data.data(), data.size(),
-          DataType::kFloat32, ReduceOp::kSum);
+      m.SumInPlace(data, Clock::now() + std::chrono::milliseconds(90));
       ADD_FAILURE() << "an all-reduce without member 1 succeeded";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
@@ -793,10 +792,7 @@ TEST(ShmGroupFailureTest, ASpinLongerThanTheTimeoutEndsByTheDeadline) {
     std::vector<float> data(10, 1.0f);
     const auto start = Clock::now();
     try {
-      m.group->AllReduce(
-          m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 10),
-          start + std::chrono::milliseconds(100), data.data(), data.data(), data.size(),
-          DataType::kFloat32, ReduceOp::kSum);
+      m.SumInPlace(data, start + std::chrono::milliseconds(100));
       ADD_FAILURE() << "an all-reduce without member 1 succeeded";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
@@ -813,10 +809,7 @@ void ExpectAllReduceLosesPeer(Member& m, int me, const std::string& lost,
                               const std::string& reason) {
   std::vector<float> data(3000, 1.0f);
   try {
-    m.group->AllReduce(
-        m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, data.size()),
-        Clock::now() + std::chrono::seconds(20), data.data(), data.data(), data.size(),
-        DataType::kFloat32, ReduceOp::kSum);
+    m.SumInPlace(data, Clock::now() + std::chrono::seconds(20));
     ADD_FAILURE() << "member " << me << ": an all-reduce with a member gone succeeded";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
@@ -895,10 +888,7 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
     const pid_t child = ForkMember(dir, 2, ranks, options, [](Member& m) {
       std::vector<float> data(kCount, 1.0f);
       for (;;) {
-        m.group->AllReduce(
-            m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, kCount),
-            Clock::now() + std::chrono::seconds(20), data.data(), data.data(), kCount,
-            DataType::kFloat32, ReduceOp::kSum);
+        m.SumInPlace(data, Clock::now() + std::chrono::seconds(20));
       }
     });
     ASSERT_GE(child, 0);
@@ -918,12 +908,7 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
         }
         ++attached;
         std::vector<float> data(kCount, 1.0f);
-        const auto call = [&] {
-          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                   ReduceOp::kSum, 0, kCount),
-                             Clock::now() + std::chrono::seconds(20), data.data(), data.data(),
-                             kCount, DataType::kFloat32, ReduceOp::kSum);
-        };
+        const auto call = [&] { m.SumInPlace(data, Clock::now() + std::chrono::seconds(20)); };
         try {
           for (;;) call();
         } catch (const Error& e) {
@@ -1509,10 +1494,7 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
         std::vector<float> data(100, 1.0f);
         const auto start = Clock::now();
         try {
-          m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32,
-                                   ReduceOp::kSum, 0, data.size()),
-                             Clock::now() + std::chrono::seconds(60), data.data(), data.data(),
-                             data.size(), DataType::kFloat32, ReduceOp::kSum);
+          m.SumInPlace(data, Clock::now() + std::chrono::seconds(60));
           ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
         } catch (const Error& e) {
           EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
@@ -1578,10 +1560,7 @@ TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
 Error FailingAllReduce(Member& m, int me, Clock::duration timeout) {
   std::vector<float> data(100, 1.0f);
   try {
-    m.group->AllReduce(
-        m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, data.size()),
-        Clock::now() + timeout, data.data(), data.data(), data.size(), DataType::kFloat32,
-        ReduceOp::kSum);
+    m.SumInPlace(data, Clock::now() + timeout);
     ADD_FAILURE() << "member " << me << ": an all-reduce of a broken group succeeded";
   } catch (const Error& e) {
     for (float v : data) EXPECT_EQ(v, 1.0f) << "member " << me << ": data written";
