@@ -71,17 +71,24 @@ void CountMoved(benchmark::State& state, int buffers) {
       benchmark::Counter::kIsRate, benchmark::Counter::kIs1024);
 }
 
+// Times `step` once per iteration, its writes to `written` kept, and reports one buffer's bytes
+// per second and `buffers` buffers moved (CountMoved).
+template <typename Step>
+void TimeSteps(benchmark::State& state, int buffers, const void* written, Step step) {
+  for (auto _ : state) {
+    step();
+    benchmark::DoNotOptimize(written);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+  CountMoved(state, buffers);
+}
+
 void BM_Memcpy(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   std::vector<unsigned char> src(bytes, 1);
   std::vector<unsigned char> dst(bytes, 0);
-  for (auto _ : state) {
-    std::memcpy(dst.data(), src.data(), bytes);
-    benchmark::DoNotOptimize(dst.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
-  CountMoved(state, 2);
+  TimeSteps(state, 2, dst.data(), [&] { std::memcpy(dst.data(), src.data(), bytes); });
 }
 BENCHMARK(BM_Memcpy)->Apply(Sizes);
 
@@ -92,13 +99,8 @@ void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
   std::vector<unsigned char> a = Filled(dtype, count, 1);
   std::vector<unsigned char> b = Filled(dtype, count, 2);
   std::vector<unsigned char> dst(bytes, 0);
-  for (auto _ : state) {
-    Reduce(dtype, op, dst.data(), a.data(), b.data(), count);
-    benchmark::DoNotOptimize(dst.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
-  CountMoved(state, 3);
+  TimeSteps(state, 3, dst.data(),
+            [&] { Reduce(dtype, op, dst.data(), a.data(), b.data(), count); });
 }
 
 // The baseline a kernel cannot beat: the loop the compiler makes of dst[i] = a[i] + b[i] on
@@ -145,14 +147,10 @@ void BM_PlainF32Add(benchmark::State& state) {
       break;
   }
 #endif
-  for (auto _ : state) {
+  TimeSteps(state, 3, dst.data(), [&] {
     add(reinterpret_cast<float*>(dst.data()), reinterpret_cast<const float*>(a.data()),
         reinterpret_cast<const float*>(b.data()), count);
-    benchmark::DoNotOptimize(dst.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
-  CountMoved(state, 3);
+  });
 }
 BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
 
@@ -163,13 +161,8 @@ void ReduceInPlaceBench(benchmark::State& state, DataType dtype) {
   const size_t count = bytes / SizeOf(dtype);
   std::vector<unsigned char> a = Filled(dtype, count, 1);
   std::vector<unsigned char> b(bytes, 0);  // zeros: the sum does not grow
-  for (auto _ : state) {
-    Reduce(dtype, ReduceOp::kSum, a.data(), a.data(), b.data(), count);
-    benchmark::DoNotOptimize(a.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
-  CountMoved(state, 3);
+  TimeSteps(state, 3, a.data(),
+            [&] { Reduce(dtype, ReduceOp::kSum, a.data(), a.data(), b.data(), count); });
 }
 
 // The f32 sum, in and out of place, and the copy once more on buffers aligned to 64 bytes, as
@@ -189,13 +182,7 @@ void BM_CopyAligned(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const AlignedBytes src = AlignedFilled(DataType::kUInt8, bytes, 1);
   const AlignedBytes dst = AlignedFilled(DataType::kUInt8, bytes, 2);
-  for (auto _ : state) {
-    std::memcpy(dst.get(), src.get(), bytes);
-    benchmark::DoNotOptimize(dst.get());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
-  CountMoved(state, 2);
+  TimeSteps(state, 2, dst.get(), [&] { std::memcpy(dst.get(), src.get(), bytes); });
 }
 BENCHMARK(BM_CopyAligned)->Apply(Sizes);
 
@@ -208,13 +195,8 @@ void F32SumAligned(benchmark::State& state, bool in_place) {
   const AlignedBytes out = AllocateAligned(bytes);
   if (in_place) std::memset(b.get(), 0, bytes);  // the sum does not grow
   uint8_t* const dst = in_place ? a.get() : out.get();
-  for (auto _ : state) {
-    Reduce(DataType::kFloat32, ReduceOp::kSum, dst, a.get(), b.get(), count);
-    benchmark::DoNotOptimize(dst);
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
-  CountMoved(state, 3);
+  TimeSteps(state, 3, dst,
+            [&] { Reduce(DataType::kFloat32, ReduceOp::kSum, dst, a.get(), b.get(), count); });
 }
 BENCHMARK_CAPTURE(F32SumAligned, out_of_place, false)->Apply(Sizes);
 BENCHMARK_CAPTURE(F32SumAligned, in_place, true)->Apply(Sizes);
