@@ -154,6 +154,7 @@ struct Config {
   size_t small_message_bytes = 0;
   double timeout_s = 120;
   int local = 0;
+  std::string impl = "ring";
 
   std::chrono::milliseconds timeout() const { return bench::TimeoutFromSeconds(timeout_s); }
 };
@@ -556,7 +557,9 @@ class Bench {
     PrintBuildHeader("packing_perf", COLLECTIVES_PERF_BUILD_TYPE);
     std::printf("# world size %d  hosts %zu  launched by %s\n", world_size_, hosts,
                 launcher_.c_str());
-    std::printf("# implementation %s  transport %s  cores %u\n", ToString(comm_.implementation()),
+    // As collectives_perf says it: AUTO's calls within a host go through shared memory, and
+    // only RING's (and AUTO's between hosts) take this link.
+    std::printf("# implementation %s  hosts' link %s  cores %u\n", ToString(comm_.implementation()),
                 hosts == 1 ? "TCP loopback (one host)" : "TCP",
                 std::thread::hardware_concurrency());
     std::printf("# f32 %s  steps %d  warm-up %d  check %s  default bytes_per_pack %s\n",
@@ -626,7 +629,7 @@ class Bench {
 
 CommunicationOptions MakeOptions(const Config& config) {
   CommunicationOptions options;
-  options.implementation = Implementation::kRing;
+  options.implementation = ParseImplementation(config.impl);
   options.chunk_bytes = config.chunk_bytes;
   options.small_message_bytes = config.small_message_bytes;
   options.spin_us = config.spin_us;
@@ -689,6 +692,10 @@ int Main(int argc, char** argv) {
                  "Seconds a collective or the rendezvous may take before it fails")
       ->capture_default_str()
       ->check(bench::TimeoutSeconds());
+  app.add_option("--impl", config.impl,
+                 "Implementation: ring (TCP) or auto (shared memory between the ranks of a host)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ring", "auto"}));
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));

@@ -534,7 +534,9 @@ void TcpStoreServer::Impl::Accept() {
     });
     if (unproven_.size() >= MaxUnproven()) EvictOldestUnproven("to make room for a new one");
     auto session = std::make_shared<Session>(this, std::move(socket));
-    sessions_.emplace(session.get(), session);
+    // Assigned, not emplaced: a session whose handler threw (an allocation failed) was destroyed
+    // without Forget, and its address, still a key here, may be this session's.
+    sessions_.insert_or_assign(session.get(), session);
     unproven_.push_back(session);
     session->Start();
     Accept();
