@@ -55,7 +55,8 @@ struct CommunicationOptions {
   // broadcasts between workers go through the packer. The communicator itself does not read it,
   // nor do packing::AllReduce and packing::Broadcast, which take their own bytes_per_pack argument.
   // The C API's coll_all_reduce_many has coll_options.bytes_per_pack for this. 0 picks
-  // packing::DefaultBytesPerPack() (1 MiB).
+  // packing::DefaultBytesPerPack(comm): 256 KiB where the all-reduces run in shared memory (AUTO
+  // on one host), 1 MiB elsewhere.
   // Default: 0.
   size_t bytes_per_pack = 0;
 

@@ -23,8 +23,16 @@
 
 namespace collectives::packing {
 
-// The byte cap used when bytes_per_pack is 0. See the README for the measurement behind it.
+// The byte cap PlanBuckets uses when bytes_per_pack is 0: 1 MiB. See the README for the
+// measurement behind it.
 size_t DefaultBytesPerPack();
+
+// The byte cap AllReduce, Broadcast and their async forms use on `comm` when bytes_per_pack is
+// 0: 256 KiB where comm's all-reduces run in shared memory (AUTO, every rank on one host), where
+// a fused bucket's two extra copies cost more than the calls it saves for any tensor that fills
+// one alone; DefaultBytesPerPack() elsewhere (over TCP, whose calls cost more). The same on
+// every rank. See the README for the measurements.
+size_t DefaultBytesPerPack(const CollectiveCommunication& comm);
 
 // What the planner needs to know of a tensor.
 struct TensorSpec {

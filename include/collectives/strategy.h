@@ -278,7 +278,7 @@ struct MirroredOptions {
   // Explicit devices; overrides num_replicas when not empty.
   std::vector<Device> devices{};
   CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
-  // Packer bucket cap for cross-replica all-reduces. 0: packing::DefaultBytesPerPack().
+  // Packer bucket cap for cross-replica all-reduces. 0: packing::DefaultBytesPerPack(comm).
   size_t bytes_per_pack = 0;
   // How long a replica waits for the others at a cross-replica call before kTimeout.
   std::chrono::milliseconds timeout{300'000};

@@ -67,6 +67,22 @@ namespace {
 // latency is far above loopback's, a larger cap may pay: bytes_per_pack is the knob.
 constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 
+// The default cap of a communicator whose all-reduces run in shared memory: 256 KiB. There one
+// call costs microseconds, and a fused bucket's two copies (in and out of the fusion buffer) of
+// every byte cost more than the calls they save once the tensors are large: with AUTO on one
+// host of the 2-core VM (AMD EPYC Zen 4; `packing_perf --impl auto --local N --workload
+// 1000x4K,200x256K,resnet50 --bytes-per-pack 256K,1M -n 20`, three runs per rank count, ms per
+// step), 200 x 256 KiB took 8.0-9.5 one by one and unfused at 256 KiB against 12.2-13.8 in 1 MiB
+// buckets (2 ranks), 19.0-22.4 against 30.3-50.3 (4 ranks); 1000 x 4 KiB 0.76-1.26 against
+// 0.79-1.60 and 2.2-4.0 against 2.9-4.4 (one by one: 1.40-1.49 and 5.8-8.1); ResNet-50 within the
+// noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3).
+constexpr size_t kSharedMemoryBytesPerPack = size_t{256} << 10;
+
+// bytes_per_pack as given, or comm's default for 0.
+size_t CapOf(const CollectiveCommunication& comm, size_t bytes_per_pack) {
+  return bytes_per_pack == 0 ? DefaultBytesPerPack(comm) : bytes_per_pack;
+}
+
 // "rank 3: packing all_reduce: tensor 7 "
 std::string Where(const CollectiveCommunication& comm, const char* collective, size_t index) {
   return "rank " + std::to_string(comm.rank()) + ": packing " + collective + ": tensor " +
@@ -463,6 +479,7 @@ template <typename When>
 void RunBuckets(CollectiveCommunication& comm, const char* collective, const BucketRunner& runner,
                 const std::vector<Tensor>& tensors, size_t bytes_per_pack,
                 internal::Schedule schedule) {
+  bytes_per_pack = CapOf(comm, bytes_per_pack);
   const std::vector<Bucket> planned = PlanBuckets(SpecsOf(tensors), bytes_per_pack);
   const Buckets buckets(runner, tensors, planned);
   try {
@@ -739,7 +756,8 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
 std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,
                                  const BucketRunner& runner, const std::vector<Tensor>& tensors,
                                  size_t bytes_per_pack) {
-  auto work = std::make_shared<PackedWork>(comm.rank(), collective, tensors, bytes_per_pack);
+  auto work = std::make_shared<PackedWork>(comm.rank(), collective, tensors,
+                                           CapOf(comm, bytes_per_pack));
   try {
     work->Start(comm, runner);
   } catch (...) {
@@ -761,6 +779,13 @@ std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* coll
 }  // namespace
 
 size_t DefaultBytesPerPack() { return kDefaultBytesPerPack; }
+
+size_t DefaultBytesPerPack(const CollectiveCommunication& comm) {
+  // AUTO decides per size, the same on every rank; the question is where buckets of the larger
+  // cap would go.
+  return comm.AllReduceAlgorithm(kDefaultBytesPerPack) == "shm" ? kSharedMemoryBytesPerPack
+                                                                : kDefaultBytesPerPack;
+}
 
 // One open bucket per (dtype, device) kind; lists rarely hold more than two or three kinds, so
 // a linear search is cheapest. A tensor larger than the cap closes the open bucket of its kind

@@ -24,6 +24,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "collectives/packing.h"
 #include "tests/child_process.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
@@ -182,6 +183,41 @@ TEST(AutoAlgorithmTest, SharedMemoryOffFallsBackToTheRing) {
 
 // Several asynchronous calls of every kind in flight at once, waited on out of order: each
 // result exact.
+// The packer's default cap follows where the all-reduces run: 256 KiB in shared memory, 1 MiB
+// over TCP. A rank that passes 0 and one that passes 256 KiB cut the list alike; one that passes
+// 1 MiB cuts it otherwise, and every rank is told so, nothing written.
+TEST(AutoPackingTest, TheDefaultCapIs256KiBInSharedMemoryAnd1MiBOverTcp) {
+  OneHost one_host;
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  RunRanks(Transport::kAuto, 3, options, [&](CollectiveCommunication& comm) {
+    EXPECT_EQ(packing::DefaultBytesPerPack(comm), size_t{256} << 10);
+    // Eight f32 tensors of 64 KiB: two fused buckets at 256 KiB, one at 1 MiB.
+    std::vector<std::vector<float>> data(8, std::vector<float>(16384, float(comm.rank() + 1)));
+    std::vector<Tensor> list;
+    for (auto& d : data) list.push_back(Tensor{d.data(), d.size(), DataType::kFloat32});
+    packing::AllReduce(comm, list, ReduceOp::kSum, comm.rank() == 1 ? size_t{256} << 10 : 0);
+    for (const auto& d : data) {
+      for (float v : d) ASSERT_EQ(v, 6.0f) << "rank " << comm.rank();
+    }
+    try {
+      packing::AllReduce(comm, list, ReduceOp::kSum, comm.rank() == 2 ? size_t{1} << 20 : 0);
+      ADD_FAILURE() << "rank " << comm.rank() << ": lists cut differently went through";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+      const std::string cap = comm.rank() == 2 ? "1048576" : "262144";
+      EXPECT_NE(std::string(e.what()).find("bytes_per_pack (" + cap + " here)"), std::string::npos)
+          << e.what();
+    }
+    for (const auto& d : data) {
+      for (float v : d) ASSERT_EQ(v, 6.0f) << "rank " << comm.rank();
+    }
+  });
+  RunRanks(Transport::kTcp, 2, options, [&](CollectiveCommunication& comm) {
+    EXPECT_EQ(packing::DefaultBytesPerPack(comm), size_t{1} << 20);
+  });
+}
+
 TEST(AutoAsyncTest, MixedCallsInFlightAreExact) {
   OneHost one_host;
   for (int size : {2, 4}) {

@@ -565,7 +565,7 @@ TEST(PackedMismatchTest, CapsThatDifferAcrossRanksAreNamed) {
         EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
         const std::string expected =
             "the list is cut into buckets other than another rank's: bytes_per_pack (" +
-            std::string(odd ? "512" : std::to_string(packing::DefaultBytesPerPack())) +
+            std::string(odd ? "512" : std::to_string(packing::DefaultBytesPerPack(comm))) +
             " here) must be the same on every rank; " +
             (broadcast ? "no tensor was broadcast or written" : "nothing was reduced or written");
         EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
