@@ -119,7 +119,9 @@ bool IsBlank(const std::string& text) {
 int ParseNonNegativeInt(const std::string& name, const std::string& value) {
   bool ok = !value.empty() && value.size() <= 10;
   long long parsed = 0;
-  for (char c : value) {
+  // Only up to 10 digits are read: 20 would overflow a long long.
+  for (size_t i = 0; ok && i < value.size(); ++i) {
+    const char c = value[i];
     if (c < '0' || c > '9') {
       ok = false;
       break;

@@ -7,6 +7,7 @@
 #include <asio.hpp>
 
 #include "src/cluster/name_lookups.h"
+#include "src/core/text.h"
 
 namespace collectives::cluster {
 namespace {
@@ -62,8 +63,10 @@ std::optional<std::string> CheckHost(std::string_view text, std::string_view por
   const size_t colon = host.find(':');
   if (colon != std::string_view::npos && !IsIpv6Address(host)) {
     if (host.find(':', colon + 1) == std::string_view::npos) {
+      // The text quoted here came from the caller's input: escaped and cut as every quote of
+      // it is (core::OneLine).
       *why = "it holds a port ('";
-      why->append(host.substr(colon)).append("')");
+      why->append(core::OneLine(host.substr(colon), 64)).append("')");
       if (!port_remedy.empty()) why->append("; ").append(port_remedy);
     } else {
       *why = "it holds ':' but is not an IPv6 address";
@@ -128,7 +131,7 @@ std::optional<HostPort> ParseHostPort(std::string_view text, std::string* why) {
   std::string_view port_text = rest.substr(1);
   std::optional<uint16_t> port = ParsePort(port_text);
   if (!port) {
-    *why = "port '" + std::string(port_text) + "' is not a number in 1..65535";
+    *why = "port '" + core::OneLine(port_text, 64) + "' is not a number in 1..65535";
     return std::nullopt;
   }
   return HostPort{std::string(host), *port};

@@ -111,6 +111,11 @@ class TcpStoreServer::Impl {
   // The connections closed with a reason (a failed proof, a malformed request): a stranger who
   // connects again and again must not write a line each time, for as long as the job runs.
   RateLimitedLog close_log_;
+  // The same for the refused enrolments (a rank whose token is missing or whose rank another
+  // address took: what the operator must see) and for the closed connections of ranks (proven
+  // or enrolled): limited apart, so that a stranger's stream of junk cannot hide them.
+  RateLimitedLog refusal_log_;
+  RateLimitedLog rank_close_log_;
   std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;
   std::unordered_map<std::string, std::vector<std::weak_ptr<Session>>> waiters_;
   // Only the io thread touches these two: the address each rank enrolled from ("" not yet),
@@ -148,10 +153,11 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   }
 
   // Closes the socket; logs `reason` when it is not empty (a line a second at most).
-  void Close(const std::string& reason) {
+  void Close(const std::string& reason) { Close(reason, Proven() ? server_->rank_close_log_
+                                                                    : server_->close_log_); }
+  void Close(const std::string& reason, RateLimitedLog& log) {
     if (!reason.empty()) {
-      server_->close_log_.Write(server_->name_ + ": closing the connection from " + peer_ + ": " +
-                                reason);
+      log.Write(server_->name_ + ": closing the connection from " + peer_ + ": " + reason);
     }
     if (waiting_) server_->RemoveWaiter(key_, this);
     Shutdown();
@@ -159,7 +165,8 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   }
 
   // Whether it still has to prove the token (or enrol), and nothing has made it the rank's own.
-  bool Unproven() const { return !authenticated_ && !proven_ && !enrolled_ && socket_.is_open(); }
+  bool Unproven() const { return !Proven() && socket_.is_open(); }
+  bool Proven() const { return authenticated_ || proven_ || enrolled_; }
 
   // Bytes that came in and were not read yet.
   size_t Unread() {
@@ -257,7 +264,7 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
           // own address).
           if (ec && ok) self->server_->Unenrol(rank, self->peer_, ec.message());
           if (ec == asio::error::operation_aborted) return;
-          if (!ok) return self->Close(why);
+          if (!ok) return self->Close(why, self->server_->refusal_log_);
           if (ec) return self->Close("");
           self->ReadProof();
         });

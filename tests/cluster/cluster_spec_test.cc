@@ -445,6 +445,10 @@ TEST(EnvironmentTest, MalformedIntegersNameVariableAndValue) {
   ExpectBadEnv(Env{{"RANK", " 1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, {"RANK", "' 1'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "99999999999"}, {"MASTER_PORT", "1"}},
                {"WORLD_SIZE", "'99999999999'"});
+  // 20 digits: refused without being read (they overflowed a long long, undefined behaviour
+  // that UBSan reports).
+  ExpectBadEnv(Env{{"RANK", "99999999999999999999"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
+               {"RANK", "'99999999999999999999'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE", "'0'", "at least 1"});
   ExpectBadEnv(Env{{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
                {"RANK", "'2'", "0..1"});
@@ -674,6 +678,21 @@ TEST(HostPortTest, CheckHost) {
   EXPECT_EQ(why, "it holds a port (':1')");
   EXPECT_FALSE(cluster::CheckHost("h:1", "put it elsewhere", &why));
   EXPECT_EQ(why, "it holds a port (':1'); put it elsewhere");
+}
+
+// The reason quotes what it refuses as every quote of the input does: control bytes escaped,
+// cut after 64 bytes. The reason follows the quoted value in the message, and it carried the
+// raw port: an ESC sequence reached the terminal, a megabyte of port the log.
+TEST(HostPortTest, TheReasonEscapesAndCutsWhatItQuotes) {
+  std::string why;
+  EXPECT_FALSE(cluster::ParseHostPort("a:1\x1b[2J", &why));
+  EXPECT_EQ(why, "port '1\\x1b[2J' is not a number in 1..65535");
+  EXPECT_FALSE(cluster::ParseHostPort("a:" + std::string(1 << 20, '7'), &why));
+  EXPECT_EQ(why, "port '" + std::string(64, '7') + "...' is not a number in 1..65535");
+  EXPECT_FALSE(cluster::CheckHost("h:1\x9b", "", &why));
+  EXPECT_EQ(why, "it holds a port (':1\\x9b')");
+  EXPECT_FALSE(cluster::CheckHost("h:" + std::string(1 << 20, '7'), "", &why));
+  EXPECT_EQ(why, "it holds a port (':" + std::string(63, '7') + "...')");
 }
 
 }  // namespace

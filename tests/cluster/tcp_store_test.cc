@@ -820,6 +820,31 @@ TEST(TcpStoreTest, ConnectionsThatFailTheProofDoNotFloodTheLog) {
                         << logged.substr(0, 1000);
 }
 
+// A refused enrolment (what the operator of a misconfigured rank must see) is logged even right
+// after a stranger's line: the two are limited apart. Before, one limiter held every close, and
+// the refusal within a second of the stranger's line was left out.
+TEST(TcpStoreTest, ARefusedEnrolmentIsLoggedRightAfterAStrangersLine) {
+  const uint16_t port = FreePort();
+  auto server = CreateStoreFor(LoopbackSpec(0, 3, port), kLong);
+  ::testing::internal::CaptureStderr();
+  {
+    RawClient stranger(port);
+    ASSERT_TRUE(stranger.ReadChallenge());
+    EXPECT_FALSE(stranger.Prove("a wrong token"));
+    EXPECT_TRUE(stranger.ClosedByPeerWithin(kLong));
+  }
+  {
+    RawClient raw(port);
+    ASSERT_TRUE(raw.ReadChallenge());
+    const auto request = cluster::auth::EncodeEnrolment(7);  // out of range: refused
+    ASSERT_TRUE(raw.Send(request.data(), request.size()));
+    EXPECT_TRUE(raw.ClosedByPeerWithin(kLong));
+  }
+  const std::string logged = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(logged.find("failed the proof"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("rank 7"), std::string::npos) << logged;
+}
+
 // A Get that has to connect again (its server went away) tries for as long as the Get may take,
 // its wait and a short grace, not for the store's whole timeout, and says which Get it was.
 TEST(TcpStoreTest, AGetThatMustReconnectTriesOnlyForItsOwnWait) {
