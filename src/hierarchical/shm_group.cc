@@ -551,9 +551,12 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
           if (std::atomic_ref<int32_t>(c.pid).load(std::memory_order_acquire) != 0 &&
               WhyGone(c) == kDiedInSharedMemory) {
             shm_unlink(seg.name.c_str());
-            throw Error(ErrorCode::kPeerLost, prefix + "rank " + std::to_string(members[i]) +
-                                                  " died while attaching to segment " + seg.name +
-                                                  " (" + kDiedInSharedMemory + ")");
+            // Published, as every failure of the set-up: a member that has not opened the name
+            // yet finds it gone, and raises this rather than its own "no such file".
+            throw report(Error(ErrorCode::kPeerLost,
+                               prefix + "rank " + std::to_string(members[i]) +
+                                   " died while attaching to segment " + seg.name + " (" +
+                                   kDiedInSharedMemory + ")"));
           }
         }
       }

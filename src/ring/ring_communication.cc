@@ -417,9 +417,12 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
       work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
       return work;
     }
+    // The sequence number is taken only once the call is queued: a push that throws (bad_alloc)
+    // leaves the communicator as it was, the call not made on this rank as on the others.
     queue_.push_back(
-        Call{core::CallTag{next_seq_++, prepared.descriptor}, std::move(prepared.body), work,
+        Call{core::CallTag{next_seq_, prepared.descriptor}, std::move(prepared.body), work,
              std::chrono::milliseconds(timeout_ms_.load())});
+    ++next_seq_;
     queued_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
