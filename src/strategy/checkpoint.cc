@@ -651,16 +651,18 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
     failure = std::current_exception();
   }
   const std::string what = "SaveCheckpoint to " + directory;
+  std::string warning;
   if (failure && !strategy.IsChief()) {
     // Only the chief's file is the checkpoint (the others write to temporary places, as the
     // guide advises): this worker's failure changes nothing a restore reads, and the chief may
     // have renamed the new checkpoint into place already. So it is a warning, not an error.
-    const std::string line = "collectives: " + CodeAndMessage(failure, who, what).second + " (" +
-                             what + " goes on: only the chief's file is the checkpoint)\n";
-    std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines of workers do not mix
+    warning = "collectives: " + CodeAndMessage(failure, who, what).second +
+              " (the chief's save stands: only its file is the checkpoint)\n";
     failure = nullptr;
   }
   AgreeOnFailure(strategy, what, failure);
+  // Only once the chief's save is known to stand: when it failed, every worker raises that.
+  std::fwrite(warning.data(), 1, warning.size(), stderr);  // one write: workers' lines do not mix
 }
 
 std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,
