@@ -799,7 +799,19 @@ Error ShmGroup::BreakWith(const Error& error, Clock::time_point deadline) {
 
 // Broken already: nothing to wait for, the pending calls raise that first error.
 void ShmGroup::Abort(const Error& error) {
-  if (BeginBreaking()) WriteBroken(error);
+  if (BeginBreaking()) return WriteBroken(error);
+  // Broken already, by a member that may not have written why yet (stalled: stopped, in a
+  // debugger): a call of this member waiting for it in BrokenError, until its deadline, raises
+  // this error at once instead, as a given-up wait's does (the breaker's replaces it once
+  // written). Before, the Abort did nothing and the call waited out its deadline.
+  Header& header = segment_->header();
+  {
+    std::lock_guard<std::mutex> lock(given_up_mu_);
+    if (!given_up_ && header.broken.load(std::memory_order_acquire) >= kBreakingBy) {
+      given_up_ = error;
+    }
+  }
+  FutexWakeAll(&header.broken);
 }
 
 void ShmGroup::BreakHalfwayForTesting() { BeginBreaking(); }

@@ -139,7 +139,8 @@ class ShmGroup {
   void Barrier(const core::CallTag& tag, Clock::time_point deadline);
 
   // Breaks the group with `error`: every member's pending and later call raises. Any thread.
-  // A group broken already stays broken with its first error.
+  // A group broken already stays broken with its first error; while its breaker has not written
+  // it yet, this member's calls raise `error` instead of waiting for it.
   void Abort(const Error& error);
 
   // A member that finds the group broken by another that has not written why yet waits for it

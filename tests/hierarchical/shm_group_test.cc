@@ -1606,6 +1606,38 @@ TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError)
   });
 }
 
+// Member 0 begins to break the group and never writes why (stalled: stopped, in a debugger).
+// Member 1's call would wait for why until its deadline, 20 s away; its own Abort, from another
+// thread, ends that wait at once with the Abort's error. Before, the Abort found the group
+// broken and did nothing, and the call waited out its deadline.
+TEST(ShmGroupFailureTest, AnAbortEndsTheWaitForAStalledBreaker) {
+  const std::vector<int> ranks = {0, 1};
+  ShmGroupOptions options = Options("stalled_breaker", 4096, 4096, 2);
+  std::atomic<bool> broken{false};
+  std::atomic<bool> done{false};
+  RunMembers(ranks, options, [&](Member& m, int me) {
+    if (me == 0) {
+      m.group->BreakHalfwayForTesting();
+      broken = true;
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // alive
+      return;
+    }
+    while (!broken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      m.group->Abort(Error(ErrorCode::kAborted, "rank 1: aborted by the test"));
+    });
+    const auto start = Clock::now();
+    const Error e = FailingAllReduce(m, me, std::chrono::seconds(20));
+    const auto took = Clock::now() - start;
+    aborter.join();
+    done = true;
+    EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    EXPECT_NE(e.message().find("aborted by the test"), std::string::npos) << e.what();
+    EXPECT_LT(took, std::chrono::seconds(2)) << e.what();
+  });
+}
+
 // Member 0 begins to break the group and writes why only 2.2 s later (a breaker descheduled or
 // stopped in between). The others, whose deadline is 20 s away, raise its error (kAborted, its
 // message), not a guess. Before, they gave up after 2 s: kPeerLost "rank 0 broke this host's
