@@ -368,23 +368,29 @@ int WriteFile(const std::string& who, const std::string& path,
 // read: a FIFO would block the open or the reads forever, /dev/zero would never end.
 std::optional<std::vector<unsigned char>> ReadFile(const std::string& who,
                                                    const std::string& path) {
-  core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  if (fd.get() < 0) {
-    if (errno == ENOENT) return std::nullopt;
-    ThrowSystem(who, "cannot open", path, errno);
-  }
-  struct stat status;
-  if (::fstat(fd.get(), &status) != 0) ThrowSystem(who, "cannot stat", path, errno);
-  if (!S_ISREG(status.st_mode)) {
-    const char* kind = S_ISDIR(status.st_mode)    ? "a directory"
-                       : S_ISFIFO(status.st_mode) ? "a FIFO"
-                       : S_ISCHR(status.st_mode)  ? "a character device"
-                       : S_ISBLK(status.st_mode)  ? "a block device"
-                       : S_ISSOCK(status.st_mode) ? "a socket"
-                                                  : "not a file";
+  const auto refuse_unless_regular = [&](mode_t mode) {
+    if (S_ISREG(mode)) return;
+    const char* kind = S_ISDIR(mode)    ? "a directory"
+                       : S_ISFIFO(mode) ? "a FIFO"
+                       : S_ISCHR(mode)  ? "a character device"
+                       : S_ISBLK(mode)  ? "a block device"
+                       : S_ISSOCK(mode) ? "a socket"
+                                        : "not a file";
     throw Error(ErrorCode::kInvalidArgument,
                 who + "checkpoint " + path + " is " + kind + ", not a regular file");
+  };
+  core::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  struct stat status;
+  if (fd.get() < 0) {
+    const int error = errno;
+    if (error == ENOENT) return std::nullopt;
+    // A socket cannot be opened at all (ENXIO), nor a device without its driver (ENXIO,
+    // ENODEV): named as what it is, as the files that can be opened are.
+    if (::stat(path.c_str(), &status) == 0) refuse_unless_regular(status.st_mode);
+    ThrowSystem(who, "cannot open", path, error);
   }
+  if (::fstat(fd.get(), &status) != 0) ThrowSystem(who, "cannot stat", path, errno);
+  refuse_unless_regular(status.st_mode);
   std::vector<unsigned char> bytes;
   unsigned char buffer[1 << 16];
   for (;;) {

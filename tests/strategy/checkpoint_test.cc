@@ -9,7 +9,9 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -785,6 +787,31 @@ TEST_F(CheckpointTest, AFifoAtThePathIsRefusedInsteadOfBlockingForever) {
                  {"worker 1 RestoreCheckpoint of ", file().c_str(),
                   " failed on worker 0 (the chief, which reads the file): worker 0 checkpoint ",
                   " is a FIFO, not a regular file"});
+}
+
+// A socket at the checkpoint's path, which open() refuses (ENXIO), is named as what it is, as a
+// FIFO is: kInvalidArgument, not kSystem "cannot open ...: No such device or address".
+TEST_F(CheckpointTest, ASocketAtThePathIsNamedAsOne) {
+  fs::create_directories(dir_);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  const std::string path = file();
+  ASSERT_LT(path.size(), sizeof address.sun_path) << path;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0)
+      << std::strerror(errno);
+  const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
+    Model model(s, 1);
+    RestoreCheckpoint(s, nullptr, dir());
+  });
+  ::close(fd);
+  ExpectErrorPtr(errors[0], ErrorCode::kInvalidArgument,
+                 {"worker 0 checkpoint ", path.c_str(), " is a socket, not a regular file"});
+  ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument,
+                 {"worker 1 RestoreCheckpoint of ", path.c_str(),
+                  " is a socket, not a regular file"});
 }
 
 }  // namespace
