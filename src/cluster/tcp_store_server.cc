@@ -113,7 +113,9 @@ class TcpStoreServer::Impl {
   RateLimitedLog close_log_;
   // The same for the refused enrolments (a rank whose token is missing or whose rank another
   // address took: what the operator must see) and for the closed connections of ranks (proven
-  // or enrolled): limited apart, so that a stranger's stream of junk cannot hide them.
+  // or enrolled): limited apart, so that a stranger's junk (connections that fail the proof or
+  // send malformed requests) cannot hide them. A stranger that sends enrolment requests can
+  // still take the refusals' line of a second.
   RateLimitedLog refusal_log_;
   RateLimitedLog rank_close_log_;
   std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;

@@ -550,13 +550,15 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
           Control& c = seg.control(int(i));
           if (std::atomic_ref<int32_t>(c.pid).load(std::memory_order_acquire) != 0 &&
               WhyGone(c) == kDiedInSharedMemory) {
+            // Published, as every failure of the set-up, before the name goes: a member that has
+            // not opened it yet finds it gone, and raises this rather than its own "no such
+            // file" (which it would publish first if the name went first).
+            const Error died = report(Error(ErrorCode::kPeerLost,
+                                            prefix + "rank " + std::to_string(members[i]) +
+                                                " died while attaching to segment " + seg.name +
+                                                " (" + kDiedInSharedMemory + ")"));
             shm_unlink(seg.name.c_str());
-            // Published, as every failure of the set-up: a member that has not opened the name
-            // yet finds it gone, and raises this rather than its own "no such file".
-            throw report(Error(ErrorCode::kPeerLost,
-                               prefix + "rank " + std::to_string(members[i]) +
-                                   " died while attaching to segment " + seg.name + " (" +
-                                   kDiedInSharedMemory + ")"));
+            throw died;
           }
         }
       }
@@ -797,7 +799,6 @@ Error ShmGroup::BreakWith(const Error& error, Clock::time_point deadline) {
   return error;
 }
 
-// Broken already: nothing to wait for, the pending calls raise that first error.
 void ShmGroup::Abort(const Error& error) {
   if (BeginBreaking()) return WriteBroken(error);
   // Broken already, by a member that may not have written why yet (stalled: stopped, in a

@@ -167,7 +167,8 @@ class ShmGroup {
   // every waiter.
   bool BeginBreaking();
   void WriteBroken(const Error& error);
-  // The error BrokenError gave once it stopped waiting for a breaker that did not write why.
+  // The error BrokenError gave once it stopped waiting for a breaker that did not write why, or
+  // this member's Abort's error while the breaker had not written why (Abort).
   mutable std::mutex given_up_mu_;
   mutable std::optional<Error> given_up_;  // guarded by given_up_mu_
 

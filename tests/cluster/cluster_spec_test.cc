@@ -446,7 +446,7 @@ TEST(EnvironmentTest, MalformedIntegersNameVariableAndValue) {
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "99999999999"}, {"MASTER_PORT", "1"}},
                {"WORLD_SIZE", "'99999999999'"});
   // 20 digits: refused without being read (they overflowed a long long, undefined behaviour
-  // that UBSan reports).
+  // that only a UBSan build reports: scripts/sanitize.sh address).
   ExpectBadEnv(Env{{"RANK", "99999999999999999999"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
                {"RANK", "'99999999999999999999'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE", "'0'", "at least 1"});

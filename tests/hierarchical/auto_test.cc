@@ -181,8 +181,6 @@ TEST(AutoAlgorithmTest, SharedMemoryOffFallsBackToTheRing) {
   }
 }
 
-// Several asynchronous calls of every kind in flight at once, waited on out of order: each
-// result exact.
 // The packer's default cap follows where the all-reduces run: 256 KiB in shared memory, 1 MiB
 // over TCP. A rank that passes 0 and one that passes 256 KiB cut the list alike; one that passes
 // 1 MiB cuts it otherwise, and every rank is told so, nothing written.
@@ -218,6 +216,8 @@ TEST(AutoPackingTest, TheDefaultCapIs256KiBInSharedMemoryAnd1MiBOverTcp) {
   });
 }
 
+// Several asynchronous calls of every kind in flight at once, waited on out of order: each
+// result exact.
 TEST(AutoAsyncTest, MixedCallsInFlightAreExact) {
   OneHost one_host;
   for (int size : {2, 4}) {
