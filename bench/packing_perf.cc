@@ -564,7 +564,8 @@ class Bench {
                 std::thread::hardware_concurrency());
     std::printf("# f32 %s  steps %d  warm-up %d  check %s  default bytes_per_pack %s\n",
                 ToString(config_.op), config_.iters, config_.warmup_iters,
-                config_.check ? "on" : "off", FormatBytes(packing::DefaultBytesPerPack(comm_)).c_str());
+                config_.check ? "on" : "off",
+                FormatBytes(packing::DefaultBytesPerPack(comm_)).c_str());
     std::printf(
         "# a step all-reduces every tensor once; time = %s over steps of the slowest rank's step\n"
         "# time; speed-up = one-by-one time / this time\n",
@@ -601,8 +602,9 @@ class Bench {
     if (csv_ != nullptr) {
       *csv_ << row.workload << ',' << world_size_ << ',' << row.tensors << ',' << row.bytes << ','
             << row.mode << ','
-            << (row.cap ? std::to_string(*row.cap == 0 ? packing::DefaultBytesPerPack(comm_) : *row.cap)
-                        : "")
+            << (row.cap
+                    ? std::to_string(*row.cap == 0 ? packing::DefaultBytesPerPack(comm_) : *row.cap)
+                    : "")
             << ',' << row.buckets << ',' << row.time_ms << ',';
       if (row.speedup) *csv_ << *row.speedup;
       *csv_ << ',' << (row.wrong ? std::to_string(*row.wrong) : "") << ',';
