@@ -793,8 +793,6 @@ TEST_F(CheckpointTest, AFifoAtThePathIsRefusedInsteadOfBlockingForever) {
 // FIFO is: kInvalidArgument, not kSystem "cannot open ...: No such device or address".
 TEST_F(CheckpointTest, ASocketAtThePathIsNamedAsOne) {
   fs::create_directories(dir_);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   const std::string path = file();
@@ -802,8 +800,12 @@ TEST_F(CheckpointTest, ASocketAtThePathIsNamedAsOne) {
     GTEST_SKIP() << "too long for a socket: " << path;
   }
   std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0)
-      << std::strerror(errno);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  const int bound = ::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address);
+  const int bind_error = errno;
+  if (bound != 0) ::close(fd);
+  ASSERT_EQ(bound, 0) << std::strerror(bind_error);
   const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
     Model model(s, 1);
     RestoreCheckpoint(s, nullptr, dir());
