@@ -20,6 +20,6 @@ COLLECTIVES_BUILD_DIR=${dir} scripts/build.sh -DCMAKE_BUILD_TYPE=RelWithDebInfo 
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:atexit_sleep_ms=0}
 cd "${dir}"
 ctest --output-on-failure -j2 --timeout 900 "$@"

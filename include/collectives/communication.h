@@ -98,8 +98,8 @@ struct CommunicationOptions {
 
   // Forces the all-reduce algorithm, for measurements (NCCL_ALGO's role): "ring",
   // "recursive_doubling", "halving_doubling" (RING and AUTO), "shm" (AUTO with every rank on one
-  // host), "two_level" (AUTO with several hosts of as many ranks each; every all-reduce then runs
-  // in two levels, untimed). Under AUTO the first three also turn shared memory off: every
+  // host), "two_level" (AUTO with several hosts, one of two ranks or more; every all-reduce then
+  // runs in two levels, untimed). Under AUTO the first three also turn shared memory off: every
   // collective, not only the all-reduce, then runs over TCP as under RING. Empty: chosen per
   // call. An algorithm the communicator cannot run raises Error(kNotSupported) when it is built.
   // Default: "".

@@ -3,15 +3,19 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <new>
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "src/core/environment.h"
+#include "src/core/kernels.h"
 #include "src/core/text.h"
 #include "src/hierarchical/shm_group.h"
 #include "src/ring/algorithms.h"
@@ -108,22 +112,28 @@ struct PlanCost {
 class HierarchicalPlanner final : public ring::Planner {
  public:
   HierarchicalPlanner(int rank, int size, Topology topology, std::unique_ptr<ShmGroup> group,
-                      Plan plan, bool forced, const CommunicationOptions& options)
+                      Plan plan, bool forced, size_t slot_bytes,
+                      const CommunicationOptions& options)
       : rank_(rank),
         size_(size),
         topology_(std::move(topology)),
         group_(std::move(group)),
         plan_(plan),
         forced_(forced),
+        uniform_(topology_.Uniform()),
+        slot_bytes_(slot_bytes),
         small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
                                                          : ring::kDefaultSmallMessageBytes) {
-    // The ranks of this rank's local index, one per host, and this rank's place among them
-    // (two-level only: its hosts have as many ranks each, other topologies may not).
+    // Two levels: the lanes across hosts are the local indices every host has (all of them when
+    // the hosts have as many ranks each); this rank's lane has one rank per host, and this rank's
+    // place among them is its host's index. Ranks past the last lane do not cross.
     if (plan_ != Plan::kTwoLevel) return;
+    lanes_ = int(topology_.hosts.front().size());
+    for (const auto& ranks : topology_.hosts) lanes_ = std::min(lanes_, int(ranks.size()));
     const int local = topology_.local_index[size_t(rank)];
     for (size_t h = 0; h < topology_.hosts.size(); ++h) {
-      if (topology_.host_of[size_t(rank)] == int(h)) cross_me_ = int(cross_ranks_.size());
-      cross_ranks_.push_back(topology_.hosts[h][size_t(local)]);
+      if (topology_.host_of[size_t(rank)] == int(h)) cross_me_ = int(h);
+      if (local < lanes_) cross_ranks_.push_back(topology_.hosts[h][size_t(local)]);
       leader_ranks_.push_back(topology_.hosts[h][0]);
     }
   }
@@ -136,14 +146,18 @@ class HierarchicalPlanner final : public ring::Planner {
       };
     }
     if (plan_ == Plan::kTwoLevel && TwoLevelPays(send.bytes())) {
-      // Inside the host: each local rank reduces its slice of every step; across hosts: the
-      // ranks of each local index all-reduce their slices at once (all of a host's ranks cross
-      // the network together, each with 1/L of the bytes); inside the host again: everyone
-      // copies every slice out. kAvg sums across hosts and divides once by the world size.
+      // Inside the host: each local rank of a lane reduces its slice of every step; across
+      // hosts: the ranks of each lane all-reduce their slices at once (a host's lanes cross the
+      // network together, each with 1/L of the bytes); inside the host again: everyone copies
+      // every slice out. kAvg sums across hosts and divides once by the world size. Hosts of
+      // different rank counts have as many lanes as the smallest: the ranks past them only add
+      // their input and copy out; a rank alone on its host crosses every step itself.
       ShmGroup* group = group_.get();
       const std::vector<int>* cross_ranks = &cross_ranks_;
       const int cross_me = cross_me_;
+      const int lanes = lanes_;
       const size_t small = small_message_bytes_;
+      const size_t slot_bytes = slot_bytes_;
       const size_t world = size_t(size_);
       const std::vector<int>* leaders = &leader_ranks_;
       const bool leader = topology_.local_index[size_t(rank_)] == 0;
@@ -162,8 +176,26 @@ class HierarchicalPlanner final : public ring::Planner {
             ring::RingAllReduce(cross, slice, slice, count, send.dtype, cross_op);
           }
         };
-        group->AllReduce(ctx.tag, ctx.deadline, send.data, recv.data, send.count, send.dtype, op,
-                         hook, world);
+        if (group != nullptr) {
+          group->AllReduce(ctx.tag, ctx.deadline, send.data, recv.data, send.count, send.dtype, op,
+                           hook, world, lanes);
+          return;
+        }
+        // Alone on this host: the steps the groups cut, each crossed whole (a host's single
+        // lane) from a buffer of its own, so that recv is written only once a crossing checked
+        // the other hosts' calls, as the groups write it.
+        const size_t per_step = slot_bytes / es;
+        std::vector<uint8_t> step(std::min(per_step, send.count) * es);
+        const auto* in = static_cast<const uint8_t*>(send.data);
+        auto* out = static_cast<uint8_t*>(recv.data);
+        for (size_t offset = 0; offset < send.count;) {
+          const size_t c = std::min(per_step, send.count - offset);
+          std::memcpy(step.data(), in + offset * es, c * es);
+          hook(step.data(), c);
+          if (op == ReduceOp::kAvg) core::DivideInPlace(send.dtype, step.data(), c, world);
+          std::memcpy(out + offset * es, step.data(), c * es);
+          offset += c;
+        }
       };
     }
     return {};
@@ -177,7 +209,7 @@ class HierarchicalPlanner final : public ring::Planner {
         group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index);
       };
     }
-    if (plan_ != Plan::kTwoLevel) return {};
+    if (plan_ != Plan::kTwoLevel || !uniform_) return {};  // hosts of different sizes: flat
     // Two levels, pipelined step by step: the ranks of the root's local index (one per host)
     // carry each step across hosts (a tree for small steps, a chain for large ones) straight
     // into their slots, and each of them broadcasts it inside its host from there.
@@ -222,7 +254,7 @@ class HierarchicalPlanner final : public ring::Planner {
         group->AllGather(ctx.tag, ctx.deadline, send.data, recv.data, send.bytes());
       };
     }
-    if (plan_ != Plan::kTwoLevel) return {};
+    if (plan_ != Plan::kTwoLevel || !uniform_) return {};  // hosts of different sizes: flat
     // Two levels, step by step: the ranks of each local index gather their blocks' step across
     // hosts (a ring among hosts) straight into their slots, then every rank copies every slot's
     // pieces to their ranks' places. Each block crosses hosts once per host, not once per rank.
@@ -310,8 +342,11 @@ class HierarchicalPlanner final : public ring::Planner {
   const std::unique_ptr<ShmGroup> group_;  // null without shared memory
   const Plan plan_;
   const bool forced_;  // options.algorithm named the plan
+  const bool uniform_;       // every host has as many ranks
+  const size_t slot_bytes_;  // the groups' steps (two levels)
   const size_t small_message_bytes_;
-  std::vector<int> cross_ranks_;
+  int lanes_ = 0;                 // the local indices that cross hosts (two levels)
+  std::vector<int> cross_ranks_;  // this rank's lane, one rank per host (empty past the lanes)
   int cross_me_ = 0;  // this rank's place in cross_ranks_, and in leader_ranks_ (its host's)
   // The first rank of every host, which check a call across hosts where nothing else crosses.
   std::vector<int> leader_ranks_;
@@ -417,13 +452,13 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
   }
 
+  // Every rank decides from the whole topology, so they decide alike: a rank alone on its host
+  // takes part in the two levels of the others.
+  size_t largest_host = 0;
+  for (const auto& ranks : topology.hosts) largest_host = std::max(largest_host, ranks.size());
   Plan plan = Plan::kRing;
-  if (shm_allowed && local.size() >= 2) {
-    if (topology.hosts.size() == 1) {
-      plan = Plan::kShm;
-    } else if (topology.Uniform()) {
-      plan = Plan::kTwoLevel;
-    }
+  if (shm_allowed && largest_host >= 2) {
+    plan = topology.hosts.size() == 1 ? Plan::kShm : Plan::kTwoLevel;
   }
   // An error every rank reaches from the records above: each counts itself in the store before
   // it throws, and rank 0, whose process may serve the store, waits (10 s at most, and not past
@@ -451,7 +486,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   if (forced == "shm" && plan != Plan::kShm) {
     throw refuse("needs every rank on one host, two ranks or more, and shared memory on");
   } else if (forced == "two_level" && plan != Plan::kTwoLevel) {
-    throw refuse("needs several hosts of as many ranks each (two or more) and shared memory on");
+    throw refuse("needs several hosts, one of them with two ranks or more, and shared memory on");
   } else if (ring::IsRingAlgorithm(forced)) {
     plan = Plan::kRing;  // the ring's algorithms over TCP, as forced
   } else if (!forced.empty() && forced != "shm" && forced != "two_level") {
@@ -459,6 +494,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   }
 
   std::unique_ptr<ShmGroup> group;
+  size_t slot_bytes = 0;  // the steps' size: a rank alone on its host cuts them as the groups do
   if (plan != Plan::kRing) {
     ShmGroupOptions shm;
     shm.job_id = job_id;
@@ -480,6 +516,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                std::to_string(kMaxSlotBytes) + " bytes a slot may have"));
     }
     if (slot_here) shm.slot_bytes = static_cast<size_t>(*slot_here);
+    slot_bytes = EffectiveSlotBytes(shm.slot_bytes);
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).
     const int spin_us = options.spin_us >= 0 ? options.spin_us
@@ -490,7 +527,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     shm.timeout = Left(deadline);
     std::optional<Error> failed;
     try {
-      group = ShmGroup::Create(rank, local, store, shm);
+      if (local.size() >= 2) group = ShmGroup::Create(rank, local, store, shm);
     } catch (const Error& error) {
       failed = error.code() == ErrorCode::kTimeout
                    ? SetupTimedOut(rank, options.timeout, error.message())
@@ -525,7 +562,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
   }
   return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
-                                               plan, forced == "two_level", options);
+                                               plan, forced == "two_level", slot_bytes, options);
 }
 
 void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_point deadline,

@@ -1,7 +1,9 @@
 // AUTO's planner: groups the ranks by host, builds this host's shared-memory group, and decides
 // per call whether a collective runs in shared memory (every rank on one host), in two levels
-// (several hosts of as many ranks each: inside each host, then across hosts among the ranks of
-// the same local index, then inside again), or on the ring over TCP.
+// (several hosts: inside each host, then across hosts among the ranks of the same local index,
+// then inside again), or on the ring over TCP. Hosts of different rank counts run all-reduces
+// in two levels too, in as many lanes across hosts as the smallest host has ranks, and their
+// other collectives on the ring.
 //
 // Thread-safety: as ring::Planner.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
@@ -35,10 +37,10 @@ struct Topology {
 // reads everyone's, and builds the shared-memory group of this host when COLLECTIVES_SHM is not
 // "0" on any rank, every rank can use shared memory (SharedMemoryUnavailable: where one cannot,
 // every rank runs over TCP, and a rank whose host has several says so once per process on
-// stderr), and either every rank is on this host or every host has as many ranks (two or
-// more); hosts of different rank counts run every collective on the flat TCP ring. Throws
-// Error(kNotSupported) when options.algorithm names a plan this topology cannot run. With several
-// hosts of as many ranks each, the planner runs all-reduces on the flat ring until Calibrate.
+// stderr), and some host has two ranks or more (a rank alone on its host builds no group; one
+// rank per host runs every collective on the flat TCP ring). Throws Error(kNotSupported) when
+// options.algorithm names a plan this topology cannot run. With several hosts, the planner runs
+// all-reduces on the flat ring until Calibrate.
 // A step of the communicator's set-up: it waits until `deadline` at most (what is left of
 // options.timeout, which bounds the set-up as a whole), and its Error(kTimeout) names
 // options.timeout.
@@ -48,7 +50,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const CommunicationOptions& options,
                                              std::chrono::steady_clock::time_point deadline);
 
-// With several hosts of as many ranks each (and no algorithm forced): measures the cost model
+// With several hosts, one of two ranks or more (and no algorithm forced): measures the cost model
 // AUTO decides all-reduces by, through `comm` (the communicator `planner` belongs to; a
 // collective call, made once right after it is built): the latency and bandwidth of each plan,
 // the two-level one and the flat ring, end to end (8 B and 4 MiB all-reduces, the slowest

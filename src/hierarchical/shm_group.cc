@@ -323,11 +323,15 @@ std::string MachineIdentity() {
   return core::HostName() + "/" + boot;
 }
 
+size_t EffectiveSlotBytes(size_t requested) {
+  return RoundUp(std::max<size_t>(requested, kPage), 64);
+}
+
 ShmGroup::ShmGroup(int rank, std::vector<int> members, int index, const ShmGroupOptions& options)
     : rank_(rank),
       members_(std::move(members)),
       index_(index),
-      slot_bytes_(RoundUp(std::max<size_t>(options.slot_bytes, kPage), 64)),
+      slot_bytes_(EffectiveSlotBytes(options.slot_bytes)),
       small_bytes_(std::min(options.small_bytes, slot_bytes_)),
       spin_(options.spin),
       segment_(std::make_unique<Segment>()) {}
@@ -821,7 +825,7 @@ void ShmGroup::FinishBreakingForTesting(const Error& error) { WriteBroken(error)
 
 void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                          void* recv, size_t count, DataType dtype, ReduceOp op,
-                         const SliceHook& cross, size_t avg_divisor) {
+                         const SliceHook& cross, size_t avg_divisor, int lanes) {
   Step step(*this, tag, deadline);
   const size_t es = SizeOf(dtype);
   const auto* in = static_cast<const uint8_t*>(send);
@@ -852,9 +856,13 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
     return;
   }
 
-  // Who reduces: every member its slice, or, for a small message that must also cross hosts,
-  // the first member alone (one crossing of the whole message beats n crossings of slivers).
-  const int owners = cross && count * es <= small_bytes_ ? 1 : n;
+  // Who reduces: every member its slice; with a crossing, the members of the lanes across hosts
+  // (all of them where every host has as many ranks), and for a small message the first member
+  // alone (one crossing of the whole message beats n crossings of slivers).
+  const int owners = !cross                       ? n
+                     : count * es <= small_bytes_ ? 1
+                     : lanes > 0                  ? std::min(lanes, n)
+                                                  : n;
   const auto part_of = [owners](size_t c, int j) {
     return j < owners ? PartOf(c, owners, j) : Part{0, 0};
   };

@@ -62,6 +62,10 @@ inline constexpr size_t kDefaultSlotBytes = 1 << 20;
 // All-reduces of at most this many bytes use the one-synchronisation algorithm.
 inline constexpr size_t kDefaultShmSmallBytes = 16 * 1024;
 
+// The slot a group makes of `requested` bytes: at least a page, a multiple of 64 bytes. A step
+// of a collective is one slot.
+size_t EffectiveSlotBytes(size_t requested);
+
 // The largest slot a group takes: a segment holds two slots per member, and larger slots would
 // only pin more of /dev/shm (steps of a few MiB already reach memcpy speed).
 inline constexpr size_t kMaxSlotBytes = size_t{1} << 30;
@@ -106,11 +110,13 @@ class ShmGroup {
   // recv = op over members of send (count elements). `cross`, when given, is called on every
   // slice this member reduced (in shared memory, op applied, kAvg not yet divided) before the
   // members read it: the two-level plan all-reduces it across hosts there. kAvg divides by
-  // `avg_divisor` (0: size()).
+  // `avg_divisor` (0: size()). With `cross`, the first `lanes` members (0: all of them) reduce
+  // a slice each of every step, cut alike on every host that has as many lanes, and the others
+  // none; the first member alone reduces a message of at most small_bytes().
   using SliceHook = std::function<void(void* slice, size_t count)>;
   void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
                  size_t count, DataType dtype, ReduceOp op, const SliceHook& cross = {},
-                 size_t avg_divisor = 0);
+                 size_t avg_divisor = 0, int lanes = 0);
   // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
   // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
   // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives

@@ -395,7 +395,21 @@ INSTANTIATE_TEST_SUITE_P(
         // Three hosts: the crossing itself adds in an order that matters (recursive doubling
         // with its fold, or the ring of three).
         ProcessParam{
-            "ThreeHostsOfTwo", {"a", "a", "b", "b", "c", "c"}, "two_level", "", {"two_level"}}),
+            "ThreeHostsOfTwo", {"a", "a", "b", "b", "c", "c"}, "two_level", "", {"two_level"}},
+        // Hosts of different rank counts: as many lanes cross as the smallest host has ranks; a
+        // rank alone on its host crosses every step itself, ranks past the lanes only add their
+        // input (and the hosts' ranks need not be consecutive).
+        ProcessParam{"HostsOfTwoAndOne", {"a", "a", "b"}, "two_level", "65536", {"two_level"}},
+        ProcessParam{"HostsOfThreeAndTwoInterleaved",
+                     {"a", "b", "a", "b", "a"},
+                     "two_level",
+                     "65536",
+                     {"two_level"}},
+        ProcessParam{"HostsOfOneTwoAndThree",
+                     {"a", "b", "b", "c", "c", "c"},
+                     "two_level",
+                     "",
+                     {"two_level"}}),
     [](const ::testing::TestParamInfo<ProcessParam>& param_info) {
       return std::string(param_info.param.name);
     });

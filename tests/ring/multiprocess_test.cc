@@ -58,14 +58,58 @@ TEST(MultiProcessShmTest, OneRankWithoutSharedMemoryTurnsItOffForAll) {
   ExpectExact(3, "100003", placement, /*shm=*/false);
 }
 
-// Pretend hosts of different rank counts (two ranks on "a", one on "b"): AUTO runs every
-// collective on the TCP ring, exactly. (The planner once read a host's rank list past its end
-// here; the address sanitizer run of this test catches that.)
-TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunOverTcpExactly) {
+// Pretend hosts of different rank counts (two ranks on "a", one on "b"), AUTO left to choose:
+// it calibrates the two levels against the flat ring and runs every collective exactly. (The
+// planner once read a host's rank list past its end here; the address sanitizer run of this
+// test catches that.)
+TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunExactly) {
   Placement placement;
   placement.host_ids = {"a", "a", "b"};
   ExpectExact(3, "100003", placement, /*shm=*/false);
 }
+
+// Hosts of different rank counts with the two levels forced: every all-reduce crosses hosts in
+// as many lanes as the smallest host has ranks (a rank alone on its host crossing every step
+// itself, ranks past the lanes only adding their input), the other collectives run on the flat
+// ring; every collective, dtype and op exact on every rank, with 64 KiB steps (several per
+// call) on some.
+struct UnevenCase {
+  const char* name;
+  std::vector<std::string> host_ids;
+  std::string slot_bytes;  // COLLECTIVES_SHM_SLOT_BYTES of every rank, or empty
+};
+
+void PrintTo(const UnevenCase& c, std::ostream* os) { *os << c.name; }
+
+class UnevenHostsTest : public ::testing::TestWithParam<UnevenCase> {};
+
+TEST_P(UnevenHostsTest, EveryCollectiveIsExactInTwoLevels) {
+  const UnevenCase& c = GetParam();
+  const int size = int(c.host_ids.size());
+  Placement placement;
+  placement.host_ids = c.host_ids;
+  placement.algorithm = "two_level";
+  if (!c.slot_bytes.empty()) placement.slot_bytes.assign(size_t(size), c.slot_bytes);
+  std::vector<Worker> workers = Start(size, {"check", "100003"}, placement);
+  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < size; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("rank " + std::to_string(rank) + ": 0 wrong"), std::string::npos)
+        << w.output;
+    EXPECT_NE(w.output.find("algorithm two_level"), std::string::npos) << w.output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Auto, UnevenHostsTest,
+    ::testing::Values(UnevenCase{"TwoAndOne", {"a", "a", "b"}, "65536"},
+                      UnevenCase{"ThreeAndTwo", {"a", "a", "a", "b", "b"}, ""},
+                      UnevenCase{"OneTwoAndThree", {"a", "b", "b", "c", "c", "c"}, "65536"}),
+    [](const ::testing::TestParamInfo<UnevenCase>& p) { return std::string(p.param.name); });
 
 // Two pretend hosts of two ranks, the ranks of one with another COLLECTIVES_SHM_SLOT_BYTES: the
 // steps between hosts would be cut at different sizes. Every rank fails at set-up naming the
@@ -156,6 +200,7 @@ struct MismatchCase {
   const char* collective;
   std::vector<std::string> roots;   // RING_WORKER_ROOT per rank, or empty
   std::vector<std::string> counts;  // RING_WORKER_COUNT per rank, or empty
+  std::string algorithm{};          // forced, or empty (calibrated)
 };
 
 void PrintTo(const MismatchCase& c, std::ostream* os) { *os << c.name; }
@@ -167,6 +212,7 @@ TEST_P(TwoLevelMismatchTest, EveryRankRaisesWithNothingWritten) {
   const int size = int(c.host_ids.size());
   Placement placement;
   placement.host_ids = c.host_ids;
+  placement.algorithm = c.algorithm;
   placement.env.resize(size_t(size));
   for (int rank = 0; rank < size; ++rank) {
     if (!c.roots.empty())
@@ -218,7 +264,28 @@ INSTANTIATE_TEST_SUITE_P(Auto, TwoLevelMismatchTest,
                                                         {"a", "a", "b", "b"},
                                                         "all_gather",
                                                         {},
-                                                        {"0", "0", "1", "1"}}),
+                                                        {"0", "0", "1", "1"}},
+                                           // Hosts of different rank counts, the two levels
+                                           // forced: the host of one rank calls with nothing,
+                                           // or with another count.
+                                           MismatchCase{"AllReduceOfNothingOnTheHostOfOne",
+                                                        {"a", "a", "b"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"1", "1", "0"},
+                                                        "two_level"},
+                                           MismatchCase{"AllReduceOfAnotherCountOnTheHostOfOne",
+                                                        {"a", "a", "b"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"5", "5", "3"},
+                                                        "two_level"},
+                                           MismatchCase{"AllReduceOfAnotherCountOnTheSmallerHost",
+                                                        {"a", "a", "a", "b", "b"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"5", "5", "5", "3", "3"},
+                                                        "two_level"}),
                          [](const ::testing::TestParamInfo<MismatchCase>& p) {
                            return std::string(p.param.name);
                          });
