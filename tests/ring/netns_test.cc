@@ -5,7 +5,8 @@
 //   - every collective is exact across the three hosts;
 //   - with 2 pretend hosts x 2 ranks and 2 x 3 (ranks of one namespace share a host identity),
 //     the two-level all-reduce (shared memory inside, TCP across; forced, since AUTO's cost
-//     model may prefer the flat ring on this machine) and every other collective are exact;
+//     model may prefer the flat ring on this machine) and every other collective are exact; so
+//     with hosts of 2, 1 and 3 ranks;
 //   - the link of one host is cut (`ip link set ... down`) in the middle of an all-reduce loop:
 //     every rank raises an error (timeout, or the abort of a rank that timed out) within the
 //     collective deadline + 2 s; none hangs.
@@ -83,12 +84,16 @@ class Hosts {
   // `per_host` ranks in each of the first `hosts` namespaces: shared memory inside each, TCP
   // across them (the two-level plan).
   Placement RanksPerHost(int hosts, int per_host) const {
+    return RanksOnHosts(std::vector<int>(size_t(hosts), per_host));
+  }
+  // counts[h] consecutive ranks in namespace h.
+  Placement RanksOnHosts(const std::vector<int>& counts) const {
     Placement placement;
     placement.master_addr = Address(0);
-    for (int h = 0; h < hosts; ++h) {
-      for (int i = 0; i < per_host; ++i) {
-        placement.namespaces.push_back(namespaces_[size_t(h)]);
-        placement.host_ids.push_back(namespaces_[size_t(h)]);
+    for (size_t h = 0; h < counts.size(); ++h) {
+      for (int i = 0; i < counts[h]; ++i) {
+        placement.namespaces.push_back(namespaces_[h]);
+        placement.host_ids.push_back(namespaces_[h]);
       }
     }
     return placement;
@@ -141,6 +146,31 @@ INSTANTIATE_TEST_SUITE_P(Netns, TwoLevelTest, ::testing::Values(2, 3),
                          [](const ::testing::TestParamInfo<int>& param_info) {
                            return "2hosts_x" + std::to_string(param_info.param);
                          });
+
+// Hosts of different rank counts (2, 1 and 3 ranks in the three namespaces), the two levels
+// forced: every all-reduce crosses hosts in one lane (the host of one rank crosses each step
+// itself, the others' ranks past the lane only add their input), every other collective runs on
+// the flat ring; all exact on every rank.
+TEST(NetnsTest, EveryCollectiveIsExactOnHostsOfDifferentRankCounts) {
+  Hosts hosts;
+  if (!hosts.why_not().empty()) GTEST_SKIP() << hosts.why_not();
+  Placement placement = hosts.RanksOnHosts({2, 1, 3});
+  placement.algorithm = "two_level";
+  const int size = int(placement.host_ids.size());
+  std::vector<Worker> workers = Start(size, {"check", "300007"}, placement);
+  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < size; ++rank) {
+    const int status = workers[size_t(rank)].status;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << rank << " status " << status << ": " << workers[size_t(rank)].output;
+    EXPECT_NE(workers[size_t(rank)].output.find("0 wrong"), std::string::npos)
+        << workers[size_t(rank)].output;
+    EXPECT_NE(workers[size_t(rank)].output.find("algorithm two_level"), std::string::npos)
+        << workers[size_t(rank)].output;
+  }
+}
 
 TEST(NetnsTest, CuttingAHostsLinkMakesEveryRankRaiseWithinTheDeadline) {
   Hosts hosts;
