@@ -750,6 +750,8 @@ Error ShmGroup::BrokenError(Clock::time_point deadline) const {
       std::lock_guard<std::mutex> lock(given_up_mu_);
       if (given_up_) return *given_up_;  // waited for once already
       if (gone != nullptr || now >= until) {
+        // The breaker may have written why, and left, since `state` was read: raise that.
+        if (header.broken.load(std::memory_order_acquire) < kBreakingBy) continue;
         given_up_ =
             Error(ErrorCode::kPeerLost,
                   "rank " + std::to_string(rank_) + ": shared memory: rank " +

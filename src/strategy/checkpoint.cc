@@ -391,6 +391,12 @@ std::optional<std::vector<unsigned char>> ReadFile(const std::string& who,
   }
   if (::fstat(fd.get(), &status) != 0) ThrowSystem(who, "cannot stat", path, errno);
   refuse_unless_regular(status.st_mode);
+  // O_NONBLOCK kept the open of a FIFO from waiting for a writer; a regular file's reads wait
+  // as they should (a file under a lease or a mandatory lock would fail them with EAGAIN).
+  const int flags = ::fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    ThrowSystem(who, "cannot read", path, errno);
+  }
   std::vector<unsigned char> bytes;
   unsigned char buffer[1 << 16];
   for (;;) {
