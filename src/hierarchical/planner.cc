@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <new>
 #include <optional>
 #include <thread>
@@ -54,16 +55,16 @@ enum class Plan { kRing, kShm, kTwoLevel };
 // every frame it receives, and its host's members check each other's calls in shared memory
 // before a step writes. Data that crosses hosts reaches a caller's buffer only through frames
 // checked hop by hop (the all-reduce and the all-gather write their slots, never the caller's
-// buffer, while they cross), so a host whose call differs from another's stops every rank
-// before anything is written, except where nothing crosses towards a host: a call of zero
-// elements, and the root's host in a broadcast, which only sends. There the first rank of every
-// host (its leader, whatever the call) exchanges empty frames with the other hosts' leaders
-// before it arrives in the shared-memory call, where its host's members wait for it: every host
-// then compares its call directly with every other, and through shared memory every rank with
-// its own host, so a mismatched call raises kMismatch on every rank with nothing written, as on
-// RING. Only the leaders send (a round of every member cost a two-level broadcast of 8 bytes
-// three times its time on 2 cores), and a broadcast posts the round before its crossing and
-// waits only before it arrives, overlapping the two.
+// buffer, while they cross; a rank alone on its host crosses from a buffer of its own), so a host
+// whose call differs from another's stops every rank before anything is written, except where
+// nothing crosses towards a host: a call of zero elements, and the root's host in a broadcast,
+// which only sends. There the first rank of every host (its leader, whatever the call) exchanges
+// empty frames with the other hosts' leaders before it arrives in the shared-memory call, where its
+// host's members wait for it: every host then compares its call directly with every other, and
+// through shared memory every rank with its own host, so a mismatched call raises kMismatch on
+// every rank with nothing written, as on RING. Only the leaders send (a round of every member cost
+// a two-level broadcast of 8 bytes three times its time on 2 cores), and a broadcast posts the
+// round before its crossing and waits only before it arrives, overlapping the two.
 
 // What is left of the set-up until `deadline`, at least a millisecond: a key already in the
 // store is still read; a wait times out at once.
@@ -185,15 +186,16 @@ class HierarchicalPlanner final : public ring::Planner {
         // lane) from a buffer of its own, so that recv is written only once a crossing checked
         // the other hosts' calls, as the groups write it.
         const size_t per_step = slot_bytes / es;
-        std::vector<uint8_t> step(std::min(per_step, send.count) * es);
+        const auto step =
+            std::make_unique_for_overwrite<uint8_t[]>(std::min(per_step, send.count) * es);
         const auto* in = static_cast<const uint8_t*>(send.data);
         auto* out = static_cast<uint8_t*>(recv.data);
         for (size_t offset = 0; offset < send.count;) {
           const size_t c = std::min(per_step, send.count - offset);
-          std::memcpy(step.data(), in + offset * es, c * es);
-          hook(step.data(), c);
-          if (op == ReduceOp::kAvg) core::DivideInPlace(send.dtype, step.data(), c, world);
-          std::memcpy(out + offset * es, step.data(), c * es);
+          std::memcpy(step.get(), in + offset * es, c * es);
+          hook(step.get(), c);
+          if (op == ReduceOp::kAvg) core::DivideInPlace(send.dtype, step.get(), c, world);
+          std::memcpy(out + offset * es, step.get(), c * es);
           offset += c;
         }
       };
@@ -347,7 +349,7 @@ class HierarchicalPlanner final : public ring::Planner {
   const size_t small_message_bytes_;
   int lanes_ = 0;                 // the local indices that cross hosts (two levels)
   std::vector<int> cross_ranks_;  // this rank's lane, one rank per host (empty past the lanes)
-  int cross_me_ = 0;  // this rank's place in cross_ranks_, and in leader_ranks_ (its host's)
+  int cross_me_ = 0;  // its host's index: its place in cross_ranks_ (if any) and leader_ranks_
   // The first rank of every host, which check a call across hosts where nothing else crosses.
   std::vector<int> leader_ranks_;
 };
@@ -415,8 +417,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   std::vector<std::string> identities;
   std::vector<std::string> slots;
   size_t ranks_on_machine = 0;
-  bool shm_allowed = true;
-  int shm_unusable_on = -1;  // the first rank that cannot use shared memory ("n")
+  std::vector<std::string> shm_fields;
   for (int r = 0; r < size; ++r) {
     const std::string all = get_by_deadline("host", r, "'s host record did not come");
     std::vector<std::string> fields;  // shm, slot, host; the machine is the rest
@@ -429,14 +430,24 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
       throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank) +
                                             ": malformed host record of rank " + std::to_string(r));
     }
-    shm_allowed = shm_allowed && fields[0] == "1";
-    if (fields[0] == "n" && shm_unusable_on < 0) shm_unusable_on = r;
+    shm_fields.push_back(fields[0]);
     slots.push_back(fields[1]);
     identities.push_back(fields[2]);
     if (all.compare(from, std::string::npos, machine) == 0) ++ranks_on_machine;
   }
   Topology topology = Topology::FromIdentities(identities);
   const std::vector<int>& local = topology.hosts[size_t(topology.host_of[size_t(rank)])];
+  // Shared memory only if every rank allows it ("0" turns it off for all) and every rank that
+  // shares a host can use it: a rank alone on its host needs none.
+  bool shm_allowed = true;
+  int shm_unusable_on = -1;  // the first rank that cannot use shared memory ("n") and needs it
+  for (int r = 0; r < size; ++r) {
+    const std::string& field = shm_fields[size_t(r)];
+    const bool alone = topology.hosts[size_t(topology.host_of[size_t(r)])].size() == 1;
+    if (field == "1" || (field == "n" && alone)) continue;
+    shm_allowed = false;
+    if (field == "n" && shm_unusable_on < 0) shm_unusable_on = r;
+  }
 
   if (shm_unusable_on >= 0 && local.size() >= 2) {
     // Once per process (a trainer that builds many communicators is told once).

@@ -108,8 +108,42 @@ INSTANTIATE_TEST_SUITE_P(
     Auto, UnevenHostsTest,
     ::testing::Values(UnevenCase{"TwoAndOne", {"a", "a", "b"}, "65536"},
                       UnevenCase{"ThreeAndTwo", {"a", "a", "a", "b", "b"}, ""},
-                      UnevenCase{"OneTwoAndThree", {"a", "b", "b", "c", "c", "c"}, "65536"}),
+                      UnevenCase{"OneTwoAndThree", {"a", "b", "b", "c", "c", "c"}, "65536"},
+                      // Hosts of interleaved ranks; a slot size the groups round up (to 5056):
+                      // the rank alone on no host here, but every host cuts the same steps.
+                      UnevenCase{"ThreeAndTwoInterleaved", {"a", "b", "a", "b", "a"}, "5000"},
+                      UnevenCase{"TwoAndOneOddSlot", {"a", "a", "b"}, "5000"}),
     [](const ::testing::TestParamInfo<UnevenCase>& p) { return std::string(p.param.name); });
+
+// A rank alone on its host whose /dev/shm is read-only (a mount namespace of its own) needs no
+// shared memory: the two levels still run on the other host, exactly. (It used to turn shared
+// memory off for every rank, and a forced "two_level" was refused.)
+TEST(MultiProcessShmTest, ARankAloneOnItsHostNeedsNoSharedMemory) {
+  constexpr int kSize = 3;
+  Placement placement;
+  placement.host_ids = {"a", "a", "b"};
+  placement.algorithm = "two_level";
+  placement.wrappers.resize(kSize);
+  placement.wrappers[2] = {"unshare", "-m", "sh", "-c",
+                           "mount --make-rprivate / && mount -t tmpfs -o ro tmpfs /dev/shm "
+                           "|| exit 77; exec \"$0\" \"$@\""};
+  std::vector<Worker> workers = Start(kSize, {"check", "10007"}, placement);
+  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(240));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  if (WIFEXITED(workers[2].status) && WEXITSTATUS(workers[2].status) == 77) {
+    GTEST_SKIP() << "cannot mount a read-only /dev/shm in a mount namespace of its own (root)";
+  }
+  for (int rank = 0; rank < kSize; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("rank " + std::to_string(rank) + ": 0 wrong"), std::string::npos)
+        << w.output;
+    EXPECT_NE(w.output.find("algorithm two_level"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("cannot use shared memory"), std::string::npos) << w.output;
+  }
+}
 
 // Two pretend hosts of two ranks, the ranks of one with another COLLECTIVES_SHM_SLOT_BYTES: the
 // steps between hosts would be cut at different sizes. Every rank fails at set-up naming the
@@ -285,6 +319,21 @@ INSTANTIATE_TEST_SUITE_P(Auto, TwoLevelMismatchTest,
                                                         "all_reduce",
                                                         {},
                                                         {"5", "5", "5", "3", "3"},
+                                                        "two_level"},
+                                           // A rank past the lanes (rank 2) differs; one host's
+                                           // call is small (its first member crosses it whole),
+                                           // the other's large (two lanes cross it).
+                                           MismatchCase{"AllReduceOfAnotherCountPastTheLanes",
+                                                        {"a", "a", "a", "b", "b"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"5", "5", "3", "5", "5"},
+                                                        "two_level"},
+                                           MismatchCase{"AllReduceSmallOnOneHostLargeOnTheOther",
+                                                        {"a", "a", "a", "b", "b"},
+                                                        "all_reduce",
+                                                        {},
+                                                        {"1", "1", "1", "10000", "10000"},
                                                         "two_level"}),
                          [](const ::testing::TestParamInfo<MismatchCase>& p) {
                            return std::string(p.param.name);
