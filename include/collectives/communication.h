@@ -255,22 +255,23 @@ std::string ResolveJobToken(const CommunicationOptions& options);
 // $COLLECTIVES_JOB_TOKEN, else empty.
 std::string ResolveJobToken(const ClusterSpec& spec, const CommunicationOptions& options);
 
-// Builds a communicator for this process's rank of `spec`, rendezvousing through the store the
-// spec names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed.
-// RING connects every pair of ranks over TCP. AUTO does too, and also groups the ranks by host
-// (host name and boot id, or $COLLECTIVES_HOST_ID): the ranks of one host share a POSIX
-// shared-memory segment. With every rank on one host, AUTO runs every collective there. With
-// several hosts of as many ranks each (two or more), broadcast and all-gather always run in two
-// levels (across hosts among the ranks of one local index, over TCP; inside each host, through
-// shared memory); an all-reduce runs in two levels when that is the cheaper plan for its size,
-// by timings taken right after connecting (8 B and 4 MiB all-reduces under both plans, the
-// median of 3 rounds, the slowest rank's), else flat over TCP; reduce-scatter and barrier run
-// flat over TCP. With hosts of different rank counts, the all-reduce is chosen the same way
-// (its two levels cross hosts in as many lanes as the smallest host has ranks) and every other
-// collective runs flat over TCP. One rank per host runs everything over TCP. COLLECTIVES_SHM=0 on
-// any rank turns shared memory off for every rank; so does options.algorithm naming a TCP
-// algorithm, and so does a rank that shares its host with others and cannot use shared memory
-// at all (no /dev/shm, one mounted read-only or not writable: it says so once on stderr).
+// Builds a communicator for this process's rank of `spec`, rendezvousing through the store the spec
+// names (CreateStoreFor). Blocks until every rank has connected or options.timeout passed. RING
+// connects every pair of ranks over TCP. AUTO does too, and also groups the ranks by host (host
+// name and boot id, or $COLLECTIVES_HOST_ID): the ranks of one host share a POSIX shared-memory
+// segment. With every rank on one host, AUTO runs every collective there. With several hosts of as
+// many ranks each (two or more), broadcast and all-gather always run in two levels (across hosts
+// among the ranks of one local index, over TCP; inside each host, through shared memory); an
+// all-reduce runs in two levels when that is the cheaper plan for its size, by timings taken right
+// after connecting (8 B and 4 MiB all-reduces under both plans, the median of 3 rounds, the slowest
+// rank's), else flat over TCP; reduce-scatter and barrier run flat over TCP. With hosts of
+// different rank counts, the all-reduce is chosen the same way (its two levels cross hosts in as
+// many lanes as the smallest host of several ranks has; a rank alone on its host takes part in
+// every lane) and every other collective runs flat over TCP. One rank per host runs everything over
+// TCP. COLLECTIVES_SHM=0 on any rank turns shared memory off for every rank; so does
+// options.algorithm naming a TCP algorithm, and so does a rank that shares its host with others and
+// cannot use shared memory at all (no /dev/shm, one mounted read-only or not writable: it says so
+// once on stderr).
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options = {});
 

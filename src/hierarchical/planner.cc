@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -113,7 +114,7 @@ struct PlanCost {
 class HierarchicalPlanner final : public ring::Planner {
  public:
   HierarchicalPlanner(int rank, int size, Topology topology, std::unique_ptr<ShmGroup> group,
-                      Plan plan, bool forced, size_t slot_bytes,
+                      Plan plan, bool forced, size_t slot_bytes, size_t shm_small_bytes,
                       const CommunicationOptions& options)
       : rank_(rank),
         size_(size),
@@ -123,20 +124,33 @@ class HierarchicalPlanner final : public ring::Planner {
         forced_(forced),
         uniform_(topology_.Uniform()),
         slot_bytes_(slot_bytes),
+        shm_small_bytes_(shm_small_bytes),
         small_message_bytes_(options.small_message_bytes ? options.small_message_bytes
                                                          : ring::kDefaultSmallMessageBytes) {
-    // Two levels: the lanes across hosts are the local indices every host has (all of them when
-    // the hosts have as many ranks each); this rank's lane has one rank per host, and this rank's
-    // place among them is its host's index. Ranks past the last lane do not cross.
+    // Two levels: the lanes across hosts are the local indices every host of several ranks has
+    // (all of them when the hosts have as many ranks each). Lane i has one rank per host: local
+    // index i, or the rank alone on its host, which is in every lane. A rank's place in a lane is
+    // its host's index. Ranks past the last lane do not cross.
     if (plan_ != Plan::kTwoLevel) return;
-    lanes_ = int(topology_.hosts.front().size());
-    for (const auto& ranks : topology_.hosts) lanes_ = std::min(lanes_, int(ranks.size()));
-    const int local = topology_.local_index[size_t(rank)];
-    for (size_t h = 0; h < topology_.hosts.size(); ++h) {
-      if (topology_.host_of[size_t(rank)] == int(h)) cross_me_ = int(h);
-      if (local < lanes_) cross_ranks_.push_back(topology_.hosts[h][size_t(local)]);
-      leader_ranks_.push_back(topology_.hosts[h][0]);
+    lanes_ = INT_MAX;
+    for (const auto& ranks : topology_.hosts) {
+      if (ranks.size() >= 2) lanes_ = std::min(lanes_, int(ranks.size()));
     }
+    const int local = topology_.local_index[size_t(rank)];
+    const bool alone = topology_.hosts[size_t(topology_.host_of[size_t(rank)])].size() == 1;
+    cross_me_ = topology_.host_of[size_t(rank)];
+    for (int lane = 0; lane < lanes_; ++lane) {
+      std::vector<int> ranks;
+      for (const auto& host : topology_.hosts) {
+        ranks.push_back(host.size() == 1 ? host[0] : host[size_t(lane)]);
+      }
+      if (alone) {
+        lone_lanes_.push_back(ranks);
+      } else if (lane == local) {
+        cross_ranks_ = ranks;
+      }
+    }
+    for (const auto& host : topology_.hosts) leader_ranks_.push_back(host[0]);
   }
 
   Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) override {
@@ -151,14 +165,17 @@ class HierarchicalPlanner final : public ring::Planner {
       // hosts: the ranks of each lane all-reduce their slices at once (a host's lanes cross the
       // network together, each with 1/L of the bytes); inside the host again: everyone copies
       // every slice out. kAvg sums across hosts and divides once by the world size. Hosts of
-      // different rank counts have as many lanes as the smallest: the ranks past them only add
-      // their input and copy out; a rank alone on its host crosses every step itself.
+      // different rank counts have as many lanes as the smallest host of several ranks: the
+      // ranks past them only add their input and copy out; a rank alone on its host crosses
+      // every slice of every step itself, one lane after the other.
       ShmGroup* group = group_.get();
       const std::vector<int>* cross_ranks = &cross_ranks_;
+      const std::vector<std::vector<int>>* lone_lanes = &lone_lanes_;
       const int cross_me = cross_me_;
       const int lanes = lanes_;
       const size_t small = small_message_bytes_;
       const size_t slot_bytes = slot_bytes_;
+      const size_t shm_small = shm_small_bytes_;
       const size_t world = size_t(size_);
       const std::vector<int>* leaders = &leader_ranks_;
       const bool leader = topology_.local_index[size_t(rank_)] == 0;
@@ -170,22 +187,24 @@ class HierarchicalPlanner final : public ring::Planner {
         }
         const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
         const size_t es = SizeOf(send.dtype);
-        const auto hook = [&](void* slice, size_t count) {
+        const auto all_reduce_in = [&](ring::Context& lane, void* slice, size_t count) {
           if (count * es <= small) {
-            ring::RecursiveDoublingAllReduce(cross, slice, slice, count, send.dtype, cross_op);
+            ring::RecursiveDoublingAllReduce(lane, slice, slice, count, send.dtype, cross_op);
           } else {
-            ring::RingAllReduce(cross, slice, slice, count, send.dtype, cross_op);
+            ring::RingAllReduce(lane, slice, slice, count, send.dtype, cross_op);
           }
         };
+        const auto hook = [&](void* slice, size_t count) { all_reduce_in(cross, slice, count); };
         if (group != nullptr) {
           group->AllReduce(ctx.tag, ctx.deadline, send.data, recv.data, send.count, send.dtype, op,
                            hook, world, lanes);
           return;
         }
-        // Alone on this host: the steps the groups cut, each crossed whole (a host's single
-        // lane) from a buffer of its own, so that recv is written only once a crossing checked
-        // the other hosts' calls, as the groups write it.
+        // Alone on this host: the steps and parts the groups cut, each part crossed in its lane
+        // from a buffer of its own, so that recv is written only once a crossing checked the
+        // other hosts' calls, as the groups write it.
         const size_t per_step = slot_bytes / es;
+        const int owners = CrossingOwners(send.count * es, shm_small, lanes);
         const auto step =
             std::make_unique_for_overwrite<uint8_t[]>(std::min(per_step, send.count) * es);
         const auto* in = static_cast<const uint8_t*>(send.data);
@@ -193,8 +212,15 @@ class HierarchicalPlanner final : public ring::Planner {
         for (size_t offset = 0; offset < send.count;) {
           const size_t c = std::min(per_step, send.count - offset);
           std::memcpy(step.get(), in + offset * es, c * es);
-          hook(step.get(), c);
-          if (op == ReduceOp::kAvg) core::DivideInPlace(send.dtype, step.get(), c, world);
+          for (int j = 0; j < owners; ++j) {
+            const Part part = PartOf(c, owners, j);
+            if (part.length == 0) continue;  // as the group's member j, which does not cross
+            SubFabric lane_fabric(ctx.fabric, (*lone_lanes)[size_t(j)], cross_me);
+            ring::Context lane{lane_fabric, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+            uint8_t* slice = step.get() + part.offset * es;
+            all_reduce_in(lane, slice, part.length);
+            if (op == ReduceOp::kAvg) core::DivideInPlace(send.dtype, slice, part.length, world);
+          }
           std::memcpy(out + offset * es, step.get(), c * es);
           offset += c;
         }
@@ -346,9 +372,11 @@ class HierarchicalPlanner final : public ring::Planner {
   const bool forced_;  // options.algorithm named the plan
   const bool uniform_;       // every host has as many ranks
   const size_t slot_bytes_;  // the groups' steps (two levels)
+  const size_t shm_small_bytes_;  // the groups' small all-reduces (two levels)
   const size_t small_message_bytes_;
   int lanes_ = 0;                 // the local indices that cross hosts (two levels)
   std::vector<int> cross_ranks_;  // this rank's lane, one rank per host (empty past the lanes)
+  std::vector<std::vector<int>> lone_lanes_;  // every lane, for a rank alone on its host
   int cross_me_ = 0;  // its host's index: its place in cross_ranks_ (if any) and leader_ranks_
   // The first rank of every host, which check a call across hosts where nothing else crosses.
   std::vector<int> leader_ranks_;
@@ -505,7 +533,10 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
   }
 
   std::unique_ptr<ShmGroup> group;
-  size_t slot_bytes = 0;  // the steps' size: a rank alone on its host cuts them as the groups do
+  // The steps' size and the small all-reduces' bound: a rank alone on its host cuts them as the
+  // groups do.
+  size_t slot_bytes = 0;
+  size_t shm_small_bytes = 0;
   if (plan != Plan::kRing) {
     ShmGroupOptions shm;
     shm.job_id = job_id;
@@ -528,6 +559,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
     if (slot_here) shm.slot_bytes = static_cast<size_t>(*slot_here);
     slot_bytes = EffectiveSlotBytes(shm.slot_bytes);
+    shm_small_bytes = std::min(shm.small_bytes, slot_bytes);  // as ShmGroup takes it
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).
     const int spin_us = options.spin_us >= 0 ? options.spin_us
@@ -573,7 +605,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
   }
   return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
-                                               plan, forced == "two_level", slot_bytes, options);
+                                               plan, forced == "two_level", slot_bytes,
+                                               shm_small_bytes, options);
 }
 
 void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_point deadline,

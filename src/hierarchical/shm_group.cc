@@ -188,19 +188,6 @@ Error PublishedFailure(const std::string& text, const std::string& prefix, bool 
                    core::OneLine(payload->message));
 }
 
-// Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
-// nearly equal parts (the first count % parts get one more).
-struct Part {
-  size_t offset;
-  size_t length;
-};
-Part PartOf(size_t count, int parts, int part) {
-  const size_t base = count / size_t(parts);
-  const size_t extra = count % size_t(parts);
-  const size_t p = size_t(part);
-  return Part{p * base + std::min(p, extra), base + (p < extra ? 1 : 0)};
-}
-
 constexpr char kDiedInSharedMemory[] = "its process died while in shared memory";
 
 // Why the member of control block `c` is gone, or nullptr while its keeper thread holds its
@@ -325,6 +312,17 @@ std::string MachineIdentity() {
 
 size_t EffectiveSlotBytes(size_t requested) {
   return RoundUp(std::max<size_t>(requested, kPage), 64);
+}
+
+Part PartOf(size_t count, int parts, int part) {
+  const size_t base = count / size_t(parts);
+  const size_t extra = count % size_t(parts);
+  const size_t p = size_t(part);
+  return Part{p * base + std::min(p, extra), base + (p < extra ? 1 : 0)};
+}
+
+int CrossingOwners(size_t message_bytes, size_t small_bytes, int lanes) {
+  return message_bytes <= small_bytes ? 1 : lanes;
 }
 
 ShmGroup::ShmGroup(int rank, std::vector<int> members, int index, const ShmGroupOptions& options)
@@ -861,10 +859,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
   // Who reduces: every member its slice; with a crossing, the members of the lanes across hosts
   // (all of them where every host has as many ranks), and for a small message the first member
   // alone (one crossing of the whole message beats n crossings of slivers).
-  const int owners = !cross                       ? n
-                     : count * es <= small_bytes_ ? 1
-                     : lanes > 0                  ? std::min(lanes, n)
-                                                  : n;
+  const int owners =
+      cross ? CrossingOwners(count * es, small_bytes_, lanes > 0 ? std::min(lanes, n) : n) : n;
   const auto part_of = [owners](size_t c, int j) {
     return j < owners ? PartOf(c, owners, j) : Part{0, 0};
   };

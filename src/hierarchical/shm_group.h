@@ -66,6 +66,20 @@ inline constexpr size_t kDefaultShmSmallBytes = 16 * 1024;
 // of a collective is one slot.
 size_t EffectiveSlotBytes(size_t requested);
 
+// Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
+// nearly equal parts (the first count % parts get one more).
+struct Part {
+  size_t offset;
+  size_t length;
+};
+Part PartOf(size_t count, int parts, int part);
+
+// The members that reduce and cross each step of an all-reduce with a crossing (AllReduce with
+// `cross`), whose message is `message_bytes`, in a group of `small_bytes()` and that many
+// `lanes`: the first alone for a small message, else the lanes (a step's part j, PartOf(step,
+// owners, j), is member j's). A rank alone on its host cuts the same parts.
+int CrossingOwners(size_t message_bytes, size_t small_bytes, int lanes);
+
 // The largest slot a group takes: a segment holds two slots per member, and larger slots would
 // only pin more of /dev/shm (steps of a few MiB already reach memcpy speed).
 inline constexpr size_t kMaxSlotBytes = size_t{1} << 30;
@@ -75,7 +89,7 @@ struct ShmGroupOptions {
   std::string job_id = "collectives";
   std::string key_prefix = "collectives";
   size_t slot_bytes = kDefaultSlotBytes;  // at most kMaxSlotBytes (Create: kInvalidArgument)
-  size_t small_bytes = kDefaultShmSmallBytes;
+  size_t small_bytes = kDefaultShmSmallBytes;  // a group takes at most its slot_bytes
   // How long a waiter busy-polls before it sleeps.
   std::chrono::microseconds spin{50};
   // Set-up limit, for all of it together (store lookups, waiting for every member to attach).
