@@ -25,8 +25,8 @@
 namespace collectives::hierarchical {
 namespace {
 
-// A view of some ranks of a fabric as a fabric of their own (the ranks of one local index
-// across hosts). Connections are the parent's, so frames still carry the parent's call tags.
+// A view of some ranks of a fabric as a fabric of their own (a lane across hosts, the hosts'
+// leaders). Connections are the parent's, so frames still carry the parent's call tags.
 class SubFabric final : public transport::Fabric {
  public:
   SubFabric(transport::Fabric& parent, const std::vector<int>& ranks, int me)
@@ -212,6 +212,8 @@ class HierarchicalPlanner final : public ring::Planner {
         for (size_t offset = 0; offset < send.count;) {
           const size_t c = std::min(per_step, send.count - offset);
           std::memcpy(step.get(), in + offset * es, c * es);
+          // Lane by lane in increasing order, as every rank alone on its host does: two of them
+          // share one connection in every lane, and frames of equal parts carry the same tag.
           for (int j = 0; j < owners; ++j) {
             const Part part = PartOf(c, owners, j);
             if (part.length == 0) continue;  // as the group's member j, which does not cross
@@ -375,7 +377,8 @@ class HierarchicalPlanner final : public ring::Planner {
   const size_t shm_small_bytes_;  // the groups' small all-reduces (two levels)
   const size_t small_message_bytes_;
   int lanes_ = 0;                 // the local indices that cross hosts (two levels)
-  std::vector<int> cross_ranks_;  // this rank's lane, one rank per host (empty past the lanes)
+  // This rank's lane, one rank per host (empty past the lanes, and for a rank alone on its host).
+  std::vector<int> cross_ranks_;
   std::vector<std::vector<int>> lone_lanes_;  // every lane, for a rank alone on its host
   int cross_me_ = 0;  // its host's index: its place in cross_ranks_ (if any) and leader_ranks_
   // The first rank of every host, which check a call across hosts where nothing else crosses.
@@ -559,7 +562,7 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
     if (slot_here) shm.slot_bytes = static_cast<size_t>(*slot_here);
     slot_bytes = EffectiveSlotBytes(shm.slot_bytes);
-    shm_small_bytes = std::min(shm.small_bytes, slot_bytes);  // as ShmGroup takes it
+    shm_small_bytes = EffectiveSmallBytes(shm.small_bytes, slot_bytes);
     // Busy-poll only when every rank on this machine can have a core (pretend hosts share
     // one machine's cores: a rank polling shared memory would starve its TCP partner).
     const int spin_us = options.spin_us >= 0 ? options.spin_us

@@ -314,6 +314,10 @@ size_t EffectiveSlotBytes(size_t requested) {
   return RoundUp(std::max<size_t>(requested, kPage), 64);
 }
 
+size_t EffectiveSmallBytes(size_t requested, size_t slot_bytes) {
+  return std::min(requested, slot_bytes);
+}
+
 Part PartOf(size_t count, int parts, int part) {
   const size_t base = count / size_t(parts);
   const size_t extra = count % size_t(parts);
@@ -330,7 +334,7 @@ ShmGroup::ShmGroup(int rank, std::vector<int> members, int index, const ShmGroup
       members_(std::move(members)),
       index_(index),
       slot_bytes_(EffectiveSlotBytes(options.slot_bytes)),
-      small_bytes_(std::min(options.small_bytes, slot_bytes_)),
+      small_bytes_(EffectiveSmallBytes(options.small_bytes, slot_bytes_)),
       spin_(options.spin),
       segment_(std::make_unique<Segment>()) {}
 

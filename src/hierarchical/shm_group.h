@@ -66,6 +66,10 @@ inline constexpr size_t kDefaultShmSmallBytes = 16 * 1024;
 // of a collective is one slot.
 size_t EffectiveSlotBytes(size_t requested);
 
+// The small-message bound a group of `slot_bytes` (EffectiveSlotBytes) makes of `requested`
+// (ShmGroupOptions::small_bytes): small_bytes().
+size_t EffectiveSmallBytes(size_t requested, size_t slot_bytes);
+
 // Elements [offset, offset + length) of part `part` when `count` elements are cut into `parts`
 // nearly equal parts (the first count % parts get one more).
 struct Part {
@@ -125,8 +129,9 @@ class ShmGroup {
   // slice this member reduced (in shared memory, op applied, kAvg not yet divided) before the
   // members read it: the two-level plan all-reduces it across hosts there. kAvg divides by
   // `avg_divisor` (0: size()). With `cross`, the first `lanes` members (0: all of them) reduce
-  // a slice each of every step, cut alike on every host that has as many lanes, and the others
-  // none; the first member alone reduces a message of at most small_bytes().
+  // a slice each of every step, cut alike on every host that has as many lanes (and by a rank
+  // alone on its host, CrossingOwners and PartOf), and the others none; the first member alone
+  // reduces a message of at most small_bytes().
   using SliceHook = std::function<void(void* slice, size_t count)>;
   void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
                  size_t count, DataType dtype, ReduceOp op, const SliceHook& cross = {},

@@ -396,9 +396,9 @@ INSTANTIATE_TEST_SUITE_P(
         // with its fold, or the ring of three).
         ProcessParam{
             "ThreeHostsOfTwo", {"a", "a", "b", "b", "c", "c"}, "two_level", "", {"two_level"}},
-        // Hosts of different rank counts: as many lanes cross as the smallest host has ranks; a
-        // rank alone on its host crosses every step itself, ranks past the lanes only add their
-        // input (and the hosts' ranks need not be consecutive).
+        // Hosts of different rank counts: as many lanes cross as the smallest host of several
+        // ranks has; a rank alone on its host takes part in every lane, ranks past the lanes
+        // only add their input (and the hosts' ranks need not be consecutive).
         ProcessParam{"HostsOfTwoAndOne", {"a", "a", "b"}, "two_level", "65536", {"two_level"}},
         ProcessParam{"HostsOfThreeAndTwoInterleaved",
                      {"a", "b", "a", "b", "a"},
@@ -409,6 +409,11 @@ INSTANTIATE_TEST_SUITE_P(
                      {"a", "b", "b", "c", "c", "c"},
                      "two_level",
                      "",
+                     {"two_level"}},
+        ProcessParam{"HostsOfOneOneAndThree",
+                     {"a", "b", "c", "c", "c"},
+                     "two_level",
+                     "65536",
                      {"two_level"}}),
     [](const ::testing::TestParamInfo<ProcessParam>& param_info) {
       return std::string(param_info.param.name);

@@ -69,9 +69,9 @@ TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunExactly) {
 }
 
 // Hosts of different rank counts with the two levels forced: every all-reduce crosses hosts in
-// as many lanes as the smallest host has ranks (a rank alone on its host crossing every step
-// itself, ranks past the lanes only adding their input), the other collectives run on the flat
-// ring; every collective, dtype and op exact on every rank, with 64 KiB steps (several per
+// as many lanes as the smallest host of several ranks has (a rank alone on its host takes part
+// in every lane, ranks past the lanes only add their input), the other collectives run on the
+// flat ring; every collective, dtype and op exact on every rank, with small steps (several per
 // call) on some.
 struct UnevenCase {
   const char* name;
@@ -112,7 +112,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // Hosts of interleaved ranks; a slot size the groups round up (to 5056):
                       // the rank alone on no host here, but every host cuts the same steps.
                       UnevenCase{"ThreeAndTwoInterleaved", {"a", "b", "a", "b", "a"}, "5000"},
-                      UnevenCase{"TwoAndOneOddSlot", {"a", "a", "b"}, "5000"}),
+                      UnevenCase{"TwoAndOneOddSlot", {"a", "a", "b"}, "5000"},
+                      // One lone rank in three lanes; two lone ranks, which share a connection
+                      // in every lane.
+                      UnevenCase{"OneAndThree", {"a", "b", "b", "b"}, "65536"},
+                      UnevenCase{"OneOneAndThree", {"a", "b", "c", "c", "c"}, "65536"}),
     [](const ::testing::TestParamInfo<UnevenCase>& p) { return std::string(p.param.name); });
 
 // A rank alone on its host whose /dev/shm is read-only (a mount namespace of its own) needs no

@@ -148,9 +148,9 @@ INSTANTIATE_TEST_SUITE_P(Netns, TwoLevelTest, ::testing::Values(2, 3),
                          });
 
 // Hosts of different rank counts (2, 1 and 3 ranks in the three namespaces), the two levels
-// forced: every all-reduce crosses hosts in one lane (the host of one rank crosses each step
-// itself, the others' ranks past the lane only add their input), every other collective runs on
-// the flat ring; all exact on every rank.
+// forced: every all-reduce crosses hosts in two lanes (the rank alone on its host takes part in
+// both, the third rank of the last host only adds its input), every other collective runs on the
+// flat ring; all exact on every rank.
 TEST(NetnsTest, EveryCollectiveIsExactOnHostsOfDifferentRankCounts) {
   Hosts hosts;
   if (!hosts.why_not().empty()) GTEST_SKIP() << hosts.why_not();
