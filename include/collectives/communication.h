@@ -267,11 +267,11 @@ std::string ResolveJobToken(const ClusterSpec& spec, const CommunicationOptions&
 // rank's), else flat over TCP; reduce-scatter and barrier run flat over TCP. With hosts of
 // different rank counts, the all-reduce is chosen the same way (its two levels cross hosts in as
 // many lanes as the smallest host of several ranks has; a rank alone on its host takes part in
-// every lane) and every other collective runs flat over TCP. One rank per host runs everything over
-// TCP. COLLECTIVES_SHM=0 on any rank turns shared memory off for every rank; so does
-// options.algorithm naming a TCP algorithm, and so does a rank that shares its host with others and
-// cannot use shared memory at all (no /dev/shm, one mounted read-only or not writable: it says so
-// once on stderr).
+// every lane), broadcast in two levels too, and every other collective runs flat over TCP. One rank
+// per host runs everything over TCP. COLLECTIVES_SHM=0 on any rank turns shared memory off for
+// every rank; so does options.algorithm naming a TCP algorithm, and so does a rank that shares its
+// host with others and cannot use shared memory at all (no /dev/shm, one mounted read-only or not
+// writable: it says so once on stderr).
 std::unique_ptr<CollectiveCommunication> CreateCommunication(
     const ClusterSpec& spec, const CommunicationOptions& options = {});
 

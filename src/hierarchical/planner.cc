@@ -59,13 +59,16 @@ enum class Plan { kRing, kShm, kTwoLevel };
 // buffer, while they cross; a rank alone on its host crosses from a buffer of its own), so a host
 // whose call differs from another's stops every rank before anything is written, except where
 // nothing crosses towards a host: a call of zero elements, and the root's host in a broadcast,
-// which only sends. There the first rank of every host (its leader, whatever the call) exchanges
-// empty frames with the other hosts' leaders before it arrives in the shared-memory call, where its
-// host's members wait for it: every host then compares its call directly with every other, and
-// through shared memory every rank with its own host, so a mismatched call raises kMismatch on
-// every rank with nothing written, as on RING. Only the leaders send (a round of every member cost
-// a two-level broadcast of 8 bytes three times its time on 2 cores), and a broadcast posts the
-// round before its crossing and waits only before it arrives, overlapping the two.
+// which only sends. There every host's members first check each other's calls in shared memory
+// (a barrier step), then the first rank of every host (its leader, whatever the call) exchanges
+// empty frames with the other hosts' leaders before it arrives in the shared-memory call, where
+// its host's members wait for it: a leader speaks for a host that agrees, every host compares its
+// call directly with every other, so a mismatched call raises kMismatch on every rank with
+// nothing written, as on RING. (Without the barrier, a member of a receiving host that differed
+// from its leader broke only its own host: the root's host returned, its recv written.) Only the
+// leaders send (a round of every member cost a two-level broadcast of 8 bytes three times its
+// time on 2 cores), and a broadcast posts the round before its crossing and waits only before it
+// arrives, overlapping the two.
 
 // What is left of the set-up until `deadline`, at least a millisecond: a key already in the
 // store is still read; a wait times out at once.
@@ -83,12 +86,14 @@ Error SetupTimedOut(int rank, std::chrono::milliseconds timeout, std::string wha
                                         " ms setting up the communicator: " + what);
 }
 
-// The leaders' round described above, posted on construction; Wait() returns once every other
-// host's leader sent the same call (kMismatch otherwise). Nothing on a rank that is not its
-// host's leader.
+// The host's barrier and the leaders' round described above, on construction (the round posted
+// only); Wait() returns once every other host's leader sent the same call (kMismatch otherwise).
+// Every member of a group constructs one; only the leaders send.
 class HostAgreement {
  public:
-  HostAgreement(ring::Context& ctx, const std::vector<int>& leaders, int host, bool leader) {
+  HostAgreement(ring::Context& ctx, ShmGroup* group, const std::vector<int>& leaders, int host,
+                bool leader) {
+    if (group != nullptr) group->Barrier(ctx.tag, ctx.deadline);  // the host agrees first
     if (!leader) return;
     sub_.emplace(ctx.fabric, leaders, host);
     round_.emplace(*sub_, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline);
@@ -183,7 +188,7 @@ class HierarchicalPlanner final : public ring::Planner {
         SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
         ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
         if (send.count == 0) {  // nothing else crosses
-          HostAgreement(ctx, *leaders, cross_me, leader).Wait();
+          HostAgreement(ctx, group, *leaders, cross_me, leader).Wait();
         }
         const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
         const size_t es = SizeOf(send.dtype);
@@ -239,41 +244,72 @@ class HierarchicalPlanner final : public ring::Planner {
         group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index);
       };
     }
-    if (plan_ != Plan::kTwoLevel || !uniform_) return {};  // hosts of different sizes: flat
-    // Two levels, pipelined step by step: the ranks of the root's local index (one per host)
-    // carry each step across hosts (a tree for small steps, a chain for large ones) straight
-    // into their slots, and each of them broadcasts it inside its host from there.
+    if (plan_ != Plan::kTwoLevel) return {};
+    // Two levels, pipelined step by step: one rank per host (the root on its host; elsewhere the
+    // rank of the root's local index, or the host's last where it has fewer ranks) carries each
+    // step across hosts (a tree for small steps, a chain for large ones) straight into its slot,
+    // and broadcasts it inside its host from there. A rank alone on its host receives straight
+    // into recv.
     const int root_host = topology_.host_of[size_t(root)];
-    const bool crosses = topology_.local_index[size_t(rank_)] == root_index;
-    const std::vector<int>* cross_ranks = &cross_ranks_;
+    const int my_host = topology_.host_of[size_t(rank_)];
+    std::vector<int> crossers;
+    for (const auto& host : topology_.hosts) {
+      crossers.push_back(host[std::min(size_t(root_index), host.size() - 1)]);
+    }
+    crossers[size_t(root_host)] = root;
+    const int host_root = topology_.local_index[size_t(crossers[size_t(my_host)])];
+    const bool crosses = crossers[size_t(my_host)] == rank_;
+    const bool is_root = rank_ == root;
     const int cross_me = cross_me_;
     const size_t small = small_message_bytes_;
+    const size_t slot_bytes = slot_bytes_;
     const std::vector<int>* leaders = &leader_ranks_;
     const bool leader = topology_.local_index[size_t(rank_)] == 0;
     return [=](ring::Context& ctx) {
-      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+      SubFabric sub(ctx.fabric, crossers, cross_me);
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
       // The root's host only sends, so nothing would check its call against the other hosts'
-      // (HostAgreement). The round is posted now, before any data, and waited for before this
-      // rank arrives in shared memory, so that it overlaps the crossing of the first step.
-      HostAgreement agreement(ctx, *leaders, cross_me, leader);
+      // (HostAgreement). The host's barrier and the round come now, before any data; the round
+      // is waited for before this rank arrives in shared memory, overlapping the first crossing.
+      HostAgreement agreement(ctx, group, *leaders, cross_me, leader);
       const auto agreed = [&agreement] { agreement.Wait(); };
       if (!crosses) {
-        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), root_index, {},
+        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), host_root, {},
                          agreed);
         return;
       }
       const auto* from = static_cast<const uint8_t*>(source);
-      const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
-        const void* send = from != nullptr ? from + offset : nullptr;
+      const auto cross_step = [&](const void* send, void* into, size_t bytes) {
         if (bytes <= small) {
-          ring::TreeBroadcast(cross, send, slot, bytes, root_host);
+          ring::TreeBroadcast(cross, send, into, bytes, root_host);
         } else {
-          ring::ChainBroadcast(cross, send, slot, bytes, root_host);
+          ring::ChainBroadcast(cross, send, into, bytes, root_host);
         }
       };
-      group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), root_index, fill,
-                       agreed);
+      if (group != nullptr) {
+        const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
+          cross_step(is_root ? from + offset : nullptr, slot, bytes);
+        };
+        group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), host_root, fill,
+                         agreed);
+        return;
+      }
+      // Alone on this host: the steps the groups cut. The root only sends, and writes recv once
+      // every host agreed; the others receive into recv through frames checked hop by hop.
+      auto* out = static_cast<uint8_t*>(recv.data);
+      const size_t bytes = recv.bytes();
+      size_t offset = 0;
+      do {
+        const size_t c = std::min(slot_bytes, bytes - offset);
+        if (is_root) {
+          cross_step(from + offset, const_cast<uint8_t*>(from + offset), c);
+        } else {
+          cross_step(nullptr, out + offset, c);
+        }
+        if (offset == 0) agreed();
+        offset += c;
+      } while (offset < bytes);
+      if (is_root && out != from && bytes != 0) std::memcpy(out, from, bytes);
     };
   }
 
@@ -296,8 +332,13 @@ class HierarchicalPlanner final : public ring::Planner {
     return [=](ring::Context& ctx) {
       SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      // Every member takes the host's barrier, whatever its count: the crossing comes before a
+      // step's arrival here, so a member that crossed while another of its host waited for the
+      // leaders' round (zero elements) would wait for each other until the deadline.
       if (send.count == 0) {  // nothing else crosses
-        HostAgreement(ctx, *leaders, cross_me, leader).Wait();
+        HostAgreement(ctx, group, *leaders, cross_me, leader).Wait();
+      } else {
+        group->Barrier(ctx.tag, ctx.deadline);
       }
       const auto* from = static_cast<const uint8_t*>(send.data);
       const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {

@@ -3,7 +3,8 @@
 // hosts: inside each host, then across hosts among the ranks of the same local index, then inside
 // again), or on the ring over TCP. Hosts of different rank counts run all-reduces in two levels
 // too, in as many lanes across hosts as the smallest host of several ranks has (a rank alone on its
-// host takes part in every lane), and their other collectives on the ring.
+// host takes part in every lane), broadcasts in two levels too, and their other collectives on the
+// ring.
 //
 // Thread-safety: as ring::Planner.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
