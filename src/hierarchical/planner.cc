@@ -53,22 +53,23 @@ class SubFabric final : public transport::Fabric {
 enum class Plan { kRing, kShm, kTwoLevel };
 
 // Two levels check a call across hosts where frames cross: a rank checks the call descriptor of
-// every frame it receives, and its host's members check each other's calls in shared memory
-// before a step writes. Data that crosses hosts reaches a caller's buffer only through frames
-// checked hop by hop (the all-reduce and the all-gather write their slots, never the caller's
-// buffer, while they cross; a rank alone on its host crosses from a buffer of its own), so a host
-// whose call differs from another's stops every rank before anything is written, except where
-// nothing crosses towards a host: a call of zero elements, and the root's host in a broadcast,
-// which only sends. There every host's members first check each other's calls in shared memory
-// (a barrier step), then the first rank of every host (its leader, whatever the call) exchanges
-// empty frames with the other hosts' leaders before it arrives in the shared-memory call, where
-// its host's members wait for it: a leader speaks for a host that agrees, every host compares its
-// call directly with every other, so a mismatched call raises kMismatch on every rank with
-// nothing written, as on RING. (Without the barrier, a member of a receiving host that differed
-// from its leader broke only its own host: the root's host returned, its recv written.) Only the
-// leaders send (a round of every member cost a two-level broadcast of 8 bytes three times its
-// time on 2 cores), and a broadcast posts the round before its crossing and waits only before it
-// arrives, overlapping the two.
+// every frame it receives, and its host's members check each other's calls in shared memory before
+// a step writes. Data that crosses hosts reaches a caller's buffer only through frames checked hop
+// by hop (the all-reduce and the all-gather write their slots, never the caller's buffer, while
+// they cross; a rank alone on its host crosses from a buffer of its own, or in a broadcast receives
+// once every host agreed), so a host whose call differs from another's stops every rank before
+// anything is written, except where nothing crosses towards a host: a call of zero elements, and
+// the root's host in a broadcast, which only sends. There every host's members first check each
+// other's calls in shared memory (a barrier step), then the first rank of every host (its leader,
+// whatever the call) exchanges empty frames with the other hosts' leaders before it arrives in the
+// shared-memory call, where its host's members wait for it (a rank alone on its host: before it
+// writes recv): a leader speaks for a host that agrees, every host compares its call directly with
+// every other, so a mismatched call raises kMismatch on every rank with nothing written, as on
+// RING. (Without the barrier, a member of a receiving host that differed from its leader broke only
+// its own host: the root's host returned, its recv written.) Only the leaders send (a round of
+// every member cost a two-level broadcast of 8 bytes three times its time on 2 cores), and a
+// broadcast posts the round before its crossing and waits only before it arrives, overlapping the
+// two.
 
 // What is left of the set-up until `deadline`, at least a millisecond: a key already in the
 // store is still read; a wait times out at once.
@@ -295,18 +296,20 @@ class HierarchicalPlanner final : public ring::Planner {
         return;
       }
       // Alone on this host: the steps the groups cut. The root only sends, and writes recv once
-      // every host agreed; the others receive into recv through frames checked hop by hop.
+      // every host agreed; the others wait for that before they receive into recv (a frame is
+      // checked against its sender's call only, and a host off the path may differ).
       auto* out = static_cast<uint8_t*>(recv.data);
       const size_t bytes = recv.bytes();
+      if (!is_root) agreed();
       size_t offset = 0;
       do {
         const size_t c = std::min(slot_bytes, bytes - offset);
         if (is_root) {
           cross_step(from + offset, const_cast<uint8_t*>(from + offset), c);
+          if (offset == 0) agreed();
         } else {
           cross_step(nullptr, out + offset, c);
         }
-        if (offset == 0) agreed();
         offset += c;
       } while (offset < bytes);
       if (is_root && out != from && bytes != 0) std::memcpy(out, from, bytes);

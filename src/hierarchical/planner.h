@@ -1,10 +1,9 @@
 // AUTO's planner: groups the ranks by host, builds this host's shared-memory group, and decides per
 // call whether a collective runs in shared memory (every rank on one host), in two levels (several
-// hosts: inside each host, then across hosts among the ranks of the same local index, then inside
-// again), or on the ring over TCP. Hosts of different rank counts run all-reduces in two levels
-// too, in as many lanes across hosts as the smallest host of several ranks has (a rank alone on its
-// host takes part in every lane), broadcasts in two levels too, and their other collectives on the
-// ring.
+// hosts: inside each host, then across hosts among one rank of each, then inside again), or on the
+// ring over TCP. Hosts of different rank counts run all-reduces in two levels too, in as many lanes
+// across hosts as the smallest host of several ranks has (a rank alone on its host takes part in
+// every lane), broadcasts in two levels too, and their other collectives on the ring.
 //
 // Thread-safety: as ring::Planner.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_

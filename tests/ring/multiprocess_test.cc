@@ -376,7 +376,15 @@ INSTANTIATE_TEST_SUITE_P(
                      {"a", "a", "b", "b"},
                      "all_gather",
                      {},
-                     {"0", "0", "0", "1"}}),
+                     {"0", "0", "0", "1"}},
+        // A rank alone on its host on the path of a broadcast whose other receiving host calls
+        // with another count: the lone rank's frames match its sender's call, so it must wait
+        // for the hosts' round before it writes recv.
+        MismatchCase{"BroadcastPastALoneRankToAHostThatDiffers",
+                     {"a", "a", "b", "c", "c"},
+                     "broadcast",
+                     {},
+                     {"5", "5", "5", "3", "3"}}),
     [](const ::testing::TestParamInfo<MismatchCase>& p) { return std::string(p.param.name); });
 
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
