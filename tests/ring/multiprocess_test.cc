@@ -33,6 +33,14 @@ void ExpectExact(int size, const std::string& count, const Placement& placement,
   }
 }
 
+// A wrapper that runs a worker in a mount namespace of its own, with a tmpfs mounted with
+// `options` at /dev/shm; the worker exits 77 where that cannot be made (not root).
+std::vector<std::string> OwnDevShm(const std::string& options) {
+  return {"unshare", "-m", "sh", "-c",
+          "mount --make-rprivate / && mount -t tmpfs -o " + options +
+              " tmpfs /dev/shm || exit 77; exec \"$0\" \"$@\""};
+}
+
 class MultiProcessTest : public ::testing::TestWithParam<MultiProcessParam> {};
 
 TEST_P(MultiProcessTest, EveryCollectiveIsExactInEveryProcess) {
@@ -128,9 +136,7 @@ TEST(MultiProcessShmTest, ARankAloneOnItsHostNeedsNoSharedMemory) {
   placement.host_ids = {"a", "a", "b"};
   placement.algorithm = "two_level";
   placement.wrappers.resize(kSize);
-  placement.wrappers[2] = {"unshare", "-m", "sh", "-c",
-                           "mount --make-rprivate / && mount -t tmpfs -o ro tmpfs /dev/shm "
-                           "|| exit 77; exec \"$0\" \"$@\""};
+  placement.wrappers[2] = OwnDevShm("ro");
   std::vector<Worker> workers = Start(kSize, {"check", "10007"}, placement);
   const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(240));
   KillAll(workers);
@@ -206,9 +212,7 @@ TEST(MultiProcessShmTest, ASharedMemoryFailureOnOneHostIsRaisedOnEveryHost) {
   Placement placement;
   placement.host_ids = {"a", "a", "b", "b"};
   placement.wrappers.resize(kSize);
-  placement.wrappers[2] = {"unshare", "-m", "sh", "-c",
-                           "mount --make-rprivate / && mount -t tmpfs -o size=256k tmpfs /dev/shm "
-                           "|| exit 77; exec \"$0\" \"$@\""};
+  placement.wrappers[2] = OwnDevShm("size=256k");
   std::vector<Worker> workers = Start(kSize, {"check", "10"}, placement);
   const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(120));
   KillAll(workers);
