@@ -17,13 +17,32 @@ using namespace collectives::testing;
 using MultiProcessParam = std::tuple<int, std::string>;  // world size, implementation
 
 // Runs `size` workers in check mode (an all-reduce of `count` floats among the collectives) with
-// `placement` and expects every one to finish exactly, with the shared-memory algorithm or
+// `placement` until they end, 240 s at most; false when they did not.
+bool RunChecks(int size, const std::string& count, const Placement& placement,
+               std::vector<Worker>* workers) {
+  *workers = Start(size, {"check", count}, placement);
+  const bool finished = WaitAll(*workers, All(size), std::chrono::seconds(240));
+  KillAll(*workers);
+  return finished;
+}
+
+// Expects every worker to have ended exactly, its all-reduce run as `algorithm`.
+void ExpectExactWith(const std::vector<Worker>& workers, const std::string& algorithm) {
+  for (size_t rank = 0; rank < workers.size(); ++rank) {
+    const Worker& w = workers[rank];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("rank " + std::to_string(rank) + ": 0 wrong"), std::string::npos)
+        << w.output;
+    EXPECT_NE(w.output.find("algorithm " + algorithm), std::string::npos) << w.output;
+  }
+}
+
+// RunChecks, expecting every worker to finish exactly, with the shared-memory algorithm or
 // without it (every collective over TCP) as `shm` says.
 void ExpectExact(int size, const std::string& count, const Placement& placement, bool shm) {
-  std::vector<Worker> workers = Start(size, {"check", count}, placement);
-  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
-  KillAll(workers);
-  ASSERT_TRUE(finished) << "workers did not finish in time";
+  std::vector<Worker> workers;
+  ASSERT_TRUE(RunChecks(size, count, placement, &workers)) << "workers did not finish in time";
   for (int rank = 0; rank < size; ++rank) {
     const Worker& w = workers[rank];
     EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
@@ -98,18 +117,9 @@ TEST_P(UnevenHostsTest, EveryCollectiveIsExactInTwoLevels) {
   placement.host_ids = c.host_ids;
   placement.algorithm = "two_level";
   if (!c.slot_bytes.empty()) placement.slot_bytes.assign(size_t(size), c.slot_bytes);
-  std::vector<Worker> workers = Start(size, {"check", "100003"}, placement);
-  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(240));
-  KillAll(workers);
-  ASSERT_TRUE(finished) << "workers did not finish in time";
-  for (int rank = 0; rank < size; ++rank) {
-    const Worker& w = workers[size_t(rank)];
-    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
-        << "rank " << rank << " status " << w.status << ": " << w.output;
-    EXPECT_NE(w.output.find("rank " + std::to_string(rank) + ": 0 wrong"), std::string::npos)
-        << w.output;
-    EXPECT_NE(w.output.find("algorithm two_level"), std::string::npos) << w.output;
-  }
+  std::vector<Worker> workers;
+  ASSERT_TRUE(RunChecks(size, "100003", placement, &workers)) << "workers did not finish in time";
+  ExpectExactWith(workers, "two_level");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -137,20 +147,13 @@ TEST(MultiProcessShmTest, ARankAloneOnItsHostNeedsNoSharedMemory) {
   placement.algorithm = "two_level";
   placement.wrappers.resize(kSize);
   placement.wrappers[2] = OwnDevShm("ro");
-  std::vector<Worker> workers = Start(kSize, {"check", "10007"}, placement);
-  const bool finished = WaitAll(workers, All(kSize), std::chrono::seconds(240));
-  KillAll(workers);
-  ASSERT_TRUE(finished) << "workers did not finish in time";
+  std::vector<Worker> workers;
+  ASSERT_TRUE(RunChecks(kSize, "10007", placement, &workers)) << "workers did not finish in time";
   if (WIFEXITED(workers[2].status) && WEXITSTATUS(workers[2].status) == 77) {
     GTEST_SKIP() << "cannot mount a read-only /dev/shm in a mount namespace of its own (root)";
   }
-  for (int rank = 0; rank < kSize; ++rank) {
-    const Worker& w = workers[size_t(rank)];
-    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
-        << "rank " << rank << " status " << w.status << ": " << w.output;
-    EXPECT_NE(w.output.find("rank " + std::to_string(rank) + ": 0 wrong"), std::string::npos)
-        << w.output;
-    EXPECT_NE(w.output.find("algorithm two_level"), std::string::npos) << w.output;
+  ExpectExactWith(workers, "two_level");
+  for (const Worker& w : workers) {
     EXPECT_EQ(w.output.find("cannot use shared memory"), std::string::npos) << w.output;
   }
 }
