@@ -381,6 +381,10 @@ class HierarchicalPlanner final : public ring::Planner {
     return "";
   }
 
+  void RunningOnRing(const core::CallTag& tag) override {
+    if (group_) group_->AnnounceOutside(tag);
+  }
+
   void Abort(const Error& error) override {
     if (group_) group_->Abort(error);
   }

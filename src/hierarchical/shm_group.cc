@@ -40,7 +40,7 @@ namespace collectives::hierarchical {
 namespace {
 
 constexpr uint64_t kMagic = 0x316d6873'6c6c6f63ULL;  // "collshm1"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kPage = 4096;
 // Header::broken: kSound; kBrokenWritten, the error that broke the group is written; or
 // kBreakingBy + i, member i has begun to break it (the index goes with the claim, so that a
@@ -76,7 +76,21 @@ struct WireTag {
                                                    ReduceOp(op), root, count}};
   }
   bool operator==(const WireTag&) const = default;
+
+  // The fields after seq and count, in one word (AnnounceOutside).
+  uint64_t Rest() const {
+    uint64_t word;
+    std::memcpy(&word, reinterpret_cast<const unsigned char*>(this) + offsetof(WireTag, root),
+                sizeof word);
+    return word;
+  }
+  static WireTag With(uint64_t seq, uint64_t count, uint64_t rest) {
+    WireTag t{seq, count, 0, 0, 0, 0, 0};
+    std::memcpy(reinterpret_cast<unsigned char*>(&t) + offsetof(WireTag, root), &rest, sizeof rest);
+    return t;
+  }
 };
+static_assert(offsetof(WireTag, pad) + 1 - offsetof(WireTag, root) == sizeof(uint64_t));
 
 // One member's control block: written by its member only (but for `sleepers`), read by all.
 // The counters and the tags share one cache line, so that a reader that sees an arrival finds
@@ -89,6 +103,11 @@ struct alignas(64) Control {
   WireTag tag[2];                  // the call of the last step in each buffer
   alignas(64) int32_t pid;  // set once `alive` is held (atomic_ref: others read it meanwhile)
   pthread_mutex_t alive;    // held by the member's keeper thread while it lives
+  // The call this member runs outside the group (AnnounceOutside), a WireTag in three words
+  // behind a sequence lock: outside_seq is 0 while the words change, else 1 + the tag's seq.
+  alignas(64) std::atomic<uint64_t> outside_seq;
+  std::atomic<uint64_t> outside_count;
+  std::atomic<uint64_t> outside_rest;  // root, kind, dtype, op (WireTag::Rest)
 };
 static_assert(offsetof(Control, pid) == 64, "counters and tags fill exactly one cache line");
 
@@ -105,6 +124,7 @@ struct Header {
 };
 static_assert(sizeof(Header) <= kPage);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);  // Control::outside_*
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -524,6 +544,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     own.done.store(0);
     own.sleepers.store(0);
     std::memset(own.tag, 0, sizeof own.tag);
+    own.outside_seq.store(0);  // no call outside the group yet
     pthread_mutexattr_t attr;
     pthread_mutexattr_init(&attr);
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
@@ -691,6 +712,7 @@ class ShmGroup::Step {
       if (core::YieldUntil(left, core::kWaitYieldPolls, reached)) return;
     }
     for (;;) {
+      CheckNoOutsideCall();
       theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
       const uint32_t seen = w.load(std::memory_order_seq_cst);
       if (!Reached(seen, s)) FutexWait(&w, seen, kSleepSliceMs);
@@ -717,6 +739,25 @@ class ShmGroup::Step {
                                             ": deadline passed while waiting for " +
                                             tag_.ToString() + " (" + from));
       }
+    }
+  }
+
+  // Throws kMismatch when a member announced another call of this call's number outside the
+  // group (AnnounceOutside): it will never arrive here. Read under the sequence lock; a member
+  // that is changing its words (for this call or a later one) is left for the next look.
+  void CheckNoOutsideCall() {
+    for (int j = 0; j < n(); ++j) {
+      if (j == me()) continue;
+      Control& c = seg_.control(j);
+      const uint64_t seq = c.outside_seq.load(std::memory_order_seq_cst);
+      if (seq != wire_.seq + 1) continue;
+      const WireTag theirs =
+          WireTag::With(wire_.seq, c.outside_count.load(), c.outside_rest.load());
+      if (c.outside_seq.load(std::memory_order_seq_cst) != seq || theirs == wire_) continue;
+      Fail(Error(ErrorCode::kMismatch, "rank " + std::to_string(g_.rank_) + ": rank " +
+                                           std::to_string(g_.members_[size_t(j)]) +
+                                           " runs another call outside shared memory: expected " +
+                                           tag_.ToString() + ", got " + theirs.ToTag().ToString()));
     }
   }
 
@@ -1046,6 +1087,15 @@ void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadlin
     step.Done(s);
     offset += c;
   } while (offset < count);
+}
+
+void ShmGroup::AnnounceOutside(const core::CallTag& tag) {
+  Control& own = segment_->control(index_);
+  const WireTag wire = WireTag::Of(tag);
+  own.outside_seq.store(0, std::memory_order_seq_cst);
+  own.outside_count.store(wire.count, std::memory_order_seq_cst);
+  own.outside_rest.store(wire.Rest(), std::memory_order_seq_cst);
+  own.outside_seq.store(wire.seq + 1, std::memory_order_seq_cst);
 }
 
 void ShmGroup::Barrier(const core::CallTag& tag, Clock::time_point deadline) {

@@ -12,12 +12,12 @@
 // the host removes the names of this user whose creator, in its pid namespace, is gone.
 //
 // Layout: a header (the group's broken flag and the error that broke it), one control block per
-// member (step counters, the call descriptor of its last steps, a liveness mutex), then two data
-// slots of `slot_bytes` per member. A collective is cut into steps of at most one slot each; a
-// step writes into the member's slot (buffer step % 2), publishes a counter, and reads the other
-// members' slots once their counters say the step is there. Double buffering lets step s+1 be
-// written while the others still read step s; a member writes its buffer for step s only once
-// every member has finished step s - 2.
+// member (step counters, the call descriptor of its last steps, a liveness mutex, the call it
+// runs outside the group), then two data slots of `slot_bytes` per member. A collective is cut
+// into steps of at most one slot each; a step writes into the member's slot (buffer step % 2),
+// publishes a counter, and reads the other members' slots once their counters say the step is
+// there. Double buffering lets step s+1 be written while the others still read step s; a member
+// writes its buffer for step s only once every member has finished step s - 2.
 //
 // All-reduce, large: each member copies its chunk into its slot, then reduces its own slice of
 // the chunk straight from every member's slot (in place, in its own slot), then every member
@@ -28,10 +28,12 @@
 //
 // Checks: every step carries the call's tag (sequence number and descriptor); a member that
 // finds another member's tag different breaks the group with Error(kMismatch) naming both calls,
-// before anything is written into a caller's buffer. A waiter polls for the spin budget, then
-// sleeps on a futex, waking every 20 ms to check the deadline, the broken flag, and whether the
-// member it waits for is alive (a robust mutex each member's keeper thread holds: its owner's
-// death marks it, even when the process is not reaped yet).
+// before anything is written into a caller's buffer; so does a member that, between sleeps,
+// finds another member's announcement of a call of the same number outside the group
+// (AnnounceOutside). A waiter polls for the spin budget, then sleeps on a futex, waking every
+// 20 ms to check the deadline, the broken flag, the announcements, and whether the member it
+// waits for is alive (a robust mutex each member's keeper thread holds: its owner's death marks
+// it, even when the process is not reaped yet).
 //
 // Thread-safety: the collectives are called by one thread at a time (the communicator's
 // progress thread); Abort from any thread.
@@ -162,6 +164,13 @@ class ShmGroup {
   void ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                      void* recv, size_t count, DataType dtype, ReduceOp op);
   void Barrier(const core::CallTag& tag, Clock::time_point deadline);
+
+  // This member runs the call `tag` outside the group (over TCP only). A member waiting in the
+  // group during a call of the same number but another descriptor then breaks the group with
+  // Error(kMismatch) naming both calls, instead of waiting until its deadline (the two-level plans
+  // leave some collectives to the flat ring: a rank that calls one of those where the others of its
+  // host call a two-level one would never arrive).
+  void AnnounceOutside(const core::CallTag& tag);
 
   // Breaks the group with `error`: every member's pending and later call raises. Any thread.
   // A group broken already stays broken with its first error; while its breaker has not written

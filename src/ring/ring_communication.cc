@@ -124,6 +124,9 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
+  // The ring's own body for a call the planner (if any) left to it: the planner hears of the
+  // call first (Planner::RunningOnRing).
+  Prepared OnRing(const CallDescriptor& call, Body body) const;
 
   // Queues a call; returns its Work.
   std::shared_ptr<Work> Submit(Prepared prepared);
@@ -488,7 +491,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
     if (Body body = planner_->AllReduce(send, recv, op)) return Prepared{call, std::move(body)};
   }
   const Algorithm algorithm = ChooseAllReduce(send.bytes());
-  return Prepared{call, [send, recv, op, algorithm](Context& ctx) {
+  return OnRing(call, [send, recv, op, algorithm](Context& ctx) {
     switch (algorithm) {
       case Algorithm::kRecursiveDoubling:
         return RecursiveDoublingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
@@ -497,7 +500,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
       case Algorithm::kRing:
         return RingAllReduce(ctx, send.data, recv.data, send.count, send.dtype, op);
     }
-  }};
+  });
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& send,
@@ -531,13 +534,13 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
       return Prepared{call, std::move(body)};
     }
   }
-  return Prepared{call, [source, recv, root, small](Context& ctx) {
+  return OnRing(call, [source, recv, root, small](Context& ctx) {
     if (small) return SmallBroadcast(ctx, source, recv.data, recv.bytes(), root);
     CallAgreement agreement(
         ctx, ctx.rank() == root ? CallAgreement::Pair::kDataOut : CallAgreement::Pair::kDataIn);
     ChainBroadcast(ctx, source, recv.data, recv.bytes(), root, &agreement);
     agreement.Wait();
-  }};
+  });
 }
 
 RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& send,
@@ -554,12 +557,12 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
   const bool small = recv.bytes() <= small_message_bytes_;
-  return Prepared{call, [send, recv, small](Context& ctx) {
+  return OnRing(call, [send, recv, small](Context& ctx) {
     if (small) return SmallAllGather(ctx, send.data, recv.data, send.bytes());
     CallAgreement agreement(ctx, CallAgreement::Pair::kDataBothWays);
     RingAllGather(ctx, send.data, recv.data, send.count, send.dtype, &agreement);
     agreement.Wait();
-  }};
+  });
 }
 
 RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor& send,
@@ -579,10 +582,10 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
     }
   }
   const bool small = send.bytes() <= small_message_bytes_;
-  return Prepared{call, [send, recv, op, small](Context& ctx) {
+  return OnRing(call, [send, recv, op, small](Context& ctx) {
     if (small) return SmallReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
     RingReduceScatter(ctx, send.data, recv.data, recv.count, recv.dtype, op);
-  }};
+  });
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBarrier() const {
@@ -590,7 +593,15 @@ RingCommunication::Prepared RingCommunication::PrepareBarrier() const {
   if (planner_) {
     if (Body body = planner_->Barrier()) return Prepared{call, std::move(body)};
   }
-  return Prepared{call, [](Context& ctx) { ring::Barrier(ctx); }};
+  return OnRing(call, [](Context& ctx) { ring::Barrier(ctx); });
+}
+
+RingCommunication::Prepared RingCommunication::OnRing(const CallDescriptor& call, Body body) const {
+  if (!planner_) return Prepared{call, std::move(body)};
+  return Prepared{call, [planner = planner_.get(), body = std::move(body)](Context& ctx) {
+                    planner->RunningOnRing(ctx.tag);
+                    body(ctx);
+                  }};
 }
 
 RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) const {

@@ -39,6 +39,11 @@ class Planner {
   virtual Body AllGather(const Tensor& send, const Tensor& recv) = 0;
   virtual Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
   virtual Body Barrier() = 0;
+  // A call the planner left to the ring (an empty body) is about to run on the progress
+  // thread, tagged `tag`: a planner whose bodies wait for the other ranks of a host in shared
+  // memory tells them, so that one of them waiting there during a call of the same number and
+  // another descriptor raises kMismatch rather than waiting for this rank until its deadline.
+  virtual void RunningOnRing(const core::CallTag& tag) { (void)tag; }
   // The name of the planner's algorithm for an all-reduce of `bytes`, "" when it leaves it to
   // the ring.
   virtual std::string AllReduceAlgorithm(size_t bytes) const = 0;

@@ -717,6 +717,59 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
   EXPECT_GE(std::max(small_elapsed[0], small_elapsed[1]), std::chrono::milliseconds(400));
 }
 
+// Member 2 (rank 9) runs its call outside the group (the flat ring of a two-level plan) and
+// announces it. Member 0 raises kMismatch at once (well before its deadline) for an
+// announcement of its own call's number with another call, naming both; an announcement of the
+// same call, or of an earlier call, is no mismatch: member 0 waits until its deadline (kTimeout).
+// Member 1 is in none of these calls (it only waits): the check covers every member.
+TEST(ShmGroupFailureTest, ACallAnnouncedOutsideTheGroupIsChecked) {
+  const std::vector<int> ranks = {3, 5, 9};
+  const core::CallDescriptor barrier{core::CollectiveKind::kBarrier, DataType::kUInt8,
+                                     ReduceOp::kSum, 0, 0};
+  const core::CallDescriptor gather{core::CollectiveKind::kAllGather, DataType::kInt32,
+                                    ReduceOp::kSum, 0, 7};
+  struct Case {
+    uint64_t seq;  // of member 2's announcement; member 0's barrier is #3
+    core::CallDescriptor call;
+    ErrorCode expected;
+  };
+  const std::vector<Case> cases = {{3, barrier, ErrorCode::kTimeout},
+                                   {2, gather, ErrorCode::kTimeout},
+                                   {3, gather, ErrorCode::kMismatch}};
+  for (size_t c = 0; c < cases.size(); ++c) {
+    ShmGroupOptions options = Options("outside" + std::to_string(c), 4096, 4096, 3);
+    options.spin = std::chrono::microseconds(0);
+    std::atomic<bool> announced{false};
+    std::atomic<bool> finished{false};
+    RunMembers(ranks, options, [&](Member& m, int me) {
+      if (me == 2) {
+        m.group->AnnounceOutside(core::CallTag{cases[c].seq, cases[c].call});
+        announced = true;
+      }
+      if (me != 0) {  // keeps its group (alive, attached) until member 0 is done
+        while (!finished) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        return;
+      }
+      while (!announced) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const auto start = Clock::now();
+      try {
+        m.group->Barrier(core::CallTag{3, barrier}, start + std::chrono::milliseconds(300));
+        ADD_FAILURE() << "case " << c << ": a barrier without members 1 and 2 succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), cases[c].expected) << "case " << c << ": " << e.what();
+        if (cases[c].expected == ErrorCode::kMismatch) {
+          EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(250)) << e.what();
+          EXPECT_NE(e.message().find("rank 3: rank 9 runs another call outside shared memory: "
+                                     "expected #3 barrier(), got #3 all_gather(i32, count=7)"),
+                    std::string::npos)
+              << e.what();
+        }
+      }
+      finished = true;
+    });
+  }
+}
+
 // A broadcast whose root (rank 3) is there and whose member 2 (rank 9) never calls: member 1
 // (rank 5), whose deadline comes first, waits for the root, which waits for member 2. Both raise
 // kTimeout naming rank 9, the one missing, not the root.

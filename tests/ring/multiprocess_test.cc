@@ -246,6 +246,8 @@ struct MismatchCase {
   std::vector<std::string> roots;   // RING_WORKER_ROOT per rank, or empty
   std::vector<std::string> counts;  // RING_WORKER_COUNT per rank, or empty
   std::string algorithm{};          // forced, or empty (calibrated)
+  // RING_WORKER_COLLECTIVE per rank (each rank's own call instead of `collective`), or empty
+  std::vector<std::string> collectives{};
 };
 
 void PrintTo(const MismatchCase& c, std::ostream* os) { *os << c.name; }
@@ -264,6 +266,10 @@ TEST_P(TwoLevelMismatchTest, EveryRankRaisesWithNothingWritten) {
       placement.env[size_t(rank)].push_back("RING_WORKER_ROOT=" + c.roots[size_t(rank)]);
     if (!c.counts.empty())
       placement.env[size_t(rank)].push_back("RING_WORKER_COUNT=" + c.counts[size_t(rank)]);
+    if (!c.collectives.empty()) {
+      placement.env[size_t(rank)].push_back("RING_WORKER_COLLECTIVE=" +
+                                            c.collectives[size_t(rank)]);
+    }
   }
   std::vector<Worker> workers = Start(size, {"mismatch", c.collective}, placement);
   const bool finished = WaitAll(workers, All(size), std::chrono::seconds(120));
@@ -391,7 +397,46 @@ INSTANTIATE_TEST_SUITE_P(
                      {"a", "a", "b", "c", "c"},
                      "broadcast",
                      {},
-                     {"5", "5", "5", "3", "3"}}),
+                     {"5", "5", "5", "3", "3"}},
+        // One rank calls a collective the plan leaves to the flat ring while the others of its
+        // host call one that waits for it in shared memory (or the other way round): the host
+        // waited for it until the deadline (kTimeout, 60 s). Now the ring call is announced in
+        // shared memory, and the host raises kMismatch at once.
+        MismatchCase{"AReduceScatterInsideAHostOfBroadcasts",
+                     {"a", "a", "b", "b"},
+                     "broadcast",
+                     {},
+                     {},
+                     "",
+                     {"broadcast", "broadcast", "broadcast", "reduce_scatter"}},
+        MismatchCase{"ABarrierInsideAHostOfAllGathers",
+                     {"a", "a", "b", "b"},
+                     "all_gather",
+                     {},
+                     {},
+                     "",
+                     {"barrier", "all_gather", "all_gather", "all_gather"}},
+        MismatchCase{"AnAllReduceInsideAHostOfReduceScatters",
+                     {"a", "a", "b", "b"},
+                     "reduce_scatter",
+                     {},
+                     {},
+                     "two_level",
+                     {"reduce_scatter", "reduce_scatter", "reduce_scatter", "all_reduce"}},
+        MismatchCase{"AnAllReduceAmongAllGathersOnHostsOfThreeAndTwo",
+                     {"a", "a", "a", "b", "b"},
+                     "all_gather",
+                     {},
+                     {},
+                     "two_level",
+                     {"all_gather", "all_reduce", "all_gather", "all_gather", "all_gather"}},
+        MismatchCase{"ABarrierInsideOneOfThreeHostsOfBroadcasts",
+                     {"a", "a", "b", "b", "c", "c"},
+                     "broadcast",
+                     {},
+                     {},
+                     "",
+                     {"broadcast", "broadcast", "broadcast", "broadcast", "barrier", "broadcast"}}),
     [](const ::testing::TestParamInfo<MismatchCase>& p) { return std::string(p.param.name); });
 
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:

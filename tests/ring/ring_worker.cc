@@ -27,10 +27,12 @@
 //                              rank 1 waits pause_ms and every rank all-reduces once, printing
 //                              "joined" (the set-up's deadline must not cut later calls short)
 //   ring_worker mismatch collective
-//                              one broadcast (root $RING_WORKER_ROOT, default 0), all_reduce or
-//                              all_gather of $RING_WORKER_COUNT (default 1000) int32, out of
-//                              place into a recv filled with -7; prints "returned" or "error
-//                              <code> <message>", then "recv untouched" or "recv written"
+//                              one broadcast (root $RING_WORKER_ROOT, default 0), all_reduce
+//                              or all_gather of $RING_WORKER_COUNT (default 1000) int32, or a
+//                              reduce_scatter of blocks of count / size, out of place into a
+//                              recv filled with -7, or one barrier; $RING_WORKER_COLLECTIVE, when
+//                              set, names this rank's instead; prints "returned" or "error <code>
+//                              <message>", then "recv untouched" or "recv written"
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
@@ -126,7 +128,10 @@ int main(int argc, char** argv) {
       return far == 0 ? 0 : 1;
     }
     if (mode == "mismatch") {
-      const std::string collective = argc > 2 ? argv[2] : "broadcast";
+      const char* collective_env = std::getenv("RING_WORKER_COLLECTIVE");
+      const std::string collective = collective_env != nullptr ? collective_env
+                                     : argc > 2                ? argv[2]
+                                                               : "broadcast";
       const char* root_env = std::getenv("RING_WORKER_ROOT");
       const char* count_env = std::getenv("RING_WORKER_COUNT");
       const int root = root_env != nullptr ? std::atoi(root_env) : 0;
@@ -140,6 +145,11 @@ int main(int argc, char** argv) {
           comm->Broadcast(in, Tensor{recv.data(), count, DataType::kInt32}, root);
         } else if (collective == "all_reduce") {
           comm->AllReduce(in, Tensor{recv.data(), count, DataType::kInt32}, ReduceOp::kSum);
+        } else if (collective == "reduce_scatter") {  // a block each of count / n
+          comm->ReduceScatter(Tensor{send.data(), count / n * n, DataType::kInt32},
+                              Tensor{recv.data(), count / n, DataType::kInt32}, ReduceOp::kSum);
+        } else if (collective == "barrier") {
+          comm->Barrier();
         } else {
           comm->AllGather(in, Tensor{recv.data(), n * count, DataType::kInt32});
         }
