@@ -39,6 +39,7 @@ class SubFabric final : public transport::Fabric {
   void SetDeadline(transport::Clock::time_point deadline) override {
     parent_.SetDeadline(deadline);
   }
+  void SetCall(const core::CallTag& call) override { parent_.SetCall(call); }
   void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override {
     parent_.SetSpin(spin, yield);
   }

@@ -292,6 +292,7 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
   try {
     const auto deadline = transport::Clock::now() + timeout;
     fabric_->SetDeadline(deadline);
+    fabric_->SetCall(tag);
     Context ctx{*fabric_, tag, chunk_bytes_, staging_, deadline};
     body(ctx);
     // An Abort from another thread that came while the body's last wait was returning left the

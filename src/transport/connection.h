@@ -69,6 +69,15 @@ class Fabric {
   // is quoted in the error message.
   virtual void SetDeadline(Clock::time_point deadline) = 0;
 
+  // The call now running, set by the communicator with its deadline: a frame of this call's
+  // number that names another call (another collective, count, dtype, op or root) breaks the
+  // fabric with Error(kMismatch) once its header is read (while this rank drives the fabric),
+  // whether or not a receive is posted on its connection (a peer that runs another call may
+  // send where this rank never posts one); a header read before is checked here, and SetCall
+  // throws that error. Frames of other numbers are left to the receives that name them. A
+  // fabric may ignore it.
+  virtual void SetCall(const core::CallTag& call) { (void)call; }
+
   // How long a Wait* polls before it sleeps in the kernel (`spin`; 0: never polls), and how
   // long after that it goes on polling with a sched_yield between polls (`yield`; 0: none).
   virtual void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) = 0;

@@ -19,6 +19,14 @@ Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t ex
                                          " bytes");
 }
 
+Error CallMismatchError(int rank, int peer, const core::CallTag& running, const core::CallTag& got,
+                        uint64_t got_bytes) {
+  return Error(ErrorCode::kMismatch, RankPrefix(rank) + "frame from rank " + std::to_string(peer) +
+                                         " does not match: running " + running.ToString() +
+                                         ", got " + got.ToString() + " " +
+                                         std::to_string(got_bytes) + " bytes");
+}
+
 Error PeerLostError(int rank, int peer, const std::string& reason, const core::CallTag* what,
                     bool sending) {
   std::string message =

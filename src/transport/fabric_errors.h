@@ -19,6 +19,12 @@ namespace collectives::transport {
 Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t expected_bytes,
                     const core::CallTag& got, uint64_t got_bytes);
 
+// "rank 1: frame from rank 0 does not match: running #3 all_gather(f32, count=10), got #3
+// all_reduce(f32, sum, count=10) 40 bytes" (kMismatch): a frame of the running call's number
+// for which no receive is posted (Fabric::SetCall).
+Error CallMismatchError(int rank, int peer, const core::CallTag& running, const core::CallTag& got,
+                        uint64_t got_bytes);
+
 // "rank 2: lost rank 3 (connection closed by peer) while waiting for #5 all_reduce(...)" or
 // "... while sending #5 ..." (kPeerLost). `what` may be null when no call is concerned.
 Error PeerLostError(int rank, int peer, const std::string& reason, const core::CallTag* what,

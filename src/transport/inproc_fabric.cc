@@ -1,7 +1,9 @@
 // The in-process fabric: every rank owns an inbox (one mutex, one condition variable, one
 // queue of frames per source rank). A send copies the payload into the destination's inbox and
 // completes at once; a receive is matched, in posted order, against the frames of its source
-// when it is waited on or tested, with the same tag and size checks (and messages) as TCP.
+// when it is waited on or tested, with the same tag and size checks (and messages) as TCP; a
+// frame first in its queue that names another call of the running call's number (SetCall)
+// breaks the fabric then too.
 //
 // Failure is modelled after TCP: destroying a fabric marks it gone in every peer's inbox (a
 // closed socket: the frames it already sent stay readable, a receive beyond them raises
@@ -132,6 +134,14 @@ class InProcFabric final : public Fabric {
     deadline_ = deadline;
   }
 
+  void SetCall(const core::CallTag& call) override {
+    std::unique_lock<std::mutex> lock(inbox_.mu);
+    call_ = call;
+    if (BrokenLocked()) return;  // raised by the call's first wait, as before
+    CheckHeldLocked();
+    if (BrokenLocked()) Throw(lock);  // as TcpFabric::SetCall
+  }
+
   void SetSpin(std::chrono::microseconds, std::chrono::microseconds) override {}  // nothing to poll: waits sleep at once
 
   void Abort(const Error& error) override {
@@ -186,6 +196,23 @@ class InProcFabric final : public Fabric {
     }
   }
 
+  // Under inbox_.mu: the frame first in a source's queue, with no receive posted on its
+  // connection, of the running call's number but another call breaks the fabric (SetCall), as
+  // its header does over TCP.
+  void CheckHeldLocked() {
+    if (!call_ || BrokenLocked()) return;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_ || !connections_[peer]->recvs_.empty()) continue;
+      const std::deque<InboxFrame>& queue = inbox_.queues[peer];
+      if (queue.empty() || queue.front().tag.seq != call_->seq || queue.front().tag == *call_) {
+        continue;
+      }
+      BreakLocked(
+          CallMismatchError(rank_, peer, *call_, queue.front().tag, queue.front().payload.size()));
+      return;
+    }
+  }
+
   // Under inbox_.mu: completes the receives of `connection` that can be completed; may break.
   void MatchLocked(InProcConnection& connection) {
     auto& queue = inbox_.queues[connection.peer_];
@@ -215,6 +242,7 @@ class InProcFabric final : public Fabric {
   Inbox& inbox_;
   std::vector<std::unique_ptr<InProcConnection>> connections_;
   Clock::time_point deadline_ = Clock::time_point::max();  // guarded by inbox_.mu
+  std::optional<core::CallTag> call_;                      // guarded by inbox_.mu
 };
 
 uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, size_t bytes) {
@@ -297,6 +325,7 @@ void InProcConnection::WaitRecv(uint64_t ticket) {
   }
   for (;;) {
     fabric.MatchLocked(*this);
+    fabric.CheckHeldLocked();
     if (fabric.BrokenLocked()) fabric.Throw(lock);
     if (recvs_done_ >= ticket) return;
     if (Clock::now() >= fabric.deadline_) {
@@ -319,6 +348,7 @@ bool InProcConnection::TestRecv(uint64_t ticket) {
                     std::to_string(recvs_posted_) + " receives were posted");
   }
   fabric.MatchLocked(*this);
+  fabric.CheckHeldLocked();
   if (fabric.BrokenLocked()) fabric.Throw(lock);
   if (recvs_done_ >= ticket) return true;
   if (Clock::now() >= fabric.deadline_) {

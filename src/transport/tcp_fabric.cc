@@ -325,6 +325,10 @@ class TcpConnection final : public Connection {
   // (`match`), or by the fabric's next ResumeReads (so that reading a run of frames that each
   // came with the one before does not recurse).
   void OnHeader(bool match);
+  // A held header (kHeaderReady, no receive posted) of the running call's number that names
+  // another call (TcpFabric::SetCall) breaks the fabric with kMismatch now: no receive may ever
+  // be posted for it. A header a receive is posted for is checked by TryMatch, against it.
+  void CheckHeldHeader();
   void TryMatch();
   // Reads what is missing of an abort frame's payload, then breaks the fabric with it.
   void ReadAbortPayload();
@@ -409,6 +413,7 @@ class TcpFabric final : public Fabric {
   int size() const override { return size_; }
   Connection& connection(int peer) override;
   void SetDeadline(Clock::time_point deadline) override;
+  void SetCall(const core::CallTag& call) override;
   void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override;
   void Abort(const Error& error) override;
 
@@ -448,6 +453,7 @@ class TcpFabric final : public Fabric {
   const int size_;
   std::vector<std::unique_ptr<TcpConnection>> connections_;
   Clock::time_point deadline_ = Clock::time_point::max();
+  std::optional<core::CallTag> call_;  // SetCall (driving thread)
   std::chrono::microseconds spin_ = kDefaultSpin;
   std::chrono::microseconds yield_{0};
 
@@ -887,11 +893,23 @@ void TcpConnection::OnHeader(bool match) {
     return;
   }
   read_state_ = ReadState::kHeaderReady;
+  CheckHeldHeader();
+  if (read_state_ == ReadState::kStopped) return;
   if (match) {
     TryMatch();
   } else {
     fabric_->resume_reads_ = true;
   }
+}
+
+void TcpConnection::CheckHeldHeader() {
+  const std::optional<core::CallTag>& call = fabric_->call_;
+  if (read_state_ != ReadState::kHeaderReady || !recvs_.empty() || !fabric_->check_calls_ ||
+      !call || header_.tag.seq != call->seq || header_.tag == *call) {
+    return;
+  }
+  read_state_ = ReadState::kStopped;
+  fabric_->BreakLocal(CallMismatchError(fabric_->rank_, peer_, *call, header_.tag, header_.bytes));
 }
 
 void TcpConnection::TryMatch() {
@@ -1083,6 +1101,18 @@ Connection& TcpFabric::connection(int peer) {
 void TcpFabric::SetDeadline(Clock::time_point deadline) {
   std::lock_guard<std::mutex> lock(drive_mu_);
   deadline_ = deadline;
+}
+
+void TcpFabric::SetCall(const core::CallTag& call) {
+  std::lock_guard<std::mutex> lock(drive_mu_);
+  call_ = call;
+  if (broken()) return;                    // raised by the call's first wait, as before
+  for (auto& connection : connections_) {  // headers read during the call before
+    if (connection && !connection->closed_) connection->CheckHeldHeader();
+  }
+  // Now, not at the call's first wait: a call that never drives the fabric (a member of a
+  // two-level plan that stays in shared memory) would return, and its peers hear of it late.
+  ThrowIfBroken();
 }
 
 void TcpFabric::SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) {

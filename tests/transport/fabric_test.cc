@@ -247,6 +247,66 @@ TEST_P(FabricTest, MismatchedTagAfterAFrame) {
                 /*after_a_frame=*/true);
 }
 
+// Rank 2 sends rank 0 a frame of call #5 that names another call, where rank 0 runs #5 and
+// waits for rank 1 only (a rank that runs another collective may send where no receive is ever
+// posted): rank 0 raises kMismatch naming both calls at once, not at its deadline, and the
+// others hear of it. A frame of a later call is left alone until that call runs (#6).
+TEST_P(FabricTest, AFrameOfTheRunningCallsNumberForAnotherCallIsAMismatch) {
+  if (size_ < 3) GTEST_SKIP() << "needs a third rank";
+  for (const bool later : {false, true}) {
+    SCOPED_TRACE(later ? "a frame of the next call" : "a frame of the running call");
+    fabrics_.clear();  // before MakeFabrics replaces the store they were built through
+    fabrics_ = testing::MakeFabrics(kind_, size_, &store_);
+    for (auto& f : fabrics_) f->SetDeadline(Clock::now() + 30s);
+    const core::CallTag barrier5 = Tag(5, 0, core::CollectiveKind::kBarrier);
+    const core::CallTag barrier6 = Tag(6, 0, core::CollectiveKind::kBarrier);
+    const core::CallTag other = Tag(later ? 6 : 5, 10);
+    const std::string expected = std::string("rank 0: frame from rank 2 does not match: running ") +
+                                 (later ? "#6" : "#5") + " barrier(), got " +
+                                 (later ? "#6" : "#5") + " all_reduce(f32, sum, count=10) 40 bytes";
+    const auto start = Clock::now();
+    const auto errors = RunRanks(size_, [&](int rank) {
+      if (rank == 2) {
+        const std::vector<uint8_t> out(40, 1);
+        Connection& to = fabric(2).connection(0);
+        to.WaitSend(to.PostSend(other, out.data(), out.size()));
+      }
+      if (rank == 1 && later) {  // #5 goes through: the frame of #6 waits for #6
+        Connection& to = fabric(1).connection(0);
+        to.WaitSend(to.PostSend(barrier5, nullptr, 0));
+      }
+      if (rank == 0) {
+        Connection& from = fabric(0).connection(1);
+        fabric(0).SetCall(barrier5);
+        if (later) {
+          std::this_thread::sleep_for(50ms);  // rank 2's frame is there, read or not
+          from.WaitRecv(from.PostRecv(barrier5, nullptr, 0));
+          fabric(0).SetCall(barrier6);
+          from.WaitRecv(from.PostRecv(barrier6, nullptr, 0));
+        } else {
+          from.WaitRecv(from.PostRecv(barrier5, nullptr, 0));
+        }
+        ADD_FAILURE() << "rank 0's receive from rank 1 returned";
+        return;
+      }
+      // The others wait for rank 0, which never sends.
+      uint8_t byte;
+      Connection& from = fabric(rank).connection(0);
+      from.WaitRecv(from.PostRecv(Tag(7, 1), &byte, 1));
+    });
+    EXPECT_LT(Clock::now() - start, 20s);
+    ASSERT_TRUE(errors[0]);
+    EXPECT_EQ(errors[0]->code(), ErrorCode::kMismatch);
+    EXPECT_EQ(errors[0]->message(), expected);
+    for (int rank = 1; rank < size_; ++rank) {
+      ASSERT_TRUE(errors[rank]) << "rank " << rank;
+      EXPECT_EQ(errors[rank]->code(), ErrorCode::kMismatch) << errors[rank]->what();
+      EXPECT_EQ(errors[rank]->message(),
+                "rank " + std::to_string(rank) + ": rank 0 aborted the job: " + expected);
+    }
+  }
+}
+
 // Frames of every size around the inline limit (4096 bytes over TCP), posted before they come
 // and after, in a stream already running: each lands whole in its own buffer.
 TEST_P(FabricTest, SmallFramesAroundTheInlineLimit) {
