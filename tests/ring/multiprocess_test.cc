@@ -462,6 +462,56 @@ INSTANTIATE_TEST_SUITE_P(
                      {"broadcast", "broadcast", "broadcast", "broadcast", "barrier", "broadcast"}}),
     [](const ::testing::TestParamInfo<MismatchCase>& p) { return std::string(p.param.name); });
 
+// Every ordered pair of different collectives (20), one rank calling the second while the others
+// call the first, on layouts of two hosts where the plans differ by collective (two levels,
+// the flat ring, a rank alone on its host, which has no group): every rank raises kMismatch
+// with recv untouched, none at its deadline (the workers' timeout is 60 s; this bounds all 20).
+struct PairsCase {
+  const char* name;
+  std::vector<std::string> host_ids;
+  int differing;  // the rank that calls the second collective
+};
+
+void PrintTo(const PairsCase& c, std::ostream* os) { *os << c.name; }
+
+class EveryPairOfCollectivesTest : public ::testing::TestWithParam<PairsCase> {};
+
+TEST_P(EveryPairOfCollectivesTest, RaisesMismatchOnEveryRank) {
+  const PairsCase& c = GetParam();
+  const int size = int(c.host_ids.size());
+  const std::vector<std::string> kinds = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                          "barrier"};
+  const auto start = std::chrono::steady_clock::now();
+  for (const std::string& most : kinds) {
+    for (const std::string& one : kinds) {
+      if (one == most) continue;
+      SCOPED_TRACE(most + " on every rank but " + std::to_string(c.differing) + ", " + one +
+                   " there");
+      Placement placement;
+      placement.host_ids = c.host_ids;
+      placement.env.resize(size_t(size));
+      placement.env[size_t(c.differing)].push_back("RING_WORKER_COLLECTIVE=" + one);
+      std::vector<Worker> workers = Start(size, {"mismatch", most}, placement);
+      const bool finished = WaitAll(workers, All(size), std::chrono::seconds(50));
+      KillAll(workers);
+      ASSERT_TRUE(finished) << "workers did not finish in time";
+      for (const Worker& w : workers) {
+        EXPECT_NE(w.output.find("error 5 [mismatch]"), std::string::npos) << w.output;
+        EXPECT_EQ(w.output.find("recv written"), std::string::npos) << w.output;
+      }
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(50));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Auto, EveryPairOfCollectivesTest,
+    ::testing::Values(PairsCase{"TwoHostsOfTwo", {"a", "a", "b", "b"}, 3},
+                      PairsCase{"TheLoneRankOfTwoAndOne", {"a", "a", "b"}, 2},
+                      PairsCase{"TheLoneRankOfOneAndTwo", {"a", "b", "b"}, 0},
+                      PairsCase{"AMemberOfThreeAndTwo", {"a", "a", "a", "b", "b"}, 1}),
+    [](const ::testing::TestParamInfo<PairsCase>& p) { return std::string(p.param.name); });
+
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
 // it times both plans) runs each of its calls under what is left of the deadline, then gives the
 // communicator its whole timeout back. Here rank 1 starts 4 s into a 9 s timeout, so the others
