@@ -464,12 +464,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Every ordered pair of different collectives (20), one rank calling the second while the others
 // call the first, on layouts of two hosts where the plans differ by collective (two levels,
-// the flat ring, a rank alone on its host, which has no group): every rank raises kMismatch
-// with recv untouched, none at its deadline (the workers' timeout is 60 s; this bounds all 20).
+// the flat ring, a rank alone on its host, which has no group), and on RING: every rank raises
+// kMismatch with recv untouched, none at its deadline (the workers' timeout is 60 s; this bounds
+// all 20).
 struct PairsCase {
   const char* name;
-  std::vector<std::string> host_ids;
-  int differing;  // the rank that calls the second collective
+  std::vector<std::string> host_ids;  // pretend hosts (AUTO), or empty: RING, one per rank
+  int differing;                      // the rank that calls the second collective
+  int ring_size = 0;                  // RING's world size
 };
 
 void PrintTo(const PairsCase& c, std::ostream* os) { *os << c.name; }
@@ -478,7 +480,7 @@ class EveryPairOfCollectivesTest : public ::testing::TestWithParam<PairsCase> {}
 
 TEST_P(EveryPairOfCollectivesTest, RaisesMismatchOnEveryRank) {
   const PairsCase& c = GetParam();
-  const int size = int(c.host_ids.size());
+  const int size = c.host_ids.empty() ? c.ring_size : int(c.host_ids.size());
   const std::vector<std::string> kinds = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
                                           "barrier"};
   const auto start = std::chrono::steady_clock::now();
@@ -489,6 +491,7 @@ TEST_P(EveryPairOfCollectivesTest, RaisesMismatchOnEveryRank) {
                    " there");
       Placement placement;
       placement.host_ids = c.host_ids;
+      if (c.host_ids.empty()) placement.implementation = "ring";
       placement.env.resize(size_t(size));
       placement.env[size_t(c.differing)].push_back("RING_WORKER_COLLECTIVE=" + one);
       std::vector<Worker> workers = Start(size, {"mismatch", most}, placement);
@@ -505,11 +508,12 @@ TEST_P(EveryPairOfCollectivesTest, RaisesMismatchOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Auto, EveryPairOfCollectivesTest,
+    Layouts, EveryPairOfCollectivesTest,
     ::testing::Values(PairsCase{"TwoHostsOfTwo", {"a", "a", "b", "b"}, 3},
                       PairsCase{"TheLoneRankOfTwoAndOne", {"a", "a", "b"}, 2},
                       PairsCase{"TheLoneRankOfOneAndTwo", {"a", "b", "b"}, 0},
-                      PairsCase{"AMemberOfThreeAndTwo", {"a", "a", "a", "b", "b"}, 1}),
+                      PairsCase{"AMemberOfThreeAndTwo", {"a", "a", "a", "b", "b"}, 1},
+                      PairsCase{"RingOfThree", {}, 2, 3}, PairsCase{"RingOfFive", {}, 0, 5}),
     [](const ::testing::TestParamInfo<PairsCase>& p) { return std::string(p.param.name); });
 
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
