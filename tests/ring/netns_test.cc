@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -29,14 +30,18 @@ int Shell(const std::string& command) {
   return std::system((command + " >/dev/null 2>&1").c_str());
 }
 
-// Three namespaces on one bridge, named after this process so parallel runs do not collide.
+// Three namespaces on one bridge, named after this process so parallel runs do not collide, and
+// after a count of the sets this process made: the outer end of a veth whose namespace was just
+// deleted goes away asynchronously, so a name used again at once may still be taken (every test
+// after the first skipped when one process ran them all).
 class Hosts {
  public:
   static constexpr int kHosts = 3;
 
   Hosts() {
+    static std::atomic<int> sets{0};
     const int pid = int(getpid());
-    tag_ = std::to_string(pid % 100000);
+    tag_ = std::to_string(pid % 100000) + char('a' + sets++ % 26);
     subnet_ = "10." + std::to_string(100 + pid % 100) + "." + std::to_string((pid / 100) % 250);
     bridge_ = "cb" + tag_;
     if (Shell("ip link add " + bridge_ + " type bridge") != 0) {
