@@ -70,7 +70,12 @@ class Hosts {
   }
 
   ~Hosts() {
-    for (const std::string& ns : namespaces_) Shell("ip netns del " + ns);
+    // Each veth first (both ends go at once): a deleted namespace lives on while orphaned TCP
+    // sockets in it retransmit (for minutes after a cut link), and its veth with it.
+    for (size_t h = 0; h < namespaces_.size(); ++h) {
+      Shell("ip netns exec " + namespaces_[h] + " ip link del " + Interface(int(h)));
+      Shell("ip netns del " + namespaces_[h]);
+    }
     Shell("ip link del " + bridge_);
   }
 
