@@ -19,10 +19,12 @@ Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t ex
                                          " bytes");
 }
 
-Error CallMismatchError(int rank, int peer, const core::CallTag& running, const core::CallTag& got,
-                        uint64_t got_bytes) {
+std::optional<Error> CallMismatchError(int rank, int peer,
+                                       const std::optional<core::CallTag>& running,
+                                       const core::CallTag& got, uint64_t got_bytes) {
+  if (!running || got.seq != running->seq || got == *running) return std::nullopt;
   return Error(ErrorCode::kMismatch, RankPrefix(rank) + "frame from rank " + std::to_string(peer) +
-                                         " does not match: running " + running.ToString() +
+                                         " does not match: running " + running->ToString() +
                                          ", got " + got.ToString() + " " +
                                          std::to_string(got_bytes) + " bytes");
 }

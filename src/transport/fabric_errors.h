@@ -6,6 +6,8 @@
 #define COLLECTIVES_SRC_TRANSPORT_FABRIC_ERRORS_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <string>
 
 #include "collectives/errors.h"
@@ -19,11 +21,13 @@ namespace collectives::transport {
 Error MismatchError(int rank, int peer, const core::CallTag& expected, size_t expected_bytes,
                     const core::CallTag& got, uint64_t got_bytes);
 
-// "rank 1: frame from rank 0 does not match: running #3 all_gather(f32, count=10), got #3
-// all_reduce(f32, sum, count=10) 40 bytes" (kMismatch): a frame of the running call's number
-// for which no receive is posted (Fabric::SetCall).
-Error CallMismatchError(int rank, int peer, const core::CallTag& running, const core::CallTag& got,
-                        uint64_t got_bytes);
+// For a frame for which no receive is posted (Fabric::SetCall): when it has the number of the
+// `running` call but names another call, "rank 1: frame from rank 0 does not match: running #3
+// all_gather(f32, count=10), got #3 all_reduce(f32, sum, count=10) 40 bytes" (kMismatch); else
+// (no call running, another number, the running call itself) nothing.
+std::optional<Error> CallMismatchError(int rank, int peer,
+                                       const std::optional<core::CallTag>& running,
+                                       const core::CallTag& got, uint64_t got_bytes);
 
 // "rank 2: lost rank 3 (connection closed by peer) while waiting for #5 all_reduce(...)" or
 // "... while sending #5 ..." (kPeerLost). `what` may be null when no call is concerned.

@@ -200,16 +200,16 @@ class InProcFabric final : public Fabric {
   // connection, of the running call's number but another call breaks the fabric (SetCall), as
   // its header does over TCP.
   void CheckHeldLocked() {
-    if (!call_ || BrokenLocked()) return;
+    if (BrokenLocked()) return;
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_ || !connections_[peer]->recvs_.empty()) continue;
       const std::deque<InboxFrame>& queue = inbox_.queues[peer];
-      if (queue.empty() || queue.front().tag.seq != call_->seq || queue.front().tag == *call_) {
-        continue;
+      if (queue.empty()) continue;
+      if (auto error = CallMismatchError(rank_, peer, call_, queue.front().tag,
+                                         queue.front().payload.size())) {
+        BreakLocked(*error);
+        return;
       }
-      BreakLocked(
-          CallMismatchError(rank_, peer, *call_, queue.front().tag, queue.front().payload.size()));
-      return;
     }
   }
 

@@ -903,13 +903,12 @@ void TcpConnection::OnHeader(bool match) {
 }
 
 void TcpConnection::CheckHeldHeader() {
-  const std::optional<core::CallTag>& call = fabric_->call_;
-  if (read_state_ != ReadState::kHeaderReady || !recvs_.empty() || !fabric_->check_calls_ ||
-      !call || header_.tag.seq != call->seq || header_.tag == *call) {
-    return;
+  if (read_state_ != ReadState::kHeaderReady || !recvs_.empty() || !fabric_->check_calls_) return;
+  if (auto error =
+          CallMismatchError(fabric_->rank_, peer_, fabric_->call_, header_.tag, header_.bytes)) {
+    read_state_ = ReadState::kStopped;
+    fabric_->BreakLocal(*error);
   }
-  read_state_ = ReadState::kStopped;
-  fabric_->BreakLocal(CallMismatchError(fabric_->rank_, peer_, *call, header_.tag, header_.bytes));
 }
 
 void TcpConnection::TryMatch() {
