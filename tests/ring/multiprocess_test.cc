@@ -233,6 +233,36 @@ TEST(MultiProcessShmTest, ASharedMemoryFailureOnOneHostIsRaisedOnEveryHost) {
   }
 }
 
+// Runs `size` workers in mismatch mode (`collective`, or each rank's RING_WORKER_COLLECTIVE in
+// placement.env) and expects every one to raise kMismatch, neither returning nor writing recv,
+// within `limit`.
+void ExpectMismatchOnEveryRank(int size, const std::string& collective, const Placement& placement,
+                               std::chrono::seconds limit) {
+  std::vector<Worker> workers = Start(size, {"mismatch", collective}, placement);
+  const bool finished = WaitAll(workers, All(size), limit);
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (const Worker& w : workers) {
+    // A rank still finishing its set-up's last call when a faster one raised gets the abort
+    // there (the communicator is broken before its user could call it): kMismatch all the same.
+    EXPECT_NE(w.output.find("error 5 [mismatch]"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("returned"), std::string::npos) << w.output;
+    EXPECT_EQ(w.output.find("recv written"), std::string::npos) << w.output;
+  }
+}
+
+// `host_ids` pretend hosts (empty: RING), rank `differing` calling `other`
+// (RING_WORKER_COLLECTIVE).
+Placement OneRankCalls(const std::vector<std::string>& host_ids, int size, int differing,
+                       const std::string& other) {
+  Placement placement;
+  placement.host_ids = host_ids;
+  if (host_ids.empty()) placement.implementation = "ring";
+  placement.env.resize(size_t(size));
+  placement.env[size_t(differing)].push_back("RING_WORKER_COLLECTIVE=" + other);
+  return placement;
+}
+
 // Two pretend hosts (and three) whose ranks make different calls, where the two-level plans once
 // let them pass: a broadcast whose hosts name different roots (the root's host only sends, so
 // no rank of it checked anyone: every rank returned, each host with its own root's data), and
@@ -246,8 +276,6 @@ struct MismatchCase {
   std::vector<std::string> roots;   // RING_WORKER_ROOT per rank, or empty
   std::vector<std::string> counts;  // RING_WORKER_COUNT per rank, or empty
   std::string algorithm{};          // forced, or empty (calibrated)
-  // RING_WORKER_COLLECTIVE per rank (each rank's own call instead of `collective`), or empty
-  std::vector<std::string> collectives{};
 };
 
 void PrintTo(const MismatchCase& c, std::ostream* os) { *os << c.name; }
@@ -266,23 +294,8 @@ TEST_P(TwoLevelMismatchTest, EveryRankRaisesWithNothingWritten) {
       placement.env[size_t(rank)].push_back("RING_WORKER_ROOT=" + c.roots[size_t(rank)]);
     if (!c.counts.empty())
       placement.env[size_t(rank)].push_back("RING_WORKER_COUNT=" + c.counts[size_t(rank)]);
-    if (!c.collectives.empty()) {
-      placement.env[size_t(rank)].push_back("RING_WORKER_COLLECTIVE=" +
-                                            c.collectives[size_t(rank)]);
-    }
   }
-  std::vector<Worker> workers = Start(size, {"mismatch", c.collective}, placement);
-  const bool finished = WaitAll(workers, All(size), std::chrono::seconds(120));
-  KillAll(workers);
-  ASSERT_TRUE(finished) << "workers did not finish in time";
-  for (int rank = 0; rank < size; ++rank) {
-    const Worker& w = workers[size_t(rank)];
-    // A rank still finishing its set-up's last call when a faster one raised gets the abort
-    // there (the communicator is broken before its user could call it): kMismatch all the same.
-    EXPECT_NE(w.output.find("error 5 [mismatch]"), std::string::npos) << w.output;
-    EXPECT_EQ(w.output.find("returned"), std::string::npos) << w.output;
-    EXPECT_EQ(w.output.find("recv written"), std::string::npos) << w.output;
-  }
+  ExpectMismatchOnEveryRank(size, c.collective, placement, std::chrono::seconds(120));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -397,69 +410,7 @@ INSTANTIATE_TEST_SUITE_P(
                      {"a", "a", "b", "c", "c"},
                      "broadcast",
                      {},
-                     {"5", "5", "5", "3", "3"}},
-        // One rank calls a collective the plan leaves to the flat ring while the others of its
-        // host call one that waits for it in shared memory (or the other way round): the host
-        // waited for it until the deadline (kTimeout, 60 s). Now the ring call is announced in
-        // shared memory, and the host raises kMismatch at once.
-        MismatchCase{"AReduceScatterInsideAHostOfBroadcasts",
-                     {"a", "a", "b", "b"},
-                     "broadcast",
-                     {},
-                     {},
-                     "",
-                     {"broadcast", "broadcast", "broadcast", "reduce_scatter"}},
-        MismatchCase{"ABarrierInsideAHostOfAllGathers",
-                     {"a", "a", "b", "b"},
-                     "all_gather",
-                     {},
-                     {},
-                     "",
-                     {"barrier", "all_gather", "all_gather", "all_gather"}},
-        MismatchCase{"AnAllReduceInsideAHostOfReduceScatters",
-                     {"a", "a", "b", "b"},
-                     "reduce_scatter",
-                     {},
-                     {},
-                     "two_level",
-                     {"reduce_scatter", "reduce_scatter", "reduce_scatter", "all_reduce"}},
-        MismatchCase{"AnAllReduceAmongAllGathersOnHostsOfThreeAndTwo",
-                     {"a", "a", "a", "b", "b"},
-                     "all_gather",
-                     {},
-                     {},
-                     "two_level",
-                     {"all_gather", "all_reduce", "all_gather", "all_gather", "all_gather"}},
-        // A rank alone on its host has no group to announce in: the frames of the two-level
-        // call that reach it, or that it sends, name the other call (Fabric::SetCall).
-        MismatchCase{"AnAllReduceOfTheLoneRankAgainstAllGathers",
-                     {"a", "a", "b"},
-                     "all_gather",
-                     {},
-                     {},
-                     "two_level",
-                     {"all_gather", "all_gather", "all_reduce"}},
-        MismatchCase{"ABarrierOfTheLoneRankAgainstBroadcasts",
-                     {"a", "a", "b"},
-                     "broadcast",
-                     {},
-                     {},
-                     "",
-                     {"broadcast", "broadcast", "barrier"}},
-        MismatchCase{"BarriersAgainstAnAllReduceOfTheLoneRank",
-                     {"a", "b", "b"},
-                     "barrier",
-                     {},
-                     {},
-                     "two_level",
-                     {"all_reduce", "barrier", "barrier"}},
-        MismatchCase{"ABarrierInsideOneOfThreeHostsOfBroadcasts",
-                     {"a", "a", "b", "b", "c", "c"},
-                     "broadcast",
-                     {},
-                     {},
-                     "",
-                     {"broadcast", "broadcast", "broadcast", "broadcast", "barrier", "broadcast"}}),
+                     {"5", "5", "5", "3", "3"}}),
     [](const ::testing::TestParamInfo<MismatchCase>& p) { return std::string(p.param.name); });
 
 // Every ordered pair of different collectives (20), one rank calling the second while the others
@@ -488,19 +439,9 @@ TEST_P(EveryPairOfCollectivesTest, RaisesMismatchOnEveryRank) {
       if (one == most) continue;
       SCOPED_TRACE(most + " on every rank but " + std::to_string(c.differing) + ", " + one +
                    " there");
-      Placement placement;
-      placement.host_ids = c.host_ids;
-      if (c.host_ids.empty()) placement.implementation = "ring";
-      placement.env.resize(size_t(size));
-      placement.env[size_t(c.differing)].push_back("RING_WORKER_COLLECTIVE=" + one);
-      std::vector<Worker> workers = Start(size, {"mismatch", most}, placement);
-      const bool finished = WaitAll(workers, All(size), std::chrono::seconds(50));
-      KillAll(workers);
-      ASSERT_TRUE(finished) << "workers did not finish in time";
-      for (const Worker& w : workers) {
-        EXPECT_NE(w.output.find("error 5 [mismatch]"), std::string::npos) << w.output;
-        EXPECT_EQ(w.output.find("recv written"), std::string::npos) << w.output;
-      }
+      ExpectMismatchOnEveryRank(size, most, OneRankCalls(c.host_ids, size, c.differing, one),
+                                std::chrono::seconds(50));
+      if (HasFatalFailure()) return;
     }
   }
 }
@@ -514,6 +455,74 @@ INSTANTIATE_TEST_SUITE_P(
                       PairsCase{"TheLoneRankBetweenTwoHostsOfTwo", {"a", "a", "b", "c", "c"}, 2},
                       PairsCase{"RingOfThree", {}, 2, 3}, PairsCase{"RingOfFive", {}, 0, 5}),
     [](const ::testing::TestParamInfo<PairsCase>& p) { return std::string(p.param.name); });
+
+// Single pairs beyond those (another differing rank, three hosts, the two levels forced so that
+// the all-reduce waits in shared memory whatever the calibration says): one rank calls a
+// collective the plan leaves to the flat ring while the others of its host call one that waits
+// for it in shared memory, or the other way round, or a rank alone on its host (no group to
+// announce in: the frames that reach it, or that it sends, name the other call). Each waited
+// until the deadline (kTimeout) before the ring call was announced in shared memory and the
+// fabric knew the call it runs.
+struct OtherCallCase {
+  const char* name;
+  std::vector<std::string> host_ids;
+  const char* collective;  // every rank's but one
+  int differing;
+  const char* other;      // that rank's
+  std::string algorithm;  // forced, or empty (calibrated)
+};
+
+void PrintTo(const OtherCallCase& c, std::ostream* os) { *os << c.name; }
+
+class OneRankCallsAnotherCollectiveTest : public ::testing::TestWithParam<OtherCallCase> {};
+
+TEST_P(OneRankCallsAnotherCollectiveTest, RaisesMismatchOnEveryRank) {
+  const OtherCallCase& c = GetParam();
+  const int size = int(c.host_ids.size());
+  Placement placement = OneRankCalls(c.host_ids, size, c.differing, c.other);
+  placement.algorithm = c.algorithm;
+  ExpectMismatchOnEveryRank(size, c.collective, placement, std::chrono::seconds(120));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Auto, OneRankCallsAnotherCollectiveTest,
+    ::testing::Values(OtherCallCase{"ABarrierInsideAHostOfAllGathers",
+                                    {"a", "a", "b", "b"},
+                                    "all_gather",
+                                    0,
+                                    "barrier",
+                                    ""},
+                      OtherCallCase{"AnAllReduceInsideAHostOfReduceScatters",
+                                    {"a", "a", "b", "b"},
+                                    "reduce_scatter",
+                                    3,
+                                    "all_reduce",
+                                    "two_level"},
+                      OtherCallCase{"AnAllReduceAmongAllGathersOnHostsOfThreeAndTwo",
+                                    {"a", "a", "a", "b", "b"},
+                                    "all_gather",
+                                    1,
+                                    "all_reduce",
+                                    "two_level"},
+                      OtherCallCase{"AnAllReduceOfTheLoneRankAgainstAllGathers",
+                                    {"a", "a", "b"},
+                                    "all_gather",
+                                    2,
+                                    "all_reduce",
+                                    "two_level"},
+                      OtherCallCase{"BarriersAgainstAnAllReduceOfTheLoneRank",
+                                    {"a", "b", "b"},
+                                    "barrier",
+                                    0,
+                                    "all_reduce",
+                                    "two_level"},
+                      OtherCallCase{"ABarrierInsideOneOfThreeHostsOfBroadcasts",
+                                    {"a", "a", "b", "b", "c", "c"},
+                                    "broadcast",
+                                    4,
+                                    "barrier",
+                                    ""}),
+    [](const ::testing::TestParamInfo<OtherCallCase>& p) { return std::string(p.param.name); });
 
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
 // it times both plans) runs each of its calls under what is left of the deadline, then gives the
