@@ -356,6 +356,21 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
+  bool AllReducesInPieces() const override { return plan_ == Plan::kShm; }
+
+  Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup::Pieces message;
+    for (const Tensor& t : pieces) {
+      if (t.count > 0) message.Add(t.data, t.bytes());
+    }
+    ShmGroup* group = group_.get();
+    return [group, message = std::move(message), dtype = pieces.front().dtype,
+            op](ring::Context& ctx) {
+      group->AllReduceInPieces(ctx.tag, ctx.deadline, message, dtype, op);
+    };
+  }
+
   Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) override {
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();

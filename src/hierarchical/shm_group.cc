@@ -868,13 +868,80 @@ void ShmGroup::BreakHalfwayForTesting() { BeginBreaking(); }
 
 void ShmGroup::FinishBreakingForTesting(const Error& error) { WriteBroken(error); }
 
+// The caller's side of an all-reduce: `send` read and `recv` written, one buffer each (which may
+// be the same), or a message in place in pieces. ForEachRun(offset, bytes, fn) calls
+// fn(in, out, at, run) for each stretch of the message's bytes [offset, offset + bytes) that lies
+// in one buffer: `run` bytes at `in` (read) and `out` (written), `at` bytes past `offset`. One
+// buffer is one call.
+class ShmGroup::Message {
+ public:
+  Message(const void* send, void* recv)
+      : in_(static_cast<const uint8_t*>(send)), out_(static_cast<uint8_t*>(recv)) {}
+  explicit Message(const Pieces& pieces) : pieces_(&pieces) {}
+
+  template <typename Fn>
+  void ForEachRun(size_t offset, size_t bytes, Fn&& fn) const {
+    if (bytes == 0) return;
+    if (pieces_ == nullptr) {
+      fn(in_ + offset, out_ + offset, size_t{0}, bytes);
+      return;
+    }
+    const std::vector<Pieces::Piece>& pieces = pieces_->pieces();
+    // The first piece that ends past `offset`.
+    auto piece = std::upper_bound(pieces.begin(), pieces.end(), offset,
+                                  [](size_t at, const Pieces::Piece& p) { return at < p.end; });
+    for (size_t at = 0; at < bytes; ++piece) {
+      const size_t skip = offset + at - (piece->end - piece->bytes);
+      const size_t run = std::min(piece->bytes - skip, bytes - at);
+      if (run == 0) continue;  // an empty piece
+      fn(piece->data + skip, piece->data + skip, at, run);
+      at += run;
+    }
+  }
+  // Bytes [offset, offset + bytes) of the input into `to`.
+  void Read(size_t offset, uint8_t* to, size_t bytes) const {
+    ForEachRun(offset, bytes, [to](const uint8_t* in, uint8_t*, size_t at, size_t run) {
+      std::memcpy(to + at, in, run);
+    });
+  }
+  // `from` into bytes [offset, offset + bytes) of the output.
+  void Write(size_t offset, const uint8_t* from, size_t bytes) const {
+    ForEachRun(offset, bytes, [from](const uint8_t*, uint8_t* out, size_t at, size_t run) {
+      std::memcpy(out, from + at, run);
+    });
+  }
+
+ private:
+  const uint8_t* in_ = nullptr;
+  uint8_t* out_ = nullptr;
+  const Pieces* pieces_ = nullptr;
+};
+
 void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                          void* recv, size_t count, DataType dtype, ReduceOp op,
                          const SliceHook& cross, size_t avg_divisor, int lanes) {
+  RunAllReduce(tag, deadline, Message(send, recv), count, dtype, op, cross, avg_divisor, lanes);
+}
+
+void ShmGroup::AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline,
+                                 const Pieces& pieces, DataType dtype, ReduceOp op) {
+  const size_t es = SizeOf(dtype);
+  for (const Pieces::Piece& piece : pieces.pieces()) {
+    if (piece.bytes % es != 0 || (piece.data == nullptr && piece.bytes != 0)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "rank " + std::to_string(rank_) + ": all_reduce in pieces: a piece of " +
+                      std::to_string(piece.bytes) + " bytes is not a whole number of " +
+                      ToString(dtype) + " elements, or has no data");
+    }
+  }
+  RunAllReduce(tag, deadline, Message(pieces), pieces.bytes() / es, dtype, op, {}, 0, 0);
+}
+
+void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline,
+                            const Message& message, size_t count, DataType dtype, ReduceOp op,
+                            const SliceHook& cross, size_t avg_divisor, int lanes) {
   Step step(*this, tag, deadline);
   const size_t es = SizeOf(dtype);
-  const auto* in = static_cast<const uint8_t*>(send);
-  auto* out = static_cast<uint8_t*>(recv);
   const int n = size();
   const int me = index_;
   const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
@@ -884,19 +951,20 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
     // One synchronisation: everyone reduces everything, in member order, so the results are
     // identical bit for bit.
     const uint32_t s = step.Begin(true);
-    if (count != 0) std::memcpy(step.own_slot(s), in, count * es);
+    message.Read(0, step.own_slot(s), count * es);
     step.Arrive(s);
     step.AwaitEveryArrival(s);
-    if (count != 0) {
+    message.ForEachRun(0, count * es, [&](const uint8_t*, uint8_t* out, size_t at, size_t run) {
+      const size_t c = run / es;
       if (n == 1) {
-        std::memmove(out, step.slot(0, s), count * es);
+        std::memmove(out, step.slot(0, s) + at, run);
       } else {
-        core::Reduce(dtype, kernel_op, out, step.slot(0, s), step.slot(1, s), count);
+        core::Reduce(dtype, kernel_op, out, step.slot(0, s) + at, step.slot(1, s) + at, c);
         for (int j = 2; j < n; ++j)
-          core::Reduce(dtype, kernel_op, out, out, step.slot(j, s), count);
+          core::Reduce(dtype, kernel_op, out, out, step.slot(j, s) + at, c);
       }
-      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, out, count, divisor);
-    }
+      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, out, c, divisor);
+    });
     step.Done(s);
     return;
   }
@@ -913,42 +981,48 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
   size_t offset = 0;
   do {
     const size_t c = std::min(per_step, count - offset);
+    const size_t step_begin = offset * es;  // in the message
     const uint32_t s = step.Begin(true);
     uint8_t* mine = step.own_slot(s);
     // This member's slice is reduced by this member alone, from every member's slot, so every
     // member ends with the same bits whatever the order. Without a crossing, its own input for
-    // that slice is read straight from `send` and the result written straight into `recv` (then
-    // copied into the slot for the others): the slot only needs the other slices.
+    // that slice is read straight from the caller's and the result written straight into the
+    // caller's (then copied into the slot for the others): the slot only needs the other slices.
     const Part own = part_of(c, me);
     const size_t own_begin = own.offset * es, own_end = (own.offset + own.length) * es;
-    const uint8_t* step_in = in + offset * es;
-    uint8_t* step_out = out + offset * es;
     if (cross) {
-      if (c != 0) std::memcpy(mine, step_in, c * es);
-    } else if (c != 0) {
-      std::memcpy(mine, step_in, own_begin);
-      std::memcpy(mine + own_end, step_in + own_end, c * es - own_end);
+      message.Read(step_begin, mine, c * es);
+    } else {
+      message.Read(step_begin, mine, own_begin);
+      message.Read(step_begin + own_end, mine + own_end, c * es - own_end);
     }
     step.Arrive(s);
     step.AwaitEveryArrival(s);
-    if (own.length != 0) {
-      uint8_t* acc = cross ? mine + own_begin : step_out + own_begin;
-      const uint8_t* first = cross ? acc : step_in + own_begin;
+    // acc = first op (every other member's slot), in member order; `at` bytes into the slice.
+    const auto reduce_own = [&](uint8_t* acc, const uint8_t* first, size_t at, size_t length) {
       bool reduced = false;
       for (int j = 0; j < n; ++j) {
         if (j == me) continue;
-        core::Reduce(dtype, kernel_op, acc, reduced ? acc : first, step.slot(j, s) + own_begin,
-                     own.length);
+        core::Reduce(dtype, kernel_op, acc, reduced ? acc : first, step.slot(j, s) + own_begin + at,
+                     length);
         reduced = true;
       }
-      if (!reduced && acc != first) std::memcpy(acc, first, own.length * es);
-      if (cross) cross(acc, own.length);
+      if (!reduced && acc != first) std::memcpy(acc, first, length * es);
+    };
+    if (own.length != 0 && cross) {
+      uint8_t* acc = mine + own_begin;
+      reduce_own(acc, acc, 0, own.length);
+      cross(acc, own.length);
       if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, acc, own.length, divisor);
-      if (cross) {
-        std::memcpy(step_out + own_begin, acc, own.length * es);
-      } else {
-        std::memcpy(mine + own_begin, acc, own.length * es);
-      }
+      message.Write(step_begin + own_begin, acc, own.length * es);
+    } else if (own.length != 0) {
+      message.ForEachRun(step_begin + own_begin, own.length * es,
+                         [&](const uint8_t* in, uint8_t* out, size_t at, size_t run) {
+                           reduce_own(out, in, at, run / es);
+                           if (op == ReduceOp::kAvg)
+                             core::DivideInPlace(dtype, out, run / es, divisor);
+                           std::memcpy(mine + own_begin + at, out, run);
+                         });
     }
     step.Reduced(s);
     for (int k = 1; k < n; ++k) {
@@ -956,8 +1030,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
       const Part part = part_of(c, j);
       if (part.length == 0) continue;
       step.AwaitReduced(j, s);
-      std::memcpy(step_out + part.offset * es, step.slot(j, s) + part.offset * es,
-                  part.length * es);
+      message.Write(step_begin + part.offset * es, step.slot(j, s) + part.offset * es,
+                    part.length * es);
     }
     step.Done(s);
     offset += c;

@@ -138,6 +138,29 @@ class ShmGroup {
   void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
                  size_t count, DataType dtype, ReduceOp op, const SliceHook& cross = {},
                  size_t avg_divisor = 0, int lanes = 0);
+  // The same all-reduce (without a crossing) in place on a message in `pieces`: their bytes
+  // back to back, each a whole number of elements of `dtype` (the packer's fused bucket). Each
+  // member copies its pieces into its slot and the results from the slots back into them, with
+  // no buffer of its own in between, and every member ends with the bits the one-buffer form
+  // gives for the same message. Built before the call (Add allocates; the call does not).
+  class Pieces {
+   public:
+    struct Piece {
+      uint8_t* data;
+      size_t bytes;
+      size_t end;  // in the message
+    };
+    void Add(void* data, size_t bytes) {
+      pieces_.push_back(Piece{static_cast<uint8_t*>(data), bytes, this->bytes() + bytes});
+    }
+    const std::vector<Piece>& pieces() const { return pieces_; }
+    size_t bytes() const { return pieces_.empty() ? 0 : pieces_.back().end; }
+
+   private:
+    std::vector<Piece> pieces_;
+  };
+  void AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
+                         DataType dtype, ReduceOp op);
   // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
   // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
   // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives
@@ -192,6 +215,10 @@ class ShmGroup {
 
   class Step;
   friend class Step;
+  class Message;
+  void RunAllReduce(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
+                    size_t count, DataType dtype, ReduceOp op, const SliceHook& cross,
+                    size_t avg_divisor, int lanes);
   // The error that broke the group, as this member raises it (waiting for it until `deadline`
   // at most, see BreakHalfwayForTesting).
   Error BrokenError(Clock::time_point deadline) const;

@@ -4,7 +4,9 @@
 // A bucket of one tensor (not counting zero-size ones) is issued on that tensor, in place,
 // without a copy or a fusion buffer; a bucket with no bytes (only zero-size tensors) issues
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
-// buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked.
+// buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
+// but a blocking all-reduce whose communicator takes a bucket's tensors as they are (AUTO in
+// shared memory on one host, SetPieces) issues each fused bucket on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -75,7 +77,9 @@ constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 // step), 200 x 256 KiB took 8.0-9.5 one by one and unfused at 256 KiB against 12.2-13.8 in 1 MiB
 // buckets (2 ranks), 19.0-22.4 against 30.3-50.3 (4 ranks); 1000 x 4 KiB 0.76-1.26 against
 // 0.79-1.60 and 2.2-4.0 against 2.9-4.4 (one by one: 1.40-1.49 and 5.8-8.1); ResNet-50 within the
-// noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3).
+// noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3). Since the
+// blocking form stopped packing there (SetPieces), 1 MiB is the faster cap with 2 ranks and
+// 256 KiB still with 4 on 2 cores, and the asynchronous form still packs: the README has the runs.
 constexpr size_t kSharedMemoryBytesPerPack = size_t{256} << 10;
 
 // bytes_per_pack as given, or comm's default for 0.
@@ -300,6 +304,11 @@ struct BucketRunner {
   std::function<void(const Tensor& t)> issue_blocking;
   // What a blocking call whose list check fails has left undone, in the collective's words.
   const char* untouched;
+  // Where set (an all-reduce whose communicator runs ring::AllReduceInPieces), a fused bucket
+  // is issued on its tensors as they are, no fusion buffer, no packing or unpacking: blocking,
+  // and asynchronous.
+  std::function<void(const std::vector<Tensor>& pieces)> issue_pieces_blocking;
+  std::function<std::shared_ptr<Work>(const std::vector<Tensor>& pieces)> issue_pieces_async;
 };
 
 // The buckets of one call: those with bytes, and how to pack, issue and unpack them.
@@ -343,6 +352,15 @@ class Buckets {
     const Tensor& first = tensors_[bucket.front()];
     return Tensor{data, count, first.dtype, first.device};
   }
+  // The tensors of `bucket` that have elements, in order.
+  std::vector<Tensor> Pieces(const Bucket& bucket) const {
+    std::vector<Tensor> pieces;
+    pieces.reserve(bucket.size());
+    for (size_t index : bucket) {
+      if (tensors_[index].count > 0) pieces.push_back(tensors_[index]);
+    }
+    return pieces;
+  }
   // Bucket's bytes; the bytes of every tensor of it, in order.
   size_t Bytes(const Bucket& bucket) const {
     size_t bytes = 0;
@@ -375,6 +393,10 @@ void RunSerial(const BucketRunner& runner, const Buckets& buckets) {
       runner.issue_blocking(*single);
       continue;
     }
+    if (runner.issue_pieces_blocking) {
+      runner.issue_pieces_blocking(buckets.Pieces(bucket));
+      continue;
+    }
     uint8_t* data = buffer.data();
     buckets.Pack(bucket, data);
     runner.issue_blocking(buckets.FusedView(bucket, data));
@@ -400,6 +422,8 @@ void RunOverlapped(const BucketRunner& runner, const Buckets& buckets) {
     f.bucket = &bucket;
     if (const Tensor* single = buckets.Single(k)) {
       f.work = runner.issue_async(*single);
+    } else if (runner.issue_pieces_async) {
+      f.work = runner.issue_pieces_async(buckets.Pieces(bucket));
     } else {
       f.slot = slot_busy[0] ? 1 : 0;
       uint8_t* data = buffers[f.slot].data();
@@ -559,7 +583,9 @@ BufferPool& AsyncBuffers() {
 // bucket in place, a fused bucket packed first into the call's own buffer (one buffer for all
 // of them, each bucket at a cache-line offset of its own: no bucket waits for a buffer to come
 // free; taken from AsyncBuffers). Once every collective has completed, Wait or Done finishes the
-// call: the list check's answer, then the unpacking, then the buffer goes back to the pool.
+// call: the list check's answer, then the unpacking, then the buffer goes back to the pool. It
+// packs even where the blocking form does not (SetPieces): a fused tensor is written only once
+// the answer says the lists agree.
 class PackedWork final : public Work {
  public:
   PackedWork(int rank, const char* collective, std::vector<Tensor> tensors, size_t bytes_per_pack)
@@ -711,14 +737,34 @@ class PackedWork final : public Work {
   mutable std::exception_ptr failure_;
 };
 
+// A fused bucket of an all-reduce skips the fusion buffer where the communicator can take its
+// tensors as they are (AUTO in shared memory on one host): each rank's tensors are copied into
+// the shared slots and the results back, where packing would copy them twice more (into the
+// buffer, and out). Measured with packing_perf (see the README, "Many small tensors").
+void SetPieces(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
+               ReduceOp checked_as) {
+  if (!ring::AllReducesInPieces(comm)) return;
+  runner.issue_pieces_blocking = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
+    ring::AllReduceInPieces(comm, pieces, op, checked_as);
+  };
+  runner.issue_pieces_async = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
+    return ring::AllReduceInPiecesAsync(comm, pieces, op, checked_as);
+  };
+}
+
 BucketRunner AllReduceRunner(CollectiveCommunication& comm, const std::vector<Tensor>& tensors,
                              ReduceOp op) {
   CheckTensors(comm, "all_reduce", tensors);
   core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), op);
-  return BucketRunner{/*pack=*/true, /*unpack=*/true,
+  BucketRunner runner{/*pack=*/true,
+                      /*unpack=*/true,
                       [&comm, op](const Tensor& t) { return comm.AllReduceAsync(t, t, op); },
                       [&comm, op](const Tensor& t) { comm.AllReduce(t, t, op); },
-                      "nothing was reduced or written"};
+                      "nothing was reduced or written",
+                      {},
+                      {}};
+  SetPieces(runner, comm, op, op);
+  return runner;
 }
 
 // The buckets reduce with `op` and are checked as `checked_as` (internal::AllReduce).
@@ -733,6 +779,7 @@ BucketRunner AllReduceCheckedAsRunner(CollectiveCommunication& comm,
   runner.issue_blocking = [&comm, op, checked_as](const Tensor& t) {
     ring::AllReduceCheckedAs(comm, t, t, op, checked_as);
   };
+  SetPieces(runner, comm, op, checked_as);
   return runner;
 }
 
@@ -747,10 +794,13 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
   }
   const bool is_root = comm.rank() == root;
   // The root packs and its tensors are already the result; the others only unpack.
-  return BucketRunner{/*pack=*/is_root, /*unpack=*/!is_root,
+  return BucketRunner{/*pack=*/is_root,
+                      /*unpack=*/!is_root,
                       [&comm, root](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
                       [&comm, root](const Tensor& t) { comm.Broadcast(t, t, root); },
-                      "no tensor was broadcast or written"};
+                      "no tensor was broadcast or written",
+                      {},
+                      {}};
 }
 
 std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,

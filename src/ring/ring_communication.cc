@@ -89,6 +89,16 @@ class RingCommunication final : public CollectiveCommunication {
     RunBlocking(PrepareAllReduce(send, recv, op, checked_as));
   }
 
+  // ring::AllReduceInPieces (ring_communication.h).
+  bool AllReducesInPieces() const { return planner_ && planner_->AllReducesInPieces(); }
+  std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
+                                               ReduceOp checked_as) {
+    return Submit(PrepareAllReduceInPieces(pieces, op, checked_as));
+  }
+  void AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) {
+    RunBlocking(PrepareAllReduceInPieces(pieces, op, checked_as));
+  }
+
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
   void Abort() override;
   // ring::Abort (ring_communication.h).
@@ -120,6 +130,8 @@ class RingCommunication final : public CollectiveCommunication {
   }
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
                             ReduceOp checked_as) const;
+  Prepared PrepareAllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
+                                    ReduceOp checked_as) const;
   Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
@@ -504,6 +516,37 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
   });
 }
 
+RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
+    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) const {
+  constexpr const char* kName = "all_reduce in pieces";
+  CheckOp(rank_, kName, op);
+  CheckOp(rank_, kName, checked_as);
+  if (pieces.empty()) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + kName +
+                                                 ": no pieces (the message needs a dtype)");
+  }
+  size_t count = 0;
+  for (const Tensor& piece : pieces) {
+    if (piece.dtype != pieces.front().dtype || piece.device.kind != Device::Kind::kCpu ||
+        (piece.data == nullptr && piece.count > 0)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "rank " + std::to_string(rank_) + ": " + kName +
+                      ": every piece must be a CPU tensor with data, of the first one's dtype (" +
+                      ToString(pieces.front().dtype) + ")");
+    }
+    count += piece.count;
+  }
+  Body body = planner_ ? planner_->AllReduceInPieces(pieces, op) : Body{};
+  if (!body) {
+    throw Error(ErrorCode::kNotSupported,
+                "rank " + std::to_string(rank_) + ": " + kName +
+                    " needs AUTO with every rank in one shared-memory group");
+  }
+  return Prepared{
+      CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count},
+      std::move(body)};
+}
+
 RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& send,
                                                                 const Tensor& recv,
                                                                 int root) const {
@@ -684,6 +727,33 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
   } else {
     comm.AllReduce(send, recv, op);
   }
+}
+
+bool AllReducesInPieces(const CollectiveCommunication& comm) {
+  const auto* ring = dynamic_cast<const RingCommunication*>(&comm);
+  return ring != nullptr && ring->AllReducesInPieces();
+}
+
+// The communicator that runs AllReduceInPieces, or Error(kNotSupported).
+RingCommunication& InPieces(CollectiveCommunication& comm) {
+  auto* ring = dynamic_cast<RingCommunication*>(&comm);
+  if (ring == nullptr || !ring->AllReducesInPieces()) {
+    throw Error(ErrorCode::kNotSupported,
+                "rank " + std::to_string(comm.rank()) +
+                    ": all_reduce in pieces needs AUTO with every rank in one shared-memory group");
+  }
+  return *ring;
+}
+
+std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
+                                             const std::vector<Tensor>& pieces, ReduceOp op,
+                                             ReduceOp checked_as) {
+  return InPieces(comm).AllReduceInPiecesAsync(pieces, op, checked_as);
+}
+
+void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
+                       ReduceOp op, ReduceOp checked_as) {
+  InPieces(comm).AllReduceInPieces(pieces, op, checked_as);
 }
 
 void Abort(CollectiveCommunication& comm, const Error& error) {

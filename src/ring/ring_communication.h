@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
@@ -34,6 +35,15 @@ class Planner {
   virtual ~Planner() = default;
   // `algorithm` is CommunicationOptions::algorithm when it names one of the planner's.
   virtual Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  // Whether the planner runs AllReduceInPieces: the same answer for every call and every rank.
+  virtual bool AllReducesInPieces() const { return false; }
+  // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
+  // elements back to back), without a buffer that holds the whole message.
+  virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) {
+    (void)pieces;
+    (void)op;
+    return {};
+  }
   // `source` is the root's send data (null elsewhere).
   virtual Body Broadcast(const void* source, const Tensor& recv, int root) = 0;
   virtual Body AllGather(const Tensor& send, const Tensor& recv) = 0;
@@ -79,6 +89,19 @@ std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, con
                                               const Tensor& recv, ReduceOp op, ReduceOp checked_as);
 void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
                         ReduceOp op, ReduceOp checked_as);
+
+// The packer's fused bucket without the fusion buffer: `pieces` (CPU tensors of one dtype, apart,
+// as the packer checks them) all-reduced in place as one message, their elements back to back,
+// where AllReducesInPieces(comm) (AUTO with every rank in one shared-memory group): each rank's
+// tensors are copied into shared memory and the results back into them, two copies fewer than
+// through a fusion buffer. Checked across ranks as AllReduceCheckedAs of one tensor of that many
+// elements, with the bits that call gives on the packed bucket. Elsewhere Error(kNotSupported).
+bool AllReducesInPieces(const CollectiveCommunication& comm);
+std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
+                                             const std::vector<Tensor>& pieces, ReduceOp op,
+                                             ReduceOp checked_as);
+void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
+                       ReduceOp op, ReduceOp checked_as);
 
 // For a layer that aborts a communicator because of a failure of its own (the strategy layer,
 // when a replica's function or a caller's arguments fail on one worker): comm.Abort(), with

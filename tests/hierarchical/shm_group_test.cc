@@ -449,6 +449,109 @@ TEST(ShmGroupTest, DefaultSlotAndRandomFloatsAreBitIdenticalOnEveryMember) {
   for (int i = 1; i < n; ++i) EXPECT_EQ(hashes[size_t(i)], hashes[0]) << "member " << i;
 }
 
+// An all-reduce in pieces (the packer's fused bucket without its fusion buffer) ends with the
+// bits of the same all-reduce on one buffer holding the pieces back to back: random values of
+// every dtype and op (floats, so that the order of reduction shows), pieces of random lengths
+// (empty ones among them) that straddle the members' slices and the steps, on the one-sync and
+// the two-sync paths, 1 to 5 members.
+TEST(ShmGroupPiecesTest, AnAllReduceInPiecesHasTheBitsOfOneBuffer) {
+  for (int n : {1, 2, 3, 5}) {
+    for (size_t small : {size_t{4096}, size_t{0}}) {
+      const ShmGroupOptions options = Options("pieces", 4096, small, n);
+      std::vector<size_t> differ(size_t(n), 0);
+      std::vector<std::string> first(static_cast<size_t>(n));
+      RunMembers(Ranks(n, 1, 3), options, [&](Member& m, int me) {
+        std::mt19937 random(99);  // the same cuts on every member
+        std::mt19937 values(7 + unsigned(me));
+        std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+        for (DataType d : AllDataTypes()) {
+          const size_t es = SizeOf(d);
+          for (ReduceOp op : AllReduceOps()) {
+            for (size_t count : {size_t{0}, size_t{1}, size_t{13}, 3 * 4096 / es + 7}) {
+              std::vector<uint8_t> whole(count * es);
+              for (size_t i = 0; i < count; ++i) {
+                const bool floating = d == DataType::kFloat32 || d == DataType::kFloat64 ||
+                                      d == DataType::kFloat16 || d == DataType::kBFloat16;
+                const double v = floating ? uniform(values) : double(values() % 5 + 1);
+                testing::Store(d, whole.data(), i, v);
+              }
+              // Cut into pieces of 0 to count / 3 + 1 elements, each its own allocation.
+              std::vector<std::vector<uint8_t>> pieces;
+              ShmGroup::Pieces message;
+              for (size_t at = 0; at < count || pieces.empty();) {
+                const size_t length = std::min<size_t>(random() % (count / 3 + 2), count - at);
+                pieces.emplace_back(whole.begin() + std::ptrdiff_t(at * es),
+                                    whole.begin() + std::ptrdiff_t((at + length) * es));
+                at += length;
+              }
+              for (auto& piece : pieces) {
+                message.Add(piece.data(), piece.size());
+              }
+              const auto deadline = Clock::now() + std::chrono::seconds(30);
+              m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count), deadline,
+                                 whole.data(), whole.data(), count, d, op);
+              m.group->AllReduceInPieces(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count),
+                                         deadline, message, d, op);
+              std::vector<uint8_t> joined;
+              for (const auto& piece : pieces)
+                joined.insert(joined.end(), piece.begin(), piece.end());
+              if (joined != whole && differ[size_t(me)]++ == 0) {
+                first[size_t(me)] =
+                    std::string(ToString(d)) + " " + ToString(op) + " x" + std::to_string(count);
+              }
+            }
+          }
+        }
+      });
+      for (int i = 0; i < n; ++i) {
+        EXPECT_EQ(differ[size_t(i)], 0u) << n << " members, small_bytes " << small << ", member "
+                                         << i << ": first differing call " << first[size_t(i)];
+      }
+    }
+  }
+}
+
+// A piece that is not a whole number of elements is refused before the group is touched, and
+// an all-reduce in pieces and one on one buffer of another count are a mismatch on both
+// members, nothing written.
+TEST(ShmGroupPiecesTest, BadPiecesAreRefusedAndADifferentCallIsAMismatch) {
+  const ShmGroupOptions options = Options("pieces_bad", 4096, 4096, 2);
+  RunMembers(Ranks(2), options, [&](Member& m, int me) {
+    std::vector<float> a(10, 1.0f), b(7, 2.0f);
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    ShmGroup::Pieces odd;
+    odd.Add(a.data(), 6);
+    try {
+      m.group->AllReduceInPieces(
+          m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 1),
+          deadline, odd, DataType::kFloat32, ReduceOp::kSum);
+      ADD_FAILURE() << "member " << me << ": a piece of 6 bytes of f32 was taken";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    }
+    --m.seq;  // the refused call took no step
+    ShmGroup::Pieces message;
+    message.Add(a.data(), a.size() * sizeof(float));
+    message.Add(b.data(), b.size() * sizeof(float));
+    try {
+      if (me == 0) {
+        m.group->AllReduceInPieces(
+            m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 17),
+            deadline, message, DataType::kFloat32, ReduceOp::kSum);
+      } else {
+        m.group->AllReduce(
+            m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 10),
+            deadline, a.data(), a.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
+      }
+      ADD_FAILURE() << "member " << me << ": the mismatch went through";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << "member " << me << ": " << e.what();
+    }
+    for (float v : a) EXPECT_EQ(v, 1.0f) << "member " << me;
+    for (float v : b) EXPECT_EQ(v, 2.0f) << "member " << me;
+  });
+}
+
 // ---- Mismatches: every member raises kMismatch, and no caller's recv buffer was touched. ----
 
 struct MismatchCase {

@@ -31,6 +31,7 @@
 #include "src/transport/inproc_fabric.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
+#include "tests/scoped_env.h"
 
 namespace collectives::packing {
 namespace {
@@ -352,6 +353,25 @@ TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorOverTcp) {
   options.timeout = std::chrono::seconds(30);
   RunRanks(Transport::kTcp, GetParam(), options, [](CollectiveCommunication& comm) {
     CheckAllReduceMatchesOneByOne(comm, {ReduceOp::kSum, ReduceOp::kAvg}, {1, 4096, 0});
+  });
+}
+
+// AUTO on one host: the fused buckets go into shared memory straight from the tensors, no
+// fusion buffer (ring::AllReduceInPieces), with the same results; a single rank (no group) and
+// TCP pack as before.
+TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInSharedMemory) {
+  testing::ScopedEnv shm("COLLECTIVES_SHM", nullptr);
+  testing::ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  RunRanks(Transport::kAuto, GetParam(), options, [](CollectiveCommunication& comm) {
+    EXPECT_EQ(ring::AllReducesInPieces(comm), comm.size() > 1);
+    CheckAllReduceMatchesOneByOne(comm, testing::AllReduceOps(), {1, 100, 4096, 0, SIZE_MAX});
+  });
+  RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {
+    EXPECT_FALSE(ring::AllReducesInPieces(comm));
+    std::vector<Tensor> none;
+    EXPECT_THROW(ring::AllReduceInPieces(comm, none, ReduceOp::kSum, ReduceOp::kSum), Error);
   });
 }
 
