@@ -358,15 +358,17 @@ class HierarchicalPlanner final : public ring::Planner {
 
   bool AllReducesInPieces() const override { return plan_ == Plan::kShm; }
 
-  Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
+  Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
+                         std::function<bool()> go) override {
     if (plan_ != Plan::kShm) return {};
     ShmGroup::Pieces message;
     for (const Tensor& t : pieces) {
       if (t.count > 0) message.Add(t.data, t.bytes());
     }
     ShmGroup* group = group_.get();
-    return [group, message = std::move(message), dtype = pieces.front().dtype,
-            op](ring::Context& ctx) {
+    return [group, message = std::move(message), dtype = pieces.front().dtype, op,
+            go = std::move(go)](ring::Context& ctx) {
+      if (go && !go()) return;
       group->AllReduceInPieces(ctx.tag, ctx.deadline, message, dtype, op);
     };
   }

@@ -5,8 +5,8 @@
 // without a copy or a fusion buffer; a bucket with no bytes (only zero-size tensors) issues
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
-// but a blocking all-reduce whose communicator takes a bucket's tensors as they are (AUTO in
-// shared memory on one host, SetPieces) issues each fused bucket on them, no fusion buffer.
+// but an all-reduce whose communicator takes a bucket's tensors as they are (AUTO in shared
+// memory on one host, SetPieces) issues each fused bucket on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -78,8 +78,8 @@ constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 // buckets (2 ranks), 19.0-22.4 against 30.3-50.3 (4 ranks); 1000 x 4 KiB 0.76-1.26 against
 // 0.79-1.60 and 2.2-4.0 against 2.9-4.4 (one by one: 1.40-1.49 and 5.8-8.1); ResNet-50 within the
 // noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3). Since the
-// blocking form stopped packing there (SetPieces), 1 MiB is the faster cap with 2 ranks and
-// 256 KiB still with 4 on 2 cores, and the asynchronous form still packs: the README has the runs.
+// packer stopped packing there (SetPieces), 1 MiB is the faster cap with 2 ranks and 256 KiB
+// still with 4 on 2 cores: the README has the runs.
 constexpr size_t kSharedMemoryBytesPerPack = size_t{256} << 10;
 
 // bytes_per_pack as given, or comm's default for 0.
@@ -308,7 +308,9 @@ struct BucketRunner {
   // is issued on its tensors as they are, no fusion buffer, no packing or unpacking: blocking,
   // and asynchronous.
   std::function<void(const std::vector<Tensor>& pieces)> issue_pieces_blocking;
-  std::function<std::shared_ptr<Work>(const std::vector<Tensor>& pieces)> issue_pieces_async;
+  // `go` as ring::AllReduceInPiecesAsync's.
+  std::function<std::shared_ptr<Work>(const std::vector<Tensor>& pieces, std::function<bool()> go)>
+      issue_pieces_async;
 };
 
 // The buckets of one call: those with bytes, and how to pack, issue and unpack them.
@@ -423,7 +425,7 @@ void RunOverlapped(const BucketRunner& runner, const Buckets& buckets) {
     if (const Tensor* single = buckets.Single(k)) {
       f.work = runner.issue_async(*single);
     } else if (runner.issue_pieces_async) {
-      f.work = runner.issue_pieces_async(buckets.Pieces(bucket));
+      f.work = runner.issue_pieces_async(buckets.Pieces(bucket), {});
     } else {
       f.slot = slot_busy[0] ? 1 : 0;
       uint8_t* data = buffers[f.slot].data();
@@ -583,9 +585,10 @@ BufferPool& AsyncBuffers() {
 // bucket in place, a fused bucket packed first into the call's own buffer (one buffer for all
 // of them, each bucket at a cache-line offset of its own: no bucket waits for a buffer to come
 // free; taken from AsyncBuffers). Once every collective has completed, Wait or Done finishes the
-// call: the list check's answer, then the unpacking, then the buffer goes back to the pool. It
-// packs even where the blocking form does not (SetPieces): a fused tensor is written only once
-// the answer says the lists agree.
+// call: the list check's answer, then the unpacking, then the buffer goes back to the pool.
+// Where the communicator takes a bucket's tensors as they are (SetPieces), a fused bucket is
+// issued on them instead, no buffer, and runs only if the list check, which completes before it,
+// found the lists alike: else it does nothing, on every rank, and Wait raises the difference.
 class PackedWork final : public Work {
  public:
   PackedWork(int rank, const char* collective, std::vector<Tensor> tensors, size_t bytes_per_pack)
@@ -617,7 +620,7 @@ class PackedWork final : public Work {
     std::vector<size_t> offsets(buckets.size(), kInPlace);
     size_t total = 0;
     for (size_t k = 0; k < buckets.size(); ++k) {
-      if (buckets.Single(k) != nullptr) continue;
+      if (buckets.Single(k) != nullptr || runner.issue_pieces_async) continue;
       offsets[k] =
           (total + core::kCacheLineBytes - 1) / core::kCacheLineBytes * core::kCacheLineBytes;
       total = offsets[k] + buckets.Bytes(buckets[k]);
@@ -632,6 +635,15 @@ class PackedWork final : public Work {
       const Bucket& bucket = buckets[k];
       if (const Tensor* single = buckets.Single(k)) {
         issued_.push_back(Issued{&bucket, runner.issue_async(*single), kInPlace});
+        continue;
+      }
+      if (runner.issue_pieces_async) {
+        // Runs after the list check has completed; writes nothing unless the lists agree, on
+        // every rank alike (every rank sees the same answer).
+        issued_.push_back(Issued{
+            &bucket,
+            runner.issue_pieces_async(buckets.Pieces(bucket), [this] { return seen_ == mine_; }),
+            kInPlace});
         continue;
       }
       uint8_t* data = buffer_.data.get() + offsets[k];
@@ -747,8 +759,9 @@ void SetPieces(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
   runner.issue_pieces_blocking = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
     ring::AllReduceInPieces(comm, pieces, op, checked_as);
   };
-  runner.issue_pieces_async = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
-    return ring::AllReduceInPiecesAsync(comm, pieces, op, checked_as);
+  runner.issue_pieces_async = [&comm, op, checked_as](const std::vector<Tensor>& pieces,
+                                                      std::function<bool()> go) {
+    return ring::AllReduceInPiecesAsync(comm, pieces, op, checked_as, std::move(go));
   };
 }
 

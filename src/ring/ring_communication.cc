@@ -92,11 +92,11 @@ class RingCommunication final : public CollectiveCommunication {
   // ring::AllReduceInPieces (ring_communication.h).
   bool AllReducesInPieces() const { return planner_ && planner_->AllReducesInPieces(); }
   std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
-                                               ReduceOp checked_as) {
-    return Submit(PrepareAllReduceInPieces(pieces, op, checked_as));
+                                               ReduceOp checked_as, std::function<bool()> go) {
+    return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
   }
   void AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) {
-    RunBlocking(PrepareAllReduceInPieces(pieces, op, checked_as));
+    RunBlocking(PrepareAllReduceInPieces(pieces, op, checked_as, {}));
   }
 
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
@@ -131,7 +131,7 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
                             ReduceOp checked_as) const;
   Prepared PrepareAllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
-                                    ReduceOp checked_as) const;
+                                    ReduceOp checked_as, std::function<bool()> go) const;
   Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
@@ -517,7 +517,8 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
 }
 
 RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
-    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) const {
+    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
+    std::function<bool()> go) const {
   constexpr const char* kName = "all_reduce in pieces";
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
@@ -536,7 +537,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
     }
     count += piece.count;
   }
-  Body body = planner_ ? planner_->AllReduceInPieces(pieces, op) : Body{};
+  Body body = planner_ ? planner_->AllReduceInPieces(pieces, op, std::move(go)) : Body{};
   if (!body) {
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(rank_) + ": " + kName +
@@ -747,8 +748,8 @@ RingCommunication& InPieces(CollectiveCommunication& comm) {
 
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, ReduceOp op,
-                                             ReduceOp checked_as) {
-  return InPieces(comm).AllReduceInPiecesAsync(pieces, op, checked_as);
+                                             ReduceOp checked_as, std::function<bool()> go) {
+  return InPieces(comm).AllReduceInPiecesAsync(pieces, op, checked_as, std::move(go));
 }
 
 void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,

@@ -38,10 +38,13 @@ class Planner {
   // Whether the planner runs AllReduceInPieces: the same answer for every call and every rank.
   virtual bool AllReducesInPieces() const { return false; }
   // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
-  // elements back to back), without a buffer that holds the whole message.
-  virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) {
+  // elements back to back), without a buffer that holds the whole message; `go` as
+  // AllReduceInPiecesAsync's.
+  virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
+                                 std::function<bool()> go) {
     (void)pieces;
     (void)op;
+    (void)go;
     return {};
   }
   // `source` is the root's send data (null elsewhere).
@@ -96,10 +99,14 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 // tensors are copied into shared memory and the results back into them, two copies fewer than
 // through a fusion buffer. Checked across ranks as AllReduceCheckedAs of one tensor of that many
 // elements, with the bits that call gives on the packed bucket. Elsewhere Error(kNotSupported).
+// `go`, when given, is called on the thread that runs the call once the calls before it have
+// completed, before anything of this one happens: false, and the call does nothing (every rank
+// must answer alike: the packer's asynchronous form asks whether the list check it queued
+// before found the lists alike, so that no tensor is written when they differ).
 bool AllReducesInPieces(const CollectiveCommunication& comm);
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, ReduceOp op,
-                                             ReduceOp checked_as);
+                                             ReduceOp checked_as, std::function<bool()> go = {});
 void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
                        ReduceOp op, ReduceOp checked_as);
 

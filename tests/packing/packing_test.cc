@@ -449,10 +449,13 @@ TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
   }
 }
 
-// Runs `body` on every rank of 2 and 3 ranks, in one process and over TCP, with one rank `odd`:
-// the first, then the last.
+// Runs `body` on every rank of 2 and 3 ranks, in one process, over TCP and with AUTO on one host,
+// with one rank `odd`: the first, then the last.
 void ForEachOddRank(const std::function<void(CollectiveCommunication&, bool odd)>& body) {
-  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+  // AUTO on one host: fused buckets in shared memory without a fusion buffer.
+  testing::ScopedEnv shm("COLLECTIVES_SHM", nullptr);
+  testing::ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp, Transport::kAuto}) {
     for (int size : {2, 3}) {
       for (int odd_one : {0, size - 1}) {
         CommunicationOptions options;
