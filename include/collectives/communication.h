@@ -46,6 +46,10 @@ enum class Implementation {
 const char* ToString(Implementation impl);
 Implementation ParseImplementation(const std::string& name);  // "ring", "nccl", "auto"
 
+// implementation, chunk_bytes, small_message_bytes, medium_message_bytes and algorithm pick the
+// algorithms and cut the frames: every rank must pass the same (0 counts as the default's value),
+// else every rank's CreateCommunication raises Error(kInvalidArgument) naming the option. The
+// others may differ from rank to rank.
 struct CommunicationOptions {
   // Which implementation moves the data.
   // Default: kAuto.

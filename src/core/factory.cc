@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "collectives/communication.h"
 #include "src/cluster/cancellable_store.h"
@@ -16,6 +17,7 @@
 #include "src/cluster/job_token.h"
 #include "src/cluster/store_common.h"
 #include "src/core/arguments.h"
+#include "src/core/fnv1a.h"
 #include "src/core/text.h"
 #include "src/hierarchical/planner.h"
 #include "src/ring/ring_communication.h"
@@ -137,6 +139,91 @@ auto NamingTheRank(int rank, Step&& step) -> decltype(step()) {
   }
 }
 
+// The options that pick the algorithms and cut the frames, as this rank runs them (0 read as the
+// default): one "name=value" line each. Every rank must run the same.
+std::vector<std::string> AgreedOptions(const CommunicationOptions& options) {
+  const auto or_default = [](size_t value, size_t fallback) {
+    return std::to_string(value == 0 ? fallback : value);
+  };
+  return {std::string("implementation=") + ToString(options.implementation),
+          "algorithm='" + core::OneLine(options.algorithm, 64) + "'",
+          "chunk_bytes=" + or_default(options.chunk_bytes, ring::kDefaultChunkBytes),
+          "small_message_bytes=" +
+              or_default(options.small_message_bytes, ring::kDefaultSmallMessageBytes),
+          "medium_message_bytes=" +
+              or_default(options.medium_message_bytes, ring::kDefaultMediumMessageBytes)};
+}
+
+// Whether every rank passed the same AgreedOptions, found through the store in a few operations
+// per rank whatever the world size: each adds a hash of its options to a sum, and once every
+// rank has (the one whose count reaches the size says so), each compares the sum with the world
+// size times its own hash. They all find a difference alike, and all raise
+// Error(kInvalidArgument) naming the first option that differs and the rank it differs from
+// (rank 0, or for a rank that agrees with rank 0 the first that does not). Without it the ranks
+// would run different algorithms and meet as a mismatch of frame sizes at the first call, or,
+// under AUTO with `algorithm` forced on some ranks only, wait out the set-up for a shared-memory
+// group that those ranks never join. Runs once every rank is connected (the mesh names a rank
+// that never came).
+void CheckOptionsAgree(int rank, int size, Store& store, const std::string& key_prefix,
+                       const CommunicationOptions& options, Clock::time_point deadline) {
+  const std::vector<std::string> mine = AgreedOptions(options);
+  std::string record;
+  for (const std::string& line : mine) record += line + "\n";
+  uint64_t full = core::kFnv1aBasis;
+  core::Fnv1a(full, record.data(), record.size());
+  // 32 bits, so that the store's int64 sum cannot overflow (it refuses to) below 2^31 ranks.
+  const int64_t hash = int64_t((full ^ (full >> 32)) & 0xffffffffu);
+  const std::string key = key_prefix + "/options/";
+  store.Set(key + std::to_string(rank), record);
+  store.Add(key + "sum", hash);
+  if (store.Add(key + "count", 1) == size) store.Set(key + "all", "1");
+  const auto left = [&] {
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                    std::chrono::milliseconds(1));
+  };
+  try {
+    store.Get(key + "all", left());
+  } catch (const Error& error) {
+    if (error.code() != ErrorCode::kTimeout) throw;
+    throw Error(ErrorCode::kTimeout,
+                "rank " + std::to_string(rank) + ": timed out after " +
+                    std::to_string(options.timeout.count()) +
+                    " ms setting up the communicator: not every rank published its options (" +
+                    error.message() + ")");
+  }
+  if (store.Add(key + "sum", 0) == hash * size) return;
+  // Someone differs: find whom, and what.
+  for (int r = rank == 0 ? 1 : 0; r < size; ++r) {
+    if (r == rank) continue;
+    const std::string theirs = store.Get(key + std::to_string(r), left());
+    if (theirs == record) continue;
+    std::string what = "the options differ";
+    size_t from = 0;
+    for (const std::string& line : mine) {
+      const size_t end = theirs.find('\n', from);
+      const std::string other = theirs.substr(from, end == std::string::npos ? end : end - from);
+      if (other != line) {
+        const size_t eq = line.find('=');
+        what = line.substr(0, eq) + " is " + line.substr(eq + 1) + " here but " +
+               core::OneLine(other.substr(std::min(other.size(), eq + 1)), 80) + " on rank " +
+               std::to_string(r);
+        break;
+      }
+      from = end == std::string::npos ? theirs.size() : end + 1;
+    }
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank) + ": CommunicationOptions::" + what +
+                    ": every rank must pass the same implementation, algorithm, chunk_bytes, "
+                    "small_message_bytes and medium_message_bytes (0 is the default)");
+  }
+  // Agrees with every record: another rank's differs from some other one, and it raises too.
+  throw Error(ErrorCode::kInvalidArgument,
+              "rank " + std::to_string(rank) +
+                  ": CommunicationOptions differ across ranks (the ranks' hashes of their "
+                  "implementation, algorithm, chunk_bytes, small_message_bytes and "
+                  "medium_message_bytes do not add up)");
+}
+
 // The TCP mesh (and, for AUTO, the planner with this host's shared memory) under `rendezvous`;
 // a Split builds its communicators the same way under a key space of their own. options.timeout
 // bounds the set-up as a whole, not each step: every step ends by `deadline` (the set-up's start
@@ -167,6 +254,7 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   tcp.bind_host = rendezvous.bind_host;
   tcp.cancelled = cancelled;
   auto fabric = transport::ConnectTcpFabric(rank, size, *setup_store, tcp);
+  CheckOptionsAgree(rank, size, *setup_store, rendezvous.key_prefix, options, deadline);
   std::unique_ptr<ring::Planner> planner;
   if (options.implementation == Implementation::kAuto) {
     planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,

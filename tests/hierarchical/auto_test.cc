@@ -47,8 +47,10 @@ struct OneHost {
 
 // Builds `size` communicators through the public factory on one memory store and returns, per
 // rank, the message of what its construction threw (codes: its code, or 0 when it succeeded).
-std::vector<std::string> ConstructionErrors(int size, const CommunicationOptions& options,
-                                            std::vector<ErrorCode>* codes) {
+// `per_rank`, when given, changes each rank's copy of `options` first.
+std::vector<std::string> ConstructionErrors(
+    int size, const CommunicationOptions& options, std::vector<ErrorCode>* codes,
+    const std::function<void(int rank, CommunicationOptions&)>& per_rank = {}) {
   auto store = CreateMemoryStore();
   std::vector<std::string> messages(static_cast<size_t>(size));
   codes->assign(size_t(size), ErrorCode(0));
@@ -59,8 +61,10 @@ std::vector<std::string> ConstructionErrors(int size, const CommunicationOptions
       spec.rank = rank;
       spec.world_size = size;
       spec.master_port = 1;  // unused: the store is given
+      CommunicationOptions mine = options;
+      if (per_rank) per_rank(rank, mine);
       try {
-        auto comm = CreateCommunication(spec, store, options);
+        auto comm = CreateCommunication(spec, store, mine);
         messages[size_t(rank)] = "built (" + comm->AllReduceAlgorithm(8) + ")";
       } catch (const Error& e) {
         (*codes)[size_t(rank)] = e.code();
@@ -70,6 +74,64 @@ std::vector<std::string> ConstructionErrors(int size, const CommunicationOptions
   }
   for (std::thread& t : threads) t.join();
   return messages;
+}
+
+// The options that pick the algorithms and cut the frames must be the same on every rank: where
+// one rank's differ, every rank's set-up raises kInvalidArgument at once, naming the option, both
+// values and the other rank. Before, RING met it as a frame-size mismatch at the first call, and
+// AUTO with `algorithm` forced on one rank only waited out the whole set-up timeout for a
+// shared-memory group that rank never joined. 0 and the default's own value agree.
+TEST(OptionsAgreementTest, OptionsThatDifferAcrossRanksFailEverySetUpNamingThem) {
+  OneHost one_host;
+  struct Case {
+    const char* field;  // as the message names it
+    std::function<void(CommunicationOptions&)> set;
+  };
+  const std::vector<Case> cases = {
+      {"algorithm", [](CommunicationOptions& o) { o.algorithm = "ring"; }},
+      {"chunk_bytes", [](CommunicationOptions& o) { o.chunk_bytes = 4096; }},
+      {"small_message_bytes", [](CommunicationOptions& o) { o.small_message_bytes = 1; }},
+      {"medium_message_bytes", [](CommunicationOptions& o) { o.medium_message_bytes = 1; }},
+      {"implementation",
+       [](CommunicationOptions& o) {
+         o.implementation = o.implementation == Implementation::kAuto ? Implementation::kRing
+                                                                      : Implementation::kAuto;
+       }},
+  };
+  for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
+    for (const Case& c : cases) {
+      CommunicationOptions options;
+      options.implementation = impl;
+      options.timeout = std::chrono::seconds(20);
+      std::vector<ErrorCode> codes;
+      const auto start = std::chrono::steady_clock::now();
+      const std::vector<std::string> messages =
+          ConstructionErrors(3, options, &codes, [&](int rank, CommunicationOptions& o) {
+            if (rank == 2) c.set(o);
+          });
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+          << c.field << ": not at once";
+      for (int r = 0; r < 3; ++r) {
+        const std::string& m = messages[size_t(r)];
+        EXPECT_EQ(codes[size_t(r)], ErrorCode::kInvalidArgument) << c.field << ": " << m;
+        EXPECT_NE(m.find(std::string("CommunicationOptions::") + c.field + " is "),
+                  std::string::npos)
+            << m;
+        EXPECT_NE(m.find(r == 2 ? "on rank 0" : "on rank 2"), std::string::npos) << m;
+      }
+    }
+  }
+  // The default given as 0 on some ranks and by its value on another: one communicator.
+  std::vector<ErrorCode> codes;
+  const std::vector<std::string> messages =
+      ConstructionErrors(3, CommunicationOptions{}, &codes, [](int rank, CommunicationOptions& o) {
+        if (rank == 1) {
+          o.chunk_bytes = 512 * 1024;
+          o.small_message_bytes = 64 * 1024;
+          o.medium_message_bytes = 8 * 1024 * 1024;
+        }
+      });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(codes[size_t(r)], ErrorCode(0)) << messages[size_t(r)];
 }
 
 class AutoMatrixTest : public ::testing::TestWithParam<int> {};
