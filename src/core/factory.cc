@@ -146,7 +146,7 @@ std::vector<std::string> AgreedOptions(const CommunicationOptions& options) {
     return std::to_string(value == 0 ? fallback : value);
   };
   return {std::string("implementation=") + ToString(options.implementation),
-          "algorithm='" + core::OneLine(options.algorithm, 64) + "'",
+          "algorithm='" + core::OneLine(options.algorithm) + "'",
           "chunk_bytes=" + or_default(options.chunk_bytes, ring::kDefaultChunkBytes),
           "small_message_bytes=" +
               or_default(options.small_message_bytes, ring::kDefaultSmallMessageBytes),
@@ -157,8 +157,9 @@ std::vector<std::string> AgreedOptions(const CommunicationOptions& options) {
 // Whether every rank passed the same AgreedOptions, found through the store in a few operations
 // per rank whatever the world size: each adds a hash of its options to a sum, and once every
 // rank has (the one whose count reaches the size says so), each compares the sum with the world
-// size times its own hash. They all find a difference alike, and all raise
-// Error(kInvalidArgument) naming the first option that differs and the rank it differs from
+// size times rank 0's hash: the same figures on every rank, hence the same verdict (with its own
+// hash, one rank could pass where the others fail: 1 + 2 + 3 = 3 x 2). Where they differ, all
+// raise Error(kInvalidArgument) naming the first option that differs and the rank it differs from
 // (rank 0, or for a rank that agrees with rank 0 the first that does not). Without it the ranks
 // would run different algorithms and meet as a mismatch of frame sizes at the first call, or,
 // under AUTO with `algorithm` forced on some ranks only, wait out the set-up for a shared-memory
@@ -169,13 +170,15 @@ void CheckOptionsAgree(int rank, int size, Store& store, const std::string& key_
   const std::vector<std::string> mine = AgreedOptions(options);
   std::string record;
   for (const std::string& line : mine) record += line + "\n";
-  uint64_t full = core::kFnv1aBasis;
-  core::Fnv1a(full, record.data(), record.size());
   // 32 bits, so that the store's int64 sum cannot overflow (it refuses to) below 2^31 ranks.
-  const int64_t hash = int64_t((full ^ (full >> 32)) & 0xffffffffu);
+  const auto hash_of = [](const std::string& text) {
+    uint64_t full = core::kFnv1aBasis;
+    core::Fnv1a(full, text.data(), text.size());
+    return int64_t((full ^ (full >> 32)) & 0xffffffffu);
+  };
   const std::string key = key_prefix + "/options/";
   store.Set(key + std::to_string(rank), record);
-  store.Add(key + "sum", hash);
+  store.Add(key + "sum", hash_of(record));
   if (store.Add(key + "count", 1) == size) store.Set(key + "all", "1");
   const auto left = [&] {
     return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
@@ -191,7 +194,8 @@ void CheckOptionsAgree(int rank, int size, Store& store, const std::string& key_
                     " ms setting up the communicator: not every rank published its options (" +
                     error.message() + ")");
   }
-  if (store.Add(key + "sum", 0) == hash * size) return;
+  const std::string first = rank == 0 ? record : store.Get(key + "0", left());
+  if (store.Add(key + "sum", 0) == hash_of(first) * size) return;
   // Someone differs: find whom, and what.
   for (int r = rank == 0 ? 1 : 0; r < size; ++r) {
     if (r == rank) continue;

@@ -925,6 +925,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
 
 void ShmGroup::AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline,
                                  const Pieces& pieces, DataType dtype, ReduceOp op) {
+  // Refused on this member alone, before any step (the others would wait for it until their
+  // deadline): the ring's entry hands over whole elements of a known dtype only.
   const size_t es = SizeOf(dtype);
   for (const Pieces::Piece& piece : pieces.pieces()) {
     if (piece.bytes % es != 0 || (piece.data == nullptr && piece.bytes != 0)) {

@@ -586,7 +586,7 @@ BufferPool& AsyncBuffers() {
 // of them, each bucket at a cache-line offset of its own: no bucket waits for a buffer to come
 // free; taken from AsyncBuffers). Once every collective has completed, Wait or Done finishes the
 // call: the list check's answer, then the unpacking, then the buffer goes back to the pool.
-// Where the communicator takes a bucket's tensors as they are (SetPieces), a fused bucket is
+// Where the communicator takes a bucket's tensors as they are (SetPieces), every bucket is
 // issued on them instead, no buffer, and runs only if the list check, which completes before it,
 // found the lists alike: else it does nothing, on every rank, and Wait raises the difference.
 class PackedWork final : public Work {
@@ -633,17 +633,21 @@ class PackedWork final : public Work {
     issued_.reserve(buckets.size());
     for (size_t k = 0; k < buckets.size(); ++k) {
       const Bucket& bucket = buckets[k];
-      if (const Tensor* single = buckets.Single(k)) {
-        issued_.push_back(Issued{&bucket, runner.issue_async(*single), kInPlace});
+      const Tensor* single = buckets.Single(k);
+      if (runner.issue_pieces_async) {
+        // Runs after the list check has completed, and does nothing unless it found the lists
+        // alike, on every rank alike (every rank sees the same answer). A tensor alone in its
+        // bucket waits for it too: where the lists differ, a bucket that is one tensor here may
+        // be fused on another rank, and no rank may run a collective the others skip.
+        issued_.push_back(Issued{&bucket,
+                                 runner.issue_pieces_async(
+                                     single ? std::vector<Tensor>{*single} : buckets.Pieces(bucket),
+                                     [this] { return seen_ == mine_; }),
+                                 kInPlace});
         continue;
       }
-      if (runner.issue_pieces_async) {
-        // Runs after the list check has completed; writes nothing unless the lists agree, on
-        // every rank alike (every rank sees the same answer).
-        issued_.push_back(Issued{
-            &bucket,
-            runner.issue_pieces_async(buckets.Pieces(bucket), [this] { return seen_ == mine_; }),
-            kInPlace});
+      if (single) {
+        issued_.push_back(Issued{&bucket, runner.issue_async(*single), kInPlace});
         continue;
       }
       uint8_t* data = buffer_.data.get() + offsets[k];

@@ -526,6 +526,12 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + kName +
                                                  ": no pieces (the message needs a dtype)");
   }
+  // The caller (the packer) has checked that the pieces lie apart and their byte counts fit.
+  if (static_cast<unsigned>(pieces.front().dtype) >= kNumDataTypes) {
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + kName +
+                                                 ": unknown dtype " +
+                                                 std::to_string(int(pieces.front().dtype)));
+  }
   size_t count = 0;
   for (const Tensor& piece : pieces) {
     if (piece.dtype != pieces.front().dtype || piece.device.kind != Device::Kind::kCpu ||

@@ -522,6 +522,63 @@ void ExpectListsDiffer(CollectiveCommunication& comm, const std::vector<Tensor>&
   }
 }
 
+// The asynchronous form of a call whose lists (or caps) differ, cut into buckets of other
+// shapes on some ranks: Wait raises kMismatch on every rank, at once, never a timeout. With AUTO
+// on one host, where every bucket, a tensor alone in its bucket too, waits for the list check,
+// nothing is written, and where every rank issued as many buckets the communicator still works:
+// no rank was left in a collective the others skipped. (Where the counts differ, the next call
+// has another number on some ranks and raises kMismatch; elsewhere than AUTO the buckets run
+// before the answer is read, and buckets of other sizes break the communicator: the weaker
+// guarantee the README states.)
+void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Tensor>& list,
+                            size_t cap, const std::vector<std::vector<uint8_t>*>& untouched,
+                            bool as_many_buckets) {
+  std::vector<std::vector<uint8_t>> before;
+  for (const auto* bytes : untouched) before.push_back(*bytes);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    packing::AllReduceAsync(comm, list, ReduceOp::kMax, cap)->Wait();
+    ADD_FAILURE() << "rank " << comm.rank() << ": differing lists were reduced";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+      << "rank " << comm.rank() << ": not at once";
+  if (comm.implementation() != Implementation::kAuto) return;
+  for (size_t i = 0; i < untouched.size(); ++i) {
+    EXPECT_EQ(*untouched[i], before[i]) << "rank " << comm.rank() << ": buffer " << i;
+  }
+  if (!as_many_buckets) return;
+  std::vector<int64_t> next = {5, comm.rank() + 7};
+  comm.AllReduce(Tensor{next.data(), 2, DataType::kInt64}, ReduceOp::kMax);
+  EXPECT_EQ(next, (std::vector<int64_t>{5, comm.size() + 6})) << "rank " << comm.rank();
+}
+
+// One rank's list is one tensor where the others' fuse two (one bucket each), or the same list
+// is cut by caps that differ (two buckets against one): the asynchronous form
+// (ExpectListsDifferAsync). Before every bucket waited for the list check in shared memory, the
+// rank whose bucket was one tensor ran it while the others skipped theirs, and waited in shared
+// memory until its timeout.
+TEST(PackedAsyncTest, ListsOrCapsThatBucketOtherwiseRaiseInWaitAtOnce) {
+  ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
+    std::vector<uint8_t> bytes(2 * sizeof(int64_t));
+    auto* values = reinterpret_cast<int64_t*>(bytes.data());
+    values[0] = values[1] = comm.rank() + 1;
+    std::vector<Tensor> list;
+    if (odd) {
+      list = {Tensor{values, 2, DataType::kInt64}};
+    } else {
+      list = {Tensor{values, 1, DataType::kInt64}, Tensor{values + 1, 1, DataType::kInt64}};
+    }
+    ExpectListsDifferAsync(comm, list, 4096, {&bytes}, /*as_many_buckets=*/true);
+    std::vector<uint8_t> floats(192 * sizeof(float));
+    auto* data = reinterpret_cast<float*>(floats.data());
+    std::vector<Tensor> three;
+    for (int i = 0; i < 3; ++i) three.push_back(Tensor{data + 64 * i, 64, DataType::kFloat32});
+    ExpectListsDifferAsync(comm, three, odd ? 512 : 0, {&floats}, /*as_many_buckets=*/false);
+  });
+}
+
 // One rank's list does not fuse (one int64 tensor of 2) where the others' does (two of 1): the
 // rank that did not fuse used to skip the list check and send its tensor's all-reduce (int64,
 // max, 2 elements) against the others' check, which is one too. Its tensor came back reduced
