@@ -329,11 +329,12 @@ coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, voi
                                       coll_work** work);
 coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
 /* coll_all_reduce_many's buckets, all issued before it returns. The fused buckets are copied
- * into a buffer of the call's own, held until the call finishes (coll_work_wait, or
- * coll_work_test setting *done, unpacks them; then the buffer goes to a pool that the process
- * keeps for later calls: at most two buffers of at most 64 MiB each). Lists that differ
- * across ranks: COLL_MISMATCH from coll_work_wait on every rank, no fused buffer written (a
- * buffer alone in its bucket, larger than the cap, was issued before the check's answer came). */
+ * into a buffer of the call's own (none in shared memory), held until the call finishes
+ * (coll_work_wait, or coll_work_test setting *done, unpacks them; then the buffer goes to a pool
+ * that the process keeps for later calls: at most two buffers of at most 64 MiB each). Lists
+ * that differ across ranks: COLL_MISMATCH from coll_work_wait on every rank, no buffer written
+ * (with RING and AUTO every bucket waits for the list check's answer; with NCCL a buffer alone
+ * in its bucket, larger than the cap, was issued before it came). */
 coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
                                        size_t n, coll_dtype dtype, coll_op op,
                                        size_t bytes_per_pack, coll_work** work);

@@ -84,10 +84,13 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 // process-wide pool for later calls (at most two buffers of at most 64 MiB each are kept).
 // Until then the tensors must be neither read nor written. Results and argument checks are
 // AllReduce's and Broadcast's; argument errors are thrown here, the collectives' errors by Wait.
-// Lists that differ across ranks raise kMismatch in Wait on every rank, and no fused tensor is
-// written; unlike the blocking forms, a tensor alone in its bucket was issued before the check's
-// answer came, and holds what its collective left. A Work dropped unfinished waits in its
-// destructor for the collectives still in flight (they write its buffer). An allocation that
+// Lists that differ across ranks raise kMismatch in Wait on every rank. With RING and AUTO every
+// bucket runs only once the list check, queued first, has found the lists alike (on every rank
+// alike), so nothing is written; with NCCL and other communicators no fused tensor is written, but
+// a tensor alone in its bucket was issued before the check's answer came, and holds what its
+// collective left. Lists or caps that cut into different numbers of buckets leave the ranks at
+// different call numbers, and the next call raises kMismatch. A Work dropped unfinished waits in
+// its destructor for the collectives still in flight (they write its buffer). An allocation that
 // fails once part of the call is issued aborts `comm` with the error thrown here (kSystem,
 // "... out of memory after 1 of the call's 3 collectives were queued ..."), which the other
 // ranks then receive, rather than leave them waiting for the rest.

@@ -6,7 +6,7 @@
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
 // but an all-reduce whose communicator takes a bucket's tensors as they are (AUTO in shared
-// memory on one host, SetPieces) issues each fused bucket on them, no fusion buffer.
+// memory on one host, SetGates) issues each fused bucket on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -78,7 +78,7 @@ constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 // buckets (2 ranks), 19.0-22.4 against 30.3-50.3 (4 ranks); 1000 x 4 KiB 0.76-1.26 against
 // 0.79-1.60 and 2.2-4.0 against 2.9-4.4 (one by one: 1.40-1.49 and 5.8-8.1); ResNet-50 within the
 // noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3). Since the
-// packer stopped packing there (SetPieces), 1 MiB is the faster cap with 2 ranks and 256 KiB
+// packer stopped packing there (SetGates), 1 MiB is the faster cap with 2 ranks and 256 KiB
 // still with 4 on 2 cores: the README has the runs.
 constexpr size_t kSharedMemoryBytesPerPack = size_t{256} << 10;
 
@@ -308,6 +308,9 @@ struct BucketRunner {
   // is issued on its tensors as they are, no fusion buffer, no packing or unpacking: blocking,
   // and asynchronous.
   std::function<void(const std::vector<Tensor>& pieces)> issue_pieces_blocking;
+  // Where set (RING and AUTO), the asynchronous form's buckets are issued so, each doing nothing
+  // unless `go` (ring::AllReduceGatedAsync, BroadcastGatedAsync).
+  std::function<std::shared_ptr<Work>(const Tensor& t, std::function<bool()> go)> issue_gated_async;
   // `go` as ring::AllReduceInPiecesAsync's.
   std::function<std::shared_ptr<Work>(const std::vector<Tensor>& pieces, std::function<bool()> go)>
       issue_pieces_async;
@@ -586,7 +589,7 @@ BufferPool& AsyncBuffers() {
 // of them, each bucket at a cache-line offset of its own: no bucket waits for a buffer to come
 // free; taken from AsyncBuffers). Once every collective has completed, Wait or Done finishes the
 // call: the list check's answer, then the unpacking, then the buffer goes back to the pool.
-// Where the communicator takes a bucket's tensors as they are (SetPieces), every bucket is
+// Where the communicator takes a bucket's tensors as they are (SetGates), every bucket is
 // issued on them instead, no buffer, and runs only if the list check, which completes before it,
 // found the lists alike: else it does nothing, on every rank, and Wait raises the difference.
 class PackedWork final : public Work {
@@ -631,29 +634,37 @@ class PackedWork final : public Work {
         comm.AllReduceAsync(Tensor{seen_.data(), seen_.size(), DataType::kInt64},
                             Tensor{seen_.data(), seen_.size(), DataType::kInt64}, ReduceOp::kMax);
     issued_.reserve(buckets.size());
+    // Every bucket runs after the list check has completed and, where the communicator can gate
+    // it, does nothing unless the check found the lists alike, on every rank alike (every rank
+    // sees the same answer): a tensor alone in its bucket too, since where the lists differ a
+    // bucket that is one tensor here may be fused on another rank, and no rank may run a
+    // collective the others skip. Then a list that differs writes nothing.
+    const auto gate = [this] { return seen_ == mine_; };
+    const bool gated = runner.issue_gated_async || runner.issue_pieces_async;
+    untouched_ = gated ? runner.untouched
+                       : "no fused tensor was written (a tensor alone in its bucket was issued "
+                         "before the answer came)";
+    const auto issue = [&](const Tensor& t) {
+      return runner.issue_gated_async ? runner.issue_gated_async(t, gate) : runner.issue_async(t);
+    };
     for (size_t k = 0; k < buckets.size(); ++k) {
       const Bucket& bucket = buckets[k];
       const Tensor* single = buckets.Single(k);
       if (runner.issue_pieces_async) {
-        // Runs after the list check has completed, and does nothing unless it found the lists
-        // alike, on every rank alike (every rank sees the same answer). A tensor alone in its
-        // bucket waits for it too: where the lists differ, a bucket that is one tensor here may
-        // be fused on another rank, and no rank may run a collective the others skip.
-        issued_.push_back(Issued{&bucket,
-                                 runner.issue_pieces_async(
-                                     single ? std::vector<Tensor>{*single} : buckets.Pieces(bucket),
-                                     [this] { return seen_ == mine_; }),
-                                 kInPlace});
+        issued_.push_back(
+            Issued{&bucket,
+                   runner.issue_pieces_async(
+                       single ? std::vector<Tensor>{*single} : buckets.Pieces(bucket), gate),
+                   kInPlace});
         continue;
       }
       if (single) {
-        issued_.push_back(Issued{&bucket, runner.issue_async(*single), kInPlace});
+        issued_.push_back(Issued{&bucket, issue(*single), kInPlace});
         continue;
       }
       uint8_t* data = buffer_.data.get() + offsets[k];
       buckets.Pack(bucket, data);
-      issued_.push_back(
-          Issued{&bucket, runner.issue_async(buckets.FusedView(bucket, data)), offsets[k]});
+      issued_.push_back(Issued{&bucket, issue(buckets.FusedView(bucket, data)), offsets[k]});
     }
   }
 
@@ -716,10 +727,9 @@ class PackedWork final : public Work {
     finished_ = true;
     if (check_failure) {
       failure_ = check_failure;
-    } else if (std::optional<Error> differ = ListsDiffer(
-                   rank_, collective_, tensors_.size(), bytes_per_pack_, mine_, seen_,
-                   "no fused tensor was written (a tensor alone in its bucket was issued "
-                   "before the answer came)")) {
+    } else if (std::optional<Error> differ =
+                   ListsDiffer(rank_, collective_, tensors_.size(), bytes_per_pack_, mine_, seen_,
+                               untouched_)) {
       failure_ = std::make_exception_ptr(*differ);
     } else if (bucket_failure) {
       failure_ = bucket_failure;
@@ -741,6 +751,7 @@ class PackedWork final : public Work {
   // Set by Start, read by FinishLocked.
   std::vector<Bucket> planned_;
   bool unpack_ = false;
+  const char* untouched_ = "";  // what a list that differs left undone
   ListHashes mine_{};
   ListHashes seen_{};  // the list check's buffer, then its answer
   size_t collectives_ = 0;  // the list check and the buckets
@@ -757,8 +768,14 @@ class PackedWork final : public Work {
 // tensors as they are (AUTO in shared memory on one host): each rank's tensors are copied into
 // the shared slots and the results back, where packing would copy them twice more (into the
 // buffer, and out). Measured with packing_perf (see the README, "Many small tensors").
-void SetPieces(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
-               ReduceOp checked_as) {
+// The gated forms too, where the communicator runs them (ring::RunsGatedCalls).
+void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
+              ReduceOp checked_as) {
+  if (ring::RunsGatedCalls(comm)) {
+    runner.issue_gated_async = [&comm, op, checked_as](const Tensor& t, std::function<bool()> go) {
+      return ring::AllReduceGatedAsync(comm, t, t, op, checked_as, std::move(go));
+    };
+  }
   if (!ring::AllReducesInPieces(comm)) return;
   runner.issue_pieces_blocking = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
     ring::AllReduceInPieces(comm, pieces, op, checked_as);
@@ -779,8 +796,9 @@ BucketRunner AllReduceRunner(CollectiveCommunication& comm, const std::vector<Te
                       [&comm, op](const Tensor& t) { comm.AllReduce(t, t, op); },
                       "nothing was reduced or written",
                       {},
+                      {},
                       {}};
-  SetPieces(runner, comm, op, op);
+  SetGates(runner, comm, op, op);
   return runner;
 }
 
@@ -796,7 +814,7 @@ BucketRunner AllReduceCheckedAsRunner(CollectiveCommunication& comm,
   runner.issue_blocking = [&comm, op, checked_as](const Tensor& t) {
     ring::AllReduceCheckedAs(comm, t, t, op, checked_as);
   };
-  SetPieces(runner, comm, op, checked_as);
+  SetGates(runner, comm, op, checked_as);
   return runner;
 }
 
@@ -811,13 +829,20 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
   }
   const bool is_root = comm.rank() == root;
   // The root packs and its tensors are already the result; the others only unpack.
-  return BucketRunner{/*pack=*/is_root,
+  BucketRunner runner{/*pack=*/is_root,
                       /*unpack=*/!is_root,
                       [&comm, root](const Tensor& t) { return comm.BroadcastAsync(t, t, root); },
                       [&comm, root](const Tensor& t) { comm.Broadcast(t, t, root); },
                       "no tensor was broadcast or written",
                       {},
+                      {},
                       {}};
+  if (ring::RunsGatedCalls(comm)) {
+    runner.issue_gated_async = [&comm, root](const Tensor& t, std::function<bool()> go) {
+      return ring::BroadcastGatedAsync(comm, t, t, root, std::move(go));
+    };
+  }
+  return runner;
 }
 
 std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* collective,

@@ -89,6 +89,16 @@ class RingCommunication final : public CollectiveCommunication {
     RunBlocking(PrepareAllReduce(send, recv, op, checked_as));
   }
 
+  // ring::AllReduceGatedAsync / BroadcastGatedAsync (ring_communication.h).
+  std::shared_ptr<Work> AllReduceGatedAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                            ReduceOp checked_as, std::function<bool()> go) {
+    return Submit(Gated(PrepareAllReduce(send, recv, op, checked_as), std::move(go)));
+  }
+  std::shared_ptr<Work> BroadcastGatedAsync(const Tensor& send, const Tensor& recv, int root,
+                                            std::function<bool()> go) {
+    return Submit(Gated(PrepareBroadcast(send, recv, root), std::move(go)));
+  }
+
   // ring::AllReduceInPieces (ring_communication.h).
   bool AllReducesInPieces() const { return planner_ && planner_->AllReducesInPieces(); }
   std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
@@ -136,6 +146,13 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
+  // `prepared`, whose body runs only if `go()` says so when its turn comes.
+  static Prepared Gated(Prepared prepared, std::function<bool()> go) {
+    prepared.body = [body = std::move(prepared.body), go = std::move(go)](Context& ctx) {
+      if (go()) body(ctx);
+    };
+    return prepared;
+  }
   // The ring's own body for a call the planner (if any) left to it: the planner hears of the
   // call first (Planner::RunningOnRing).
   Prepared OnRing(const CallDescriptor& call, Body body) const;
@@ -734,6 +751,32 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
   } else {
     comm.AllReduce(send, recv, op);
   }
+}
+
+bool RunsGatedCalls(const CollectiveCommunication& comm) {
+  return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
+}
+
+// The communicator that runs gated calls, or Error(kNotSupported).
+RingCommunication& Gating(CollectiveCommunication& comm) {
+  auto* ring = dynamic_cast<RingCommunication*>(&comm);
+  if (ring == nullptr) {
+    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(comm.rank()) +
+                                              ": gated calls need RING or AUTO, not " +
+                                              ToString(comm.implementation()));
+  }
+  return *ring;
+}
+
+std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
+                                          const Tensor& recv, ReduceOp op, ReduceOp checked_as,
+                                          std::function<bool()> go) {
+  return Gating(comm).AllReduceGatedAsync(send, recv, op, checked_as, std::move(go));
+}
+
+std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const Tensor& send,
+                                          const Tensor& recv, int root, std::function<bool()> go) {
+  return Gating(comm).BroadcastGatedAsync(send, recv, root, std::move(go));
 }
 
 bool AllReducesInPieces(const CollectiveCommunication& comm) {

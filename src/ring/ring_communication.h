@@ -104,6 +104,18 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 // must answer alike: the packer's asynchronous form asks whether the list check it queued
 // before found the lists alike, so that no tensor is written when they differ).
 bool AllReducesInPieces(const CollectiveCommunication& comm);
+
+// Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
+// nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
+// before it have completed (every rank must answer alike). The packer's asynchronous form issues
+// its buckets so: they run only if the list check queued before them found the lists alike, and
+// write nothing otherwise. Elsewhere (NCCL, a wrapper) Error(kNotSupported).
+bool RunsGatedCalls(const CollectiveCommunication& comm);
+std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
+                                          const Tensor& recv, ReduceOp op, ReduceOp checked_as,
+                                          std::function<bool()> go);
+std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const Tensor& send,
+                                          const Tensor& recv, int root, std::function<bool()> go);
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, ReduceOp op,
                                              ReduceOp checked_as, std::function<bool()> go = {});

@@ -523,13 +523,12 @@ void ExpectListsDiffer(CollectiveCommunication& comm, const std::vector<Tensor>&
 }
 
 // The asynchronous form of a call whose lists (or caps) differ, cut into buckets of other
-// shapes on some ranks: Wait raises kMismatch on every rank, at once, never a timeout. With AUTO
-// on one host, where every bucket, a tensor alone in its bucket too, waits for the list check,
-// nothing is written, and where every rank issued as many buckets the communicator still works:
-// no rank was left in a collective the others skipped. (Where the counts differ, the next call
-// has another number on some ranks and raises kMismatch; elsewhere than AUTO the buckets run
-// before the answer is read, and buckets of other sizes break the communicator: the weaker
-// guarantee the README states.)
+// shapes on some ranks: Wait raises kMismatch on every rank, at once, never a timeout. Every
+// bucket, a tensor alone in its bucket too, waits for the list check (ring::AllReduceGatedAsync,
+// and the pieces in shared memory), so nothing is written, and where every rank issued as many
+// buckets the communicator still works: no rank was left in a collective the others skipped.
+// (Where the counts differ, the next call has another number on some ranks and raises
+// kMismatch.)
 void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Tensor>& list,
                             size_t cap, const std::vector<std::vector<uint8_t>*>& untouched,
                             bool as_many_buckets) {
@@ -544,7 +543,6 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
       << "rank " << comm.rank() << ": not at once";
-  if (comm.implementation() != Implementation::kAuto) return;
   for (size_t i = 0; i < untouched.size(); ++i) {
     EXPECT_EQ(*untouched[i], before[i]) << "rank " << comm.rank() << ": buffer " << i;
   }
@@ -556,9 +554,10 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
 
 // One rank's list is one tensor where the others' fuse two (one bucket each), or the same list
 // is cut by caps that differ (two buckets against one): the asynchronous form
-// (ExpectListsDifferAsync). Before every bucket waited for the list check in shared memory, the
-// rank whose bucket was one tensor ran it while the others skipped theirs, and waited in shared
-// memory until its timeout.
+// (ExpectListsDifferAsync). Before every bucket waited for the list check, the rank whose bucket
+// was one tensor reduced it with the others' fused bucket (over TCP: a tensor written with
+// another rank's data), or, in shared memory, ran it while the others skipped theirs and waited
+// there until its timeout.
 TEST(PackedAsyncTest, ListsOrCapsThatBucketOtherwiseRaiseInWaitAtOnce) {
   ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
     std::vector<uint8_t> bytes(2 * sizeof(int64_t));
@@ -718,8 +717,9 @@ TEST(PackedAsyncTest, CallsAfterItFollowItAndDoneFinishesIt) {
   }
 }
 
-// Lists that differ but bucket alike: Wait raises kMismatch on every rank, the fused tensors
-// are untouched, and the communicator still works.
+// Lists that differ but bucket alike: Wait raises kMismatch on every rank, saying nothing was
+// written (every bucket waits for the list check's answer), the tensors are untouched, and the
+// communicator still works.
 TEST(PackedAsyncTest, ListsThatDifferRaiseInWaitAndWriteNoFusedTensor) {
   ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
     std::vector<float> a(odd ? 200 : 100, float(comm.rank() + 1));
@@ -736,7 +736,10 @@ TEST(PackedAsyncTest, ListsThatDifferRaiseInWaitAndWriteNoFusedTensor) {
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
         EXPECT_NE(e.message().find("list of 2 tensors differs"), std::string::npos) << e.what();
-        EXPECT_NE(e.message().find("no fused tensor was written"), std::string::npos) << e.what();
+        EXPECT_NE(e.message().find(broadcast ? "no tensor was broadcast or written"
+                                             : "nothing was reduced or written"),
+                  std::string::npos)
+            << e.what();
       }
       EXPECT_THROW(work->Wait(), Error) << "a second Wait forgot the error";
       for (float v : a) ASSERT_EQ(v, float(comm.rank() + 1)) << "a was written";
