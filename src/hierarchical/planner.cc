@@ -356,7 +356,7 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
-  bool AllReducesInPieces() const override { return plan_ == Plan::kShm; }
+  bool RunsInPieces() const override { return plan_ == Plan::kShm; }
 
   Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
                          std::function<bool()> go) override {
@@ -370,6 +370,21 @@ class HierarchicalPlanner final : public ring::Planner {
             go = std::move(go)](ring::Context& ctx) {
       if (go && !go()) return;
       group->AllReduceInPieces(ctx.tag, ctx.deadline, message, dtype, op);
+    };
+  }
+
+  Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root,
+                         std::function<bool()> go) override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup::Pieces message;
+    for (const Tensor& t : pieces) {
+      if (t.count > 0) message.Add(t.data, t.bytes());
+    }
+    ShmGroup* group = group_.get();
+    return [group, message = std::move(message), root_index = topology_.local_index[size_t(root)],
+            go = std::move(go)](ring::Context& ctx) {
+      if (go && !go()) return;
+      group->BroadcastInPieces(ctx.tag, ctx.deadline, message, root_index);
     };
   }
 

@@ -1043,10 +1043,19 @@ void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline
 void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                          void* recv, size_t bytes, int root, const ChunkSource& fill,
                          const std::function<void()>& before_arrive) {
+  RunBroadcast(tag, deadline, Message(send, recv), bytes, root, fill, before_arrive);
+}
+
+void ShmGroup::BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline,
+                                 const Pieces& pieces, int root) {
+  RunBroadcast(tag, deadline, Message(pieces), pieces.bytes(), root, {}, {});
+}
+
+void ShmGroup::RunBroadcast(const core::CallTag& tag, Clock::time_point deadline,
+                            const Message& message, size_t bytes, int root, const ChunkSource& fill,
+                            const std::function<void()>& before_arrive) {
   Step step(*this, tag, deadline);
   const bool is_root = root == index_;
-  const auto* in = static_cast<const uint8_t*>(send);
-  auto* out = static_cast<uint8_t*>(recv);
   size_t offset = 0;
   do {
     const size_t c = std::min(slot_bytes_, bytes - offset);
@@ -1058,24 +1067,26 @@ void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, c
       uint8_t* slot = step.own_slot(s);
       if (fill) {
         fill(slot, offset, c);
-      } else if (c != 0) {
-        std::memcpy(slot, in + offset, c);
+      } else {
+        message.Read(offset, slot, c);
       }
       if (offset == 0 && before_arrive) before_arrive();
       step.Arrive(s);
       step.AwaitEveryArrival(s);
       step.Reduced(s);
-      if (c != 0 && fill) {
-        std::memcpy(out + offset, slot, c);
-      } else if (c != 0 && in != out) {
-        std::memcpy(out + offset, in + offset, c);
+      if (fill) {
+        message.Write(offset, slot, c);
+      } else {
+        message.ForEachRun(offset, c, [](const uint8_t* in, uint8_t* out, size_t, size_t run) {
+          if (in != out) std::memcpy(out, in, run);
+        });
       }
     } else {
       if (offset == 0 && before_arrive) before_arrive();
       step.Arrive(s);
       step.AwaitArrival(root, s);
       step.AwaitReduced(root, s);
-      if (c != 0) std::memcpy(out + offset, step.slot(root, s), c);
+      message.Write(offset, step.slot(root, s), c);
     }
     step.Done(s);
     offset += c;

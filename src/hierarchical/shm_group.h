@@ -161,6 +161,10 @@ class ShmGroup {
   };
   void AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
                          DataType dtype, ReduceOp op);
+  // Broadcast (below, without hooks) in place on a message in `pieces`: the root member copies
+  // its pieces into its slot, the others copy the slot into theirs.
+  void BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
+                         int root);
   // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
   // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
   // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives
@@ -219,6 +223,9 @@ class ShmGroup {
   void RunAllReduce(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
                     size_t count, DataType dtype, ReduceOp op, const SliceHook& cross,
                     size_t avg_divisor, int lanes);
+  void RunBroadcast(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
+                    size_t bytes, int root, const ChunkSource& fill,
+                    const std::function<void()>& before_arrive);
   // The error that broke the group, as this member raises it (waiting for it until `deadline`
   // at most, see BreakHalfwayForTesting).
   Error BrokenError(Clock::time_point deadline) const;

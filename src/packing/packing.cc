@@ -5,8 +5,8 @@
 // without a copy or a fusion buffer; a bucket with no bytes (only zero-size tensors) issues
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
-// but an all-reduce whose communicator takes a bucket's tensors as they are (AUTO in shared
-// memory on one host, SetGates) issues each fused bucket on them, no fusion buffer.
+// but where the communicator takes a bucket's tensors as they are (AUTO in shared memory on one
+// host, ring::RunsInPieces) each fused bucket is issued on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -78,8 +78,8 @@ constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 // buckets (2 ranks), 19.0-22.4 against 30.3-50.3 (4 ranks); 1000 x 4 KiB 0.76-1.26 against
 // 0.79-1.60 and 2.2-4.0 against 2.9-4.4 (one by one: 1.40-1.49 and 5.8-8.1); ResNet-50 within the
 // noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3). Since the
-// packer stopped packing there (SetGates), 1 MiB is the faster cap with 2 ranks and 256 KiB
-// still with 4 on 2 cores: the README has the runs.
+// packer stopped packing there (ring::RunsInPieces), 1 MiB is the faster cap with 2 ranks and 256
+// KiB still with 4 on 2 cores: the README has the runs.
 constexpr size_t kSharedMemoryBytesPerPack = size_t{256} << 10;
 
 // bytes_per_pack as given, or comm's default for 0.
@@ -304,9 +304,9 @@ struct BucketRunner {
   std::function<void(const Tensor& t)> issue_blocking;
   // What a blocking call whose list check fails has left undone, in the collective's words.
   const char* untouched;
-  // Where set (an all-reduce whose communicator runs ring::AllReduceInPieces), a fused bucket
-  // is issued on its tensors as they are, no fusion buffer, no packing or unpacking: blocking,
-  // and asynchronous.
+  // Where set (a communicator that runs ring::AllReduceInPieces and BroadcastInPieces), a fused
+  // bucket is issued on its tensors as they are, no fusion buffer, no packing or unpacking:
+  // blocking, and asynchronous.
   std::function<void(const std::vector<Tensor>& pieces)> issue_pieces_blocking;
   // Where set (RING and AUTO), the asynchronous form's buckets are issued so, each doing nothing
   // unless `go` (ring::AllReduceGatedAsync, BroadcastGatedAsync).
@@ -589,7 +589,7 @@ BufferPool& AsyncBuffers() {
 // of them, each bucket at a cache-line offset of its own: no bucket waits for a buffer to come
 // free; taken from AsyncBuffers). Once every collective has completed, Wait or Done finishes the
 // call: the list check's answer, then the unpacking, then the buffer goes back to the pool.
-// Where the communicator takes a bucket's tensors as they are (SetGates), every bucket is
+// Where the communicator takes a bucket's tensors as they are (ring::RunsInPieces), every bucket is
 // issued on them instead, no buffer, and runs only if the list check, which completes before it,
 // found the lists alike: else it does nothing, on every rank, and Wait raises the difference.
 class PackedWork final : public Work {
@@ -764,11 +764,11 @@ class PackedWork final : public Work {
   mutable std::exception_ptr failure_;
 };
 
-// A fused bucket of an all-reduce skips the fusion buffer where the communicator can take its
-// tensors as they are (AUTO in shared memory on one host): each rank's tensors are copied into
+// The gated asynchronous all-reduce where the communicator runs it (ring::RunsGatedCalls), and
+// the all-reduce in pieces: a fused bucket skips the fusion buffer where the communicator can take
+// its tensors as they are (AUTO in shared memory on one host), each rank's tensors copied into
 // the shared slots and the results back, where packing would copy them twice more (into the
 // buffer, and out). Measured with packing_perf (see the README, "Many small tensors").
-// The gated forms too, where the communicator runs them (ring::RunsGatedCalls).
 void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
               ReduceOp checked_as) {
   if (ring::RunsGatedCalls(comm)) {
@@ -776,7 +776,7 @@ void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
       return ring::AllReduceGatedAsync(comm, t, t, op, checked_as, std::move(go));
     };
   }
-  if (!ring::AllReducesInPieces(comm)) return;
+  if (!ring::RunsInPieces(comm)) return;
   runner.issue_pieces_blocking = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
     ring::AllReduceInPieces(comm, pieces, op, checked_as);
   };
@@ -840,6 +840,15 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
   if (ring::RunsGatedCalls(comm)) {
     runner.issue_gated_async = [&comm, root](const Tensor& t, std::function<bool()> go) {
       return ring::BroadcastGatedAsync(comm, t, t, root, std::move(go));
+    };
+  }
+  if (ring::RunsInPieces(comm)) {
+    runner.issue_pieces_blocking = [&comm, root](const std::vector<Tensor>& pieces) {
+      ring::BroadcastInPieces(comm, pieces, root);
+    };
+    runner.issue_pieces_async = [&comm, root](const std::vector<Tensor>& pieces,
+                                              std::function<bool()> go) {
+      return ring::BroadcastInPiecesAsync(comm, pieces, root, std::move(go));
     };
   }
   return runner;

@@ -100,13 +100,20 @@ class RingCommunication final : public CollectiveCommunication {
   }
 
   // ring::AllReduceInPieces (ring_communication.h).
-  bool AllReducesInPieces() const { return planner_ && planner_->AllReducesInPieces(); }
+  bool RunsInPieces() const { return planner_ && planner_->RunsInPieces(); }
   std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
                                                ReduceOp checked_as, std::function<bool()> go) {
     return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
   }
   void AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) {
     RunBlocking(PrepareAllReduceInPieces(pieces, op, checked_as, {}));
+  }
+  std::shared_ptr<Work> BroadcastInPiecesAsync(const std::vector<Tensor>& pieces, int root,
+                                               std::function<bool()> go) {
+    return Submit(PrepareBroadcastInPieces(pieces, root, std::move(go)));
+  }
+  void BroadcastInPieces(const std::vector<Tensor>& pieces, int root) {
+    RunBlocking(PrepareBroadcastInPieces(pieces, root, {}));
   }
 
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
@@ -142,6 +149,10 @@ class RingCommunication final : public CollectiveCommunication {
                             ReduceOp checked_as) const;
   Prepared PrepareAllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
                                     ReduceOp checked_as, std::function<bool()> go) const;
+  Prepared PrepareBroadcastInPieces(const std::vector<Tensor>& pieces, int root,
+                                    std::function<bool()> go) const;
+  // The elements of `pieces` (CPU tensors of one known dtype, with data), or Error naming `name`.
+  size_t CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const;
   Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
@@ -533,19 +544,14 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
   });
 }
 
-RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
-    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
-    std::function<bool()> go) const {
-  constexpr const char* kName = "all_reduce in pieces";
-  CheckOp(rank_, kName, op);
-  CheckOp(rank_, kName, checked_as);
+size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const {
   if (pieces.empty()) {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + kName +
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + name +
                                                  ": no pieces (the message needs a dtype)");
   }
   // The caller (the packer) has checked that the pieces lie apart and their byte counts fit.
   if (static_cast<unsigned>(pieces.front().dtype) >= kNumDataTypes) {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + kName +
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + name +
                                                  ": unknown dtype " +
                                                  std::to_string(int(pieces.front().dtype)));
   }
@@ -554,21 +560,51 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
     if (piece.dtype != pieces.front().dtype || piece.device.kind != Device::Kind::kCpu ||
         (piece.data == nullptr && piece.count > 0)) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "rank " + std::to_string(rank_) + ": " + kName +
+                  "rank " + std::to_string(rank_) + ": " + name +
                       ": every piece must be a CPU tensor with data, of the first one's dtype (" +
                       ToString(pieces.front().dtype) + ")");
     }
     count += piece.count;
   }
-  Body body = planner_ ? planner_->AllReduceInPieces(pieces, op, std::move(go)) : Body{};
+  return count;
+}
+
+// The body a planner that runs in pieces gave, or Error(kNotSupported).
+Planner::Body NeedsPieces(int rank, const char* name, Planner::Body body) {
   if (!body) {
-    throw Error(ErrorCode::kNotSupported,
-                "rank " + std::to_string(rank_) + ": " + kName +
-                    " needs AUTO with every rank in one shared-memory group");
+    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank) + ": " + name +
+                                              " needs AUTO with every rank in one shared-memory "
+                                              "group");
   }
+  return body;
+}
+
+RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
+    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
+    std::function<bool()> go) const {
+  constexpr const char* kName = "all_reduce in pieces";
+  CheckOp(rank_, kName, op);
+  CheckOp(rank_, kName, checked_as);
+  const size_t count = CountOfPieces(kName, pieces);
   return Prepared{
       CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count},
-      std::move(body)};
+      NeedsPieces(rank_, kName,
+                  planner_ ? planner_->AllReduceInPieces(pieces, op, std::move(go)) : Body{})};
+}
+
+RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
+    const std::vector<Tensor>& pieces, int root, std::function<bool()> go) const {
+  constexpr const char* kName = "broadcast in pieces";
+  if (root < 0 || root >= size_) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "rank " + std::to_string(rank_) + ": " + kName + ": root " + std::to_string(root) +
+                    " is not a rank of this communicator (size " + std::to_string(size_) + ")");
+  }
+  const size_t count = CountOfPieces(kName, pieces);
+  return Prepared{
+      CallDescriptor{CollectiveKind::kBroadcast, pieces.front().dtype, ReduceOp::kSum, root, count},
+      NeedsPieces(rank_, kName,
+                  planner_ ? planner_->BroadcastInPieces(pieces, root, std::move(go)) : Body{})};
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& send,
@@ -779,15 +815,15 @@ std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const T
   return Gating(comm).BroadcastGatedAsync(send, recv, root, std::move(go));
 }
 
-bool AllReducesInPieces(const CollectiveCommunication& comm) {
+bool RunsInPieces(const CollectiveCommunication& comm) {
   const auto* ring = dynamic_cast<const RingCommunication*>(&comm);
-  return ring != nullptr && ring->AllReducesInPieces();
+  return ring != nullptr && ring->RunsInPieces();
 }
 
 // The communicator that runs AllReduceInPieces, or Error(kNotSupported).
 RingCommunication& InPieces(CollectiveCommunication& comm) {
   auto* ring = dynamic_cast<RingCommunication*>(&comm);
-  if (ring == nullptr || !ring->AllReducesInPieces()) {
+  if (ring == nullptr || !ring->RunsInPieces()) {
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(comm.rank()) +
                     ": all_reduce in pieces needs AUTO with every rank in one shared-memory group");
@@ -804,6 +840,16 @@ std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
 void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
                        ReduceOp op, ReduceOp checked_as) {
   InPieces(comm).AllReduceInPieces(pieces, op, checked_as);
+}
+
+std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
+                                             const std::vector<Tensor>& pieces, int root,
+                                             std::function<bool()> go) {
+  return InPieces(comm).BroadcastInPiecesAsync(pieces, root, std::move(go));
+}
+
+void BroadcastInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces, int root) {
+  InPieces(comm).BroadcastInPieces(pieces, root);
 }
 
 void Abort(CollectiveCommunication& comm, const Error& error) {

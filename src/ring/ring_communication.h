@@ -35,8 +35,9 @@ class Planner {
   virtual ~Planner() = default;
   // `algorithm` is CommunicationOptions::algorithm when it names one of the planner's.
   virtual Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
-  // Whether the planner runs AllReduceInPieces: the same answer for every call and every rank.
-  virtual bool AllReducesInPieces() const { return false; }
+  // Whether the planner runs AllReduceInPieces and BroadcastInPieces: the same answer for every
+  // call and every rank.
+  virtual bool RunsInPieces() const { return false; }
   // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
   // elements back to back), without a buffer that holds the whole message; `go` as
   // AllReduceInPiecesAsync's.
@@ -44,6 +45,14 @@ class Planner {
                                  std::function<bool()> go) {
     (void)pieces;
     (void)op;
+    (void)go;
+    return {};
+  }
+  // A broadcast in place of `pieces` from `root`, likewise.
+  virtual Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root,
+                                 std::function<bool()> go) {
+    (void)pieces;
+    (void)root;
     (void)go;
     return {};
   }
@@ -95,7 +104,7 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 
 // The packer's fused bucket without the fusion buffer: `pieces` (CPU tensors of one dtype, apart,
 // as the packer checks them) all-reduced in place as one message, their elements back to back,
-// where AllReducesInPieces(comm) (AUTO with every rank in one shared-memory group): each rank's
+// where RunsInPieces(comm) (AUTO with every rank in one shared-memory group): each rank's
 // tensors are copied into shared memory and the results back into them, two copies fewer than
 // through a fusion buffer. Checked across ranks as AllReduceCheckedAs of one tensor of that many
 // elements, with the bits that call gives on the packed bucket. Elsewhere Error(kNotSupported).
@@ -103,7 +112,7 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 // completed, before anything of this one happens: false, and the call does nothing (every rank
 // must answer alike: the packer's asynchronous form asks whether the list check it queued
 // before found the lists alike, so that no tensor is written when they differ).
-bool AllReducesInPieces(const CollectiveCommunication& comm);
+bool RunsInPieces(const CollectiveCommunication& comm);
 
 // Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
 // nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
@@ -121,6 +130,13 @@ std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
                                              ReduceOp checked_as, std::function<bool()> go = {});
 void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
                        ReduceOp op, ReduceOp checked_as);
+// The same for a broadcast from `root` of the pieces' elements back to back (checked as
+// comm.Broadcast of one tensor of that many elements): the root's tensors go into shared memory,
+// the others' come out of it, no fusion buffer.
+std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
+                                             const std::vector<Tensor>& pieces, int root,
+                                             std::function<bool()> go = {});
+void BroadcastInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces, int root);
 
 // For a layer that aborts a communicator because of a failure of its own (the strategy layer,
 // when a replica's function or a caller's arguments fail on one worker): comm.Abort(), with

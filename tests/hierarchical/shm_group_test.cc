@@ -511,6 +511,43 @@ TEST(ShmGroupPiecesTest, AnAllReduceInPiecesHasTheBitsOfOneBuffer) {
   }
 }
 
+// A broadcast in pieces: every member's pieces end with the root's bytes, from each root, for
+// messages of one to several steps cut at random (empty pieces among them), 1 to 5 members.
+TEST(ShmGroupPiecesTest, ABroadcastInPiecesDeliversTheRootsBytes) {
+  for (int n : {1, 2, 3, 5}) {
+    const ShmGroupOptions options = Options("pieces_broadcast", 4096, 4096, n);
+    std::vector<size_t> wrong(size_t(n), 0);
+    RunMembers(Ranks(n), options, [&](Member& m, int me) {
+      std::mt19937 random(5);  // the same cuts and root bytes on every member
+      for (size_t bytes : {size_t{0}, size_t{1}, size_t{4095}, size_t{3 * 4096 + 77}}) {
+        for (int root = 0; root < n; ++root) {
+          std::vector<uint8_t> want(bytes);
+          for (uint8_t& b : want) b = uint8_t(random());
+          std::vector<std::vector<uint8_t>> pieces;
+          for (size_t at = 0; at < bytes || pieces.empty();) {
+            const size_t length = std::min<size_t>(random() % (bytes / 3 + 2), bytes - at);
+            pieces.emplace_back(length, uint8_t(0xEE));
+            if (me == root) {
+              std::copy(want.begin() + std::ptrdiff_t(at),
+                        want.begin() + std::ptrdiff_t(at + length), pieces.back().begin());
+            }
+            at += length;
+          }
+          ShmGroup::Pieces message;
+          for (auto& piece : pieces) message.Add(piece.data(), piece.size());
+          m.group->BroadcastInPieces(m.Tag(core::CollectiveKind::kBroadcast, DataType::kUInt8,
+                                           ReduceOp::kSum, root, bytes),
+                                     Clock::now() + std::chrono::seconds(30), message, root);
+          std::vector<uint8_t> joined;
+          for (const auto& piece : pieces) joined.insert(joined.end(), piece.begin(), piece.end());
+          if (joined != want) ++wrong[size_t(me)];
+        }
+      }
+    });
+    for (int i = 0; i < n; ++i) EXPECT_EQ(wrong[size_t(i)], 0u) << n << " members, member " << i;
+  }
+}
+
 // A piece that is not a whole number of elements is refused before the group is touched, and
 // an all-reduce in pieces and one on one buffer of another count are a mismatch on both
 // members, nothing written.
