@@ -24,7 +24,9 @@
 // copies every reduced slice out. Small: each member copies its input in and reduces all of them
 // itself (one synchronisation instead of two). Broadcast: the root copies in, the others out.
 // All-gather: each copies its block in, and all blocks out. Reduce-scatter: each copies its
-// chunk of every block in and reduces its own block from all slots.
+// chunk of every block in and reduces its own block from all slots. The all-reduce and the
+// broadcast also take their message in pieces (AllReduceInPieces, BroadcastInPieces: the
+// packer's fused bucket, its tensors as they lie), copied into and out of the slots directly.
 //
 // Checks: every step carries the call's tag (sequence number and descriptor); a member that
 // finds another member's tag different breaks the group with Error(kMismatch) naming both calls,
