@@ -136,8 +136,7 @@ typedef struct coll_options {
 
   /* Byte cap of one fusion bucket of coll_all_reduce_many and coll_broadcast_many when the
    * call's own bytes_per_pack argument is 0. 0 picks the library's default for the
-   * communicator (collectives::packing::DefaultBytesPerPack(comm): 256 KiB where its
-   * all-reduces run in shared memory, AUTO on one host; 1 MiB elsewhere).
+   * communicator (collectives::packing::DefaultBytesPerPack(comm): 1 MiB).
    * Default: 0. */
   size_t bytes_per_pack;
 

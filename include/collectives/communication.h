@@ -59,8 +59,7 @@ struct CommunicationOptions {
   // broadcasts between workers go through the packer. The communicator itself does not read it,
   // nor do packing::AllReduce and packing::Broadcast, which take their own bytes_per_pack argument.
   // The C API's coll_all_reduce_many has coll_options.bytes_per_pack for this. 0 picks
-  // packing::DefaultBytesPerPack(comm): 256 KiB where the all-reduces run in shared memory (AUTO
-  // on one host), 1 MiB elsewhere.
+  // packing::DefaultBytesPerPack(comm), 1 MiB.
   // Default: 0.
   size_t bytes_per_pack = 0;
 

@@ -28,10 +28,9 @@ namespace collectives::packing {
 size_t DefaultBytesPerPack();
 
 // The byte cap AllReduce, Broadcast and their async forms use on `comm` when bytes_per_pack is
-// 0: 256 KiB where comm's all-reduces run in shared memory (AUTO, every rank on one host), where
-// a fused bucket's two extra copies cost more than the calls it saves for any tensor that fills
-// one alone; DefaultBytesPerPack() elsewhere (over TCP, whose calls cost more). The same on
-// every rank. See the README for the measurements.
+// 0: DefaultBytesPerPack(), on every communicator. (It was 256 KiB where comm's all-reduces run
+// in shared memory while fused buckets were copied there; they go in pieces now, and 1 MiB is
+// the faster cap there too. See the README for the measurements.)
 size_t DefaultBytesPerPack(const CollectiveCommunication& comm);
 
 // What the planner needs to know of a tensor.

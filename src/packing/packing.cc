@@ -67,20 +67,14 @@ namespace {
 // chosen for issuing fewer collectives; once the ring algorithms lost their separate call
 // agreement round the smaller buckets pulled ahead. On a network where one collective's fixed
 // latency is far above loopback's, a larger cap may pay: bytes_per_pack is the knob.
+// In shared memory (AUTO on one host) the default was 256 KiB while fused buckets were copied
+// into a fusion buffer and out there: those two copies of every byte cost more than the calls
+// they saved once the tensors were large (200 x 256 KiB, 2 ranks: 8.0-9.5 ms at 256 KiB, every
+// tensor alone, against 12.2-13.8 in 1 MiB buckets). Since the packer hands the tensors to shared
+// memory as they are (ring::RunsInPieces), 1 MiB was the faster cap in every workload with 2 and
+// with 3 ranks (three runs each; 1000 x 4 KiB 0.28-0.35 ms against 0.41-0.45 with 2 ranks), and
+// 256 KiB only with 4 ranks on 2 cores: the README has the runs.
 constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
-
-// The default cap of a communicator whose all-reduces run in shared memory: 256 KiB. There one
-// call costs microseconds, and a fused bucket's two copies (in and out of the fusion buffer) of
-// every byte cost more than the calls they save once the tensors are large: with AUTO on one
-// host of the 2-core VM (AMD EPYC Zen 4; `packing_perf --impl auto --local N --workload
-// 1000x4K,200x256K,resnet50 --bytes-per-pack 256K,1M -n 20`, three runs per rank count, ms per
-// step), 200 x 256 KiB took 8.0-9.5 one by one and unfused at 256 KiB against 12.2-13.8 in 1 MiB
-// buckets (2 ranks), 19.0-22.4 against 30.3-50.3 (4 ranks); 1000 x 4 KiB 0.76-1.26 against
-// 0.79-1.60 and 2.2-4.0 against 2.9-4.4 (one by one: 1.40-1.49 and 5.8-8.1); ResNet-50 within the
-// noise either way (15.6-21.3 against 15.9-18.7, 42.9-51.1 against 42.8-55.3). Since the
-// packer stopped packing there (ring::RunsInPieces), 1 MiB is the faster cap with 2 ranks and 256
-// KiB still with 4 on 2 cores: the README has the runs.
-constexpr size_t kSharedMemoryBytesPerPack = size_t{256} << 10;
 
 // bytes_per_pack as given, or comm's default for 0.
 size_t CapOf(const CollectiveCommunication& comm, size_t bytes_per_pack) {
@@ -882,10 +876,8 @@ std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* coll
 size_t DefaultBytesPerPack() { return kDefaultBytesPerPack; }
 
 size_t DefaultBytesPerPack(const CollectiveCommunication& comm) {
-  // AUTO decides per size, the same on every rank; the question is where buckets of the larger
-  // cap would go.
-  return comm.AllReduceAlgorithm(kDefaultBytesPerPack) == "shm" ? kSharedMemoryBytesPerPack
-                                                                : kDefaultBytesPerPack;
+  (void)comm;  // the same everywhere since the shared-memory buckets stopped being copied
+  return kDefaultBytesPerPack;
 }
 
 // One open bucket per (dtype, device) kind; lists rarely hold more than two or three kinds, so

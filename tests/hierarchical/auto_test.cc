@@ -243,29 +243,30 @@ TEST(AutoAlgorithmTest, SharedMemoryOffFallsBackToTheRing) {
   }
 }
 
-// The packer's default cap follows where the all-reduces run: 256 KiB in shared memory, 1 MiB
-// over TCP. A rank that passes 0 and one that passes 256 KiB cut the list alike; one that passes
-// 1 MiB cuts it otherwise, and every rank is told so, nothing written.
-TEST(AutoPackingTest, TheDefaultCapIs256KiBInSharedMemoryAnd1MiBOverTcp) {
+// The packer's default cap is 1 MiB in shared memory as over TCP (it was 256 KiB in shared
+// memory while fused buckets were copied there). A rank that passes 0 and one that passes 1 MiB
+// cut the list alike; one that passes 256 KiB cuts it otherwise, and every rank is told so,
+// nothing written.
+TEST(AutoPackingTest, TheDefaultCapIs1MiBInSharedMemoryAndOverTcp) {
   OneHost one_host;
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(60);
   RunRanks(Transport::kAuto, 3, options, [&](CollectiveCommunication& comm) {
-    EXPECT_EQ(packing::DefaultBytesPerPack(comm), size_t{256} << 10);
+    EXPECT_EQ(packing::DefaultBytesPerPack(comm), size_t{1} << 20);
     // Eight f32 tensors of 64 KiB: two fused buckets at 256 KiB, one at 1 MiB.
     std::vector<std::vector<float>> data(8, std::vector<float>(16384, float(comm.rank() + 1)));
     std::vector<Tensor> list;
     for (auto& d : data) list.push_back(Tensor{d.data(), d.size(), DataType::kFloat32});
-    packing::AllReduce(comm, list, ReduceOp::kSum, comm.rank() == 1 ? size_t{256} << 10 : 0);
+    packing::AllReduce(comm, list, ReduceOp::kSum, comm.rank() == 1 ? size_t{1} << 20 : 0);
     for (const auto& d : data) {
       for (float v : d) ASSERT_EQ(v, 6.0f) << "rank " << comm.rank();
     }
     try {
-      packing::AllReduce(comm, list, ReduceOp::kSum, comm.rank() == 2 ? size_t{1} << 20 : 0);
+      packing::AllReduce(comm, list, ReduceOp::kSum, comm.rank() == 2 ? size_t{256} << 10 : 0);
       ADD_FAILURE() << "rank " << comm.rank() << ": lists cut differently went through";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
-      const std::string cap = comm.rank() == 2 ? "1048576" : "262144";
+      const std::string cap = comm.rank() == 2 ? "262144" : "1048576";
       EXPECT_NE(std::string(e.what()).find("bytes_per_pack (" + cap + " here)"), std::string::npos)
           << e.what();
     }
