@@ -157,8 +157,9 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
-  // `prepared`, whose body runs only if `go()` says so when its turn comes.
+  // `prepared`, whose body runs only if `go()` says so when its turn comes (always without one).
   static Prepared Gated(Prepared prepared, std::function<bool()> go) {
+    if (!go) return prepared;
     prepared.body = [body = std::move(prepared.body), go = std::move(go)](Context& ctx) {
       if (go()) body(ctx);
     };
@@ -586,10 +587,11 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
   const size_t count = CountOfPieces(kName, pieces);
-  return Prepared{
-      CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count},
-      NeedsPieces(rank_, kName,
-                  planner_ ? planner_->AllReduceInPieces(pieces, op, std::move(go)) : Body{})};
+  return Gated(
+      Prepared{
+          CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count},
+          NeedsPieces(rank_, kName, planner_ ? planner_->AllReduceInPieces(pieces, op) : Body{})},
+      std::move(go));
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
@@ -601,10 +603,11 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
                     " is not a rank of this communicator (size " + std::to_string(size_) + ")");
   }
   const size_t count = CountOfPieces(kName, pieces);
-  return Prepared{
-      CallDescriptor{CollectiveKind::kBroadcast, pieces.front().dtype, ReduceOp::kSum, root, count},
-      NeedsPieces(rank_, kName,
-                  planner_ ? planner_->BroadcastInPieces(pieces, root, std::move(go)) : Body{})};
+  return Gated(Prepared{CallDescriptor{CollectiveKind::kBroadcast, pieces.front().dtype,
+                                       ReduceOp::kSum, root, count},
+                        NeedsPieces(rank_, kName,
+                                    planner_ ? planner_->BroadcastInPieces(pieces, root) : Body{})},
+               std::move(go));
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& send,

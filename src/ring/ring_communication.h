@@ -39,21 +39,16 @@ class Planner {
   // call and every rank.
   virtual bool RunsInPieces() const { return false; }
   // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
-  // elements back to back), without a buffer that holds the whole message; `go` as
-  // AllReduceInPiecesAsync's.
-  virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
-                                 std::function<bool()> go) {
+  // elements back to back), without a buffer that holds the whole message.
+  virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) {
     (void)pieces;
     (void)op;
-    (void)go;
     return {};
   }
   // A broadcast in place of `pieces` from `root`, likewise.
-  virtual Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root,
-                                 std::function<bool()> go) {
+  virtual Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) {
     (void)pieces;
     (void)root;
-    (void)go;
     return {};
   }
   // `source` is the root's send data (null elsewhere).
