@@ -634,10 +634,10 @@ class PackedWork final : public Work {
     // bucket that is one tensor here may be fused on another rank, and no rank may run a
     // collective the others skip. Then a list that differs writes nothing.
     const auto gate = [this] { return seen_ == mine_; };
-    const bool gated = runner.issue_gated_async || runner.issue_pieces_async;
-    untouched_ = gated ? runner.untouched
-                       : "no fused tensor was written (a tensor alone in its bucket was issued "
-                         "before the answer came)";
+    untouched_ = runner.issue_gated_async
+                     ? runner.untouched
+                     : "no fused tensor was written (a tensor alone in its bucket was issued "
+                       "before the answer came)";
     const auto issue = [&](const Tensor& t) {
       return runner.issue_gated_async ? runner.issue_gated_async(t, gate) : runner.issue_async(t);
     };

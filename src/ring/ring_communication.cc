@@ -796,12 +796,14 @@ bool RunsGatedCalls(const CollectiveCommunication& comm) {
   return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
 }
 
-// The communicator that runs gated calls, or Error(kNotSupported).
-RingCommunication& Gating(CollectiveCommunication& comm) {
+// `comm` as the RING/AUTO communicator that runs gated calls and calls in pieces, or
+// Error(kNotSupported) naming `what`. (A communicator that cannot run a call in pieces says so
+// when the call is prepared: NeedsPieces.)
+RingCommunication& Ring(CollectiveCommunication& comm, const char* what) {
   auto* ring = dynamic_cast<RingCommunication*>(&comm);
   if (ring == nullptr) {
-    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(comm.rank()) +
-                                              ": gated calls need RING or AUTO, not " +
+    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(comm.rank()) + ": " + what +
+                                              " need RING or AUTO, not " +
                                               ToString(comm.implementation()));
   }
   return *ring;
@@ -810,12 +812,12 @@ RingCommunication& Gating(CollectiveCommunication& comm) {
 std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
                                           const Tensor& recv, ReduceOp op, ReduceOp checked_as,
                                           std::function<bool()> go) {
-  return Gating(comm).AllReduceGatedAsync(send, recv, op, checked_as, std::move(go));
+  return Ring(comm, "gated calls").AllReduceGatedAsync(send, recv, op, checked_as, std::move(go));
 }
 
 std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const Tensor& send,
                                           const Tensor& recv, int root, std::function<bool()> go) {
-  return Gating(comm).BroadcastGatedAsync(send, recv, root, std::move(go));
+  return Ring(comm, "gated calls").BroadcastGatedAsync(send, recv, root, std::move(go));
 }
 
 bool RunsInPieces(const CollectiveCommunication& comm) {
@@ -823,36 +825,26 @@ bool RunsInPieces(const CollectiveCommunication& comm) {
   return ring != nullptr && ring->RunsInPieces();
 }
 
-// The communicator that runs AllReduceInPieces, or Error(kNotSupported).
-RingCommunication& InPieces(CollectiveCommunication& comm) {
-  auto* ring = dynamic_cast<RingCommunication*>(&comm);
-  if (ring == nullptr || !ring->RunsInPieces()) {
-    throw Error(ErrorCode::kNotSupported,
-                "rank " + std::to_string(comm.rank()) +
-                    ": all_reduce in pieces needs AUTO with every rank in one shared-memory group");
-  }
-  return *ring;
-}
-
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, ReduceOp op,
                                              ReduceOp checked_as, std::function<bool()> go) {
-  return InPieces(comm).AllReduceInPiecesAsync(pieces, op, checked_as, std::move(go));
+  return Ring(comm, "calls in pieces")
+      .AllReduceInPiecesAsync(pieces, op, checked_as, std::move(go));
 }
 
 void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
                        ReduceOp op, ReduceOp checked_as) {
-  InPieces(comm).AllReduceInPieces(pieces, op, checked_as);
+  Ring(comm, "calls in pieces").AllReduceInPieces(pieces, op, checked_as);
 }
 
 std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, int root,
                                              std::function<bool()> go) {
-  return InPieces(comm).BroadcastInPiecesAsync(pieces, root, std::move(go));
+  return Ring(comm, "calls in pieces").BroadcastInPiecesAsync(pieces, root, std::move(go));
 }
 
 void BroadcastInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces, int root) {
-  InPieces(comm).BroadcastInPieces(pieces, root);
+  Ring(comm, "calls in pieces").BroadcastInPieces(pieces, root);
 }
 
 void Abort(CollectiveCommunication& comm, const Error& error) {
