@@ -57,6 +57,84 @@ void CopyUnlessSame(void* dst, const void* src, size_t bytes) {
   if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
 }
 
+// Where an algorithm reads or writes the caller's message: one buffer (`data`), or a message in
+// runs (the packer's bucket of tensors, transport::Runs) from its byte `offset` on. Runs are
+// whole elements, so every element lies in one run. Staging is always one buffer.
+struct Buffer {
+  uint8_t* data = nullptr;
+  const transport::Runs* runs = nullptr;
+  size_t offset = 0;
+
+  Buffer() = default;
+  Buffer(uint8_t* d) : data(d) {}  // NOLINT(google-explicit-constructor): staging and buffers
+  Buffer(const uint8_t* d) : data(const_cast<uint8_t*>(d)) {}  // NOLINT: read only, like above
+  Buffer(const transport::Runs& r, size_t o) : runs(&r), offset(o) {}
+
+  bool none() const { return data == nullptr && runs == nullptr; }
+  Buffer operator+(size_t bytes) const {
+    Buffer b = *this;
+    if (runs != nullptr) {
+      b.offset += bytes;
+    } else {
+      b.data += bytes;
+    }
+    return b;
+  }
+  bool operator==(const Buffer& other) const {
+    return data == other.data && runs == other.runs && offset == other.offset;
+  }
+  // The address of this byte, and how many bytes follow it contiguously (SIZE_MAX: one buffer).
+  std::pair<uint8_t*, size_t> Contiguous() const {
+    if (runs == nullptr) return {data, SIZE_MAX};
+    return runs->At(offset);
+  }
+};
+
+uint64_t Send(Connection& to, const core::CallTag& tag, Buffer from, size_t bytes) {
+  if (from.runs != nullptr) return to.PostSend(tag, *from.runs, from.offset, bytes);
+  return to.PostSend(tag, from.data, bytes);
+}
+uint64_t Recv(Connection& from, const core::CallTag& tag, Buffer to, size_t bytes) {
+  if (to.runs != nullptr) return from.PostRecv(tag, *to.runs, to.offset, bytes);
+  return from.PostRecv(tag, to.data, bytes);
+}
+
+// Calls f(uint8_t* a, uint8_t* b, uint8_t* c, size_t bytes) over `bytes` of three buffers, in
+// spans that are contiguous in all three.
+template <typename F>
+void ForEachSpan(size_t bytes, Buffer a, Buffer b, Buffer c, F f) {
+  while (bytes > 0) {
+    const auto [pa, na] = a.Contiguous();
+    const auto [pb, nb] = b.Contiguous();
+    const auto [pc, nc] = c.Contiguous();
+    const size_t n = std::min({bytes, na, nb, nc});
+    f(pa, pb, pc, n);
+    a = a + n;
+    b = b + n;
+    c = c + n;
+    bytes -= n;
+  }
+}
+
+// core::Reduce and DivideInPlace on Buffers.
+void Reduce(DataType dtype, ReduceOp op, Buffer out, Buffer a, Buffer b, size_t count) {
+  const size_t es = SizeOf(dtype);
+  ForEachSpan(count * es, out, a, b, [&](uint8_t* o, uint8_t* x, uint8_t* y, size_t n) {
+    core::Reduce(dtype, op, o, x, y, n / es);
+  });
+}
+void DivideInPlace(DataType dtype, Buffer data, size_t count, size_t n) {
+  const size_t es = SizeOf(dtype);
+  ForEachSpan(count * es, data, data, data, [&](uint8_t* d, uint8_t*, uint8_t*, size_t bytes) {
+    core::DivideInPlace(dtype, d, bytes / es, n);
+  });
+}
+void CopyUnlessSame(Buffer dst, Buffer src, size_t bytes) {
+  if (dst == src) return;
+  ForEachSpan(bytes, dst, src, src,
+              [](uint8_t* d, uint8_t* s, uint8_t*, size_t n) { std::memcpy(d, s, n); });
+}
+
 // Receives items 0, 1, 2, ... from one connection, in order, with up to kStagingSlots receives
 // posted ahead of the one waited on. `where(t)` gives item t's destination and bytes. Wait(t)
 // posts items up to t + kStagingSlots - 1 before waiting for t, so an item that lands in staging
@@ -72,7 +150,7 @@ class ReceiveWindow {
   void Wait(size_t t) {
     for (; posted_ < items_ && posted_ < t + kStagingSlots; ++posted_) {
       const auto [data, bytes] = where_(posted_);
-      ticket_[posted_ % kStagingSlots] = from_.PostRecv(tag_, data, bytes);
+      ticket_[posted_ % kStagingSlots] = Recv(from_, tag_, data, bytes);
     }
     from_.WaitRecv(ticket_[t % kStagingSlots]);
   }
@@ -87,7 +165,7 @@ class ReceiveWindow {
 };
 
 struct Destination {
-  uint8_t* data;
+  Buffer data;
   size_t bytes;
 };
 
@@ -113,8 +191,8 @@ struct Destination {
 // checks it against its own call: a chain of equal calls through all n ranks. A rank whose call
 // differs breaks every such chain, so no rank reaches its first write into `out`, and all learn
 // of the mismatch from the abort of the rank that saw it.
-void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_t* out,
-                         DataType dtype, ReduceOp op) {
+void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, DataType dtype,
+                         ReduceOp op) {
   constexpr size_t kSlices = kStagingSlots / 2;
   const int n = ctx.size();
   const int r = ctx.rank();
@@ -159,7 +237,7 @@ void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_
       const Range range = range_of(next_send, block);
       if (step == 0) {
         const size_t offset = blocks.Offset(block) + range.offset;
-        last_send = right.PostSend(ctx.tag, send + offset * es, range.length * es);
+        last_send = Send(right, ctx.tag, send + offset * es, range.length * es);
       } else {
         const size_t source = next_send - kSlices;
         if (source >= processed) break;
@@ -193,13 +271,13 @@ void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_
     const size_t step = step_of(t);
     const size_t block = recv_block(step);
     const Range range = range_of(t, block);
-    const uint8_t* own = send + (blocks.Offset(block) + range.offset) * es;
+    const Buffer own = send + (blocks.Offset(block) + range.offset) * es;
     if (step + 1 == steps) {
-      uint8_t* result = out + range.offset * es;
-      core::Reduce(dtype, op, result, own, slot(t), range.length);
-      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, result, range.length, n);
+      const Buffer result = out + range.offset * es;
+      Reduce(dtype, op, result, own, slot(t), range.length);
+      if (op == ReduceOp::kAvg) DivideInPlace(dtype, result, range.length, size_t(n));
     } else {
-      core::Reduce(dtype, op, slot(t), own, slot(t), range.length);
+      Reduce(dtype, op, slot(t), own, slot(t), range.length);
     }
     post_sends(t + 1);
     post_receives(t + 1, /*must_post_next=*/false);
@@ -215,11 +293,11 @@ void ReduceScatterBlocks(Context& ctx, const uint8_t* send, Split blocks, uint8_
 // arrived. Every block is cut into as many chunks as the largest needs, so both ends of a frame
 // agree on its size. Step 0 sends from `own_source`, so the copy of the own block (when not in
 // place) overlaps the first transfer.
-void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Split blocks,
-                     size_t es, CallAgreement* agreement) {
+void AllGatherBlocks(Context& ctx, Buffer own_source, Buffer recv, Split blocks, size_t es,
+                     CallAgreement* agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
-  uint8_t* own = recv + blocks.Offset(size_t(r)) * es;
+  const Buffer own = recv + blocks.Offset(size_t(r)) * es;
   const size_t own_bytes = blocks.Length(size_t(r)) * es;
   if (n == 1) return CopyUnlessSame(own, own_source, own_bytes);
 
@@ -238,8 +316,8 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
   uint64_t last_send = 0;
   for (size_t c = 0; c < chunks; ++c) {
     const Range chunk = chunk_of(size_t(r), c);
-    last_send = right.PostSend(ctx.tag, own_source + (chunk.offset - blocks.Offset(size_t(r))) * es,
-                               chunk.length * es);
+    last_send = Send(right, ctx.tag, own_source + (chunk.offset - blocks.Offset(size_t(r))) * es,
+                     chunk.length * es);
   }
   if (agreement != nullptr) agreement->Wait();
 
@@ -254,7 +332,7 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
     if (t == 0) CopyUnlessSame(own, own_source, own_bytes);
     if (t / chunks + 1 < size_t(n - 1)) {
       const Range chunk = recv_chunk(t);
-      last_send = right.PostSend(ctx.tag, recv + chunk.offset * es, chunk.length * es);
+      last_send = Send(right, ctx.tag, recv + chunk.offset * es, chunk.length * es);
     }
   }
   right.WaitSend(last_send);
@@ -273,17 +351,30 @@ void AllGatherBlocks(Context& ctx, const uint8_t* own_source, uint8_t* recv, Spl
 // No separate agreement round: the reduce-scatter keeps its partial sums in staging, so the
 // first write into `recv` is the last reduce-scatter step, whose frame vouches for every rank
 // (see ReduceScatterBlocks); a mismatched call raises on every rank with `recv` untouched.
-void RingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count, DataType dtype,
-                   ReduceOp op) {
+namespace {
+
+void RingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t count, DataType dtype,
+                     ReduceOp op) {
   const int n = ctx.size();
   const size_t es = SizeOf(dtype);
-  const auto* send = static_cast<const uint8_t*>(send_ptr);
-  auto* recv = static_cast<uint8_t*>(recv_ptr);
   if (n == 1) return CopyUnlessSame(recv, send, count * es);
   const Split blocks{count, static_cast<size_t>(n)};
-  uint8_t* own = recv + blocks.Offset(size_t(ctx.rank())) * es;
+  const Buffer own = recv + blocks.Offset(size_t(ctx.rank())) * es;
   ReduceScatterBlocks(ctx, send, blocks, own, dtype, op);
   AllGatherBlocks(ctx, own, recv, blocks, es, /*agreement=*/nullptr);
+}
+
+}  // namespace
+
+void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                   ReduceOp op) {
+  RingAllReduceOn(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv), count, dtype,
+                  op);
+}
+
+void RingAllReduce(Context& ctx, const transport::Runs& message, size_t count, DataType dtype,
+                   ReduceOp op) {
+  RingAllReduceOn(ctx, Buffer(message, 0), Buffer(message, 0), count, dtype, op);
 }
 
 // Recursive-doubling all-reduce.
@@ -377,13 +468,13 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_p
 // ReduceScatterBlocks), a rank sends partial sums only from frames whose tags it checked, so the
 // last halving frame that reaches rank r carries checks between every rank and the ones it
 // exchanged with, which link all p ranks, before anything is written into `recv`.
-void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count,
-                              DataType dtype, ReduceOp op) {
+namespace {
+
+void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t count,
+                                DataType dtype, ReduceOp op) {
   const int p = ctx.size();
   const int r = ctx.rank();
   const size_t es = SizeOf(dtype);
-  const auto* send = static_cast<const uint8_t*>(send_ptr);
-  auto* recv = static_cast<uint8_t*>(recv_ptr);
   if (p == 1) return CopyUnlessSame(recv, send, count * es);
 
   const Split blocks{count, static_cast<size_t>(p)};
@@ -402,8 +493,8 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
   uint8_t* acc = staging + slots_bytes;
   // Where element `offset` of this rank's partial sums lives: `send` before the first step,
   // `acc` after it.
-  auto partial = [&](bool first, size_t offset) -> const uint8_t* {
-    return first ? send + offset * es : acc + (offset - first_keep.offset) * es;
+  auto partial = [&](bool first, size_t offset) -> Buffer {
+    return first ? send + offset * es : Buffer(acc + (offset - first_keep.offset) * es);
   };
 
   // Sends `give` (read from `from`) to `partner` and receives the partner's frames for `take`,
@@ -413,32 +504,32 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
   // slot first. Without `mine`, it lands in `to`. Landing in `to` saves a pass over the slots
   // and uses the in-place kernel; the payload is still read only after its frame's header
   // matched this call, so the last step's first write into `recv` comes no earlier than before.
-  auto exchange = [&](Connection& partner, const uint8_t* from, Range give, uint8_t* to,
-                      const uint8_t* mine, Range take) {
-    const bool via_slots = mine != nullptr && mine == to;
+  auto exchange = [&](Connection& partner, Buffer from, Range give, Buffer to, Buffer mine,
+                      Range take) {
+    const bool via_slots = !mine.none() && mine == to;
     const Split give_chunks{give.length, std::max<size_t>(1, CeilDiv(give.length, slot_elems))};
     const Split take_chunks{take.length, std::max<size_t>(1, CeilDiv(take.length, slot_elems))};
     uint64_t last_send = 0;
     for (size_t c = 0; c < give_chunks.parts; ++c) {
       last_send =
-          partner.PostSend(ctx.tag, from + give_chunks.Offset(c) * es, give_chunks.Length(c) * es);
+          Send(partner, ctx.tag, from + give_chunks.Offset(c) * es, give_chunks.Length(c) * es);
     }
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
-      uint8_t* dst = via_slots ? staging + (c % kStagingSlots) * slot_elems * es
-                               : to + take_chunks.Offset(c) * es;
+      const Buffer dst = via_slots ? Buffer(staging + (c % kStagingSlots) * slot_elems * es)
+                                   : to + take_chunks.Offset(c) * es;
       return Destination{dst, take_chunks.Length(c) * es};
     });
     for (size_t c = 0; c < take_chunks.parts; ++c) {
       window.Wait(c);
-      if (mine != nullptr) {
+      if (!mine.none()) {
         const size_t offset = take_chunks.Offset(c) * es;
-        const uint8_t* theirs =
-            via_slots ? staging + (c % kStagingSlots) * slot_elems * es : to + offset;
+        const Buffer theirs =
+            via_slots ? Buffer(staging + (c % kStagingSlots) * slot_elems * es) : to + offset;
         // (lower rank's data) op (higher rank's data), as everywhere in this file.
         if (partner.peer() < r) {
-          core::Reduce(dtype, op, to + offset, theirs, mine + offset, take_chunks.Length(c));
+          Reduce(dtype, op, to + offset, theirs, mine + offset, take_chunks.Length(c));
         } else {
-          core::Reduce(dtype, op, to + offset, mine + offset, theirs, take_chunks.Length(c));
+          Reduce(dtype, op, to + offset, mine + offset, theirs, take_chunks.Length(c));
         }
       }
     }
@@ -454,7 +545,8 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     const Range give = keep_lower ? span(mid, hi) : span(lo, mid);
     const bool first = d == p / 2;
     // The last step writes the caller's buffer; the others, `acc` (in place after the first).
-    uint8_t* to = d == 1 ? recv + keep.offset * es : acc + (keep.offset - first_keep.offset) * es;
+    const Buffer to =
+        d == 1 ? recv + keep.offset * es : Buffer(acc + (keep.offset - first_keep.offset) * es);
     exchange(ctx.peer(r ^ d), partial(first, give.offset), give, to, partial(first, keep.offset),
              keep);
     if (keep_lower) {
@@ -465,7 +557,7 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
   }
   if (op == ReduceOp::kAvg) {
     const Range own = span(lo, hi);
-    core::DivideInPlace(dtype, recv + own.offset * es, own.length, size_t(p));
+    DivideInPlace(dtype, recv + own.offset * es, own.length, size_t(p));
   }
   for (int d = 1; d < p; d *= 2) {
     const int width = hi - lo;
@@ -474,10 +566,23 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_ptr
     const Range mine = span(lo, hi);
     const Range theirs = span(other_lo, other_lo + width);
     exchange(ctx.peer(r ^ d), recv + mine.offset * es, mine, recv + theirs.offset * es,
-             /*mine=*/nullptr, theirs);
+             /*mine=*/Buffer(), theirs);
     lo = std::min(lo, other_lo);
     hi = lo + 2 * width;
   }
+}
+
+}  // namespace
+
+void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
+                              DataType dtype, ReduceOp op) {
+  HalvingDoublingAllReduceOn(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv),
+                             count, dtype, op);
+}
+
+void HalvingDoublingAllReduce(Context& ctx, const transport::Runs& message, size_t count,
+                              DataType dtype, ReduceOp op) {
+  HalvingDoublingAllReduceOn(ctx, Buffer(message, 0), Buffer(message, 0), count, dtype, op);
 }
 
 // Ring reduce-scatter: the blocks are the ranks' shares of `send` (count elements each), and
@@ -504,12 +609,12 @@ void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, Dat
 // all links of the chain are busy at once and the time approaches one message transfer. With
 // `agreement`, the root sends at once (from `send`) and waits for it only before its own copy;
 // the others wait for it before their first receive into `recv`.
-void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t bytes, int root,
-                    CallAgreement* agreement) {
+namespace {
+
+void ChainBroadcastOn(Context& ctx, Buffer send, Buffer recv, size_t bytes, int root,
+                      CallAgreement* agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
-  const auto* send = static_cast<const uint8_t*>(send_ptr);
-  auto* recv = static_cast<uint8_t*>(recv_ptr);
   const int position = Mod(int64_t{r} - root, n);
   const Split chunk_split{bytes, std::max<size_t>(1, CeilDiv(bytes, ctx.chunk_bytes))};
   const size_t chunks = chunk_split.parts;
@@ -519,7 +624,7 @@ void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t b
   if (position == 0) {
     if (next != nullptr) {
       for (size_t c = 0; c < chunks; ++c) {
-        last_send = next->PostSend(ctx.tag, send + chunk_split.Offset(c), chunk_split.Length(c));
+        last_send = Send(*next, ctx.tag, send + chunk_split.Offset(c), chunk_split.Length(c));
       }
     }
     if (agreement != nullptr) agreement->Wait();
@@ -532,11 +637,24 @@ void ChainBroadcast(Context& ctx, const void* send_ptr, void* recv_ptr, size_t b
     for (size_t c = 0; c < chunks; ++c) {
       window.Wait(c);
       if (next != nullptr) {
-        last_send = next->PostSend(ctx.tag, recv + chunk_split.Offset(c), chunk_split.Length(c));
+        last_send = Send(*next, ctx.tag, recv + chunk_split.Offset(c), chunk_split.Length(c));
       }
     }
   }
   if (next != nullptr) next->WaitSend(last_send);
+}
+
+}  // namespace
+
+void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
+                    CallAgreement* agreement) {
+  ChainBroadcastOn(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv), bytes, root,
+                   agreement);
+}
+
+void ChainBroadcast(Context& ctx, const transport::Runs& message, int root,
+                    CallAgreement* agreement) {
+  ChainBroadcastOn(ctx, Buffer(message, 0), Buffer(message, 0), message.bytes(), root, agreement);
 }
 
 // Binomial-tree broadcast. With ranks renumbered so the root is 0 (position p), p receives the

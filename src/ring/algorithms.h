@@ -61,6 +61,11 @@ struct Context {
 // ring; see the prose in algorithms.cc.
 void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                    ReduceOp op);
+// The same in place on a message in runs (the packer's bucket: its tensors, no fusion buffer),
+// the same frames on the wire and the same bits: frames are gathered from the runs and scattered
+// into them, and the reductions run over the spans the runs and the staging have in common.
+void RingAllReduce(Context& ctx, const transport::Runs& message, size_t count, DataType dtype,
+                   ReduceOp op);
 
 // The same result in ceil(log2 p) + 2 exchanges of the whole message (recursive doubling, with
 // a fold for non-powers of two): for small messages, where latency dominates. Its partial
@@ -73,6 +78,9 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv, size
 // the ring pays at medium sizes, where each step's latency still counts. Needs a power-of-two
 // world size.
 void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
+                              DataType dtype, ReduceOp op);
+// In place on a message in runs, as RingAllReduce above.
+void HalvingDoublingAllReduce(Context& ctx, const transport::Runs& message, size_t count,
                               DataType dtype, ReduceOp op);
 
 // recv (count elements) = block `rank` of op over ranks of send (size * count elements).
@@ -122,6 +130,9 @@ void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, Dat
 // recv = root's send (bytes each), pipelined in chunks along the chain root, root+1, ...
 // `agreement` as for RingAllGather.
 void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
+                    CallAgreement* agreement = nullptr);
+// In place on a message in runs (the root's runs hold it), as RingAllReduce above.
+void ChainBroadcast(Context& ctx, const transport::Runs& message, int root,
                     CallAgreement* agreement = nullptr);
 
 // The same along a binomial tree, whole message per hop: for small messages.

@@ -8,8 +8,10 @@
 #include <climits>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
@@ -100,7 +102,7 @@ class RingCommunication final : public CollectiveCommunication {
   }
 
   // ring::AllReduceInPieces (ring_communication.h).
-  bool RunsInPieces() const { return planner_ && planner_->RunsInPieces(); }
+  bool RunsInPieces() const { return planner_ ? planner_->RunsInPieces() : true; }
   std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
                                                ReduceOp checked_as, std::function<bool()> go) {
     return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
@@ -153,6 +155,9 @@ class RingCommunication final : public CollectiveCommunication {
                                     std::function<bool()> go) const;
   // The elements of `pieces` (CPU tensors of one known dtype, with data), or Error naming `name`.
   size_t CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const;
+  // The ring's own bodies for the calls in pieces (no planner): see PrepareAllReduceInPieces.
+  Body AllReduceInRuns(const std::vector<Tensor>& pieces, size_t count, ReduceOp op) const;
+  Body BroadcastInRuns(const std::vector<Tensor>& pieces, int root) const;
   Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
@@ -574,10 +579,31 @@ size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tens
 Planner::Body NeedsPieces(int rank, const char* name, Planner::Body body) {
   if (!body) {
     throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank) + ": " + name +
-                                              " needs AUTO with every rank in one shared-memory "
-                                              "group");
+                                              " needs RING, or AUTO with every rank in one "
+                                              "shared-memory group");
   }
   return body;
+}
+
+// The pieces as one message in runs, shared by the body's copies.
+std::shared_ptr<const transport::Runs> RunsOf(const std::vector<Tensor>& pieces) {
+  auto runs = std::make_shared<transport::Runs>();
+  for (const Tensor& piece : pieces) runs->Add(piece.data, piece.bytes());
+  return runs;
+}
+
+// The message in `runs` into `buffer` (runs.bytes()), and back.
+void Gather(const transport::Runs& runs, uint8_t* buffer) {
+  runs.ForEach(0, runs.bytes(), [&](const uint8_t* data, size_t bytes) {
+    std::memcpy(buffer, data, bytes);
+    buffer += bytes;
+  });
+}
+void Scatter(const uint8_t* buffer, const transport::Runs& runs) {
+  runs.ForEach(0, runs.bytes(), [&](uint8_t* data, size_t bytes) {
+    std::memcpy(data, buffer, bytes);
+    buffer += bytes;
+  });
 }
 
 RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
@@ -587,11 +613,61 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
   const size_t count = CountOfPieces(kName, pieces);
-  return Gated(
-      Prepared{
-          CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count},
-          NeedsPieces(rank_, kName, planner_ ? planner_->AllReduceInPieces(pieces, op) : Body{})},
-      std::move(go));
+  Body body = planner_ ? NeedsPieces(rank_, kName, planner_->AllReduceInPieces(pieces, op))
+                       : AllReduceInRuns(pieces, count, op);
+  return Gated(Prepared{CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as,
+                                       0, count},
+                        std::move(body)},
+               std::move(go));
+}
+
+// Over the fabric alone, the ring's all-reduce algorithms run in place on the pieces as one
+// message in runs: halving-doubling and the ring send every frame straight from the pieces
+// and receive it straight into them (transport::Runs), the frames and bits of the packed bucket
+// without the copies into a fusion buffer and out. Recursive doubling, for the latency-bound
+// sizes, goes through a buffer of staging (gathered, reduced there, scattered back).
+Planner::Body RingCommunication::AllReduceInRuns(const std::vector<Tensor>& pieces, size_t count,
+                                                 ReduceOp op) const {
+  std::shared_ptr<const transport::Runs> runs = RunsOf(pieces);
+  const DataType dtype = pieces.front().dtype;
+  const Algorithm algorithm = ChooseAllReduce(runs->bytes());
+  return [runs, count, dtype, op, algorithm](Context& ctx) {
+    switch (algorithm) {
+      case Algorithm::kHalvingDoubling:
+        return HalvingDoublingAllReduce(ctx, *runs, count, dtype, op);
+      case Algorithm::kRing:
+        return RingAllReduce(ctx, *runs, count, dtype, op);
+      case Algorithm::kRecursiveDoubling: {
+        const size_t bytes = runs->bytes();
+        uint8_t* const buffer = ctx.staging.Get(3 * bytes);
+        Gather(*runs, buffer);
+        RecursiveDoublingAllReduce(ctx, buffer, buffer, count, dtype, op, buffer + bytes);
+        Scatter(buffer, *runs);
+        return;
+      }
+    }
+  };
+}
+
+// The broadcast likewise: the chain from and into the pieces; a small message through a buffer.
+Planner::Body RingCommunication::BroadcastInRuns(const std::vector<Tensor>& pieces,
+                                                 int root) const {
+  std::shared_ptr<const transport::Runs> runs = RunsOf(pieces);
+  const bool small = runs->bytes() <= small_message_bytes_;
+  return [runs, root, small](Context& ctx) {
+    const bool is_root = ctx.rank() == root;
+    if (small) {
+      std::vector<uint8_t> buffer(runs->bytes());
+      if (is_root) Gather(*runs, buffer.data());
+      SmallBroadcast(ctx, buffer.data(), buffer.data(), buffer.size(), root);
+      if (!is_root) Scatter(buffer.data(), *runs);
+      return;
+    }
+    CallAgreement agreement(ctx,
+                            is_root ? CallAgreement::Pair::kDataOut : CallAgreement::Pair::kDataIn);
+    ChainBroadcast(ctx, *runs, root, &agreement);
+    agreement.Wait();
+  };
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
@@ -603,10 +679,11 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
                     " is not a rank of this communicator (size " + std::to_string(size_) + ")");
   }
   const size_t count = CountOfPieces(kName, pieces);
+  Body body = planner_ ? NeedsPieces(rank_, kName, planner_->BroadcastInPieces(pieces, root))
+                       : BroadcastInRuns(pieces, root);
   return Gated(Prepared{CallDescriptor{CollectiveKind::kBroadcast, pieces.front().dtype,
                                        ReduceOp::kSum, root, count},
-                        NeedsPieces(rank_, kName,
-                                    planner_ ? planner_->BroadcastInPieces(pieces, root) : Body{})},
+                        std::move(body)},
                std::move(go));
 }
 

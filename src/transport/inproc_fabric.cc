@@ -64,6 +64,10 @@ class InProcConnection final : public Connection {
   int peer() const override { return peer_; }
   uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
   uint64_t PostRecv(const core::CallTag& tag, void* data, size_t bytes) override;
+  uint64_t PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+                    size_t bytes) override;
+  uint64_t PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+                    size_t bytes) override;
   void WaitSend(uint64_t ticket) override;
   void WaitRecv(uint64_t ticket) override;
   bool TestSend(uint64_t ticket) override;
@@ -75,7 +79,14 @@ class InProcConnection final : public Connection {
     core::CallTag tag;
     uint8_t* data = nullptr;
     size_t bytes = 0;
+    const Runs* runs = nullptr;  // with `offset`: where the payload goes, if not `data`
+    size_t offset = 0;
   };
+  // Throws the fabric's error if it is broken.
+  void ThrowIfBroken();
+  // Puts a frame into the peer's inbox.
+  uint64_t Send(const core::CallTag& tag, std::vector<uint8_t> payload);
+  uint64_t Recv(RecvOp op);
 
   InProcFabric* const fabric_;
   const int peer_;
@@ -224,7 +235,15 @@ class InProcFabric final : public Fabric {
                                   frame.payload.size()));
         return;
       }
-      if (op.bytes > 0) std::memcpy(op.data, frame.payload.data(), op.bytes);
+      if (op.runs != nullptr) {
+        const uint8_t* from = frame.payload.data();
+        op.runs->ForEach(op.offset, op.bytes, [&](uint8_t* data, size_t bytes) {
+          std::memcpy(data, from, bytes);
+          from += bytes;
+        });
+      } else if (op.bytes > 0) {
+        std::memcpy(op.data, frame.payload.data(), op.bytes);
+      }
       queue.pop_front();
       connection.recvs_.pop_front();
       ++connection.recvs_done_;
@@ -245,21 +264,41 @@ class InProcFabric final : public Fabric {
   std::optional<core::CallTag> call_;                      // guarded by inbox_.mu
 };
 
+void InProcConnection::ThrowIfBroken() {
+  std::unique_lock<std::mutex> lock(fabric_->inbox_.mu);
+  if (fabric_->BrokenLocked()) fabric_->Throw(lock);
+}
+
 uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, size_t bytes) {
-  InProcFabric& fabric = *fabric_;
-  {
-    std::unique_lock<std::mutex> lock(fabric.inbox_.mu);
-    if (fabric.BrokenLocked()) fabric.Throw(lock);
-  }
+  ThrowIfBroken();
   if (data == nullptr && bytes > 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(fabric.rank_) + ": PostSend of " + std::to_string(bytes) +
-                    " bytes from a null buffer to rank " + std::to_string(peer_));
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
+                                                 ": PostSend of " + std::to_string(bytes) +
+                                                 " bytes from a null buffer to rank " +
+                                                 std::to_string(peer_));
   }
+  const auto* begin = static_cast<const uint8_t*>(data);
+  std::vector<uint8_t> payload;
+  if (bytes > 0) payload.assign(begin, begin + bytes);
+  return Send(tag, std::move(payload));
+}
+
+uint64_t InProcConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+                                    size_t bytes) {
+  ThrowIfBroken();
+  std::vector<uint8_t> payload;
+  payload.reserve(bytes);
+  runs.ForEach(offset, bytes, [&](const uint8_t* data, size_t n) {
+    payload.insert(payload.end(), data, data + n);
+  });
+  return Send(tag, std::move(payload));
+}
+
+uint64_t InProcConnection::Send(const core::CallTag& tag, std::vector<uint8_t> payload) {
+  InProcFabric& fabric = *fabric_;
   InboxFrame frame;
   frame.tag = tag;
-  const auto* begin = static_cast<const uint8_t*>(data);
-  if (bytes > 0) frame.payload.assign(begin, begin + bytes);
+  frame.payload = std::move(payload);
   bool delivered = false;
   {
     Inbox& inbox = *fabric.group_->inboxes[peer_];
@@ -283,15 +322,26 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
 }
 
 uint64_t InProcConnection::PostRecv(const core::CallTag& tag, void* data, size_t bytes) {
+  if (data == nullptr && bytes > 0) {
+    ThrowIfBroken();
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
+                                                 ": PostRecv of " + std::to_string(bytes) +
+                                                 " bytes into a null buffer from rank " +
+                                                 std::to_string(peer_));
+  }
+  return Recv(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
+}
+
+uint64_t InProcConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+                                    size_t bytes) {
+  return Recv(RecvOp{tag, nullptr, bytes, &runs, offset});
+}
+
+uint64_t InProcConnection::Recv(RecvOp op) {
   InProcFabric& fabric = *fabric_;
   std::unique_lock<std::mutex> lock(fabric.inbox_.mu);
   if (fabric.BrokenLocked()) fabric.Throw(lock);
-  if (data == nullptr && bytes > 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "rank " + std::to_string(fabric.rank_) + ": PostRecv of " + std::to_string(bytes) +
-                    " bytes into a null buffer from rank " + std::to_string(peer_));
-  }
-  recvs_.push_back(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
+  recvs_.push_back(op);
   return ++recvs_posted_;
 }
 

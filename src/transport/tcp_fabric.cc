@@ -72,6 +72,11 @@ namespace {
 using asio::ip::tcp;
 
 constexpr size_t kMaxBatch = 32;  // frames per gathered write (2 buffers each, <= IOV 64)
+// Buffers a gathered write takes (asio passes at most 64 to one sendmsg): a batch takes no frame
+// past the first that would make it more. A frame in runs (Runs) needs one buffer per run.
+constexpr size_t kMaxIov = 64;
+// Runs of a receive in runs filled by one read.
+constexpr size_t kMaxReadRuns = 32;
 constexpr std::chrono::microseconds kDefaultSpin{50};
 constexpr std::chrono::milliseconds kAbortBudget{100};
 // After its abort frames, a shutdown half-closes every connection and reads (and drops) what the
@@ -163,14 +168,17 @@ class HandlerAllocator {
 };
 
 // A view of consecutive buffers, cheap to copy into an operation.
-struct BufferSpan {
-  using value_type = asio::const_buffer;
-  using const_iterator = const asio::const_buffer*;
-  const asio::const_buffer* first;
-  const asio::const_buffer* last;
+template <typename Buffer>
+struct Span {
+  using value_type = Buffer;
+  using const_iterator = const Buffer*;
+  const Buffer* first;
+  const Buffer* last;
   const_iterator begin() const { return first; }
   const_iterator end() const { return last; }
 };
+using BufferSpan = Span<asio::const_buffer>;
+using MutableBufferSpan = Span<asio::mutable_buffer>;
 
 // A FIFO of pending operations over a power-of-two ring; grows by doubling and never shrinks,
 // so the steady state does not allocate.
@@ -232,6 +240,10 @@ class TcpConnection final : public Connection {
   int peer() const override { return peer_; }
   uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
   uint64_t PostRecv(const core::CallTag& tag, void* data, size_t bytes) override;
+  uint64_t PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+                    size_t bytes) override;
+  uint64_t PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+                    size_t bytes) override;
   void WaitSend(uint64_t ticket) override;
   void WaitRecv(uint64_t ticket) override;
   bool TestSend(uint64_t ticket) override;
@@ -242,16 +254,29 @@ class TcpConnection final : public Connection {
  private:
   friend class TcpFabric;
 
+  // A frame's payload: `bytes` at `data`, or at message offset `offset` of `runs`.
   struct SendOp {
     core::CallTag tag;
     const uint8_t* data = nullptr;
     size_t bytes = 0;
+    const Runs* runs = nullptr;
+    size_t offset = 0;
   };
   struct RecvOp {
     core::CallTag tag;
     uint8_t* data = nullptr;
     size_t bytes = 0;
+    const Runs* runs = nullptr;
+    size_t offset = 0;
   };
+
+  uint64_t Send(const SendOp& op);
+  uint64_t Recv(const RecvOp& op);
+  // Copies `n` bytes to payload byte `at` of `op`'s destination.
+  static void CopyToPayload(const RecvOp& op, size_t at, const uint8_t* from, size_t n);
+  // Fills read_iov_ with up to kMaxReadRuns buffers for payload bytes [at, at + want) of `op`;
+  // returns how many buffers, and sets `want` to the bytes they hold.
+  size_t PayloadBuffers(const RecvOp& op, size_t at, size_t& want);
 
   struct WriteHandler {
     TcpConnection* connection;
@@ -373,7 +398,7 @@ class TcpConnection final : public Connection {
   std::array<size_t, kMaxBatch> frame_bytes_{};
   std::array<size_t, kMaxBatch> frame_end_{};  // iov index past each frame's last buffer
   std::array<EncodedHeader, kMaxBatch> batch_headers_{};
-  std::array<asio::const_buffer, 2 * kMaxBatch> iov_{};
+  std::vector<asio::const_buffer> iov_ = std::vector<asio::const_buffer>(2 * kMaxBatch);
   size_t iov_pos_ = 0;
   size_t iov_end_ = 0;
   AbortWrite abort_write_ = AbortWrite::kNone;
@@ -396,6 +421,8 @@ class TcpConnection final : public Connection {
   EncodedHeader next_header_{};
   size_t next_got_ = 0;
   std::array<uint8_t, kMaxAbortPayload> abort_buffer_{};
+  // A payload read into runs: the runs' buffers, then the next header.
+  std::array<asio::mutable_buffer, kMaxReadRuns + 1> read_iov_{};
   HandlerMemory read_memory_;
 };
 
@@ -487,18 +514,29 @@ class TcpFabric final : public Fabric {
 // ---- TcpConnection: send side. ----
 
 uint64_t TcpConnection::PostSend(const core::CallTag& tag, const void* data, size_t bytes) {
-  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
-  fabric_->ThrowIfBroken();
   if (data == nullptr && bytes > 0) {
+    std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+    fabric_->ThrowIfBroken();
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
                                                  ": PostSend of " + std::to_string(bytes) +
                                                  " bytes from a null buffer to rank " +
                                                  std::to_string(peer_));
   }
+  return Send(SendOp{tag, static_cast<const uint8_t*>(data), bytes});
+}
+
+uint64_t TcpConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+                                 size_t bytes) {
+  return Send(SendOp{tag, nullptr, bytes, &runs, offset});
+}
+
+uint64_t TcpConnection::Send(const SendOp& op) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
   const uint64_t ticket = ++sends_posted_;
-  sends_.push_back(SendOp{tag, static_cast<const uint8_t*>(data), bytes});
+  sends_.push_back(op);
   if (peer_closed_) {
-    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &tag, true));
+    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &op.tag, true));
     fabric_->ThrowIfBroken();
   }
   StartWrite();
@@ -507,17 +545,33 @@ uint64_t TcpConnection::PostSend(const core::CallTag& tag, const void* data, siz
 
 void TcpConnection::StartWrite() {
   while (!write_in_flight_ && !write_failed_ && !sends_.empty() && !fabric_->broken()) {
-    const size_t frames = std::min(sends_.size(), kMaxBatch);
+    size_t frames = std::min(sends_.size(), kMaxBatch);
     size_t n = 0;
     for (size_t k = 0; k < frames; ++k) {
       const SendOp& op = sends_[k];
+      if (op.runs != nullptr) {
+        // One buffer per run part; the first frame of a batch takes as many as it has.
+        size_t parts = 0;
+        op.runs->ForEach(op.offset, op.bytes, [&](const uint8_t*, size_t) { ++parts; });
+        if (k > 0 && n + 1 + parts > kMaxIov) {
+          frames = k;
+          break;
+        }
+        if (iov_.size() < n + 1 + parts) iov_.resize(n + 1 + parts);
+      }
       FrameHeader header;
       header.kind = FrameKind::kData;
       header.tag = op.tag;
       header.bytes = op.bytes;
       batch_headers_[k] = EncodeHeader(header);
       iov_[n++] = asio::const_buffer(batch_headers_[k].data(), kFrameHeaderBytes);
-      if (op.bytes > 0) iov_[n++] = asio::const_buffer(op.data, op.bytes);
+      if (op.runs != nullptr) {
+        op.runs->ForEach(op.offset, op.bytes, [&](const uint8_t* data, size_t bytes) {
+          iov_[n++] = asio::const_buffer(data, bytes);
+        });
+      } else if (op.bytes > 0) {
+        iov_[n++] = asio::const_buffer(op.data, op.bytes);
+      }
       frame_end_[k] = n;
       frame_bytes_[k] = kFrameHeaderBytes + op.bytes;
     }
@@ -679,24 +733,58 @@ void TcpConnection::WriteAbortFrame() {
 // ---- TcpConnection: receive side. ----
 
 uint64_t TcpConnection::PostRecv(const core::CallTag& tag, void* data, size_t bytes) {
-  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
-  fabric_->ThrowIfBroken();
   if (data == nullptr && bytes > 0) {
+    std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+    fabric_->ThrowIfBroken();
     throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
                                                  ": PostRecv of " + std::to_string(bytes) +
                                                  " bytes into a null buffer from rank " +
                                                  std::to_string(peer_));
   }
+  return Recv(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
+}
+
+uint64_t TcpConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+                                 size_t bytes) {
+  return Recv(RecvOp{tag, nullptr, bytes, &runs, offset});
+}
+
+uint64_t TcpConnection::Recv(const RecvOp& op) {
+  std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
+  fabric_->ThrowIfBroken();
   const uint64_t ticket = ++recvs_posted_;
-  recvs_.push_back(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
+  recvs_.push_back(op);
   if (peer_closed_ && read_state_ == ReadState::kStopped) {
     // Every frame the peer sent before closing has been consumed: this one never comes.
-    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &tag, false));
+    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &op.tag, false));
   } else if (recvs_.size() == 1) {
     TryMatch();
   }
   fabric_->ThrowIfBroken();
   return ticket;
+}
+
+void TcpConnection::CopyToPayload(const RecvOp& op, size_t at, const uint8_t* from, size_t n) {
+  if (op.runs == nullptr) {
+    if (n > 0) std::memcpy(op.data + at, from, n);
+    return;
+  }
+  op.runs->ForEach(op.offset + at, n, [&](uint8_t* data, size_t bytes) {
+    std::memcpy(data, from, bytes);
+    from += bytes;
+  });
+}
+
+size_t TcpConnection::PayloadBuffers(const RecvOp& op, size_t at, size_t& want) {
+  size_t count = 0;
+  size_t covered = 0;
+  op.runs->ForEach(op.offset + at, want, [&](uint8_t* data, size_t bytes) {
+    read_iov_[count++] = asio::mutable_buffer(data, bytes);
+    covered += bytes;
+    return count < kMaxReadRuns;
+  });
+  want = covered;
+  return count;
 }
 
 void TcpConnection::ArmHeaderRead() {
@@ -926,7 +1014,7 @@ void TcpConnection::TryMatch() {
   // armed is still the first: receives complete in order), so it fits: inline_got_ <= op.bytes.
   read_state_ = ReadState::kPayload;
   read_got_ = inline_got_;
-  if (inline_got_ > 0) std::memcpy(op.data, inline_payload_.data(), inline_got_);
+  CopyToPayload(op, 0, inline_payload_.data(), inline_got_);
   inline_got_ = 0;
   if (read_got_ == op.bytes) {
     CompleteReceive();
@@ -943,12 +1031,19 @@ void TcpConnection::ReadPayload() {
   RecvOp& op = recvs_.front();
   for (int i = 0; i < kMaxReadsInARow; ++i) {
     const size_t left = op.bytes - read_got_;
-    const size_t want = std::min(left, kReadChunk);
-    const std::array<asio::mutable_buffer, 2> buffers{
-        asio::buffer(op.data + read_got_, want),
-        asio::buffer(next_header_.data(), want == left ? next_header_.size() : 0)};
+    size_t want = std::min(left, kReadChunk);
     asio::error_code ec;
-    size_t got = socket_.read_some(buffers, ec);
+    size_t got = 0;
+    if (op.runs == nullptr) {
+      const std::array<asio::mutable_buffer, 2> buffers{
+          asio::buffer(op.data + read_got_, want),
+          asio::buffer(next_header_.data(), want == left ? next_header_.size() : 0)};
+      got = socket_.read_some(buffers, ec);
+    } else {
+      size_t n = PayloadBuffers(op, read_got_, want);
+      if (want == left) read_iov_[n++] = asio::buffer(next_header_);
+      got = socket_.read_some(MutableBufferSpan{read_iov_.data(), read_iov_.data() + n}, ec);
+    }
     if (ec == asio::error::would_block || ec == asio::error::try_again) break;
     if (ec) return OnReadError(ec);
     if (got > want) {
@@ -962,7 +1057,11 @@ void TcpConnection::ReadPayload() {
     }
     if (got < want) break;  // drained for now
   }
-  IssueRead(op.data + read_got_, std::min(op.bytes - read_got_, kReadChunk));
+  size_t want = std::min(op.bytes - read_got_, kReadChunk);
+  if (op.runs == nullptr) return IssueRead(op.data + read_got_, want);
+  const size_t n = PayloadBuffers(op, read_got_, want);
+  socket_.async_read_some(MutableBufferSpan{read_iov_.data(), read_iov_.data() + n},
+                          ReadHandler{this});
 }
 
 void TcpConnection::OnReadError(const asio::error_code& ec) {

@@ -357,8 +357,9 @@ TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorOverTcp) {
 }
 
 // AUTO on one host: the fused buckets go into shared memory straight from the tensors, no
-// fusion buffer (ring::AllReduceInPieces), with the same results; a single rank (no group) and
-// TCP pack as before.
+// fusion buffer (ring::AllReduceInPieces), with the same results; a single rank (no group)
+// packs as before. RING takes them in pieces too (RingInRunsTest below); a call with no pieces is
+// refused.
 TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInSharedMemory) {
   testing::ScopedEnv shm("COLLECTIVES_SHM", nullptr);
   testing::ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
@@ -369,7 +370,7 @@ TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInSharedMemory) {
     CheckAllReduceMatchesOneByOne(comm, testing::AllReduceOps(), {1, 100, 4096, 0, SIZE_MAX});
   });
   RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {
-    EXPECT_FALSE(ring::RunsInPieces(comm));
+    EXPECT_TRUE(ring::RunsInPieces(comm));
     std::vector<Tensor> none;
     EXPECT_THROW(ring::AllReduceInPieces(comm, none, ReduceOp::kSum, ReduceOp::kSum), Error);
   });
@@ -378,6 +379,101 @@ TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInSharedMemory) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, PackedAllReduceTest, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& param) {
                            return std::to_string(param.param) + "Ranks";
+                         });
+
+// RING takes a fused bucket in pieces over the fabric (ring::AllReduceInPieces): the frames go
+// straight from and into the tensors (transport::Runs), and the bits are those of one all-reduce
+// of the bucket packed into one tensor, with random floats (whose sums depend on the order), for
+// every algorithm (recursive doubling through a buffer; halving-doubling on 4 and 8 ranks),
+// chunks that end inside a piece, every transport, 1 to 8 ranks. Broadcasts likewise, small (one
+// buffer) and chained.
+class RingInRunsTest
+    : public ::testing::TestWithParam<std::tuple<Transport, int, const char*, size_t>> {};
+
+TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
+  const auto [transport, size, algorithm, chunk_bytes] = GetParam();
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  options.algorithm = algorithm;
+  options.chunk_bytes = chunk_bytes;
+  RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+    ASSERT_TRUE(ring::RunsInPieces(comm));
+    // Under 64 KiB in all (the small-message sizes) and over it.
+    for (const std::vector<size_t>& counts : {std::vector<size_t>{7, 0, 1, 1000, 13},
+                                              std::vector<size_t>{4099, 0, 1, 20011, 3, 1024}}) {
+      size_t total = 0;
+      for (size_t c : counts) total += c;
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProd, ReduceOp::kMin}) {
+        std::mt19937 rng(uint32_t(comm.rank() * 1000 + int(op)));
+        std::uniform_real_distribution<float> value(0.5f, 1.5f);
+        std::vector<float> whole(total);
+        for (float& x : whole) x = value(rng);
+        std::vector<std::vector<float>> pieces;
+        std::vector<Tensor> tensors;
+        size_t at = 0;
+        for (size_t c : counts) {
+          pieces.emplace_back(whole.begin() + std::ptrdiff_t(at),
+                              whole.begin() + std::ptrdiff_t(at + c));
+          at += c;
+        }
+        for (std::vector<float>& piece : pieces) {
+          tensors.push_back(Tensor{piece.data(), piece.size(), kF32});
+        }
+        comm.AllReduce(Tensor{whole.data(), whole.size(), kF32}, op);
+        ring::AllReduceInPieces(comm, tensors, op, op);
+        at = 0;
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          ASSERT_EQ(std::memcmp(pieces[i].data(), whole.data() + at, pieces[i].size() * 4), 0)
+              << ToString(op) << ", " << total << " elements, piece " << i;
+          at += pieces[i].size();
+        }
+      }
+      // Broadcast from the last rank.
+      const int root = comm.size() - 1;
+      std::vector<std::vector<int32_t>> pieces;
+      std::vector<Tensor> tensors;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        pieces.emplace_back(counts[i], comm.rank() == root ? int32_t(i * 100003) : -1);
+        for (size_t j = 0; j < counts[i] && comm.rank() == root; ++j) pieces[i][j] += int32_t(j);
+      }
+      for (std::vector<int32_t>& piece : pieces) {
+        tensors.push_back(Tensor{piece.data(), piece.size(), kI32});
+      }
+      ring::BroadcastInPieces(comm, tensors, root);
+      for (size_t i = 0; i < counts.size(); ++i) {
+        for (size_t j = 0; j < counts[i]; ++j) {
+          ASSERT_EQ(pieces[i][j], int32_t(i * 100003 + j)) << "piece " << i << " element " << j;
+        }
+      }
+    }
+  });
+}
+
+// Every transport, world size, algorithm (halving-doubling where it runs: 4 and 8 ranks) and
+// chunking.
+std::vector<RingInRunsTest::ParamType> RingInRunsCases() {
+  std::vector<RingInRunsTest::ParamType> cases;
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp, Transport::kTcpInPieces}) {
+    for (int size : {1, 2, 3, 4, 5, 8}) {
+      for (const char* algorithm : {"", "ring", "recursive_doubling", "halving_doubling"}) {
+        if (std::string(algorithm) == "halving_doubling" && size != 4 && size != 8) continue;
+        for (size_t chunk_bytes : {size_t{0}, size_t{3000}}) {
+          cases.emplace_back(transport, size, algorithm, chunk_bytes);
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RingInRunsTest, ::testing::ValuesIn(RingInRunsCases()),
+                         [](const ::testing::TestParamInfo<RingInRunsTest::ParamType>& param_info) {
+                           const std::string algorithm = std::get<2>(param_info.param);
+                           return std::string(
+                                      testing::TransportName(std::get<0>(param_info.param))) +
+                                  "_" + std::to_string(std::get<1>(param_info.param)) + "_" +
+                                  (algorithm.empty() ? "default" : algorithm) + "_chunk" +
+                                  std::to_string(std::get<3>(param_info.param));
                          });
 
 // Floats that are not small integers: with two ranks every reduction is one commutative
@@ -411,7 +507,8 @@ TEST(PackedAllReduceFloatTest, RandomFloatsTwoRanksBitIdentical) {
 }
 
 TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
-  // AUTO on one host: the buckets go into and out of shared memory in pieces, no fusion buffer.
+  // The buckets go in pieces, no fusion buffer: over the fabric (RING), and into and out of shared
+  // memory (AUTO on one host).
   testing::ScopedEnv shm("COLLECTIVES_SHM", nullptr);
   testing::ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
   for (Transport transport : {Transport::kInProcess, Transport::kTcp, Transport::kAuto}) {
@@ -419,7 +516,7 @@ TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
       CommunicationOptions options;
       options.timeout = std::chrono::seconds(30);
       RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
-        EXPECT_EQ(ring::RunsInPieces(comm), transport == Transport::kAuto);
+        EXPECT_TRUE(ring::RunsInPieces(comm));
         const int root = comm.size() - 1;
         const std::vector<TensorSpec> specs = MixedList();
         TensorList expected(specs);

@@ -350,6 +350,144 @@ TEST_P(FabricTest, SmallFramesAroundTheInlineLimit) {
   ExpectAllOk(errors);
 }
 
+// A message laid in runs (Runs) apart from each other in one store, with guard bytes around
+// each: run k is cuts[k % cuts.size()] bytes long (a 0 makes an empty run, which Runs leaves
+// out), and the message starts `offset` bytes into the runs, so that a transport that treated
+// the runs as one buffer, or wrote past the message, changes bytes it must not.
+class Scattered {
+ public:
+  static constexpr uint8_t kGuard = 0x5A;
+  Scattered(size_t offset, size_t bytes, const std::vector<size_t>& cuts, uint8_t fill)
+      : offset_(offset), bytes_(bytes) {
+    const size_t total = offset + bytes + 5;
+    size_t at = 0;
+    size_t position = 8;
+    for (size_t k = 0; at < total; ++k) {
+      const size_t length = std::min(cuts[k % cuts.size()], total - at);
+      pieces_.push_back({position, length});
+      position += length + 8;
+      at += length;
+    }
+    store_.assign(position, kGuard);
+    for (const auto& [start, length] : pieces_) {
+      std::fill_n(store_.begin() + std::ptrdiff_t(start), length, fill);
+      runs_.Add(store_.data() + start, length);
+    }
+    initial_ = store_;
+  }
+  const Runs& runs() const { return runs_; }
+  size_t offset() const { return offset_; }
+  // The store indices of the message's bytes, in order, found without Runs.
+  std::vector<size_t> Positions() const {
+    std::vector<size_t> positions;
+    size_t skip = offset_;
+    for (const auto& [start, length] : pieces_) {
+      for (size_t k = 0; k < length && positions.size() < bytes_; ++k) {
+        if (skip > 0) {
+          --skip;
+        } else {
+          positions.push_back(start + k);
+        }
+      }
+    }
+    return positions;
+  }
+  void Write(const std::vector<uint8_t>& message) {
+    const std::vector<size_t> positions = Positions();
+    for (size_t i = 0; i < message.size(); ++i) store_[positions[i]] = message[i];
+  }
+  // Whether the store holds `message` at its place and, everywhere else, what it held at first.
+  bool Holds(const std::vector<uint8_t>& message) const {
+    if (message.size() != bytes_) return false;
+    std::vector<uint8_t> expected = initial_;
+    const std::vector<size_t> positions = Positions();
+    for (size_t i = 0; i < message.size(); ++i) expected[positions[i]] = message[i];
+    return store_ == expected;
+  }
+
+ private:
+  size_t offset_;
+  size_t bytes_;
+  std::vector<std::pair<size_t, size_t>> pieces_;  // (start in store_, length)
+  std::vector<uint8_t> store_;
+  std::vector<uint8_t> initial_;
+  Runs runs_;
+};
+
+// A frame sent from runs is the frame sent from one buffer, and either may be received into
+// runs: every pairing, with runs of 1 byte to 1 MiB (many more than one system call's buffers),
+// empty runs, messages that start inside a run, sizes around the inline limit and over the
+// socket buffers, receives posted before the frames and after.
+TEST_P(FabricTest, FramesInRunsAreTheFramesOfOneBuffer) {
+  const std::vector<size_t> sizes = {0, 1, 40, 4095, 4096, 4097, 65537, 123457, 3 << 20 | 5};
+  const std::vector<std::vector<size_t>> small_cuts = {{1, 3, 0, 7}, {4096, 17, 0, 5}, {13}};
+  const std::vector<std::vector<size_t>> large_cuts = {{65536, 0, 4096, 5}, {1 << 20}, {200000}};
+  auto cuts = [&](size_t i, size_t bytes, int side) -> const std::vector<size_t>& {
+    const auto& pool = bytes > 70000 ? large_cuts : small_cuts;
+    return pool[(i + size_t(side)) % pool.size()];
+  };
+  const auto errors = RunRanks(size_, [&](int rank) {
+    Connection& to = fabric(rank).connection(right(rank));
+    Connection& from = fabric(rank).connection(left(rank));
+    for (int round = 0; round < 2; ++round) {
+      const size_t n = sizes.size();
+      std::vector<std::unique_ptr<Scattered>> out_runs(n), in_runs(n);
+      std::vector<std::vector<uint8_t>> out(n), in(n);
+      auto in_form = [&](size_t i) { return (i + size_t(round)) % 2 == 0; };
+      auto out_form = [&](size_t i) { return (i + size_t(round)) % 3 != 0; };
+      auto post_receives = [&] {
+        for (size_t i = 0; i < n; ++i) {
+          const core::CallTag tag = Tag(10 * round + i, sizes[i]);
+          if (in_form(i)) {
+            in_runs[i] =
+                std::make_unique<Scattered>(i * 7 % 50, sizes[i], cuts(i, sizes[i], 1), 0xCD);
+            from.PostRecv(tag, in_runs[i]->runs(), in_runs[i]->offset(), sizes[i]);
+          } else {
+            in[i].assign(sizes[i], 0xCD);
+            from.PostRecv(tag, in[i].data(), sizes[i]);
+          }
+        }
+      };
+      auto post_sends = [&] {
+        for (size_t i = 0; i < n; ++i) {
+          const core::CallTag tag = Tag(10 * round + i, sizes[i]);
+          out[i] = Pattern(rank, right(rank), 100 * round + i, sizes[i]);
+          if (out_form(i)) {
+            out_runs[i] =
+                std::make_unique<Scattered>(i * 11 % 30, sizes[i], cuts(i, sizes[i], 0), 0x11);
+            out_runs[i]->Write(out[i]);
+            to.PostSend(tag, out_runs[i]->runs(), out_runs[i]->offset(), sizes[i]);
+          } else {
+            to.PostSend(tag, out[i].data(), sizes[i]);
+          }
+        }
+      };
+      if (round == 0) {
+        post_receives();
+        std::this_thread::sleep_for(20ms);
+        post_sends();
+      } else {
+        post_sends();
+        std::this_thread::sleep_for(20ms);
+        post_receives();
+      }
+      for (size_t i = 0; i < n; ++i) {
+        from.WaitRecv(round * n + i + 1);
+        const auto expected = Pattern(left(rank), rank, 100 * round + i, sizes[i]);
+        if (in_form(i)) {
+          ASSERT_TRUE(in_runs[i]->Holds(expected))
+              << "round " << round << " frame " << i << " (" << sizes[i] << " bytes, in runs)";
+        } else {
+          ASSERT_TRUE(in[i] == expected)
+              << "round " << round << " frame " << i << " (" << sizes[i] << " bytes)";
+        }
+      }
+      to.WaitSend((round + 1) * n);
+    }
+  });
+  ExpectAllOk(errors);
+}
+
 TEST_P(FabricTest, DeadlineRaisesTimeoutAndPeersHearOfIt) {
   const auto start = Clock::now();
   fabric(0).SetDeadline(start + 300ms);
