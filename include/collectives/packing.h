@@ -53,7 +53,9 @@ std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t b
 
 // All-reduces every tensor of `tensors` in place, through buckets (tensors that share memory are
 // refused, Error(kInvalidArgument): each would be reduced once per bucket it sits in): each bucket
-// is packed into a fusion buffer, all-reduced in one collective, and unpacked. With at least two
+// is packed into a fusion buffer, all-reduced in one collective, and unpacked; with RING, and with
+// AUTO when every rank is on one host, a bucket is all-reduced as one message straight from its
+// tensors instead (no fusion buffer, and the bits of the packed bucket). With at least two
 // cores per local rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in
 // flight, two fusion buffers of at most bytes_per_pack each; the calling thread keeps them for its
 // later calls, up to 64 MiB each); on fewer cores the buckets run one after another, which measured

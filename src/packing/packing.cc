@@ -5,8 +5,9 @@
 // without a copy or a fusion buffer; a bucket with no bytes (only zero-size tensors) issues
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
-// but where the communicator takes a bucket's tensors as they are (AUTO in shared memory on one
-// host, ring::RunsInPieces) each fused bucket is issued on them, no fusion buffer.
+// but where the communicator takes a bucket's tensors as they are (ring::RunsInPieces: RING,
+// whose frames are gathered from the tensors and scattered into them, and AUTO in shared memory
+// on one host) each fused bucket is issued on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -760,9 +761,10 @@ class PackedWork final : public Work {
 
 // The gated asynchronous all-reduce where the communicator runs it (ring::RunsGatedCalls), and
 // the all-reduce in pieces: a fused bucket skips the fusion buffer where the communicator can take
-// its tensors as they are (AUTO in shared memory on one host), each rank's tensors copied into
-// the shared slots and the results back, where packing would copy them twice more (into the
-// buffer, and out). Measured with packing_perf (see the README, "Many small tensors").
+// its tensors as they are (RING: frames straight from and into the tensors; AUTO in shared
+// memory on one host: each rank's tensors copied into the shared slots and the results back),
+// where packing would copy every byte twice more (into the buffer, and out). Measured with
+// packing_perf (see the README, "Many small tensors").
 void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
               ReduceOp checked_as) {
   if (ring::RunsGatedCalls(comm)) {

@@ -99,10 +99,13 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 
 // The packer's fused bucket without the fusion buffer: `pieces` (CPU tensors of one dtype, apart,
 // as the packer checks them) all-reduced in place as one message, their elements back to back,
-// where RunsInPieces(comm) (AUTO with every rank in one shared-memory group): each rank's
-// tensors are copied into shared memory and the results back into them, two copies fewer than
-// through a fusion buffer. Checked across ranks as AllReduceCheckedAs of one tensor of that many
-// elements, with the bits that call gives on the packed bucket. Elsewhere Error(kNotSupported).
+// where RunsInPieces(comm): RING, whose ring and halving-doubling send every frame straight from
+// the pieces and receive it straight into them (recursive doubling, for the small sizes, through
+// a buffer), and AUTO with every rank in one shared-memory group, where each rank's tensors are
+// copied into shared memory and the results back into them; two copies fewer than through a
+// fusion buffer either way. Checked across ranks as AllReduceCheckedAs of one tensor of that many
+// elements, with the bits that call gives on the packed bucket. Elsewhere (AUTO across hosts, a
+// lone rank's AUTO, NCCL) Error(kNotSupported).
 // `go`, when given, is called on the thread that runs the call once the calls before it have
 // completed, before anything of this one happens: false, and the call does nothing (every rank
 // must answer alike: the packer's asynchronous form asks whether the list check it queued
@@ -126,8 +129,9 @@ std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
 void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
                        ReduceOp op, ReduceOp checked_as);
 // The same for a broadcast from `root` of the pieces' elements back to back (checked as
-// comm.Broadcast of one tensor of that many elements): the root's tensors go into shared memory,
-// the others' come out of it, no fusion buffer.
+// comm.Broadcast of one tensor of that many elements): over RING the chain forwards frames from
+// and into the pieces (a small message through a buffer); in shared memory the root's tensors go
+// in and the others' come out; no fusion buffer.
 std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, int root,
                                              std::function<bool()> go = {});
