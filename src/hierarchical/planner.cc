@@ -361,16 +361,16 @@ class HierarchicalPlanner final : public ring::Planner {
   Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
-    return
-        [group, message = PiecesOf(pieces), dtype = pieces.front().dtype, op](ring::Context& ctx) {
-          group->AllReduceInPieces(ctx.tag, ctx.deadline, message, dtype, op);
-        };
+    return [group, message = core::RunsOf(pieces), dtype = pieces.front().dtype,
+            op](ring::Context& ctx) {
+      group->AllReduceInPieces(ctx.tag, ctx.deadline, message, dtype, op);
+    };
   }
 
   Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) override {
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
-    return [group, message = PiecesOf(pieces),
+    return [group, message = core::RunsOf(pieces),
             root_index = topology_.local_index[size_t(root)]](ring::Context& ctx) {
       group->BroadcastInPieces(ctx.tag, ctx.deadline, message, root_index);
     };
@@ -414,15 +414,6 @@ class HierarchicalPlanner final : public ring::Planner {
   friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
                                       Clock::time_point deadline,
                                       std::chrono::milliseconds timeout);
-
-  // The tensors that have elements, as a message in pieces.
-  static ShmGroup::Pieces PiecesOf(const std::vector<Tensor>& tensors) {
-    ShmGroup::Pieces pieces;
-    for (const Tensor& t : tensors) {
-      if (t.count > 0) pieces.Add(t.data, t.bytes());
-    }
-    return pieces;
-  }
 
   // Whether an all-reduce of `bytes` runs in two levels: always when forced or being measured
   // so, never while the flat ring is measured, else when the model says it is cheaper.

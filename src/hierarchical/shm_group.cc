@@ -886,17 +886,11 @@ class ShmGroup::Message {
       fn(in_ + offset, out_ + offset, size_t{0}, bytes);
       return;
     }
-    const std::vector<Pieces::Piece>& pieces = pieces_->pieces();
-    // The first piece that ends past `offset`.
-    auto piece = std::upper_bound(pieces.begin(), pieces.end(), offset,
-                                  [](size_t at, const Pieces::Piece& p) { return at < p.end; });
-    for (size_t at = 0; at < bytes; ++piece) {
-      const size_t skip = offset + at - (piece->end - piece->bytes);
-      const size_t run = std::min(piece->bytes - skip, bytes - at);
-      if (run == 0) continue;  // an empty piece
-      fn(piece->data + skip, piece->data + skip, at, run);
+    size_t at = 0;
+    pieces_->ForEach(offset, bytes, [&](uint8_t* data, size_t run) {
+      fn(data, data, at, run);
       at += run;
-    }
+    });
   }
   // Bytes [offset, offset + bytes) of the input into `to`.
   void Read(size_t offset, uint8_t* to, size_t bytes) const {
@@ -928,14 +922,14 @@ void ShmGroup::AllReduceInPieces(const core::CallTag& tag, Clock::time_point dea
   // Refused on this member alone, before any step (the others would wait for it until their
   // deadline): the ring's entry hands over whole elements of a known dtype only.
   const size_t es = SizeOf(dtype);
-  for (const Pieces::Piece& piece : pieces.pieces()) {
-    if (piece.bytes % es != 0 || (piece.data == nullptr && piece.bytes != 0)) {
+  pieces.ForEach(0, pieces.bytes(), [&](const uint8_t* data, size_t bytes) {
+    if (bytes % es != 0 || data == nullptr) {
       throw Error(ErrorCode::kInvalidArgument,
                   "rank " + std::to_string(rank_) + ": all_reduce in pieces: a piece of " +
-                      std::to_string(piece.bytes) + " bytes is not a whole number of " +
-                      ToString(dtype) + " elements, or has no data");
+                      std::to_string(bytes) + " bytes is not a whole number of " + ToString(dtype) +
+                      " elements, or has no data");
     }
-  }
+  });
   RunAllReduce(tag, deadline, Message(pieces), pieces.bytes() / es, dtype, op, {}, 0, 0);
 }
 

@@ -55,6 +55,7 @@
 #include "collectives/errors.h"
 #include "collectives/types.h"
 #include "src/core/call.h"
+#include "src/core/runs.h"
 
 namespace collectives::hierarchical {
 
@@ -145,22 +146,7 @@ class ShmGroup {
   // member copies its pieces into its slot and the results from the slots back into them, with
   // no buffer of its own in between, and every member ends with the bits the one-buffer form
   // gives for the same message. Built before the call (Add allocates; the call does not).
-  class Pieces {
-   public:
-    struct Piece {
-      uint8_t* data;
-      size_t bytes;
-      size_t end;  // in the message
-    };
-    void Add(void* data, size_t bytes) {
-      pieces_.push_back(Piece{static_cast<uint8_t*>(data), bytes, this->bytes() + bytes});
-    }
-    const std::vector<Piece>& pieces() const { return pieces_; }
-    size_t bytes() const { return pieces_.empty() ? 0 : pieces_.back().end; }
-
-   private:
-    std::vector<Piece> pieces_;
-  };
+  using Pieces = core::Runs;
   void AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
                          DataType dtype, ReduceOp op);
   // Broadcast (below, without hooks) in place on a message in `pieces`: the root member copies

@@ -585,27 +585,6 @@ Planner::Body NeedsPieces(int rank, const char* name, Planner::Body body) {
   return body;
 }
 
-// The pieces as one message in runs, shared by the body's copies.
-std::shared_ptr<const transport::Runs> RunsOf(const std::vector<Tensor>& pieces) {
-  auto runs = std::make_shared<transport::Runs>();
-  for (const Tensor& piece : pieces) runs->Add(piece.data, piece.bytes());
-  return runs;
-}
-
-// The message in `runs` into `buffer` (runs.bytes()), and back.
-void Gather(const transport::Runs& runs, uint8_t* buffer) {
-  runs.ForEach(0, runs.bytes(), [&](const uint8_t* data, size_t bytes) {
-    std::memcpy(buffer, data, bytes);
-    buffer += bytes;
-  });
-}
-void Scatter(const uint8_t* buffer, const transport::Runs& runs) {
-  runs.ForEach(0, runs.bytes(), [&](uint8_t* data, size_t bytes) {
-    std::memcpy(data, buffer, bytes);
-    buffer += bytes;
-  });
-}
-
 RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
     const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
     std::function<bool()> go) const {
@@ -628,7 +607,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
 // sizes, goes through a buffer of staging (gathered, reduced there, scattered back).
 Planner::Body RingCommunication::AllReduceInRuns(const std::vector<Tensor>& pieces, size_t count,
                                                  ReduceOp op) const {
-  std::shared_ptr<const transport::Runs> runs = RunsOf(pieces);
+  auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
   const DataType dtype = pieces.front().dtype;
   const Algorithm algorithm = ChooseAllReduce(runs->bytes());
   return [runs, count, dtype, op, algorithm](Context& ctx) {
@@ -640,9 +619,9 @@ Planner::Body RingCommunication::AllReduceInRuns(const std::vector<Tensor>& piec
       case Algorithm::kRecursiveDoubling: {
         const size_t bytes = runs->bytes();
         uint8_t* const buffer = ctx.staging.Get(3 * bytes);
-        Gather(*runs, buffer);
+        runs->Read(0, bytes, buffer);
         RecursiveDoublingAllReduce(ctx, buffer, buffer, count, dtype, op, buffer + bytes);
-        Scatter(buffer, *runs);
+        runs->Write(0, buffer, bytes);
         return;
       }
     }
@@ -652,15 +631,15 @@ Planner::Body RingCommunication::AllReduceInRuns(const std::vector<Tensor>& piec
 // The broadcast likewise: the chain from and into the pieces; a small message through a buffer.
 Planner::Body RingCommunication::BroadcastInRuns(const std::vector<Tensor>& pieces,
                                                  int root) const {
-  std::shared_ptr<const transport::Runs> runs = RunsOf(pieces);
+  auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
   const bool small = runs->bytes() <= small_message_bytes_;
   return [runs, root, small](Context& ctx) {
     const bool is_root = ctx.rank() == root;
     if (small) {
       std::vector<uint8_t> buffer(runs->bytes());
-      if (is_root) Gather(*runs, buffer.data());
+      if (is_root) runs->Read(0, buffer.size(), buffer.data());
       SmallBroadcast(ctx, buffer.data(), buffer.data(), buffer.size(), root);
-      if (!is_root) Scatter(buffer.data(), *runs);
+      if (!is_root) runs->Write(0, buffer.data(), buffer.size());
       return;
     }
     CallAgreement agreement(ctx,

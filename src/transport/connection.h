@@ -16,76 +16,20 @@
 #ifndef COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_
 #define COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_
 
-#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
-#include <utility>
-#include <vector>
 
 #include "collectives/errors.h"
 #include "src/core/call.h"
+#include "src/core/runs.h"
 
 namespace collectives::transport {
 
 using Clock = std::chrono::steady_clock;
 
-// A message that lies in several runs of memory, end to end: the tensors of a packer's bucket,
-// sent and received where they are instead of through a fusion buffer. Byte `offset` of the
-// message is the byte offset - Start(i) of the run i that holds it. Empty runs are left out.
-class Runs {
- public:
-  void Add(void* data, size_t bytes) {
-    if (bytes == 0) return;
-    runs_.push_back(Run{static_cast<uint8_t*>(data), bytes});
-    starts_.push_back(bytes_);
-    bytes_ += bytes;
-  }
-  size_t bytes() const { return bytes_; }
-  size_t size() const { return runs_.size(); }
-
-  // Calls f(uint8_t* data, size_t bytes) for the parts of the runs that hold the message's
-  // bytes [offset, offset + bytes), in order; offset + bytes <= this->bytes(). An f that returns
-  // bool stops the walk by returning false.
-  template <typename F>
-  void ForEach(size_t offset, size_t bytes, F&& f) const {
-    if (bytes == 0) return;
-    size_t i = Find(offset);
-    size_t within = offset - starts_[i];
-    while (bytes > 0) {
-      const size_t n = std::min(bytes, runs_[i].bytes - within);
-      if constexpr (std::is_same_v<std::invoke_result_t<F&, uint8_t*, size_t>, bool>) {
-        if (!f(runs_[i].data + within, n)) return;
-      } else {
-        f(runs_[i].data + within, n);
-      }
-      bytes -= n;
-      within = 0;
-      ++i;
-    }
-  }
-  // Where byte `offset` (< bytes()) of the message is, and how many bytes of its run follow from
-  // there (itself included).
-  std::pair<uint8_t*, size_t> At(size_t offset) const {
-    const size_t i = Find(offset);
-    const size_t within = offset - starts_[i];
-    return {runs_[i].data + within, runs_[i].bytes - within};
-  }
-  // The index of the run that holds byte `offset` (< bytes()).
-  size_t Find(size_t offset) const {
-    return size_t(std::upper_bound(starts_.begin(), starts_.end(), offset) - starts_.begin()) - 1;
-  }
-
- private:
-  struct Run {
-    uint8_t* data;
-    size_t bytes;
-  };
-  std::vector<Run> runs_;
-  std::vector<size_t> starts_;  // of each run, in message bytes
-  size_t bytes_ = 0;
-};
+// A message in runs of memory (core::Runs), for PostSend and PostRecv below.
+using Runs = core::Runs;
 
 class Connection {
  public:

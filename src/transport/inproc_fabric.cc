@@ -236,11 +236,7 @@ class InProcFabric final : public Fabric {
         return;
       }
       if (op.runs != nullptr) {
-        const uint8_t* from = frame.payload.data();
-        op.runs->ForEach(op.offset, op.bytes, [&](uint8_t* data, size_t bytes) {
-          std::memcpy(data, from, bytes);
-          from += bytes;
-        });
+        op.runs->Write(op.offset, frame.payload.data(), op.bytes);
       } else if (op.bytes > 0) {
         std::memcpy(op.data, frame.payload.data(), op.bytes);
       }
@@ -286,11 +282,8 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
 uint64_t InProcConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
                                     size_t bytes) {
   ThrowIfBroken();
-  std::vector<uint8_t> payload;
-  payload.reserve(bytes);
-  runs.ForEach(offset, bytes, [&](const uint8_t* data, size_t n) {
-    payload.insert(payload.end(), data, data + n);
-  });
+  std::vector<uint8_t> payload(bytes);
+  runs.Read(offset, bytes, payload.data());
   return Send(tag, std::move(payload));
 }
 

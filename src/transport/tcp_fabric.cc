@@ -765,14 +765,8 @@ uint64_t TcpConnection::Recv(const RecvOp& op) {
 }
 
 void TcpConnection::CopyToPayload(const RecvOp& op, size_t at, const uint8_t* from, size_t n) {
-  if (op.runs == nullptr) {
-    if (n > 0) std::memcpy(op.data + at, from, n);
-    return;
-  }
-  op.runs->ForEach(op.offset + at, n, [&](uint8_t* data, size_t bytes) {
-    std::memcpy(data, from, bytes);
-    from += bytes;
-  });
+  if (op.runs != nullptr) return op.runs->Write(op.offset + at, from, n);
+  if (n > 0) std::memcpy(op.data + at, from, n);
 }
 
 size_t TcpConnection::PayloadBuffers(const RecvOp& op, size_t at, size_t& want) {
