@@ -40,6 +40,16 @@ Error PeerLostError(int rank, int peer, const std::string& reason, const core::C
   return Error(ErrorCode::kPeerLost, message);
 }
 
+Error NullBufferError(int rank, int peer, size_t bytes, bool sending) {
+  return Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
+                                                (sending ? ": PostSend of " : ": PostRecv of ") +
+                                                std::to_string(bytes) +
+                                                (sending ? " bytes from a null buffer to rank "
+                                                         : " bytes into a null buffer "
+                                                           "from rank ") +
+                                                std::to_string(peer));
+}
+
 Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending) {
   return Error(ErrorCode::kTimeout, RankPrefix(rank) + "deadline passed while " +
                                         (sending ? "sending " : "waiting for ") + what.ToString() +

@@ -34,6 +34,10 @@ std::optional<Error> CallMismatchError(int rank, int peer,
 Error PeerLostError(int rank, int peer, const std::string& reason, const core::CallTag* what,
                     bool sending);
 
+// "rank 1: PostSend of 40 bytes from a null buffer to rank 0" or "... PostRecv of 40 bytes into
+// a null buffer from rank 0" (kInvalidArgument): a misuse, which does not break the fabric.
+Error NullBufferError(int rank, int peer, size_t bytes, bool sending);
+
 // "rank 1: deadline passed while waiting for #5 all_reduce(...) (40 bytes) from rank 0" or
 // "... while sending #5 ... (40 bytes) to rank 0" (kTimeout).
 Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending);

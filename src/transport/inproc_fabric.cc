@@ -268,10 +268,7 @@ void InProcConnection::ThrowIfBroken() {
 uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, size_t bytes) {
   ThrowIfBroken();
   if (data == nullptr && bytes > 0) {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
-                                                 ": PostSend of " + std::to_string(bytes) +
-                                                 " bytes from a null buffer to rank " +
-                                                 std::to_string(peer_));
+    throw NullBufferError(fabric_->rank_, peer_, bytes, /*sending=*/true);
   }
   const auto* begin = static_cast<const uint8_t*>(data);
   std::vector<uint8_t> payload;
@@ -317,10 +314,7 @@ uint64_t InProcConnection::Send(const core::CallTag& tag, std::vector<uint8_t> p
 uint64_t InProcConnection::PostRecv(const core::CallTag& tag, void* data, size_t bytes) {
   if (data == nullptr && bytes > 0) {
     ThrowIfBroken();
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
-                                                 ": PostRecv of " + std::to_string(bytes) +
-                                                 " bytes into a null buffer from rank " +
-                                                 std::to_string(peer_));
+    throw NullBufferError(fabric_->rank_, peer_, bytes, /*sending=*/false);
   }
   return Recv(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
 }

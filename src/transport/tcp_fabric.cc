@@ -517,10 +517,7 @@ uint64_t TcpConnection::PostSend(const core::CallTag& tag, const void* data, siz
   if (data == nullptr && bytes > 0) {
     std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
     fabric_->ThrowIfBroken();
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
-                                                 ": PostSend of " + std::to_string(bytes) +
-                                                 " bytes from a null buffer to rank " +
-                                                 std::to_string(peer_));
+    throw NullBufferError(fabric_->rank_, peer_, bytes, /*sending=*/true);
   }
   return Send(SendOp{tag, static_cast<const uint8_t*>(data), bytes});
 }
@@ -736,10 +733,7 @@ uint64_t TcpConnection::PostRecv(const core::CallTag& tag, void* data, size_t by
   if (data == nullptr && bytes > 0) {
     std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
     fabric_->ThrowIfBroken();
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(fabric_->rank_) +
-                                                 ": PostRecv of " + std::to_string(bytes) +
-                                                 " bytes into a null buffer from rank " +
-                                                 std::to_string(peer_));
+    throw NullBufferError(fabric_->rank_, peer_, bytes, /*sending=*/false);
   }
   return Recv(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
 }

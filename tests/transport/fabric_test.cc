@@ -309,13 +309,27 @@ TEST_P(FabricTest, AFrameOfTheRunningCallsNumberForAnotherCallIsAMismatch) {
 
 // Frames of every size around the inline limit (4096 bytes over TCP), posted before they come
 // and after, in a stream already running: each lands whole in its own buffer.
+// Round 0: the receives are posted first, the sends after a pause (the frames find their
+// receives waiting); round 1: the other way round (the frames wait for their receives).
+template <typename PostReceives, typename PostSends>
+void PostInOrderOf(int round, PostReceives& post_receives, PostSends& post_sends) {
+  if (round == 0) {
+    post_receives();
+    std::this_thread::sleep_for(20ms);
+    post_sends();
+  } else {
+    post_sends();
+    std::this_thread::sleep_for(20ms);
+    post_receives();
+  }
+}
+
 TEST_P(FabricTest, SmallFramesAroundTheInlineLimit) {
   const std::vector<size_t> sizes = {1, 0, 8, 4095, 4096, 4097, 40, 0, 7, 1, 65536, 3, 4096};
   const auto errors = RunRanks(size_, [&](int rank) {
     Connection& to = fabric(rank).connection(right(rank));
     Connection& from = fabric(rank).connection(left(rank));
     for (int round = 0; round < 2; ++round) {
-      // Round 0: receives posted first, sends after a pause. Round 1: sends first.
       std::vector<std::vector<uint8_t>> in(sizes.size());
       std::vector<std::vector<uint8_t>> out(sizes.size());
       auto post_receives = [&] {
@@ -330,15 +344,7 @@ TEST_P(FabricTest, SmallFramesAroundTheInlineLimit) {
           to.PostSend(Tag(10 * round + i, sizes[i]), out[i].data(), sizes[i]);
         }
       };
-      if (round == 0) {
-        post_receives();
-        std::this_thread::sleep_for(20ms);
-        post_sends();
-      } else {
-        post_sends();
-        std::this_thread::sleep_for(20ms);
-        post_receives();
-      }
+      PostInOrderOf(round, post_receives, post_sends);
       for (size_t i = 0; i < sizes.size(); ++i) {
         from.WaitRecv(round * sizes.size() + i + 1);
         ASSERT_TRUE(in[i] == Pattern(left(rank), rank, 100 * round + i, sizes[i]))
@@ -462,15 +468,7 @@ TEST_P(FabricTest, FramesInRunsAreTheFramesOfOneBuffer) {
           }
         }
       };
-      if (round == 0) {
-        post_receives();
-        std::this_thread::sleep_for(20ms);
-        post_sends();
-      } else {
-        post_sends();
-        std::this_thread::sleep_for(20ms);
-        post_receives();
-      }
+      PostInOrderOf(round, post_receives, post_sends);
       for (size_t i = 0; i < n; ++i) {
         from.WaitRecv(round * n + i + 1);
         const auto expected = Pattern(left(rank), rank, 100 * round + i, sizes[i]);
