@@ -546,16 +546,18 @@ void TcpConnection::StartWrite() {
     size_t n = 0;
     for (size_t k = 0; k < frames; ++k) {
       const SendOp& op = sends_[k];
+      // The header, then a buffer per run part (one buffer: one part, none if empty); the first
+      // frame of a batch takes as many as it has.
+      size_t parts = op.bytes > 0 ? 1 : 0;
       if (op.runs != nullptr) {
-        // One buffer per run part; the first frame of a batch takes as many as it has.
-        size_t parts = 0;
+        parts = 0;
         op.runs->ForEach(op.offset, op.bytes, [&](const uint8_t*, size_t) { ++parts; });
-        if (k > 0 && n + 1 + parts > kMaxIov) {
-          frames = k;
-          break;
-        }
-        if (iov_.size() < n + 1 + parts) iov_.resize(n + 1 + parts);
       }
+      if (k > 0 && n + 1 + parts > kMaxIov) {
+        frames = k;
+        break;
+      }
+      if (iov_.size() < n + 1 + parts) iov_.resize(n + 1 + parts);
       FrameHeader header;
       header.kind = FrameKind::kData;
       header.tag = op.tag;

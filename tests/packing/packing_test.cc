@@ -423,7 +423,8 @@ TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
         ring::AllReduceInPieces(comm, tensors, op, op);
         at = 0;
         for (size_t i = 0; i < pieces.size(); ++i) {
-          ASSERT_EQ(std::memcmp(pieces[i].data(), whole.data() + at, pieces[i].size() * 4), 0)
+          ASSERT_TRUE(pieces[i].empty() ||
+                      std::memcmp(pieces[i].data(), whole.data() + at, pieces[i].size() * 4) == 0)
               << ToString(op) << ", " << total << " elements, piece " << i;
           at += pieces[i].size();
         }
