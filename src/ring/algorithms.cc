@@ -58,17 +58,17 @@ void CopyUnlessSame(void* dst, const void* src, size_t bytes) {
 }
 
 // Where an algorithm reads or writes the caller's message: one buffer (`data`), or a message in
-// runs (the packer's bucket of tensors, transport::Runs) from its byte `offset` on. Runs are
+// runs (the packer's bucket of tensors, core::Runs) from its byte `offset` on. Runs are
 // whole elements, so every element lies in one run. Staging is always one buffer.
 struct Buffer {
   uint8_t* data = nullptr;
-  const transport::Runs* runs = nullptr;
+  const core::Runs* runs = nullptr;
   size_t offset = 0;
 
   Buffer() = default;
   Buffer(uint8_t* d) : data(d) {}  // NOLINT(google-explicit-constructor): staging and buffers
   Buffer(const uint8_t* d) : data(const_cast<uint8_t*>(d)) {}  // NOLINT: read only, like above
-  Buffer(const transport::Runs& r, size_t o) : runs(&r), offset(o) {}
+  Buffer(const core::Runs& r, size_t o) : runs(&r), offset(o) {}
 
   bool none() const { return data == nullptr && runs == nullptr; }
   Buffer operator+(size_t bytes) const {
@@ -372,7 +372,7 @@ void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, Dat
                   op);
 }
 
-void RingAllReduce(Context& ctx, const transport::Runs& message, size_t count, DataType dtype,
+void RingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataType dtype,
                    ReduceOp op) {
   RingAllReduceOn(ctx, Buffer(message, 0), Buffer(message, 0), count, dtype, op);
 }
@@ -580,8 +580,8 @@ void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t
                              count, dtype, op);
 }
 
-void HalvingDoublingAllReduce(Context& ctx, const transport::Runs& message, size_t count,
-                              DataType dtype, ReduceOp op) {
+void HalvingDoublingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataType dtype,
+                              ReduceOp op) {
   HalvingDoublingAllReduceOn(ctx, Buffer(message, 0), Buffer(message, 0), count, dtype, op);
 }
 
@@ -652,8 +652,7 @@ void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, in
                    agreement);
 }
 
-void ChainBroadcast(Context& ctx, const transport::Runs& message, int root,
-                    CallAgreement* agreement) {
+void ChainBroadcast(Context& ctx, const core::Runs& message, int root, CallAgreement* agreement) {
   ChainBroadcastOn(ctx, Buffer(message, 0), Buffer(message, 0), message.bytes(), root, agreement);
 }
 

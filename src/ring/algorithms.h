@@ -20,6 +20,7 @@
 #include "collectives/types.h"
 #include "src/core/aligned_bytes.h"
 #include "src/core/call.h"
+#include "src/core/runs.h"
 #include "src/transport/connection.h"
 
 namespace collectives::ring {
@@ -64,7 +65,7 @@ void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, Dat
 // The same in place on a message in runs (the packer's bucket: its tensors, no fusion buffer),
 // the same frames on the wire and the same bits: frames are gathered from the runs and scattered
 // into them, and the reductions run over the spans the runs and the staging have in common.
-void RingAllReduce(Context& ctx, const transport::Runs& message, size_t count, DataType dtype,
+void RingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataType dtype,
                    ReduceOp op);
 
 // The same result in ceil(log2 p) + 2 exchanges of the whole message (recursive doubling, with
@@ -80,8 +81,8 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send, void* recv, size
 void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
                               DataType dtype, ReduceOp op);
 // In place on a message in runs, as RingAllReduce above.
-void HalvingDoublingAllReduce(Context& ctx, const transport::Runs& message, size_t count,
-                              DataType dtype, ReduceOp op);
+void HalvingDoublingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataType dtype,
+                              ReduceOp op);
 
 // recv (count elements) = block `rank` of op over ranks of send (size * count elements).
 void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
@@ -132,7 +133,7 @@ void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, Dat
 void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
                     CallAgreement* agreement = nullptr);
 // In place on a message in runs (the root's runs hold it), as RingAllReduce above.
-void ChainBroadcast(Context& ctx, const transport::Runs& message, int root,
+void ChainBroadcast(Context& ctx, const core::Runs& message, int root,
                     CallAgreement* agreement = nullptr);
 
 // The same along a binomial tree, whole message per hop: for small messages.

@@ -602,7 +602,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
 
 // Over the fabric alone, the ring's all-reduce algorithms run in place on the pieces as one
 // message in runs: halving-doubling and the ring send every frame straight from the pieces
-// and receive it straight into them (transport::Runs), the frames and bits of the packed bucket
+// and receive it straight into them (core::Runs), the frames and bits of the packed bucket
 // without the copies into a fusion buffer and out. Recursive doubling, for the latency-bound
 // sizes, goes through a buffer of staging (gathered, reduced there, scattered back).
 Planner::Body RingCommunication::AllReduceInRuns(const std::vector<Tensor>& pieces, size_t count,
