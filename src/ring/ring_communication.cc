@@ -636,10 +636,13 @@ Planner::Body RingCommunication::BroadcastInRuns(const std::vector<Tensor>& piec
   return [runs, root, small](Context& ctx) {
     const bool is_root = ctx.rank() == root;
     if (small) {
-      std::vector<uint8_t> buffer(runs->bytes());
-      if (is_root) runs->Read(0, buffer.size(), buffer.data());
-      SmallBroadcast(ctx, buffer.data(), buffer.data(), buffer.size(), root);
-      if (!is_root) runs->Write(0, buffer.data(), buffer.size());
+      // The message behind the 3 x bytes of staging SmallBroadcast uses: Get does not move
+      // a buffer that is large enough.
+      const size_t bytes = runs->bytes();
+      uint8_t* const buffer = ctx.staging.Get(4 * bytes) + 3 * bytes;
+      if (is_root) runs->Read(0, bytes, buffer);
+      SmallBroadcast(ctx, buffer, buffer, bytes, root);
+      if (!is_root) runs->Write(0, buffer, bytes);
       return;
     }
     CallAgreement agreement(ctx,
