@@ -328,7 +328,8 @@ coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, voi
                                       coll_work** work);
 coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
 /* coll_all_reduce_many's buckets, all issued before it returns. The fused buckets are copied
- * into a buffer of the call's own (none in shared memory), held until the call finishes
+ * into a buffer of the call's own (none with RING or in shared memory, where a bucket goes
+ * straight from its tensors), held until the call finishes
  * (coll_work_wait, or coll_work_test setting *done, unpacks them; then the buffer goes to a pool
  * that the process keeps for later calls: at most two buffers of at most 64 MiB each). Lists
  * that differ across ranks: COLL_MISMATCH from coll_work_wait on every rank, no buffer written
