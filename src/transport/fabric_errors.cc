@@ -50,6 +50,17 @@ Error NullBufferError(int rank, int peer, size_t bytes, bool sending) {
                                                 std::to_string(peer));
 }
 
+std::optional<Error> RunsRangeError(int rank, int peer, const core::Runs& runs, size_t offset,
+                                    size_t bytes, bool sending) {
+  if (offset <= runs.bytes() && bytes <= runs.bytes() - offset) return std::nullopt;
+  return Error(ErrorCode::kInvalidArgument,
+               "rank " + std::to_string(rank) +
+                   (sending ? ": PostSend of bytes [" : ": PostRecv of bytes [") +
+                   std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+                   ") of a message in runs of " + std::to_string(runs.bytes()) +
+                   (sending ? " bytes to rank " : " bytes from rank ") + std::to_string(peer));
+}
+
 Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending) {
   return Error(ErrorCode::kTimeout, RankPrefix(rank) + "deadline passed while " +
                                         (sending ? "sending " : "waiting for ") + what.ToString() +

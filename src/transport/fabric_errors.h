@@ -12,6 +12,7 @@
 
 #include "collectives/errors.h"
 #include "src/core/call.h"
+#include "src/core/runs.h"
 #include "src/transport/frame.h"
 
 namespace collectives::transport {
@@ -37,6 +38,11 @@ Error PeerLostError(int rank, int peer, const std::string& reason, const core::C
 // "rank 1: PostSend of 40 bytes from a null buffer to rank 0" or "... PostRecv of 40 bytes into
 // a null buffer from rank 0" (kInvalidArgument): a misuse, which does not break the fabric.
 Error NullBufferError(int rank, int peer, size_t bytes, bool sending);
+
+// Unless [offset, offset + bytes) lies within `runs`: "rank 1: PostSend of bytes [100, 140) of a
+// message in runs of 120 bytes to rank 0" (or PostRecv ... from), kInvalidArgument.
+std::optional<Error> RunsRangeError(int rank, int peer, const core::Runs& runs, size_t offset,
+                                    size_t bytes, bool sending);
 
 // "rank 1: deadline passed while waiting for #5 all_reduce(...) (40 bytes) from rank 0" or
 // "... while sending #5 ... (40 bytes) to rank 0" (kTimeout).

@@ -279,6 +279,9 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
 uint64_t InProcConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
                                     size_t bytes) {
   ThrowIfBroken();
+  if (auto error = RunsRangeError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
+    throw *error;
+  }
   std::vector<uint8_t> payload(bytes);
   runs.Read(offset, bytes, payload.data());
   return Send(tag, std::move(payload));
@@ -321,6 +324,10 @@ uint64_t InProcConnection::PostRecv(const core::CallTag& tag, void* data, size_t
 
 uint64_t InProcConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
                                     size_t bytes) {
+  if (auto error = RunsRangeError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
+    ThrowIfBroken();
+    throw *error;
+  }
   return Recv(RecvOp{tag, nullptr, bytes, &runs, offset});
 }
 

@@ -766,6 +766,21 @@ TEST_P(FabricTest, MisuseIsReportedWithoutBreakingTheFabric) {
     }
   }
   EXPECT_THROW(fabric(0).connection(1).PostSend(Tag(0, 1), nullptr, 4), Error);
+  // Bytes past the end of a message in runs (or an offset that wraps around).
+  std::vector<uint8_t> a(100), b(20);
+  Runs runs;
+  runs.Add(a.data(), a.size());
+  runs.Add(b.data(), b.size());
+  try {
+    fabric(0).connection(1).PostSend(Tag(0, 40), runs, 100, 40);
+    ADD_FAILURE() << "a send past the runs' end was taken";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(error.message(),
+              "rank 0: PostSend of bytes [100, 140) of a message in runs of 120 bytes to rank 1");
+  }
+  EXPECT_THROW(fabric(0).connection(1).PostRecv(Tag(0, 40), runs, 121, 0), Error);
+  EXPECT_THROW(fabric(0).connection(1).PostRecv(Tag(0, 2), runs, 1, SIZE_MAX), Error);
   // Still usable.
   const auto errors = RunRanks(size_, [&](int rank) {
     if (rank > 1) return;
