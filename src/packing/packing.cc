@@ -644,17 +644,15 @@ class PackedWork final : public Work {
     };
     for (size_t k = 0; k < buckets.size(); ++k) {
       const Bucket& bucket = buckets[k];
-      const Tensor* single = buckets.Single(k);
-      if (runner.issue_pieces_async) {
-        issued_.push_back(
-            Issued{&bucket,
-                   runner.issue_pieces_async(
-                       single ? std::vector<Tensor>{*single} : buckets.Pieces(bucket), gate),
-                   kInPlace});
+      // A tensor alone goes as it is (gated wherever pieces are: RunsInPieces implies
+      // RunsGatedCalls), not as a message in runs of one, which recursive doubling would copy.
+      if (const Tensor* single = buckets.Single(k)) {
+        issued_.push_back(Issued{&bucket, issue(*single), kInPlace});
         continue;
       }
-      if (single) {
-        issued_.push_back(Issued{&bucket, issue(*single), kInPlace});
+      if (runner.issue_pieces_async) {
+        issued_.push_back(
+            Issued{&bucket, runner.issue_pieces_async(buckets.Pieces(bucket), gate), kInPlace});
         continue;
       }
       uint8_t* data = buffer_.data.get() + offsets[k];
