@@ -25,11 +25,15 @@ class Runs {
  public:
   void Add(void* data, size_t bytes) {
     if (bytes == 0) return;
+    has_null_ = has_null_ || data == nullptr;
     runs_.push_back(Run{static_cast<uint8_t*>(data), bytes});
     starts_.push_back(bytes_);
     bytes_ += bytes;
   }
   size_t bytes() const { return bytes_; }
+  // Whether a run of one byte or more starts at a null pointer (a caller's mistake, which the
+  // transports refuse before they touch any byte).
+  bool has_null() const { return has_null_; }
 
   // Bytes [offset, offset + bytes) of the message into `to`; and `from` into them.
   void Read(size_t offset, size_t bytes, uint8_t* to) const {
@@ -85,6 +89,7 @@ class Runs {
   std::vector<Run> runs_;
   std::vector<size_t> starts_;  // of each run, in message bytes
   size_t bytes_ = 0;
+  bool has_null_ = false;
 };
 
 // The tensors' bytes, in order, as one message in runs.

@@ -1,6 +1,8 @@
 // The wording of transport errors, shared by the TCP and in-process fabrics.
 #include "src/transport/fabric_errors.h"
 
+#include <cstdint>
+
 #include "src/core/text.h"
 
 namespace collectives::transport {
@@ -50,15 +52,25 @@ Error NullBufferError(int rank, int peer, size_t bytes, bool sending) {
                                                 std::to_string(peer));
 }
 
-std::optional<Error> RunsRangeError(int rank, int peer, const core::Runs& runs, size_t offset,
-                                    size_t bytes, bool sending) {
-  if (offset <= runs.bytes() && bytes <= runs.bytes() - offset) return std::nullopt;
-  return Error(ErrorCode::kInvalidArgument,
-               "rank " + std::to_string(rank) +
-                   (sending ? ": PostSend of bytes [" : ": PostRecv of bytes [") +
-                   std::to_string(offset) + ", " + std::to_string(offset + bytes) +
-                   ") of a message in runs of " + std::to_string(runs.bytes()) +
-                   (sending ? " bytes to rank " : " bytes from rank ") + std::to_string(peer));
+std::optional<Error> RunsMisuseError(int rank, int peer, const core::Runs& runs, size_t offset,
+                                     size_t bytes, bool sending) {
+  const std::string call =
+      "rank " + std::to_string(rank) + (sending ? ": PostSend of " : ": PostRecv of ");
+  const std::string whom = (sending ? " to rank " : " from rank ") + std::to_string(peer);
+  if (offset > runs.bytes() || bytes > runs.bytes() - offset) {
+    const std::string end = bytes <= SIZE_MAX - offset
+                                ? std::to_string(offset + bytes)
+                                : std::to_string(offset) + " + " + std::to_string(bytes);
+    return Error(ErrorCode::kInvalidArgument, call + "bytes [" + std::to_string(offset) + ", " +
+                                                  end + ") of a message in runs of " +
+                                                  std::to_string(runs.bytes()) + " bytes" + whom);
+  }
+  if (bytes > 0 && runs.has_null()) {
+    return Error(ErrorCode::kInvalidArgument, call + std::to_string(bytes) +
+                                                  (sending ? " bytes from" : " bytes into") +
+                                                  " a message in runs with a null run" + whom);
+  }
+  return std::nullopt;
 }
 
 Error TimeoutError(int rank, int peer, const core::CallTag& what, size_t bytes, bool sending) {

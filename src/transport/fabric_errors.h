@@ -40,9 +40,11 @@ Error PeerLostError(int rank, int peer, const std::string& reason, const core::C
 Error NullBufferError(int rank, int peer, size_t bytes, bool sending);
 
 // Unless [offset, offset + bytes) lies within `runs`: "rank 1: PostSend of bytes [100, 140) of a
-// message in runs of 120 bytes to rank 0" (or PostRecv ... from), kInvalidArgument.
-std::optional<Error> RunsRangeError(int rank, int peer, const core::Runs& runs, size_t offset,
-                                    size_t bytes, bool sending);
+// message in runs of 120 bytes to rank 0" (or PostRecv ... from; an end past SIZE_MAX is written
+// "100 + 18446744073709551615"), kInvalidArgument. The same where a run is null and bytes > 0:
+// "rank 1: PostSend of 40 bytes from a message in runs with a null run to rank 0".
+std::optional<Error> RunsMisuseError(int rank, int peer, const core::Runs& runs, size_t offset,
+                                     size_t bytes, bool sending);
 
 // "rank 1: deadline passed while waiting for #5 all_reduce(...) (40 bytes) from rank 0" or
 // "... while sending #5 ... (40 bytes) to rank 0" (kTimeout).

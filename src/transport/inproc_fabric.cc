@@ -225,7 +225,10 @@ class InProcFabric final : public Fabric {
   }
 
   // Under inbox_.mu: completes the receives of `connection` that can be completed; may break.
+  // Nothing is matched once the fabric is broken (an Abort from another thread, say), so a frame
+  // that arrives after that is not written into the caller's buffer, as over TCP.
   void MatchLocked(InProcConnection& connection) {
+    if (BrokenLocked()) return;
     auto& queue = inbox_.queues[connection.peer_];
     while (!connection.recvs_.empty() && !queue.empty()) {
       const InProcConnection::RecvOp& op = connection.recvs_.front();
@@ -279,7 +282,7 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
 uint64_t InProcConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
                                     size_t bytes) {
   ThrowIfBroken();
-  if (auto error = RunsRangeError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
+  if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
     throw *error;
   }
   std::vector<uint8_t> payload(bytes);
@@ -324,7 +327,7 @@ uint64_t InProcConnection::PostRecv(const core::CallTag& tag, void* data, size_t
 
 uint64_t InProcConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
                                     size_t bytes) {
-  if (auto error = RunsRangeError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
+  if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
     ThrowIfBroken();
     throw *error;
   }

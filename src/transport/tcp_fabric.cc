@@ -524,7 +524,7 @@ uint64_t TcpConnection::PostSend(const core::CallTag& tag, const void* data, siz
 
 uint64_t TcpConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
                                  size_t bytes) {
-  if (auto error = RunsRangeError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
+  if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
     std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
     fabric_->ThrowIfBroken();
     throw *error;
@@ -747,7 +747,7 @@ uint64_t TcpConnection::PostRecv(const core::CallTag& tag, void* data, size_t by
 
 uint64_t TcpConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
                                  size_t bytes) {
-  if (auto error = RunsRangeError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
+  if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
     std::lock_guard<std::mutex> lock(fabric_->drive_mu_);
     fabric_->ThrowIfBroken();
     throw *error;

@@ -25,6 +25,72 @@ using testing::Pattern;
 using testing::RunRanks;
 using testing::Tag;
 
+// A message laid in runs (Runs) apart from each other in one store, with guard bytes around
+// each: run k is cuts[k % cuts.size()] bytes long (a 0 makes an empty run, which Runs leaves
+// out), and the message starts `offset` bytes into the runs, so that a transport that treated
+// the runs as one buffer, or wrote past the message, changes bytes it must not. `tail` bytes of
+// runs follow the message (0: it ends at the last byte of the last run).
+class Scattered {
+ public:
+  static constexpr uint8_t kGuard = 0x5A;
+  Scattered(size_t offset, size_t bytes, const std::vector<size_t>& cuts, uint8_t fill,
+            size_t tail = 5)
+      : offset_(offset), bytes_(bytes) {
+    const size_t total = offset + bytes + tail;
+    size_t at = 0;
+    size_t position = 8;
+    for (size_t k = 0; at < total; ++k) {
+      const size_t length = std::min(cuts[k % cuts.size()], total - at);
+      pieces_.push_back({position, length});
+      position += length + 8;
+      at += length;
+    }
+    store_.assign(position, kGuard);
+    for (const auto& [start, length] : pieces_) {
+      std::fill_n(store_.begin() + std::ptrdiff_t(start), length, fill);
+      runs_.Add(store_.data() + start, length);
+    }
+    initial_ = store_;
+  }
+  const Runs& runs() const { return runs_; }
+  size_t offset() const { return offset_; }
+  // The store indices of the message's bytes, in order, found without Runs.
+  std::vector<size_t> Positions() const {
+    std::vector<size_t> positions;
+    size_t skip = offset_;
+    for (const auto& [start, length] : pieces_) {
+      for (size_t k = 0; k < length && positions.size() < bytes_; ++k) {
+        if (skip > 0) {
+          --skip;
+        } else {
+          positions.push_back(start + k);
+        }
+      }
+    }
+    return positions;
+  }
+  void Write(const std::vector<uint8_t>& message) {
+    const std::vector<size_t> positions = Positions();
+    for (size_t i = 0; i < message.size(); ++i) store_[positions[i]] = message[i];
+  }
+  // Whether the store holds `message` at its place and, everywhere else, what it held at first.
+  bool Holds(const std::vector<uint8_t>& message) const {
+    if (message.size() != bytes_) return false;
+    std::vector<uint8_t> expected = initial_;
+    const std::vector<size_t> positions = Positions();
+    for (size_t i = 0; i < message.size(); ++i) expected[positions[i]] = message[i];
+    return store_ == expected;
+  }
+
+ private:
+  size_t offset_;
+  size_t bytes_;
+  std::vector<std::pair<size_t, size_t>> pieces_;  // (start in store_, length)
+  std::vector<uint8_t> store_;
+  std::vector<uint8_t> initial_;
+  Runs runs_;
+};
+
 class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
  protected:
   void SetUp() override {
@@ -51,9 +117,10 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
   // Rank 0 sends rank 1 a frame of another call; rank 1 names both calls, and every other rank
   // learns of it through rank 1's abort. With `after_a_frame`, a matching frame goes first and
   // the wrong one follows once rank 1 waits for it (over TCP its header read then asks for the
-  // 40 bytes it expects with the header, kInlinePayload), with another frame behind it.
+  // 40 bytes it expects with the header, kInlinePayload), with another frame behind it. With
+  // `into_runs`, rank 1 receives into a message in runs (Scattered), which must stay untouched.
   void CheckMismatch(uint64_t sent_count, size_t sent_bytes, const std::string& expected_message,
-                     bool after_a_frame = false) {
+                     bool after_a_frame = false, bool into_runs = false) {
     const int size = size_;
     const auto errors = RunRanks(size, [&](int rank) {
       if (rank == 0) {
@@ -77,12 +144,15 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
           EXPECT_EQ(first, 7);
         }
         std::vector<uint8_t> in(40, 0xAB);
-        const uint64_t ticket = from.PostRecv(Tag(3, 10), in.data(), in.size());
+        Scattered in_runs(3, 40, {7, 13, 1}, 0xAB);
+        const uint64_t ticket = into_runs ? from.PostRecv(Tag(3, 10), in_runs.runs(), 3, 40)
+                                          : from.PostRecv(Tag(3, 10), in.data(), in.size());
         try {
           from.WaitRecv(ticket);
         } catch (const Error&) {
           // Nothing of the wrong frame reached the buffer.
           EXPECT_EQ(std::count(in.begin(), in.end(), 0xAB), 40);
+          EXPECT_TRUE(in_runs.Holds(std::vector<uint8_t>(40, 0xAB)));
           throw;
         }
         return;
@@ -247,6 +317,29 @@ TEST_P(FabricTest, MismatchedTagAfterAFrame) {
                 /*after_a_frame=*/true);
 }
 
+// The same into a message in runs: over TCP a 40-byte payload is read with its header into the
+// connection's buffer and copied into the runs only once the header matched.
+TEST_P(FabricTest, WrongSizeIsAMismatchIntoRuns) {
+  CheckMismatch(10, 48,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=10) 48 bytes",
+                /*after_a_frame=*/false, /*into_runs=*/true);
+}
+
+TEST_P(FabricTest, LongerFrameIsAMismatchAfterAFrameIntoRuns) {
+  CheckMismatch(10, 48,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=10) 48 bytes",
+                /*after_a_frame=*/true, /*into_runs=*/true);
+}
+
+TEST_P(FabricTest, MismatchedTagAfterAFrameIntoRuns) {
+  CheckMismatch(12, 40,
+                "rank 1: frame from rank 0 does not match: expected #3 all_reduce(f32, sum, "
+                "count=10) 40 bytes, got #3 all_reduce(f32, sum, count=12) 40 bytes",
+                /*after_a_frame=*/true, /*into_runs=*/true);
+}
+
 // Rank 2 sends rank 0 a frame of call #5 that names another call, where rank 0 runs #5 and
 // waits for rank 1 only (a rank that runs another collective may send where no receive is ever
 // posted): rank 0 raises kMismatch naming both calls at once, not at its deadline, and the
@@ -356,70 +449,6 @@ TEST_P(FabricTest, SmallFramesAroundTheInlineLimit) {
   ExpectAllOk(errors);
 }
 
-// A message laid in runs (Runs) apart from each other in one store, with guard bytes around
-// each: run k is cuts[k % cuts.size()] bytes long (a 0 makes an empty run, which Runs leaves
-// out), and the message starts `offset` bytes into the runs, so that a transport that treated
-// the runs as one buffer, or wrote past the message, changes bytes it must not.
-class Scattered {
- public:
-  static constexpr uint8_t kGuard = 0x5A;
-  Scattered(size_t offset, size_t bytes, const std::vector<size_t>& cuts, uint8_t fill)
-      : offset_(offset), bytes_(bytes) {
-    const size_t total = offset + bytes + 5;
-    size_t at = 0;
-    size_t position = 8;
-    for (size_t k = 0; at < total; ++k) {
-      const size_t length = std::min(cuts[k % cuts.size()], total - at);
-      pieces_.push_back({position, length});
-      position += length + 8;
-      at += length;
-    }
-    store_.assign(position, kGuard);
-    for (const auto& [start, length] : pieces_) {
-      std::fill_n(store_.begin() + std::ptrdiff_t(start), length, fill);
-      runs_.Add(store_.data() + start, length);
-    }
-    initial_ = store_;
-  }
-  const Runs& runs() const { return runs_; }
-  size_t offset() const { return offset_; }
-  // The store indices of the message's bytes, in order, found without Runs.
-  std::vector<size_t> Positions() const {
-    std::vector<size_t> positions;
-    size_t skip = offset_;
-    for (const auto& [start, length] : pieces_) {
-      for (size_t k = 0; k < length && positions.size() < bytes_; ++k) {
-        if (skip > 0) {
-          --skip;
-        } else {
-          positions.push_back(start + k);
-        }
-      }
-    }
-    return positions;
-  }
-  void Write(const std::vector<uint8_t>& message) {
-    const std::vector<size_t> positions = Positions();
-    for (size_t i = 0; i < message.size(); ++i) store_[positions[i]] = message[i];
-  }
-  // Whether the store holds `message` at its place and, everywhere else, what it held at first.
-  bool Holds(const std::vector<uint8_t>& message) const {
-    if (message.size() != bytes_) return false;
-    std::vector<uint8_t> expected = initial_;
-    const std::vector<size_t> positions = Positions();
-    for (size_t i = 0; i < message.size(); ++i) expected[positions[i]] = message[i];
-    return store_ == expected;
-  }
-
- private:
-  size_t offset_;
-  size_t bytes_;
-  std::vector<std::pair<size_t, size_t>> pieces_;  // (start in store_, length)
-  std::vector<uint8_t> store_;
-  std::vector<uint8_t> initial_;
-  Runs runs_;
-};
-
 // A frame sent from runs is the frame sent from one buffer, and either may be received into
 // runs: every pairing, with runs of 1 byte to 1 MiB (many more than one system call's buffers),
 // empty runs, messages that start inside a run, sizes around the inline limit and over the
@@ -481,6 +510,50 @@ TEST_P(FabricTest, FramesInRunsAreTheFramesOfOneBuffer) {
         }
       }
       to.WaitSend((round + 1) * n);
+    }
+  });
+  ExpectAllOk(errors);
+}
+
+// A message in runs that ends at the last byte of the last run (the ring's last block of a
+// bucket), from offset 0 and from inside a run, and an empty frame at offset == runs.bytes()
+// (the ring's empty blocks), in either direction.
+TEST_P(FabricTest, FramesInRunsThatEndAtTheLastByte) {
+  const std::vector<size_t> sizes = {1, 40, 4096, 4097, 65537, 3 << 20 | 5};
+  const std::vector<size_t> cuts = {4096, 1, 3, 70000};
+  const auto errors = RunRanks(size_, [&](int rank) {
+    Connection& to = fabric(rank).connection(right(rank));
+    Connection& from = fabric(rank).connection(left(rank));
+    for (int round = 0; round < 2; ++round) {
+      const size_t n = sizes.size();
+      std::vector<std::unique_ptr<Scattered>> out_runs(n + 1), in_runs(n + 1);
+      auto offset = [&](size_t i) { return (i + size_t(round)) % 2 == 0 ? 0 : i * 5 + 2; };
+      auto post_receives = [&] {
+        for (size_t i = 0; i < n; ++i) {
+          in_runs[i] = std::make_unique<Scattered>(offset(i + 1), sizes[i], cuts, 0xCD, 0);
+          from.PostRecv(Tag(10 * round + i, sizes[i]), in_runs[i]->runs(), offset(i + 1), sizes[i]);
+        }
+        in_runs[n] = std::make_unique<Scattered>(9, 0, cuts, 0xCD, 0);
+        from.PostRecv(Tag(10 * round + n, 0), in_runs[n]->runs(), 9, 0);
+      };
+      auto post_sends = [&] {
+        for (size_t i = 0; i < n; ++i) {
+          out_runs[i] = std::make_unique<Scattered>(offset(i), sizes[i], cuts, 0x11, 0);
+          out_runs[i]->Write(Pattern(rank, right(rank), 100 * round + i, sizes[i]));
+          to.PostSend(Tag(10 * round + i, sizes[i]), out_runs[i]->runs(), offset(i), sizes[i]);
+        }
+        out_runs[n] = std::make_unique<Scattered>(9, 0, cuts, 0x11, 0);
+        to.PostSend(Tag(10 * round + n, 0), out_runs[n]->runs(), 9, 0);
+      };
+      PostInOrderOf(round, post_receives, post_sends);
+      for (size_t i = 0; i < n; ++i) {
+        from.WaitRecv(round * (n + 1) + i + 1);
+        ASSERT_TRUE(in_runs[i]->Holds(Pattern(left(rank), rank, 100 * round + i, sizes[i])))
+            << "round " << round << " frame " << i << " (" << sizes[i] << " bytes)";
+      }
+      from.WaitRecv((round + 1) * (n + 1));
+      EXPECT_TRUE(in_runs[n]->Holds({})) << "round " << round << ": the empty frame";
+      to.WaitSend((round + 1) * (n + 1));
     }
   });
   ExpectAllOk(errors);
@@ -779,8 +852,29 @@ TEST_P(FabricTest, MisuseIsReportedWithoutBreakingTheFabric) {
     EXPECT_EQ(error.message(),
               "rank 0: PostSend of bytes [100, 140) of a message in runs of 120 bytes to rank 1");
   }
-  EXPECT_THROW(fabric(0).connection(1).PostRecv(Tag(0, 40), runs, 121, 0), Error);
-  EXPECT_THROW(fabric(0).connection(1).PostRecv(Tag(0, 2), runs, 1, SIZE_MAX), Error);
+  const auto expect_refused = [](const std::function<void()>& post, const std::string& message) {
+    try {
+      post();
+      ADD_FAILURE() << "taken: " << message;
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << error.what();
+      EXPECT_EQ(error.message(), message);
+    }
+  };
+  expect_refused([&] { fabric(0).connection(1).PostRecv(Tag(0, 40), runs, 121, 0); },
+                 "rank 0: PostRecv of bytes [121, 121) of a message in runs of 120 bytes from "
+                 "rank 1");
+  expect_refused([&] { fabric(0).connection(1).PostRecv(Tag(0, 2), runs, 1, SIZE_MAX); },
+                 "rank 0: PostRecv of bytes [1, 1 + 18446744073709551615) of a message in runs "
+                 "of 120 bytes from rank 1");
+  // A null run (the public calls refuse a null tensor before; a transport user may not).
+  Runs with_null;
+  with_null.Add(a.data(), 4);
+  with_null.Add(nullptr, 8);
+  expect_refused([&] { fabric(0).connection(1).PostSend(Tag(0, 12), with_null, 0, 12); },
+                 "rank 0: PostSend of 12 bytes from a message in runs with a null run to rank 1");
+  expect_refused([&] { fabric(0).connection(1).PostRecv(Tag(0, 4), with_null, 2, 4); },
+                 "rank 0: PostRecv of 4 bytes into a message in runs with a null run from rank 1");
   // Still usable.
   const auto errors = RunRanks(size_, [&](int rank) {
     if (rank > 1) return;
