@@ -26,6 +26,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "src/core/kernels.h"
 #include "src/packing/schedule.h"
 #include "src/ring/ring_communication.h"
 #include "src/transport/inproc_fabric.h"
@@ -448,6 +449,116 @@ TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
       }
     }
   });
+}
+
+// The same for the other element sizes (2, 8 and 1 bytes): every chunk and block boundary, and
+// every span the reductions run over, holds whole elements, so the pieces give the one-buffer
+// call's bits; f16 and bf16 reduce through f32 (the F16C loop in runs of 8, scalars for the rest).
+TEST_P(RingInRunsTest, PiecesOfEveryElementSizeGiveTheBitsOfTheOneBufferCall) {
+  const auto [transport, size, algorithm, chunk_bytes] = GetParam();
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  options.algorithm = algorithm;
+  options.chunk_bytes = chunk_bytes;
+  const std::vector<size_t> counts = {4099, 0, 1, 20011, 3, 1024, 17};
+  RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+    for (DataType dtype : {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat64,
+                           DataType::kInt64, DataType::kUInt8}) {
+      const size_t es = SizeOf(dtype);
+      const bool floating = dtype == DataType::kFloat16 || dtype == DataType::kBFloat16 ||
+                            dtype == DataType::kFloat64;
+      for (ReduceOp op :
+           {ReduceOp::kSum, ReduceOp::kMax, floating ? ReduceOp::kAvg : ReduceOp::kMin}) {
+        std::mt19937 rng(uint32_t(comm.rank() * 1000 + int(op) * 10 + int(dtype)));
+        std::uniform_real_distribution<float> value(0.5f, 1.5f);
+        size_t total = 0;
+        for (size_t c : counts) total += c;
+        std::vector<uint8_t> whole(total * es);
+        for (size_t i = 0; i < total; ++i) {
+          uint8_t* out = whole.data() + i * es;
+          const float v = value(rng);
+          if (dtype == DataType::kFloat16) {
+            const uint16_t h = core::FloatToHalf(v);
+            std::memcpy(out, &h, 2);
+          } else if (dtype == DataType::kBFloat16) {
+            const uint16_t h = core::FloatToBFloat16(v);
+            std::memcpy(out, &h, 2);
+          } else if (dtype == DataType::kFloat64) {
+            const double d = double(v) * 1.000000123;
+            std::memcpy(out, &d, 8);
+          } else if (dtype == DataType::kInt64) {
+            const int64_t n = int64_t(rng() % 2000001) - 1000000;
+            std::memcpy(out, &n, 8);
+          } else {
+            *out = uint8_t(rng());  // sums wrap alike in both calls
+          }
+        }
+        std::vector<std::vector<uint8_t>> pieces;
+        std::vector<Tensor> tensors;
+        size_t at = 0;
+        for (size_t c : counts) {
+          pieces.emplace_back(whole.begin() + std::ptrdiff_t(at * es),
+                              whole.begin() + std::ptrdiff_t((at + c) * es));
+          at += c;
+        }
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          tensors.push_back(Tensor{pieces[i].data(), counts[i], dtype});
+        }
+        comm.AllReduce(Tensor{whole.data(), total, dtype}, op);
+        ring::AllReduceInPieces(comm, tensors, op, op);
+        at = 0;
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          ASSERT_TRUE(pieces[i].empty() ||
+                      std::memcmp(pieces[i].data(), whole.data() + at, pieces[i].size()) == 0)
+              << ToString(dtype) << " " << ToString(op) << ", piece " << i;
+          at += pieces[i].size();
+        }
+      }
+    }
+  });
+}
+
+// A call in pieces that another rank makes with another operator (or, for a broadcast, another
+// root) raises kMismatch on every rank and leaves every piece as it was: the first write into a
+// piece follows frames checked through every rank, in every algorithm.
+TEST_P(RingInRunsTest, AMismatchedCallInPiecesWritesNoPiece) {
+  const auto [transport, size, algorithm, chunk_bytes] = GetParam();
+  if (size < 2) GTEST_SKIP() << "needs two ranks";
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  options.algorithm = algorithm;
+  options.chunk_bytes = chunk_bytes;
+  for (const bool broadcast : {false, true}) {
+    // Under 64 KiB in all (through one buffer) and over it (in runs).
+    for (const std::vector<size_t>& counts :
+         {std::vector<size_t>{7, 1, 1000}, std::vector<size_t>{70001, 1, 29998}}) {
+      RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+        const bool odd = comm.rank() == comm.size() - 1;
+        std::vector<std::vector<float>> pieces;
+        std::vector<Tensor> tensors;
+        for (size_t c : counts) pieces.emplace_back(c, float(comm.rank() + 2));
+        for (auto& piece : pieces) tensors.push_back(Tensor{piece.data(), piece.size(), kF32});
+        try {
+          if (broadcast) {
+            ring::BroadcastInPieces(comm, tensors, odd ? 1 : 0);
+          } else {
+            const ReduceOp op = odd ? ReduceOp::kMax : ReduceOp::kSum;
+            ring::AllReduceInPieces(comm, tensors, op, op);
+          }
+          ADD_FAILURE() << "rank " << comm.rank() << ": a mismatched call went through";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kMismatch) << "rank " << comm.rank() << ": " << e.what();
+        }
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          for (size_t j = 0; j < pieces[i].size(); ++j) {
+            ASSERT_EQ(pieces[i][j], float(comm.rank() + 2))
+                << "rank " << comm.rank() << (broadcast ? " broadcast" : " all-reduce")
+                << ": piece " << i << " element " << j << " was written";
+          }
+        }
+      });
+    }
+  }
 }
 
 // Every transport, world size, algorithm (halving-doubling where it runs: 4 and 8 ranks) and
