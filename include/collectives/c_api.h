@@ -328,8 +328,8 @@ coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, voi
                                       coll_work** work);
 coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
 /* coll_all_reduce_many's buckets, all issued before it returns. The fused buckets are copied
- * into a buffer of the call's own (none with RING or in shared memory, where a bucket goes
- * straight from its tensors), held until the call finishes
+ * into a buffer of the call's own (none with RING or AUTO, where a bucket goes straight from
+ * its tensors), held until the call finishes
  * (coll_work_wait, or coll_work_test setting *done, unpacks them; then the buffer goes to a pool
  * that the process keeps for later calls: at most two buffers of at most 64 MiB each). Lists
  * that differ across ranks: COLL_MISMATCH from coll_work_wait on every rank, no buffer written
@@ -340,11 +340,11 @@ coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, co
                                        size_t bytes_per_pack, coll_work** work);
 
 /* coll_broadcast_many's buckets, issued and checked as coll_all_reduce_many_async's: fused
- * buckets go through a buffer of the call's own, and lists that differ across ranks give
- * COLL_MISMATCH from coll_work_wait on every rank, no fused buffer written (a buffer alone in
- * its bucket, larger than the cap, was issued before the check's answer came). The buckets were
- * issued before that answer too: one that differs from another rank's breaks the communicator,
- * as any mismatch does. */
+ * buckets go through a buffer of the call's own (none with RING, or AUTO on one host), and lists
+ * that differ across ranks give COLL_MISMATCH from coll_work_wait on every rank, no fused buffer
+ * written (a buffer alone in its bucket, larger than the cap, was issued before the check's answer
+ * came). The buckets were issued before that answer too: one that differs from another rank's
+ * breaks the communicator, as any mismatch does. */
 coll_status coll_broadcast_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
                                       size_t n, coll_dtype dtype, int root, size_t bytes_per_pack,
                                       coll_work** work);

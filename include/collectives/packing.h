@@ -53,8 +53,8 @@ std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t b
 
 // All-reduces every tensor of `tensors` in place, through buckets (tensors that share memory are
 // refused, Error(kInvalidArgument): each would be reduced once per bucket it sits in): each bucket
-// is packed into a fusion buffer, all-reduced in one collective, and unpacked; with RING, and with
-// AUTO when every rank is on one host, a bucket is all-reduced as one message straight from its
+// is packed into a fusion buffer, all-reduced in one collective, and unpacked; with RING and AUTO
+// (on one host and across hosts), a bucket is all-reduced as one message straight from its
 // tensors instead (no fusion buffer, and the bits of the packed bucket). With at least two
 // cores per local rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in
 // flight, two fusion buffers of at most bytes_per_pack each; the calling thread keeps them for its
@@ -71,7 +71,8 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
                size_t bytes_per_pack = 0);
 
 // Broadcasts every tensor of `tensors` in place from `root`, through buckets as above (the
-// strategy layer uses it to make initial weights identical on every rank).
+// strategy layer uses it to make initial weights identical on every rank); AUTO across hosts
+// packs its fused buckets, for the two-level broadcast.
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
                size_t bytes_per_pack = 0);
 

@@ -168,72 +168,7 @@ class HierarchicalPlanner final : public ring::Planner {
       };
     }
     if (plan_ == Plan::kTwoLevel && TwoLevelPays(send.bytes())) {
-      // Inside the host: each local rank of a lane reduces its slice of every step; across
-      // hosts: the ranks of each lane all-reduce their slices at once (a host's lanes cross the
-      // network together, each with 1/L of the bytes); inside the host again: everyone copies
-      // every slice out. kAvg sums across hosts and divides once by the world size. Hosts of
-      // different rank counts have as many lanes as the smallest host of several ranks: the
-      // ranks past them only add their input and copy out; a rank alone on its host crosses
-      // every slice of every step itself, one lane after the other.
-      ShmGroup* group = group_.get();
-      const std::vector<int>* cross_ranks = &cross_ranks_;
-      const std::vector<std::vector<int>>* lone_lanes = &lone_lanes_;
-      const int cross_me = cross_me_;
-      const int lanes = lanes_;
-      const size_t small = small_message_bytes_;
-      const size_t slot_bytes = slot_bytes_;
-      const size_t shm_small = shm_small_bytes_;
-      const size_t world = size_t(size_);
-      const std::vector<int>* leaders = &leader_ranks_;
-      const bool leader = topology_.local_index[size_t(rank_)] == 0;
-      return [=](ring::Context& ctx) {
-        SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
-        ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
-        if (send.count == 0) {  // nothing else crosses
-          HostAgreement(ctx, group, *leaders, cross_me, leader).Wait();
-        }
-        const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-        const size_t es = SizeOf(send.dtype);
-        const auto all_reduce_in = [&](ring::Context& lane, void* slice, size_t count) {
-          if (count * es <= small) {
-            ring::RecursiveDoublingAllReduce(lane, slice, slice, count, send.dtype, cross_op);
-          } else {
-            ring::RingAllReduce(lane, slice, slice, count, send.dtype, cross_op);
-          }
-        };
-        const auto hook = [&](void* slice, size_t count) { all_reduce_in(cross, slice, count); };
-        if (group != nullptr) {
-          group->AllReduce(ctx.tag, ctx.deadline, send.data, recv.data, send.count, send.dtype, op,
-                           hook, world, lanes);
-          return;
-        }
-        // Alone on this host: the steps and parts the groups cut, each part crossed in its lane
-        // from a buffer of its own, so that recv is written only once a crossing checked the
-        // other hosts' calls, as the groups write it.
-        const size_t per_step = slot_bytes / es;
-        const int owners = CrossingOwners(send.count * es, shm_small, lanes);
-        const auto step =
-            std::make_unique_for_overwrite<uint8_t[]>(std::min(per_step, send.count) * es);
-        const auto* in = static_cast<const uint8_t*>(send.data);
-        auto* out = static_cast<uint8_t*>(recv.data);
-        for (size_t offset = 0; offset < send.count;) {
-          const size_t c = std::min(per_step, send.count - offset);
-          std::memcpy(step.get(), in + offset * es, c * es);
-          // Lane by lane in increasing order, as every rank alone on its host does: two of them
-          // share one connection in every lane, and frames of equal parts carry the same tag.
-          for (int j = 0; j < owners; ++j) {
-            const Part part = PartOf(c, owners, j);
-            if (part.length == 0) continue;  // as the group's member j, which does not cross
-            SubFabric lane_fabric(ctx.fabric, (*lone_lanes)[size_t(j)], cross_me);
-            ring::Context lane{lane_fabric, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
-            uint8_t* slice = step.get() + part.offset * es;
-            all_reduce_in(lane, slice, part.length);
-            if (op == ReduceOp::kAvg) core::DivideInPlace(send.dtype, slice, part.length, world);
-          }
-          std::memcpy(out + offset * es, step.get(), c * es);
-          offset += c;
-        }
-      };
+      return TwoLevelAllReduce(send.count, send.dtype, op, send.data, recv.data, nullptr);
     }
     return {};
   }
@@ -356,9 +291,21 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
-  bool RunsInPieces() const override { return plan_ == Plan::kShm; }
+  // Two levels have a broadcast of their own (one crossing per host, shared memory inside), which
+  // the flat chain in runs would not match: the packer packs its broadcasts there.
+  bool PacksBroadcasts() const override { return plan_ == Plan::kTwoLevel; }
 
+  // In shared memory on one host: the group's, in place on the pieces. Two levels where they pay:
+  // the same steps as AllReduce's, each rank's pieces read into the group's slots (or a lone
+  // rank's step buffer) and the results written back. Elsewhere the ring's, in runs.
   Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
+    if (plan_ == Plan::kTwoLevel) {
+      auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
+      if (!TwoLevelPays(runs->bytes())) return {};
+      size_t count = 0;
+      for (const Tensor& piece : pieces) count += piece.count;
+      return TwoLevelAllReduce(count, pieces.front().dtype, op, nullptr, nullptr, std::move(runs));
+    }
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
     return [group, message = core::RunsOf(pieces), dtype = pieces.front().dtype,
@@ -414,6 +361,88 @@ class HierarchicalPlanner final : public ring::Planner {
   friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
                                       Clock::time_point deadline,
                                       std::chrono::milliseconds timeout);
+
+  // The two-level all-reduce of `count` elements: from send into recv, or in place on `runs`
+  // (the packer's fused bucket in pieces) where given, with the same steps and bits.
+  Body TwoLevelAllReduce(size_t count, DataType dtype, ReduceOp op, const void* send, void* recv,
+                         std::shared_ptr<const core::Runs> runs) const {
+    // Inside the host: each local rank of a lane reduces its slice of every step; across
+    // hosts: the ranks of each lane all-reduce their slices at once (a host's lanes cross the
+    // network together, each with 1/L of the bytes); inside the host again: everyone copies
+    // every slice out. kAvg sums across hosts and divides once by the world size. Hosts of
+    // different rank counts have as many lanes as the smallest host of several ranks: the
+    // ranks past them only add their input and copy out; a rank alone on its host crosses
+    // every slice of every step itself, one lane after the other.
+    ShmGroup* group = group_.get();
+    const std::vector<int>* cross_ranks = &cross_ranks_;
+    const std::vector<std::vector<int>>* lone_lanes = &lone_lanes_;
+    const int cross_me = cross_me_;
+    const int lanes = lanes_;
+    const size_t small = small_message_bytes_;
+    const size_t slot_bytes = slot_bytes_;
+    const size_t shm_small = shm_small_bytes_;
+    const size_t world = size_t(size_);
+    const std::vector<int>* leaders = &leader_ranks_;
+    const bool leader = topology_.local_index[size_t(rank_)] == 0;
+    return [=, runs = std::move(runs)](ring::Context& ctx) {
+      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      if (count == 0) {  // nothing else crosses
+        HostAgreement(ctx, group, *leaders, cross_me, leader).Wait();
+      }
+      const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+      const size_t es = SizeOf(dtype);
+      const auto all_reduce_in = [&](ring::Context& lane, void* slice, size_t n) {
+        if (n * es <= small) {
+          ring::RecursiveDoublingAllReduce(lane, slice, slice, n, dtype, cross_op);
+        } else {
+          ring::RingAllReduce(lane, slice, slice, n, dtype, cross_op);
+        }
+      };
+      const auto hook = [&](void* slice, size_t n) { all_reduce_in(cross, slice, n); };
+      if (group != nullptr && runs != nullptr) {
+        group->AllReduceInPieces(ctx.tag, ctx.deadline, *runs, dtype, op, hook, world, lanes);
+        return;
+      }
+      if (group != nullptr) {
+        group->AllReduce(ctx.tag, ctx.deadline, send, recv, count, dtype, op, hook, world, lanes);
+        return;
+      }
+      // Alone on this host: the steps and parts the groups cut, each part crossed in its lane
+      // from a buffer of its own, so that recv is written only once a crossing checked the
+      // other hosts' calls, as the groups write it.
+      const size_t per_step = slot_bytes / es;
+      const int owners = CrossingOwners(count * es, shm_small, lanes);
+      const auto step = std::make_unique_for_overwrite<uint8_t[]>(std::min(per_step, count) * es);
+      const auto* in = static_cast<const uint8_t*>(send);
+      auto* out = static_cast<uint8_t*>(recv);
+      for (size_t offset = 0; offset < count;) {
+        const size_t c = std::min(per_step, count - offset);
+        if (runs != nullptr) {
+          runs->Read(offset * es, c * es, step.get());
+        } else {
+          std::memcpy(step.get(), in + offset * es, c * es);
+        }
+        // Lane by lane in increasing order, as every rank alone on its host does: two of them
+        // share one connection in every lane, and frames of equal parts carry the same tag.
+        for (int j = 0; j < owners; ++j) {
+          const Part part = PartOf(c, owners, j);
+          if (part.length == 0) continue;  // as the group's member j, which does not cross
+          SubFabric lane_fabric(ctx.fabric, (*lone_lanes)[size_t(j)], cross_me);
+          ring::Context lane{lane_fabric, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+          uint8_t* slice = step.get() + part.offset * es;
+          all_reduce_in(lane, slice, part.length);
+          if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, slice, part.length, world);
+        }
+        if (runs != nullptr) {
+          runs->Write(offset * es, step.get(), c * es);
+        } else {
+          std::memcpy(out + offset * es, step.get(), c * es);
+        }
+        offset += c;
+      }
+    };
+  }
 
   // Whether an all-reduce of `bytes` runs in two levels: always when forced or being measured
   // so, never while the flat ring is measured, else when the model says it is cheaper.

@@ -918,7 +918,8 @@ void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, c
 }
 
 void ShmGroup::AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline,
-                                 const Pieces& pieces, DataType dtype, ReduceOp op) {
+                                 const Pieces& pieces, DataType dtype, ReduceOp op,
+                                 const SliceHook& cross, size_t avg_divisor, int lanes) {
   // Refused on this member alone, before any step (the others would wait for it until their
   // deadline): the ring's entry hands over whole elements of a known dtype only.
   const size_t es = SizeOf(dtype);
@@ -930,7 +931,8 @@ void ShmGroup::AllReduceInPieces(const core::CallTag& tag, Clock::time_point dea
                       " elements, or has no data");
     }
   });
-  RunAllReduce(tag, deadline, Message(pieces), pieces.bytes() / es, dtype, op, {}, 0, 0);
+  RunAllReduce(tag, deadline, Message(pieces), pieces.bytes() / es, dtype, op, cross, avg_divisor,
+               lanes);
 }
 
 void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline,

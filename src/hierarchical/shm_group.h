@@ -141,14 +141,16 @@ class ShmGroup {
   void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
                  size_t count, DataType dtype, ReduceOp op, const SliceHook& cross = {},
                  size_t avg_divisor = 0, int lanes = 0);
-  // The same all-reduce (without a crossing) in place on a message in `pieces`: their bytes
-  // back to back, each a whole number of elements of `dtype` (the packer's fused bucket). Each
-  // member copies its pieces into its slot and the results from the slots back into them, with
-  // no buffer of its own in between, and every member ends with the bits the one-buffer form
-  // gives for the same message. Built before the call (Add allocates; the call does not).
+  // The same all-reduce in place on a message in `pieces`: their bytes back to back, each a
+  // whole number of elements of `dtype` (the packer's fused bucket). Each member copies its
+  // pieces into its slot and the results from the slots back into them, with no buffer of its
+  // own in between, and every member ends with the bits the one-buffer form gives for the same
+  // message (with the same `cross`, `avg_divisor` and `lanes`). Built before the call (Add
+  // allocates; the call does not).
   using Pieces = core::Runs;
   void AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
-                         DataType dtype, ReduceOp op);
+                         DataType dtype, ReduceOp op, const SliceHook& cross = {},
+                         size_t avg_divisor = 0, int lanes = 0);
   // Broadcast (below, without hooks) in place on a message in `pieces`: the root member copies
   // its pieces into its slot, the others copy the slot into theirs.
   void BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,

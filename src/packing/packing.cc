@@ -6,8 +6,9 @@
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
 // but where the communicator takes a bucket's tensors as they are (ring::RunsInPieces: RING,
-// whose frames are gathered from the tensors and scattered into them, and AUTO in shared memory
-// on one host) each fused bucket is issued on them, no fusion buffer.
+// whose frames are gathered from the tensors and scattered into them, and AUTO, in shared memory
+// on one host and in two levels; ring::BroadcastsInPieces for broadcasts, which two levels pack)
+// each fused bucket is issued on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -760,7 +761,8 @@ class PackedWork final : public Work {
 // The gated asynchronous all-reduce where the communicator runs it (ring::RunsGatedCalls), and
 // the all-reduce in pieces: a fused bucket skips the fusion buffer where the communicator can take
 // its tensors as they are (RING: frames straight from and into the tensors; AUTO in shared
-// memory on one host: each rank's tensors copied into the shared slots and the results back),
+// memory, on one host and in two levels: each rank's tensors copied into the shared slots and the
+// results back),
 // where packing would copy every byte twice more (into the buffer, and out). Measured with
 // packing_perf (see the README, "Many small tensors").
 void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
@@ -836,7 +838,7 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
       return ring::BroadcastGatedAsync(comm, t, t, root, std::move(go));
     };
   }
-  if (ring::RunsInPieces(comm)) {
+  if (ring::BroadcastsInPieces(comm)) {
     runner.issue_pieces_blocking = [&comm, root](const std::vector<Tensor>& pieces) {
       ring::BroadcastInPieces(comm, pieces, root);
     };

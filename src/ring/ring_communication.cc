@@ -102,7 +102,7 @@ class RingCommunication final : public CollectiveCommunication {
   }
 
   // ring::AllReduceInPieces (ring_communication.h).
-  bool RunsInPieces() const { return planner_ ? planner_->RunsInPieces() : true; }
+  bool BroadcastsInPieces() const { return !planner_ || !planner_->PacksBroadcasts(); }
   std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
                                                ReduceOp checked_as, std::function<bool()> go) {
     return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
@@ -575,16 +575,6 @@ size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tens
   return count;
 }
 
-// The body a planner that runs in pieces gave, or Error(kNotSupported).
-Planner::Body NeedsPieces(int rank, const char* name, Planner::Body body) {
-  if (!body) {
-    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank) + ": " + name +
-                                              " needs RING, or AUTO with every rank in one "
-                                              "shared-memory group");
-  }
-  return body;
-}
-
 RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
     const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
     std::function<bool()> go) const {
@@ -592,12 +582,11 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
   const size_t count = CountOfPieces(kName, pieces);
-  Body body = planner_ ? NeedsPieces(rank_, kName, planner_->AllReduceInPieces(pieces, op))
-                       : AllReduceInRuns(pieces, count, op);
-  return Gated(Prepared{CallDescriptor{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as,
-                                       0, count},
-                        std::move(body)},
-               std::move(go));
+  const CallDescriptor call{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count};
+  Body body = planner_ ? planner_->AllReduceInPieces(pieces, op) : Body{};
+  return Gated(
+      body ? Prepared{call, std::move(body)} : OnRing(call, AllReduceInRuns(pieces, count, op)),
+      std::move(go));
 }
 
 // Over the fabric alone, the ring's all-reduce algorithms run in place on the pieces as one
@@ -661,11 +650,10 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
                     " is not a rank of this communicator (size " + std::to_string(size_) + ")");
   }
   const size_t count = CountOfPieces(kName, pieces);
-  Body body = planner_ ? NeedsPieces(rank_, kName, planner_->BroadcastInPieces(pieces, root))
-                       : BroadcastInRuns(pieces, root);
-  return Gated(Prepared{CallDescriptor{CollectiveKind::kBroadcast, pieces.front().dtype,
-                                       ReduceOp::kSum, root, count},
-                        std::move(body)},
+  const CallDescriptor call{CollectiveKind::kBroadcast, pieces.front().dtype, ReduceOp::kSum, root,
+                            count};
+  Body body = planner_ ? planner_->BroadcastInPieces(pieces, root) : Body{};
+  return Gated(body ? Prepared{call, std::move(body)} : OnRing(call, BroadcastInRuns(pieces, root)),
                std::move(go));
 }
 
@@ -856,8 +844,7 @@ bool RunsGatedCalls(const CollectiveCommunication& comm) {
 }
 
 // `comm` as the RING/AUTO communicator that runs gated calls and calls in pieces, or
-// Error(kNotSupported) naming `what`. (A communicator that cannot run a call in pieces says so
-// when the call is prepared: NeedsPieces.)
+// Error(kNotSupported) naming `what`.
 RingCommunication& Ring(CollectiveCommunication& comm, const char* what) {
   auto* ring = dynamic_cast<RingCommunication*>(&comm);
   if (ring == nullptr) {
@@ -880,8 +867,12 @@ std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const T
 }
 
 bool RunsInPieces(const CollectiveCommunication& comm) {
+  return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
+}
+
+bool BroadcastsInPieces(const CollectiveCommunication& comm) {
   const auto* ring = dynamic_cast<const RingCommunication*>(&comm);
-  return ring != nullptr && ring->RunsInPieces();
+  return ring != nullptr && ring->BroadcastsInPieces();
 }
 
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,

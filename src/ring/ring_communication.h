@@ -35,11 +35,13 @@ class Planner {
   virtual ~Planner() = default;
   // `algorithm` is CommunicationOptions::algorithm when it names one of the planner's.
   virtual Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
-  // Whether the planner runs AllReduceInPieces and BroadcastInPieces: the same answer for every
-  // call and every rank.
-  virtual bool RunsInPieces() const { return false; }
+  // Whether the packer should pack its broadcasts into a fusion buffer rather than issue them in
+  // pieces, because the planner's broadcast beats the ring's chain in runs and it has none in
+  // pieces (the two-level plan): the same answer for every call and every rank.
+  virtual bool PacksBroadcasts() const { return false; }
   // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
-  // elements back to back), without a buffer that holds the whole message.
+  // elements back to back), without a buffer that holds the whole message; an empty body leaves
+  // it to the ring's, in runs, as for the other calls.
   virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) {
     (void)pieces;
     (void)op;
@@ -99,18 +101,23 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 
 // The packer's fused bucket without the fusion buffer: `pieces` (CPU tensors of one dtype, apart,
 // as the packer checks them) all-reduced in place as one message, their elements back to back,
-// where RunsInPieces(comm): RING, whose ring and halving-doubling send every frame straight from
-// the pieces and receive it straight into them (recursive doubling, for the small sizes, through
-// a buffer), and AUTO with every rank in one shared-memory group, where each rank's tensors are
-// copied into shared memory and the results back into them; two copies fewer than through a
-// fusion buffer either way. Checked across ranks as AllReduceCheckedAs of one tensor of that many
-// elements, with the bits that call gives on the packed bucket. Elsewhere (AUTO across hosts, a
-// lone rank's AUTO, NCCL) Error(kNotSupported).
+// where RunsInPieces(comm): RING and AUTO. Over TCP the ring and halving-doubling send every
+// frame straight from the pieces and receive it straight into them (recursive doubling, for the
+// small sizes, through a buffer); AUTO in shared memory copies each rank's pieces into the
+// group's slots and the results back into them, on one host and in the two-level plan (where a
+// rank alone on its host reads and writes them through its step buffer). Two copies fewer than
+// through a fusion buffer either way. Checked across ranks as AllReduceCheckedAs of one tensor
+// of that many elements, with the bits that call gives on the packed bucket. Elsewhere (NCCL, a
+// wrapper) Error(kNotSupported).
 // `go`, when given, is called on the thread that runs the call once the calls before it have
 // completed, before anything of this one happens: false, and the call does nothing (every rank
 // must answer alike: the packer's asynchronous form asks whether the list check it queued
 // before found the lists alike, so that no tensor is written when they differ).
 bool RunsInPieces(const CollectiveCommunication& comm);
+// Whether the packer issues its broadcasts in pieces (BroadcastInPieces, which runs wherever
+// RunsInPieces does): RING, and AUTO but in two levels, whose broadcast (one crossing per host,
+// shared memory inside) the ring's chain in runs would not match, so the packer packs there.
+bool BroadcastsInPieces(const CollectiveCommunication& comm);
 
 // Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
 // nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls

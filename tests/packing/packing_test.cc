@@ -358,16 +358,17 @@ TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorOverTcp) {
 }
 
 // AUTO on one host: the fused buckets go into shared memory straight from the tensors, no
-// fusion buffer (ring::AllReduceInPieces), with the same results; a single rank (no group)
-// packs as before. RING takes them in pieces too (RingInRunsTest below); a call with no pieces is
-// refused.
+// fusion buffer (ring::AllReduceInPieces), with the same results; a single rank (no group) takes
+// them in runs on the ring. RING takes them in pieces too (RingInRunsTest below); a call with no
+// pieces is refused.
 TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInSharedMemory) {
   testing::ScopedEnv shm("COLLECTIVES_SHM", nullptr);
   testing::ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(30);
   RunRanks(Transport::kAuto, GetParam(), options, [](CollectiveCommunication& comm) {
-    EXPECT_EQ(ring::RunsInPieces(comm), comm.size() > 1);
+    EXPECT_TRUE(ring::RunsInPieces(comm));
+    EXPECT_TRUE(ring::BroadcastsInPieces(comm));
     CheckAllReduceMatchesOneByOne(comm, testing::AllReduceOps(), {1, 100, 4096, 0, SIZE_MAX});
   });
   RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {

@@ -15,7 +15,10 @@
 //                              kAvg, of each count; prints per call "identity <dtype> <op>
 //                              <count> <fingerprint of the result> <algorithm>", and "<k> far"
 //                              for the elements not within rounding of the exact result; exit 0
-//                              iff none is (the test compares the fingerprints across ranks)
+//                              iff none is (the test compares the fingerprints across ranks).
+//                              Each call is repeated in pieces (ring::AllReduceInPieces, the
+//                              packer's fused bucket: the same input cut into three tensors),
+//                              which must give the same bits, counted as far where it does not
 //   ring_worker abort_exit go_file
 //                              rank 0 issues an all-reduce the others do not join yet, calls
 //                              Abort while it is in flight and exits at once (exit code 0);
@@ -49,6 +52,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "src/ring/ring_communication.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/float_inputs.h"
 
@@ -116,6 +120,21 @@ int main(int argc, char** argv) {
             if (!testing::CloseToExactSum(dtype, op, inputs, i,
                                           testing::FloatAt(dtype, result.data(), i), &why)) {
               if (far++ < 5) std::fprintf(stderr, "%s\n", why.c_str());
+            }
+          }
+          // The same in pieces: [0, count / 3), [count / 3, count / 3 + 1), the rest.
+          std::vector<uint8_t> pieces = inputs[size_t(comm->rank())];
+          const size_t es = SizeOf(dtype);
+          const size_t cuts[] = {0, count / 3, std::min(count, count / 3 + 1), count};
+          std::vector<Tensor> tensors;
+          for (int k = 0; k < 3; ++k) {
+            tensors.push_back(Tensor{pieces.data() + cuts[k] * es, cuts[k + 1] - cuts[k], dtype});
+          }
+          ring::AllReduceInPieces(*comm, tensors, op, op);
+          if (pieces != result) {
+            if (far++ < 5) {
+              std::fprintf(stderr, "rank %d: %s %s of %zu in pieces: not the one-buffer bits\n",
+                           comm->rank(), ToString(dtype), ToString(op), count);
             }
           }
           std::printf("rank %d: identity %s %s %zu %016" PRIx64 " %s\n", comm->rank(),
