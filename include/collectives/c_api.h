@@ -340,7 +340,7 @@ coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, co
                                        size_t bytes_per_pack, coll_work** work);
 
 /* coll_broadcast_many's buckets, issued and checked as coll_all_reduce_many_async's: fused
- * buckets go through a buffer of the call's own (none with RING, or AUTO on one host), and lists
+ * buckets go through a buffer of the call's own (none with RING or AUTO), and lists
  * that differ across ranks give COLL_MISMATCH from coll_work_wait on every rank, no fused buffer
  * written (a buffer alone in its bucket, larger than the cap, was issued before the check's answer
  * came). The buckets were issued before that answer too: one that differs from another rank's

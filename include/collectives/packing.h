@@ -71,8 +71,7 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
                size_t bytes_per_pack = 0);
 
 // Broadcasts every tensor of `tensors` in place from `root`, through buckets as above (the
-// strategy layer uses it to make initial weights identical on every rank); AUTO across hosts
-// packs its fused buckets, for the two-level broadcast.
+// strategy layer uses it to make initial weights identical on every rank).
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
                size_t bytes_per_pack = 0);
 

@@ -182,74 +182,7 @@ class HierarchicalPlanner final : public ring::Planner {
       };
     }
     if (plan_ != Plan::kTwoLevel) return {};
-    // Two levels, pipelined step by step: one rank per host (the root on its host; elsewhere the
-    // rank of the root's local index, or the host's last where it has fewer ranks) carries each
-    // step across hosts (a tree for small steps, a chain for large ones) straight into its slot,
-    // and broadcasts it inside its host from there. A rank alone on its host receives straight
-    // into recv.
-    const int root_host = topology_.host_of[size_t(root)];
-    const int my_host = topology_.host_of[size_t(rank_)];
-    std::vector<int> crossers;
-    for (const auto& host : topology_.hosts) {
-      crossers.push_back(host[std::min(size_t(root_index), host.size() - 1)]);
-    }
-    crossers[size_t(root_host)] = root;
-    const int host_root = topology_.local_index[size_t(crossers[size_t(my_host)])];
-    const bool crosses = crossers[size_t(my_host)] == rank_;
-    const bool is_root = rank_ == root;
-    const int cross_me = cross_me_;
-    const size_t small = small_message_bytes_;
-    const size_t slot_bytes = slot_bytes_;
-    const std::vector<int>* leaders = &leader_ranks_;
-    const bool leader = topology_.local_index[size_t(rank_)] == 0;
-    return [=](ring::Context& ctx) {
-      SubFabric sub(ctx.fabric, crossers, cross_me);
-      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
-      // The root's host only sends, so nothing would check its call against the other hosts'
-      // (HostAgreement). The host's barrier and the round come now, before any data; the round
-      // is waited for before this rank arrives in shared memory, overlapping the first crossing.
-      HostAgreement agreement(ctx, group, *leaders, cross_me, leader);
-      const auto agreed = [&agreement] { agreement.Wait(); };
-      if (!crosses) {
-        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv.data, recv.bytes(), host_root, {},
-                         agreed);
-        return;
-      }
-      const auto* from = static_cast<const uint8_t*>(source);
-      const auto cross_step = [&](const void* send, void* into, size_t bytes) {
-        if (bytes <= small) {
-          ring::TreeBroadcast(cross, send, into, bytes, root_host);
-        } else {
-          ring::ChainBroadcast(cross, send, into, bytes, root_host);
-        }
-      };
-      if (group != nullptr) {
-        const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
-          cross_step(is_root ? from + offset : nullptr, slot, bytes);
-        };
-        group->Broadcast(ctx.tag, ctx.deadline, source, recv.data, recv.bytes(), host_root, fill,
-                         agreed);
-        return;
-      }
-      // Alone on this host: the steps the groups cut. The root only sends, and writes recv once
-      // every host agreed; the others wait for that before they receive into recv (a frame is
-      // checked against its sender's call only, and a host off the path may differ).
-      auto* out = static_cast<uint8_t*>(recv.data);
-      const size_t bytes = recv.bytes();
-      if (!is_root) agreed();
-      size_t offset = 0;
-      do {
-        const size_t c = std::min(slot_bytes, bytes - offset);
-        if (is_root) {
-          cross_step(from + offset, const_cast<uint8_t*>(from + offset), c);
-          if (offset == 0) agreed();
-        } else {
-          cross_step(nullptr, out + offset, c);
-        }
-        offset += c;
-      } while (offset < bytes);
-      if (is_root && out != from && bytes != 0) std::memcpy(out, from, bytes);
-    };
+    return TwoLevelBroadcast(source, recv.data, recv.bytes(), root, nullptr);
   }
 
   Body AllGather(const Tensor& send, const Tensor& recv) override {
@@ -291,10 +224,6 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
-  // Two levels have a broadcast of their own (one crossing per host, shared memory inside), which
-  // the flat chain in runs would not match: the packer packs its broadcasts there.
-  bool PacksBroadcasts() const override { return plan_ == Plan::kTwoLevel; }
-
   // In shared memory on one host: the group's, in place on the pieces. Two levels where they pay:
   // the same steps as AllReduce's, each rank's pieces read into the group's slots (or a lone
   // rank's step buffer) and the results written back. Elsewhere the ring's, in runs.
@@ -314,7 +243,15 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
+  // Likewise: the group's on one host, the two-level broadcast across hosts (its root reads each
+  // step from the pieces into its slot, the others write the slots into theirs), the ring's in
+  // runs for the flat plan.
   Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) override {
+    if (plan_ == Plan::kTwoLevel) {
+      auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
+      const size_t bytes = runs->bytes();
+      return TwoLevelBroadcast(nullptr, nullptr, bytes, root, std::move(runs));
+    }
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
     return [group, message = core::RunsOf(pieces),
@@ -361,6 +298,103 @@ class HierarchicalPlanner final : public ring::Planner {
   friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
                                       Clock::time_point deadline,
                                       std::chrono::milliseconds timeout);
+
+  // The two-level broadcast of `bytes` from `root`: from source (the root's) into recv, or in
+  // place on `runs` (the packer's fused bucket in pieces) where given, with the same steps.
+  Body TwoLevelBroadcast(const void* source, void* recv, size_t bytes, int root,
+                         std::shared_ptr<const core::Runs> runs) const {
+    ShmGroup* group = group_.get();
+    const int root_index = topology_.local_index[size_t(root)];
+    // Two levels, pipelined step by step: one rank per host (the root on its host; elsewhere the
+    // rank of the root's local index, or the host's last where it has fewer ranks) carries each
+    // step across hosts (a tree for small steps, a chain for large ones) straight into its slot,
+    // and broadcasts it inside its host from there. A rank alone on its host receives straight
+    // into recv.
+    const int root_host = topology_.host_of[size_t(root)];
+    const int my_host = topology_.host_of[size_t(rank_)];
+    std::vector<int> crossers;
+    for (const auto& host : topology_.hosts) {
+      crossers.push_back(host[std::min(size_t(root_index), host.size() - 1)]);
+    }
+    crossers[size_t(root_host)] = root;
+    const int host_root = topology_.local_index[size_t(crossers[size_t(my_host)])];
+    const bool crosses = crossers[size_t(my_host)] == rank_;
+    const bool is_root = rank_ == root;
+    const int cross_me = cross_me_;
+    const size_t small = small_message_bytes_;
+    const size_t slot_bytes = slot_bytes_;
+    const std::vector<int>* leaders = &leader_ranks_;
+    const bool leader = topology_.local_index[size_t(rank_)] == 0;
+    return [=, runs = std::move(runs)](ring::Context& ctx) {
+      SubFabric sub(ctx.fabric, crossers, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      // The root's host only sends, so nothing would check its call against the other hosts'
+      // (HostAgreement). The host's barrier and the round come now, before any data; the round
+      // is waited for before this rank arrives in shared memory, overlapping the first crossing.
+      HostAgreement agreement(ctx, group, *leaders, cross_me, leader);
+      const auto agreed = [&agreement] { agreement.Wait(); };
+      if (!crosses && runs != nullptr) {
+        group->BroadcastInPieces(ctx.tag, ctx.deadline, *runs, host_root, {}, agreed);
+        return;
+      }
+      if (!crosses) {
+        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv, bytes, host_root, {}, agreed);
+        return;
+      }
+      const auto* from = static_cast<const uint8_t*>(source);
+      const auto cross_step = [&](const void* send, void* into, size_t n) {
+        if (n <= small) {
+          ring::TreeBroadcast(cross, send, into, n, root_host);
+        } else {
+          ring::ChainBroadcast(cross, send, into, n, root_host);
+        }
+      };
+      if (group != nullptr) {
+        // The root in pieces sends each step from its slot, read from the pieces (the chain and
+        // the tree copy it there from a buffer).
+        const auto fill = [&](uint8_t* slot, size_t offset, size_t n) {
+          if (is_root && runs != nullptr) {
+            runs->Read(offset, n, slot);
+            return cross_step(slot, slot, n);
+          }
+          cross_step(is_root ? from + offset : nullptr, slot, n);
+        };
+        if (runs != nullptr) {
+          group->BroadcastInPieces(ctx.tag, ctx.deadline, *runs, host_root, fill, agreed);
+        } else {
+          group->Broadcast(ctx.tag, ctx.deadline, source, recv, bytes, host_root, fill, agreed);
+        }
+        return;
+      }
+      // Alone on this host: the steps the groups cut. The root only sends, and writes recv once
+      // every host agreed; the others wait for that before they receive into recv (a frame is
+      // checked against its sender's call only, and a host off the path may differ). In pieces,
+      // each step goes through a buffer of its own (read from them, or written into them).
+      auto* out = static_cast<uint8_t*>(recv);
+      if (!is_root) agreed();
+      const auto step = runs != nullptr
+                            ? std::make_unique_for_overwrite<uint8_t[]>(std::min(slot_bytes, bytes))
+                            : nullptr;
+      size_t offset = 0;
+      do {
+        const size_t c = std::min(slot_bytes, bytes - offset);
+        if (is_root && runs != nullptr) {
+          runs->Read(offset, c, step.get());
+          cross_step(step.get(), step.get(), c);
+        } else if (is_root) {
+          cross_step(from + offset, const_cast<uint8_t*>(from + offset), c);
+        } else if (runs != nullptr) {
+          cross_step(nullptr, step.get(), c);
+          runs->Write(offset, step.get(), c);
+        } else {
+          cross_step(nullptr, out + offset, c);
+        }
+        if (is_root && offset == 0) agreed();
+        offset += c;
+      } while (offset < bytes);
+      if (is_root && runs == nullptr && out != from && bytes != 0) std::memcpy(out, from, bytes);
+    };
+  }
 
   // The two-level all-reduce of `count` elements: from send into recv, or in place on `runs`
   // (the packer's fused bucket in pieces) where given, with the same steps and bits.

@@ -1043,8 +1043,10 @@ void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, c
 }
 
 void ShmGroup::BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline,
-                                 const Pieces& pieces, int root) {
-  RunBroadcast(tag, deadline, Message(pieces), pieces.bytes(), root, {}, {});
+                                 const Pieces& pieces, int root,
+                                 const std::function<void(uint8_t*, size_t, size_t)>& fill,
+                                 const std::function<void()>& before_arrive) {
+  RunBroadcast(tag, deadline, Message(pieces), pieces.bytes(), root, fill, before_arrive);
 }
 
 void ShmGroup::RunBroadcast(const core::CallTag& tag, Clock::time_point deadline,

@@ -151,10 +151,11 @@ class ShmGroup {
   void AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
                          DataType dtype, ReduceOp op, const SliceHook& cross = {},
                          size_t avg_divisor = 0, int lanes = 0);
-  // Broadcast (below, without hooks) in place on a message in `pieces`: the root member copies
-  // its pieces into its slot, the others copy the slot into theirs.
+  // Broadcast (below) in place on a message in `pieces`: the root member copies its pieces into
+  // its slot (or `fill` puts each step there, as below), the others copy the slot into theirs.
   void BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
-                         int root);
+                         int root, const std::function<void(uint8_t*, size_t, size_t)>& fill = {},
+                         const std::function<void()>& before_arrive = {});
   // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
   // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
   // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives

@@ -7,8 +7,7 @@
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
 // but where the communicator takes a bucket's tensors as they are (ring::RunsInPieces: RING,
 // whose frames are gathered from the tensors and scattered into them, and AUTO, in shared memory
-// on one host and in two levels; ring::BroadcastsInPieces for broadcasts, which two levels pack)
-// each fused bucket is issued on them, no fusion buffer.
+// on one host and in two levels) each fused bucket is issued on them, no fusion buffer.
 // Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
@@ -838,7 +837,7 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
       return ring::BroadcastGatedAsync(comm, t, t, root, std::move(go));
     };
   }
-  if (ring::BroadcastsInPieces(comm)) {
+  if (ring::RunsInPieces(comm)) {
     runner.issue_pieces_blocking = [&comm, root](const std::vector<Tensor>& pieces) {
       ring::BroadcastInPieces(comm, pieces, root);
     };

@@ -102,7 +102,6 @@ class RingCommunication final : public CollectiveCommunication {
   }
 
   // ring::AllReduceInPieces (ring_communication.h).
-  bool BroadcastsInPieces() const { return !planner_ || !planner_->PacksBroadcasts(); }
   std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
                                                ReduceOp checked_as, std::function<bool()> go) {
     return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
@@ -868,11 +867,6 @@ std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const T
 
 bool RunsInPieces(const CollectiveCommunication& comm) {
   return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
-}
-
-bool BroadcastsInPieces(const CollectiveCommunication& comm) {
-  const auto* ring = dynamic_cast<const RingCommunication*>(&comm);
-  return ring != nullptr && ring->BroadcastsInPieces();
 }
 
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,

@@ -35,10 +35,6 @@ class Planner {
   virtual ~Planner() = default;
   // `algorithm` is CommunicationOptions::algorithm when it names one of the planner's.
   virtual Body AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
-  // Whether the packer should pack its broadcasts into a fusion buffer rather than issue them in
-  // pieces, because the planner's broadcast beats the ring's chain in runs and it has none in
-  // pieces (the two-level plan): the same answer for every call and every rank.
-  virtual bool PacksBroadcasts() const { return false; }
   // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
   // elements back to back), without a buffer that holds the whole message; an empty body leaves
   // it to the ring's, in runs, as for the other calls.
@@ -114,10 +110,6 @@ void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const
 // must answer alike: the packer's asynchronous form asks whether the list check it queued
 // before found the lists alike, so that no tensor is written when they differ).
 bool RunsInPieces(const CollectiveCommunication& comm);
-// Whether the packer issues its broadcasts in pieces (BroadcastInPieces, which runs wherever
-// RunsInPieces does): RING, and AUTO but in two levels, whose broadcast (one crossing per host,
-// shared memory inside) the ring's chain in runs would not match, so the packer packs there.
-bool BroadcastsInPieces(const CollectiveCommunication& comm);
 
 // Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
 // nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
@@ -138,7 +130,8 @@ void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>&
 // The same for a broadcast from `root` of the pieces' elements back to back (checked as
 // comm.Broadcast of one tensor of that many elements): over RING the chain forwards frames from
 // and into the pieces (a small message through a buffer); in shared memory the root's tensors go
-// in and the others' come out; no fusion buffer.
+// in and the others' come out (in two levels each step crosses hosts from the root's slot, and a
+// rank alone on its host reads or writes its steps through a buffer); no fusion buffer.
 std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, int root,
                                              std::function<bool()> go = {});
