@@ -261,10 +261,42 @@ class HierarchicalPlanner final : public ring::Planner {
   }
 
   Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) override {
-    if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
-    return [group, send, recv, op](ring::Context& ctx) {
-      group->ReduceScatter(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, recv.dtype, op);
+    if (plan_ == Plan::kShm) {
+      return [group, send, recv, op](ring::Context& ctx) {
+        group->ReduceScatter(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, recv.dtype,
+                             op);
+      };
+    }
+    // Two levels, on hosts of as many ranks each, where the all-reduce's model says two levels
+    // pay for the whole send: inside the host, local rank l reduces the blocks of lane l (the
+    // ranks of local index l, one per host) over its host's members, step by step in shared
+    // memory; across hosts, the lane reduce-scatters them by the ring among its hosts, straight
+    // into recv. Each block crosses hosts (hosts - 1) / hosts times, where the flat ring sends
+    // (ranks - 1) blocks per rank over TCP. Hosts of different rank counts run it flat.
+    if (plan_ != Plan::kTwoLevel || !uniform_ || !TwoLevelPays(send.bytes()) ||
+        size_t(size_) * SizeOf(recv.dtype) > slot_bytes_) {
+      return {};
+    }
+    std::vector<int> order;
+    for (size_t lane = 0; lane < topology_.hosts[0].size(); ++lane) {
+      for (const auto& host : topology_.hosts) order.push_back(host[lane]);
+    }
+    const std::vector<int>* cross_ranks = &cross_ranks_;
+    const int cross_me = cross_me_;
+    const size_t world = size_t(size_);
+    return [group, send, recv, op, order = std::move(order), cross_ranks, cross_me,
+            world](ring::Context& ctx) {
+      SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+      const DataType dtype = recv.dtype;
+      group->ReduceScatterAcross(
+          ctx.tag, ctx.deadline, send.data, recv.data, recv.count, dtype, op, order,
+          [&](uint8_t* partial, size_t c, uint8_t* out) {
+            ring::RingReduceScatter(cross, partial, out, c, dtype, cross_op);
+          },
+          world);
     };
   }
 

@@ -1174,6 +1174,52 @@ void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadlin
   } while (offset < count);
 }
 
+void ShmGroup::ReduceScatterAcross(const core::CallTag& tag, Clock::time_point deadline,
+                                   const void* send, void* recv, size_t count, DataType dtype,
+                                   ReduceOp op, const std::vector<int>& order,
+                                   const LaneHook& cross, size_t avg_divisor) {
+  const size_t es = SizeOf(dtype);
+  const size_t blocks = order.size();
+  const int n = size();
+  if (blocks == 0 || blocks % size_t(n) != 0 || blocks * es > slot_bytes_) {
+    throw Error(ErrorCode::kInternal,
+                "rank " + std::to_string(rank_) +
+                    ": reduce_scatter across hosts: " + std::to_string(blocks) + " blocks of " +
+                    std::to_string(es) + "-byte elements do not fit the members' lanes and slots");
+  }
+  Step step(*this, tag, deadline);
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  const size_t per_lane = blocks / size_t(n);
+  const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  // Each step carries the same c elements of every block, in lane order.
+  const size_t per_step = slot_bytes_ / (es * blocks);
+  size_t offset = 0;
+  do {
+    const size_t c = std::min(per_step, count - offset);
+    const uint32_t s = step.Begin(true);
+    uint8_t* mine = step.own_slot(s);
+    for (size_t k = 0; k < blocks && c != 0; ++k) {
+      std::memcpy(mine + k * c * es, in + (size_t(order[k]) * count + offset) * es, c * es);
+    }
+    step.Arrive(s);
+    step.AwaitEveryArrival(s);
+    // This member's lane, reduced into its own slot: no other member reads that part of it.
+    const size_t at = size_t(index_) * per_lane * c * es;
+    uint8_t* partial = mine + at;
+    for (int j = 0; j < n && c != 0; ++j) {
+      if (j != index_)
+        core::Reduce(dtype, kernel_op, partial, partial, step.slot(j, s) + at, per_lane * c);
+    }
+    cross(partial, c, out + offset * es);
+    if (op == ReduceOp::kAvg && c != 0) {
+      core::DivideInPlace(dtype, out + offset * es, c, avg_divisor);
+    }
+    step.Done(s);
+    offset += c;
+  } while (offset < count);
+}
+
 void ShmGroup::AnnounceOutside(const core::CallTag& tag) {
   Control& own = segment_->control(index_);
   const WireTag wire = WireTag::Of(tag);

@@ -181,6 +181,19 @@ class ShmGroup {
   // recv (count elements) = block index() of op over members of send (size() * count).
   void ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                      void* recv, size_t count, DataType dtype, ReduceOp op);
+  // The inside half of a two-level reduce-scatter: send holds order.size() blocks of `count`
+  // elements (one per rank of the world; order.size() a multiple of size(), at most slot_bytes()
+  // / element size), and member j's lane is the blocks order[j * k, (j + 1) * k) for k =
+  // order.size() / size(). Every step each member copies the step's elements of every block into
+  // its slot in that order, reduces its lane's over the members (op; kAvg as kSum) and calls
+  // cross(partial, c, out): the lane's k parts of c elements back to back, to be reduced across
+  // hosts into the c elements of this rank's block at `out` (recv + the step's offset). kAvg then
+  // divides those by `avg_divisor`. Nothing is written into recv but by `cross`.
+  using LaneHook = std::function<void(uint8_t* partial, size_t count, uint8_t* out)>;
+  void ReduceScatterAcross(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                           void* recv, size_t count, DataType dtype, ReduceOp op,
+                           const std::vector<int>& order, const LaneHook& cross,
+                           size_t avg_divisor);
   void Barrier(const core::CallTag& tag, Clock::time_point deadline);
 
   // This member runs the call `tag` outside the group (over TCP only). A member waiting in the

@@ -97,9 +97,10 @@ TEST(MultiProcessShmTest, HostsOfDifferentRankCountsRunExactly) {
 
 // Hosts of different rank counts with the two levels forced: every all-reduce crosses hosts in
 // as many lanes as the smallest host of several ranks has (a rank alone on its host takes part
-// in every lane, ranks past the lanes only add their input), the other collectives run on the
-// flat ring; every collective, dtype and op exact on every rank, with small steps (several per
-// call) on some.
+// in every lane, ranks past the lanes only add their input), the other collectives but the
+// broadcast run on the flat ring; and hosts of as many ranks each, where every collective but
+// the barrier runs in two levels. Every collective, dtype and op exact on every rank, with small
+// steps (several per call) on some.
 struct UnevenCase {
   const char* name;
   std::vector<std::string> host_ids;
@@ -124,17 +125,25 @@ TEST_P(UnevenHostsTest, EveryCollectiveIsExactInTwoLevels) {
 
 INSTANTIATE_TEST_SUITE_P(
     Auto, UnevenHostsTest,
-    ::testing::Values(UnevenCase{"TwoAndOne", {"a", "a", "b"}, "65536"},
-                      UnevenCase{"ThreeAndTwo", {"a", "a", "a", "b", "b"}, ""},
-                      UnevenCase{"OneTwoAndThree", {"a", "b", "b", "c", "c", "c"}, "65536"},
-                      // Hosts of interleaved ranks; a slot size the groups round up (to 5056):
-                      // the rank alone on no host here, but every host cuts the same steps.
-                      UnevenCase{"ThreeAndTwoInterleaved", {"a", "b", "a", "b", "a"}, "5000"},
-                      UnevenCase{"TwoAndOneOddSlot", {"a", "a", "b"}, "5000"},
-                      // One lone rank in three lanes; two lone ranks, which share a connection
-                      // in every lane.
-                      UnevenCase{"OneAndThree", {"a", "b", "b", "b"}, "65536"},
-                      UnevenCase{"OneOneAndThree", {"a", "b", "c", "c", "c"}, "65536"}),
+    ::testing::Values(
+        UnevenCase{"TwoAndOne", {"a", "a", "b"}, "65536"},
+        UnevenCase{"ThreeAndTwo", {"a", "a", "a", "b", "b"}, ""},
+        UnevenCase{"OneTwoAndThree", {"a", "b", "b", "c", "c", "c"}, "65536"},
+        // Hosts of interleaved ranks; a slot size the groups round up (to 5056):
+        // the rank alone on no host here, but every host cuts the same steps.
+        UnevenCase{"ThreeAndTwoInterleaved", {"a", "b", "a", "b", "a"}, "5000"},
+        UnevenCase{"TwoAndOneOddSlot", {"a", "a", "b"}, "5000"},
+        // One lone rank in three lanes; two lone ranks, which share a connection
+        // in every lane.
+        UnevenCase{"OneAndThree", {"a", "b", "b", "b"}, "65536"},
+        UnevenCase{"OneOneAndThree", {"a", "b", "c", "c", "c"}, "65536"},
+        // Hosts of as many ranks each: the reduce-scatter in two levels too (each
+        // local rank reduces its lane's blocks in shared memory, the lane
+        // reduce-scatters them across hosts), in many small steps, with
+        // interleaved ranks, and with three hosts of three.
+        UnevenCase{"TwoAndTwoSmallSlots", {"a", "a", "b", "b"}, "5000"},
+        UnevenCase{"TwoAndTwoInterleaved", {"a", "b", "b", "a"}, "65536"},
+        UnevenCase{"ThreeHostsOfThree", {"a", "b", "c", "a", "b", "c", "c", "b", "a"}, "65536"}),
     [](const ::testing::TestParamInfo<UnevenCase>& p) { return std::string(p.param.name); });
 
 // A rank alone on its host whose /dev/shm is read-only (a mount namespace of its own) needs no
