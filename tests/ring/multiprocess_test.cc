@@ -340,6 +340,27 @@ INSTANTIATE_TEST_SUITE_P(
                      "all_gather",
                      {},
                      {"0", "0", "1", "1"}},
+        // The two-level reduce-scatter (blocks of count / 4 or / 6
+        // elements): nothing on one host, another count inside a
+        // host, another count on one host of three.
+        MismatchCase{"ReduceScatterOfNothingOnOneHost",
+                     {"a", "a", "b", "b"},
+                     "reduce_scatter",
+                     {},
+                     {"0", "0", "8", "8"},
+                     "two_level"},
+        MismatchCase{"ReduceScatterOfAnotherCountInsideAHost",
+                     {"a", "a", "b", "b"},
+                     "reduce_scatter",
+                     {},
+                     {"8", "12", "8", "8"},
+                     "two_level"},
+        MismatchCase{"ReduceScatterOfAnotherCountOnOneOfThreeHosts",
+                     {"a", "a", "b", "b", "c", "c"},
+                     "reduce_scatter",
+                     {},
+                     {"12", "12", "12", "12", "18", "18"},
+                     "two_level"},
         // Hosts of different rank counts, the two levels
         // forced: the host of one rank calls with nothing,
         // or with another count.
