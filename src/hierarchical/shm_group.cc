@@ -1138,40 +1138,7 @@ void ShmGroup::AllGatherPieces(const core::CallTag& tag, Clock::time_point deadl
 
 void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                              void* recv, size_t count, DataType dtype, ReduceOp op) {
-  Step step(*this, tag, deadline);
-  const size_t es = SizeOf(dtype);
-  const auto* in = static_cast<const uint8_t*>(send);
-  auto* out = static_cast<uint8_t*>(recv);
-  const int n = size();
-  const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  // Each step carries the same c elements of every block, block by block.
-  const size_t per_step = std::max<size_t>(1, slot_bytes_ / (es * size_t(n)));
-  size_t offset = 0;
-  do {
-    const size_t c = std::min(per_step, count - offset);
-    const uint32_t s = step.Begin(true);
-    uint8_t* mine = step.own_slot(s);
-    for (int b = 0; b < n && c != 0; ++b) {
-      std::memcpy(mine + size_t(b) * c * es, in + (size_t(b) * count + offset) * es, c * es);
-    }
-    step.Arrive(s);
-    step.AwaitEveryArrival(s);
-    if (c != 0) {
-      const size_t at = size_t(index_) * c * es;
-      uint8_t* dst = out + offset * es;
-      if (n == 1) {
-        std::memmove(dst, step.slot(0, s) + at, c * es);
-      } else {
-        core::Reduce(dtype, kernel_op, dst, step.slot(0, s) + at, step.slot(1, s) + at, c);
-        for (int j = 2; j < n; ++j) {
-          core::Reduce(dtype, kernel_op, dst, dst, step.slot(j, s) + at, c);
-        }
-      }
-      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, dst, c, size_t(n));
-    }
-    step.Done(s);
-    offset += c;
-  } while (offset < count);
+  RunReduceScatter(tag, deadline, send, recv, count, dtype, op, {}, {}, size_t(size()));
 }
 
 void ShmGroup::ReduceScatterAcross(const core::CallTag& tag, Clock::time_point deadline,
@@ -1180,41 +1147,59 @@ void ShmGroup::ReduceScatterAcross(const core::CallTag& tag, Clock::time_point d
                                    const LaneHook& cross, size_t avg_divisor) {
   const size_t es = SizeOf(dtype);
   const size_t blocks = order.size();
-  const int n = size();
-  if (blocks == 0 || blocks % size_t(n) != 0 || blocks * es > slot_bytes_) {
+  if (blocks == 0 || blocks % size_t(size()) != 0 || blocks * es > slot_bytes_ || !cross) {
     throw Error(ErrorCode::kInternal,
                 "rank " + std::to_string(rank_) +
                     ": reduce_scatter across hosts: " + std::to_string(blocks) + " blocks of " +
                     std::to_string(es) + "-byte elements do not fit the members' lanes and slots");
   }
+  RunReduceScatter(tag, deadline, send, recv, count, dtype, op, order, cross, avg_divisor);
+}
+
+void ShmGroup::RunReduceScatter(const core::CallTag& tag, Clock::time_point deadline,
+                                const void* send, void* recv, size_t count, DataType dtype,
+                                ReduceOp op, const std::vector<int>& order, const LaneHook& cross,
+                                size_t avg_divisor) {
   Step step(*this, tag, deadline);
+  const size_t es = SizeOf(dtype);
   const auto* in = static_cast<const uint8_t*>(send);
   auto* out = static_cast<uint8_t*>(recv);
+  const int n = size();
+  const size_t blocks = order.empty() ? size_t(n) : order.size();
   const size_t per_lane = blocks / size_t(n);
   const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  // Each step carries the same c elements of every block, in lane order.
-  const size_t per_step = slot_bytes_ / (es * blocks);
+  // Each step carries the same c elements of every block, in member (or lane) order.
+  const size_t per_step = std::max<size_t>(1, slot_bytes_ / (es * blocks));
   size_t offset = 0;
   do {
     const size_t c = std::min(per_step, count - offset);
     const uint32_t s = step.Begin(true);
     uint8_t* mine = step.own_slot(s);
     for (size_t k = 0; k < blocks && c != 0; ++k) {
-      std::memcpy(mine + k * c * es, in + (size_t(order[k]) * count + offset) * es, c * es);
+      const size_t block = order.empty() ? k : size_t(order[k]);
+      std::memcpy(mine + k * c * es, in + (block * count + offset) * es, c * es);
     }
     step.Arrive(s);
     step.AwaitEveryArrival(s);
-    // This member's lane, reduced into its own slot: no other member reads that part of it.
     const size_t at = size_t(index_) * per_lane * c * es;
-    uint8_t* partial = mine + at;
-    for (int j = 0; j < n && c != 0; ++j) {
-      if (j != index_)
-        core::Reduce(dtype, kernel_op, partial, partial, step.slot(j, s) + at, per_lane * c);
+    uint8_t* dst = out + offset * es;
+    if (cross) {
+      // This member's lane, reduced into its own slot (no other member reads that part of it),
+      // then across hosts into recv.
+      uint8_t* partial = mine + at;
+      for (int j = 0; j < n && c != 0; ++j) {
+        if (j != index_)
+          core::Reduce(dtype, kernel_op, partial, partial, step.slot(j, s) + at, per_lane * c);
+      }
+      cross(partial, c, dst);
+    } else if (c != 0 && n == 1) {
+      std::memmove(dst, step.slot(0, s) + at, c * es);
+    } else if (c != 0) {
+      // Its own block, straight into recv, in member order.
+      core::Reduce(dtype, kernel_op, dst, step.slot(0, s) + at, step.slot(1, s) + at, c);
+      for (int j = 2; j < n; ++j) core::Reduce(dtype, kernel_op, dst, dst, step.slot(j, s) + at, c);
     }
-    cross(partial, c, out + offset * es);
-    if (op == ReduceOp::kAvg && c != 0) {
-      core::DivideInPlace(dtype, out + offset * es, c, avg_divisor);
-    }
+    if (op == ReduceOp::kAvg && c != 0) core::DivideInPlace(dtype, dst, c, avg_divisor);
     step.Done(s);
     offset += c;
   } while (offset < count);

@@ -227,6 +227,10 @@ class ShmGroup {
   void RunAllReduce(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
                     size_t count, DataType dtype, ReduceOp op, const SliceHook& cross,
                     size_t avg_divisor, int lanes);
+  // ReduceScatter (no `order`, no `cross`) and ReduceScatterAcross.
+  void RunReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
+                        void* recv, size_t count, DataType dtype, ReduceOp op,
+                        const std::vector<int>& order, const LaneHook& cross, size_t avg_divisor);
   void RunBroadcast(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
                     size_t bytes, int root, const ChunkSource& fill,
                     const std::function<void()>& before_arrive);

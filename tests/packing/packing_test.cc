@@ -389,14 +389,22 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, PackedAllReduceTest, ::testing::Values(1, 2
 // chunks that end inside a piece, every transport, 1 to 8 ranks. Broadcasts likewise, small (one
 // buffer) and chained.
 class RingInRunsTest
-    : public ::testing::TestWithParam<std::tuple<Transport, int, const char*, size_t>> {};
+    : public ::testing::TestWithParam<std::tuple<Transport, int, const char*, size_t>> {
+ protected:
+  // The parameters' algorithm and chunk size, a 30 s timeout.
+  static CommunicationOptions Options() {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(30);
+    options.algorithm = std::get<2>(GetParam());
+    options.chunk_bytes = std::get<3>(GetParam());
+    return options;
+  }
+};
 
 TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
-  const auto [transport, size, algorithm, chunk_bytes] = GetParam();
-  CommunicationOptions options;
-  options.timeout = std::chrono::seconds(30);
-  options.algorithm = algorithm;
-  options.chunk_bytes = chunk_bytes;
+  const Transport transport = std::get<0>(GetParam());
+  const int size = std::get<1>(GetParam());
+  const CommunicationOptions options = Options();
   RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
     ASSERT_TRUE(ring::RunsInPieces(comm));
     // Under 64 KiB in all (the small-message sizes) and over it.
@@ -455,11 +463,9 @@ TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
 // every span the reductions run over, holds whole elements, so the pieces give the one-buffer
 // call's bits; f16 and bf16 reduce through f32 (the F16C loop in runs of 8, scalars for the rest).
 TEST_P(RingInRunsTest, PiecesOfEveryElementSizeGiveTheBitsOfTheOneBufferCall) {
-  const auto [transport, size, algorithm, chunk_bytes] = GetParam();
-  CommunicationOptions options;
-  options.timeout = std::chrono::seconds(30);
-  options.algorithm = algorithm;
-  options.chunk_bytes = chunk_bytes;
+  const Transport transport = std::get<0>(GetParam());
+  const int size = std::get<1>(GetParam());
+  const CommunicationOptions options = Options();
   const std::vector<size_t> counts = {4099, 0, 1, 20011, 3, 1024, 17};
   RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
     for (DataType dtype : {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat64,
@@ -522,12 +528,10 @@ TEST_P(RingInRunsTest, PiecesOfEveryElementSizeGiveTheBitsOfTheOneBufferCall) {
 // root) raises kMismatch on every rank and leaves every piece as it was: the first write into a
 // piece follows frames checked through every rank, in every algorithm.
 TEST_P(RingInRunsTest, AMismatchedCallInPiecesWritesNoPiece) {
-  const auto [transport, size, algorithm, chunk_bytes] = GetParam();
+  const Transport transport = std::get<0>(GetParam());
+  const int size = std::get<1>(GetParam());
   if (size < 2) GTEST_SKIP() << "needs two ranks";
-  CommunicationOptions options;
-  options.timeout = std::chrono::seconds(30);
-  options.algorithm = algorithm;
-  options.chunk_bytes = chunk_bytes;
+  const CommunicationOptions options = Options();
   for (const bool broadcast : {false, true}) {
     // Under 64 KiB in all (through one buffer) and over it (in runs).
     for (const std::vector<size_t>& counts :
