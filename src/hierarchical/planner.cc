@@ -229,11 +229,12 @@ class HierarchicalPlanner final : public ring::Planner {
   // rank's step buffer) and the results written back. Elsewhere the ring's, in runs.
   Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
     if (plan_ == Plan::kTwoLevel) {
-      auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
-      if (!TwoLevelPays(runs->bytes())) return {};
       size_t count = 0;
       for (const Tensor& piece : pieces) count += piece.count;
-      return TwoLevelAllReduce(count, pieces.front().dtype, op, nullptr, nullptr, std::move(runs));
+      // Left to the ring, which builds its own runs, unless two levels pay.
+      if (!TwoLevelPays(count * SizeOf(pieces.front().dtype))) return {};
+      return TwoLevelAllReduce(count, pieces.front().dtype, op, nullptr, nullptr,
+                               std::make_shared<const core::Runs>(core::RunsOf(pieces)));
     }
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
@@ -249,7 +250,7 @@ class HierarchicalPlanner final : public ring::Planner {
   Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) override {
     if (plan_ == Plan::kTwoLevel) {
       auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
-      const size_t bytes = runs->bytes();
+      const size_t bytes = runs->bytes();  // before the move below
       return TwoLevelBroadcast(nullptr, nullptr, bytes, root, std::move(runs));
     }
     if (plan_ != Plan::kShm) return {};

@@ -644,8 +644,8 @@ class PackedWork final : public Work {
     };
     for (size_t k = 0; k < buckets.size(); ++k) {
       const Bucket& bucket = buckets[k];
-      // A tensor alone goes as it is (gated wherever pieces are: RunsInPieces implies
-      // RunsGatedCalls), not as a message in runs of one, which recursive doubling would copy.
+      // A tensor alone goes as it is (gated wherever pieces are: the same communicators run
+      // both), not as a message in runs of one, which recursive doubling would copy.
       if (const Tensor* single = buckets.Single(k)) {
         issued_.push_back(Issued{&bucket, issue(*single), kInPlace});
         continue;
@@ -766,12 +766,10 @@ class PackedWork final : public Work {
 // packing_perf (see the README, "Many small tensors").
 void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
               ReduceOp checked_as) {
-  if (ring::RunsGatedCalls(comm)) {
-    runner.issue_gated_async = [&comm, op, checked_as](const Tensor& t, std::function<bool()> go) {
-      return ring::AllReduceGatedAsync(comm, t, t, op, checked_as, std::move(go));
-    };
-  }
-  if (!ring::RunsInPieces(comm)) return;
+  if (!ring::RunsInPieces(comm)) return;  // and so no gated calls either (NCCL)
+  runner.issue_gated_async = [&comm, op, checked_as](const Tensor& t, std::function<bool()> go) {
+    return ring::AllReduceGatedAsync(comm, t, t, op, checked_as, std::move(go));
+  };
   runner.issue_pieces_blocking = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
     ring::AllReduceInPieces(comm, pieces, op, checked_as);
   };
@@ -832,12 +830,10 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
                       {},
                       {},
                       {}};
-  if (ring::RunsGatedCalls(comm)) {
+  if (ring::RunsInPieces(comm)) {  // and gated calls (RING, AUTO)
     runner.issue_gated_async = [&comm, root](const Tensor& t, std::function<bool()> go) {
       return ring::BroadcastGatedAsync(comm, t, t, root, std::move(go));
     };
-  }
-  if (ring::RunsInPieces(comm)) {
     runner.issue_pieces_blocking = [&comm, root](const std::vector<Tensor>& pieces) {
       ring::BroadcastInPieces(comm, pieces, root);
     };

@@ -865,9 +865,7 @@ std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const T
   return Ring(comm, "gated calls").BroadcastGatedAsync(send, recv, root, std::move(go));
 }
 
-bool RunsInPieces(const CollectiveCommunication& comm) {
-  return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
-}
+bool RunsInPieces(const CollectiveCommunication& comm) { return RunsGatedCalls(comm); }
 
 std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
                                              const std::vector<Tensor>& pieces, ReduceOp op,

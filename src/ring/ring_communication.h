@@ -115,7 +115,8 @@ bool RunsInPieces(const CollectiveCommunication& comm);
 // nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
 // before it have completed (every rank must answer alike). The packer's asynchronous form issues
 // its buckets so: they run only if the list check queued before them found the lists alike, and
-// write nothing otherwise. Elsewhere (NCCL, a wrapper) Error(kNotSupported).
+// write nothing otherwise. Elsewhere (NCCL, a wrapper) Error(kNotSupported). The same
+// communicators run calls in pieces: RunsInPieces(comm) == RunsGatedCalls(comm).
 bool RunsGatedCalls(const CollectiveCommunication& comm);
 std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
                                           const Tensor& recv, ReduceOp op, ReduceOp checked_as,
