@@ -89,8 +89,10 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 // bucket runs only once the list check, queued first, has found the lists alike (on every rank
 // alike), so nothing is written; with NCCL and other communicators no fused tensor is written, but
 // a tensor alone in its bucket was issued before the check's answer came, and holds what its
-// collective left. Lists or caps that cut into different numbers of buckets leave the ranks at
-// different call numbers, and the next call raises kMismatch. A Work dropped unfinished waits in
+// collective left. With RING and AUTO a bucket that does not run takes no call number, so the
+// communicator works on after lists or caps that cut into different numbers of buckets; with
+// other communicators the ranks are left at different call numbers, and the next call raises
+// kMismatch. A Work dropped unfinished waits in
 // its destructor for the collectives still in flight (they write its buffer). An allocation that
 // fails once part of the call is issued aborts `comm` with the error thrown here (kSystem,
 // "... out of memory after 1 of the call's 3 collectives were queued ..."), which the other

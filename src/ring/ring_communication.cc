@@ -132,10 +132,13 @@ class RingCommunication final : public CollectiveCommunication {
   struct Prepared {
     CallDescriptor descriptor;
     Body body;
+    // Where set, the call runs only if go() says so when its turn comes; one that does not run
+    // takes no sequence number, so ranks that skipped different numbers of calls still agree on
+    // the next call's (see Gated).
+    std::function<bool()> go;
   };
   struct Call {
-    core::CallTag tag;
-    Body body;
+    Prepared prepared;
     std::shared_ptr<core::WorkState> work;
     std::chrono::milliseconds timeout;  // the communicator's when the call was issued
   };
@@ -161,12 +164,12 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
-  // `prepared`, whose body runs only if `go()` says so when its turn comes (always without one).
+  // `prepared`, which runs only if `go()` says so when its turn comes (always without one). A
+  // call that does not run completes at once and takes no sequence number: the packer's buckets
+  // after a list check that found the lists differ are skipped on every rank, and a rank whose
+  // list made more buckets than another's must not be left a number ahead of it.
   static Prepared Gated(Prepared prepared, std::function<bool()> go) {
-    if (!go) return prepared;
-    prepared.body = [body = std::move(prepared.body), go = std::move(go)](Context& ctx) {
-      if (go()) body(ctx);
-    };
+    prepared.go = std::move(go);
     return prepared;
   }
   // The ring's own body for a call the planner (if any) left to it: the planner hears of the
@@ -312,7 +315,16 @@ void RingCommunication::Run() {
       queued_.fetch_sub(1, std::memory_order_release);
       busy_ = true;
     }
-    const std::optional<Error> failure = Execute(call.tag, call.body, call.timeout);
+    // The gate is read on this thread, which ran every earlier call (the one whose answer it
+    // reads among them); the number is taken only by a call that runs, in the order they run.
+    const bool run = !call.prepared.go || call.prepared.go();
+    core::CallTag tag;
+    if (run) {
+      std::lock_guard<std::mutex> lock(mu_);
+      tag = {next_seq_++, call.prepared.descriptor};
+    }
+    const std::optional<Error> failure =
+        run ? Execute(tag, call.prepared.body, call.timeout) : std::nullopt;
     {
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
@@ -370,6 +382,7 @@ void RingCommunication::RunBlocking(Prepared prepared) {
     Submit(std::move(prepared))->Wait();
     return;
   }
+  if (prepared.go && !prepared.go()) return;
   const core::CallTag tag{next_seq_++, prepared.descriptor};
   busy_ = true;
   lock.unlock();
@@ -466,12 +479,10 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
       work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
       return work;
     }
-    // The sequence number is taken only once the call is queued: a push that throws (bad_alloc)
-    // leaves the communicator as it was, the call not made on this rank as on the others.
+    // The sequence number is taken when the call runs (Run): calls run in the order they are
+    // issued, and a gated call that does not run takes none.
     queue_.push_back(
-        Call{core::CallTag{next_seq_, prepared.descriptor}, std::move(prepared.body), work,
-             std::chrono::milliseconds(timeout_ms_.load())});
-    ++next_seq_;
+        Call{std::move(prepared), work, std::chrono::milliseconds(timeout_ms_.load())});
     queued_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();

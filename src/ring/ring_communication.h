@@ -113,9 +113,10 @@ bool RunsInPieces(const CollectiveCommunication& comm);
 
 // Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
 // nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
-// before it have completed (every rank must answer alike). The packer's asynchronous form issues
-// its buckets so: they run only if the list check queued before them found the lists alike, and
-// write nothing otherwise. Elsewhere (NCCL, a wrapper) Error(kNotSupported). The same
+// before it have completed (every rank must answer alike); a call that does not run takes no
+// sequence number, so ranks that skipped different numbers of them agree on the next call. The
+// packer's asynchronous form issues its buckets so: they run only if the list check queued
+// before them found the lists alike, and write nothing otherwise. Elsewhere (NCCL, a wrapper) Error(kNotSupported). The same
 // communicators run calls in pieces: RunsInPieces(comm) == RunsGatedCalls(comm).
 bool RunsGatedCalls(const CollectiveCommunication& comm);
 std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,

@@ -742,13 +742,13 @@ void ExpectListsDiffer(CollectiveCommunication& comm, const std::vector<Tensor>&
 // The asynchronous form of a call whose lists (or caps) differ, cut into buckets of other
 // shapes on some ranks: Wait raises kMismatch on every rank, at once, never a timeout. Every
 // bucket, a tensor alone in its bucket too, waits for the list check (ring::AllReduceGatedAsync,
-// and the pieces in shared memory), so nothing is written, and where every rank issued as many
-// buckets the communicator still works: no rank was left in a collective the others skipped.
-// (Where the counts differ, the next call has another number on some ranks and raises
-// kMismatch.)
+// and the pieces in shared memory), so nothing is written, and the communicator still works
+// after it, whether or not every rank issued as many buckets: no rank was left in a collective
+// the others skipped, and a bucket that did not run took no sequence number (before it did, a
+// rank that issued more buckets than another was a number ahead of it from then on, and every
+// later call raised kMismatch).
 void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Tensor>& list,
-                            size_t cap, const std::vector<std::vector<uint8_t>*>& untouched,
-                            bool as_many_buckets) {
+                            size_t cap, const std::vector<std::vector<uint8_t>*>& untouched) {
   std::vector<std::vector<uint8_t>> before;
   for (const auto* bytes : untouched) before.push_back(*bytes);
   const auto start = std::chrono::steady_clock::now();
@@ -763,10 +763,17 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
   for (size_t i = 0; i < untouched.size(); ++i) {
     EXPECT_EQ(*untouched[i], before[i]) << "rank " << comm.rank() << ": buffer " << i;
   }
-  if (!as_many_buckets) return;
   std::vector<int64_t> next = {5, comm.rank() + 7};
   comm.AllReduce(Tensor{next.data(), 2, DataType::kInt64}, ReduceOp::kMax);
   EXPECT_EQ(next, (std::vector<int64_t>{5, comm.size() + 6})) << "rank " << comm.rank();
+  std::vector<int64_t> first = {comm.rank() + 1}, second = {1, 2, comm.rank()};
+  packing::AllReduceAsync(comm,
+                          {Tensor{first.data(), 1, DataType::kInt64},
+                           Tensor{second.data(), 3, DataType::kInt64}},
+                          ReduceOp::kMax, 8)
+      ->Wait();
+  EXPECT_EQ(first, (std::vector<int64_t>{comm.size()})) << "rank " << comm.rank();
+  EXPECT_EQ(second, (std::vector<int64_t>{1, 2, comm.size() - 1})) << "rank " << comm.rank();
 }
 
 // One rank's list is one tensor where the others' fuse two (one bucket each), or the same list
@@ -786,12 +793,14 @@ TEST(PackedAsyncTest, ListsOrCapsThatBucketOtherwiseRaiseInWaitAtOnce) {
     } else {
       list = {Tensor{values, 1, DataType::kInt64}, Tensor{values + 1, 1, DataType::kInt64}};
     }
-    ExpectListsDifferAsync(comm, list, 4096, {&bytes}, /*as_many_buckets=*/true);
+    ExpectListsDifferAsync(comm, list, 4096, {&bytes});
     std::vector<uint8_t> floats(192 * sizeof(float));
     auto* data = reinterpret_cast<float*>(floats.data());
     std::vector<Tensor> three;
     for (int i = 0; i < 3; ++i) three.push_back(Tensor{data + 64 * i, 64, DataType::kFloat32});
-    ExpectListsDifferAsync(comm, three, odd ? 512 : 0, {&floats}, /*as_many_buckets=*/false);
+    // Two buckets here, one there; then three (a cap under every tensor) against one.
+    ExpectListsDifferAsync(comm, three, odd ? 512 : 0, {&floats});
+    ExpectListsDifferAsync(comm, three, odd ? 0 : 64, {&floats});
   });
 }
 
