@@ -154,6 +154,83 @@ void BM_PlainF32Add(benchmark::State& state) {
 }
 BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
 
+// What bounds the out-of-place kernel from below: a loop that only reads three buffers (a, b,
+// and the one dst would be) and stores nothing. dst = a + b brings three lines into the cache
+// per line written, as this does (dst's line is read for ownership before it is written), where
+// memcpy and the in-place kernel bring two; in cache and from L3 alike the time follows the lines
+// brought in, so no out-of-place kernel that writes through the cache is faster than this (a
+// store that bypasses it, movntps, writes to memory: slower in cache). Same counting as the
+// kernels: one buffer's bytes per iteration.
+[[gnu::noinline]] float ReadThree(const float* __restrict a, const float* __restrict b,
+                                  const float* __restrict c, size_t count) {
+  // 64 partial sums (four vectors of 16), so that the adds' latency does not bound the loop
+  // before the loads do.
+  float sums[64] = {};
+  for (size_t i = 0; i + 64 <= count; i += 64) {
+    for (size_t j = 0; j < 64; ++j) sums[j] += a[i + j] + b[i + j] + c[i + j];
+  }
+  float total = 0;
+  for (float s : sums) total += s;
+  return total;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+[[gnu::target("avx2"), gnu::noinline]] float ReadThreeAvx2(const float* __restrict a,
+                                                           const float* __restrict b,
+                                                           const float* __restrict c,
+                                                           size_t count) {
+  float sums[64] = {};
+  for (size_t i = 0; i + 64 <= count; i += 64) {
+    for (size_t j = 0; j < 64; ++j) sums[j] += a[i + j] + b[i + j] + c[i + j];
+  }
+  float total = 0;
+  for (float s : sums) total += s;
+  return total;
+}
+
+[[gnu::target("avx512f"), gnu::noinline]] float ReadThreeAvx512(const float* __restrict a,
+                                                                const float* __restrict b,
+                                                                const float* __restrict c,
+                                                                size_t count) {
+  float sums[64] = {};
+  for (size_t i = 0; i + 64 <= count; i += 64) {
+    for (size_t j = 0; j < 64; ++j) sums[j] += a[i + j] + b[i + j] + c[i + j];
+  }
+  float total = 0;
+  for (float s : sums) total += s;
+  return total;
+}
+#endif
+
+void BM_ReadThreeF32(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  const size_t count = bytes / sizeof(float);
+  std::vector<unsigned char> a = Filled(DataType::kFloat32, count, 1);
+  std::vector<unsigned char> b = Filled(DataType::kFloat32, count, 2);
+  std::vector<unsigned char> c = Filled(DataType::kFloat32, count, 3);
+  auto* read = &ReadThree;
+#if defined(__x86_64__) && defined(__GNUC__)
+  switch (ActiveKernelIsa()) {
+    case KernelIsa::kAvx512:
+      read = &ReadThreeAvx512;
+      break;
+    case KernelIsa::kAvx2:
+      read = &ReadThreeAvx2;
+      break;
+    case KernelIsa::kBaseline:
+      break;
+  }
+#endif
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(read(reinterpret_cast<const float*>(a.data()),
+                                  reinterpret_cast<const float*>(b.data()),
+                                  reinterpret_cast<const float*>(c.data()), count));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
+  CountMoved(state, 3);
+}
+BENCHMARK(BM_ReadThreeF32)->Apply(Sizes);
+
 // dst == a (the ring's case: a received chunk reduced into the user's buffer). Sum with a
 // buffer of small values, so the values stay finite as iterations accumulate.
 void ReduceInPlaceBench(benchmark::State& state, DataType dtype) {

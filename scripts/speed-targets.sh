@@ -7,7 +7,8 @@
 #   broadcast, all-gather 1 and 16 MiB, 2 and 4 ranks: our time / MPI's <= 1.0
 #   f32 sum kernel:                           bytes per second / memcpy's >= 0.70, in place (as
 #                                             the algorithms call it) and out of place, with the
-#                                             compiler's plain loop beside it (kernels_bench)
+#                                             compiler's plain loop and a loop that only reads
+#                                             the three buffers beside it (kernels_bench)
 #   1000 x 4 KiB f32 packed, 4 ranks:         one call per tensor / packed >= 10 (packing_perf)
 #   256 MiB all-reduce in place, 4 ranks:     peak resident memory of a rank <= tensor + 32 MiB
 # MPI runs over loopback TCP (--mca btl tcp,self); each collectives_perf run alternates our
@@ -83,7 +84,7 @@ for round in $(seq 1 "${ROUNDS}"); do
     -c all_reduce -b 8 -e 8 -n 2000 -w 100 -r 7 --baseline mpi --check \
     --csv "${OUT}/r${round}_all_reduce_8B_2.csv"
   step "r${round}_kernels" "${BUILD_DIR}/bench/kernels_bench" \
-    --benchmark_filter='BM_Memcpy|BM_PlainF32Add|ReduceBench/f32_sum|ReduceInPlaceBench/f32_sum' \
+    --benchmark_filter='BM_Memcpy|BM_PlainF32Add|BM_ReadThreeF32|ReduceBench/f32_sum|ReduceInPlaceBench/f32_sum' \
     --benchmark_repetitions=5 --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true \
     --benchmark_out="${OUT}/r${round}_kernels.json" --benchmark_out_format=json
   step "r${round}_packing" "${BUILD_DIR}/bench/packing_perf" --local 4 --workload 1000x4K \
