@@ -116,8 +116,9 @@ bool RunsInPieces(const CollectiveCommunication& comm);
 // before it have completed (every rank must answer alike); a call that does not run takes no
 // sequence number, so ranks that skipped different numbers of them agree on the next call. The
 // packer's asynchronous form issues its buckets so: they run only if the list check queued
-// before them found the lists alike, and write nothing otherwise. Elsewhere (NCCL, a wrapper) Error(kNotSupported). The same
-// communicators run calls in pieces: RunsInPieces(comm) == RunsGatedCalls(comm).
+// before them found the lists alike, and write nothing otherwise. Elsewhere (NCCL, a wrapper)
+// Error(kNotSupported). The same communicators run calls in pieces: RunsInPieces(comm) ==
+// RunsGatedCalls(comm).
 bool RunsGatedCalls(const CollectiveCommunication& comm);
 std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
                                           const Tensor& recv, ReduceOp op, ReduceOp checked_as,

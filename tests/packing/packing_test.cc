@@ -767,10 +767,9 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
   comm.AllReduce(Tensor{next.data(), 2, DataType::kInt64}, ReduceOp::kMax);
   EXPECT_EQ(next, (std::vector<int64_t>{5, comm.size() + 6})) << "rank " << comm.rank();
   std::vector<int64_t> first = {comm.rank() + 1}, second = {1, 2, comm.rank()};
-  packing::AllReduceAsync(comm,
-                          {Tensor{first.data(), 1, DataType::kInt64},
-                           Tensor{second.data(), 3, DataType::kInt64}},
-                          ReduceOp::kMax, 8)
+  packing::AllReduceAsync(
+      comm, {Tensor{first.data(), 1, DataType::kInt64}, Tensor{second.data(), 3, DataType::kInt64}},
+      ReduceOp::kMax, 8)
       ->Wait();
   EXPECT_EQ(first, (std::vector<int64_t>{comm.size()})) << "rank " << comm.rank();
   EXPECT_EQ(second, (std::vector<int64_t>{1, 2, comm.size() - 1})) << "rank " << comm.rank();
