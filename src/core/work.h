@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 
@@ -34,8 +35,12 @@ namespace collectives::core {
 
 class WorkState final : public Work {
  public:
-  WorkState(std::chrono::microseconds spin, std::chrono::microseconds yield)
-      : spin_(spin), yield_(yield) {}
+  // `run_here`, where given, is called once by the first Wait that finds the work not done,
+  // before it polls: the communicator may run the call on the waiting thread if it has not
+  // started (see RingCommunication::RunHere), saving the two hand-offs.
+  WorkState(std::chrono::microseconds spin, std::chrono::microseconds yield,
+            std::function<void(WorkState*)> run_here = {})
+      : spin_(spin), yield_(yield), run_here_(std::move(run_here)) {}
 
   void Wait() override;
   bool Done() const override { return done_.load(std::memory_order_acquire); }
@@ -46,6 +51,8 @@ class WorkState final : public Work {
  private:
   const std::chrono::microseconds spin_;
   const std::chrono::microseconds yield_;
+  const std::function<void(WorkState*)> run_here_;
+  std::atomic<bool> tried_here_{false};  // run_here_ called (by one waiter only)
   std::atomic<bool> done_{false};
   std::mutex mu_;
   std::condition_variable cv_;

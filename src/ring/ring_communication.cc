@@ -135,7 +135,7 @@ class RingCommunication final : public CollectiveCommunication {
     // Where set, the call runs only if go() says so when its turn comes; one that does not run
     // takes no sequence number, so ranks that skipped different numbers of calls still agree on
     // the next call's (see Gated).
-    std::function<bool()> go;
+    std::function<bool()> go = {};
   };
   struct Call {
     Prepared prepared;
@@ -187,6 +187,14 @@ class RingCommunication final : public CollectiveCommunication {
                                std::chrono::milliseconds timeout);
   // The progress thread: runs queued calls in order until the destructor stops it.
   void Run();
+  // Runs `call`, taken from the queue by this thread (busy_ set): its gate, its number, its
+  // body. Returns its failure, if any.
+  std::optional<Error> RunCall(const Call& call);
+  // Called by the first Wait on `work` that finds it not done: if its call is next in the queue
+  // and no thread is running one, runs it here, on the waiting thread, as RunBlocking would
+  // (an asynchronous call waited on at once then costs no hand-off to the progress thread and
+  // back); else returns at once and the wait goes on as before.
+  void RunHere(core::WorkState* work);
   // Records the first error (sticky) and breaks the fabric so that peers learn of it. Returns
   // the first error; sets `*first` to whether that is `error`.
   Error Break(const Error& error, bool* first = nullptr);
@@ -240,6 +248,14 @@ class RingCommunication final : public CollectiveCommunication {
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};
+  // What a Work's RunHere reaches the communicator through: `comm` is cleared under `mu`
+  // before the destructor stops anything, and a RunHere holds `mu` while it runs a call, so a
+  // Work waited on while the communicator is destroyed never reaches a freed one.
+  struct Reach {
+    std::mutex mu;
+    RingCommunication* comm;
+  };
+  const std::shared_ptr<Reach> reach_;
   std::thread thread_;
 };
 
@@ -284,12 +300,18 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       store_(std::move(store)),
       planner_(std::move(planner)),
       split_(std::move(split)),
-      fabric_(std::move(fabric)) {
+      fabric_(std::move(fabric)),
+      reach_(std::make_shared<Reach>()) {
+  reach_->comm = this;
   fabric_->SetSpin(spin_, yield_);
   thread_ = std::thread([this] { Run(); });
 }
 
 RingCommunication::~RingCommunication() {
+  {
+    std::lock_guard<std::mutex> lock(reach_->mu);  // waits for a call running in a Wait
+    reach_->comm = nullptr;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -315,22 +337,47 @@ void RingCommunication::Run() {
       queued_.fetch_sub(1, std::memory_order_release);
       busy_ = true;
     }
-    // The gate is read on this thread, which ran every earlier call (the one whose answer it
-    // reads among them); the number is taken only by a call that runs, in the order they run.
-    const bool run = !call.prepared.go || call.prepared.go();
-    core::CallTag tag;
-    if (run) {
-      std::lock_guard<std::mutex> lock(mu_);
-      tag = {next_seq_++, call.prepared.descriptor};
-    }
-    const std::optional<Error> failure =
-        run ? Execute(tag, call.prepared.body, call.timeout) : std::nullopt;
+    const std::optional<Error> failure = RunCall(call);
     {
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
     }
     call.work->Complete(failure);
   }
+}
+
+std::optional<Error> RingCommunication::RunCall(const Call& call) {
+  // Every earlier call has completed, and this thread took busy_ after the last one gave it
+  // back under mu_, so the gate sees what they wrote (the list check's answer among them). The
+  // number is taken only by a call that runs, in the order they run.
+  if (call.prepared.go && !call.prepared.go()) return std::nullopt;
+  core::CallTag tag;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tag = {next_seq_++, call.prepared.descriptor};
+  }
+  return Execute(tag, call.prepared.body, call.timeout);
+}
+
+void RingCommunication::RunHere(core::WorkState* work) {
+  Call call;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_ || queue_.empty() || queue_.front().work.get() != work) return;
+    call = std::move(queue_.front());
+    queue_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_release);
+    busy_ = true;
+  }
+  const std::optional<Error> failure = RunCall(call);
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+    wake = !queue_.empty();
+  }
+  if (wake) cv_.notify_all();  // the progress thread waits for busy_ to clear
+  call.work->Complete(failure);
 }
 
 std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body,
@@ -472,7 +519,12 @@ void RingCommunication::Abort() {
 }
 
 std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
-  auto work = std::make_shared<core::WorkState>(handoff_spin_, yield_);
+  auto work = std::make_shared<core::WorkState>(
+      handoff_spin_, yield_, [reach = reach_](core::WorkState* waited) {
+        // Another waiter running a call here, or the destructor: wait as before.
+        std::unique_lock<std::mutex> lock(reach->mu, std::try_to_lock);
+        if (lock.owns_lock() && reach->comm != nullptr) reach->comm->RunHere(waited);
+      });
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {

@@ -158,6 +158,118 @@ TEST(RingAsyncTest, CallsInFlightCompleteInAnyWaitOrder) {
   }
 }
 
+// An asynchronous call waited on at once runs on the waiting thread when it has not started
+// (RingCommunication::RunHere): every collective so, calls waited on out of order (the later
+// one is not next and waits for the progress thread), and one call waited on by three threads
+// at once (one of them may run it): every result checked, on every rank.
+TEST(RingAsyncTest, CallsWaitedOnAtOnceOutOfOrderAndByManyThreadsGiveTheirResults) {
+  for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
+    for (int size : {2, 3}) {
+      CommunicationOptions options;
+      options.timeout = std::chrono::seconds(60);
+      RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
+        const int n = comm.size();
+        const int r = comm.rank();
+        for (int iter = 0; iter < 120; ++iter) {
+          const std::string at = "rank " + std::to_string(r) + ", iteration " +
+                                 std::to_string(iter);
+          const int count = 1 + iter % 5;
+          std::vector<int32_t> mine(size_t(count), r + iter);
+          std::vector<int32_t> all(size_t(count * n), -1);
+          switch (iter % 4) {
+            case 0:
+              comm.AllReduceAsync(Tensor{mine.data(), mine.size(), DataType::kInt32},
+                                  Tensor{mine.data(), mine.size(), DataType::kInt32},
+                                  ReduceOp::kSum)
+                  ->Wait();
+              for (int32_t v : mine) ASSERT_EQ(v, n * iter + n * (n - 1) / 2) << at;
+              break;
+            case 1:
+              comm.BroadcastAsync(Tensor{mine.data(), mine.size(), DataType::kInt32},
+                                  Tensor{mine.data(), mine.size(), DataType::kInt32}, n - 1)
+                  ->Wait();
+              for (int32_t v : mine) ASSERT_EQ(v, n - 1 + iter) << at;
+              break;
+            case 2:
+              comm.AllGatherAsync(Tensor{mine.data(), mine.size(), DataType::kInt32},
+                                  Tensor{all.data(), all.size(), DataType::kInt32})
+                  ->Wait();
+              for (size_t i = 0; i < all.size(); ++i) {
+                ASSERT_EQ(all[i], int32_t(i) / count + iter) << at << ", element " << i;
+              }
+              break;
+            case 3:
+              comm.ReduceScatterAsync(Tensor{all.data(), all.size(), DataType::kInt32},
+                                      Tensor{mine.data(), mine.size(), DataType::kInt32},
+                                      ReduceOp::kMin)
+                  ->Wait();
+              for (int32_t v : mine) ASSERT_EQ(v, -1) << at;
+              break;
+          }
+          if (iter % 7 == 0) {
+            int32_t a = r, b = 10 * r;
+            auto first = comm.AllReduceAsync(Tensor{&a, 1, DataType::kInt32},
+                                             Tensor{&a, 1, DataType::kInt32}, ReduceOp::kMax);
+            auto second = comm.AllReduceAsync(Tensor{&b, 1, DataType::kInt32},
+                                              Tensor{&b, 1, DataType::kInt32}, ReduceOp::kMax);
+            second->Wait();
+            EXPECT_TRUE(first->Done()) << at;
+            first->Wait();
+            ASSERT_EQ(a, n - 1) << at;
+            ASSERT_EQ(b, 10 * (n - 1)) << at;
+          }
+          if (iter % 11 == 0) {
+            int64_t value = r + 1;
+            auto work = comm.AllReduceAsync(Tensor{&value, 1, DataType::kInt64},
+                                            Tensor{&value, 1, DataType::kInt64}, ReduceOp::kSum);
+            std::vector<std::thread> waiters;
+            for (int w = 0; w < 3; ++w) waiters.emplace_back([&] { work->Wait(); });
+            for (std::thread& t : waiters) t.join();
+            ASSERT_EQ(value, int64_t(n) * (n + 1) / 2) << at;
+          }
+        }
+      });
+    }
+  }
+}
+
+// A Work waited on by another thread while its communicator is destroyed: the destructor runs
+// every queued call first, and a waiter that would run its call itself (RunHere) either does
+// so before the destructor goes on or leaves it to the progress thread; no waiter reaches a
+// destroyed communicator (TSan and ASan watch this one).
+TEST(RingAsyncTest, AWorkWaitedOnWhileItsCommunicatorIsDestroyedCompletes) {
+  for (int round = 0; round < 30; ++round) {
+    constexpr int kSize = 2;
+    auto fabrics = transport::CreateInProcessFabrics(kSize);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < kSize; ++rank) {
+      ranks.emplace_back([&, rank] {
+        CommunicationOptions options;
+        options.timeout = std::chrono::seconds(30);
+        auto comm = ring::CreateRingCommunication(std::move(fabrics[size_t(rank)]), nullptr,
+                                                  options);
+        std::vector<int32_t> values(3, rank + 1);
+        std::vector<std::shared_ptr<Work>> works;
+        for (int32_t& v : values) {
+          works.push_back(comm->AllReduceAsync(Tensor{&v, 1, DataType::kInt32},
+                                               Tensor{&v, 1, DataType::kInt32}, ReduceOp::kSum));
+        }
+        std::thread waiter([&] {
+          for (size_t k = 0; k < works.size(); ++k) {
+            // The first waited on is next in the queue unless the progress thread has it.
+            EXPECT_NO_THROW(works[k]->Wait()) << "rank " << rank << ", call " << k;
+          }
+        });
+        if (round % 2 == 1) std::this_thread::yield();
+        comm.reset();
+        waiter.join();
+        for (int32_t v : values) EXPECT_EQ(v, 3) << "rank " << rank << ", round " << round;
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+  }
+}
+
 // Bad arguments are refused on the caller's thread with kInvalidArgument naming the fault.
 TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
   RunRanks(Transport::kInProcess, 2, {}, [](CollectiveCommunication& comm) {
