@@ -171,8 +171,8 @@ TEST(RingAsyncTest, CallsWaitedOnAtOnceOutOfOrderAndByManyThreadsGiveTheirResult
         const int n = comm.size();
         const int r = comm.rank();
         for (int iter = 0; iter < 120; ++iter) {
-          const std::string at = "rank " + std::to_string(r) + ", iteration " +
-                                 std::to_string(iter);
+          const std::string at =
+              "rank " + std::to_string(r) + ", iteration " + std::to_string(iter);
           const int count = 1 + iter % 5;
           std::vector<int32_t> mine(size_t(count), r + iter);
           std::vector<int32_t> all(size_t(count * n), -1);
@@ -246,8 +246,8 @@ TEST(RingAsyncTest, AWorkWaitedOnWhileItsCommunicatorIsDestroyedCompletes) {
       ranks.emplace_back([&, rank] {
         CommunicationOptions options;
         options.timeout = std::chrono::seconds(30);
-        auto comm = ring::CreateRingCommunication(std::move(fabrics[size_t(rank)]), nullptr,
-                                                  options);
+        auto comm =
+            ring::CreateRingCommunication(std::move(fabrics[size_t(rank)]), nullptr, options);
         std::vector<int32_t> values(3, rank + 1);
         std::vector<std::shared_ptr<Work>> works;
         for (int32_t& v : values) {
