@@ -1,5 +1,6 @@
-// The Work handle every asynchronous collective returns: completed once by the progress
-// thread, waited on by any number of callers. A waiter polls for a bounded spin budget, then
+// The Work handle every asynchronous collective returns: completed once by the thread that ran
+// the call (the progress thread, or a waiter that ran it, see run_here), waited on by any number
+// of callers. A waiter polls for a bounded spin budget, then
 // polls up to kWaitYieldPolls times with a sched_yield between polls (within the yield budget),
 // before it sleeps: waking a sleeping thread costs more than a small collective.
 //

@@ -37,8 +37,8 @@
 // waits for is alive (a robust mutex each member's keeper thread holds: its owner's death marks
 // it, even when the process is not reaped yet).
 //
-// Thread-safety: the collectives are called by one thread at a time (the communicator's
-// progress thread); Abort from any thread.
+// Thread-safety: the collectives are called by one thread at a time (the one running the
+// communicator's call); Abort from any thread.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_SHM_GROUP_H_
 #define COLLECTIVES_SRC_HIERARCHICAL_SHM_GROUP_H_
 
@@ -255,8 +255,8 @@ class ShmGroup {
   const size_t small_bytes_;
   const std::chrono::microseconds spin_;
   std::unique_ptr<Segment> segment_;
-  uint32_t step_ = 0;  // the last step this member ran (progress thread only)
-  // A step every member is known to have finished (progress thread only): a member publishes
+  uint32_t step_ = 0;  // the last step this member ran (the running thread only)
+  // A step every member is known to have finished (the running thread only): a member publishes
   // its arrival at step s only after finishing step s - 1, so having seen every arrival at s
   // tells as much without reading their counters again.
   uint32_t known_done_ = 0;

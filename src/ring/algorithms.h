@@ -1,6 +1,6 @@
 // The RING implementation's algorithms. Each one runs one collective to completion on the
-// calling thread (the communicator's progress thread), moving frames through the transport's
-// Connection interface; none of them knows about sockets.
+// calling thread (the one that holds the communicator's fabric), moving frames through the
+// transport's Connection interface; none of them knows about sockets.
 //
 // Memory: besides the caller's buffers, an algorithm uses only the Context's staging area,
 // which holds at most kStagingSlots chunks, plus, for the two algorithms meant for bounded sizes,

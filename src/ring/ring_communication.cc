@@ -188,8 +188,10 @@ class RingCommunication final : public CollectiveCommunication {
   // The progress thread: runs queued calls in order until the destructor stops it.
   void Run();
   // Runs `call`, taken from the queue by this thread (busy_ set): its gate, its number, its
-  // body. Returns its failure, if any.
+  // body. Returns its failure, if any; an exception of the gate's breaks the communicator with it.
   std::optional<Error> RunCall(const Call& call);
+  // Gives the fabric back (busy_) and completes `call`'s Work with `failure`.
+  void Finish(const Call& call, const std::optional<Error>& failure);
   // Called by the first Wait on `work` that finds it not done: if its call is next in the queue
   // and no thread is running one, runs it here, on the waiting thread, as RunBlocking would
   // (an asynchronous call waited on at once then costs no hand-off to the progress thread and
@@ -235,7 +237,8 @@ class RingCommunication final : public CollectiveCommunication {
   uint64_t splits_ = 0;                        // Split calls so far; guarded by split_mu_
   std::mutex split_mu_;
   // The fabric and the staging area are used by the thread running a call (the progress thread,
-  // or a caller in RunBlocking; busy_ keeps it to one at a time) and the fabric by Abort.
+  // a caller in RunBlocking, or a waiter in RunHere; busy_ keeps it to one at a time) and the
+  // fabric by Abort.
   std::unique_ptr<transport::Fabric> fabric_;
   Staging staging_;
 
@@ -246,6 +249,7 @@ class RingCommunication final : public CollectiveCommunication {
   // Written under mu_; atomic so that the idle progress thread's spin sees the destructor.
   std::atomic<bool> stopping_{false};
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
+  bool completing_ = false;      // guarded by mu_; a call has run, its Work not yet completed
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};
   // What a Work's RunHere reaches the communicator through: `comm` is cleared under `mu`
@@ -253,7 +257,7 @@ class RingCommunication final : public CollectiveCommunication {
   // Work waited on while the communicator is destroyed never reaches a freed one.
   struct Reach {
     std::mutex mu;
-    RingCommunication* comm;
+    RingCommunication* comm = nullptr;
   };
   const std::shared_ptr<Reach> reach_;
   std::thread thread_;
@@ -330,54 +334,78 @@ void RingCommunication::Run() {
                stopping_.load(std::memory_order_relaxed);
       });
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
+      cv_.wait(lock, [this] {
+        return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_ && !completing_);
+      });
       if (queue_.empty()) return;  // stopping, and every queued call has run
       call = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
       busy_ = true;
     }
-    const std::optional<Error> failure = RunCall(call);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
-    }
-    call.work->Complete(failure);
+    Finish(call, RunCall(call));
   }
 }
 
 std::optional<Error> RingCommunication::RunCall(const Call& call) {
   // Every earlier call has completed, and this thread took busy_ after the last one gave it
   // back under mu_, so the gate sees what they wrote (the list check's answer among them). The
-  // number is taken only by a call that runs, in the order they run.
-  if (call.prepared.go && !call.prepared.go()) return std::nullopt;
-  core::CallTag tag;
+  // number is taken only by a call that runs, in the order they run. On a broken communicator
+  // the call fails as every later call does, whatever its gate says.
+  try {
+    core::CallTag tag{0, call.prepared.descriptor};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) {
+        tag.seq = next_seq_++;
+        return Stopped(*broken_, tag, "did not run");
+      }
+    }
+    if (call.prepared.go && !call.prepared.go()) return std::nullopt;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tag.seq = next_seq_++;
+    }
+    return Execute(tag, call.prepared.body, call.timeout);
+  } catch (const Error& e) {  // from the gate, or from building an error
+    return Break(e);
+  } catch (const std::exception& e) {
+    return Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
+                                                 call.prepared.descriptor.ToString() + ": " +
+                                                 e.what()));
+  }
+}
+
+void RingCommunication::Finish(const Call& call, const std::optional<Error>& failure) {
+  // busy_ clears before the Work completes, so that a blocking call issued by the thread this
+  // wakes runs on that thread at once; completing_ keeps the next queued call from running (in
+  // Run or RunHere) until it has, so Works complete in the order their calls were issued.
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tag = {next_seq_++, call.prepared.descriptor};
+    busy_ = false;
+    completing_ = true;
   }
-  return Execute(tag, call.prepared.body, call.timeout);
+  call.work->Complete(failure);
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    completing_ = false;
+    wake = !queue_.empty();
+  }
+  if (wake) cv_.notify_all();  // the progress thread waits for both to clear
 }
 
 void RingCommunication::RunHere(core::WorkState* work) {
   Call call;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (busy_ || queue_.empty() || queue_.front().work.get() != work) return;
+    if (busy_ || completing_ || queue_.empty() || queue_.front().work.get() != work) return;
     call = std::move(queue_.front());
     queue_.pop_front();
     queued_.fetch_sub(1, std::memory_order_release);
     busy_ = true;
   }
-  const std::optional<Error> failure = RunCall(call);
-  bool wake = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    busy_ = false;
-    wake = !queue_.empty();
-  }
-  if (wake) cv_.notify_all();  // the progress thread waits for busy_ to clear
-  call.work->Complete(failure);
+  Finish(call, RunCall(call));
 }
 
 std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body,
@@ -531,8 +559,8 @@ std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
       work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
       return work;
     }
-    // The sequence number is taken when the call runs (Run): calls run in the order they are
-    // issued, and a gated call that does not run takes none.
+    // The sequence number is taken when the call runs (RunCall): calls run in the order they
+    // are issued, and a gated call that does not run takes none.
     queue_.push_back(
         Call{std::move(prepared), work, std::chrono::milliseconds(timeout_ms_.load())});
     queued_.fetch_add(1, std::memory_order_release);

@@ -1,5 +1,7 @@
 // The RING implementation of CollectiveCommunication: validates calls on the caller's thread,
-// queues them, and runs them in order on one progress thread that owns the fabric.
+// queues them, and runs them in order, one at a time, on one progress thread (or on the
+// caller's: a blocking call when nothing is queued, an asynchronous one waited on before it has
+// started), whichever holds the fabric.
 //
 // Thread-safety: every public method may be called from any thread (see communication.h).
 #ifndef COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
@@ -27,8 +29,9 @@ inline constexpr int kDefaultYieldUs = 10000;
 
 // A layer above the ring that may take calls over (the hierarchical layer: shared memory, the
 // two-level plan). Each method is called on the caller's thread after the argument checks and
-// returns the body to run on the progress thread, or an empty one to leave the call to the
-// ring's own algorithms. Every rank must decide the same way for the same call.
+// returns the body to run in its turn (on the progress thread or a caller's), or an empty one to
+// leave the call to the ring's own algorithms. Every rank must decide the same way for the same
+// call.
 class Planner {
  public:
   using Body = std::function<void(Context&)>;
@@ -54,10 +57,10 @@ class Planner {
   virtual Body AllGather(const Tensor& send, const Tensor& recv) = 0;
   virtual Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
   virtual Body Barrier() = 0;
-  // A call the planner left to the ring (an empty body) is about to run on the progress
-  // thread, tagged `tag`: a planner whose bodies wait for the other ranks of a host in shared
-  // memory tells them, so that one of them waiting there during a call of the same number and
-  // another descriptor raises kMismatch rather than waiting for this rank until its deadline.
+  // A call the planner left to the ring (an empty body) is about to run, tagged `tag`: a planner
+  // whose bodies wait for the other ranks of a host in shared memory tells them, so that one of
+  // them waiting there during a call of the same number and another descriptor raises kMismatch
+  // rather than waiting for this rank until its deadline.
   virtual void RunningOnRing(const core::CallTag& tag) { (void)tag; }
   // The name of the planner's algorithm for an all-reduce of `bytes`, "" when it leaves it to
   // the ring.
@@ -114,8 +117,11 @@ bool RunsInPieces(const CollectiveCommunication& comm);
 // Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
 // nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
 // before it have completed (every rank must answer alike); a call that does not run takes no
-// sequence number, so ranks that skipped different numbers of them agree on the next call. The
-// packer's asynchronous form issues its buckets so: they run only if the list check queued
+// sequence number, so ranks that skipped different numbers of them agree on the next call; on a
+// broken communicator the call fails as every other does, unasked. `go` must not wait on a Work
+// of this communicator (it may run on a thread that is running this call in a Wait), and an
+// exception it throws breaks the communicator. The packer's asynchronous form issues its
+// buckets so: they run only if the list check queued
 // before them found the lists alike, and write nothing otherwise. Elsewhere (NCCL, a wrapper)
 // Error(kNotSupported). The same communicators run calls in pieces: RunsInPieces(comm) ==
 // RunsGatedCalls(comm).

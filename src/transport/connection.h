@@ -11,8 +11,8 @@
 // naming this rank and the peer. After the first error the fabric is broken: every later Post*
 // or Wait* throws the same error.
 //
-// Thread-safety: a Fabric and its Connections are used by one thread at a time (the
-// communicator's progress thread); only Abort() may be called from any thread.
+// Thread-safety: a Fabric and its Connections are used by one thread at a time (the one
+// running the communicator's call); only Abort() may be called from any thread.
 #ifndef COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_
 #define COLLECTIVES_SRC_TRANSPORT_CONNECTION_H_
 

@@ -112,17 +112,32 @@ class InProcFabric final : public Fabric {
     // A fabric broken by an abort it received passes that abort on as it goes, so that a peer
     // waiting on it learns the real cause rather than "destroyed" (as a TCP rank's abort frame
     // arrives before its EOF).
+    // The relay goes out before this inbox is marked gone: a peer that finds it gone (a send
+    // to it) then reads its own inbox, and must find the abort there, not only "destroyed" (the
+    // rank that aborted may still be delivering to the others: RingInRunsTest's mismatches
+    // under ASan, 8 ranks, saw "lost rank 0 (its fabric was destroyed)" once).
     std::optional<AbortPayload> relay;
     {
       std::lock_guard<std::mutex> lock(inbox_.mu);
-      inbox_.owner_gone = true;
       if (inbox_.error && inbox_.abort) relay = inbox_.abort;
+    }
+    if (relay) {
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_) continue;
+        Inbox& inbox = *group_->inboxes[peer];
+        std::lock_guard<std::mutex> lock(inbox.mu);
+        if (!inbox.abort) inbox.abort = relay;
+        inbox.cv.notify_all();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(inbox_.mu);
+      inbox_.owner_gone = true;
     }
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       Inbox& inbox = *group_->inboxes[peer];
       std::lock_guard<std::mutex> lock(inbox.mu);
-      if (relay && !inbox.abort) inbox.abort = relay;
       inbox.source_gone[rank_] = true;
       inbox.cv.notify_all();
     }
