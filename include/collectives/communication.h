@@ -4,11 +4,11 @@
 //  - Every rank issues the same sequence of collectives with the same dtype, op, count and root.
 //    The library checks this: a difference raises Error(kMismatch) on the ranks that see it.
 //  - Calls run in the order they were issued, one at a time, on the communicator's progress
-//    thread (RING and AUTO may run one on the caller's: a blocking call when nothing is queued,
-//    an async one whose Wait comes before it has started), and their Works complete in that
-//    order. The async forms return at once with a Work handle (NCCL's once the call is on its
-//    CUDA stream, which for the first can wait until every rank has issued its own: see
-//    src/nccl/nccl_communication.h); the blocking forms are the async ones waited on.
+//    thread (RING and AUTO run a blocking call on the caller's when nothing is queued or
+//    running), and their Works complete in that order. The async forms return at once with a Work
+//    handle (NCCL's once the call is on its CUDA stream, which for the first can wait until every
+//    rank has issued its own: see src/nccl/nccl_communication.h); the blocking forms are the async
+//    ones waited on.
 //  - Buffers are borrowed: the caller keeps them alive and untouched until the Work completes.
 //  - In-place: AllReduce and Broadcast are in place when send.data == recv.data. AllGather is in
 //    place when send.data == recv.data + rank * count elements; ReduceScatter when

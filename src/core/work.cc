@@ -5,9 +5,6 @@ namespace collectives::core {
 
 void WorkState::Wait() {
   const auto done = [this] { return Done(); };
-  if (run_here_ && !Done() && !tried_here_.exchange(true, std::memory_order_acq_rel)) {
-    run_here_(this);
-  }
   if (!SpinUntil(spin_, done) && !YieldUntil(yield_, kWaitYieldPolls, done)) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, done);

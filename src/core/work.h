@@ -1,6 +1,5 @@
-// The Work handle every asynchronous collective returns: completed once by the thread that ran
-// the call (the progress thread, or a waiter that ran it, see run_here), waited on by any number
-// of callers. A waiter polls for a bounded spin budget, then
+// The Work handle every asynchronous collective returns: completed once by the progress
+// thread, waited on by any number of callers. A waiter polls for a bounded spin budget, then
 // polls up to kWaitYieldPolls times with a sched_yield between polls (within the yield budget),
 // before it sleeps: waking a sleeping thread costs more than a small collective.
 //
@@ -25,7 +24,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <functional>
 #include <mutex>
 #include <optional>
 
@@ -36,12 +34,8 @@ namespace collectives::core {
 
 class WorkState final : public Work {
  public:
-  // `run_here`, where given, is called once by the first Wait that finds the work not done,
-  // before it polls: the communicator may run the call on the waiting thread if it has not
-  // started (see RingCommunication::RunHere), saving the two hand-offs.
-  WorkState(std::chrono::microseconds spin, std::chrono::microseconds yield,
-            std::function<void(WorkState*)> run_here = {})
-      : spin_(spin), yield_(yield), run_here_(std::move(run_here)) {}
+  WorkState(std::chrono::microseconds spin, std::chrono::microseconds yield)
+      : spin_(spin), yield_(yield) {}
 
   void Wait() override;
   bool Done() const override { return done_.load(std::memory_order_acquire); }
@@ -52,8 +46,6 @@ class WorkState final : public Work {
  private:
   const std::chrono::microseconds spin_;
   const std::chrono::microseconds yield_;
-  const std::function<void(WorkState*)> run_here_;
-  std::atomic<bool> tried_here_{false};  // run_here_ called (by one waiter only)
   std::atomic<bool> done_{false};
   std::mutex mu_;
   std::condition_variable cv_;

@@ -190,13 +190,6 @@ class RingCommunication final : public CollectiveCommunication {
   // Runs `call`, taken from the queue by this thread (busy_ set): its gate, its number, its
   // body. Returns its failure, if any; an exception of the gate's breaks the communicator with it.
   std::optional<Error> RunCall(const Call& call);
-  // Gives the fabric back (busy_) and completes `call`'s Work with `failure`.
-  void Finish(const Call& call, const std::optional<Error>& failure);
-  // Called by the first Wait on `work` that finds it not done: if its call is next in the queue
-  // and no thread is running one, runs it here, on the waiting thread, as RunBlocking would
-  // (an asynchronous call waited on at once then costs no hand-off to the progress thread and
-  // back); else returns at once and the wait goes on as before.
-  void RunHere(core::WorkState* work);
   // Records the first error (sticky) and breaks the fabric so that peers learn of it. Returns
   // the first error; sets `*first` to whether that is `error`.
   Error Break(const Error& error, bool* first = nullptr);
@@ -237,8 +230,7 @@ class RingCommunication final : public CollectiveCommunication {
   uint64_t splits_ = 0;                        // Split calls so far; guarded by split_mu_
   std::mutex split_mu_;
   // The fabric and the staging area are used by the thread running a call (the progress thread,
-  // a caller in RunBlocking, or a waiter in RunHere; busy_ keeps it to one at a time) and the
-  // fabric by Abort.
+  // or a caller in RunBlocking; busy_ keeps it to one at a time) and the fabric by Abort.
   std::unique_ptr<transport::Fabric> fabric_;
   Staging staging_;
 
@@ -249,17 +241,8 @@ class RingCommunication final : public CollectiveCommunication {
   // Written under mu_; atomic so that the idle progress thread's spin sees the destructor.
   std::atomic<bool> stopping_{false};
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
-  bool completing_ = false;      // guarded by mu_; a call has run, its Work not yet completed
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};
-  // What a Work's RunHere reaches the communicator through: `comm` is cleared under `mu`
-  // before the destructor stops anything, and a RunHere holds `mu` while it runs a call, so a
-  // Work waited on while the communicator is destroyed never reaches a freed one.
-  struct Reach {
-    std::mutex mu;
-    RingCommunication* comm = nullptr;
-  };
-  const std::shared_ptr<Reach> reach_;
   std::thread thread_;
 };
 
@@ -304,18 +287,12 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       store_(std::move(store)),
       planner_(std::move(planner)),
       split_(std::move(split)),
-      fabric_(std::move(fabric)),
-      reach_(std::make_shared<Reach>()) {
-  reach_->comm = this;
+      fabric_(std::move(fabric)) {
   fabric_->SetSpin(spin_, yield_);
   thread_ = std::thread([this] { Run(); });
 }
 
 RingCommunication::~RingCommunication() {
-  {
-    std::lock_guard<std::mutex> lock(reach_->mu);  // waits for a call running in a Wait
-    reach_->comm = nullptr;
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -334,16 +311,20 @@ void RingCommunication::Run() {
                stopping_.load(std::memory_order_relaxed);
       });
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] {
-        return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_ && !completing_);
-      });
+      cv_.wait(lock,
+               [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
       if (queue_.empty()) return;  // stopping, and every queued call has run
       call = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
       busy_ = true;
     }
-    Finish(call, RunCall(call));
+    const std::optional<Error> failure = RunCall(call);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    call.work->Complete(failure);
   }
 }
 
@@ -374,38 +355,6 @@ std::optional<Error> RingCommunication::RunCall(const Call& call) {
                                                  call.prepared.descriptor.ToString() + ": " +
                                                  e.what()));
   }
-}
-
-void RingCommunication::Finish(const Call& call, const std::optional<Error>& failure) {
-  // busy_ clears before the Work completes, so that a blocking call issued by the thread this
-  // wakes runs on that thread at once; completing_ keeps the next queued call from running (in
-  // Run or RunHere) until it has, so Works complete in the order their calls were issued.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    busy_ = false;
-    completing_ = true;
-  }
-  call.work->Complete(failure);
-  bool wake = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    completing_ = false;
-    wake = !queue_.empty();
-  }
-  if (wake) cv_.notify_all();  // the progress thread waits for both to clear
-}
-
-void RingCommunication::RunHere(core::WorkState* work) {
-  Call call;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (busy_ || completing_ || queue_.empty() || queue_.front().work.get() != work) return;
-    call = std::move(queue_.front());
-    queue_.pop_front();
-    queued_.fetch_sub(1, std::memory_order_release);
-    busy_ = true;
-  }
-  Finish(call, RunCall(call));
 }
 
 std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body,
@@ -547,12 +496,7 @@ void RingCommunication::Abort() {
 }
 
 std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
-  auto work = std::make_shared<core::WorkState>(
-      handoff_spin_, yield_, [reach = reach_](core::WorkState* waited) {
-        // Another waiter running a call here, or the destructor: wait as before.
-        std::unique_lock<std::mutex> lock(reach->mu, std::try_to_lock);
-        if (lock.owns_lock() && reach->comm != nullptr) reach->comm->RunHere(waited);
-      });
+  auto work = std::make_shared<core::WorkState>(handoff_spin_, yield_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {

@@ -1,7 +1,6 @@
 // The RING implementation of CollectiveCommunication: validates calls on the caller's thread,
-// queues them, and runs them in order, one at a time, on one progress thread (or on the
-// caller's: a blocking call when nothing is queued, an asynchronous one waited on before it has
-// started), whichever holds the fabric.
+// queues them, and runs them in order, one at a time, on one progress thread (or, for a blocking
+// call when nothing is queued or running, on the caller's), whichever holds the fabric.
 //
 // Thread-safety: every public method may be called from any thread (see communication.h).
 #ifndef COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
@@ -119,8 +118,8 @@ bool RunsInPieces(const CollectiveCommunication& comm);
 // before it have completed (every rank must answer alike); a call that does not run takes no
 // sequence number, so ranks that skipped different numbers of them agree on the next call; on a
 // broken communicator the call fails as every other does, unasked. `go` must not wait on a Work
-// of this communicator (it may run on a thread that is running this call in a Wait), and an
-// exception it throws breaks the communicator. The packer's asynchronous form issues its
+// of this communicator (it runs on the thread that runs the calls), and an exception it throws
+// breaks the communicator. The packer's asynchronous form issues its
 // buckets so: they run only if the list check queued
 // before them found the lists alike, and write nothing otherwise. Elsewhere (NCCL, a wrapper)
 // Error(kNotSupported). The same communicators run calls in pieces: RunsInPieces(comm) ==

@@ -158,10 +158,9 @@ TEST(RingAsyncTest, CallsInFlightCompleteInAnyWaitOrder) {
   }
 }
 
-// An asynchronous call waited on at once runs on the waiting thread when it has not started
-// (RingCommunication::RunHere): every collective so, calls waited on out of order (the later
-// one is not next and waits for the progress thread), and one call waited on by three threads
-// at once (one of them may run it): every result checked, on every rank.
+// Asynchronous calls waited on at once (every collective), waited on out of order (a later
+// one's Work completes after every earlier one's), and one call waited on by three threads at
+// once: every result checked, on every rank.
 TEST(RingAsyncTest, CallsWaitedOnAtOnceOutOfOrderAndByManyThreadsGiveTheirResults) {
   for (Transport transport : {Transport::kInProcess, Transport::kTcp}) {
     for (int size : {2, 3}) {
@@ -234,9 +233,8 @@ TEST(RingAsyncTest, CallsWaitedOnAtOnceOutOfOrderAndByManyThreadsGiveTheirResult
 }
 
 // A Work waited on by another thread while its communicator is destroyed: the destructor runs
-// every queued call first, and a waiter that would run its call itself (RunHere) either does
-// so before the destructor goes on or leaves it to the progress thread; no waiter reaches a
-// destroyed communicator (TSan and ASan watch this one).
+// every queued call first, so every waiter returns with its result (TSan and ASan watch this
+// one).
 TEST(RingAsyncTest, AWorkWaitedOnWhileItsCommunicatorIsDestroyedCompletes) {
   for (int round = 0; round < 30; ++round) {
     constexpr int kSize = 2;
@@ -256,7 +254,6 @@ TEST(RingAsyncTest, AWorkWaitedOnWhileItsCommunicatorIsDestroyedCompletes) {
         }
         std::thread waiter([&] {
           for (size_t k = 0; k < works.size(); ++k) {
-            // The first waited on is next in the queue unless the progress thread has it.
             EXPECT_NO_THROW(works[k]->Wait()) << "rank " << rank << ", call " << k;
           }
         });
