@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -264,6 +265,36 @@ TEST(RingAsyncTest, AWorkWaitedOnWhileItsCommunicatorIsDestroyedCompletes) {
       });
     }
     for (std::thread& t : ranks) t.join();
+  }
+}
+
+// A gate that throws (ring::AllReduceGatedAsync's `go`, on one rank or on all): its Wait raises
+// the exception as an Error naming the call, the peers' calls raise too, and the communicator
+// stays broken, every later call raising at once; nothing hangs, nothing is written.
+TEST(RingAsyncTest, AGateThatThrowsBreaksTheCommunicatorOnEveryRank) {
+  for (bool everywhere : {false, true}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(30);
+    RunRanks(Transport::kInProcess, 3, options, [&](CollectiveCommunication& comm) {
+      const bool throws = everywhere || comm.rank() == 1;
+      int32_t value = comm.rank() + 1;
+      const Tensor t{&value, 1, DataType::kInt32};
+      auto work = ring::AllReduceGatedAsync(comm, t, t, ReduceOp::kSum, ReduceOp::kSum, [&] {
+        if (throws) throw std::runtime_error("the gate failed");
+        return true;
+      });
+      try {
+        work->Wait();
+        ADD_FAILURE() << "rank " << comm.rank() << ": the call went through";
+      } catch (const Error& e) {
+        if (throws) {
+          EXPECT_EQ(e.code(), ErrorCode::kInternal) << e.what();
+          EXPECT_NE(e.message().find("the gate failed"), std::string::npos) << e.what();
+        }
+      }
+      EXPECT_EQ(value, comm.rank() + 1) << "rank " << comm.rank() << ": written";
+      EXPECT_THROW(comm.AllReduce(t, ReduceOp::kSum), Error) << "rank " << comm.rank();
+    });
   }
 }
 
