@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "collectives/types.h"
@@ -64,6 +65,37 @@ std::vector<unsigned char> Filled(DataType dtype, size_t count, int seed) {
   return buffer;
 }
 
+// The buffers of one benchmark at fixed places: buffer i starts 16 x (i + 1) bytes past a cache
+// line (16, 32, 48: offsets malloc's 16-byte alignment gives, so that 64-byte accesses split
+// lines as they do on malloc'd memory) and i x 1 KiB + that past a page, each in pages of its
+// own. Separately malloc'd vectors landed wherever the heap
+// had room, which moved with the set of benchmarks run before (the --benchmark_filter): a
+// 4 KiB memcpy took 30 or 47 ns, and the 4 KiB out-of-place sum 27 or 46, from one filter to
+// the next, as two buffers' addresses did or did not share their low 12 bits (a load that
+// seems to alias an earlier store waits for it). Contents: zeros.
+class PlacedBuffers {
+ public:
+  static constexpr size_t kPage = 4096;
+  PlacedBuffers(size_t count, size_t bytes)
+      : stride_((bytes + 2 * kPage + kPage - 1) / kPage * kPage),
+        arena_(new uint8_t[count * stride_ + kPage]()) {
+    const auto address = reinterpret_cast<uintptr_t>(arena_.get());
+    base_ = arena_.get() + (kPage - address % kPage) % kPage;
+  }
+  uint8_t* operator[](size_t i) const { return base_ + i * stride_ + i * 1024 + 16 * (i + 1); }
+  // Buffer i holds Filled(dtype, count, seed).
+  uint8_t* Fill(size_t i, DataType dtype, size_t count, int seed) const {
+    const std::vector<unsigned char> filled = Filled(dtype, count, seed);
+    if (!filled.empty()) std::memcpy((*this)[i], filled.data(), filled.size());
+    return (*this)[i];
+  }
+
+ private:
+  const size_t stride_;
+  const std::unique_ptr<uint8_t[]> arena_;
+  uint8_t* base_ = nullptr;
+};
+
 // Bytes of every buffer read or written per second: `buffers` x the size per iteration.
 void CountMoved(benchmark::State& state, int buffers) {
   state.counters["moved"] = benchmark::Counter(
@@ -86,9 +118,11 @@ void TimeSteps(benchmark::State& state, int buffers, const void* written, Step s
 
 void BM_Memcpy(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
-  std::vector<unsigned char> src(bytes, 1);
-  std::vector<unsigned char> dst(bytes, 0);
-  TimeSteps(state, 2, dst.data(), [&] { std::memcpy(dst.data(), src.data(), bytes); });
+  const PlacedBuffers buffers(2, bytes);
+  uint8_t* const src = buffers[0];
+  uint8_t* const dst = buffers[1];
+  std::memset(src, 1, bytes);
+  TimeSteps(state, 2, dst, [&] { std::memcpy(dst, src, bytes); });
 }
 BENCHMARK(BM_Memcpy)->Apply(Sizes);
 
@@ -96,11 +130,11 @@ BENCHMARK(BM_Memcpy)->Apply(Sizes);
 void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / SizeOf(dtype);
-  std::vector<unsigned char> a = Filled(dtype, count, 1);
-  std::vector<unsigned char> b = Filled(dtype, count, 2);
-  std::vector<unsigned char> dst(bytes, 0);
-  TimeSteps(state, 3, dst.data(),
-            [&] { Reduce(dtype, op, dst.data(), a.data(), b.data(), count); });
+  const PlacedBuffers buffers(3, bytes);
+  const uint8_t* const a = buffers.Fill(0, dtype, count, 1);
+  const uint8_t* const b = buffers.Fill(1, dtype, count, 2);
+  uint8_t* const dst = buffers[2];
+  TimeSteps(state, 3, dst, [&] { Reduce(dtype, op, dst, a, b, count); });
 }
 
 // The baseline a kernel cannot beat: the loop the compiler makes of dst[i] = a[i] + b[i] on
@@ -131,9 +165,12 @@ void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
 void BM_PlainF32Add(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / sizeof(float);
-  std::vector<unsigned char> a = Filled(DataType::kFloat32, count, 1);
-  std::vector<unsigned char> b = Filled(DataType::kFloat32, count, 2);
-  std::vector<unsigned char> dst(bytes, 0);
+  const PlacedBuffers buffers(3, bytes);
+  const auto* const a =
+      reinterpret_cast<const float*>(buffers.Fill(0, DataType::kFloat32, count, 1));
+  const auto* const b =
+      reinterpret_cast<const float*>(buffers.Fill(1, DataType::kFloat32, count, 2));
+  auto* const dst = reinterpret_cast<float*>(buffers[2]);
   auto* add = &PlainAdd;
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (ActiveKernelIsa()) {
@@ -147,10 +184,7 @@ void BM_PlainF32Add(benchmark::State& state) {
       break;
   }
 #endif
-  TimeSteps(state, 3, dst.data(), [&] {
-    add(reinterpret_cast<float*>(dst.data()), reinterpret_cast<const float*>(a.data()),
-        reinterpret_cast<const float*>(b.data()), count);
-  });
+  TimeSteps(state, 3, dst, [&] { add(dst, a, b, count); });
 }
 BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
 
@@ -205,9 +239,13 @@ BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
 void BM_ReadThreeF32(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / sizeof(float);
-  std::vector<unsigned char> a = Filled(DataType::kFloat32, count, 1);
-  std::vector<unsigned char> b = Filled(DataType::kFloat32, count, 2);
-  std::vector<unsigned char> c = Filled(DataType::kFloat32, count, 3);
+  const PlacedBuffers buffers(3, bytes);
+  const auto* const a =
+      reinterpret_cast<const float*>(buffers.Fill(0, DataType::kFloat32, count, 1));
+  const auto* const b =
+      reinterpret_cast<const float*>(buffers.Fill(1, DataType::kFloat32, count, 2));
+  const auto* const c =
+      reinterpret_cast<const float*>(buffers.Fill(2, DataType::kFloat32, count, 3));
   auto* read = &ReadThree;
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (ActiveKernelIsa()) {
@@ -222,9 +260,7 @@ void BM_ReadThreeF32(benchmark::State& state) {
   }
 #endif
   for (auto _ : state) {
-    benchmark::DoNotOptimize(read(reinterpret_cast<const float*>(a.data()),
-                                  reinterpret_cast<const float*>(b.data()),
-                                  reinterpret_cast<const float*>(c.data()), count));
+    benchmark::DoNotOptimize(read(a, b, c, count));
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * state.range(0));
   CountMoved(state, 3);
@@ -236,17 +272,17 @@ BENCHMARK(BM_ReadThreeF32)->Apply(Sizes);
 void ReduceInPlaceBench(benchmark::State& state, DataType dtype) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / SizeOf(dtype);
-  std::vector<unsigned char> a = Filled(dtype, count, 1);
-  std::vector<unsigned char> b(bytes, 0);  // zeros: the sum does not grow
-  TimeSteps(state, 3, a.data(),
-            [&] { Reduce(dtype, ReduceOp::kSum, a.data(), a.data(), b.data(), count); });
+  const PlacedBuffers buffers(2, bytes);
+  uint8_t* const a = buffers.Fill(0, dtype, count, 1);
+  const uint8_t* const b = buffers[1];  // zeros: the sum does not grow
+  TimeSteps(state, 3, a, [&] { Reduce(dtype, ReduceOp::kSum, a, a, b, count); });
 }
 
 // The f32 sum, in and out of place, and the copy once more on buffers aligned to 64 bytes, as
 // the library's own buffers are (src/core/aligned_bytes.h) and as TensorFlow's and PyTorch's CPU
-// allocators give tensors. The vectors above are malloc's, 16 bytes past a cache line and each
-// at its own offset within one (16, 32, 48 mod 64 in a row), so a 64-byte access of all but one
-// buffer is split across two lines; these show what a kernel gets where that does not happen.
+// allocators give tensors. The buffers above sit where malloc would put them, 16, 32 and 48
+// bytes past a cache line (PlacedBuffers), so a 64-byte access of every buffer is split across
+// two lines; these show what a kernel gets where that does not happen.
 // Named apart from the ones above, so that a filter for those does not pick these up.
 AlignedBytes AlignedFilled(DataType dtype, size_t count, int seed) {
   const std::vector<unsigned char> filled = Filled(dtype, count, seed);
