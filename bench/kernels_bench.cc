@@ -137,6 +137,23 @@ void ReduceBench(benchmark::State& state, DataType dtype, ReduceOp op) {
   TimeSteps(state, 3, dst, [&] { Reduce(dtype, op, dst, a, b, count); });
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// Of one loop compiled three ways, the one for the instruction set the kernels run with
+// (ActiveKernelIsa; COLLECTIVES_KERNEL_ISA picks it).
+template <typename F>
+F ForActiveIsa(F baseline, F avx2, F avx512) {
+  switch (ActiveKernelIsa()) {
+    case KernelIsa::kAvx512:
+      return avx512;
+    case KernelIsa::kAvx2:
+      return avx2;
+    case KernelIsa::kBaseline:
+      break;
+  }
+  return baseline;
+}
+#endif
+
 // The baseline a kernel cannot beat: the loop the compiler makes of dst[i] = a[i] + b[i] on
 // the same three buffers (with the instruction set the kernels run with). Out of place, three
 // streams share the bandwidth memcpy's two have, and dst's lines are read before they are
@@ -171,18 +188,10 @@ void BM_PlainF32Add(benchmark::State& state) {
   const auto* const b =
       reinterpret_cast<const float*>(buffers.Fill(1, DataType::kFloat32, count, 2));
   auto* const dst = reinterpret_cast<float*>(buffers[2]);
-  auto* add = &PlainAdd;
 #if defined(__x86_64__) && defined(__GNUC__)
-  switch (ActiveKernelIsa()) {
-    case KernelIsa::kAvx512:
-      add = &PlainAddAvx512;
-      break;
-    case KernelIsa::kAvx2:
-      add = &PlainAddAvx2;
-      break;
-    case KernelIsa::kBaseline:
-      break;
-  }
+  auto* const add = ForActiveIsa(&PlainAdd, &PlainAddAvx2, &PlainAddAvx512);
+#else
+  auto* const add = &PlainAdd;
 #endif
   TimeSteps(state, 3, dst, [&] { add(dst, a, b, count); });
 }
@@ -195,10 +204,11 @@ BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
 // brought in, so no out-of-place kernel that writes through the cache is faster than this (a
 // store that bypasses it, movntps, writes to memory: slower in cache). Same counting as the
 // kernels: one buffer's bytes per iteration.
-[[gnu::noinline]] float ReadThree(const float* __restrict a, const float* __restrict b,
-                                  const float* __restrict c, size_t count) {
-  // 64 partial sums (four vectors of 16), so that the adds' latency does not bound the loop
-  // before the loads do.
+// 64 partial sums (four vectors of 16), so that the adds' latency does not bound the loop
+// before the loads do. Inlined into one function per instruction set.
+[[gnu::always_inline]] inline float ReadThreeLoop(const float* __restrict a,
+                                                  const float* __restrict b,
+                                                  const float* __restrict c, size_t count) {
   float sums[64] = {};
   for (size_t i = 0; i + 64 <= count; i += 64) {
     for (size_t j = 0; j < 64; ++j) sums[j] += a[i + j] + b[i + j] + c[i + j];
@@ -206,33 +216,21 @@ BENCHMARK(BM_PlainF32Add)->Apply(Sizes);
   float total = 0;
   for (float s : sums) total += s;
   return total;
+}
+
+[[gnu::noinline]] float ReadThree(const float* a, const float* b, const float* c, size_t count) {
+  return ReadThreeLoop(a, b, c, count);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-[[gnu::target("avx2"), gnu::noinline]] float ReadThreeAvx2(const float* __restrict a,
-                                                           const float* __restrict b,
-                                                           const float* __restrict c,
-                                                           size_t count) {
-  float sums[64] = {};
-  for (size_t i = 0; i + 64 <= count; i += 64) {
-    for (size_t j = 0; j < 64; ++j) sums[j] += a[i + j] + b[i + j] + c[i + j];
-  }
-  float total = 0;
-  for (float s : sums) total += s;
-  return total;
+[[gnu::target("avx2"), gnu::noinline]] float ReadThreeAvx2(const float* a, const float* b,
+                                                           const float* c, size_t count) {
+  return ReadThreeLoop(a, b, c, count);
 }
 
-[[gnu::target("avx512f"), gnu::noinline]] float ReadThreeAvx512(const float* __restrict a,
-                                                                const float* __restrict b,
-                                                                const float* __restrict c,
-                                                                size_t count) {
-  float sums[64] = {};
-  for (size_t i = 0; i + 64 <= count; i += 64) {
-    for (size_t j = 0; j < 64; ++j) sums[j] += a[i + j] + b[i + j] + c[i + j];
-  }
-  float total = 0;
-  for (float s : sums) total += s;
-  return total;
+[[gnu::target("avx512f"), gnu::noinline]] float ReadThreeAvx512(const float* a, const float* b,
+                                                                const float* c, size_t count) {
+  return ReadThreeLoop(a, b, c, count);
 }
 #endif
 
@@ -246,18 +244,10 @@ void BM_ReadThreeF32(benchmark::State& state) {
       reinterpret_cast<const float*>(buffers.Fill(1, DataType::kFloat32, count, 2));
   const auto* const c =
       reinterpret_cast<const float*>(buffers.Fill(2, DataType::kFloat32, count, 3));
-  auto* read = &ReadThree;
 #if defined(__x86_64__) && defined(__GNUC__)
-  switch (ActiveKernelIsa()) {
-    case KernelIsa::kAvx512:
-      read = &ReadThreeAvx512;
-      break;
-    case KernelIsa::kAvx2:
-      read = &ReadThreeAvx2;
-      break;
-    case KernelIsa::kBaseline:
-      break;
-  }
+  auto* const read = ForActiveIsa(&ReadThree, &ReadThreeAvx2, &ReadThreeAvx512);
+#else
+  auto* const read = &ReadThree;
 #endif
   for (auto _ : state) {
     benchmark::DoNotOptimize(read(a, b, c, count));
