@@ -89,6 +89,10 @@ class PlacedBuffers {
     if (!filled.empty()) std::memcpy((*this)[i], filled.data(), filled.size());
     return (*this)[i];
   }
+  // The same for f32, typed.
+  float* Floats(size_t i, size_t count, int seed) const {
+    return reinterpret_cast<float*>(Fill(i, DataType::kFloat32, count, seed));
+  }
 
  private:
   const size_t stride_;
@@ -183,10 +187,8 @@ void BM_PlainF32Add(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / sizeof(float);
   const PlacedBuffers buffers(3, bytes);
-  const auto* const a =
-      reinterpret_cast<const float*>(buffers.Fill(0, DataType::kFloat32, count, 1));
-  const auto* const b =
-      reinterpret_cast<const float*>(buffers.Fill(1, DataType::kFloat32, count, 2));
+  const float* const a = buffers.Floats(0, count, 1);
+  const float* const b = buffers.Floats(1, count, 2);
   auto* const dst = reinterpret_cast<float*>(buffers[2]);
 #if defined(__x86_64__) && defined(__GNUC__)
   auto* const add = ForActiveIsa(&PlainAdd, &PlainAddAvx2, &PlainAddAvx512);
@@ -238,12 +240,9 @@ void BM_ReadThreeF32(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / sizeof(float);
   const PlacedBuffers buffers(3, bytes);
-  const auto* const a =
-      reinterpret_cast<const float*>(buffers.Fill(0, DataType::kFloat32, count, 1));
-  const auto* const b =
-      reinterpret_cast<const float*>(buffers.Fill(1, DataType::kFloat32, count, 2));
-  const auto* const c =
-      reinterpret_cast<const float*>(buffers.Fill(2, DataType::kFloat32, count, 3));
+  const float* const a = buffers.Floats(0, count, 1);
+  const float* const b = buffers.Floats(1, count, 2);
+  const float* const c = buffers.Floats(2, count, 3);
 #if defined(__x86_64__) && defined(__GNUC__)
   auto* const read = ForActiveIsa(&ReadThree, &ReadThreeAvx2, &ReadThreeAvx512);
 #else
