@@ -856,31 +856,23 @@ class Sweep {
         }
         break;
     }
+    // --async: the same call through its asynchronous form, waited on at once.
+    const bool async = config_.async;
     auto run_on = [&](CollectiveCommunication& comm) {
-      if (config_.async) {
-        switch (collective) {
-          case Collective::kAllReduce:
-            return comm.AllReduceAsync(send, recv, op)->Wait();
-          case Collective::kBroadcast:
-            return comm.BroadcastAsync(send, recv, config_.root)->Wait();
-          case Collective::kAllGather:
-            return comm.AllGatherAsync(send, recv)->Wait();
-          case Collective::kReduceScatter:
-            return comm.ReduceScatterAsync(send, recv, op)->Wait();
-        }
-      }
       switch (collective) {
         case Collective::kAllReduce:
-          comm.AllReduce(send, recv, op);
+          async ? comm.AllReduceAsync(send, recv, op)->Wait() : comm.AllReduce(send, recv, op);
           break;
         case Collective::kBroadcast:
-          comm.Broadcast(send, recv, config_.root);
+          async ? comm.BroadcastAsync(send, recv, config_.root)->Wait()
+                : comm.Broadcast(send, recv, config_.root);
           break;
         case Collective::kAllGather:
-          comm.AllGather(send, recv);
+          async ? comm.AllGatherAsync(send, recv)->Wait() : comm.AllGather(send, recv);
           break;
         case Collective::kReduceScatter:
-          comm.ReduceScatter(send, recv, op);
+          async ? comm.ReduceScatterAsync(send, recv, op)->Wait()
+                : comm.ReduceScatter(send, recv, op);
           break;
       }
     };

@@ -77,11 +77,14 @@ def mpi_ratio(path, collective, size):
     return None
 
 
+NO_KERNEL_RATIOS = (None, None, None, None)
+
+
 def kernel_ratios(path, size):
     """(in place, out of place, plain loop, reading three buffers) f32 bytes/s over memcpy's at
     size, or Nones."""
     if not os.path.exists(path):
-        return None, None, None, None
+        return NO_KERNEL_RATIOS
     try:
         with open(path) as f:
             data = json.load(f)
@@ -101,7 +104,7 @@ def kernel_ratios(path, size):
             rate[b.get("run_name")] = value
     memcpy = rate.get(f"BM_Memcpy/{size}")
     if not memcpy:
-        return None, None, None, None
+        return NO_KERNEL_RATIOS
 
     def over(name):
         value = rate.get(name)
@@ -190,7 +193,7 @@ def main():
                     "<= 1.00", at_most(1.0))
     for size, label in ((4 << 10, "4 KiB"), (256 << 10, "256 KiB"), (4 * MIB, "4 MiB"),
                         (64 * MIB, "64 MiB")):
-        ratios = [read(kernel_ratios, path(r, "kernels.json"), size) or (None, None, None, None)
+        ratios = [read(kernel_ratios, path(r, "kernels.json"), size) or NO_KERNEL_RATIOS
                   for r in all_rounds]
         add(f"f32 sum {label} in place: / memcpy", [x[0] for x in ratios], ">= 0.70",
             at_least(0.7))

@@ -334,6 +334,7 @@ std::optional<Error> RingCommunication::RunCall(const Call& call) {
   // number is taken only by a call that runs, in the order they run. On a broken communicator
   // the call fails as every later call does, whatever its gate says.
   try {
+    const bool run = !call.prepared.go || call.prepared.go();
     core::CallTag tag{0, call.prepared.descriptor};
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -341,10 +342,7 @@ std::optional<Error> RingCommunication::RunCall(const Call& call) {
         tag.seq = next_seq_++;
         return Stopped(*broken_, tag, "did not run");
       }
-    }
-    if (call.prepared.go && !call.prepared.go()) return std::nullopt;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+      if (!run) return std::nullopt;
       tag.seq = next_seq_++;
     }
     return Execute(tag, call.prepared.body, call.timeout);
@@ -401,12 +399,12 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
 void RingCommunication::RunBlocking(Prepared prepared) {
   std::unique_lock<std::mutex> lock(mu_);
   if (broken_) throw Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run");
-  if (busy_ || !queue_.empty()) {
+  // A gated call goes through the queue, where RunCall reads its gate.
+  if (busy_ || !queue_.empty() || prepared.go) {
     lock.unlock();
     Submit(std::move(prepared))->Wait();
     return;
   }
-  if (prepared.go && !prepared.go()) return;
   const core::CallTag tag{next_seq_++, prepared.descriptor};
   busy_ = true;
   lock.unlock();

@@ -111,9 +111,8 @@ class InProcFabric final : public Fabric {
     DeliverAbortsIfBroken();
     // A fabric broken by an abort it received passes that abort on as it goes, so that a peer
     // waiting on it learns the real cause rather than "destroyed" (as a TCP rank's abort frame
-    // arrives before its EOF).
-    // The relay goes out before this inbox is marked gone: a peer that finds it gone (a send
-    // to it) then reads its own inbox, and must find the abort there, not only "destroyed" (the
+    // arrives before its EOF). The relay goes out before this inbox is marked gone: a peer that
+    // finds it gone (a send to it) then reads its own inbox, and must find the abort there (the
     // rank that aborted may still be delivering to the others: RingInRunsTest's mismatches
     // under ASan, 8 ranks, saw "lost rank 0 (its fabric was destroyed)" once).
     std::optional<AbortPayload> relay;
@@ -121,15 +120,7 @@ class InProcFabric final : public Fabric {
       std::lock_guard<std::mutex> lock(inbox_.mu);
       if (inbox_.error && inbox_.abort) relay = inbox_.abort;
     }
-    if (relay) {
-      for (int peer = 0; peer < size_; ++peer) {
-        if (peer == rank_) continue;
-        Inbox& inbox = *group_->inboxes[peer];
-        std::lock_guard<std::mutex> lock(inbox.mu);
-        if (!inbox.abort) inbox.abort = relay;
-        inbox.cv.notify_all();
-      }
-    }
+    if (relay) GiveAbortToPeers(*relay);
     {
       std::lock_guard<std::mutex> lock(inbox_.mu);
       inbox_.owner_gone = true;
@@ -213,6 +204,11 @@ class InProcFabric final : public Fabric {
       inbox_.aborts_delivered = true;
       payload = AbortPayloadFor(rank_, *inbox_.error);
     }
+    GiveAbortToPeers(payload);
+  }
+
+  // Puts `payload` into every peer's inbox that holds no abort yet, and wakes its waiters.
+  void GiveAbortToPeers(const AbortPayload& payload) {
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       Inbox& inbox = *group_->inboxes[peer];
