@@ -327,24 +327,19 @@ coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, voi
                                       size_t recv_count, coll_dtype dtype, coll_op op,
                                       coll_work** work);
 coll_status coll_barrier_async(coll_comm* comm, coll_work** work);
-/* coll_all_reduce_many's buckets, all issued before it returns. The fused buckets are copied
- * into a buffer of the call's own (none with RING or AUTO, where a bucket goes straight from
- * its tensors), held until the call finishes
- * (coll_work_wait, or coll_work_test setting *done, unpacks them; then the buffer goes to a pool
- * that the process keeps for later calls: at most two buffers of at most 64 MiB each). Lists
- * that differ across ranks: COLL_MISMATCH from coll_work_wait on every rank, no buffer written
- * (with RING and AUTO every bucket waits for the list check's answer; with NCCL a buffer alone
- * in its bucket, larger than the cap, was issued before it came). */
+/* coll_all_reduce_many's buckets, all issued before it returns, behind a check that every rank
+ * passed the same counts and bytes_per_pack. Each bucket goes straight from its buffers, with no
+ * fusion buffer, and runs only if that check found the lists alike. Lists that differ across
+ * ranks: COLL_MISMATCH from coll_work_wait on every rank, no buffer written; a bucket that does
+ * not run takes no sequence number, so the communicator stays usable. */
 coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
                                        size_t n, coll_dtype dtype, coll_op op,
                                        size_t bytes_per_pack, coll_work** work);
 
-/* coll_broadcast_many's buckets, issued and checked as coll_all_reduce_many_async's: fused
- * buckets go through a buffer of the call's own (none with RING or AUTO), and lists
- * that differ across ranks give COLL_MISMATCH from coll_work_wait on every rank, no fused buffer
- * written (a buffer alone in its bucket, larger than the cap, was issued before the check's answer
- * came). The buckets were issued before that answer too: one that differs from another rank's
- * breaks the communicator, as any mismatch does. */
+/* coll_broadcast_many's buckets, issued and checked as coll_all_reduce_many_async's: straight
+ * from the buffers, with no fusion buffer; lists that differ across ranks give COLL_MISMATCH from
+ * coll_work_wait on every rank, no buffer written, and the communicator stays usable. A root
+ * that differs across ranks breaks the communicator, as any mismatch does. */
 coll_status coll_broadcast_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
                                       size_t n, coll_dtype dtype, int root, size_t bytes_per_pack,
                                       coll_work** work);

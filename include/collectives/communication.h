@@ -81,23 +81,24 @@ struct CommunicationOptions {
   // Bytes per pipelined chunk of the ring algorithms: each ring step is cut into chunks of at
   // most this size so that sending, receiving and reducing overlap. Small values cost per-frame
   // overhead; large ones lose overlap and grow the staging area (4 chunks per communicator).
-  // 0 picks the default (512 KiB), which kept loopback TCP busy while bounding staging to 2 MiB.
+  // 0 picks the default (512 KiB): it keeps loopback TCP busy with 2 MiB of staging (see
+  // docs/tuning.md).
   // At most 1 GiB (else Error(kInvalidArgument) when the communicator is built).
   // Default: 0.
   size_t chunk_bytes = 0;
 
   // All-reduces, broadcasts and all-gathers whose result, and reduce-scatters whose input, has
-  // at most this many bytes use the latency-optimal algorithm (recursive doubling) instead of
-  // the ring or the chain. 0 picks
-  // the default (64 KiB); SIZE_MAX forces it always, 1 practically never.
+  // at most this many bytes use the latency-optimal algorithm (recursive doubling) rather than
+  // the ring or the chain. 0 picks the default (64 KiB; see docs/tuning.md); SIZE_MAX forces it
+  // always, 1 practically never.
   // Default: 0.
   size_t small_message_bytes = 0;
 
   // All-reduces larger than small_message_bytes and of at most this many bytes use
-  // halving-doubling (Rabenseifner: 2 log2 p steps instead of the ring's 2(p-1), the same bytes)
+  // halving-doubling (Rabenseifner: 2 log2 p steps against the ring's 2(p-1), the same bytes)
   // when the world size is a power of two of at least 4; larger ones, and other world sizes,
-  // use the ring. 0 picks the default (8 MiB: on the development machine, with 4 ranks, it
-  // beat the ring up to there); 1 never uses it; SIZE_MAX always does.
+  // use the ring. 0 picks the default (8 MiB: up to there it beats the ring on 4 ranks; see
+  // docs/tuning.md); 1 never uses it; SIZE_MAX always does.
   // Default: 0.
   size_t medium_message_bytes = 0;
 
@@ -111,10 +112,10 @@ struct CommunicationOptions {
   std::string algorithm{};
 
   // How long a waiter polls before it sleeps, in microseconds. Polling cuts the latency of
-  // small collectives (~11 us vs ~65 us for an 8-byte loopback round trip) but steals a core a
-  // peer may need when there are more polling threads than cores. -1 adapts: the thread driving
-  // the network polls when this host has a core per rank of the job; the hand-off between a
-  // caller and the progress thread (async calls) polls when it has two. At most 1,000,000.
+  // small collectives (see docs/tuning.md) but steals a core a peer may need when there are
+  // more polling threads than cores. -1 adapts: the thread driving the network polls when this
+  // host has a core per rank of the job; the hand-off between a caller and the progress thread
+  // (async calls) polls when it has two. At most 1,000,000.
   // Default: -1.
   int spin_us = -1;
 
@@ -122,9 +123,9 @@ struct CommunicationOptions {
   // sched_yield between polls, before it sleeps, in microseconds. A sleeping waiter makes every
   // arriving segment a kernel wake-up (on a virtual machine, an interrupt to a halted core);
   // a yielding one is still runnable, and hands its core to any thread that has work, which
-  // is what Open MPI does when cores are oversubscribed (mpi_yield_when_idle). 4 ranks on 2
-  // cores: 1 MiB broadcast 690 -> 410 us, all-gather 650 -> 430 us. -1: $COLLECTIVES_YIELD_US
-  // if set (at most 1 s), else 10 ms; 0: sleep at once when the spin ends. At most 1,000,000.
+  // is what Open MPI does when cores are oversubscribed (mpi_yield_when_idle; see
+  // docs/tuning.md). -1: $COLLECTIVES_YIELD_US if set (at most 1 s), else 10 ms; 0: sleep at
+  // once when the spin ends. At most 1,000,000.
   // Default: -1.
   int yield_us = -1;
 

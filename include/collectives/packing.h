@@ -23,14 +23,13 @@
 
 namespace collectives::packing {
 
-// The byte cap PlanBuckets uses when bytes_per_pack is 0: 1 MiB. See the README for the
-// measurement behind it.
+// The byte cap PlanBuckets uses when bytes_per_pack is 0: 1 MiB, the fastest cap both for lists
+// of small tensors and for lists of large ones (see docs/tuning.md).
 size_t DefaultBytesPerPack();
 
 // The byte cap AllReduce, Broadcast and their async forms use on `comm` when bytes_per_pack is
-// 0: DefaultBytesPerPack(), on every communicator. (It was 256 KiB where comm's all-reduces run
-// in shared memory while fused buckets were copied there; they go in pieces now, and 1 MiB is
-// the faster cap there too. See the README for the measurements.)
+// 0: DefaultBytesPerPack(), whatever the implementation, shared memory included (see
+// docs/tuning.md).
 size_t DefaultBytesPerPack(const CollectiveCommunication& comm);
 
 // What the planner needs to know of a tensor.
@@ -51,22 +50,19 @@ using Bucket = std::vector<size_t>;
 // Error(kInvalidArgument) for a dtype that is not a DataType.
 std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t bytes_per_pack);
 
-// All-reduces every tensor of `tensors` in place, through buckets (tensors that share memory are
-// refused, Error(kInvalidArgument): each would be reduced once per bucket it sits in): each bucket
-// is packed into a fusion buffer, all-reduced in one collective, and unpacked; with RING and AUTO
-// (on one host and across hosts), a bucket is all-reduced as one message straight from its
-// tensors instead (no fusion buffer, and the bits of the packed bucket). With at least two
-// cores per local rank, bucket k+1 is packed while bucket k is on the wire (at most two buckets in
-// flight, two fusion buffers of at most bytes_per_pack each; the calling thread keeps them for its
-// later calls, up to 64 MiB each); on fewer cores the buckets run one after another, which measured
-// faster there. A tensor alone in its bucket is all-reduced in place without a copy. CPU tensors
-// only for now (others: kNotSupported). The result is that of one AllReduce per tensor, bit for
-// bit whenever the reduction is exact (integers; float min and max up to the sign of a zero
-// compared with a zero, and which NaN comes back); for float sums the order of additions
-// depends on the algorithm, which is chosen by message size, so the last bits may differ (every
-// rank still gets the same bits). Throws what the collectives throw. An allocation that fails
-// once the call has begun issuing aborts `comm` with the error thrown (kSystem, "... out of
-// memory while issuing the call's 3 collectives ..."), which the other ranks then receive.
+// All-reduces every tensor of `tensors` in place, through buckets. The result is that of one
+// AllReduce per tensor: bit for bit where the reduction is exact (integers; float min and max up
+// to the sign of a zero and which NaN comes back); a float sum's last bits follow the algorithm,
+// which the message size picks, and are the same on every rank.
+// A tensor alone in its bucket goes in place. A fused bucket goes as one message straight from
+// its tensors with RING and AUTO, and through a fusion buffer (packed, reduced, unpacked)
+// elsewhere. With two cores per local rank bucket k+1 is packed while bucket k is on the wire (at
+// most two in flight; the calling thread keeps its two fusion buffers, up to 64 MiB each); with
+// fewer, buckets run one after another, the faster schedule there (see docs/tuning.md).
+// CPU tensors only (else kNotSupported); tensors that share memory: kInvalidArgument (each would
+// be reduced once per bucket it sits in). Throws what the collectives throw; an allocation that
+// fails once the call has begun issuing aborts `comm` with that error (kSystem), which the other
+// ranks then receive.
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack = 0);
 
@@ -75,28 +71,22 @@ void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
 void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, int root,
                size_t bytes_per_pack = 0);
 
-// AllReduce and Broadcast of a list that return at once, for overlapping the gradients' reduction
-// with other work (as Horovod's and DDP's buckets do). Every collective of the call is issued
-// before it returns, in order, from the calling thread (so the calls made after it on `comm`
-// follow them on every rank): the list check, then each bucket, fused buckets packed first into
-// a buffer of the call's own. That buffer holds a copy of every fused tensor (not of a tensor
-// alone in its bucket, which goes in place) until the call finishes. Wait (or a Done that
-// returns true) finishes the call: it unpacks the fused buckets and gives the buffer back to a
-// process-wide pool for later calls (at most two buffers of at most 64 MiB each are kept).
-// Until then the tensors must be neither read nor written. Results and argument checks are
-// AllReduce's and Broadcast's; argument errors are thrown here, the collectives' errors by Wait.
+// AllReduce and Broadcast of a list that return at once, for overlapping the reduction with other
+// work (as Horovod's and DDP's buckets do). Every collective of the call is issued, in order, from
+// the calling thread before it returns: the list check, then each bucket; calls made after it on
+// `comm` follow them on every rank. The tensors must be neither read nor written until Wait (or a
+// Done that returns true) finishes the call. Results and argument checks are AllReduce's and
+// Broadcast's; argument errors are thrown here, the collectives' errors by Wait. A Work dropped
+// unfinished waits in its destructor for the collectives still in flight.
 // Lists that differ across ranks raise kMismatch in Wait on every rank. With RING and AUTO every
-// bucket runs only once the list check, queued first, has found the lists alike (on every rank
-// alike), so nothing is written; with NCCL and other communicators no fused tensor is written, but
-// a tensor alone in its bucket was issued before the check's answer came, and holds what its
-// collective left. With RING and AUTO a bucket that does not run takes no call number, so the
-// communicator works on after lists or caps that cut into different numbers of buckets; with
-// other communicators the ranks are left at different call numbers, and the next call raises
-// kMismatch. A Work dropped unfinished waits in
-// its destructor for the collectives still in flight (they write its buffer). An allocation that
-// fails once part of the call is issued aborts `comm` with the error thrown here (kSystem,
-// "... out of memory after 1 of the call's 3 collectives were queued ..."), which the other
-// ranks then receive, rather than leave them waiting for the rest.
+// bucket goes straight from its tensors and is gated: it runs only if the list check, queued
+// first, found the lists alike, so nothing is written, and a bucket that does not run takes no
+// call number, so `comm` works on. Elsewhere (NCCL) buckets are not gated: fused buckets go
+// through a buffer of the call's own (from a process-wide pool of at most two 64 MiB buffers) that
+// Wait unpacks only if the lists agree, a tensor alone in its bucket holds what its collective
+// left, and ranks whose lists cut into different numbers of buckets raise kMismatch on the next
+// call. An allocation that fails once part of the call is issued aborts `comm` with that error
+// (kSystem), which the other ranks then receive rather than wait for the rest.
 std::shared_ptr<Work> AllReduceAsync(CollectiveCommunication& comm,
                                      const std::vector<Tensor>& tensors, ReduceOp op,
                                      size_t bytes_per_pack = 0);

@@ -77,9 +77,9 @@ class Fabric {
   // The connection to `peer` (peer != rank()).
   virtual Connection& connection(int peer) = 0;
 
-  // Every Wait* from now on throws Error(kTimeout) once `deadline` passes. Set by the
-  // communicator when a collective starts. `what` ("#17 all_reduce(f32, sum, count=1000)")
-  // is quoted in the error message.
+  // Every Wait* from now on throws Error(kTimeout) once `deadline` passes, naming the peer and
+  // the tag of the frame it waited for ("#17 all_reduce(f32, sum, count=1000)"). Set by the
+  // communicator when a collective starts, before SetCall.
   virtual void SetDeadline(Clock::time_point deadline) = 0;
 
   // The call now running, set by the communicator with its deadline: a frame of this call's
