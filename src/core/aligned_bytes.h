@@ -1,12 +1,12 @@
 // Uninitialised byte buffers aligned to a cache line, for the library's scratch memory (the ring's
 // staging area, the packer's fusion buffers). malloc aligns only to 16 bytes; a reduction whose
 // operands sit at different offsets within a cache line splits every other vector load across
-// two lines, which cost a fifth to a third of the kernel's speed in cache (src/core/kernels.cc).
+// two lines, which slows the kernel in cache (see docs/tuning.md).
 //
 // The buffer is a plain new[] of 63 bytes more, with the pointer moved up to the next boundary,
 // rather than an aligned operator new: glibc serves large aligned requests from its heap, where
-// a staging area that grows step by step left fragments behind (the soak test's resident memory
-// grew by 11 MiB over 18000 calls instead of 3); plain large blocks are mmap'd and given back.
+// a staging area that grows step by step leaves fragments behind; plain large blocks are mmap'd
+// and given back.
 #ifndef COLLECTIVES_SRC_CORE_ALIGNED_BYTES_H_
 #define COLLECTIVES_SRC_CORE_ALIGNED_BYTES_H_
 

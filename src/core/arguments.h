@@ -55,12 +55,12 @@ inline constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 *
 std::chrono::milliseconds CheckTimeout(const std::string& who, std::chrono::milliseconds timeout);
 
 // The largest CommunicationOptions::chunk_bytes: 1 GiB. The ring stages 4 chunks per
-// communicator; a larger chunk is no longer a pipeline, and sizes near SIZE_MAX would overflow.
+// communicator; a larger chunk hardly pipelines, and sizes near SIZE_MAX would overflow.
 inline constexpr size_t kMaxChunkBytes = size_t{1} << 30;
 
 // The longest CommunicationOptions::spin_us and yield_us: one second. A waiter that polls longer
-// than that is no longer cutting latency, and the progress thread's idle spin delays the
-// communicator's destructor by as much.
+// than that cuts no latency, and the progress thread's idle spin delays the communicator's
+// destructor by as much.
 inline constexpr int kMaxPollUs = 1'000'000;
 
 // `options` as a communicator keeps them: the timeout checked and capped (CheckTimeout),

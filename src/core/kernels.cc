@@ -104,7 +104,7 @@ inline uint16_t FloatToHalfBits(float f) {
   // quiet bit set, as F16C's vcvtps2ph does. The F16C loop below does runs of 8 and this code
   // the rest (and everything under COLLECTIVES_KERNEL_ISA=baseline); recursive doubling has both
   // partners compute the same sum, so NaN bits that depended on the path would differ between
-  // ranks (0x7d00 + 1 was 0x7f00 in a run of 8 and 0x7e00 in the tail).
+  // ranks (0x7d00 + 1 would be 0x7f00 in a run of 8 and 0x7e00 in the tail).
   const uint32_t nan = 0x0200u | ((static_cast<uint32_t>(magnitude) >> 13) & 0x03ffu);
   const uint32_t special = 0x7c00u | (Mask(magnitude > 0x7f800000) & nan);
   uint32_t result = Select(magnitude < 0x38800000, subnormal, normal);
@@ -225,9 +225,8 @@ constexpr size_t kChunk = kChunkBytes / sizeof(T);
 // Elements to do one by one before `p` reaches a 64-byte boundary (0 when p is not aligned to
 // its element, where no peeling helps). The loops peel them first, so that the vector loop's
 // accesses through p never straddle two cache lines: malloc aligns only to 16 bytes, and with
-// that offset every other 32-byte load of an AVX2 loop is split across two lines, which cost
-// a third of the speed in cache (f32 sum in place, 256 KiB, both buffers at +16: 53% of memcpy;
-// aligned: 80%; ReduceTest.EveryStartWithinACacheLine covers every offset).
+// that offset every other 32-byte load of an AVX2 loop is split across two lines, which slows
+// it in cache (see docs/tuning.md; ReduceTest.EveryStartWithinACacheLine covers every offset).
 template <typename T>
 size_t HeadToAlign(const T* p, size_t count) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) return 0;
@@ -280,9 +279,8 @@ template <typename T, typename Op>
 // The loops are inlined into this body, which is compiled three times: for baseline x86-64 and,
 // where the CPU has them (chosen once per process, see ActiveKernelIsa), for AVX2, whose 32-byte
 // vectors double what one instruction handles, and for AVX-512 (below); that counts where the
-// buffers sit in cache, as a ring's chunks do (f32 sum of 256 KiB, median of 3 alternating runs
-// on the development machine: 42 -> 60 GB/s with AVX2; f32 max 34 -> 64). Every element is the
-// same operation on the same two values either way, so the results are the same bits.
+// buffers sit in cache, as a ring's chunks do (see docs/tuning.md). Every element is the same
+// operation on the same two values either way, so the results are the same bits.
 template <typename T, typename Op>
 [[gnu::always_inline]] inline void ReduceTypedBody(void* dst_v, const void* a_v, const void* b_v,
                                                    size_t count, Op op) {
@@ -304,20 +302,10 @@ template <typename T, typename Op>
 }
 
 // The same body once more for AVX-512 (F, BW, VL, DQ: every element type and operator), where
-// one instruction handles 64 bytes. On the development machine (AMD EPYC, Zen 5, whose vector
-// units are 512 bits wide), f32 sum in place against the AVX2 loop, medians of 3 alternating
-// runs of kernels_bench (5 repetitions each): 1.35x at 4 KiB, 1.37x at 256 KiB (61 -> 84 GB/s,
-// memcpy 81-84), 1.18x at 4 MiB, 1.02x at 64 MiB; out of place 1.13x at 256 KiB and 0.98x at
-// 4 MiB (sum), 0.95-1.09x (min, max). ChooseKernelIsa leaves it off by default on Intel CPUs
-// without AVX-VNNI (Skylake-SP to Ice Lake), whose clock 512-bit instructions can lower, which
-// would slow the caller's own code on that core; Intel CPUs with AVX-VNNI (Sapphire Rapids on)
-// do not lower it for them and get it, as glibc's string functions decide since 2.34
-// (sysdeps/x86/cpu-features.c sets Prefer_No_AVX512 only without AVX_VNNI), so memcpy there
-// is 512 bits wide too. On an Intel Xeon of that kind (KVM, 2 cores, family 6 model 207), f32 sum
-// on 64-byte aligned buffers (as TensorFlow's and PyTorch's CPU allocators give), AVX-512 /
-// memcpy against AVX2 / memcpy in two alternating runs (a standalone probe): 4 KiB in place
-// 0.96-1.03 against 0.57-0.58, out of place 0.93-0.95 against 0.56-0.61; at 256 KiB and 4 MiB
-// the two within noise (in place 0.98-1.03, out of place 0.84-0.85 and 0.66-0.69 either way).
+// one instruction handles 64 bytes; it is faster than AVX2 in cache (see docs/tuning.md).
+// ChooseKernelIsa leaves it off on Intel CPUs without AVX-VNNI (Skylake-SP to Ice Lake), whose
+// clock 512-bit instructions can lower, slowing the caller's own code on that core; as glibc's
+// string functions (Prefer_No_AVX512 only without AVX_VNNI), CPUs with AVX-VNNI get it.
 #ifdef COLLECTIVES_HAVE_F16C_PATH
 template <typename T, typename Op>
 [[gnu::target("avx2")]] void ReduceTypedAvx2(void* dst, const void* a, const void* b, size_t count,
@@ -413,10 +401,10 @@ void ReduceWidened(void* dst_v, const void* a_v, const void* b_v, size_t count, 
 // ---- f16 and bf16 on CPUs with F16C and AVX2, chosen at run time. ----
 //
 // Baseline x86-64 has no instruction for binary16, and the branch-free bit conversions above
-// reach about 1 GB/s, below what one TCP stream delivers, so f16 all-reduce would be bound by
-// its reduction. F16C converts 8 halves per instruction, with the same round-to-nearest-even;
-// this loop runs near memory bandwidth (~9 GB/s vs ~1 GB/s on the development machines). It is
-// the only hand-vectorised loop: the compiler does not vectorise _Float16 conversions well.
+// run below what one TCP stream delivers, so f16 all-reduce would be bound by its reduction.
+// F16C converts 8 halves per instruction, with the same round-to-nearest-even; this loop runs
+// near memory bandwidth (see docs/tuning.md). It is the only hand-vectorised loop: the compiler
+// does not vectorise _Float16 conversions well.
 // Semantics are those of the scalar operators: vminps / vmaxps return b unless a < b (a > b),
 // exactly like `a < b ? a : b`, and a NaN in a is put back whole, as ApplyWidened does.
 
@@ -459,9 +447,8 @@ template <typename Op>
   return i;
 }
 
-// Aligned to a cache line, so that its short loop (35 bytes with GCC 12) stays in one wherever
-// the linker puts the function: a loop across two lines cost up to a fifth (kernels_bench
-// BM_HalfDivideInPlace, 5 alternating runs: 14.0-14.8 GB/s in one line, 11.4-13.7 across two).
+// Aligned to a cache line, so that its short loop stays in one wherever the linker puts the
+// function: a loop across two lines runs slower (see docs/tuning.md).
 [[gnu::target("avx2,f16c"), gnu::aligned(64)]] size_t DivideHalfF16c(uint16_t* data, size_t count,
                                                                      float divisor) {
   const __m256 d = _mm256_set1_ps(divisor);

@@ -3,16 +3,10 @@
 // polls up to kWaitYieldPolls times with a sched_yield between polls (within the yield budget),
 // before it sleeps: waking a sleeping thread costs more than a small collective.
 //
-// The yields matter where threads outnumber cores (no spin there). A waiter that sleeps is woken
-// once per call it waits on, and the wake-up takes a core from a progress thread, its own or a
-// peer's; a yielding one hands its core to them instead. One asynchronous all-reduce per tensor,
-// 1000 x 4 KiB, each waited on in turn (packing_perf --local N, three or four runs each):
-//   2 ranks on 2 cores: 14.6-28.4 ms sleeping at once, 9.1-11.7 ms with 16 yields, against
-//   8.7-10.7 blocking (no hand-off);
-//   4 ranks: 47.9-48.9 ms, 40.0-45.8 with 16 yields, against 36.4-40.0 blocking.
-// A budget in time instead (yield until 10 ms, as the TCP waits do) was worse: 49-59 ms at 4
-// ranks, and one 2-rank run of 70 ms, with every waiter yielding to the others; 1 or 4 yields
-// did less, 64 or 256 no better and noisier.
+// The yields matter where threads outnumber cores (no spin there): a sleeping waiter's wake-up
+// takes a core from a progress thread, its own or a peer's, while a yielding one hands its core
+// to them. A count of yields bounds them better than a time budget, under which every waiter
+// yields to the others (see docs/tuning.md).
 //
 // Thread-safety: Complete is called once, by the thread that ran the collective; Wait and Done
 // from any thread.
@@ -53,8 +47,8 @@ class WorkState final : public Work {
 };
 
 // Polls `ready` for up to `spin`; true if it became ready. It does not yield: under load,
-// sched_yield can hand the core to an unrelated busy process for a whole time slice (round trips
-// went from ~9 us to 1-3 ms), while the spin itself is bounded by the budget.
+// sched_yield can hand the core to an unrelated busy process for a whole time slice, far longer
+// than a small round trip, while the spin itself is bounded by the budget.
 template <typename Ready>
 bool SpinUntil(std::chrono::microseconds spin, Ready&& ready) {
   if (spin.count() <= 0) return ready();
