@@ -207,7 +207,7 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
     Invalid("TF_CONFIG is not valid JSON (error at byte " + std::to_string(e.byte) +
             "): " + core::OneLine(e.what(), 512));
   } catch (const Json::exception& e) {
-    // A number out of range ("1e999") is not a parse_error; found by tests/fuzz/tf_config.
+    // A number out of range ("1e999") is not a parse_error (tests/fuzz/tf_config).
     Invalid(std::string("TF_CONFIG is not valid JSON: ") + core::OneLine(e.what(), 512));
   }
   if (!root.is_object()) {
@@ -270,8 +270,8 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
   auto index_it = task_it->find("index");
   if (index_it == task_it->end()) Invalid("TF_CONFIG is missing the field 'task.index'");
   if (!index_it->is_number_integer()) {
-    // An array or object is named by its type alone: dump() walks it recursively (200000 nested
-    // arrays overflowed the stack) and would copy all of it into the message.
+    // An array or object is named by its type alone: dump() walks it recursively (deep nesting
+    // overflows the stack) and would copy all of it into the message.
     Invalid(std::string("TF_CONFIG field 'task.index' must be an integer, got ") +
             index_it->type_name() +
             (index_it->is_structured() ? "" : " " + core::OneLine(index_it->dump(), 64)));

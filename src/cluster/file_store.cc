@@ -16,13 +16,12 @@
 //               join the job. Created only when asked, so a job that sets a token never has one.
 // Get polls for the file with a backoff from 1 ms doubling to 50 ms, and reads it once more at
 // the end of its wait; a Get of a key that a Get of this store gave up on just before (a caller
-// that waits in slices, as CancellableStore does) goes on at the pace that one reached (starting
-// again, it read the file 140 times a second, not 26). Add polls for its lock the
-// same way, for 300 s at most, or until the deadline of a communicator's set-up (AddBy).
-// Anything in the folder under a key's name that is not a regular
-// file (a FIFO, say) is an error, not a wait. flock locks belong to the
-// open file description, so Add excludes other threads of this process as well as other
-// processes (Linux NFS maps flock onto POSIX byte-range locks).
+// that waits in slices, as CancellableStore does) goes on at the pace that one reached rather
+// than polling fast again. Add polls for its lock the same way, for 300 s at most, or until the
+// deadline of a communicator's set-up (AddBy). Anything in the folder under a key's name that is
+// not a regular file (a FIFO, say) is an error, not a wait. flock locks belong to the open file
+// description, so Add excludes other threads of this process as well as other processes (Linux
+// NFS maps flock onto POSIX byte-range locks).
 //
 // Thread-safety: every method may be called from any thread.
 #include <fcntl.h>

@@ -230,7 +230,7 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
         proof, auth::StoreProof(server_->token_, client_nonce, server_nonce_, auth::kClientRole));
     verdict_.fill(0);
     if (ok) {
-      proven_ = true;  // no longer a stranger to make room against
+      proven_ = true;  // not a stranger to make room against
       verdict_[0] = 1;
       const core::Proof mine =
           auth::StoreProof(server_->token_, client_nonce, server_nonce_, auth::kServerRole);
