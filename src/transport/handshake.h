@@ -17,8 +17,9 @@
 //           role 1 for the client's proof, 2 for the server's.
 //   server verdict: u8 (1 accepted, 0 rejected), then the server's proof (zeros if rejected).
 //   client verdict: u8 (1 accepted).
-// The refusal kept wire version 1: every rank of a job runs the same build, and a build from
-// before it reads a refusal as a malformed hello, which fails its set-up as a refusal should.
+// A refusal carries wire version 1, as the hello does: every rank of a job runs the same build,
+// and a build that knows no refusals reads one as a malformed hello, which fails its set-up as a
+// refusal should.
 //
 // Sequence: the client (the lower rank, which connected) sends its hello; the server checks it
 // and answers with its own hello, or with a refusal and closes; the client checks that and

@@ -113,8 +113,7 @@ class InProcFabric final : public Fabric {
     // waiting on it learns the real cause rather than "destroyed" (as a TCP rank's abort frame
     // arrives before its EOF). The relay goes out before this inbox is marked gone: a peer that
     // finds it gone (a send to it) then reads its own inbox, and must find the abort there (the
-    // rank that aborted may still be delivering to the others: RingInRunsTest's mismatches
-    // under ASan, 8 ranks, saw "lost rank 0 (its fabric was destroyed)" once).
+    // rank that aborted may still be delivering to the others).
     std::optional<AbortPayload> relay;
     {
       std::lock_guard<std::mutex> lock(inbox_.mu);
@@ -154,7 +153,7 @@ class InProcFabric final : public Fabric {
   void SetCall(const core::CallTag& call) override {
     std::unique_lock<std::mutex> lock(inbox_.mu);
     call_ = call;
-    if (BrokenLocked()) return;  // raised by the call's first wait, as before
+    if (BrokenLocked()) return;  // raised by the call's first wait
     CheckHeldLocked();
     if (BrokenLocked()) Throw(lock);  // as TcpFabric::SetCall
   }
