@@ -3,7 +3,7 @@
 //
 // Vocabulary (as in tf.distribute):
 //   - a *replica* is one copy of the model; a *worker* is one process; a worker runs one or more
-//     *local replicas* (threads here; one per GPU when GPUs arrive).
+//     *local replicas* (threads, each with a CPU device).
 //   - NumReplicasInSync() = workers x local replicas. Every replica of every worker takes part in
 //     every cross-replica reduction.
 //   - *cross-replica context*: the caller's thread, outside Run(). *replica context*: inside the
@@ -273,7 +273,7 @@ class OneDeviceStrategy : public Strategy {
 };
 
 struct MirroredOptions {
-  // Number of local CPU replicas (threads). 0: one per GPU when GPUs are present, else 1.
+  // Number of local CPU replicas (threads). 0: one.
   int num_replicas = 0;
   // Explicit devices; overrides num_replicas when not empty.
   std::vector<Device> devices{};
