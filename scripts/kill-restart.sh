@@ -16,7 +16,7 @@
 #
 #   scripts/kill-restart.sh [--quick] [--victim 0|1] [--train PATH] [--keep]
 #
-# --quick: a smaller subset and batch (ctest runs this: about 15 s on 2 cores). --train: the
+# --quick: a smaller subset and batch (ctest runs this). --train: the
 # binary (default: build it with scripts/build.sh and use build/examples/train/train). --keep:
 # leave the work folder (logs, checkpoints, weights) in place.
 set -uo pipefail
@@ -56,7 +56,7 @@ fi
 # The job. --throttle-ms slows every step down so that "the middle of epoch 2" lasts long enough
 # to hit from a shell; it does not change any arithmetic.
 if [[ ${quick} == 1 ]]; then
-  # 4096 examples / global batch 128 = 32 steps per epoch, ~1.5 s per epoch.
+  # 4096 examples / global batch 128 = 32 steps per epoch.
   job=(--epochs 3 --train-limit 4096 --test-limit 1000 --global-batch 128 --replicas 1
        --save-every-steps 5 --throttle-ms 40)
 else
@@ -146,7 +146,7 @@ show_logs() {
 
 # Sets train_pid to the pid of the train process under `pid` (subshell -> timeout -> train): the
 # end of the chain of first children, once it is the train binary. Empty if none appears within
-# 250 polls (5 s on an idle machine). It runs in this shell, not in a command substitution, so
+# 250 polls (at least 5 s). It runs in this shell, not in a command substitution, so
 # that a Ctrl-C or a TERM meanwhile is handled at once: the shell runs a trap only once the
 # command it waits for has ended.
 train_pid_under() {

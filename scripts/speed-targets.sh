@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measures each speed target of the benchmark work against its baseline in the same run, ROUNDS
+# Measures each speed target below against its baseline in the same run, ROUNDS
 # times, and prints one line per target with every round's figure, the median and whether the
 # median meets it:
 #   all-reduce 1, 16, 64 MiB, 2 and 4 ranks: our time / MPI_Allreduce's over TCP <= 1.0
@@ -17,10 +17,9 @@
 #
 #   scripts/speed-targets.sh [OUT_DIR]         default out/targets-<date>-<time>
 #
-# Environment: ROUNDS (default 3); COLLECTIVES_BUILD_DIR (default build). A round takes about
-# 2 minutes on 2 cores. Writes each run's CSV / JSON / log and summary.txt into OUT_DIR. Exits
-# non-zero if a run failed or a run is not possible (no MPI); a missed target is reported, not
-# an error.
+# Environment: ROUNDS (default 3); COLLECTIVES_BUILD_DIR (default build). Writes each run's
+# CSV / JSON / log and summary.txt into OUT_DIR. Exits non-zero if a run failed or a run is not
+# possible (no MPI); a missed target is reported, not an error.
 set -euo pipefail
 # OUT_DIR as given, resolved against the caller's folder before the cd below (not an OUT that
 # happens to be in the environment).

@@ -16,12 +16,11 @@
 #   QUICK=1               stop at 64 MiB instead of 256 MiB
 #   RANKS="2 4"           world sizes
 #   ITERS=20 WARMUP=5     timed / warm-up calls per size up to 1 MiB
-#   LARGE_ITERS=10 LARGE_WARMUP=3  the same from 4 MiB up, where one call takes 5-500 ms
+#   LARGE_ITERS=10 LARGE_WARMUP=3  the same from 4 MiB up, where calls are long
 #   COLLECTIVES_BUILD_DIR (default build)   as for scripts/build.sh
 # Each size range is one run per (implementation, world size); the small and large runs are
-# joined into one CSV. About 3 minutes on 2 cores (QUICK=1: under 1). Builds collectives_perf and
-# gloo_perf first (scripts/build.sh). Exits non-zero if any run failed; the others still run and
-# are plotted.
+# joined into one CSV. Builds collectives_perf and gloo_perf first (scripts/build.sh). Exits
+# non-zero if any run failed; the others still run and are plotted.
 set -euo pipefail
 # OUT_DIR as given, resolved against the caller's folder before the cd below (not an OUT that
 # happens to be in the environment).

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# THE main job: installs the dependencies, builds (Release), runs 4-rank all-reduce sweeps from
+# The main job: installs the dependencies, builds (Release), runs 4-rank all-reduce sweeps from
 # 8 B to 64 MiB with every result checked, AUTO (shared memory; rows in out/sweep_4_auto.csv) and
 # RING over loopback TCP (out/sweep_4.csv), then a one-epoch run of the Fashion-MNIST training
-# demo. A few minutes at most on 2 cores. Exits non-zero on any error, wrong result or failed training run.
+# demo. Exits non-zero on any error, wrong result or failed training run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -25,7 +25,7 @@ echo "sweep: rows written to out/sweep_4_auto.csv and out/sweep_4.csv"
 # ---- Training demo -------------------------------------------------------------------------
 # A short run of the Fashion-MNIST demo (examples/train; scripts/train.sh runs the others): one
 # epoch on 2 local replicas (MirroredStrategy) at global batch 256, then the test accuracy and
-# samples per second. Well under a minute on 2 cores.
+# samples per second.
 echo "== training demo: Fashion-MNIST, mirrored strategy, 2 replicas, 1 epoch =="
 timeout --foreground 300 "${BUILD_DIR}/examples/train/train" --strategy mirrored --replicas 2 --epochs 1 \
   --global-batch 256
