@@ -734,7 +734,7 @@ void SmallReduceScatter(Context& ctx, const void* send, void* recv, size_t count
 CallAgreement::CallAgreement(Context& ctx, Pair pair) {
   const int n = ctx.size();
   const int r = ctx.rank();
-  // The measurement switch that turns the frame checks off (tcp_fabric.cc) turns this off too.
+  // The measurement switch that turns the frame checks off (tcp_fabric_impl.h) turns this off too.
   static const bool skip = [] {
     const char* value = std::getenv("COLLECTIVES_UNSAFE_SKIP_CALL_CHECK");
     return value != nullptr && std::string(value) == "1";

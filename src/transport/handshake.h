@@ -29,7 +29,7 @@
 // checked before any byte of it is read.
 //
 // A server that rejects a connection closes it and reports why to its caller (what the peer sent
-// is escaped), which logs it (tcp_fabric.cc: at most a line a second) and keeps accepting. A
+// is escaped), which logs it (tcp_mesh.cc: at most a line a second) and keeps accepting. A
 // client that is refused or rejected, or that finds the server is not the rank of this job it
 // expected, gets ErrorCode::kUnauthenticated naming what differs. A client whose server closes the
 // connection without a refusal or a verdict (the server stopped, or gave up its own set-up) gets

@@ -13,6 +13,9 @@
 // receive, then reads the payload straight into the caller's buffer. A waiter polls the
 // io_context for the spin budget, then sleeps in it until the deadline.
 //
+// Where it lives: tcp_fabric.cc (the fabric, its drive loop and shutdown), tcp_connection.h
+// (one peer's send and receive), tcp_mesh.h (the set-up), socket_buffers.h (buffer sizes).
+//
 // Thread-safety: see connection.h.
 #ifndef COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_
 #define COLLECTIVES_SRC_TRANSPORT_TCP_FABRIC_H_
@@ -65,33 +68,6 @@ std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
 // `deadline` (it goes on on a thread of its own, and its answer is dropped).
 std::optional<std::string> LocalAddressToward(const std::string& remote_host,
                                               Clock::time_point deadline);
-
-// The receive buffer (SO_RCVBUF) a data connection asks for, in bytes; 0 leaves it to the
-// kernel's autotuning. `env` is $COLLECTIVES_SOCKET_RCVBUF (null when unset; a byte count, 0 for
-// autotuning); `rmem_max` is net.core.rmem_max (0 when unknown), the kernel's cap on what a
-// process may ask for; `core_per_rank`: this host has at least as many cores as the job has
-// ranks. Without `env`: kDefaultReceiveBuffer when the host has a core per rank and the cap
-// allows it, else 0 (see the .cc for the measurements behind both conditions).
-inline constexpr size_t kDefaultReceiveBuffer = size_t{4} << 20;
-size_t ReceiveBufferBytes(const char* env, size_t rmem_max, bool core_per_rank);
-
-// net.core.rmem_max / net.core.wmem_max (the most SO_RCVBUF / SO_SNDBUF a process may ask
-// for), read from /proc; 0 when it cannot be read.
-size_t ReceiveBufferCap();
-size_t SendBufferCap();
-
-// The send buffer (SO_SNDBUF) a data connection asks for, in bytes; 0 leaves it to the kernel's
-// autotuning. `env` is $COLLECTIVES_SOCKET_SNDBUF (null when unset; a byte count, 0 for
-// autotuning), which applies to every connection. Unset: kDefaultLocalSendBuffer for a peer on
-// this host (its frames go through loopback, see the .cc for why a small buffer is faster
-// there), autotuning for a peer on another host, where the buffer must cover the link's
-// bandwidth-delay product.
-inline constexpr size_t kDefaultLocalSendBuffer = size_t{320} << 10;
-struct SendBuffers {
-  size_t same_host = 0;
-  size_t other_host = 0;
-};
-SendBuffers SendBufferBytes(const char* env);
 
 }  // namespace collectives::transport
 

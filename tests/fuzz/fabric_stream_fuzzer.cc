@@ -1,4 +1,4 @@
-// Fuzz target: the TCP fabric's frame reader (tcp_fabric.cc, TcpConnection's receive side:
+// Fuzz target: the TCP fabric's frame reader (tcp_receive.cc, TcpConnection's receive side:
 // header decode, matching against the posted receive, inline and direct payload reads, abort
 // frames, EOF) on an established connection, fed what a peer sends after the handshake. There
 // is no seam below ConnectTcpFabric, so each input sets up a real two-rank mesh on loopback:

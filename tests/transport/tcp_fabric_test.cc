@@ -23,6 +23,7 @@
 #include "src/cluster/store_common.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
+#include "src/transport/socket_buffers.h"
 #include "tests/child_process.h"
 #include "tests/transport/fabric_test_util.h"
 #include "tests/transport/piece_relay.h"
