@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <new>
@@ -66,11 +67,11 @@ enum class Plan { kRing, kShm, kTwoLevel };
 // shared-memory call, where its host's members wait for it (a rank alone on its host: before it
 // writes recv): a leader speaks for a host that agrees, every host compares its call directly with
 // every other, so a mismatched call raises kMismatch on every rank with nothing written, as on
-// RING. (Without the barrier, a member of a receiving host that differed from its leader broke only
-// its own host: the root's host returned, its recv written.) Only the leaders send (a round of
-// every member cost a two-level broadcast of 8 bytes three times its time on 2 cores), and a
-// broadcast posts the round before its crossing and waits only before it arrives, overlapping the
-// two.
+// RING. The barrier is what lets a leader speak for its host: a member of a receiving host that
+// differed from its leader would otherwise break only its own host while the root's host returned,
+// its recv written. Only the leaders send (a round among every member would cost a small
+// broadcast several times its own time), and a broadcast posts the round before its crossing and
+// waits only before it arrives, overlapping the two.
 
 // What is left of the set-up until `deadline`, at least a millisecond: a key already in the
 // store is still read; a wait times out at once.
@@ -109,6 +110,69 @@ class HostAgreement {
   std::optional<SubFabric> sub_;
   std::optional<ring::Context> round_;
   std::optional<ring::CallAgreement> agreement_;
+};
+
+// The part of a two-level broadcast that a crosser plays: the rank that carries each step of
+// the message across hosts among the crossers (`cross`, one rank per host, the root's host
+// `root_host`), a tree for steps of at most `small` bytes, a chain for larger ones. The root
+// reads `send`; every crosser writes `recv` (the same Runs for a call in place).
+struct BroadcastCrossing {
+  ring::Context& cross;
+  int root_host;
+  size_t small;
+  bool is_root;
+  const core::Runs& send;
+  const core::Runs& recv;
+
+  void Step(const void* from, void* into, size_t n) const {
+    if (n <= small) {
+      ring::TreeBroadcast(cross, from, into, n, root_host);
+    } else {
+      ring::ChainBroadcast(cross, from, into, n, root_host);
+    }
+  }
+
+  // A crosser with a group: each step crosses straight into its slot (the root sends it from its
+  // message, or from the slot where the step spans runs), and the group broadcasts it from there
+  // to the host's members, `agreed` before this rank arrives.
+  void IntoGroup(ring::Context& ctx, ShmGroup& group, int host_root,
+                 const std::function<void()>& agreed) const {
+    const auto fill = [&](uint8_t* slot, size_t offset, size_t n) {
+      if (!is_root) return Step(nullptr, slot, n);
+      if (send.contiguous()) return Step(send.data() + offset, slot, n);
+      send.Read(offset, n, slot);
+      Step(slot, slot, n);
+    };
+    group.Broadcast(ctx.tag, ctx.deadline, send, recv, host_root,
+                    {.fill = fill, .before_arrive = agreed});
+  }
+
+  // A crosser alone on its host: the steps of slot_bytes the groups cut. The root only sends,
+  // and writes recv once every host agreed; the others wait for that before they receive into
+  // recv (a frame is checked against its sender's call only, and a host off the path may
+  // differ). A message in one run is sent from (received into) where it lies; one that spans
+  // runs goes through a step buffer of its own.
+  void Alone(size_t slot_bytes, const std::function<void()>& agreed) const {
+    const core::Runs& mine = is_root ? send : recv;
+    const size_t bytes = recv.bytes();
+    if (!is_root) agreed();
+    const auto buffer =
+        mine.contiguous() ? nullptr
+                          : std::make_unique_for_overwrite<uint8_t[]>(std::min(slot_bytes, bytes));
+    size_t offset = 0;
+    do {
+      const size_t c = std::min(slot_bytes, bytes - offset);
+      uint8_t* at = buffer ? buffer.get() : mine.data() + offset;
+      if (is_root && buffer) send.Read(offset, c, at);
+      Step(is_root ? at : nullptr, at, c);
+      if (!is_root && buffer) recv.Write(offset, at, c);
+      if (is_root && offset == 0) agreed();
+      offset += c;
+    } while (offset < bytes);
+    if (is_root && send.contiguous() && send.data() != recv.data()) {
+      recv.Write(0, send.data(), bytes);
+    }
+  }
 };
 
 // Seconds of one all-reduce of n bytes in one plan: latency + n / bandwidth.
@@ -168,7 +232,9 @@ class HierarchicalPlanner final : public ring::Planner {
       };
     }
     if (plan_ == Plan::kTwoLevel && TwoLevelPays(send.bytes())) {
-      return TwoLevelAllReduce(send.count, send.dtype, op, send.data, recv.data, nullptr);
+      return TwoLevelAllReduce(core::Runs(send.data, send.bytes()),
+                               core::Runs(recv.data, recv.bytes()), /*in_place=*/false, send.dtype,
+                               op);
     }
     return {};
   }
@@ -182,7 +248,8 @@ class HierarchicalPlanner final : public ring::Planner {
       };
     }
     if (plan_ != Plan::kTwoLevel) return {};
-    return TwoLevelBroadcast(source, recv.data, recv.bytes(), root, nullptr);
+    return TwoLevelBroadcast(core::Runs(source, recv.bytes()), core::Runs(recv.data, recv.bytes()),
+                             /*in_place=*/false, root);
   }
 
   Body AllGather(const Tensor& send, const Tensor& recv) override {
@@ -195,7 +262,7 @@ class HierarchicalPlanner final : public ring::Planner {
     if (plan_ != Plan::kTwoLevel || !uniform_) return {};  // hosts of different sizes: flat
     // Two levels, step by step: the ranks of each local index gather their blocks' step across
     // hosts (a ring among hosts) straight into their slots, then every rank copies every slot's
-    // pieces to their ranks' places. Each block crosses hosts once per host, not once per rank.
+    // parts to their ranks' places. Each block crosses hosts once per host, not once per rank.
     const std::vector<int>* cross_ranks = &cross_ranks_;
     const int cross_me = cross_me_;
     const Topology* topology = &topology_;
@@ -213,51 +280,51 @@ class HierarchicalPlanner final : public ring::Planner {
         group->Barrier(ctx.tag, ctx.deadline);
       }
       const auto* from = static_cast<const uint8_t*>(send.data);
-      const auto fill = [&](uint8_t* slot, size_t offset, size_t bytes) {
-        ring::RingAllGather(cross, from + offset, slot, bytes, DataType::kUInt8);
+      const TwoLevelHooks hooks{
+          .fill =
+              [&](uint8_t* slot, size_t offset, size_t bytes) {
+                ring::RingAllGather(cross, from + offset, slot, bytes, DataType::kUInt8);
+              },
+          .rank_of =
+              [topology](int host, int member) {
+                return size_t(topology->hosts[size_t(host)][size_t(member)]);
+              },
       };
-      const auto rank_of = [topology](int host, int member) {
-        return size_t(topology->hosts[size_t(host)][size_t(member)]);
-      };
-      group->AllGatherPieces(ctx.tag, ctx.deadline, recv.data, send.bytes(),
-                             int(topology->hosts.size()), fill, rank_of);
+      group->AllGatherAcross(ctx.tag, ctx.deadline, recv.data, send.bytes(),
+                             int(topology->hosts.size()), hooks);
     };
   }
 
-  // In shared memory on one host: the group's, in place on the pieces. Two levels where they pay:
-  // the same steps as AllReduce's, each rank's pieces read into the group's slots (or a lone
+  // In shared memory on one host: the group's, in place on the runs. Two levels where they pay:
+  // the same steps as AllReduce's, each rank's runs read into the group's slots (or a lone
   // rank's step buffer) and the results written back. Elsewhere the ring's, in runs.
   Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
+    const DataType dtype = pieces.front().dtype;
     if (plan_ == Plan::kTwoLevel) {
       size_t count = 0;
       for (const Tensor& piece : pieces) count += piece.count;
       // Left to the ring, which builds its own runs, unless two levels pay.
-      if (!TwoLevelPays(count * SizeOf(pieces.front().dtype))) return {};
-      return TwoLevelAllReduce(count, pieces.front().dtype, op, nullptr, nullptr,
-                               std::make_shared<const core::Runs>(core::RunsOf(pieces)));
+      if (!TwoLevelPays(count * SizeOf(dtype))) return {};
+      return TwoLevelAllReduce(core::Runs(), core::RunsOf(pieces), /*in_place=*/true, dtype, op);
     }
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
-    return [group, message = core::RunsOf(pieces), dtype = pieces.front().dtype,
-            op](ring::Context& ctx) {
-      group->AllReduceInPieces(ctx.tag, ctx.deadline, message, dtype, op);
+    return [group, message = core::RunsOf(pieces), dtype, op](ring::Context& ctx) {
+      group->AllReduce(ctx.tag, ctx.deadline, message, message, dtype, op);
     };
   }
 
-  // Likewise: the group's on one host, the two-level broadcast across hosts (its root reads each
-  // step from the pieces into its slot, the others write the slots into theirs), the ring's in
-  // runs for the flat plan.
+  // Likewise: the group's on one host, the two-level broadcast across hosts, the ring's in runs
+  // for the flat plan.
   Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) override {
     if (plan_ == Plan::kTwoLevel) {
-      auto runs = std::make_shared<const core::Runs>(core::RunsOf(pieces));
-      const size_t bytes = runs->bytes();  // before the move below
-      return TwoLevelBroadcast(nullptr, nullptr, bytes, root, std::move(runs));
+      return TwoLevelBroadcast(core::Runs(), core::RunsOf(pieces), /*in_place=*/true, root);
     }
     if (plan_ != Plan::kShm) return {};
     ShmGroup* group = group_.get();
     return [group, message = core::RunsOf(pieces),
             root_index = topology_.local_index[size_t(root)]](ring::Context& ctx) {
-      group->BroadcastInPieces(ctx.tag, ctx.deadline, message, root_index);
+      group->Broadcast(ctx.tag, ctx.deadline, message, message, root_index);
     };
   }
 
@@ -292,12 +359,16 @@ class HierarchicalPlanner final : public ring::Planner {
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
       const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
       const DataType dtype = recv.dtype;
-      group->ReduceScatterAcross(
-          ctx.tag, ctx.deadline, send.data, recv.data, recv.count, dtype, op, order,
-          [&](uint8_t* partial, size_t c, uint8_t* out) {
-            ring::RingReduceScatter(cross, partial, out, c, dtype, cross_op);
-          },
-          world);
+      const TwoLevelHooks hooks{
+          .avg_divisor = world,
+          .order = order,
+          .cross_lane =
+              [&](uint8_t* partial, size_t c, uint8_t* out) {
+                ring::RingReduceScatter(cross, partial, out, c, dtype, cross_op);
+              },
+      };
+      group->ReduceScatterAcross(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, dtype, op,
+                                 hooks);
     };
   }
 
@@ -332,17 +403,14 @@ class HierarchicalPlanner final : public ring::Planner {
                                       Clock::time_point deadline,
                                       std::chrono::milliseconds timeout);
 
-  // The two-level broadcast of `bytes` from `root`: from source (the root's) into recv, or in
-  // place on `runs` (the packer's fused bucket in pieces) where given, with the same steps.
-  Body TwoLevelBroadcast(const void* source, void* recv, size_t bytes, int root,
-                         std::shared_ptr<const core::Runs> runs) const {
+  // The two-level broadcast of recv.bytes() from `root`: from send (the root's) into recv, or
+  // in place on recv (the packer's fused bucket) with `in_place`, with the same steps. Pipelined
+  // step by step: one rank per host (the root on its host; elsewhere the rank of the root's local
+  // index, or the host's last where it has fewer ranks) carries each step across hosts straight
+  // into its slot, and broadcasts it inside its host from there (BroadcastCrossing's parts).
+  Body TwoLevelBroadcast(core::Runs send, core::Runs recv, bool in_place, int root) const {
     ShmGroup* group = group_.get();
     const int root_index = topology_.local_index[size_t(root)];
-    // Two levels, pipelined step by step: one rank per host (the root on its host; elsewhere the
-    // rank of the root's local index, or the host's last where it has fewer ranks) carries each
-    // step across hosts (a tree for small steps, a chain for large ones) straight into its slot,
-    // and broadcasts it inside its host from there. A rank alone on its host receives straight
-    // into recv.
     const int root_host = topology_.host_of[size_t(root)];
     const int my_host = topology_.host_of[size_t(rank_)];
     std::vector<int> crossers;
@@ -358,81 +426,33 @@ class HierarchicalPlanner final : public ring::Planner {
     const size_t slot_bytes = slot_bytes_;
     const std::vector<int>* leaders = &leader_ranks_;
     const bool leader = topology_.local_index[size_t(rank_)] == 0;
-    return [=, runs = std::move(runs)](ring::Context& ctx) {
-      SubFabric sub(ctx.fabric, crossers, cross_me);
-      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+    return [=, send = std::move(send), recv = std::move(recv)](ring::Context& ctx) {
       // The root's host only sends, so nothing would check its call against the other hosts'
       // (HostAgreement). The host's barrier and the round come now, before any data; the round
       // is waited for before this rank arrives in shared memory, overlapping the first crossing.
       HostAgreement agreement(ctx, group, *leaders, cross_me, leader);
       const auto agreed = [&agreement] { agreement.Wait(); };
-      if (!crosses && runs != nullptr) {
-        group->BroadcastInPieces(ctx.tag, ctx.deadline, *runs, host_root, {}, agreed);
-        return;
-      }
+      // A rank that does not cross: its host's crosser broadcasts each step to it in shared memory.
       if (!crosses) {
-        group->Broadcast(ctx.tag, ctx.deadline, nullptr, recv, bytes, host_root, {}, agreed);
+        group->Broadcast(ctx.tag, ctx.deadline, recv, recv, host_root, {.before_arrive = agreed});
         return;
       }
-      const auto* from = static_cast<const uint8_t*>(source);
-      const auto cross_step = [&](const void* send, void* into, size_t n) {
-        if (n <= small) {
-          ring::TreeBroadcast(cross, send, into, n, root_host);
-        } else {
-          ring::ChainBroadcast(cross, send, into, n, root_host);
-        }
-      };
+      SubFabric sub(ctx.fabric, crossers, cross_me);
+      ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
+      const BroadcastCrossing crossing{cross, root_host, small, is_root, in_place ? recv : send,
+                                       recv};
       if (group != nullptr) {
-        // The root in pieces sends each step from its slot, read from the pieces (the chain and
-        // the tree copy it there from a buffer).
-        const auto fill = [&](uint8_t* slot, size_t offset, size_t n) {
-          if (is_root && runs != nullptr) {
-            runs->Read(offset, n, slot);
-            return cross_step(slot, slot, n);
-          }
-          cross_step(is_root ? from + offset : nullptr, slot, n);
-        };
-        if (runs != nullptr) {
-          group->BroadcastInPieces(ctx.tag, ctx.deadline, *runs, host_root, fill, agreed);
-        } else {
-          group->Broadcast(ctx.tag, ctx.deadline, source, recv, bytes, host_root, fill, agreed);
-        }
-        return;
+        crossing.IntoGroup(ctx, *group, host_root, agreed);
+      } else {
+        crossing.Alone(slot_bytes, agreed);
       }
-      // Alone on this host: the steps the groups cut. The root only sends, and writes recv once
-      // every host agreed; the others wait for that before they receive into recv (a frame is
-      // checked against its sender's call only, and a host off the path may differ). In pieces,
-      // each step goes through a buffer of its own (read from them, or written into them).
-      auto* out = static_cast<uint8_t*>(recv);
-      if (!is_root) agreed();
-      const auto step = runs != nullptr
-                            ? std::make_unique_for_overwrite<uint8_t[]>(std::min(slot_bytes, bytes))
-                            : nullptr;
-      size_t offset = 0;
-      do {
-        const size_t c = std::min(slot_bytes, bytes - offset);
-        if (is_root && runs != nullptr) {
-          runs->Read(offset, c, step.get());
-          cross_step(step.get(), step.get(), c);
-        } else if (is_root) {
-          cross_step(from + offset, const_cast<uint8_t*>(from + offset), c);
-        } else if (runs != nullptr) {
-          cross_step(nullptr, step.get(), c);
-          runs->Write(offset, step.get(), c);
-        } else {
-          cross_step(nullptr, out + offset, c);
-        }
-        if (is_root && offset == 0) agreed();
-        offset += c;
-      } while (offset < bytes);
-      if (is_root && runs == nullptr && out != from && bytes != 0) std::memcpy(out, from, bytes);
     };
   }
 
-  // The two-level all-reduce of `count` elements: from send into recv, or in place on `runs`
-  // (the packer's fused bucket in pieces) where given, with the same steps and bits.
-  Body TwoLevelAllReduce(size_t count, DataType dtype, ReduceOp op, const void* send, void* recv,
-                         std::shared_ptr<const core::Runs> runs) const {
+  // The two-level all-reduce of recv.bytes(): from send into recv, or in place on recv (the
+  // packer's fused bucket) with `in_place`, with the same steps and bits.
+  Body TwoLevelAllReduce(core::Runs send, core::Runs recv, bool in_place, DataType dtype,
+                         ReduceOp op) const {
     // Inside the host: each local rank of a lane reduces its slice of every step; across
     // hosts: the ranks of each lane all-reduce their slices at once (a host's lanes cross the
     // network together, each with 1/L of the bytes); inside the host again: everyone copies
@@ -451,14 +471,16 @@ class HierarchicalPlanner final : public ring::Planner {
     const size_t world = size_t(size_);
     const std::vector<int>* leaders = &leader_ranks_;
     const bool leader = topology_.local_index[size_t(rank_)] == 0;
-    return [=, runs = std::move(runs)](ring::Context& ctx) {
+    return [=, send = std::move(send), recv = std::move(recv)](ring::Context& ctx) {
+      const core::Runs& from = in_place ? recv : send;
+      const size_t es = SizeOf(dtype);
+      const size_t count = recv.bytes() / es;
       SubFabric sub(ctx.fabric, *cross_ranks, cross_me);
       ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
       if (count == 0) {  // nothing else crosses
         HostAgreement(ctx, group, *leaders, cross_me, leader).Wait();
       }
       const ReduceOp cross_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-      const size_t es = SizeOf(dtype);
       const auto all_reduce_in = [&](ring::Context& lane, void* slice, size_t n) {
         if (n * es <= small) {
           ring::RecursiveDoublingAllReduce(lane, slice, slice, n, dtype, cross_op);
@@ -466,13 +488,13 @@ class HierarchicalPlanner final : public ring::Planner {
           ring::RingAllReduce(lane, slice, slice, n, dtype, cross_op);
         }
       };
-      const auto hook = [&](void* slice, size_t n) { all_reduce_in(cross, slice, n); };
-      if (group != nullptr && runs != nullptr) {
-        group->AllReduceInPieces(ctx.tag, ctx.deadline, *runs, dtype, op, hook, world, lanes);
-        return;
-      }
       if (group != nullptr) {
-        group->AllReduce(ctx.tag, ctx.deadline, send, recv, count, dtype, op, hook, world, lanes);
+        const TwoLevelHooks hooks{
+            .cross = [&](void* slice, size_t n) { all_reduce_in(cross, slice, n); },
+            .avg_divisor = world,
+            .lanes = lanes,
+        };
+        group->AllReduce(ctx.tag, ctx.deadline, from, recv, dtype, op, hooks);
         return;
       }
       // Alone on this host: the steps and parts the groups cut, each part crossed in its lane
@@ -481,15 +503,9 @@ class HierarchicalPlanner final : public ring::Planner {
       const size_t per_step = slot_bytes / es;
       const int owners = CrossingOwners(count * es, shm_small, lanes);
       const auto step = std::make_unique_for_overwrite<uint8_t[]>(std::min(per_step, count) * es);
-      const auto* in = static_cast<const uint8_t*>(send);
-      auto* out = static_cast<uint8_t*>(recv);
       for (size_t offset = 0; offset < count;) {
         const size_t c = std::min(per_step, count - offset);
-        if (runs != nullptr) {
-          runs->Read(offset * es, c * es, step.get());
-        } else {
-          std::memcpy(step.get(), in + offset * es, c * es);
-        }
+        from.Read(offset * es, c * es, step.get());
         // Lane by lane in increasing order, as every rank alone on its host does: two of them
         // share one connection in every lane, and frames of equal parts carry the same tag.
         for (int j = 0; j < owners; ++j) {
@@ -501,11 +517,7 @@ class HierarchicalPlanner final : public ring::Planner {
           all_reduce_in(lane, slice, part.length);
           if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, slice, part.length, world);
         }
-        if (runs != nullptr) {
-          runs->Write(offset * es, step.get(), c * es);
-        } else {
-          std::memcpy(out + offset * es, step.get(), c * es);
-        }
+        recv.Write(offset * es, step.get(), c * es);
         offset += c;
       }
     };
@@ -536,12 +548,12 @@ class HierarchicalPlanner final : public ring::Planner {
   const Topology topology_;
   const std::unique_ptr<ShmGroup> group_;  // null without shared memory
   const Plan plan_;
-  const bool forced_;  // options.algorithm named the plan
-  const bool uniform_;       // every host has as many ranks
-  const size_t slot_bytes_;  // the groups' steps (two levels)
+  const bool forced_;             // options.algorithm named the plan
+  const bool uniform_;            // every host has as many ranks
+  const size_t slot_bytes_;       // the groups' steps (two levels)
   const size_t shm_small_bytes_;  // the groups' small all-reduces (two levels)
   const size_t small_message_bytes_;
-  int lanes_ = 0;                 // the local indices that cross hosts (two levels)
+  int lanes_ = 0;  // the local indices that cross hosts (two levels)
   // This rank's lane, one rank per host (empty past the lanes, and for a rank alone on its host).
   std::vector<int> cross_ranks_;
   std::vector<std::vector<int>> lone_lanes_;  // every lane, for a rank alone on its host

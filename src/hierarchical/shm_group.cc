@@ -162,10 +162,10 @@ std::string CreatorMark(uint64_t pid_namespace) {
 
 // Removes the names a creator left in /dev/shm when it was killed before every member attached
 // (nothing of a killed process runs to remove them, and each holds a whole segment of tmpfs
-// pages). Only names this user owns, of a creator in this process's pid namespace that no longer
-// exists: a name of a live creator, of another namespace (another container sharing /dev/shm,
-// whose pids mean nothing here) or without the mark is never touched. A group being set up under
-// a dead creator's name cannot complete anyway; members already attached keep their mapping.
+// pages). Only names this user owns, of a creator in this process's pid namespace that is gone: a
+// name of a live creator, of another namespace (another container sharing /dev/shm, whose pids mean
+// nothing here) or without the mark is never touched. A group being set up under a dead creator's
+// name cannot complete anyway; members already attached keep their mapping.
 void RemoveNamesOfDeadCreators() {
   const uint64_t pid_namespace = PidNamespace();
   if (pid_namespace == 0) return;
@@ -580,8 +580,8 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
             // Published, as every failure of the set-up, before the name goes: a member that has
             // not opened it yet finds it gone, and raises this rather than its own "no such
             // file" (which it would publish first if the name went first).
-            const Error died = report(Error(ErrorCode::kPeerLost,
-                                            prefix + "rank " + std::to_string(members[i]) +
+            const Error died = report(
+                Error(ErrorCode::kPeerLost, prefix + "rank " + std::to_string(members[i]) +
                                                 " died while attaching to segment " + seg.name +
                                                 " (" + kDiedInSharedMemory + ")"));
             shm_unlink(seg.name.c_str());
@@ -853,7 +853,7 @@ void ShmGroup::Abort(const Error& error) {
   // Broken already, by a member that may not have written why yet (stalled: stopped, in a
   // debugger): a call of this member waiting for it in BrokenError, until its deadline, raises
   // this error at once instead, as a given-up wait's does (the breaker's replaces it once
-  // written). Before, the Abort did nothing and the call waited out its deadline.
+  // written), rather than wait out its deadline.
   Header& header = segment_->header();
   {
     std::lock_guard<std::mutex> lock(given_up_mu_);
@@ -868,78 +868,65 @@ void ShmGroup::BreakHalfwayForTesting() { BeginBreaking(); }
 
 void ShmGroup::FinishBreakingForTesting(const Error& error) { WriteBroken(error); }
 
-// The caller's side of an all-reduce: `send` read and `recv` written, one buffer each (which may
-// be the same), or a message in place in pieces. ForEachRun(offset, bytes, fn) calls
-// fn(in, out, at, run) for each stretch of the message's bytes [offset, offset + bytes) that lies
-// in one buffer: `run` bytes at `in` (read) and `out` (written), `at` bytes past `offset`. One
-// buffer is one call.
-class ShmGroup::Message {
- public:
-  Message(const void* send, void* recv)
-      : in_(static_cast<const uint8_t*>(send)), out_(static_cast<uint8_t*>(recv)) {}
-  explicit Message(const Pieces& pieces) : pieces_(&pieces) {}
+namespace {
 
-  template <typename Fn>
-  void ForEachRun(size_t offset, size_t bytes, Fn&& fn) const {
-    if (bytes == 0) return;
-    if (pieces_ == nullptr) {
-      fn(in_ + offset, out_ + offset, size_t{0}, bytes);
-      return;
-    }
-    size_t at = 0;
-    pieces_->ForEach(offset, bytes, [&](uint8_t* data, size_t run) {
+// Calls fn(in, out, at, n) for each stretch of bytes [offset, offset + bytes) of a message read
+// from `send` and written into `recv` that lies in one run of each: n bytes at `in` and `out`,
+// `at` bytes past `offset`. Two buffers are one call, and a message in place (one Runs as both)
+// one call per run.
+template <typename Fn>
+void ForEachRun(const core::Runs& send, const core::Runs& recv, size_t offset, size_t bytes,
+                Fn&& fn) {
+  if (bytes == 0) return;
+  if (send.contiguous() && recv.contiguous()) {
+    fn(send.data() + offset, recv.data() + offset, size_t{0}, bytes);
+    return;
+  }
+  size_t at = 0;
+  if (&send == &recv) {
+    recv.ForEach(offset, bytes, [&](uint8_t* data, size_t run) {
       fn(data, data, at, run);
       at += run;
     });
+    return;
   }
-  // Bytes [offset, offset + bytes) of the input into `to`.
-  void Read(size_t offset, uint8_t* to, size_t bytes) const {
-    ForEachRun(offset, bytes, [to](const uint8_t* in, uint8_t*, size_t at, size_t run) {
-      std::memcpy(to + at, in, run);
-    });
+  while (at < bytes) {
+    const auto [in, in_run] = send.At(offset + at);
+    const auto [out, out_run] = recv.At(offset + at);
+    const size_t run = std::min({bytes - at, in_run, out_run});
+    fn(in, out, at, run);
+    at += run;
   }
-  // `from` into bytes [offset, offset + bytes) of the output.
-  void Write(size_t offset, const uint8_t* from, size_t bytes) const {
-    ForEachRun(offset, bytes, [from](const uint8_t*, uint8_t* out, size_t at, size_t run) {
-      std::memcpy(out, from + at, run);
-    });
-  }
-
- private:
-  const uint8_t* in_ = nullptr;
-  uint8_t* out_ = nullptr;
-  const Pieces* pieces_ = nullptr;
-};
-
-void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                         void* recv, size_t count, DataType dtype, ReduceOp op,
-                         const SliceHook& cross, size_t avg_divisor, int lanes) {
-  RunAllReduce(tag, deadline, Message(send, recv), count, dtype, op, cross, avg_divisor, lanes);
 }
 
-void ShmGroup::AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline,
-                                 const Pieces& pieces, DataType dtype, ReduceOp op,
-                                 const SliceHook& cross, size_t avg_divisor, int lanes) {
+}  // namespace
+
+void ShmGroup::AllReduce(const core::CallTag& tag, Clock::time_point deadline,
+                         const core::Runs& send, const core::Runs& recv, DataType dtype,
+                         ReduceOp op, const TwoLevelHooks& hooks) {
   // Refused on this member alone, before any step (the others would wait for it until their
   // deadline): the ring's entry hands over whole elements of a known dtype only.
   const size_t es = SizeOf(dtype);
-  pieces.ForEach(0, pieces.bytes(), [&](const uint8_t* data, size_t bytes) {
+  const auto check = [&](const uint8_t* data, size_t bytes) {
     if (bytes % es != 0 || data == nullptr) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "rank " + std::to_string(rank_) + ": all_reduce in pieces: a piece of " +
+                  "rank " + std::to_string(rank_) + ": all_reduce in runs: a run of " +
                       std::to_string(bytes) + " bytes is not a whole number of " + ToString(dtype) +
                       " elements, or has no data");
     }
-  });
-  RunAllReduce(tag, deadline, Message(pieces), pieces.bytes() / es, dtype, op, cross, avg_divisor,
-               lanes);
-}
-
-void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline,
-                            const Message& message, size_t count, DataType dtype, ReduceOp op,
-                            const SliceHook& cross, size_t avg_divisor, int lanes) {
+  };
+  send.ForEach(0, send.bytes(), check);
+  if (&recv != &send) recv.ForEach(0, recv.bytes(), check);
+  if (send.bytes() != recv.bytes()) {
+    throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": all_reduce of " +
+                                          std::to_string(send.bytes()) + " bytes into " +
+                                          std::to_string(recv.bytes()));
+  }
+  const size_t count = recv.bytes() / es;
+  const auto& cross = hooks.cross;
+  const size_t avg_divisor = hooks.avg_divisor;
+  const int lanes = hooks.lanes;
   Step step(*this, tag, deadline);
-  const size_t es = SizeOf(dtype);
   const int n = size();
   const int me = index_;
   const ReduceOp kernel_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
@@ -949,10 +936,10 @@ void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline
     // One synchronisation: everyone reduces everything, in member order, so the results are
     // identical bit for bit.
     const uint32_t s = step.Begin(true);
-    message.Read(0, step.own_slot(s), count * es);
+    send.Read(0, count * es, step.own_slot(s));
     step.Arrive(s);
     step.AwaitEveryArrival(s);
-    message.ForEachRun(0, count * es, [&](const uint8_t*, uint8_t* out, size_t at, size_t run) {
+    ForEachRun(send, recv, 0, count * es, [&](const uint8_t*, uint8_t* out, size_t at, size_t run) {
       const size_t c = run / es;
       if (n == 1) {
         std::memmove(out, step.slot(0, s) + at, run);
@@ -989,10 +976,10 @@ void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline
     const Part own = part_of(c, me);
     const size_t own_begin = own.offset * es, own_end = (own.offset + own.length) * es;
     if (cross) {
-      message.Read(step_begin, mine, c * es);
+      send.Read(step_begin, c * es, mine);
     } else {
-      message.Read(step_begin, mine, own_begin);
-      message.Read(step_begin + own_end, mine + own_end, c * es - own_end);
+      send.Read(step_begin, own_begin, mine);
+      send.Read(step_begin + own_end, c * es - own_end, mine + own_end);
     }
     step.Arrive(s);
     step.AwaitEveryArrival(s);
@@ -1012,15 +999,14 @@ void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline
       reduce_own(acc, acc, 0, own.length);
       cross(acc, own.length);
       if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, acc, own.length, divisor);
-      message.Write(step_begin + own_begin, acc, own.length * es);
+      recv.Write(step_begin + own_begin, acc, own.length * es);
     } else if (own.length != 0) {
-      message.ForEachRun(step_begin + own_begin, own.length * es,
-                         [&](const uint8_t* in, uint8_t* out, size_t at, size_t run) {
-                           reduce_own(out, in, at, run / es);
-                           if (op == ReduceOp::kAvg)
-                             core::DivideInPlace(dtype, out, run / es, divisor);
-                           std::memcpy(mine + own_begin + at, out, run);
-                         });
+      ForEachRun(send, recv, step_begin + own_begin, own.length * es,
+                 [&](const uint8_t* in, uint8_t* out, size_t at, size_t run) {
+                   reduce_own(out, in, at, run / es);
+                   if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, out, run / es, divisor);
+                   std::memcpy(mine + own_begin + at, out, run);
+                 });
     }
     step.Reduced(s);
     for (int k = 1; k < n; ++k) {
@@ -1028,30 +1014,20 @@ void ShmGroup::RunAllReduce(const core::CallTag& tag, Clock::time_point deadline
       const Part part = part_of(c, j);
       if (part.length == 0) continue;
       step.AwaitReduced(j, s);
-      message.Write(step_begin + part.offset * es, step.slot(j, s) + part.offset * es,
-                    part.length * es);
+      recv.Write(step_begin + part.offset * es, step.slot(j, s) + part.offset * es,
+                 part.length * es);
     }
     step.Done(s);
     offset += c;
   } while (offset < count);
 }
 
-void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send,
-                         void* recv, size_t bytes, int root, const ChunkSource& fill,
-                         const std::function<void()>& before_arrive) {
-  RunBroadcast(tag, deadline, Message(send, recv), bytes, root, fill, before_arrive);
-}
-
-void ShmGroup::BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline,
-                                 const Pieces& pieces, int root,
-                                 const std::function<void(uint8_t*, size_t, size_t)>& fill,
-                                 const std::function<void()>& before_arrive) {
-  RunBroadcast(tag, deadline, Message(pieces), pieces.bytes(), root, fill, before_arrive);
-}
-
-void ShmGroup::RunBroadcast(const core::CallTag& tag, Clock::time_point deadline,
-                            const Message& message, size_t bytes, int root, const ChunkSource& fill,
-                            const std::function<void()>& before_arrive) {
+void ShmGroup::Broadcast(const core::CallTag& tag, Clock::time_point deadline,
+                         const core::Runs& send, const core::Runs& recv, int root,
+                         const TwoLevelHooks& hooks) {
+  const size_t bytes = recv.bytes();
+  const auto& fill = hooks.fill;
+  const auto& before_arrive = hooks.before_arrive;
   Step step(*this, tag, deadline);
   const bool is_root = root == index_;
   size_t offset = 0;
@@ -1066,16 +1042,16 @@ void ShmGroup::RunBroadcast(const core::CallTag& tag, Clock::time_point deadline
       if (fill) {
         fill(slot, offset, c);
       } else {
-        message.Read(offset, slot, c);
+        send.Read(offset, c, slot);
       }
       if (offset == 0 && before_arrive) before_arrive();
       step.Arrive(s);
       step.AwaitEveryArrival(s);
       step.Reduced(s);
       if (fill) {
-        message.Write(offset, slot, c);
+        recv.Write(offset, slot, c);
       } else {
-        message.ForEachRun(offset, c, [](const uint8_t* in, uint8_t* out, size_t, size_t run) {
+        ForEachRun(send, recv, offset, c, [](const uint8_t* in, uint8_t* out, size_t, size_t run) {
           if (in != out) std::memcpy(out, in, run);
         });
       }
@@ -1084,7 +1060,7 @@ void ShmGroup::RunBroadcast(const core::CallTag& tag, Clock::time_point deadline
       step.Arrive(s);
       step.AwaitArrival(root, s);
       step.AwaitReduced(root, s);
-      message.Write(offset, step.slot(root, s), c);
+      recv.Write(offset, step.slot(root, s), c);
     }
     step.Done(s);
     offset += c;
@@ -1112,9 +1088,10 @@ void ShmGroup::AllGather(const core::CallTag& tag, Clock::time_point deadline, c
   } while (offset < bytes);
 }
 
-void ShmGroup::AllGatherPieces(const core::CallTag& tag, Clock::time_point deadline, void* recv,
-                               size_t block_bytes, int parts, const ChunkSource& fill,
-                               const RankOf& rank_of) {
+void ShmGroup::AllGatherAcross(const core::CallTag& tag, Clock::time_point deadline, void* recv,
+                               size_t block_bytes, int parts, const TwoLevelHooks& hooks) {
+  const auto& fill = hooks.fill;
+  const auto& rank_of = hooks.rank_of;
   Step step(*this, tag, deadline);
   auto* out = static_cast<uint8_t*>(recv);
   const int n = size();
@@ -1138,28 +1115,30 @@ void ShmGroup::AllGatherPieces(const core::CallTag& tag, Clock::time_point deadl
 
 void ShmGroup::ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                              void* recv, size_t count, DataType dtype, ReduceOp op) {
-  RunReduceScatter(tag, deadline, send, recv, count, dtype, op, {}, {}, size_t(size()));
+  RunReduceScatter(tag, deadline, send, recv, count, dtype, op, TwoLevelHooks{});
 }
 
 void ShmGroup::ReduceScatterAcross(const core::CallTag& tag, Clock::time_point deadline,
                                    const void* send, void* recv, size_t count, DataType dtype,
-                                   ReduceOp op, const std::vector<int>& order,
-                                   const LaneHook& cross, size_t avg_divisor) {
+                                   ReduceOp op, const TwoLevelHooks& hooks) {
   const size_t es = SizeOf(dtype);
-  const size_t blocks = order.size();
-  if (blocks == 0 || blocks % size_t(size()) != 0 || blocks * es > slot_bytes_ || !cross) {
+  const size_t blocks = hooks.order.size();
+  if (blocks == 0 || blocks % size_t(size()) != 0 || blocks * es > slot_bytes_ ||
+      !hooks.cross_lane) {
     throw Error(ErrorCode::kInternal,
                 "rank " + std::to_string(rank_) +
                     ": reduce_scatter across hosts: " + std::to_string(blocks) + " blocks of " +
                     std::to_string(es) + "-byte elements do not fit the members' lanes and slots");
   }
-  RunReduceScatter(tag, deadline, send, recv, count, dtype, op, order, cross, avg_divisor);
+  RunReduceScatter(tag, deadline, send, recv, count, dtype, op, hooks);
 }
 
 void ShmGroup::RunReduceScatter(const core::CallTag& tag, Clock::time_point deadline,
                                 const void* send, void* recv, size_t count, DataType dtype,
-                                ReduceOp op, const std::vector<int>& order, const LaneHook& cross,
-                                size_t avg_divisor) {
+                                ReduceOp op, const TwoLevelHooks& hooks) {
+  const std::span<const int> order = hooks.order;
+  const auto& cross = hooks.cross_lane;
+  const size_t avg_divisor = hooks.avg_divisor != 0 ? hooks.avg_divisor : size_t(size());
   Step step(*this, tag, deadline);
   const size_t es = SizeOf(dtype);
   const auto* in = static_cast<const uint8_t*>(send);

@@ -25,8 +25,8 @@
 // itself (one synchronisation instead of two). Broadcast: the root copies in, the others out.
 // All-gather: each copies its block in, and all blocks out. Reduce-scatter: each copies its
 // chunk of every block in and reduces its own block from all slots. The all-reduce and the
-// broadcast also take their message in pieces (AllReduceInPieces, BroadcastInPieces: the
-// packer's fused bucket, its tensors as they lie), copied into and out of the slots directly.
+// broadcast take their message as core::Runs (one buffer, or the packer's fused bucket, its
+// tensors as they lie), copied into and out of the slots directly.
 //
 // Checks: every step carries the call's tag (sequence number and descriptor); a member that
 // finds another member's tag different breaks the group with Error(kMismatch) naming both calls,
@@ -48,6 +48,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -61,8 +62,8 @@ namespace collectives::hierarchical {
 
 using Clock = std::chrono::steady_clock;
 
-// Bytes of one data slot when the options say 0: 1 MiB kept the copies in the last-level cache
-// on the development machine while cutting a 64 MiB call into only 64 steps.
+// Bytes of one data slot when the options say 0: 1 MiB keeps a step's copies in the last-level
+// cache of a common host while a 64 MiB call takes only 64 steps.
 inline constexpr size_t kDefaultSlotBytes = 1 << 20;
 // All-reduces of at most this many bytes use the one-synchronisation algorithm.
 inline constexpr size_t kDefaultShmSmallBytes = 16 * 1024;
@@ -97,12 +98,43 @@ struct ShmGroupOptions {
   // Names the segment, with `key_prefix` (the communicator's key space in the store).
   std::string job_id = "collectives";
   std::string key_prefix = "collectives";
-  size_t slot_bytes = kDefaultSlotBytes;  // at most kMaxSlotBytes (Create: kInvalidArgument)
+  size_t slot_bytes = kDefaultSlotBytes;       // at most kMaxSlotBytes (Create: kInvalidArgument)
   size_t small_bytes = kDefaultShmSmallBytes;  // a group takes at most its slot_bytes
   // How long a waiter busy-polls before it sleeps.
   std::chrono::microseconds spin{50};
   // Set-up limit, for all of it together (store lookups, waiting for every member to attach).
   std::chrono::milliseconds timeout{60'000};
+};
+
+// What the two-level plan adds to a ShmGroup call: the hooks through which it crosses hosts
+// and the figures that cut the work alike on every host. Each collective reads the fields
+// named in its comment; a default TwoLevelHooks keeps the call inside the host. The hooks run
+// on the calling thread, during the call.
+struct TwoLevelHooks {
+  // AllReduce: called on every slice this member reduced (in shared memory, op applied, kAvg
+  // not yet divided) before the members read it; the plan all-reduces it across hosts there.
+  std::function<void(void* slice, size_t count)> cross;
+  // AllReduce and ReduceScatterAcross: kAvg divides by avg_divisor (0: size()).
+  size_t avg_divisor = 0;
+  // AllReduce with `cross`: the first `lanes` members (0: all) reduce a slice each of every
+  // step, cut alike on every host that has as many lanes (and by a rank alone on its host,
+  // CrossingOwners and PartOf), the others none; the first member alone reduces a message of
+  // at most small_bytes().
+  int lanes = 0;
+  // Broadcast (root member) and AllGatherAcross: fill(slot, offset, bytes) puts each step into
+  // this member's slot instead of a copy from send (the plan receives it from another host,
+  // or sends it out, there).
+  std::function<void(uint8_t* slot, size_t offset, size_t bytes)> fill;
+  // Broadcast: called by every member once, before it arrives at the first step (the root
+  // after its first fill): no member writes into recv before every member's hook returned
+  // (the plan waits there for its check across hosts).
+  std::function<void()> before_arrive;
+  // AllGatherAcross: the rank whose block part h of member j's slot holds.
+  std::function<size_t(int part, int member)> rank_of;
+  // ReduceScatterAcross: the blocks of send in lane order, and cross_lane(partial, c, out),
+  // which reduces a lane's partial sums across hosts into recv (see ReduceScatterAcross).
+  std::span<const int> order;
+  std::function<void(uint8_t* partial, size_t count, uint8_t* out)> cross_lane;
 };
 
 class ShmGroup {
@@ -130,70 +162,54 @@ class ShmGroup {
   // throws Error (kMismatch, kPeerLost, kTimeout past `deadline`, kAborted) after breaking the
   // group so that every member raises.
 
-  // recv = op over members of send (count elements). `cross`, when given, is called on every
-  // slice this member reduced (in shared memory, op applied, kAvg not yet divided) before the
-  // members read it: the two-level plan all-reduces it across hosts there. kAvg divides by
-  // `avg_divisor` (0: size()). With `cross`, the first `lanes` members (0: all of them) reduce
-  // a slice each of every step, cut alike on every host that has as many lanes (and by a rank
-  // alone on its host, CrossingOwners and PartOf), and the others none; the first member alone
-  // reduces a message of at most small_bytes().
-  using SliceHook = std::function<void(void* slice, size_t count)>;
+  // recv = op over members of send, each `dtype` elements back to back (recv.bytes() / size of
+  // dtype of them; send.bytes() the same). Passing one Runs as both runs the call in place on
+  // it (the packer's fused bucket): each member copies its runs into its slot and the results
+  // from the slots back into them, with no buffer of its own in between, and ends with the bits
+  // of the same call on one buffer. Every run is a whole number of elements with data, else
+  // Error(kInvalidArgument) before any step. Reads hooks.cross, avg_divisor and lanes.
+  void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const core::Runs& send,
+                 const core::Runs& recv, DataType dtype, ReduceOp op,
+                 const TwoLevelHooks& hooks = {});
+  // The same on one buffer each (a Runs of one run: no allocation).
   void AllReduce(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
-                 size_t count, DataType dtype, ReduceOp op, const SliceHook& cross = {},
-                 size_t avg_divisor = 0, int lanes = 0);
-  // The same all-reduce in place on a message in `pieces`: their bytes back to back, each a
-  // whole number of elements of `dtype` (the packer's fused bucket). Each member copies its
-  // pieces into its slot and the results from the slots back into them, with no buffer of its
-  // own in between, and every member ends with the bits the one-buffer form gives for the same
-  // message (with the same `cross`, `avg_divisor` and `lanes`). Built before the call (Add
-  // allocates; the call does not).
-  using Pieces = core::Runs;
-  void AllReduceInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
-                         DataType dtype, ReduceOp op, const SliceHook& cross = {},
-                         size_t avg_divisor = 0, int lanes = 0);
-  // Broadcast (below) in place on a message in `pieces`: the root member copies its pieces into
-  // its slot (or `fill` puts each step there, as below), the others copy the slot into theirs.
-  void BroadcastInPieces(const core::CallTag& tag, Clock::time_point deadline, const Pieces& pieces,
-                         int root, const std::function<void(uint8_t*, size_t, size_t)>& fill = {},
-                         const std::function<void()>& before_arrive = {});
-  // recv = the root member's send (`root` is a member index). `fill`, when given, is called by
-  // the root member for every step instead of copying from send: fill(slot, offset, bytes) puts
-  // bytes [offset, offset + bytes) of the message into the slot (the two-level plan receives
-  // them from another host there, or sends them out). `before_arrive`, when given, is called by
-  // every member once, before it arrives at the first step (the root after its first fill): no
-  // member writes into recv before every member's call returned (the two-level plan waits there
-  // for its check across hosts).
-  using ChunkSource = std::function<void(uint8_t* slot, size_t offset, size_t bytes)>;
+                 size_t count, DataType dtype, ReduceOp op, const TwoLevelHooks& hooks = {}) {
+    const size_t bytes = count * SizeOf(dtype);
+    AllReduce(tag, deadline, core::Runs(send, bytes), core::Runs(recv, bytes), dtype, op, hooks);
+  }
+  // recv = the root member's send (`root` is a member index; recv.bytes() of them, send read by
+  // the root only; one Runs as both: in place). With hooks.fill the root member fills its slot
+  // for every step instead of copying from send; hooks.before_arrive as described there.
+  void Broadcast(const core::CallTag& tag, Clock::time_point deadline, const core::Runs& send,
+                 const core::Runs& recv, int root, const TwoLevelHooks& hooks = {});
   void Broadcast(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
-                 size_t bytes, int root, const ChunkSource& fill = {},
-                 const std::function<void()>& before_arrive = {});
+                 size_t bytes, int root, const TwoLevelHooks& hooks = {}) {
+    Broadcast(tag, deadline, core::Runs(send, bytes), core::Runs(recv, bytes), root, hooks);
+  }
   // recv = the members' send blocks (bytes each) in member order.
   void AllGather(const core::CallTag& tag, Clock::time_point deadline, const void* send, void* recv,
                  size_t bytes);
-  // The inside half of a two-level all-gather. Every step, fill(slot, offset, bytes) puts
-  // `parts` pieces of `bytes` into this member's slot (piece h: bytes [offset, offset + bytes)
-  // of block `rank_of(h, index())`, gathered across hosts); then every member copies every
-  // member's pieces out, piece h of member j to recv + rank_of(h, j) * block_bytes + offset.
-  using RankOf = std::function<size_t(int piece, int member)>;
-  void AllGatherPieces(const core::CallTag& tag, Clock::time_point deadline, void* recv,
-                       size_t block_bytes, int parts, const ChunkSource& fill,
-                       const RankOf& rank_of);
+  // The inside half of a two-level all-gather. Every step, hooks.fill(slot, offset, bytes) puts
+  // `parts` parts of `bytes` into this member's slot (part h: bytes [offset, offset + bytes) of
+  // block `rank_of(h, index())`, gathered across hosts); then every member copies every member's
+  // parts out, part h of member j to recv + hooks.rank_of(h, j) * block_bytes + offset.
+  void AllGatherAcross(const core::CallTag& tag, Clock::time_point deadline, void* recv,
+                       size_t block_bytes, int parts, const TwoLevelHooks& hooks);
   // recv (count elements) = block index() of op over members of send (size() * count).
   void ReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                      void* recv, size_t count, DataType dtype, ReduceOp op);
-  // The inside half of a two-level reduce-scatter: send holds order.size() blocks of `count`
-  // elements (one per rank of the world; order.size() a multiple of size(), at most slot_bytes()
-  // / element size), and member j's lane is the blocks order[j * k, (j + 1) * k) for k =
+  // The inside half of a two-level reduce-scatter: send holds hooks.order.size() blocks of
+  // `count` elements (one per rank of the world; a multiple of size(), at most slot_bytes() /
+  // element size), and member j's lane is the blocks order[j * k, (j + 1) * k) for k =
   // order.size() / size(). Every step each member copies the step's elements of every block into
   // its slot in that order, reduces its lane's over the members (op; kAvg as kSum) and calls
-  // cross(partial, c, out): the lane's k parts of c elements back to back, to be reduced across
-  // hosts into the c elements of this rank's block at `out` (recv + the step's offset). kAvg then
-  // divides those by `avg_divisor`. Nothing is written into recv but by `cross`.
-  using LaneHook = std::function<void(uint8_t* partial, size_t count, uint8_t* out)>;
+  // hooks.cross_lane(partial, c, out): the lane's k parts of c elements back to back, to be
+  // reduced across hosts into the c elements of this rank's block at `out` (recv + the step's
+  // offset). kAvg then divides those by hooks.avg_divisor. Nothing is written into recv but by
+  // cross_lane.
   void ReduceScatterAcross(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                            void* recv, size_t count, DataType dtype, ReduceOp op,
-                           const std::vector<int>& order, const LaneHook& cross,
-                           size_t avg_divisor);
+                           const TwoLevelHooks& hooks);
   void Barrier(const core::CallTag& tag, Clock::time_point deadline);
 
   // This member runs the call `tag` outside the group (over TCP only). A member waiting in the
@@ -223,17 +239,10 @@ class ShmGroup {
 
   class Step;
   friend class Step;
-  class Message;
-  void RunAllReduce(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
-                    size_t count, DataType dtype, ReduceOp op, const SliceHook& cross,
-                    size_t avg_divisor, int lanes);
-  // ReduceScatter (no `order`, no `cross`) and ReduceScatterAcross.
+  // ReduceScatter (no hooks) and ReduceScatterAcross.
   void RunReduceScatter(const core::CallTag& tag, Clock::time_point deadline, const void* send,
                         void* recv, size_t count, DataType dtype, ReduceOp op,
-                        const std::vector<int>& order, const LaneHook& cross, size_t avg_divisor);
-  void RunBroadcast(const core::CallTag& tag, Clock::time_point deadline, const Message& message,
-                    size_t bytes, int root, const ChunkSource& fill,
-                    const std::function<void()>& before_arrive);
+                        const TwoLevelHooks& hooks);
   // The error that broke the group, as this member raises it (waiting for it until `deadline`
   // at most, see BreakHalfwayForTesting).
   Error BrokenError(Clock::time_point deadline) const;

@@ -57,52 +57,46 @@ void CopyUnlessSame(void* dst, const void* src, size_t bytes) {
   if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
 }
 
-// Where an algorithm reads or writes the caller's message: one buffer (`data`), or a message in
-// runs (the packer's bucket of tensors, core::Runs) from its byte `offset` on. Runs are
-// whole elements, so every element lies in one run. Staging is always one buffer.
-struct Buffer {
-  uint8_t* data = nullptr;
+// Byte `offset` of a message (core::Runs): the caller's buffers, its runs in place (the packer's
+// bucket), or staging, which is one run. Runs are whole elements, so every element lies in one
+// run. A message of one run is addressed without a search, and a frame from or into it takes the
+// connection's one-buffer form.
+struct Place {
   const core::Runs* runs = nullptr;
   size_t offset = 0;
 
-  Buffer() = default;
-  Buffer(uint8_t* d) : data(d) {}  // NOLINT(google-explicit-constructor): staging and buffers
-  Buffer(const uint8_t* d) : data(const_cast<uint8_t*>(d)) {}  // NOLINT: read only, like above
-  Buffer(const core::Runs& r, size_t o) : runs(&r), offset(o) {}
+  Place() = default;
+  Place(const core::Runs& r, size_t o) : runs(&r), offset(o) {}
 
-  bool none() const { return data == nullptr && runs == nullptr; }
-  Buffer operator+(size_t bytes) const {
-    Buffer b = *this;
-    if (runs != nullptr) {
-      b.offset += bytes;
-    } else {
-      b.data += bytes;
-    }
-    return b;
-  }
-  bool operator==(const Buffer& other) const {
-    return data == other.data && runs == other.runs && offset == other.offset;
+  bool none() const { return runs == nullptr; }
+  Place operator+(size_t bytes) const { return Place(*runs, offset + bytes); }
+  // The same bytes: the same place of one message, or the same address of two buffers (a call
+  // in place on one buffer names it twice).
+  bool operator==(const Place& other) const {
+    if (runs == other.runs) return offset == other.offset;
+    return runs != nullptr && other.runs != nullptr && runs->contiguous() &&
+           other.runs->contiguous() && runs->data() + offset == other.runs->data() + other.offset;
   }
   // The address of this byte, and how many bytes follow it contiguously (SIZE_MAX: one buffer).
   std::pair<uint8_t*, size_t> Contiguous() const {
-    if (runs == nullptr) return {data, SIZE_MAX};
+    if (runs->contiguous()) return {runs->data() + offset, SIZE_MAX};
     return runs->At(offset);
   }
 };
 
-uint64_t Send(Connection& to, const core::CallTag& tag, Buffer from, size_t bytes) {
-  if (from.runs != nullptr) return to.PostSend(tag, *from.runs, from.offset, bytes);
-  return to.PostSend(tag, from.data, bytes);
+uint64_t Send(Connection& to, const core::CallTag& tag, Place from, size_t bytes) {
+  if (!from.runs->contiguous()) return to.PostSend(tag, *from.runs, from.offset, bytes);
+  return to.PostSend(tag, from.runs->data() + from.offset, bytes);
 }
-uint64_t Recv(Connection& from, const core::CallTag& tag, Buffer to, size_t bytes) {
-  if (to.runs != nullptr) return from.PostRecv(tag, *to.runs, to.offset, bytes);
-  return from.PostRecv(tag, to.data, bytes);
+uint64_t Recv(Connection& from, const core::CallTag& tag, Place to, size_t bytes) {
+  if (!to.runs->contiguous()) return from.PostRecv(tag, *to.runs, to.offset, bytes);
+  return from.PostRecv(tag, to.runs->data() + to.offset, bytes);
 }
 
 // Calls f(uint8_t* a, uint8_t* b, uint8_t* c, size_t bytes) over `bytes` of three buffers, in
 // spans that are contiguous in all three.
 template <typename F>
-void ForEachSpan(size_t bytes, Buffer a, Buffer b, Buffer c, F f) {
+void ForEachSpan(size_t bytes, Place a, Place b, Place c, F f) {
   while (bytes > 0) {
     const auto [pa, na] = a.Contiguous();
     const auto [pb, nb] = b.Contiguous();
@@ -116,20 +110,20 @@ void ForEachSpan(size_t bytes, Buffer a, Buffer b, Buffer c, F f) {
   }
 }
 
-// core::Reduce and DivideInPlace on Buffers.
-void Reduce(DataType dtype, ReduceOp op, Buffer out, Buffer a, Buffer b, size_t count) {
+// core::Reduce and DivideInPlace on Places.
+void Reduce(DataType dtype, ReduceOp op, Place out, Place a, Place b, size_t count) {
   const size_t es = SizeOf(dtype);
   ForEachSpan(count * es, out, a, b, [&](uint8_t* o, uint8_t* x, uint8_t* y, size_t n) {
     core::Reduce(dtype, op, o, x, y, n / es);
   });
 }
-void DivideInPlace(DataType dtype, Buffer data, size_t count, size_t n) {
+void DivideInPlace(DataType dtype, Place data, size_t count, size_t n) {
   const size_t es = SizeOf(dtype);
   ForEachSpan(count * es, data, data, data, [&](uint8_t* d, uint8_t*, uint8_t*, size_t bytes) {
     core::DivideInPlace(dtype, d, bytes / es, n);
   });
 }
-void CopyUnlessSame(Buffer dst, Buffer src, size_t bytes) {
+void CopyUnlessSame(Place dst, Place src, size_t bytes) {
   if (dst == src) return;
   ForEachSpan(bytes, dst, src, src,
               [](uint8_t* d, uint8_t* s, uint8_t*, size_t n) { std::memcpy(d, s, n); });
@@ -165,7 +159,7 @@ class ReceiveWindow {
 };
 
 struct Destination {
-  Buffer data;
+  Place data;
   size_t bytes;
 };
 
@@ -191,7 +185,7 @@ struct Destination {
 // checks it against its own call: a chain of equal calls through all n ranks. A rank whose call
 // differs breaks every such chain, so no rank reaches its first write into `out`, and all learn
 // of the mismatch from the abort of the rank that saw it.
-void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, DataType dtype,
+void ReduceScatterBlocks(Context& ctx, Place send, Split blocks, Place out, DataType dtype,
                          ReduceOp op) {
   constexpr size_t kSlices = kStagingSlots / 2;
   const int n = ctx.size();
@@ -204,7 +198,6 @@ void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, Da
   // (the first), so a large chunk_bytes does not stage more than the call moves.
   const size_t slot_bytes =
       std::min(slice_elems, std::max<size_t>(1, CeilDiv(blocks.Length(0), kSlices))) * es;
-  uint8_t* staging = ctx.staging.Get(slot_bytes * kStagingSlots);
   const size_t steps = static_cast<size_t>(n - 1);
   const size_t items = iterations * steps * kSlices;  // as many sends as receives
 
@@ -218,7 +211,8 @@ void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, Da
     const Split slices{std::min(length, begin + iteration_elems) - begin, kSlices};
     return Range{begin + slices.Offset(t % kSlices), slices.Length(t % kSlices)};
   };
-  auto slot = [&](size_t t) { return staging + (t % kStagingSlots) * slot_bytes; };
+  const core::Runs slots(ctx.staging.Get(slot_bytes * kStagingSlots), slot_bytes * kStagingSlots);
+  auto slot = [&](size_t t) { return Place(slots, (t % kStagingSlots) * slot_bytes); };
 
   Connection& right = ctx.right();
   Connection& left = ctx.left();
@@ -241,7 +235,7 @@ void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, Da
       } else {
         const size_t source = next_send - kSlices;
         if (source >= processed) break;
-        last_send = right.PostSend(ctx.tag, slot(source), range.length * es);
+        last_send = Send(right, ctx.tag, slot(source), range.length * es);
         forward_ticket[source % kStagingSlots] = last_send;
       }
     }
@@ -260,7 +254,7 @@ void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, Da
         pending = 0;
       }
       const Range range = range_of(posted, recv_block(step_of(posted)));
-      recv_ticket[posted % kStagingSlots] = left.PostRecv(ctx.tag, slot(posted), range.length * es);
+      recv_ticket[posted % kStagingSlots] = Recv(left, ctx.tag, slot(posted), range.length * es);
     }
   };
 
@@ -271,9 +265,9 @@ void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, Da
     const size_t step = step_of(t);
     const size_t block = recv_block(step);
     const Range range = range_of(t, block);
-    const Buffer own = send + (blocks.Offset(block) + range.offset) * es;
+    const Place own = send + (blocks.Offset(block) + range.offset) * es;
     if (step + 1 == steps) {
-      const Buffer result = out + range.offset * es;
+      const Place result = out + range.offset * es;
       Reduce(dtype, op, result, own, slot(t), range.length);
       if (op == ReduceOp::kAvg) DivideInPlace(dtype, result, range.length, size_t(n));
     } else {
@@ -293,11 +287,11 @@ void ReduceScatterBlocks(Context& ctx, Buffer send, Split blocks, Buffer out, Da
 // arrived. Every block is cut into as many chunks as the largest needs, so both ends of a frame
 // agree on its size. Step 0 sends from `own_source`, so the copy of the own block (when not in
 // place) overlaps the first transfer.
-void AllGatherBlocks(Context& ctx, Buffer own_source, Buffer recv, Split blocks, size_t es,
+void AllGatherBlocks(Context& ctx, Place own_source, Place recv, Split blocks, size_t es,
                      CallAgreement* agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
-  const Buffer own = recv + blocks.Offset(size_t(r)) * es;
+  const Place own = recv + blocks.Offset(size_t(r)) * es;
   const size_t own_bytes = blocks.Length(size_t(r)) * es;
   if (n == 1) return CopyUnlessSame(own, own_source, own_bytes);
 
@@ -353,28 +347,28 @@ void AllGatherBlocks(Context& ctx, Buffer own_source, Buffer recv, Split blocks,
 // (see ReduceScatterBlocks); a mismatched call raises on every rank with `recv` untouched.
 namespace {
 
-void RingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t count, DataType dtype,
-                     ReduceOp op) {
+void RingAllReduceOn(Context& ctx, const core::Runs& send, const core::Runs& recv, size_t count,
+                     DataType dtype, ReduceOp op) {
   const int n = ctx.size();
   const size_t es = SizeOf(dtype);
-  if (n == 1) return CopyUnlessSame(recv, send, count * es);
+  if (n == 1) return CopyUnlessSame(Place(recv, 0), Place(send, 0), count * es);
   const Split blocks{count, static_cast<size_t>(n)};
-  const Buffer own = recv + blocks.Offset(size_t(ctx.rank())) * es;
-  ReduceScatterBlocks(ctx, send, blocks, own, dtype, op);
-  AllGatherBlocks(ctx, own, recv, blocks, es, /*agreement=*/nullptr);
+  const Place own = Place(recv, 0) + blocks.Offset(size_t(ctx.rank())) * es;
+  ReduceScatterBlocks(ctx, Place(send, 0), blocks, own, dtype, op);
+  AllGatherBlocks(ctx, own, Place(recv, 0), blocks, es, /*agreement=*/nullptr);
 }
 
 }  // namespace
 
 void RingAllReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                    ReduceOp op) {
-  RingAllReduceOn(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv), count, dtype,
-                  op);
+  const size_t bytes = count * SizeOf(dtype);
+  RingAllReduceOn(ctx, core::Runs(send, bytes), core::Runs(recv, bytes), count, dtype, op);
 }
 
 void RingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataType dtype,
                    ReduceOp op) {
-  RingAllReduceOn(ctx, Buffer(message, 0), Buffer(message, 0), count, dtype, op);
+  RingAllReduceOn(ctx, message, message, count, dtype, op);
 }
 
 // Recursive-doubling all-reduce.
@@ -470,8 +464,11 @@ void RecursiveDoublingAllReduce(Context& ctx, const void* send_ptr, void* recv_p
 // exchanged with, which link all p ranks, before anything is written into `recv`.
 namespace {
 
-void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t count,
-                                DataType dtype, ReduceOp op) {
+void HalvingDoublingAllReduceOn(Context& ctx, const core::Runs& send_runs,
+                                const core::Runs& recv_runs, size_t count, DataType dtype,
+                                ReduceOp op) {
+  const Place send(send_runs, 0);
+  const Place recv(recv_runs, 0);
   const int p = ctx.size();
   const int r = ctx.rank();
   const size_t es = SizeOf(dtype);
@@ -489,12 +486,15 @@ void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t c
                                      std::max<size_t>(1, span(0, p / 2).length));
   const size_t slots_bytes = slot_elems * es * kStagingSlots;
   const Range first_keep = (r & (p / 2)) == 0 ? span(0, p / 2) : span(p / 2, p);
-  uint8_t* staging = ctx.staging.Get(slots_bytes + first_keep.length * es);
-  uint8_t* acc = staging + slots_bytes;
+  // The staging slots, then `acc`.
+  const size_t staging_bytes = slots_bytes + first_keep.length * es;
+  const core::Runs staging(ctx.staging.Get(staging_bytes), staging_bytes);
+  const Place acc(staging, slots_bytes);
+  const auto slot = [&](size_t c) { return Place(staging, (c % kStagingSlots) * slot_elems * es); };
   // Where element `offset` of this rank's partial sums lives: `send` before the first step,
   // `acc` after it.
-  auto partial = [&](bool first, size_t offset) -> Buffer {
-    return first ? send + offset * es : Buffer(acc + (offset - first_keep.offset) * es);
+  auto partial = [&](bool first, size_t offset) -> Place {
+    return first ? send + offset * es : acc + (offset - first_keep.offset) * es;
   };
 
   // Sends `give` (read from `from`) to `partner` and receives the partner's frames for `take`,
@@ -503,8 +503,8 @@ void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t c
   // (the middle steps, and an in-place call's only step at p = 2), where it lands in a staging
   // slot first. Without `mine`, it lands in `to`. Landing in `to` saves a pass over the slots
   // and uses the in-place kernel; the payload is still read only after its frame's header
-  // matched this call, so the last step's first write into `recv` comes no earlier than before.
-  auto exchange = [&](Connection& partner, Buffer from, Range give, Buffer to, Buffer mine,
+  // matched this call, so the last step's first write into `recv` still follows every check.
+  auto exchange = [&](Connection& partner, Place from, Range give, Place to, Place mine,
                       Range take) {
     const bool via_slots = !mine.none() && mine == to;
     const Split give_chunks{give.length, std::max<size_t>(1, CeilDiv(give.length, slot_elems))};
@@ -515,16 +515,14 @@ void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t c
           Send(partner, ctx.tag, from + give_chunks.Offset(c) * es, give_chunks.Length(c) * es);
     }
     ReceiveWindow window(partner, ctx.tag, take_chunks.parts, [&](size_t c) {
-      const Buffer dst = via_slots ? Buffer(staging + (c % kStagingSlots) * slot_elems * es)
-                                   : to + take_chunks.Offset(c) * es;
+      const Place dst = via_slots ? slot(c) : to + take_chunks.Offset(c) * es;
       return Destination{dst, take_chunks.Length(c) * es};
     });
     for (size_t c = 0; c < take_chunks.parts; ++c) {
       window.Wait(c);
       if (!mine.none()) {
         const size_t offset = take_chunks.Offset(c) * es;
-        const Buffer theirs =
-            via_slots ? Buffer(staging + (c % kStagingSlots) * slot_elems * es) : to + offset;
+        const Place theirs = via_slots ? slot(c) : to + offset;
         // (lower rank's data) op (higher rank's data), as everywhere in this file.
         if (partner.peer() < r) {
           Reduce(dtype, op, to + offset, theirs, mine + offset, take_chunks.Length(c));
@@ -545,8 +543,8 @@ void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t c
     const Range give = keep_lower ? span(mid, hi) : span(lo, mid);
     const bool first = d == p / 2;
     // The last step writes the caller's buffer; the others, `acc` (in place after the first).
-    const Buffer to =
-        d == 1 ? recv + keep.offset * es : Buffer(acc + (keep.offset - first_keep.offset) * es);
+    const Place to =
+        d == 1 ? recv + keep.offset * es : acc + (keep.offset - first_keep.offset) * es;
     exchange(ctx.peer(r ^ d), partial(first, give.offset), give, to, partial(first, keep.offset),
              keep);
     if (keep_lower) {
@@ -566,7 +564,7 @@ void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t c
     const Range mine = span(lo, hi);
     const Range theirs = span(other_lo, other_lo + width);
     exchange(ctx.peer(r ^ d), recv + mine.offset * es, mine, recv + theirs.offset * es,
-             /*mine=*/Buffer(), theirs);
+             /*mine=*/Place(), theirs);
     lo = std::min(lo, other_lo);
     hi = lo + 2 * width;
   }
@@ -576,13 +574,14 @@ void HalvingDoublingAllReduceOn(Context& ctx, Buffer send, Buffer recv, size_t c
 
 void HalvingDoublingAllReduce(Context& ctx, const void* send, void* recv, size_t count,
                               DataType dtype, ReduceOp op) {
-  HalvingDoublingAllReduceOn(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv),
-                             count, dtype, op);
+  const size_t bytes = count * SizeOf(dtype);
+  HalvingDoublingAllReduceOn(ctx, core::Runs(send, bytes), core::Runs(recv, bytes), count, dtype,
+                             op);
 }
 
 void HalvingDoublingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataType dtype,
                               ReduceOp op) {
-  HalvingDoublingAllReduceOn(ctx, Buffer(message, 0), Buffer(message, 0), count, dtype, op);
+  HalvingDoublingAllReduceOn(ctx, message, message, count, dtype, op);
 }
 
 // Ring reduce-scatter: the blocks are the ranks' shares of `send` (count elements each), and
@@ -592,16 +591,20 @@ void RingReduceScatter(Context& ctx, const void* send, void* recv, size_t count,
                        ReduceOp op) {
   const size_t n = size_t(ctx.size());
   if (n == 1) return CopyUnlessSame(recv, send, count * SizeOf(dtype));
-  ReduceScatterBlocks(ctx, static_cast<const uint8_t*>(send), Split{n * count, n},
-                      static_cast<uint8_t*>(recv), dtype, op);
+  const size_t block_bytes = count * SizeOf(dtype);
+  const core::Runs in(send, n * block_bytes);
+  const core::Runs out(recv, block_bytes);
+  ReduceScatterBlocks(ctx, Place(in, 0), Split{n * count, n}, Place(out, 0), dtype, op);
 }
 
 // Ring all-gather: block r of `recv` (count elements) comes from `send` (see AllGatherBlocks).
 void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                    CallAgreement* agreement) {
   const size_t n = size_t(ctx.size());
-  AllGatherBlocks(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv),
-                  Split{n * count, n}, SizeOf(dtype), agreement);
+  const size_t block_bytes = count * SizeOf(dtype);
+  const core::Runs in(send, block_bytes);
+  const core::Runs out(recv, n * block_bytes);
+  AllGatherBlocks(ctx, Place(in, 0), Place(out, 0), Split{n * count, n}, SizeOf(dtype), agreement);
 }
 
 // Chain broadcast: the ranks in the order root, root+1, ..., root-1 form a chain; the message
@@ -611,15 +614,15 @@ void RingAllGather(Context& ctx, const void* send, void* recv, size_t count, Dat
 // the others wait for it before their first receive into `recv`.
 //
 // A chain of one hop (two ranks) has nothing to pipeline, and every frame costs the receiver a
-// wait of its own: its frames are twice chunk_bytes. 2-rank broadcasts over loopback TCP (medians
-// of alternating runs of collectives_perf -c broadcast --inplace -r 11 under mpirun -np 2, four
-// each): 1 MiB in one frame took 94-122 us against 121-144 us in two, 0.92-0.93 of Open MPI's time
-// in every run against 0.65-1.19; at 4 and 16 MiB the same within the noise. One frame of the
-// whole message was slower past that (4 MiB: 600-643 us against 480-546 us).
+// wait of its own: its frames are twice chunk_bytes (fewer waits where they pay; one frame of a
+// whole large message loses to the pipeline).
 namespace {
 
-void ChainBroadcastOn(Context& ctx, Buffer send, Buffer recv, size_t bytes, int root,
-                      CallAgreement* agreement) {
+void ChainBroadcastOn(Context& ctx, const core::Runs& send_runs, const core::Runs& recv_runs,
+                      int root, CallAgreement* agreement) {
+  const Place send(send_runs, 0);
+  const Place recv(recv_runs, 0);
+  const size_t bytes = recv_runs.bytes();
   const int n = ctx.size();
   const int r = ctx.rank();
   const int position = Mod(int64_t{r} - root, n);
@@ -657,12 +660,11 @@ void ChainBroadcastOn(Context& ctx, Buffer send, Buffer recv, size_t bytes, int 
 
 void ChainBroadcast(Context& ctx, const void* send, void* recv, size_t bytes, int root,
                     CallAgreement* agreement) {
-  ChainBroadcastOn(ctx, static_cast<const uint8_t*>(send), static_cast<uint8_t*>(recv), bytes, root,
-                   agreement);
+  ChainBroadcastOn(ctx, core::Runs(send, bytes), core::Runs(recv, bytes), root, agreement);
 }
 
 void ChainBroadcast(Context& ctx, const core::Runs& message, int root, CallAgreement* agreement) {
-  ChainBroadcastOn(ctx, Buffer(message, 0), Buffer(message, 0), message.bytes(), root, agreement);
+  ChainBroadcastOn(ctx, message, message, root, agreement);
 }
 
 // Binomial-tree broadcast. With ranks renumbered so the root is 0 (position p), p receives the

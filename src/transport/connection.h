@@ -28,8 +28,8 @@ namespace collectives::transport {
 
 using Clock = std::chrono::steady_clock;
 
-// A message in runs of memory (core::Runs), for PostSend and PostRecv below.
-using Runs = core::Runs;
+// The TCP fabric names core::Runs unqualified.
+using core::Runs;
 
 class Connection {
  public:
@@ -51,9 +51,9 @@ class Connection {
   // is gathered from the runs (scattered into them), the same frame on the wire as from (into)
   // one buffer, so either end may use either form. `runs` is borrowed until the operation
   // completes; offset + bytes <= runs.bytes().
-  virtual uint64_t PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+  virtual uint64_t PostSend(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                             size_t bytes) = 0;
-  virtual uint64_t PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+  virtual uint64_t PostRecv(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                             size_t bytes) = 0;
 
   // Block until the send / receive with this ticket (and all before it) completed, making

@@ -64,9 +64,9 @@ class InProcConnection final : public Connection {
   int peer() const override { return peer_; }
   uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
   uint64_t PostRecv(const core::CallTag& tag, void* data, size_t bytes) override;
-  uint64_t PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+  uint64_t PostSend(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                     size_t bytes) override;
-  uint64_t PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+  uint64_t PostRecv(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                     size_t bytes) override;
   void WaitSend(uint64_t ticket) override;
   void WaitRecv(uint64_t ticket) override;
@@ -79,7 +79,7 @@ class InProcConnection final : public Connection {
     core::CallTag tag;
     uint8_t* data = nullptr;
     size_t bytes = 0;
-    const Runs* runs = nullptr;  // with `offset`: where the payload goes, if not `data`
+    const core::Runs* runs = nullptr;  // with `offset`: where the payload goes, if not `data`
     size_t offset = 0;
   };
   // Throws the fabric's error if it is broken.
@@ -113,7 +113,8 @@ class InProcFabric final : public Fabric {
     // waiting on it learns the real cause rather than "destroyed" (as a TCP rank's abort frame
     // arrives before its EOF). The relay goes out before this inbox is marked gone: a peer that
     // finds it gone (a send to it) then reads its own inbox, and must find the abort there (the
-    // rank that aborted may still be delivering to the others).
+    // rank that aborted may still be delivering to the others, and a peer that read "destroyed"
+    // first would name the wrong cause).
     std::optional<AbortPayload> relay;
     {
       std::lock_guard<std::mutex> lock(inbox_.mu);
@@ -158,7 +159,8 @@ class InProcFabric final : public Fabric {
     if (BrokenLocked()) Throw(lock);  // as TcpFabric::SetCall
   }
 
-  void SetSpin(std::chrono::microseconds, std::chrono::microseconds) override {}  // nothing to poll: waits sleep at once
+  void SetSpin(std::chrono::microseconds, std::chrono::microseconds) override {
+  }  // nothing to poll: waits sleep at once
 
   void Abort(const Error& error) override {
     {
@@ -289,7 +291,7 @@ uint64_t InProcConnection::PostSend(const core::CallTag& tag, const void* data, 
   return Send(tag, std::move(payload));
 }
 
-uint64_t InProcConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+uint64_t InProcConnection::PostSend(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                                     size_t bytes) {
   ThrowIfBroken();
   if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
@@ -335,7 +337,7 @@ uint64_t InProcConnection::PostRecv(const core::CallTag& tag, void* data, size_t
   return Recv(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
 }
 
-uint64_t InProcConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+uint64_t InProcConnection::PostRecv(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                                     size_t bytes) {
   if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
     ThrowIfBroken();

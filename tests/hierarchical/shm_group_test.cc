@@ -449,12 +449,12 @@ TEST(ShmGroupTest, DefaultSlotAndRandomFloatsAreBitIdenticalOnEveryMember) {
   for (int i = 1; i < n; ++i) EXPECT_EQ(hashes[size_t(i)], hashes[0]) << "member " << i;
 }
 
-// An all-reduce in pieces (the packer's fused bucket without its fusion buffer) ends with the
-// bits of the same all-reduce on one buffer holding the pieces back to back: random values of
+// An all-reduce in place on runs (the packer's fused bucket without its fusion buffer) ends with
+// the bits of the same all-reduce on one buffer holding the pieces back to back: random values of
 // every dtype and op (floats, so that the order of reduction shows), pieces of random lengths
 // (empty ones among them) that straddle the members' slices and the steps, on the one-sync and
 // the two-sync paths, 1 to 5 members.
-TEST(ShmGroupPiecesTest, AnAllReduceInPiecesHasTheBitsOfOneBuffer) {
+TEST(ShmGroupRunsTest, AnAllReduceInRunsHasTheBitsOfOneBuffer) {
   for (int n : {1, 2, 3, 5}) {
     for (size_t small : {size_t{4096}, size_t{0}}) {
       const ShmGroupOptions options = Options("pieces", 4096, small, n);
@@ -477,7 +477,7 @@ TEST(ShmGroupPiecesTest, AnAllReduceInPiecesHasTheBitsOfOneBuffer) {
               }
               // Cut into pieces of 0 to count / 3 + 1 elements, each its own allocation.
               std::vector<std::vector<uint8_t>> pieces;
-              ShmGroup::Pieces message;
+              core::Runs message;
               for (size_t at = 0; at < count || pieces.empty();) {
                 const size_t length = std::min<size_t>(random() % (count / 3 + 2), count - at);
                 pieces.emplace_back(whole.begin() + std::ptrdiff_t(at * es),
@@ -490,8 +490,8 @@ TEST(ShmGroupPiecesTest, AnAllReduceInPiecesHasTheBitsOfOneBuffer) {
               const auto deadline = Clock::now() + std::chrono::seconds(30);
               m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count), deadline,
                                  whole.data(), whole.data(), count, d, op);
-              m.group->AllReduceInPieces(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count),
-                                         deadline, message, d, op);
+              m.group->AllReduce(m.Tag(core::CollectiveKind::kAllReduce, d, op, 0, count), deadline,
+                                 message, message, d, op);
               std::vector<uint8_t> joined;
               for (const auto& piece : pieces)
                 joined.insert(joined.end(), piece.begin(), piece.end());
@@ -511,9 +511,9 @@ TEST(ShmGroupPiecesTest, AnAllReduceInPiecesHasTheBitsOfOneBuffer) {
   }
 }
 
-// A broadcast in pieces: every member's pieces end with the root's bytes, from each root, for
-// messages of one to several steps cut at random (empty pieces among them), 1 to 5 members.
-TEST(ShmGroupPiecesTest, ABroadcastInPiecesDeliversTheRootsBytes) {
+// A broadcast in place on runs: every member's pieces end with the root's bytes, from each root,
+// for messages of one to several steps cut at random (empty pieces among them), 1 to 5 members.
+TEST(ShmGroupRunsTest, ABroadcastInRunsDeliversTheRootsBytes) {
   for (int n : {1, 2, 3, 5}) {
     const ShmGroupOptions options = Options("pieces_broadcast", 4096, 4096, n);
     std::vector<size_t> wrong(size_t(n), 0);
@@ -533,11 +533,11 @@ TEST(ShmGroupPiecesTest, ABroadcastInPiecesDeliversTheRootsBytes) {
             }
             at += length;
           }
-          ShmGroup::Pieces message;
+          core::Runs message;
           for (auto& piece : pieces) message.Add(piece.data(), piece.size());
-          m.group->BroadcastInPieces(m.Tag(core::CollectiveKind::kBroadcast, DataType::kUInt8,
-                                           ReduceOp::kSum, root, bytes),
-                                     Clock::now() + std::chrono::seconds(30), message, root);
+          m.group->Broadcast(m.Tag(core::CollectiveKind::kBroadcast, DataType::kUInt8,
+                                   ReduceOp::kSum, root, bytes),
+                             Clock::now() + std::chrono::seconds(30), message, message, root);
           std::vector<uint8_t> joined;
           for (const auto& piece : pieces) joined.insert(joined.end(), piece.begin(), piece.end());
           if (joined != want) ++wrong[size_t(me)];
@@ -549,32 +549,32 @@ TEST(ShmGroupPiecesTest, ABroadcastInPiecesDeliversTheRootsBytes) {
 }
 
 // A piece that is not a whole number of elements is refused before the group is touched, and
-// an all-reduce in pieces and one on one buffer of another count are a mismatch on both
+// an all-reduce in runs and one on one buffer of another count are a mismatch on both
 // members, nothing written.
-TEST(ShmGroupPiecesTest, BadPiecesAreRefusedAndADifferentCallIsAMismatch) {
+TEST(ShmGroupRunsTest, BadRunsAreRefusedAndADifferentCallIsAMismatch) {
   const ShmGroupOptions options = Options("pieces_bad", 4096, 4096, 2);
   RunMembers(Ranks(2), options, [&](Member& m, int me) {
     std::vector<float> a(10, 1.0f), b(7, 2.0f);
     const auto deadline = Clock::now() + std::chrono::seconds(10);
-    ShmGroup::Pieces odd;
+    core::Runs odd;
     odd.Add(a.data(), 6);
     try {
-      m.group->AllReduceInPieces(
+      m.group->AllReduce(
           m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 1),
-          deadline, odd, DataType::kFloat32, ReduceOp::kSum);
+          deadline, odd, odd, DataType::kFloat32, ReduceOp::kSum);
       ADD_FAILURE() << "member " << me << ": a piece of 6 bytes of f32 was taken";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
     }
     --m.seq;  // the refused call took no step
-    ShmGroup::Pieces message;
+    core::Runs message;
     message.Add(a.data(), a.size() * sizeof(float));
     message.Add(b.data(), b.size() * sizeof(float));
     try {
       if (me == 0) {
-        m.group->AllReduceInPieces(
+        m.group->AllReduce(
             m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 17),
-            deadline, message, DataType::kFloat32, ReduceOp::kSum);
+            deadline, message, message, DataType::kFloat32, ReduceOp::kSum);
       } else {
         m.group->AllReduce(
             m.Tag(core::CollectiveKind::kAllReduce, DataType::kFloat32, ReduceOp::kSum, 0, 10),
