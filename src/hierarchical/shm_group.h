@@ -113,7 +113,7 @@ struct ShmGroupOptions {
 struct TwoLevelHooks {
   // AllReduce: called on every slice this member reduced (in shared memory, op applied, kAvg
   // not yet divided) before the members read it; the plan all-reduces it across hosts there.
-  std::function<void(void* slice, size_t count)> cross;
+  std::function<void(void* slice, size_t count)> cross{};
   // AllReduce and ReduceScatterAcross: kAvg divides by avg_divisor (0: size()).
   size_t avg_divisor = 0;
   // AllReduce with `cross`: the first `lanes` members (0: all) reduce a slice each of every
@@ -124,17 +124,17 @@ struct TwoLevelHooks {
   // Broadcast (root member) and AllGatherAcross: fill(slot, offset, bytes) puts each step into
   // this member's slot instead of a copy from send (the plan receives it from another host,
   // or sends it out, there).
-  std::function<void(uint8_t* slot, size_t offset, size_t bytes)> fill;
+  std::function<void(uint8_t* slot, size_t offset, size_t bytes)> fill{};
   // Broadcast: called by every member once, before it arrives at the first step (the root
   // after its first fill): no member writes into recv before every member's hook returned
   // (the plan waits there for its check across hosts).
-  std::function<void()> before_arrive;
+  std::function<void()> before_arrive{};
   // AllGatherAcross: the rank whose block part h of member j's slot holds.
-  std::function<size_t(int part, int member)> rank_of;
+  std::function<size_t(int part, int member)> rank_of{};
   // ReduceScatterAcross: the blocks of send in lane order, and cross_lane(partial, c, out),
   // which reduces a lane's partial sums across hosts into recv (see ReduceScatterAcross).
-  std::span<const int> order;
-  std::function<void(uint8_t* partial, size_t count, uint8_t* out)> cross_lane;
+  std::span<const int> order{};
+  std::function<void(uint8_t* partial, size_t count, uint8_t* out)> cross_lane{};
 };
 
 class ShmGroup {

@@ -28,9 +28,6 @@ namespace collectives::transport {
 
 using Clock = std::chrono::steady_clock;
 
-// The TCP fabric names core::Runs unqualified.
-using core::Runs;
-
 class Connection {
  public:
   virtual ~Connection() = default;

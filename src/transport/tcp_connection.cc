@@ -36,7 +36,7 @@ uint64_t TcpConnection::PostSend(const core::CallTag& tag, const void* data, siz
   return Send(SendOp{tag, static_cast<const uint8_t*>(data), bytes});
 }
 
-uint64_t TcpConnection::PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+uint64_t TcpConnection::PostSend(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                                  size_t bytes) {
   if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/true)) {
     std::lock_guard<std::mutex> lock(fabric_->drive_mu_);

@@ -120,9 +120,9 @@ class TcpConnection final : public Connection {
   int peer() const override { return peer_; }
   uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
   uint64_t PostRecv(const core::CallTag& tag, void* data, size_t bytes) override;
-  uint64_t PostSend(const core::CallTag& tag, const Runs& runs, size_t offset,
+  uint64_t PostSend(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                     size_t bytes) override;
-  uint64_t PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+  uint64_t PostRecv(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                     size_t bytes) override;
   void WaitSend(uint64_t ticket) override;
   void WaitRecv(uint64_t ticket) override;
@@ -139,14 +139,14 @@ class TcpConnection final : public Connection {
     core::CallTag tag;
     const uint8_t* data = nullptr;
     size_t bytes = 0;
-    const Runs* runs = nullptr;
+    const core::Runs* runs = nullptr;
     size_t offset = 0;
   };
   struct RecvOp {
     core::CallTag tag;
     uint8_t* data = nullptr;
     size_t bytes = 0;
-    const Runs* runs = nullptr;
+    const core::Runs* runs = nullptr;
     size_t offset = 0;
   };
 

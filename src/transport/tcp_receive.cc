@@ -39,7 +39,7 @@ uint64_t TcpConnection::PostRecv(const core::CallTag& tag, void* data, size_t by
   return Recv(RecvOp{tag, static_cast<uint8_t*>(data), bytes});
 }
 
-uint64_t TcpConnection::PostRecv(const core::CallTag& tag, const Runs& runs, size_t offset,
+uint64_t TcpConnection::PostRecv(const core::CallTag& tag, const core::Runs& runs, size_t offset,
                                  size_t bytes) {
   if (auto error = RunsMisuseError(fabric_->rank_, peer_, runs, offset, bytes, /*sending=*/false)) {
     std::lock_guard<std::mutex> lock(fabric_->drive_mu_);

@@ -383,7 +383,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, PackedAllReduceTest, ::testing::Values(1, 2
                          });
 
 // RING takes a fused bucket in pieces over the fabric (ring::AllReduceInPieces): the frames go
-// straight from and into the tensors (transport::Runs), and the bits are those of one all-reduce
+// straight from and into the tensors (core::Runs), and the bits are those of one all-reduce
 // of the bucket packed into one tensor, with random floats (whose sums depend on the order), for
 // every algorithm (recursive doubling through a buffer; halving-doubling on 4 and 8 ranks),
 // chunks that end inside a piece, every transport, 1 to 8 ranks. Broadcasts likewise, small (one

@@ -24,6 +24,7 @@ using testing::Kind;
 using testing::Pattern;
 using testing::RunRanks;
 using testing::Tag;
+using core::Runs;
 
 // A message laid in runs (Runs) apart from each other in one store, with guard bytes around
 // each: run k is cuts[k % cuts.size()] bytes long (a 0 makes an empty run, which Runs leaves
