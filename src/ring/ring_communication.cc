@@ -23,6 +23,7 @@
 #include "src/core/arguments.h"
 #include "src/core/call.h"
 #include "src/core/environment.h"
+#include "src/core/internal_communication.h"
 #include "src/core/work.h"
 #include "src/ring/algorithms.h"
 
@@ -44,7 +45,7 @@ Error Stopped(const Error& broken, const core::CallTag& tag, const char* what) {
   return Error(broken.code(), message);
 }
 
-class RingCommunication final : public CollectiveCommunication {
+class RingCommunication final : public core::InternalCommunication {
  public:
   RingCommunication(std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
                     const CommunicationOptions& options, std::unique_ptr<Planner> planner,
@@ -81,46 +82,48 @@ class RingCommunication final : public CollectiveCommunication {
   }
   void Barrier() override { RunBlocking(PrepareBarrier()); }
 
-  // ring::AllReduceCheckedAs (ring_communication.h).
-  std::shared_ptr<Work> AllReduceCheckedAsAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
-                                                ReduceOp checked_as) {
-    return Submit(PrepareAllReduce(send, recv, op, checked_as));
+  // core::InternalCommunication (src/core/internal_communication.h).
+  bool RunsGatedCalls() const override { return true; }
+  std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                       const core::CallOptions& options) override {
+    return Submit(
+        Gated(PrepareAllReduce(send, recv, op, options.checked_as.value_or(op)), options.gate));
   }
-  void AllReduceCheckedAs(const Tensor& send, const Tensor& recv, ReduceOp op,
-                          ReduceOp checked_as) {
-    RunBlocking(PrepareAllReduce(send, recv, op, checked_as));
+  void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
+                 const core::CallOptions& options) override {
+    RunBlocking(
+        Gated(PrepareAllReduce(send, recv, op, options.checked_as.value_or(op)), options.gate));
   }
-
-  // ring::AllReduceGatedAsync / BroadcastGatedAsync (ring_communication.h).
-  std::shared_ptr<Work> AllReduceGatedAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
-                                            ReduceOp checked_as, std::function<bool()> go) {
-    return Submit(Gated(PrepareAllReduce(send, recv, op, checked_as), std::move(go)));
+  std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root,
+                                       const core::CallOptions& options) override {
+    return Submit(Gated(PrepareBroadcast(send, recv, root), options.gate));
   }
-  std::shared_ptr<Work> BroadcastGatedAsync(const Tensor& send, const Tensor& recv, int root,
-                                            std::function<bool()> go) {
-    return Submit(Gated(PrepareBroadcast(send, recv, root), std::move(go)));
+  void Broadcast(const Tensor& send, const Tensor& recv, int root,
+                 const core::CallOptions& options) override {
+    RunBlocking(Gated(PrepareBroadcast(send, recv, root), options.gate));
   }
-
-  // ring::AllReduceInPieces (ring_communication.h).
-  std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
-                                               ReduceOp checked_as, std::function<bool()> go) {
-    return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
+  std::shared_ptr<Work> AllReduceAsync(const std::vector<Tensor>& pieces, ReduceOp op,
+                                       const core::CallOptions& options) override {
+    return Submit(
+        PrepareAllReduceInPieces(pieces, op, options.checked_as.value_or(op), options.gate));
   }
-  void AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) {
-    RunBlocking(PrepareAllReduceInPieces(pieces, op, checked_as, {}));
+  void AllReduce(const std::vector<Tensor>& pieces, ReduceOp op,
+                 const core::CallOptions& options) override {
+    RunBlocking(
+        PrepareAllReduceInPieces(pieces, op, options.checked_as.value_or(op), options.gate));
   }
-  std::shared_ptr<Work> BroadcastInPiecesAsync(const std::vector<Tensor>& pieces, int root,
-                                               std::function<bool()> go) {
-    return Submit(PrepareBroadcastInPieces(pieces, root, std::move(go)));
+  std::shared_ptr<Work> BroadcastAsync(const std::vector<Tensor>& pieces, int root,
+                                       const core::CallOptions& options) override {
+    return Submit(PrepareBroadcastInPieces(pieces, root, options.gate));
   }
-  void BroadcastInPieces(const std::vector<Tensor>& pieces, int root) {
-    RunBlocking(PrepareBroadcastInPieces(pieces, root, {}));
+  void Broadcast(const std::vector<Tensor>& pieces, int root,
+                 const core::CallOptions& options) override {
+    RunBlocking(PrepareBroadcastInPieces(pieces, root, options.gate));
   }
+  void Abort(const Error& reason) override { Break(reason); }
 
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
   void Abort() override;
-  // ring::Abort (ring_communication.h).
-  void Abort(const Error& error) { Break(error); }
   void SetTimeout(std::chrono::milliseconds timeout) override;
 
  private:
@@ -132,10 +135,7 @@ class RingCommunication final : public CollectiveCommunication {
   struct Prepared {
     CallDescriptor descriptor;
     Body body;
-    // Where set, the call runs only if go() says so when its turn comes; one that does not run
-    // takes no sequence number, so ranks that skipped different numbers of calls still agree on
-    // the next call's (see Gated).
-    std::function<bool()> go = {};
+    core::Gate go = {};  // where set, the call runs only if go() says so (core::Gate)
   };
   struct Call {
     Prepared prepared;
@@ -145,16 +145,16 @@ class RingCommunication final : public CollectiveCommunication {
 
   // Argument checks (throwing on the caller's thread) and the choice of algorithm. An all-reduce
   // reduces with `op` and is checked against the other ranks as `checked_as` (the op of its
-  // descriptor), which is `op` but for ring::AllReduceCheckedAs.
+  // descriptor), which is `op` unless core::CallOptions::checked_as says otherwise.
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) const {
     return PrepareAllReduce(send, recv, op, op);
   }
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
                             ReduceOp checked_as) const;
   Prepared PrepareAllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
-                                    ReduceOp checked_as, std::function<bool()> go) const;
+                                    ReduceOp checked_as, core::Gate go) const;
   Prepared PrepareBroadcastInPieces(const std::vector<Tensor>& pieces, int root,
-                                    std::function<bool()> go) const;
+                                    core::Gate go) const;
   // The elements of `pieces` (CPU tensors of one known dtype, with data), or Error naming `name`.
   size_t CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const;
   // The ring's own bodies for the calls in pieces (no planner): see PrepareAllReduceInPieces.
@@ -164,11 +164,9 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
-  // `prepared`, which runs only if `go()` says so when its turn comes (always without one). A
-  // call that does not run completes at once and takes no sequence number: the packer's buckets
-  // after a list check that found the lists differ are skipped on every rank, and a rank whose
-  // list made more buckets than another's must not be left a number ahead of it.
-  static Prepared Gated(Prepared prepared, std::function<bool()> go) {
+  // `prepared`, which runs only if `go()` says so when its turn comes (always without one): the
+  // packer's buckets after a list check that found the lists differ are skipped on every rank.
+  static Prepared Gated(Prepared prepared, core::Gate go) {
     prepared.go = std::move(go);
     return prepared;
   }
@@ -608,8 +606,7 @@ size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tens
 }
 
 RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
-    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
-    std::function<bool()> go) const {
+    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as, core::Gate go) const {
   constexpr const char* kName = "all_reduce in pieces";
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
@@ -674,7 +671,7 @@ Planner::Body RingCommunication::BroadcastInRuns(const std::vector<Tensor>& piec
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
-    const std::vector<Tensor>& pieces, int root, std::function<bool()> go) const {
+    const std::vector<Tensor>& pieces, int root, core::Gate go) const {
   constexpr const char* kName = "broadcast in pieces";
   if (root < 0 || root >= size_) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -851,83 +848,6 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
   }
   return std::make_unique<RingCommunication>(std::move(fabric), std::move(store), checked,
                                              std::move(planner), std::move(split));
-}
-
-std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, const Tensor& send,
-                                              const Tensor& recv, ReduceOp op,
-                                              ReduceOp checked_as) {
-  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
-    return ring->AllReduceCheckedAsAsync(send, recv, op, checked_as);
-  }
-  return comm.AllReduceAsync(send, recv, op);
-}
-
-void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
-                        ReduceOp op, ReduceOp checked_as) {
-  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
-    ring->AllReduceCheckedAs(send, recv, op, checked_as);
-  } else {
-    comm.AllReduce(send, recv, op);
-  }
-}
-
-bool RunsGatedCalls(const CollectiveCommunication& comm) {
-  return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
-}
-
-// `comm` as the RING/AUTO communicator that runs gated calls and calls in pieces, or
-// Error(kNotSupported) naming `what`.
-RingCommunication& Ring(CollectiveCommunication& comm, const char* what) {
-  auto* ring = dynamic_cast<RingCommunication*>(&comm);
-  if (ring == nullptr) {
-    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(comm.rank()) + ": " + what +
-                                              " need RING or AUTO, not " +
-                                              ToString(comm.implementation()));
-  }
-  return *ring;
-}
-
-std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
-                                          const Tensor& recv, ReduceOp op, ReduceOp checked_as,
-                                          std::function<bool()> go) {
-  return Ring(comm, "gated calls").AllReduceGatedAsync(send, recv, op, checked_as, std::move(go));
-}
-
-std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const Tensor& send,
-                                          const Tensor& recv, int root, std::function<bool()> go) {
-  return Ring(comm, "gated calls").BroadcastGatedAsync(send, recv, root, std::move(go));
-}
-
-bool RunsInPieces(const CollectiveCommunication& comm) { return RunsGatedCalls(comm); }
-
-std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
-                                             const std::vector<Tensor>& pieces, ReduceOp op,
-                                             ReduceOp checked_as, std::function<bool()> go) {
-  return Ring(comm, "calls in pieces")
-      .AllReduceInPiecesAsync(pieces, op, checked_as, std::move(go));
-}
-
-void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
-                       ReduceOp op, ReduceOp checked_as) {
-  Ring(comm, "calls in pieces").AllReduceInPieces(pieces, op, checked_as);
-}
-
-std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
-                                             const std::vector<Tensor>& pieces, int root,
-                                             std::function<bool()> go) {
-  return Ring(comm, "calls in pieces").BroadcastInPiecesAsync(pieces, root, std::move(go));
-}
-
-void BroadcastInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces, int root) {
-  Ring(comm, "calls in pieces").BroadcastInPieces(pieces, root);
-}
-
-void Abort(CollectiveCommunication& comm, const Error& error) {
-  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
-    ring->Abort(error);
-  } else {
-    comm.Abort();
-  }
 }
 
 bool HalvingDoublingRunsOn(int size) { return size >= 4 && (size & (size - 1)) == 0; }
