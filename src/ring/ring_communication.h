@@ -1,6 +1,7 @@
 // The RING implementation of CollectiveCommunication: validates calls on the caller's thread,
 // queues them, and runs them in order, one at a time, on one progress thread (or, for a blocking
-// call when nothing is queued or running, on the caller's), whichever holds the fabric.
+// call when nothing is queued or running, on the caller's), whichever holds the fabric
+// (ring::CallQueue).
 //
 // Thread-safety: every public method may be called from any thread (see communication.h).
 #ifndef COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
