@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/core/algorithm_names.h"
 #include "src/core/arguments.h"
 #include "src/core/internal_communication.h"
 #include "src/nccl/nccl_loader.h"
@@ -342,6 +343,9 @@ class NcclCommunication final : public core::InternalCommunication {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Implementation implementation() const override { return Implementation::kNccl; }
+  std::string AllReduceAlgorithm(size_t) const override {
+    return std::string(core::algorithm::kNccl);  // NCCL picks its own
+  }
 
   std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
                                        ReduceOp op) override {

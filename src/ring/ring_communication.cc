@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/core/algorithm_names.h"
 #include "src/core/arguments.h"
 #include "src/core/call.h"
 #include "src/core/environment.h"
@@ -633,9 +634,11 @@ RingCommunication::Prepared RingCommunication::OnRing(const CallDescriptor& call
 }
 
 RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) const {
-  if (algorithm_ == "recursive_doubling") return Algorithm::kRecursiveDoubling;
-  if (algorithm_ == "ring") return Algorithm::kRing;
-  if (algorithm_ == "halving_doubling") return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
+  if (algorithm_ == core::algorithm::kRecursiveDoubling) return Algorithm::kRecursiveDoubling;
+  if (algorithm_ == core::algorithm::kRing) return Algorithm::kRing;
+  if (algorithm_ == core::algorithm::kHalvingDoubling) {
+    return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
+  }
   const bool power_of_two = HalvingDoublingRunsOn(size_);
   // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
   // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
@@ -650,9 +653,12 @@ std::string RingCommunication::AllReduceAlgorithm(size_t bytes) const {
     if (!name.empty()) return name;
   }
   switch (ChooseAllReduce(bytes)) {
-    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
-    case Algorithm::kHalvingDoubling: return "halving_doubling";
-    case Algorithm::kRing: return "ring";
+    case Algorithm::kRecursiveDoubling:
+      return std::string(core::algorithm::kRecursiveDoubling);
+    case Algorithm::kHalvingDoubling:
+      return std::string(core::algorithm::kHalvingDoubling);
+    case Algorithm::kRing:
+      return std::string(core::algorithm::kRing);
   }
   return "?";
 }
@@ -698,7 +704,7 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
 bool HalvingDoublingRunsOn(int size) { return size >= 4 && (size & (size - 1)) == 0; }
 
 void CheckRingAlgorithm(int rank, int size, const std::string& algorithm) {
-  if (algorithm == "halving_doubling" && !HalvingDoublingRunsOn(size)) {
+  if (algorithm == core::algorithm::kHalvingDoubling && !HalvingDoublingRunsOn(size)) {
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(rank) +
                     ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two "
@@ -708,7 +714,8 @@ void CheckRingAlgorithm(int rank, int size, const std::string& algorithm) {
 }
 
 bool IsRingAlgorithm(const std::string& name) {
-  return name == "ring" || name == "recursive_doubling" || name == "halving_doubling";
+  return name == core::algorithm::kRing || name == core::algorithm::kRecursiveDoubling ||
+         name == core::algorithm::kHalvingDoubling;
 }
 
 }  // namespace collectives::ring
