@@ -84,24 +84,7 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
                                                 t.device.ToString() +
                                                 "; the packer takes CPU tensors only for now");
     }
-    if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
-      throw Error(
-          ErrorCode::kInvalidArgument,
-          Where(comm, collective, i) + "has an unknown dtype " + std::to_string(int(t.dtype)));
-    }
-    if (t.data == nullptr && t.count > 0) {
-      throw Error(ErrorCode::kInvalidArgument, Where(comm, collective, i) + "has null data and " +
-                                                   std::to_string(t.count) + " elements");
-    }
-    if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
-      throw Error(ErrorCode::kInvalidArgument, Where(comm, collective, i) + "has " +
-                                                   std::to_string(t.count) +
-                                                   " elements: more bytes than size_t holds");
-    }
-    if (t.count > 0 && reinterpret_cast<uintptr_t>(t.data) % SizeOf(t.dtype) != 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  Where(comm, collective, i) + core::MisalignedText(t.data, t.dtype));
-    }
+    core::CheckTensorData(t, [&] { return Where(comm, collective, i); });
   }
   // Tensors that share bytes would be reduced twice where they sit in different buckets (once
   // where they share one): each tensor of the list must be memory of its own.
