@@ -46,6 +46,7 @@
 #include "bench/bench_util.h"
 #include "bench/local_launcher.h"
 #include "collectives/collectives.h"
+#include "src/core/algorithm_names.h"
 
 #ifdef COLLECTIVES_WITH_MPI
 #include <mpi.h>
@@ -214,8 +215,10 @@ std::vector<ReduceOp> ParseReduceOps(const std::string& text) {
 // The all-reduce algorithms CommunicationOptions::algorithm names (--algorithm, --versus
 // IMPL:ALGORITHM). Whether the implementation can run one on this job is known only once its
 // communicator is built (halving_doubling needs 4, 8, ... ranks; two_level several hosts).
-constexpr std::array<std::string_view, 5> kAlgorithms = {"ring", "recursive_doubling",
-                                                         "halving_doubling", "shm", "two_level"};
+constexpr std::array<std::string_view, 5> kAlgorithms = {
+    collectives::core::algorithm::kRing, collectives::core::algorithm::kRecursiveDoubling,
+    collectives::core::algorithm::kHalvingDoubling, collectives::core::algorithm::kShm,
+    collectives::core::algorithm::kTwoLevel};
 
 // `algorithm`, given by `what`, is empty (chosen per call) or one of kAlgorithms.
 void CheckAlgorithm(const std::string& what, const std::string& algorithm) {

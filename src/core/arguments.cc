@@ -19,25 +19,7 @@ std::string TensorPrefix(int rank, const char* collective, const char* name) {
 }
 
 void CheckTensorData(int rank, const char* collective, const char* name, const Tensor& t) {
-  if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
-    throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +
-                                                 "has an unknown dtype " +
-                                                 std::to_string(int(t.dtype)));
-  }
-  if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                TensorPrefix(rank, collective, name) + "has " + std::to_string(t.count) +
-                    " elements of " + ToString(t.dtype) + ": more bytes than size_t holds");
-  }
-  if (t.data == nullptr && t.count > 0) {
-    throw Error(ErrorCode::kInvalidArgument, TensorPrefix(rank, collective, name) +
-                                                 "has null data and " +
-                                                 std::to_string(t.count) + " elements");
-  }
-  if (t.count > 0 && reinterpret_cast<uintptr_t>(t.data) % SizeOf(t.dtype) != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                TensorPrefix(rank, collective, name) + MisalignedText(t.data, t.dtype));
-  }
+  CheckTensorData(t, [&] { return TensorPrefix(rank, collective, name); });
 }
 
 std::string MisalignedText(const void* data, DataType dtype) {

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "collectives/communication.h"
+#include "collectives/errors.h"
 #include "collectives/types.h"
 
 namespace collectives::core {
@@ -30,6 +31,28 @@ void CheckTensorData(int rank, const char* collective, const char* name, const T
 
 // "data 0x... is not aligned to its 4-byte f32 elements (...)", for the check above.
 std::string MisalignedText(const void* data, DataType dtype);
+
+// The same checks with the start of each message from prefix(), called only when it throws, for
+// a caller that names its tensors otherwise (the packer: "rank R: packing all_reduce: tensor 7 ").
+template <typename Prefix>
+void CheckTensorData(const Tensor& t, const Prefix& prefix) {
+  if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                prefix() + "has an unknown dtype " + std::to_string(int(t.dtype)));
+  }
+  if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
+    throw Error(ErrorCode::kInvalidArgument, prefix() + "has " + std::to_string(t.count) +
+                                                 " elements of " + ToString(t.dtype) +
+                                                 ": more bytes than size_t holds");
+  }
+  if (t.data == nullptr && t.count > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                prefix() + "has null data and " + std::to_string(t.count) + " elements");
+  }
+  if (t.count > 0 && reinterpret_cast<uintptr_t>(t.data) % SizeOf(t.dtype) != 0) {
+    throw Error(ErrorCode::kInvalidArgument, prefix() + MisalignedText(t.data, t.dtype));
+  }
+}
 
 // Throws Error(kInvalidArgument) when the bytes of send and recv overlap and send.data is not at
 // `in_place_send`, the address of the collective's in-place form (recv.data for all-reduce,

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/core/algorithm_names.h"
 #include "src/core/environment.h"
 #include "src/core/kernels.h"
 #include "src/core/text.h"
@@ -381,9 +382,10 @@ class HierarchicalPlanner final : public ring::Planner {
   std::string AllReduceAlgorithm(size_t bytes) const override {
     switch (plan_) {
       case Plan::kShm:
-        return bytes <= group_->small_bytes() ? "shm_small" : "shm";
+        return std::string(bytes <= group_->small_bytes() ? core::algorithm::kShmSmall
+                                                          : core::algorithm::kShm);
       case Plan::kTwoLevel:
-        return TwoLevelPays(bytes) ? "two_level" : "";
+        return TwoLevelPays(bytes) ? std::string(core::algorithm::kTwoLevel) : "";
       case Plan::kRing:
         return "";
     }
@@ -702,13 +704,14 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     return together(Error(ErrorCode::kNotSupported,
                           "rank " + std::to_string(rank) + ": algorithm '" + forced + "' " + why));
   };
-  if (forced == "shm" && plan != Plan::kShm) {
+  if (forced == core::algorithm::kShm && plan != Plan::kShm) {
     throw refuse("needs every rank on one host, two ranks or more, and shared memory on");
-  } else if (forced == "two_level" && plan != Plan::kTwoLevel) {
+  } else if (forced == core::algorithm::kTwoLevel && plan != Plan::kTwoLevel) {
     throw refuse("needs several hosts, one of them with two ranks or more, and shared memory on");
   } else if (ring::IsRingAlgorithm(forced)) {
     plan = Plan::kRing;  // the ring's algorithms over TCP, as forced
-  } else if (!forced.empty() && forced != "shm" && forced != "two_level") {
+  } else if (!forced.empty() && forced != core::algorithm::kShm &&
+             forced != core::algorithm::kTwoLevel) {
     throw refuse("is unknown (ring, recursive_doubling, halving_doubling, shm, two_level)");
   }
 
@@ -785,8 +788,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
     }
   }
   return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
-                                               plan, forced == "two_level", slot_bytes,
-                                               shm_small_bytes, options);
+                                               plan, forced == core::algorithm::kTwoLevel,
+                                               slot_bytes, shm_small_bytes, options);
 }
 
 void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_point deadline,

@@ -13,8 +13,11 @@
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
+#include "src/core/algorithm_names.h"
 #include "src/core/arguments.h"
+#include "src/core/internal_communication.h"
 #include "src/nccl/nccl_loader.h"
 
 namespace collectives::nccl {
@@ -327,7 +330,7 @@ class NcclWork final : public Work {
   mutable std::atomic<Clock::rep> next_check_{0};  // Done's next check, in clock ticks
 };
 
-class NcclCommunication final : public CollectiveCommunication {
+class NcclCommunication final : public core::InternalCommunication {
  public:
   NcclCommunication(std::shared_ptr<Shared> shared, int size, std::shared_ptr<Store> store,
                     std::chrono::milliseconds timeout)
@@ -340,6 +343,9 @@ class NcclCommunication final : public CollectiveCommunication {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Implementation implementation() const override { return Implementation::kNccl; }
+  std::string AllReduceAlgorithm(size_t) const override {
+    return std::string(core::algorithm::kNccl);  // NCCL picks its own
+  }
 
   std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv,
                                        ReduceOp op) override {
@@ -466,8 +472,54 @@ class NcclCommunication final : public CollectiveCommunication {
         core::CheckTimeout("rank " + std::to_string(rank_) + ": SetTimeout", timeout).count());
   }
 
+  // core::InternalCommunication: no gated calls and no calls in pieces (Error(kNotSupported));
+  // checked_as changes nothing, NCCL checking nothing across ranks; Abort(reason) is Abort().
+  using InternalCommunication::AllReduce;
+  using InternalCommunication::Broadcast;
+  bool RunsGatedCalls() const override { return false; }
+  std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                       const core::CallOptions& options) override {
+    if (options.gate) throw NeedsRing("gated calls");
+    return AllReduceAsync(send, recv, op);
+  }
+  void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
+                 const core::CallOptions& options) override {
+    AllReduceAsync(send, recv, op, options)->Wait();
+  }
+  std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root,
+                                       const core::CallOptions& options) override {
+    if (options.gate) throw NeedsRing("gated calls");
+    return BroadcastAsync(send, recv, root);
+  }
+  void Broadcast(const Tensor& send, const Tensor& recv, int root,
+                 const core::CallOptions& options) override {
+    BroadcastAsync(send, recv, root, options)->Wait();
+  }
+  std::shared_ptr<Work> AllReduceAsync(const std::vector<Tensor>&, ReduceOp,
+                                       const core::CallOptions&) override {
+    throw NeedsRing("calls in pieces");
+  }
+  void AllReduce(const std::vector<Tensor>&, ReduceOp, const core::CallOptions&) override {
+    throw NeedsRing("calls in pieces");
+  }
+  std::shared_ptr<Work> BroadcastAsync(const std::vector<Tensor>&, int,
+                                       const core::CallOptions&) override {
+    throw NeedsRing("calls in pieces");
+  }
+  void Broadcast(const std::vector<Tensor>&, int, const core::CallOptions&) override {
+    throw NeedsRing("calls in pieces");
+  }
+  void Abort(const Error&) override { Abort(); }
+
  private:
   using IssueFn = std::function<ncclResult_t(const NcclApi&, ncclComm_t, cudaStream_t)>;
+
+  // Error(kNotSupported): "rank R: <what> need RING or AUTO, not nccl".
+  Error NeedsRing(const char* what) const {
+    return Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank_) + ": " + what +
+                                               " need RING or AUTO, not " +
+                                               ToString(implementation()));
+  }
 
   std::string Where(const char* collective) const {
     return core::ArgumentPrefix(rank_, collective);

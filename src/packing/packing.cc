@@ -5,10 +5,10 @@
 // without a copy or a fusion buffer; a bucket with no bytes (only zero-size tensors) issues
 // nothing, on every rank alike (after the check every call makes, CheckListsAgree). Other
 // buckets are packed into a fusion buffer, reduced (or broadcast) in one collective, unpacked;
-// but where the communicator takes a bucket's tensors as they are (ring::RunsInPieces: RING,
-// whose frames are gathered from the tensors and scattered into them, and AUTO, in shared memory
-// on one host and in two levels) each fused bucket is issued on them, no fusion buffer.
-// Two schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
+// but where the communicator takes a bucket's tensors as they are (core::InternalCommunication:
+// RING, whose frames are gathered from the tensors and scattered into them, and AUTO, in shared
+// memory on one host and in two levels) each fused bucket is issued on them, no fusion buffer. Two
+// schedules walk the buckets 0..B-1 (src/packing/schedule.h; names as in RunBuckets):
 //
 // Overlapped (RunOverlapped):
 //   Start(0)
@@ -53,28 +53,14 @@
 #include "src/core/arguments.h"
 #include "src/core/environment.h"
 #include "src/core/fnv1a.h"
+#include "src/core/internal_communication.h"
 #include "src/packing/schedule.h"
-#include "src/ring/ring_communication.h"
 
 namespace collectives::packing {
 namespace {
 
-// The default bucket cap: 1 MiB. Measured with bench/packing_perf on the 2-core development VM
-// (the README's table: 1000x4K, 200x256K and ResNet-50 lists, 2 and 4 ranks, caps 256K-64M),
-// 1 MiB was the fastest cap in every row: small tensors gain from any cap of 1 MiB or more
-// (1000x4K: 10x on 2 ranks, 16x on 4), and lists of large tensors lose from larger caps, where
-// every byte of a fused bucket is copied twice and each bucket's all-reduce is a larger one
-// (200x256K: 1.7-1.8x longer at 4 MiB). Earlier measurements had 1 and 4 MiB tied, and 4 was
-// chosen for issuing fewer collectives; once the ring algorithms lost their separate call
-// agreement round the smaller buckets pulled ahead. On a network where one collective's fixed
-// latency is far above loopback's, a larger cap may pay: bytes_per_pack is the knob.
-// In shared memory (AUTO on one host) the default was 256 KiB while fused buckets were copied
-// into a fusion buffer and out there: those two copies of every byte cost more than the calls
-// they saved once the tensors were large (200 x 256 KiB, 2 ranks: 8.0-9.5 ms at 256 KiB, every
-// tensor alone, against 12.2-13.8 in 1 MiB buckets). Since the packer hands the tensors to shared
-// memory as they are (ring::RunsInPieces), 1 MiB was the faster cap in every workload with 2 and
-// with 3 ranks (three runs each; 1000 x 4 KiB 0.28-0.35 ms against 0.41-0.45 with 2 ranks), and
-// 256 KiB only with 4 ranks on 2 cores: the README has the runs.
+// The default bucket cap: small tensors gain from any cap of 1 MiB or more, and lists of large
+// tensors lose from larger ones, over TCP and in shared memory alike (see docs/tuning.md).
 constexpr size_t kDefaultBytesPerPack = size_t{1} << 20;
 
 // bytes_per_pack as given, or comm's default for 0.
@@ -98,24 +84,7 @@ void CheckTensors(const CollectiveCommunication& comm, const char* collective,
                                                 t.device.ToString() +
                                                 "; the packer takes CPU tensors only for now");
     }
-    if (static_cast<unsigned>(t.dtype) >= kNumDataTypes) {
-      throw Error(
-          ErrorCode::kInvalidArgument,
-          Where(comm, collective, i) + "has an unknown dtype " + std::to_string(int(t.dtype)));
-    }
-    if (t.data == nullptr && t.count > 0) {
-      throw Error(ErrorCode::kInvalidArgument, Where(comm, collective, i) + "has null data and " +
-                                                   std::to_string(t.count) + " elements");
-    }
-    if (t.count > SIZE_MAX / SizeOf(t.dtype)) {
-      throw Error(ErrorCode::kInvalidArgument, Where(comm, collective, i) + "has " +
-                                                   std::to_string(t.count) +
-                                                   " elements: more bytes than size_t holds");
-    }
-    if (t.count > 0 && reinterpret_cast<uintptr_t>(t.data) % SizeOf(t.dtype) != 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  Where(comm, collective, i) + core::MisalignedText(t.data, t.dtype));
-    }
+    core::CheckTensorData(t, [&] { return Where(comm, collective, i); });
   }
   // Tensors that share bytes would be reduced twice where they sit in different buckets (once
   // where they share one): each tensor of the list must be memory of its own.
@@ -226,8 +195,8 @@ std::vector<TensorSpec> SpecsOf(const std::vector<Tensor>& tensors) {
 }
 
 // Fusion buffers outlive a call, one pair per calling thread: a fresh multi-megabyte
-// allocation comes from mmap (or a trimmed heap) and page-faults on first touch, which cost
-// about 3 ms per 8 MiB on the development VM, as much as the all-reduce it feeds. A buffer
+// allocation comes from mmap (or a trimmed heap) and page-faults on first touch, which costs as
+// much as the all-reduce it feeds (see docs/tuning.md). A buffer
 // larger than kMaxCachedBytes is freed at the end of the call, so a thread keeps at most
 // 2 x kMaxCachedBytes (2 x the largest bucket it has used, 2 MiB with the default cap); the
 // cache is freed when the thread exits.
@@ -299,15 +268,14 @@ struct BucketRunner {
   std::function<void(const Tensor& t)> issue_blocking;
   // What a blocking call whose list check fails has left undone, in the collective's words.
   const char* untouched;
-  // Where set (a communicator that runs ring::AllReduceInPieces and BroadcastInPieces), a fused
+  // Where set (a communicator that runs calls in pieces: core::InternalCommunication), a fused
   // bucket is issued on its tensors as they are, no fusion buffer, no packing or unpacking:
   // blocking, and asynchronous.
   std::function<void(const std::vector<Tensor>& pieces)> issue_pieces_blocking;
   // Where set (RING and AUTO), the asynchronous form's buckets are issued so, each doing nothing
-  // unless `go` (ring::AllReduceGatedAsync, BroadcastGatedAsync).
-  std::function<std::shared_ptr<Work>(const Tensor& t, std::function<bool()> go)> issue_gated_async;
-  // `go` as ring::AllReduceInPiecesAsync's.
-  std::function<std::shared_ptr<Work>(const std::vector<Tensor>& pieces, std::function<bool()> go)>
+  // unless `go` (core::Gate).
+  std::function<std::shared_ptr<Work>(const Tensor& t, core::Gate go)> issue_gated_async;
+  std::function<std::shared_ptr<Work>(const std::vector<Tensor>& pieces, core::Gate go)>
       issue_pieces_async;
 };
 
@@ -496,7 +464,11 @@ template <typename When>
     comm.Abort();
     std::rethrow_exception(failure);
   }
-  ring::Abort(comm, *error);
+  if (core::InternalCommunication* const internal = core::Internal(comm)) {
+    internal->Abort(*error);
+  } else {
+    comm.Abort();
+  }
   throw *error;
 }
 
@@ -529,11 +501,9 @@ void RunBuckets(CollectiveCommunication& comm, const char* collective, const Buc
 }
 
 // The buffers of finished asynchronous calls, kept for the next ones (from any thread: a call may
-// finish on another thread than its own). A fresh allocation of a list's fused bytes is faulted
-// in page by page on every call: 200 x 256 KiB tensors took 12,800 faults per call and rank, and
-// the asynchronous form twice the time of the blocking one, whose fusion buffers a thread keeps
-// (packing_perf --compute-ms, 2 ranks: 112 ms against 52). Holds at most kPooledBuffers buffers
-// of at most kMaxCachedBytes each; a call takes the smallest one large enough.
+// finish on another thread than its own): a fresh allocation of a list's fused bytes is faulted
+// in page by page on every call (see docs/tuning.md). Holds at most kPooledBuffers buffers of at
+// most kMaxCachedBytes each; a call takes the smallest one large enough.
 constexpr size_t kPooledBuffers = 2;
 
 class BufferPool {
@@ -584,7 +554,7 @@ BufferPool& AsyncBuffers() {
 // of them, each bucket at a cache-line offset of its own: no bucket waits for a buffer to come
 // free; taken from AsyncBuffers). Once every collective has completed, Wait or Done finishes the
 // call: the list check's answer, then the unpacking, then the buffer goes back to the pool.
-// Where the communicator takes a bucket's tensors as they are (ring::RunsInPieces), every bucket is
+// Where the communicator takes a bucket's tensors as they are (RunsGatedCalls), every bucket is
 // issued on them instead, no buffer, and runs only if the list check, which completes before it,
 // found the lists alike: else it does nothing, on every rank, and Wait raises the difference.
 class PackedWork final : public Work {
@@ -757,25 +727,23 @@ class PackedWork final : public Work {
   mutable std::exception_ptr failure_;
 };
 
-// The gated asynchronous all-reduce where the communicator runs it (ring::RunsGatedCalls), and
-// the all-reduce in pieces: a fused bucket skips the fusion buffer where the communicator can take
-// its tensors as they are (RING: frames straight from and into the tensors; AUTO in shared
-// memory, on one host and in two levels: each rank's tensors copied into the shared slots and the
-// results back),
-// where packing would copy every byte twice more (into the buffer, and out). Measured with
-// packing_perf (see the README, "Many small tensors").
+// Where the communicator runs gated calls and calls in pieces (core::InternalCommunication:
+// RING and AUTO), the asynchronous form's buckets are gated on the list check, and a fused bucket
+// is issued on its tensors as they are: packing would copy every byte twice more (see
+// docs/tuning.md).
 void SetGates(BucketRunner& runner, CollectiveCommunication& comm, ReduceOp op,
               ReduceOp checked_as) {
-  if (!ring::RunsInPieces(comm)) return;  // and so no gated calls either (NCCL)
-  runner.issue_gated_async = [&comm, op, checked_as](const Tensor& t, std::function<bool()> go) {
-    return ring::AllReduceGatedAsync(comm, t, t, op, checked_as, std::move(go));
+  core::InternalCommunication* const internal = core::Internal(comm);
+  if (internal == nullptr || !internal->RunsGatedCalls()) return;
+  runner.issue_gated_async = [internal, op, checked_as](const Tensor& t, core::Gate go) {
+    return internal->AllReduceAsync(t, t, op, {checked_as, std::move(go)});
   };
-  runner.issue_pieces_blocking = [&comm, op, checked_as](const std::vector<Tensor>& pieces) {
-    ring::AllReduceInPieces(comm, pieces, op, checked_as);
+  runner.issue_pieces_blocking = [internal, op, checked_as](const std::vector<Tensor>& pieces) {
+    internal->AllReduce(pieces, op, {checked_as, {}});
   };
-  runner.issue_pieces_async = [&comm, op, checked_as](const std::vector<Tensor>& pieces,
-                                                      std::function<bool()> go) {
-    return ring::AllReduceInPiecesAsync(comm, pieces, op, checked_as, std::move(go));
+  runner.issue_pieces_async = [internal, op, checked_as](const std::vector<Tensor>& pieces,
+                                                         core::Gate go) {
+    return internal->AllReduceAsync(pieces, op, {checked_as, std::move(go)});
   };
 }
 
@@ -801,12 +769,16 @@ BucketRunner AllReduceCheckedAsRunner(CollectiveCommunication& comm,
                                       ReduceOp checked_as) {
   BucketRunner runner = AllReduceRunner(comm, tensors, op);
   core::CheckReduceOp(core::ArgumentPrefix(comm.rank(), "packing all_reduce"), checked_as);
-  runner.issue_async = [&comm, op, checked_as](const Tensor& t) {
-    return ring::AllReduceCheckedAsAsync(comm, t, t, op, checked_as);
-  };
-  runner.issue_blocking = [&comm, op, checked_as](const Tensor& t) {
-    ring::AllReduceCheckedAs(comm, t, t, op, checked_as);
-  };
+  // Checked as `checked_as` where the communicator has an internal side; a user's wrapper takes
+  // the plain all-reduce.
+  if (core::InternalCommunication* const internal = core::Internal(comm)) {
+    runner.issue_async = [internal, op, checked_as](const Tensor& t) {
+      return internal->AllReduceAsync(t, t, op, {checked_as, {}});
+    };
+    runner.issue_blocking = [internal, op, checked_as](const Tensor& t) {
+      internal->AllReduce(t, t, op, {checked_as, {}});
+    };
+  }
   SetGates(runner, comm, op, checked_as);
   return runner;
 }
@@ -830,16 +802,16 @@ BucketRunner BroadcastRunner(CollectiveCommunication& comm, const std::vector<Te
                       {},
                       {},
                       {}};
-  if (ring::RunsInPieces(comm)) {  // and gated calls (RING, AUTO)
-    runner.issue_gated_async = [&comm, root](const Tensor& t, std::function<bool()> go) {
-      return ring::BroadcastGatedAsync(comm, t, t, root, std::move(go));
+  core::InternalCommunication* const internal = core::Internal(comm);
+  if (internal != nullptr && internal->RunsGatedCalls()) {  // as SetGates
+    runner.issue_gated_async = [internal, root](const Tensor& t, core::Gate go) {
+      return internal->BroadcastAsync(t, t, root, {{}, std::move(go)});
     };
-    runner.issue_pieces_blocking = [&comm, root](const std::vector<Tensor>& pieces) {
-      ring::BroadcastInPieces(comm, pieces, root);
+    runner.issue_pieces_blocking = [internal, root](const std::vector<Tensor>& pieces) {
+      internal->Broadcast(pieces, root, {});
     };
-    runner.issue_pieces_async = [&comm, root](const std::vector<Tensor>& pieces,
-                                              std::function<bool()> go) {
-      return ring::BroadcastInPiecesAsync(comm, pieces, root, std::move(go));
+    runner.issue_pieces_async = [internal, root](const std::vector<Tensor>& pieces, core::Gate go) {
+      return internal->BroadcastAsync(pieces, root, {{}, std::move(go)});
     };
   }
   return runner;
@@ -873,7 +845,7 @@ std::shared_ptr<Work> StartAsync(CollectiveCommunication& comm, const char* coll
 size_t DefaultBytesPerPack() { return kDefaultBytesPerPack; }
 
 size_t DefaultBytesPerPack(const CollectiveCommunication& comm) {
-  (void)comm;  // the same everywhere since the shared-memory buckets stopped being copied
+  (void)comm;  // the same for every implementation
   return kDefaultBytesPerPack;
 }
 
@@ -943,22 +915,8 @@ std::shared_ptr<Work> BroadcastAsync(CollectiveCommunication& comm,
 namespace internal {
 
 // Overlap pays when the caller's packing and the progress thread's collective each have a core;
-// otherwise the two threads (and the Wait that polls) take cores from the peers' ranks. Measured
-// with bench/packing_perf on the 2-core development VM (median ms per step of 9, one run each,
-// ranks on loopback; runs vary by 5-10%):
-//
-//   ranks  workload   cap    overlapped  serial   one-by-one
-//     2    1000x4K    256K      3.3        1.5       7.2
-//     2    1000x4K    1M        2.2        1.6       7.2
-//     2    200x256K   1M       39.9       38.7      34.5
-//     2    resnet50   1M       71.5       56.5      56.5
-//     4    1000x4K    1M        8.6        7.6      66
-//     4    200x256K   256K     95.7      102.9     106
-//     4    resnet50   1M      190        190       190
-//
-// Two ranks (which poll, having a core each) lose up to 2x with overlap; four ranks on two
-// cores (which sleep instead of polling) come out even. Hence overlap only with two cores per
-// local rank; every rank counts as local unless the launcher says how many are.
+// otherwise the two threads (and the Wait that polls) take cores from the peers' ranks (see
+// docs/tuning.md). Every rank counts as local unless the launcher says how many are.
 Schedule AutoSchedule(int world_size) {
   return core::CoresFor(std::max(1, core::LocalRanks(world_size)), 2) ? Schedule::kOverlapped
                                                                       : Schedule::kSerial;

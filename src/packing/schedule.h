@@ -37,8 +37,9 @@ void Broadcast(CollectiveCommunication& comm, const std::vector<Tensor>& tensors
                size_t bytes_per_pack, Schedule schedule);
 
 // packing::AllReduce whose collectives reduce with `op` and are checked against the other ranks
-// as `checked_as` (ring::AllReduceCheckedAs): for the strategy layer, whose kAvg crosses workers
-// as a kSum it divides itself, so that a worker that sums where another averages is a mismatch.
+// as `checked_as` (core::CallOptions::checked_as): for the strategy layer, whose kAvg crosses
+// workers as a kSum it divides itself, so that a worker that sums where another averages is a
+// mismatch.
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                ReduceOp checked_as, size_t bytes_per_pack);
 

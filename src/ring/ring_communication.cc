@@ -1,30 +1,29 @@
-// RingCommunication: argument checks, the queue of calls, the progress thread, the choice of
-// algorithm per call, and the sticky first error.
+// RingCommunication: argument checks, the choice of algorithm per call, and the calls themselves
+// (the gated ones and those in pieces among them); the order they run in is the CallQueue's.
 #include "src/ring/ring_communication.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
+#include "src/core/algorithm_names.h"
 #include "src/core/arguments.h"
 #include "src/core/call.h"
 #include "src/core/environment.h"
-#include "src/core/work.h"
+#include "src/core/internal_communication.h"
 #include "src/ring/algorithms.h"
+#include "src/ring/call_queue.h"
 
 namespace collectives::ring {
 namespace {
@@ -32,19 +31,7 @@ namespace {
 using core::CallDescriptor;
 using core::CollectiveKind;
 
-// `broken`, the error that broke the communicator, as the error of a call it stopped: "rank 0:
-// the communicator was aborted by its caller (#3 all_reduce(f32, sum, count=7) did not run)".
-Error Stopped(const Error& broken, const core::CallTag& tag, const char* what) {
-  std::string message = broken.message();
-  message += " (";
-  message += tag.ToString();
-  message += ' ';
-  message += what;
-  message += ')';
-  return Error(broken.code(), message);
-}
-
-class RingCommunication final : public CollectiveCommunication {
+class RingCommunication final : public core::InternalCommunication {
  public:
   RingCommunication(std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
                     const CommunicationOptions& options, std::unique_ptr<Planner> planner,
@@ -81,46 +68,48 @@ class RingCommunication final : public CollectiveCommunication {
   }
   void Barrier() override { RunBlocking(PrepareBarrier()); }
 
-  // ring::AllReduceCheckedAs (ring_communication.h).
-  std::shared_ptr<Work> AllReduceCheckedAsAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
-                                                ReduceOp checked_as) {
-    return Submit(PrepareAllReduce(send, recv, op, checked_as));
+  // core::InternalCommunication (src/core/internal_communication.h).
+  bool RunsGatedCalls() const override { return true; }
+  std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                       const core::CallOptions& options) override {
+    return Submit(
+        Gated(PrepareAllReduce(send, recv, op, options.checked_as.value_or(op)), options.gate));
   }
-  void AllReduceCheckedAs(const Tensor& send, const Tensor& recv, ReduceOp op,
-                          ReduceOp checked_as) {
-    RunBlocking(PrepareAllReduce(send, recv, op, checked_as));
+  void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
+                 const core::CallOptions& options) override {
+    RunBlocking(
+        Gated(PrepareAllReduce(send, recv, op, options.checked_as.value_or(op)), options.gate));
   }
-
-  // ring::AllReduceGatedAsync / BroadcastGatedAsync (ring_communication.h).
-  std::shared_ptr<Work> AllReduceGatedAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
-                                            ReduceOp checked_as, std::function<bool()> go) {
-    return Submit(Gated(PrepareAllReduce(send, recv, op, checked_as), std::move(go)));
+  std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root,
+                                       const core::CallOptions& options) override {
+    return Submit(Gated(PrepareBroadcast(send, recv, root), options.gate));
   }
-  std::shared_ptr<Work> BroadcastGatedAsync(const Tensor& send, const Tensor& recv, int root,
-                                            std::function<bool()> go) {
-    return Submit(Gated(PrepareBroadcast(send, recv, root), std::move(go)));
+  void Broadcast(const Tensor& send, const Tensor& recv, int root,
+                 const core::CallOptions& options) override {
+    RunBlocking(Gated(PrepareBroadcast(send, recv, root), options.gate));
   }
-
-  // ring::AllReduceInPieces (ring_communication.h).
-  std::shared_ptr<Work> AllReduceInPiecesAsync(const std::vector<Tensor>& pieces, ReduceOp op,
-                                               ReduceOp checked_as, std::function<bool()> go) {
-    return Submit(PrepareAllReduceInPieces(pieces, op, checked_as, std::move(go)));
+  std::shared_ptr<Work> AllReduceAsync(const std::vector<Tensor>& pieces, ReduceOp op,
+                                       const core::CallOptions& options) override {
+    return Submit(
+        PrepareAllReduceInPieces(pieces, op, options.checked_as.value_or(op), options.gate));
   }
-  void AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as) {
-    RunBlocking(PrepareAllReduceInPieces(pieces, op, checked_as, {}));
+  void AllReduce(const std::vector<Tensor>& pieces, ReduceOp op,
+                 const core::CallOptions& options) override {
+    RunBlocking(
+        PrepareAllReduceInPieces(pieces, op, options.checked_as.value_or(op), options.gate));
   }
-  std::shared_ptr<Work> BroadcastInPiecesAsync(const std::vector<Tensor>& pieces, int root,
-                                               std::function<bool()> go) {
-    return Submit(PrepareBroadcastInPieces(pieces, root, std::move(go)));
+  std::shared_ptr<Work> BroadcastAsync(const std::vector<Tensor>& pieces, int root,
+                                       const core::CallOptions& options) override {
+    return Submit(PrepareBroadcastInPieces(pieces, root, options.gate));
   }
-  void BroadcastInPieces(const std::vector<Tensor>& pieces, int root) {
-    RunBlocking(PrepareBroadcastInPieces(pieces, root, {}));
+  void Broadcast(const std::vector<Tensor>& pieces, int root,
+                 const core::CallOptions& options) override {
+    RunBlocking(PrepareBroadcastInPieces(pieces, root, options.gate));
   }
+  void Abort(const Error& reason) override { Break(reason); }
 
   std::unique_ptr<CollectiveCommunication> Split(int color, int key) override;
   void Abort() override;
-  // ring::Abort (ring_communication.h).
-  void Abort(const Error& error) { Break(error); }
   void SetTimeout(std::chrono::milliseconds timeout) override;
 
  private:
@@ -128,33 +117,20 @@ class RingCommunication final : public CollectiveCommunication {
   enum class Algorithm { kRecursiveDoubling, kHalvingDoubling, kRing };
   // The ring's all-reduce algorithm for `bytes` (forced by options.algorithm, or by size).
   Algorithm ChooseAllReduce(size_t bytes) const;
-  // A validated call, ready to run: what every rank must agree on, and what to run.
-  struct Prepared {
-    CallDescriptor descriptor;
-    Body body;
-    // Where set, the call runs only if go() says so when its turn comes; one that does not run
-    // takes no sequence number, so ranks that skipped different numbers of calls still agree on
-    // the next call's (see Gated).
-    std::function<bool()> go = {};
-  };
-  struct Call {
-    Prepared prepared;
-    std::shared_ptr<core::WorkState> work;
-    std::chrono::milliseconds timeout;  // the communicator's when the call was issued
-  };
+  using Prepared = PreparedCall;
 
   // Argument checks (throwing on the caller's thread) and the choice of algorithm. An all-reduce
   // reduces with `op` and is checked against the other ranks as `checked_as` (the op of its
-  // descriptor), which is `op` but for ring::AllReduceCheckedAs.
+  // descriptor), which is `op` unless core::CallOptions::checked_as says otherwise.
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) const {
     return PrepareAllReduce(send, recv, op, op);
   }
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
                             ReduceOp checked_as) const;
   Prepared PrepareAllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
-                                    ReduceOp checked_as, std::function<bool()> go) const;
+                                    ReduceOp checked_as, core::Gate go) const;
   Prepared PrepareBroadcastInPieces(const std::vector<Tensor>& pieces, int root,
-                                    std::function<bool()> go) const;
+                                    core::Gate go) const;
   // The elements of `pieces` (CPU tensors of one known dtype, with data), or Error naming `name`.
   size_t CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const;
   // The ring's own bodies for the calls in pieces (no planner): see PrepareAllReduceInPieces.
@@ -164,11 +140,9 @@ class RingCommunication final : public CollectiveCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
-  // `prepared`, which runs only if `go()` says so when its turn comes (always without one). A
-  // call that does not run completes at once and takes no sequence number: the packer's buckets
-  // after a list check that found the lists differ are skipped on every rank, and a rank whose
-  // list made more buckets than another's must not be left a number ahead of it.
-  static Prepared Gated(Prepared prepared, std::function<bool()> go) {
+  // `prepared`, which runs only if `go()` says so when its turn comes (always without one): the
+  // packer's buckets after a list check that found the lists differ are skipped on every rank.
+  static Prepared Gated(Prepared prepared, core::Gate go) {
     prepared.go = std::move(go);
     return prepared;
   }
@@ -176,23 +150,20 @@ class RingCommunication final : public CollectiveCommunication {
   // call first (Planner::RunningOnRing).
   Prepared OnRing(const CallDescriptor& call, Body body) const;
 
-  // Queues a call; returns its Work.
-  std::shared_ptr<Work> Submit(Prepared prepared);
-  // Runs a call on the caller's thread when nothing is queued or running (no hand-off to the
-  // progress thread and back: that is most of the cost of a small collective); else queues
-  // it and waits. Throws the call's Error.
-  void RunBlocking(Prepared prepared);
-  // Runs one call on this thread, which holds the fabric (busy_); returns its failure, if any.
+  // The call queue's, with the communicator's timeout as the call's.
+  std::shared_ptr<Work> Submit(Prepared prepared) {
+    return queue_.Submit(std::move(prepared), std::chrono::milliseconds(timeout_ms_.load()));
+  }
+  void RunBlocking(Prepared prepared) {
+    queue_.RunBlocking(std::move(prepared), std::chrono::milliseconds(timeout_ms_.load()));
+  }
+  Error Break(const Error& error, bool* first = nullptr) { return queue_.Break(error, first); }
+  // The call queue's Runner: runs one call on this thread, which holds the fabric; returns its
+  // failure, if any.
   std::optional<Error> Execute(const core::CallTag& tag, const Body& body,
                                std::chrono::milliseconds timeout);
-  // The progress thread: runs queued calls in order until the destructor stops it.
-  void Run();
-  // Runs `call`, taken from the queue by this thread (busy_ set): its gate, its number, its
-  // body. Returns its failure, if any; an exception of the gate's breaks the communicator with it.
-  std::optional<Error> RunCall(const Call& call);
-  // Records the first error (sticky) and breaks the fabric so that peers learn of it. Returns
-  // the first error; sets `*first` to whether that is `error`.
-  Error Break(const Error& error, bool* first = nullptr);
+  // The call queue's Breaker: breaks the planner's waits and the fabric with `first`.
+  void BreakTransport(const Error& first);
 
   // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault.
   void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
@@ -221,37 +192,27 @@ class RingCommunication final : public CollectiveCommunication {
   // with a yield between them.
   const std::chrono::microseconds spin_;
   const std::chrono::microseconds yield_;
-  // How long a thread handing a call over polls for the other side: a waiter in Work::Wait, and
-  // the idle progress thread watching the queue. Both run beside the thread driving the network.
-  const std::chrono::microseconds handoff_spin_;
   std::shared_ptr<Store> store_;
   std::unique_ptr<Planner> planner_;           // may be null
   const SplitBuilder split_;                   // may be empty
   uint64_t splits_ = 0;                        // Split calls so far; guarded by split_mu_
   std::mutex split_mu_;
-  // The fabric and the staging area are used by the thread running a call (the progress thread,
-  // or a caller in RunBlocking; busy_ keeps it to one at a time) and the fabric by Abort.
+  // The fabric and the staging area are used by the thread running a call (the call queue keeps
+  // it to one at a time) and the fabric by Abort.
   std::unique_ptr<transport::Fabric> fabric_;
   Staging staging_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Call> queue_;       // guarded by mu_
-  uint64_t next_seq_ = 0;        // guarded by mu_
-  // Written under mu_; atomic so that the idle progress thread's spin sees the destructor.
-  std::atomic<bool> stopping_{false};
-  bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
-  std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
-  std::atomic<size_t> queued_{0};
-  std::thread thread_;
+  // Last: its destructor runs the queued calls and joins the progress thread, whose calls use
+  // the members above.
+  CallQueue queue_;
 };
 
 // Polling only pays when every polling thread has a core of its own (core::CoresFor, over the
 // ranks on this host, all of them unless the launcher says). A blocking call polls on one thread
 // per rank (the caller drives the network itself); an asynchronous one on two (the progress
 // thread drives the network while the caller waits), so hand-off polling needs twice the cores:
-// with fewer, a spinning waiter steals the core its own progress thread or a peer needs (a 4 KiB
-// async all-reduce of 2 ranks on 2 cores took 135 us with it, against 8 us blocking).
+// with fewer, a spinning waiter steals the core its own progress thread or a peer needs (see
+// docs/tuning.md).
 std::chrono::microseconds SpinBudget(int spin_us, int world_size, int threads_per_rank) {
   if (spin_us >= 0) return std::chrono::microseconds(spin_us);
   return std::chrono::microseconds(
@@ -283,83 +244,25 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       timeout_ms_(options.timeout.count()),
       spin_(SpinBudget(options.spin_us, fabric->size(), 1)),
       yield_(YieldBudget(options.yield_us)),
-      handoff_spin_(SpinBudget(options.spin_us, fabric->size(), 2)),
       store_(std::move(store)),
       planner_(std::move(planner)),
       split_(std::move(split)),
-      fabric_(std::move(fabric)) {
+      fabric_(std::move(fabric)),
+      queue_(
+          rank_, SpinBudget(options.spin_us, size_, 2), yield_,
+          [this](const core::CallTag& tag, const Body& body, std::chrono::milliseconds timeout) {
+            return Execute(tag, body, timeout);
+          },
+          [this](const Error& first) { BreakTransport(first); }) {
   fabric_->SetSpin(spin_, yield_);
-  thread_ = std::thread([this] { Run(); });
 }
 
-RingCommunication::~RingCommunication() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
-}
-
-void RingCommunication::Run() {
-  for (;;) {
-    Call call;
-    {
-      // Poll briefly before sleeping: the next call of a training step usually follows at once.
-      core::SpinUntil(handoff_spin_, [this] {
-        return queued_.load(std::memory_order_acquire) > 0 ||
-               stopping_.load(std::memory_order_relaxed);
-      });
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock,
-               [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
-      if (queue_.empty()) return;  // stopping, and every queued call has run
-      call = std::move(queue_.front());
-      queue_.pop_front();
-      queued_.fetch_sub(1, std::memory_order_release);
-      busy_ = true;
-    }
-    const std::optional<Error> failure = RunCall(call);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
-    }
-    call.work->Complete(failure);
-  }
-}
-
-std::optional<Error> RingCommunication::RunCall(const Call& call) {
-  // Every earlier call has completed, and this thread took busy_ after the last one gave it
-  // back under mu_, so the gate sees what they wrote (the list check's answer among them). The
-  // number is taken only by a call that runs, in the order they run. On a broken communicator
-  // the call fails as every later call does, whatever its gate says.
-  try {
-    const bool run = !call.prepared.go || call.prepared.go();
-    core::CallTag tag{0, call.prepared.descriptor};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (broken_) {
-        tag.seq = next_seq_++;
-        return Stopped(*broken_, tag, "did not run");
-      }
-      if (!run) return std::nullopt;
-      tag.seq = next_seq_++;
-    }
-    return Execute(tag, call.prepared.body, call.timeout);
-  } catch (const Error& e) {  // from the gate, or from building an error
-    return Break(e);
-  } catch (const std::exception& e) {
-    return Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
-                                                 call.prepared.descriptor.ToString() + ": " +
-                                                 e.what()));
-  }
-}
+RingCommunication::~RingCommunication() = default;
 
 std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const Body& body,
                                                 std::chrono::milliseconds timeout) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return Stopped(*broken_, tag, "did not run");
+  if (const std::optional<Error> broken = queue_.broken()) {
+    return Stopped(*broken, tag, "did not run");
   }
   // A failure of the call's own is its error (it names the call); a failure that comes of an
   // earlier one (an Abort, another call's) names this call as one it stopped.
@@ -376,14 +279,9 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
     body(ctx);
     // An Abort from another thread that came while the body's last wait was returning left the
     // fabric's shutdown (the abort frames that tell the peers) to the thread driving the fabric,
-    // which returned without seeing it; later calls fail on broken_ without touching the fabric.
-    // This thread drives no more now, so the fabric's Abort runs the shutdown at once.
-    std::optional<Error> aborted;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      aborted = broken_;
-    }
-    if (aborted) fabric_->Abort(*aborted);
+    // which returned without seeing it, and later calls fail on the queue's first error without
+    // touching the fabric. This thread drives it no more, so the fabric's Abort shuts it down.
+    if (const std::optional<Error> aborted = queue_.broken()) fabric_->Abort(*aborted);
     return std::nullopt;
   } catch (const Error& e) {
     return fail(e);
@@ -396,44 +294,11 @@ std::optional<Error> RingCommunication::Execute(const core::CallTag& tag, const 
   }
 }
 
-void RingCommunication::RunBlocking(Prepared prepared) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (broken_) throw Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run");
-  // A gated call goes through the queue, where RunCall reads its gate.
-  if (busy_ || !queue_.empty() || prepared.go) {
-    lock.unlock();
-    Submit(std::move(prepared))->Wait();
-    return;
-  }
-  const core::CallTag tag{next_seq_++, prepared.descriptor};
-  busy_ = true;
-  lock.unlock();
-  const std::optional<Error> failure =
-      Execute(tag, prepared.body, std::chrono::milliseconds(timeout_ms_.load()));
-  lock.lock();
-  busy_ = false;
-  const bool wake = !queue_.empty();
-  lock.unlock();
-  if (wake) cv_.notify_all();
-  if (failure) throw *failure;
-}
-
-Error RingCommunication::Break(const Error& error, bool* first_error) {
-  Error first = error;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (first_error != nullptr) *first_error = !broken_;
-    if (broken_) {
-      first = *broken_;
-    } else {
-      broken_ = error;
-    }
-  }
+void RingCommunication::BreakTransport(const Error& first) {
   // The planner first: its waits end at once, and a thread driving a call may be in one. The
   // fabric's Abort then waits for the thread driving it to tell the peers.
   if (planner_) planner_->Abort(first);
   fabric_->Abort(first);
-  return first;
 }
 
 void RingCommunication::SetTimeout(std::chrono::milliseconds timeout) {
@@ -472,43 +337,22 @@ std::unique_ptr<CollectiveCommunication> RingCommunication::Split(int color, int
   try {
     child = split_(int(me - members.begin()), int(members.size()),
                    "/split" + std::to_string(split) + "/" + std::to_string(color),
-                   std::chrono::milliseconds(timeout_ms_.load()), [this] {
-                     std::lock_guard<std::mutex> state(mu_);
-                     return broken_.has_value();
-                   });
+                   std::chrono::milliseconds(timeout_ms_.load()),
+                   [this] { return queue_.broken().has_value(); });
   } catch (const Error&) {
-    std::lock_guard<std::mutex> state(mu_);
-    if (broken_) throw *broken_;  // the Abort's own error, not the set-up's "abandoned"
+    // The Abort's own error, not the set-up's "abandoned".
+    if (const std::optional<Error> broken = queue_.broken()) throw *broken;
     throw;
   }
   // An Abort while the child was being connected: the split fails as every call does from then
   // on, rather than hand out a working child of an aborted communicator.
-  std::lock_guard<std::mutex> state(mu_);
-  if (broken_) throw *broken_;
+  if (const std::optional<Error> broken = queue_.broken()) throw *broken;
   return child;
 }
 
 void RingCommunication::Abort() {
   Break(Error(ErrorCode::kAborted,
               "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller"));
-}
-
-std::shared_ptr<Work> RingCommunication::Submit(Prepared prepared) {
-  auto work = std::make_shared<core::WorkState>(handoff_spin_, yield_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) {
-      work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
-      return work;
-    }
-    // The sequence number is taken when the call runs (RunCall): calls run in the order they
-    // are issued, and a gated call that does not run takes none.
-    queue_.push_back(
-        Call{std::move(prepared), work, std::chrono::milliseconds(timeout_ms_.load())});
-    queued_.fetch_add(1, std::memory_order_release);
-  }
-  cv_.notify_one();
-  return work;
 }
 
 void RingCommunication::CheckTensor(const char* collective, const char* name,
@@ -608,8 +452,7 @@ size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tens
 }
 
 RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
-    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as,
-    std::function<bool()> go) const {
+    const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as, core::Gate go) const {
   constexpr const char* kName = "all_reduce in pieces";
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
@@ -674,7 +517,7 @@ Planner::Body RingCommunication::BroadcastInRuns(const std::vector<Tensor>& piec
 }
 
 RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
-    const std::vector<Tensor>& pieces, int root, std::function<bool()> go) const {
+    const std::vector<Tensor>& pieces, int root, core::Gate go) const {
   constexpr const char* kName = "broadcast in pieces";
   if (root < 0 || root >= size_) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -791,9 +634,11 @@ RingCommunication::Prepared RingCommunication::OnRing(const CallDescriptor& call
 }
 
 RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) const {
-  if (algorithm_ == "recursive_doubling") return Algorithm::kRecursiveDoubling;
-  if (algorithm_ == "ring") return Algorithm::kRing;
-  if (algorithm_ == "halving_doubling") return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
+  if (algorithm_ == core::algorithm::kRecursiveDoubling) return Algorithm::kRecursiveDoubling;
+  if (algorithm_ == core::algorithm::kRing) return Algorithm::kRing;
+  if (algorithm_ == core::algorithm::kHalvingDoubling) {
+    return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
+  }
   const bool power_of_two = HalvingDoublingRunsOn(size_);
   // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
   // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
@@ -808,9 +653,12 @@ std::string RingCommunication::AllReduceAlgorithm(size_t bytes) const {
     if (!name.empty()) return name;
   }
   switch (ChooseAllReduce(bytes)) {
-    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
-    case Algorithm::kHalvingDoubling: return "halving_doubling";
-    case Algorithm::kRing: return "ring";
+    case Algorithm::kRecursiveDoubling:
+      return std::string(core::algorithm::kRecursiveDoubling);
+    case Algorithm::kHalvingDoubling:
+      return std::string(core::algorithm::kHalvingDoubling);
+    case Algorithm::kRing:
+      return std::string(core::algorithm::kRing);
   }
   return "?";
 }
@@ -853,87 +701,10 @@ std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
                                              std::move(planner), std::move(split));
 }
 
-std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, const Tensor& send,
-                                              const Tensor& recv, ReduceOp op,
-                                              ReduceOp checked_as) {
-  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
-    return ring->AllReduceCheckedAsAsync(send, recv, op, checked_as);
-  }
-  return comm.AllReduceAsync(send, recv, op);
-}
-
-void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
-                        ReduceOp op, ReduceOp checked_as) {
-  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
-    ring->AllReduceCheckedAs(send, recv, op, checked_as);
-  } else {
-    comm.AllReduce(send, recv, op);
-  }
-}
-
-bool RunsGatedCalls(const CollectiveCommunication& comm) {
-  return dynamic_cast<const RingCommunication*>(&comm) != nullptr;
-}
-
-// `comm` as the RING/AUTO communicator that runs gated calls and calls in pieces, or
-// Error(kNotSupported) naming `what`.
-RingCommunication& Ring(CollectiveCommunication& comm, const char* what) {
-  auto* ring = dynamic_cast<RingCommunication*>(&comm);
-  if (ring == nullptr) {
-    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(comm.rank()) + ": " + what +
-                                              " need RING or AUTO, not " +
-                                              ToString(comm.implementation()));
-  }
-  return *ring;
-}
-
-std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
-                                          const Tensor& recv, ReduceOp op, ReduceOp checked_as,
-                                          std::function<bool()> go) {
-  return Ring(comm, "gated calls").AllReduceGatedAsync(send, recv, op, checked_as, std::move(go));
-}
-
-std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const Tensor& send,
-                                          const Tensor& recv, int root, std::function<bool()> go) {
-  return Ring(comm, "gated calls").BroadcastGatedAsync(send, recv, root, std::move(go));
-}
-
-bool RunsInPieces(const CollectiveCommunication& comm) { return RunsGatedCalls(comm); }
-
-std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
-                                             const std::vector<Tensor>& pieces, ReduceOp op,
-                                             ReduceOp checked_as, std::function<bool()> go) {
-  return Ring(comm, "calls in pieces")
-      .AllReduceInPiecesAsync(pieces, op, checked_as, std::move(go));
-}
-
-void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
-                       ReduceOp op, ReduceOp checked_as) {
-  Ring(comm, "calls in pieces").AllReduceInPieces(pieces, op, checked_as);
-}
-
-std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
-                                             const std::vector<Tensor>& pieces, int root,
-                                             std::function<bool()> go) {
-  return Ring(comm, "calls in pieces").BroadcastInPiecesAsync(pieces, root, std::move(go));
-}
-
-void BroadcastInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces, int root) {
-  Ring(comm, "calls in pieces").BroadcastInPieces(pieces, root);
-}
-
-void Abort(CollectiveCommunication& comm, const Error& error) {
-  if (auto* ring = dynamic_cast<RingCommunication*>(&comm)) {
-    ring->Abort(error);
-  } else {
-    comm.Abort();
-  }
-}
-
 bool HalvingDoublingRunsOn(int size) { return size >= 4 && (size & (size - 1)) == 0; }
 
 void CheckRingAlgorithm(int rank, int size, const std::string& algorithm) {
-  if (algorithm == "halving_doubling" && !HalvingDoublingRunsOn(size)) {
+  if (algorithm == core::algorithm::kHalvingDoubling && !HalvingDoublingRunsOn(size)) {
     throw Error(ErrorCode::kNotSupported,
                 "rank " + std::to_string(rank) +
                     ": CommunicationOptions::algorithm 'halving_doubling' needs a power-of-two "
@@ -943,7 +714,8 @@ void CheckRingAlgorithm(int rank, int size, const std::string& algorithm) {
 }
 
 bool IsRingAlgorithm(const std::string& name) {
-  return name == "ring" || name == "recursive_doubling" || name == "halving_doubling";
+  return name == core::algorithm::kRing || name == core::algorithm::kRecursiveDoubling ||
+         name == core::algorithm::kHalvingDoubling;
 }
 
 }  // namespace collectives::ring

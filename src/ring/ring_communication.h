@@ -1,6 +1,7 @@
 // The RING implementation of CollectiveCommunication: validates calls on the caller's thread,
 // queues them, and runs them in order, one at a time, on one progress thread (or, for a blocking
-// call when nothing is queued or running, on the caller's), whichever holds the fabric.
+// call when nothing is queued or running, on the caller's), whichever holds the fabric
+// (ring::CallQueue).
 //
 // Thread-safety: every public method may be called from any thread (see communication.h).
 #ifndef COLLECTIVES_SRC_RING_RING_COMMUNICATION_H_
@@ -79,80 +80,12 @@ using SplitBuilder = std::function<std::unique_ptr<CollectiveCommunication>(
 // Takes over `fabric` (already connected). `store` is kept alive as long as the communicator
 // (rank 0 may host it); it may be null. With a `planner` the communicator reports
 // Implementation::kAuto and offers the planner every call first. Without `split` (a fabric
-// built by hand, as in tests), Split throws Error(kNotSupported).
+// built by hand, as in tests), Split throws Error(kNotSupported). The communicator has an
+// internal side (core::Internal) that runs every call of core::InternalCommunication.
 std::unique_ptr<CollectiveCommunication> CreateRingCommunication(
     std::unique_ptr<transport::Fabric> fabric, std::shared_ptr<Store> store,
     const CommunicationOptions& options, std::unique_ptr<Planner> planner = nullptr,
     SplitBuilder split = {});
-
-// For a layer that finishes an average itself (the strategy layer sums kAvg across workers and
-// divides once by its replica count, not by this communicator's size): comm.AllReduce(send,
-// recv, op), checked against the other ranks as an all-reduce with `checked_as` (the op its
-// frames and shared-memory steps carry). A rank that sums where another averages then raises
-// kMismatch on every rank, nothing written, as any other difference of op does. On a
-// communicator that is not RING or AUTO (NCCL, a wrapper), the plain all-reduce with `op`,
-// unchecked.
-std::shared_ptr<Work> AllReduceCheckedAsAsync(CollectiveCommunication& comm, const Tensor& send,
-                                              const Tensor& recv, ReduceOp op, ReduceOp checked_as);
-void AllReduceCheckedAs(CollectiveCommunication& comm, const Tensor& send, const Tensor& recv,
-                        ReduceOp op, ReduceOp checked_as);
-
-// The packer's fused bucket without the fusion buffer: `pieces` (CPU tensors of one dtype, apart,
-// as the packer checks them) all-reduced in place as one message, their elements back to back,
-// where RunsInPieces(comm): RING and AUTO. Over TCP the ring and halving-doubling send every
-// frame straight from the pieces and receive it straight into them (recursive doubling, for the
-// small sizes, through a buffer); AUTO in shared memory copies each rank's pieces into the
-// group's slots and the results back into them, on one host and in the two-level plan (where a
-// rank alone on its host reads and writes them through its step buffer). Two copies fewer than
-// through a fusion buffer either way. Checked across ranks as AllReduceCheckedAs of one tensor
-// of that many elements, with the bits that call gives on the packed bucket. Elsewhere (NCCL, a
-// wrapper) Error(kNotSupported).
-// `go`, when given, is called on the thread that runs the call once the calls before it have
-// completed, before anything of this one happens: false, and the call does nothing (every rank
-// must answer alike: the packer's asynchronous form asks whether the list check it queued
-// before found the lists alike, so that no tensor is written when they differ).
-bool RunsInPieces(const CollectiveCommunication& comm);
-
-// Gated calls (RING and AUTO): AllReduceCheckedAsAsync and comm.BroadcastAsync whose call does
-// nothing, on this rank, unless `go()`, which is called on the thread that runs it once the calls
-// before it have completed (every rank must answer alike); a call that does not run takes no
-// sequence number, so ranks that skipped different numbers of them agree on the next call; on a
-// broken communicator the call fails as every other does, unasked. `go` must not wait on a Work
-// of this communicator (it runs on the thread that runs the calls), and an exception it throws
-// breaks the communicator. The packer's asynchronous form issues its
-// buckets so: they run only if the list check queued
-// before them found the lists alike, and write nothing otherwise. Elsewhere (NCCL, a wrapper)
-// Error(kNotSupported). The same communicators run calls in pieces: RunsInPieces(comm) ==
-// RunsGatedCalls(comm).
-bool RunsGatedCalls(const CollectiveCommunication& comm);
-std::shared_ptr<Work> AllReduceGatedAsync(CollectiveCommunication& comm, const Tensor& send,
-                                          const Tensor& recv, ReduceOp op, ReduceOp checked_as,
-                                          std::function<bool()> go);
-std::shared_ptr<Work> BroadcastGatedAsync(CollectiveCommunication& comm, const Tensor& send,
-                                          const Tensor& recv, int root, std::function<bool()> go);
-std::shared_ptr<Work> AllReduceInPiecesAsync(CollectiveCommunication& comm,
-                                             const std::vector<Tensor>& pieces, ReduceOp op,
-                                             ReduceOp checked_as, std::function<bool()> go = {});
-void AllReduceInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces,
-                       ReduceOp op, ReduceOp checked_as);
-// The same for a broadcast from `root` of the pieces' elements back to back (checked as
-// comm.Broadcast of one tensor of that many elements): over RING the chain forwards frames from
-// and into the pieces (a small message through a buffer); in shared memory the root's tensors go
-// in and the others' come out (in two levels each step crosses hosts from the root's slot, and a
-// rank alone on its host reads or writes its steps through a buffer); no fusion buffer.
-std::shared_ptr<Work> BroadcastInPiecesAsync(CollectiveCommunication& comm,
-                                             const std::vector<Tensor>& pieces, int root,
-                                             std::function<bool()> go = {});
-void BroadcastInPieces(CollectiveCommunication& comm, const std::vector<Tensor>& pieces, int root);
-
-// For a layer that aborts a communicator because of a failure of its own (the strategy layer,
-// when a replica's function or a caller's arguments fail on one worker): comm.Abort(), with
-// `error` as the error that breaks it. Its pending and later calls raise `error`, and its peers
-// receive it as the abort's reason ("rank 0: rank 1 aborted the job: <error's message>", with
-// error's code; the message is cut at transport::kMaxAbortPayload bytes), rather than "the
-// communicator was aborted by its caller". On a communicator that is not RING or AUTO (NCCL, a
-// wrapper), the plain comm.Abort().
-void Abort(CollectiveCommunication& comm, const Error& error);
 
 // The ring's own all-reduce algorithms, by the names of CommunicationOptions::algorithm.
 bool IsRingAlgorithm(const std::string& name);

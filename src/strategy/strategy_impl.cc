@@ -39,10 +39,10 @@
 #include "collectives/errors.h"
 #include "collectives/packing.h"
 #include "src/core/fnv1a.h"
+#include "src/core/internal_communication.h"
 #include "src/core/kernels.h"
 #include "src/core/text.h"
 #include "src/packing/schedule.h"
-#include "src/ring/ring_communication.h"
 
 namespace collectives::strategy {
 namespace {
@@ -141,9 +141,19 @@ void CopyTensor(const Tensor& dst, const Tensor& src) {
 }
 
 // kAvg is a sum divided once by NumReplicasInSync(), here: the replicas and the workers sum. The
-// workers' collectives are still checked as kAvg (ring::AllReduceCheckedAs), so that a worker
-// that sums where another averages is a mismatch on every worker.
+// workers' collectives are still checked as kAvg (core::CallOptions::checked_as), so that a
+// worker that sums where another averages is a mismatch on every worker.
 ReduceOp WireOp(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
+
+// comm.AllReduce(t, t, WireOp(op)) checked as `op`; on a communicator without an internal side
+// (a user's wrapper), unchecked.
+void AllReduceAcrossWorkers(CollectiveCommunication& comm, const Tensor& t, ReduceOp op) {
+  if (core::InternalCommunication* const internal = core::Internal(comm)) {
+    internal->AllReduce(t, t, WireOp(op), core::CallOptions{op, {}});
+  } else {
+    comm.AllReduce(t, t, WireOp(op));
+  }
+}
 
 }  // namespace
 
@@ -188,9 +198,14 @@ void StrategyImpl::Refuse(const Error& error) {
 
 void StrategyImpl::AbortCommunication(const std::string& reason) {
   if (!comm_) return;
-  ring::Abort(*comm_, Error(ErrorCode::kAborted, "rank " + std::to_string(comm_->rank()) +
-                                                     ": the strategy aborted the communicator: " +
-                                                     core::OneLine(reason, 1024)));
+  const Error error(ErrorCode::kAborted,
+                    "rank " + std::to_string(comm_->rank()) +
+                        ": the strategy aborted the communicator: " + core::OneLine(reason, 1024));
+  if (core::InternalCommunication* const internal = core::Internal(*comm_)) {
+    internal->Abort(error);
+  } else {
+    comm_->Abort();
+  }
 }
 
 void StrategyImpl::RunEach(const std::function<void(ReplicaContext&)>& fn) {
@@ -381,7 +396,7 @@ double StrategyImpl::Reduce(ReduceOp op, const PerReplica<double>& values) {
   }
   if (comm_) {
     const Tensor t{&acc, 1, DataType::kFloat64};
-    ring::AllReduceCheckedAs(*comm_, t, t, wire, op);
+    AllReduceAcrossWorkers(*comm_, t, op);
   }
   if (op == ReduceOp::kAvg) acc /= static_cast<double>(NumReplicasInSync());
   return acc;
@@ -416,7 +431,7 @@ std::vector<float> StrategyImpl::Reduce(ReduceOp op, const PerReplica<std::vecto
   // Empty vectors too: a worker that skipped the call would leave the others waiting in theirs;
   // this way a count that differs is a mismatch on every worker.
   const Tensor t{acc.data(), count, DataType::kFloat32};
-  if (comm_) ring::AllReduceCheckedAs(*comm_, t, t, wire, op);
+  if (comm_) AllReduceAcrossWorkers(*comm_, t, op);
   const size_t divisor = static_cast<size_t>(NumReplicasInSync());
   if (op == ReduceOp::kAvg && divisor > 1 && count > 0) {
     core::DivideInPlace(DataType::kFloat32, acc.data(), count, divisor);

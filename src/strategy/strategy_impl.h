@@ -99,7 +99,7 @@ class StrategyImpl {
   void Break(std::exception_ptr error, const std::string& who_failed = "");
   // Aborts the communicator, if any, with `reason`: the other workers' calls raise kAborted
   // "rank 0: rank 1 aborted the job: rank 1: the strategy aborted the communicator: <reason>"
-  // (ring::Abort; the public Abort() on other communicators). Any thread.
+  // (core::InternalCommunication::Abort; the public Abort() on a user's wrapper). Any thread.
   void AbortCommunication(const std::string& reason);
   // Throws `error`, a caller mistake that only this worker sees (Strategy::Reduce's arguments).
   // With several workers, breaks the strategy with it first (Break), as a failed Run does: the

@@ -26,6 +26,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "src/core/internal_communication.h"
 #include "src/core/kernels.h"
 #include "src/packing/schedule.h"
 #include "src/ring/ring_communication.h"
@@ -358,22 +359,22 @@ TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorOverTcp) {
 }
 
 // AUTO on one host: the fused buckets go into shared memory straight from the tensors, no
-// fusion buffer (ring::AllReduceInPieces), with the same results; a single rank (no group) takes
-// them in runs on the ring. RING takes them in pieces too (RingInRunsTest below); a call with no
-// pieces is refused.
+// fusion buffer (core::InternalCommunication), with the same results; a single rank (no group)
+// takes them in runs on the ring. RING takes them in pieces too (RingInRunsTest below); a call with
+// no pieces is refused.
 TEST_P(PackedAllReduceTest, EqualsOneAllReducePerTensorInSharedMemory) {
   testing::ScopedEnv shm("COLLECTIVES_SHM", nullptr);
   testing::ScopedEnv host("COLLECTIVES_HOST_ID", nullptr);
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(30);
   RunRanks(Transport::kAuto, GetParam(), options, [](CollectiveCommunication& comm) {
-    EXPECT_TRUE(ring::RunsInPieces(comm));
+    EXPECT_TRUE(core::Internal(comm)->RunsGatedCalls());
     CheckAllReduceMatchesOneByOne(comm, testing::AllReduceOps(), {1, 100, 4096, 0, SIZE_MAX});
   });
   RunRanks(Transport::kTcp, 2, options, [](CollectiveCommunication& comm) {
-    EXPECT_TRUE(ring::RunsInPieces(comm));
+    EXPECT_TRUE(core::Internal(comm)->RunsGatedCalls());
     std::vector<Tensor> none;
-    EXPECT_THROW(ring::AllReduceInPieces(comm, none, ReduceOp::kSum, ReduceOp::kSum), Error);
+    EXPECT_THROW(core::Internal(comm)->AllReduce(none, ReduceOp::kSum, core::CallOptions{}), Error);
   });
 }
 
@@ -382,8 +383,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, PackedAllReduceTest, ::testing::Values(1, 2
                            return std::to_string(param.param) + "Ranks";
                          });
 
-// RING takes a fused bucket in pieces over the fabric (ring::AllReduceInPieces): the frames go
-// straight from and into the tensors (core::Runs), and the bits are those of one all-reduce
+// RING takes a fused bucket in pieces over the fabric (core::InternalCommunication): the frames
+// go straight from and into the tensors (core::Runs), and the bits are those of one all-reduce
 // of the bucket packed into one tensor, with random floats (whose sums depend on the order), for
 // every algorithm (recursive doubling through a buffer; halving-doubling on 4 and 8 ranks),
 // chunks that end inside a piece, every transport, 1 to 8 ranks. Broadcasts likewise, small (one
@@ -406,7 +407,7 @@ TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
   const int size = std::get<1>(GetParam());
   const CommunicationOptions options = Options();
   RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
-    ASSERT_TRUE(ring::RunsInPieces(comm));
+    ASSERT_TRUE(core::Internal(comm)->RunsGatedCalls());
     // Under 64 KiB in all (the small-message sizes) and over it.
     for (const std::vector<size_t>& counts : {std::vector<size_t>{7, 0, 1, 1000, 13},
                                               std::vector<size_t>{4099, 0, 1, 20011, 3, 1024}}) {
@@ -429,7 +430,7 @@ TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
           tensors.push_back(Tensor{piece.data(), piece.size(), kF32});
         }
         comm.AllReduce(Tensor{whole.data(), whole.size(), kF32}, op);
-        ring::AllReduceInPieces(comm, tensors, op, op);
+        core::Internal(comm)->AllReduce(tensors, op, core::CallOptions{});
         at = 0;
         for (size_t i = 0; i < pieces.size(); ++i) {
           ASSERT_TRUE(pieces[i].empty() ||
@@ -449,7 +450,7 @@ TEST_P(RingInRunsTest, PiecesGiveTheBitsOfTheOneBufferCall) {
       for (std::vector<int32_t>& piece : pieces) {
         tensors.push_back(Tensor{piece.data(), piece.size(), kI32});
       }
-      ring::BroadcastInPieces(comm, tensors, root);
+      core::Internal(comm)->Broadcast(tensors, root, core::CallOptions{});
       for (size_t i = 0; i < counts.size(); ++i) {
         for (size_t j = 0; j < counts[i]; ++j) {
           ASSERT_EQ(pieces[i][j], int32_t(i * 100003 + j)) << "piece " << i << " element " << j;
@@ -511,7 +512,7 @@ TEST_P(RingInRunsTest, PiecesOfEveryElementSizeGiveTheBitsOfTheOneBufferCall) {
           tensors.push_back(Tensor{pieces[i].data(), counts[i], dtype});
         }
         comm.AllReduce(Tensor{whole.data(), total, dtype}, op);
-        ring::AllReduceInPieces(comm, tensors, op, op);
+        core::Internal(comm)->AllReduce(tensors, op, core::CallOptions{});
         at = 0;
         for (size_t i = 0; i < pieces.size(); ++i) {
           ASSERT_TRUE(pieces[i].empty() ||
@@ -544,10 +545,10 @@ TEST_P(RingInRunsTest, AMismatchedCallInPiecesWritesNoPiece) {
         for (auto& piece : pieces) tensors.push_back(Tensor{piece.data(), piece.size(), kF32});
         try {
           if (broadcast) {
-            ring::BroadcastInPieces(comm, tensors, odd ? 1 : 0);
+            core::Internal(comm)->Broadcast(tensors, odd ? 1 : 0, core::CallOptions{});
           } else {
             const ReduceOp op = odd ? ReduceOp::kMax : ReduceOp::kSum;
-            ring::AllReduceInPieces(comm, tensors, op, op);
+            core::Internal(comm)->AllReduce(tensors, op, core::CallOptions{});
           }
           ADD_FAILURE() << "rank " << comm.rank() << ": a mismatched call went through";
         } catch (const Error& e) {
@@ -632,7 +633,7 @@ TEST(PackedBroadcastTest, ListFromANonZeroRootReachesEveryRank) {
       CommunicationOptions options;
       options.timeout = std::chrono::seconds(30);
       RunRanks(transport, size, options, [&](CollectiveCommunication& comm) {
-        EXPECT_TRUE(ring::RunsInPieces(comm));
+        EXPECT_TRUE(core::Internal(comm)->RunsGatedCalls());
         const int root = comm.size() - 1;
         const std::vector<TensorSpec> specs = MixedList();
         TensorList expected(specs);
@@ -741,12 +742,12 @@ void ExpectListsDiffer(CollectiveCommunication& comm, const std::vector<Tensor>&
 
 // The asynchronous form of a call whose lists (or caps) differ, cut into buckets of other
 // shapes on some ranks: Wait raises kMismatch on every rank, at once, never a timeout. Every
-// bucket, a tensor alone in its bucket too, waits for the list check (ring::AllReduceGatedAsync,
-// and the pieces in shared memory), so nothing is written, and the communicator still works
-// after it, whether or not every rank issued as many buckets: no rank was left in a collective
-// the others skipped, and a bucket that did not run took no sequence number (before it did, a
-// rank that issued more buckets than another was a number ahead of it from then on, and every
-// later call raised kMismatch).
+// bucket, a tensor alone in its bucket too, waits for the list check (core::Gate, and the
+// pieces in shared memory), so nothing is written, and the communicator still works after it,
+// whether or not every rank issued as many buckets: no rank is left in a collective the others
+// skipped, and a bucket that does not run takes no sequence number (else a rank that issued more
+// buckets than another would be a number ahead of it, and every later call would raise
+// kMismatch).
 void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Tensor>& list,
                             size_t cap, const std::vector<std::vector<uint8_t>*>& untouched) {
   std::vector<std::vector<uint8_t>> before;

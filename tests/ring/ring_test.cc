@@ -22,6 +22,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "src/core/internal_communication.h"
 #include "src/ring/ring_communication.h"
 #include "src/transport/inproc_fabric.h"
 #include "tests/ring/collective_checks.h"
@@ -268,7 +269,7 @@ TEST(RingAsyncTest, AWorkWaitedOnWhileItsCommunicatorIsDestroyedCompletes) {
   }
 }
 
-// A gate that throws (ring::AllReduceGatedAsync's `go`, on one rank or on all): its Wait raises
+// A gate that throws (core::Gate, on one rank or on all): its Wait raises
 // the exception as an Error naming the call, the peers' calls raise too, and the communicator
 // stays broken, every later call raising at once; nothing hangs, nothing is written.
 TEST(RingAsyncTest, AGateThatThrowsBreaksTheCommunicatorOnEveryRank) {
@@ -279,10 +280,11 @@ TEST(RingAsyncTest, AGateThatThrowsBreaksTheCommunicatorOnEveryRank) {
       const bool throws = everywhere || comm.rank() == 1;
       int32_t value = comm.rank() + 1;
       const Tensor t{&value, 1, DataType::kInt32};
-      auto work = ring::AllReduceGatedAsync(comm, t, t, ReduceOp::kSum, ReduceOp::kSum, [&] {
+      const core::Gate gate = [&] {
         if (throws) throw std::runtime_error("the gate failed");
         return true;
-      });
+      };
+      auto work = core::Internal(comm)->AllReduceAsync(t, t, ReduceOp::kSum, {{}, gate});
       try {
         work->Wait();
         ADD_FAILURE() << "rank " << comm.rank() << ": the call went through";

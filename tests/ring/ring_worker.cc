@@ -16,7 +16,7 @@
 //                              <count> <fingerprint of the result> <algorithm>", and "<k> far"
 //                              for the elements not within rounding of the exact result; exit 0
 //                              iff none is (the test compares the fingerprints across ranks).
-//                              Each call is repeated in pieces (ring::AllReduceInPieces, the
+//                              Each call is repeated in pieces (core::InternalCommunication, the
 //                              packer's fused bucket: the same input cut into three tensors),
 //                              which must give the same bits, counted as far where it does not
 //   ring_worker abort_exit go_file
@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "src/core/internal_communication.h"
 #include "src/ring/ring_communication.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/float_inputs.h"
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
           for (int k = 0; k < 3; ++k) {
             tensors.push_back(Tensor{pieces.data() + cuts[k] * es, cuts[k + 1] - cuts[k], dtype});
           }
-          ring::AllReduceInPieces(*comm, tensors, op, op);
+          core::Internal(*comm)->AllReduce(tensors, op, core::CallOptions{});
           if (pieces != result) {
             if (far++ < 5) {
               std::fprintf(stderr, "rank %d: %s %s of %zu in pieces: not the one-buffer bits\n",

@@ -1,0 +1,151 @@
+// The call queue of a RING or AUTO communicator (see call_queue.h).
+#include "src/ring/call_queue.h"
+
+#include <exception>
+#include <string>
+#include <utility>
+
+namespace collectives::ring {
+
+Error Stopped(const Error& broken, const core::CallTag& tag, const char* what) {
+  std::string message = broken.message();
+  message += " (";
+  message += tag.ToString();
+  message += ' ';
+  message += what;
+  message += ')';
+  return Error(broken.code(), message);
+}
+
+CallQueue::CallQueue(int rank, std::chrono::microseconds handoff_spin,
+                     std::chrono::microseconds yield, Runner run, Breaker on_break)
+    : rank_(rank),
+      handoff_spin_(handoff_spin),
+      yield_(yield),
+      run_(std::move(run)),
+      on_break_(std::move(on_break)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+CallQueue::~CallQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void CallQueue::Run() {
+  for (;;) {
+    Call call;
+    {
+      // Poll briefly before sleeping: the next call of a training step usually follows at once.
+      core::SpinUntil(handoff_spin_, [this] {
+        return queued_.load(std::memory_order_acquire) > 0 ||
+               stopping_.load(std::memory_order_relaxed);
+      });
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock,
+               [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
+      if (queue_.empty()) return;  // stopping, and every queued call has run
+      call = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_release);
+      busy_ = true;
+    }
+    const std::optional<Error> failure = RunCall(call);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    call.work->Complete(failure);
+  }
+}
+
+std::optional<Error> CallQueue::RunCall(const Call& call) {
+  // Every earlier call has completed, and this thread took busy_ after the last one gave it
+  // back under mu_, so the gate sees what they wrote (the list check's answer among them). The
+  // number is taken only by a call that runs, in the order they run. On a broken communicator
+  // the call fails as every later call does, whatever its gate says.
+  try {
+    const bool run = !call.prepared.go || call.prepared.go();
+    core::CallTag tag{0, call.prepared.descriptor};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) {
+        tag.seq = next_seq_++;
+        return Stopped(*broken_, tag, "did not run");
+      }
+      if (!run) return std::nullopt;
+      tag.seq = next_seq_++;
+    }
+    return run_(tag, call.prepared.body, call.timeout);
+  } catch (const Error& e) {  // from the gate, or from building an error
+    return Break(e);
+  } catch (const std::exception& e) {
+    return Break(Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": " +
+                                                 call.prepared.descriptor.ToString() + ": " +
+                                                 e.what()));
+  }
+}
+
+void CallQueue::RunBlocking(PreparedCall prepared, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (broken_) throw Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run");
+  // A gated call goes through the queue, where RunCall reads its gate.
+  if (busy_ || !queue_.empty() || prepared.go) {
+    lock.unlock();
+    Submit(std::move(prepared), timeout)->Wait();
+    return;
+  }
+  const core::CallTag tag{next_seq_++, prepared.descriptor};
+  busy_ = true;
+  lock.unlock();
+  const std::optional<Error> failure = run_(tag, prepared.body, timeout);
+  lock.lock();
+  busy_ = false;
+  const bool wake = !queue_.empty();
+  lock.unlock();
+  if (wake) cv_.notify_all();
+  if (failure) throw *failure;
+}
+
+Error CallQueue::Break(const Error& error, bool* first_error) {
+  Error first = error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first_error != nullptr) *first_error = !broken_;
+    if (broken_) {
+      first = *broken_;
+    } else {
+      broken_ = error;
+    }
+  }
+  on_break_(first);
+  return first;
+}
+
+std::optional<Error> CallQueue::broken() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
+std::shared_ptr<Work> CallQueue::Submit(PreparedCall prepared, std::chrono::milliseconds timeout) {
+  auto work = std::make_shared<core::WorkState>(handoff_spin_, yield_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) {
+      work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
+      return work;
+    }
+    // The sequence number is taken when the call runs (RunCall): calls run in the order they
+    // are issued, and a gated call that does not run takes none.
+    queue_.push_back(Call{std::move(prepared), work, timeout});
+    queued_.fetch_add(1, std::memory_order_release);
+  }
+  cv_.notify_one();
+  return work;
+}
+
+}  // namespace collectives::ring
