@@ -356,7 +356,7 @@ std::unique_ptr<CollectiveCommunication> ConnectSplit(int rank, int size,
       cluster::SetBy(*store, why_key, error.message(), notice_by);
       cluster::AddBy(*store, count_key, 1, notice_by);
     } catch (const Error&) {
-      // Best effort: the others then end at their own timeout, as before.
+      // Best effort: the others then end at their own timeout.
     }
     throw;
   }

@@ -4,8 +4,8 @@
 // A group of N replicas owns N-1 persistent threads (replica 0 runs on the caller's thread), so a
 // training step costs two thread hand-offs, not N-1 thread creations. Inside a cross-replica call
 // the replicas meet at a generation-counted barrier (one mutex, one condition variable; no
-// spinning: on hosts with fewer cores than replicas, as on the development machines, a spinning
-// waiter steals the core the late replica needs).
+// spinning: on hosts with fewer cores than replicas a spinning waiter steals the core the late
+// replica needs).
 //
 // Failure: the first error of any replica (an exception escaping its function, a timeout, a
 // mismatch found at a rendezvous) is recorded, and the group is aborted: every replica waiting in

@@ -52,7 +52,7 @@ int LocalReplicaCount(const char* strategy, int requested) {
             " local replicas (expected 0 for the default, or 1.." +
             std::to_string(kMaxLocalReplicas) + ")");
   }
-  return requested == 0 ? 1 : requested;  // 0: one per GPU; there are none yet
+  return requested == 0 ? 1 : requested;  // 0: one replica (CPU replicas only)
 }
 
 void RequirePositive(const char* strategy, std::chrono::milliseconds timeout) {
