@@ -51,6 +51,8 @@ constexpr uint32_t kBreakingBy = 3;
 // How long a sleeping waiter sleeps before it looks at the deadline, the broken flag and the
 // liveness of the member it waits for.
 constexpr int kSleepSliceMs = 20;
+// ShmGroup::SetAttachingHookForTesting's hook.
+void (*attaching_hook)() = nullptr;
 
 // A CallTag as it sits in shared memory.
 struct WireTag {
@@ -560,6 +562,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     // From here on its liveness tells: a member killed before it attached is not waited for.
     std::atomic_ref<int32_t>(own.pid).store(int32_t(getpid()), std::memory_order_release);
     std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
+    if (attaching_hook != nullptr) attaching_hook();
     std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
 
     // The last member to attach removes the name: from then on only the mappings hold the
@@ -865,6 +868,8 @@ void ShmGroup::Abort(const Error& error) {
 }
 
 void ShmGroup::BreakHalfwayForTesting() { BeginBreaking(); }
+
+void ShmGroup::SetAttachingHookForTesting(void (*hook)()) { attaching_hook = hook; }
 
 void ShmGroup::FinishBreakingForTesting(const Error& error) { WriteBroken(error); }
 

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -46,6 +47,7 @@
 #include "tests/child_process.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/scoped_env.h"
+#include "tests/time_scale.h"
 
 namespace collectives {
 namespace {
@@ -1706,22 +1708,45 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
   std::filesystem::remove_all(dir);
 }
 
+// The write end of the pipe through which StopWhileAttaching says where it stopped.
+int attaching_pipe = -1;
+
+// ShmGroup's attaching hook in a member process: says so through `attaching_pipe`, then waits
+// to be killed.
+void StopWhileAttaching() {
+  const char byte = 1;
+  if (write(attaching_pipe, &byte, 1) != 1) _exit(4);
+  for (;;) pause();
+}
+
 // Member 1 is another process, killed (SIGKILL) while it attaches: after it took its liveness
-// mutex, while it touches its 64 MiB slots (its shared memory passes 16 MiB), before it counts
-// itself attached. The creator, waiting for it, raises kPeerLost naming rank 1 within a second
-// of the kill, not a kTimeout at the set-up's end. Before, it waited the whole 3 s and said
-// "ranks did not attach to segment ...", naming no one (the member had written its pid).
+// mutex and touched its first 64 MiB slot, before it counts itself attached (the attaching hook
+// stops it there and says so through a pipe). The creator, waiting for it, raises kPeerLost
+// naming rank 1 within a second of the kill, not a kTimeout at the set-up's end naming no one.
 TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
   const std::string dir = NewStoreDir();
   ASSERT_FALSE(dir.empty());
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("killed_attaching", size_t(64) << 20, 4096, 2);
-  options.timeout = std::chrono::seconds(3);
-  const pid_t child = ForkMember(dir, 1, ranks, options, [](Member&) {});
+  options.timeout = std::chrono::seconds(10);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(pipe_fds[0]);
+    attaching_pipe = pipe_fds[1];
+    ShmGroup::SetAttachingHookForTesting(StopWhileAttaching);
+    try {
+      auto store = CreateFileStore(dir);
+      ShmGroup::Create(1, ranks, *store, options);
+    } catch (...) {
+    }
+    _exit(3);
+  }
+  close(pipe_fds[1]);
   ASSERT_GE(child, 0);
   auto store = CreateFileStore(dir);
   std::optional<Error> error;
-  std::atomic<int64_t> killed_at{0};
   std::thread creator([&] {
     try {
       auto group = ShmGroup::Create(0, ranks, *store, options);
@@ -1729,44 +1754,26 @@ TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
       error = e;
     }
   });
-  // Until 16 MiB of its shared memory are touched, for 20 s at most, and only while it lives: a
-  // member that exited (it attached between two looks, or failed: no room in /dev/shm) reads as
-  // a zombie's zeros, and the loop waited for it forever.
-  const std::string statm = "/proc/" + std::to_string(child) + "/statm";
-  const auto give_up = Clock::now() + std::chrono::seconds(20);
-  int status = 0;
-  bool exited = false;
-  bool touched = false;
-  for (long pages = 0, shared = 0; !touched && !exited && Clock::now() < give_up;) {
-    exited = waitpid(child, &status, WNOHANG) == child;
-    std::ifstream(statm) >> pages >> pages >> shared;
-    touched = shared >= 4096;
-    if (!touched) std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  killed_at = Clock::now().time_since_epoch().count();
-  if (!exited) kill(child, SIGKILL);
+  // The member's byte, or the end of the pipe if it exited first (it failed to attach); 30 s
+  // at most, should it hang before.
+  char byte = 0;
+  pollfd ready{pipe_fds[0], POLLIN, 0};
+  const ssize_t got = poll(&ready, 1, 30'000) == 1 ? read(pipe_fds[0], &byte, 1) : -1;
+  close(pipe_fds[0]);
+  const auto killed_at = Clock::now();
+  kill(child, SIGKILL);
   creator.join();
-  const auto since = Clock::now() - Clock::time_point(Clock::duration(killed_at.load()));
-  if (!exited) {
-    ASSERT_EQ(waitpid(child, &status, 0), child);
-  }
+  const auto since = Clock::now() - killed_at;
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
   std::filesystem::remove_all(dir);
-  if (WIFEXITED(status)) {
-    GTEST_SKIP() << "the member attached, or failed to, before the kill came (exit status "
-                 << WEXITSTATUS(status) << ")";
-  }
-  if (!touched) {
-    GTEST_SKIP() << "the member did not touch 16 MiB of the segment within 20 s";
-  }
-  if (error && error->code() == ErrorCode::kTimeout) {
-    GTEST_SKIP() << "the member touched 16 MiB only after the creator's set-up timed out: "
-                 << error->what();
-  }
+  ASSERT_EQ(got, 1) << "the member exited before it attached (status " << status << ")";
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
   ASSERT_TRUE(error.has_value()) << "the creator attached without member 1";
   EXPECT_EQ(error->code(), ErrorCode::kPeerLost) << error->what();
   EXPECT_NE(error->message().find("rank 1 died while attaching"), std::string::npos)
       << error->what();
-  EXPECT_LT(since, std::chrono::seconds(1)) << error->what();
+  EXPECT_LT(since, testing::Scaled(std::chrono::seconds(1))) << error->what();
 }
 
 // An all-reduce of 100 floats on `m` that must fail: the error it raised.
