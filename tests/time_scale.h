@@ -9,8 +9,6 @@
 #include <chrono>
 #include <cstdlib>
 
-namespace collectives::testing {
-
 #if defined(__SANITIZE_THREAD__)
 #define COLLECTIVES_TEST_SANITIZER_SCALE 10
 #elif defined(__SANITIZE_ADDRESS__)
@@ -25,6 +23,10 @@ namespace collectives::testing {
 #ifndef COLLECTIVES_TEST_SANITIZER_SCALE
 #define COLLECTIVES_TEST_SANITIZER_SCALE 1
 #endif
+
+// Not in collectives::testing: a test in namespace collectives that means GoogleTest by
+// `testing::` would find that namespace first.
+namespace collectives::test_time {
 
 // The factor: COLLECTIVES_TEST_TIME_SCALE where set to a positive number, else 10 under
 // ThreadSanitizer, 3 under AddressSanitizer, 1 otherwise.
@@ -47,6 +49,6 @@ std::chrono::nanoseconds Scaled(std::chrono::duration<Rep, Period> bound) {
 // A bound in seconds as a double, times TimeScale().
 inline double Scaled(double seconds) { return seconds * TimeScale(); }
 
-}  // namespace collectives::testing
+}  // namespace collectives::test_time
 
 #endif  // COLLECTIVES_TESTS_TIME_SCALE_H_

@@ -42,6 +42,7 @@
 #include "tests/free_port.h"
 #include "tests/loopback_spec.h"
 #include "tests/scoped_env.h"
+#include "tests/time_scale.h"
 #include "tests/transport/piece_relay.h"
 
 namespace collectives {
@@ -300,7 +301,7 @@ TEST(TcpStoreTest, ClientGivesUpWhenNoServerComes) {
   }
   auto elapsed = Clock::now() - start;
   EXPECT_GE(elapsed, milliseconds(190));
-  EXPECT_LT(elapsed, milliseconds(2000));
+  EXPECT_LT(elapsed, test_time::Scaled(milliseconds(2000)));
 }
 
 TEST(TcpStoreTest, ClientNeedsAPort) {
@@ -674,14 +675,14 @@ TEST(TcpStoreTest, ShutdownWithClientsConnectedAndAGetParked) {
   std::this_thread::sleep_for(milliseconds(50));
   Clock::time_point start = Clock::now();
   server.reset();
-  EXPECT_LT(Clock::now() - start, milliseconds(1000));
+  EXPECT_LT(Clock::now() - start, test_time::Scaled(milliseconds(1000)));
   ASSERT_EQ(parked.wait_for(milliseconds(2000)), std::future_status::ready);
   EXPECT_EQ(parked.get(), ErrorCode::kPeerLost);
   EXPECT_TRUE(stranger.ClosedByPeerWithin(milliseconds(1000)));
   // The idle client finds out on its next call, with an error rather than a hang.
   start = Clock::now();
   EXPECT_THROW(idle_client->Set("y", "2"), Error);
-  EXPECT_LT(Clock::now() - start, milliseconds(7000));
+  EXPECT_LT(Clock::now() - start, test_time::Scaled(milliseconds(7000)));
 }
 
 // A communicator's set-up Sets and Adds by its deadline (SetBy, AddBy): one whose deadline has
@@ -706,7 +707,7 @@ TEST(TcpStoreTest, ASetOrAnAddByADeadlineEndsByItAndAServerThatIsUpStillAnswers)
     } catch (const Error& e) {
       EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kPeerLost) << e.what();
     }
-    EXPECT_LT(Clock::now() - start, milliseconds(1500)) << "call " << call;
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(milliseconds(1500))) << "call " << call;
   }
 }
 
@@ -864,7 +865,7 @@ TEST(TcpStoreTest, AGetThatMustReconnectTriesOnlyForItsOwnWait) {
     EXPECT_NE(e.message().find("127.0.0.1:" + std::to_string(port)), std::string::npos)
         << e.message();
   }
-  EXPECT_LT(Clock::now() - start, milliseconds(4500))
+  EXPECT_LT(Clock::now() - start, test_time::Scaled(milliseconds(4500)))
       << "the Get tried to connect for the store's 6 s timeout, not its own 200 ms";
 }
 

@@ -22,6 +22,7 @@
 
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
+#include "tests/time_scale.h"
 
 namespace collectives {
 namespace {
@@ -118,7 +119,7 @@ void ExpectRankZeroTimesOutInTime(const std::function<bool(const std::string&)>&
         << e.what();
     EXPECT_TRUE(Contains(e.message(), "rank 1")) << e.what();
   }
-  EXPECT_LT(Clock::now() - start, kTimeout + kSlack);
+  EXPECT_LT(Clock::now() - start, kTimeout + test_time::Scaled(kSlack));
   gate.Open();
   rank1.join();
 }
@@ -200,7 +201,7 @@ TEST(SetupDeadlineTest, ASplitEndsNearItsDeadlineWhenTheStoresServerStops) {
   }
   for (std::thread& thread : threads) thread.join();
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_LT(took[size_t(rank)], kSplitTimeout + kSlack)
+    EXPECT_LT(took[size_t(rank)], kSplitTimeout + test_time::Scaled(kSlack))
         << "rank " << rank << "'s split took "
         << std::chrono::duration_cast<std::chrono::milliseconds>(took[size_t(rank)]).count()
         << " ms";

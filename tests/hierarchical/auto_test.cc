@@ -29,6 +29,7 @@
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
 #include "tests/scoped_env.h"
+#include "tests/time_scale.h"
 
 namespace collectives {
 namespace {
@@ -109,7 +110,8 @@ TEST(OptionsAgreementTest, OptionsThatDifferAcrossRanksFailEverySetUpNamingThem)
           ConstructionErrors(3, options, &codes, [&](int rank, CommunicationOptions& o) {
             if (rank == 2) c.set(o);
           });
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+      EXPECT_LT(std::chrono::steady_clock::now() - start,
+                test_time::Scaled(std::chrono::seconds(10)))
           << c.field << ": not at once";
       for (int r = 0; r < 3; ++r) {
         const std::string& m = messages[size_t(r)];
@@ -417,7 +419,8 @@ TEST(AutoSetupTest, ASharedMemoryFailureThatIsNotAnErrorReachesEveryRankAtOnce) 
         0u)
         << outcome;
     EXPECT_NE(outcome.find("rank 1: shared memory: out of memory"), std::string::npos) << outcome;
-    EXPECT_LT(took[size_t(rank)], std::chrono::seconds(3)) << "rank " << rank << ": " << outcome;
+    EXPECT_LT(took[size_t(rank)], test_time::Scaled(std::chrono::seconds(3)))
+        << "rank " << rank << ": " << outcome;
   }
 }
 

@@ -619,7 +619,7 @@ void ExpectMismatch(const MismatchCase& c, size_t slot_bytes, size_t small_bytes
       EXPECT_EQ(e.code(), ErrorCode::kMismatch) << c.name << ", member " << me << ": " << e.what();
       EXPECT_NE(e.message().find("does not match"), std::string::npos) << e.what();
     }
-    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << c.name;
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5))) << c.name;
     EXPECT_TRUE(recv.AllEqual(kSentinel))
         << c.name << ": member " << me << "'s recv buffer was written before the mismatch";
     EXPECT_TRUE(recv.GuardsIntact()) << c.name;
@@ -816,7 +816,8 @@ TEST(ShmGroupFailureTest, AbortFromAnotherThreadRaisesOnEveryMember) {
         }
       }
       if (me != 2) {  // far below the 20 s deadline
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5)))
+            << "member " << me;
       }
       for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
     });
@@ -849,7 +850,7 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
       }
       const auto elapsed = Clock::now() - start;
       if (count == 10) small_elapsed[size_t(me)] = elapsed;
-      EXPECT_LT(elapsed, timeout + std::chrono::seconds(5)) << "member " << me;
+      EXPECT_LT(elapsed, timeout + test_time::Scaled(std::chrono::seconds(5))) << "member " << me;
     }
     ++finished;
   });
@@ -900,7 +901,8 @@ TEST(ShmGroupFailureTest, ACallAnnouncedOutsideTheGroupIsChecked) {
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), cases[c].expected) << "case " << c << ": " << e.what();
         if (cases[c].expected == ErrorCode::kMismatch) {
-          EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(250)) << e.what();
+          EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::milliseconds(250)))
+              << e.what();
           EXPECT_NE(e.message().find("rank 3: rank 9 runs another call outside shared memory: "
                                      "expected #3 barrier(), got #3 all_gather(i32, count=7)"),
                     std::string::npos)
@@ -993,7 +995,7 @@ TEST(ShmGroupFailureTest, ASpinLongerThanTheTimeoutEndsByTheDeadline) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
       EXPECT_NE(e.message().find("from rank 9"), std::string::npos) << e.what();
     }
-    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(600));
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::milliseconds(600)));
     finished = true;
   });
 }
@@ -1034,7 +1036,8 @@ TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
     ExpectAllReduceLosesPeer(m, me, "lost rank 9", "");
     ASSERT_TRUE(destroying) << "member " << me << " raised before member 2 left";
     const auto since = Clock::now() - Clock::time_point(Clock::duration(destroying_at.load()));
-    EXPECT_LT(since, std::chrono::seconds(5)) << "member " << me;  // not the 20 s deadline
+    EXPECT_LT(since, test_time::Scaled(std::chrono::seconds(5)))
+        << "member " << me;  // not the 20 s deadline
   });
 }
 
@@ -1057,7 +1060,8 @@ TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
         const auto start = Clock::now();
         ExpectAllReduceLosesPeer(m, me, "lost rank 2", "died");
         // The child exits about 300 ms after everyone attached.
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5)))
+            << "member " << me;
       },
       CreateFileStore(dir), /*here=*/2);
   int status = 0;
@@ -1111,7 +1115,7 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
           EXPECT_NE(e.message().find("lost rank 2"), std::string::npos) << e.what();
           ASSERT_NE(killed_at.load(), 0) << "member " << me << " raised before the kill";
           const auto since = Clock::now() - Clock::time_point(Clock::duration(killed_at.load()));
-          EXPECT_LT(since, std::chrono::seconds(1)) << "member " << me;
+          EXPECT_LT(since, test_time::Scaled(std::chrono::seconds(1))) << "member " << me;
         }
         const auto start = Clock::now();
         try {
@@ -1120,7 +1124,8 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
         } catch (const Error& e) {
           EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
         }
-        EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::milliseconds(500)))
+            << "member " << me;
       });
     }
     while (attached < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -1334,7 +1339,7 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutRemovesTheSegment) {
   }
   const auto elapsed = Clock::now() - start;
   EXPECT_GE(elapsed, options.timeout);
-  EXPECT_LT(elapsed, options.timeout + std::chrono::seconds(5));
+  EXPECT_LT(elapsed, options.timeout + test_time::Scaled(std::chrono::seconds(5)));
   const std::string name = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(1));
   EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
 }
@@ -1367,7 +1372,8 @@ TEST(ShmGroupSegmentTest, TheTimeoutBoundsTheNameLookupAndTheAttachTogether) {
     EXPECT_NE(e.message().find("ranks 2 did not attach"), std::string::npos) << e.what();
   }
   // With the attach given a timeout of its own: 2.7 s + 3 s.
-  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::milliseconds(2000));
+  EXPECT_LT(Clock::now() - start,
+            options.timeout + test_time::Scaled(std::chrono::milliseconds(2000)));
   creator.join();
 }
 
@@ -1421,7 +1427,7 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
               0u)
         << e.what();
   }
-  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(5));
+  EXPECT_LT(Clock::now() - start, options.timeout + test_time::Scaled(std::chrono::seconds(5)));
 }
 
 // A slot above kMaxSlotBytes is refused before anything is made (the segment's size, two slots
@@ -1451,7 +1457,7 @@ TEST(ShmGroupSegmentTest, AMemberThatCannotAttachStopsTheOthersAtOnce) {
   auto store = CreateMemoryStore();
   const auto start = Clock::now();
   const auto [codes, errors] = CreateAtOnce({options, options, other_slot}, *store);
-  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5)));
   EXPECT_EQ(codes[2], ErrorCode::kUnauthenticated) << errors[2];
   EXPECT_NE(errors[2].find("where this rank expects"), std::string::npos) << errors[2];
   EXPECT_NE(errors[2].find("COLLECTIVES_SHM_SLOT_BYTES"), std::string::npos) << errors[2];
@@ -1698,7 +1704,8 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
           EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
         }
         m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(1)))
+            << "member " << me;
         for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
       },
       CreateFileStore(dir), /*here=*/2);
@@ -1773,7 +1780,7 @@ TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
   EXPECT_EQ(error->code(), ErrorCode::kPeerLost) << error->what();
   EXPECT_NE(error->message().find("rank 1 died while attaching"), std::string::npos)
       << error->what();
-  EXPECT_LT(since, testing::Scaled(std::chrono::seconds(1))) << error->what();
+  EXPECT_LT(since, test_time::Scaled(std::chrono::seconds(1))) << error->what();
 }
 
 // An all-reduce of 100 floats on `m` that must fail: the error it raised.
@@ -1810,7 +1817,7 @@ TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError)
     EXPECT_EQ(later.code(), ErrorCode::kPeerLost);
     EXPECT_EQ(later.message(), first.message());
     m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
-    EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(1))) << "member " << me;
   });
 }
 
@@ -1842,7 +1849,7 @@ TEST(ShmGroupFailureTest, AnAbortEndsTheWaitForAStalledBreaker) {
     done = true;
     EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
     EXPECT_NE(e.message().find("aborted by the test"), std::string::npos) << e.what();
-    EXPECT_LT(took, std::chrono::seconds(2)) << e.what();
+    EXPECT_LT(took, test_time::Scaled(std::chrono::seconds(2))) << e.what();
   });
 }
 

@@ -33,6 +33,7 @@
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
 #include "tests/scoped_env.h"
+#include "tests/time_scale.h"
 
 namespace collectives::packing {
 namespace {
@@ -772,7 +773,7 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+  EXPECT_LT(std::chrono::steady_clock::now() - start, test_time::Scaled(std::chrono::seconds(10)))
       << "rank " << comm.rank() << ": not at once";
   for (size_t i = 0; i < untouched.size(); ++i) {
     EXPECT_EQ(*untouched[i], before[i]) << "rank " << comm.rank() << ": buffer " << i;
@@ -1265,7 +1266,8 @@ TEST(PackingMismatchTest, DifferentCountsRaiseMismatch) {
           // Broken for good: the next list fails the same way.
           ExpectError(call, ErrorCode::kMismatch, "");
         });
-        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3))
+        EXPECT_LT(std::chrono::steady_clock::now() - start,
+                  test_time::Scaled(std::chrono::seconds(3)))
             << "cap " << cap << ", " << Name(schedule);
       }
     }

@@ -26,6 +26,7 @@
 #include "src/transport/inproc_fabric.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
+#include "tests/time_scale.h"
 
 namespace collectives {
 namespace {
@@ -488,7 +489,8 @@ TEST(RingTimeoutTest, SetTimeoutAppliesToTheNextCalls) {
     const auto waited = std::chrono::steady_clock::now() - start;
     rank0_done = true;
     EXPECT_GE(waited, std::chrono::milliseconds(250));
-    EXPECT_LT(waited, std::chrono::seconds(5));  // far below the communicator's 60 s
+    EXPECT_LT(waited,
+              test_time::Scaled(std::chrono::seconds(5)));  // far below the communicator's 60 s
   });
 }
 
@@ -646,7 +648,8 @@ TEST(RingOptionsTest, TheDestructorDoesNotWaitOutTheSpin) {
       EXPECT_EQ(data[4], 3);
       const auto start = std::chrono::steady_clock::now();
       comm.reset();  // the progress thread is spinning on its empty queue now
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500))
+      EXPECT_LT(std::chrono::steady_clock::now() - start,
+                test_time::Scaled(std::chrono::milliseconds(500)))
           << "rank " << rank;
     });
   }
@@ -754,7 +757,8 @@ TEST(RingAbortTest, AbortWakesABlockedCall) {
       // and complete its all-reduce before the abort reached it.
       aborted = true;
       // Far below the 20 s timeout: the abort, not the deadline, ended the call.
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+      EXPECT_LT(std::chrono::steady_clock::now() - start,
+                test_time::Scaled(std::chrono::seconds(5)));
       WaitFor(rank1_tried);  // keeps this communicator until rank 1 has tried
     });
   }
@@ -798,7 +802,7 @@ TEST(RingAbortTest, AbortReturnsOnceThePeersAreTold) {
       int closed = 0;
       for (const std::string& socket : before) closed += after.count(socket) == 0 ? 1 : 0;
       EXPECT_GE(closed, 1) << "rank 0's connection to rank 1 was still open when Abort returned";
-      EXPECT_LT(took, std::chrono::seconds(2));
+      EXPECT_LT(took, test_time::Scaled(std::chrono::seconds(2)));
       EXPECT_THROW(work->Wait(), Error);
       checked = true;
     });
@@ -886,7 +890,7 @@ TEST_P(RingSilentPeerTest, RaisesTimeoutAtTheDeadline) {
     const auto elapsed = std::chrono::steady_clock::now() - start;
     rank0_done = true;
     EXPECT_GE(elapsed, std::chrono::milliseconds(450));
-    EXPECT_LT(elapsed, std::chrono::seconds(5));
+    EXPECT_LT(elapsed, test_time::Scaled(std::chrono::seconds(5)));
   });
 }
 

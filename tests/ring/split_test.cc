@@ -20,6 +20,7 @@
 #include "collectives/collectives.h"
 #include "src/transport/inproc_fabric.h"
 #include "tests/ring/run_ranks.h"
+#include "tests/time_scale.h"
 
 namespace {
 
@@ -108,7 +109,8 @@ TEST_P(SplitTest, TheChildTakesTheParentsCurrentTimeout) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
     }
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(40));  // not 60 s
+    EXPECT_LT(std::chrono::steady_clock::now() - start,
+              test_time::Scaled(std::chrono::seconds(40)));  // not 60 s
     rank0_done = true;
   });
 }
@@ -206,12 +208,14 @@ TEST(SplitAbortTest, AnAbortEndsASplitWhoseMemberNeverComes) {
     const auto abort_at = std::chrono::steady_clock::now();
     comms[0]->Abort();
     rank0.join();
-    EXPECT_LT(std::chrono::steady_clock::now() - abort_at, std::chrono::seconds(5))
+    EXPECT_LT(std::chrono::steady_clock::now() - abort_at,
+              test_time::Scaled(std::chrono::seconds(5)))
         << "rank 0's split did not end at the Abort";
     comms[1]->Abort();
     store->Release();  // rank 1 moves on into its child's mesh, and gives up there
     rank1.join();
-    EXPECT_LT(took1, std::chrono::seconds(20)) << "rank 1's split waited for its timeout";
+    EXPECT_LT(took1, test_time::Scaled(std::chrono::seconds(20)))
+        << "rank 1's split waited for its timeout";
     (void)took0;
   }
 }
@@ -259,7 +263,7 @@ TEST(SplitAbortTest, TheOtherMembersLearnThatAMembersSplitWasAbandoned) {
     const auto released_at = std::chrono::steady_clock::now();
     store->Release();  // rank 1 moves on, and finds rank 0 gone
     rank1.join();
-    EXPECT_LT(rank1_ended - released_at, std::chrono::seconds(5))
+    EXPECT_LT(rank1_ended - released_at, test_time::Scaled(std::chrono::seconds(5)))
         << ToString(impl) << ": rank 1's split waited for its timeout";
     comms[1]->SetTimeout(std::chrono::seconds(1));
     EXPECT_THROW(comms[1]->Barrier(), Error);  // its peer is gone, but it was not aborted

@@ -22,6 +22,7 @@
 #include "collectives/cluster.h"
 #include "src/core/kernels.h"
 #include "tests/strategy/strategy_test_util.h"
+#include "tests/time_scale.h"
 
 namespace collectives::strategy {
 namespace {
@@ -195,7 +196,7 @@ TEST(StrategyRunTest, FirstErrorComesBackAndBlockedReplicasAreReleased) {
         }
       });
     });
-    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, test_time::Scaled(5s));
     ASSERT_EQ(others.size(), 3u);
     for (const std::string& what : others) {
       EXPECT_NE(what.find("[aborted]"), std::string::npos) << what;
@@ -249,7 +250,7 @@ TEST(StrategyRunTest, AReplicaThatIsLateTimesOut) {
   });
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_GE(took, 100ms);
-  EXPECT_LT(took, 10s);  // replica 2 waits 10 s at most
+  EXPECT_LT(took, test_time::Scaled(10s));  // replica 2 waits 10 s at most
 }
 
 TEST(StrategyRunTest, AReplicaThatSkipsACallFailsAtOnce) {
@@ -263,7 +264,7 @@ TEST(StrategyRunTest, AReplicaThatSkipsACallFailsAtOnce) {
                   ctx.AllReduce(ReduceOp::kSum, 1.0);
                 });
               });
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, test_time::Scaled(5s));
 }
 
 TEST(StrategyRunTest, ReplicasThatDisagreeOnACallGetMismatch) {
@@ -696,7 +697,8 @@ TEST(StrategyMultiWorkerTest, AFailingReplicaReleasesTheOtherWorkers) {
             });
           },
           [&](MultiWorkerOptions& o) { o.communication.implementation = impl; });
-      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // not the 20 s timeout
+      EXPECT_LT(std::chrono::steady_clock::now() - start,
+                test_time::Scaled(10s));  // not the 20 s timeout
       ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument, {"the replica gives up"});
       const std::string cause =
           "rank 1 aborted the job: rank 1: the strategy aborted the communicator: worker 1 "
@@ -795,7 +797,8 @@ TEST(StrategyMultiWorkerTest, AWorkerThatPassesNothingWhereAnotherPassesValuesGe
         s.Reduce(ReduceOp::kSum, PerReplica<std::vector<float>>{v, v});
       }
     });
-    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // not the 20 s timeout
+    EXPECT_LT(std::chrono::steady_clock::now() - start,
+              test_time::Scaled(10s));  // not the 20 s timeout
     for (int rank = 0; rank < 2; ++rank) {
       if (call == 0) {
         const std::string list = "the list of " + std::to_string(rank) + " tensors differs";
@@ -847,7 +850,8 @@ TEST(StrategyMultiWorkerTest, AReduceMistakeOnOneWorkerReachesTheOthersAtOnce) {
             ADD_FAILURE() << "worker 1 went on";
           },
           [&](MultiWorkerOptions& o) { o.communication.implementation = impl; });
-      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // not the 20 s timeout
+      EXPECT_LT(std::chrono::steady_clock::now() - start,
+                test_time::Scaled(10s));  // not the 20 s timeout
       ExpectErrorPtr(errors[1], ErrorCode::kInvalidArgument, {mistakes[mistake]});
       ExpectErrorPtr(errors[0], ErrorCode::kAborted,
                      {"rank 1 aborted the job", "worker 1 ", mistakes[mistake]});

@@ -14,6 +14,7 @@
 #include <future>
 #include <thread>
 
+#include "tests/time_scale.h"
 #include "tests/transport/fabric_test_util.h"
 
 namespace collectives::transport {
@@ -390,7 +391,7 @@ TEST_P(ThreeRankFabricTest, AFrameOfTheRunningCallsNumberForAnotherCallIsAMismat
       Connection& from = fabric(rank).connection(0);
       from.WaitRecv(from.PostRecv(Tag(7, 1), &byte, 1));
     });
-    EXPECT_LT(Clock::now() - start, 20s);
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(20s));
     ASSERT_TRUE(errors[0]);
     EXPECT_EQ(errors[0]->code(), ErrorCode::kMismatch);
     EXPECT_EQ(errors[0]->message(), expected);
@@ -621,14 +622,16 @@ TEST_P(FabricTest, DeadlineRaisesTimeoutAndPeersHearOfIt) {
             "rank 0: deadline passed while waiting for #7 all_reduce(f32, sum, count=2) (8 "
             "bytes) from rank 1");
   EXPECT_GE(elapsed[0], 300ms);
-  EXPECT_LT(elapsed[0], 5s);  // its own deadline, not the 30 s one (shutdown adds up to 300 ms)
+  EXPECT_LT(
+      elapsed[0],
+      test_time::Scaled(5s));  // its own deadline, not the 30 s one (shutdown adds up to 300 ms)
   for (int rank = 1; rank < size_; ++rank) {
     ASSERT_TRUE(errors[rank]);
     EXPECT_EQ(errors[rank]->code(), ErrorCode::kTimeout);
     EXPECT_NE(errors[rank]->message().find("rank 0 aborted the job: rank 0: deadline passed"),
               std::string::npos)
         << errors[rank]->message();
-    EXPECT_LT(elapsed[rank], 3s);  // long before their own 30 s deadline
+    EXPECT_LT(elapsed[rank], test_time::Scaled(3s));  // long before their own 30 s deadline
   }
 }
 
@@ -722,7 +725,7 @@ TEST_P(FabricTest, AbortFromAnotherThreadWakesTheWaiterAndReachesPeers) {
   for (int rank = 0; rank < size_; ++rank) {
     ASSERT_TRUE(errors[rank]) << "rank " << rank;
     EXPECT_EQ(errors[rank]->code(), ErrorCode::kAborted);
-    EXPECT_LT(elapsed[rank], 2s) << "rank " << rank;
+    EXPECT_LT(elapsed[rank], test_time::Scaled(2s)) << "rank " << rank;
   }
   EXPECT_EQ(errors[0]->message(), "rank 0: test abort");
   for (int rank = 1; rank < size_; ++rank) {
@@ -761,7 +764,7 @@ TEST_P(FabricTest, AbortOfAnIdleFabricReachesPeersAtOnce) {
   for (int rank = 1; rank < size_; ++rank) {
     ASSERT_TRUE(errors[rank]);
     EXPECT_EQ(errors[rank]->code(), ErrorCode::kAborted);
-    EXPECT_LT(elapsed[rank], 2s);
+    EXPECT_LT(elapsed[rank], test_time::Scaled(2s));
   }
 }
 
