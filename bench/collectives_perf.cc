@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/launch_help.h"
 #include "bench/local_launcher.h"
 #include "collectives/collectives.h"
 #include "src/core/half.h"
@@ -230,8 +231,7 @@ void CheckAlgorithm(const std::string& what, const std::string& algorithm) {
 }
 
 // --algorithm, and every --versus item: IMPL (ring or auto, as --impl) or IMPL:ALGORITHM.
-// Checked before any rank starts: each rank used to find a bad one only when it built that
-// communicator.
+// Checked before any rank starts, not by each rank when it builds that communicator.
 void CheckAlgorithms(const Config& config) {
   CheckAlgorithm("--algorithm", config.algorithm);
   for (const std::string& item : config.versus) {
@@ -1240,6 +1240,8 @@ int Main(int argc, char** argv) {
       "collectives_perf: nccl-tests style sweep of all-reduce, broadcast, all-gather "
       "and reduce-scatter"};
   AddOptions(app, config, min_bytes, max_bytes, step_bytes, collectives, dtypes, ops);
+  app.footer(bench::LaunchHelp("collectives_perf",
+                               "  collectives_perf --local N ...   (N processes on this host)\n"));
   try {
     app.parse(argc, argv);
     config.min_bytes = ParseBytes(min_bytes);
@@ -1300,6 +1302,7 @@ int Main(int argc, char** argv) {
       session = BootstrapMpi(config);
 #endif
     } else {
+      SayWhenSingleRankByDefault("collectives_perf");
       session = BootstrapFromEnvironment(config);
     }
     rank = session.comm->rank();
