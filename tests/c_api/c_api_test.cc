@@ -643,8 +643,8 @@ TEST(CApiCreateTest, CreateFromAMalformedEnvironmentNamesTheVariable) {
   EXPECT_TRUE(Contains(coll_last_error(), "RANK")) << coll_last_error();
 }
 
-// A port in MASTER_ADDR used to be taken as a host name: every rank but 0 retried resolving
-// "127.0.0.1:29500" until its timeout and returned COLL_TIMEOUT. It is refused at once now.
+// A port in MASTER_ADDR is refused at once, not taken as a host name (every rank but 0 would
+// retry resolving "127.0.0.1:29500" until its timeout and return COLL_TIMEOUT).
 TEST(CApiCreateTest, MasterAddrWithAPortIsAnInvalidArgumentAtOnce) {
   std::map<std::string, std::optional<std::string>> values = kNoLauncher;
   values["RANK"] = "1";
@@ -770,8 +770,8 @@ TEST(CApiCreateTest, OptionsAreChecked) {
 
 // coll_options_init passes sizeof(coll_options) as the caller's header sees it, and the library
 // writes only that many bytes: a program built against an older, smaller header keeps what lies
-// past its struct when a newer library's coll_options has grown. Before, the library assigned
-// its own whole coll_options. Sizes it cannot take are refused naming them, nothing written.
+// past its struct when a newer library's coll_options has grown. Sizes it cannot take are
+// refused naming them, nothing written.
 TEST(CApiCreateTest, OptionsInitWritesOnlyTheCallersStruct) {
   constexpr unsigned char kCanary = 0xA5;
   // The first version of coll_options ends with job_token.
@@ -1296,8 +1296,8 @@ TEST(CApiTimeoutTest, SetTimeoutAppliesToTheNextCollectives) {
   });
 }
 
-// INT64_MAX for "never" is read as a year; it used to overflow the deadline into the past, so
-// the next collective timed out at once and broke the communicator.
+// INT64_MAX for "never" is read as a year, not overflowed into a deadline in the past (the next
+// collective would time out at once and break the communicator).
 TEST(CApiTimeoutTest, Int64MaxMeansAYear) {
   RunRanks(3, [&](coll_comm* comm, int rank) {
     EXPECT_OK(coll_comm_set_timeout(comm, INT64_MAX));

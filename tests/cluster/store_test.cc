@@ -334,8 +334,7 @@ TEST(CancellableStoreTest, ASlicedGetSeesALateSetAndNamesTheWholeTimeout) {
 
 // A store the user wrote says that a key is not set with Error(kTimeout) in words of its own
 // (cluster.h asks no more): that is the key's absence, worth another slice, not a failure of
-// the store. (Before, a timeout without the words of our stores ended the Get after its first
-// slice, so a split set up over such a store gave up after 50 ms.)
+// the store: a split set up over such a store waits its whole timeout, not one 50 ms slice.
 TEST(CancellableStoreTest, AUserStoresTimeoutInItsOwnWordsIsTheKeysAbsence) {
   struct OwnWords final : Store {
     std::shared_ptr<Store> inner = CreateMemoryStore();

@@ -308,8 +308,7 @@ TEST(TcpStoreEnrolResetTest, AnEnrolmentWhoseReplyFailedIsUndone) {
 // An exception out of the server's accept (here the first allocation after a connection comes
 // in fails; RAND_bytes may fail too) costs that connection only: the server accepts the next.
 // The server's process arms the failure once it runs, when nothing but its io thread allocates.
-// Before, the accept was not started again: the server logged "unexpected exception in the
-// server thread" and every later client waited in the backlog until its timeout (kTimeout).
+// A later client is served, not left in the backlog until its timeout (kTimeout).
 TEST(TcpStoreAcceptFailureTest, TheServerGoesOnAccepting) {
   ServerProcess server(0, "the token", 2, [] {
     testing::before_allocation = FailTheNextAllocationIfAsked;

@@ -950,7 +950,7 @@ TEST(ShmGroupFailureTest, ABroadcastTimeoutNamesTheMissingMemberNotTheRoot) {
 // Member 1 (rank 9) leaves the group before member 0 calls; member 0, which does not spin,
 // sleeps waiting for it with a deadline 90 ms away. Every slice of its sleep (20 ms, shm_group.h)
 // checks that the member it waits for is there, so it raises kPeerLost naming rank 9 before the
-// deadline. Before, liveness was checked every 100 ms only, past that deadline: kTimeout.
+// deadline, not kTimeout.
 TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
   const std::vector<int> ranks = {3, 9};
   ShmGroupOptions options = Options("liveness_slice", 4096, 4096, 2);
@@ -975,7 +975,7 @@ TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
 }
 
 // A spin budget longer than the call's timeout (1 s against 100 ms) ends at the deadline: the
-// member raises kTimeout about 100 ms after it called. Before, it spun the whole second first.
+// member raises kTimeout about 100 ms after it called, not after spinning the whole second.
 TEST(ShmGroupFailureTest, ASpinLongerThanTheTimeoutEndsByTheDeadline) {
   const std::vector<int> ranks = {3, 9};
   ShmGroupOptions options = Options("spin_deadline", 4096, 4096, 2);
@@ -1674,10 +1674,8 @@ TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
 
 // Member 2, another process, begins to break the group and exits before writing why
 // (BreakHalfwayForTesting and _exit stand in for a kill in the middle of Abort). Every other
-// member's next call, and its Abort, used to wait for the error to be written: forever, at full
-// speed (the destructor joined a thread spinning there). Then they waited 2 s. Now they raise
-// kPeerLost saying so and naming member 2 once its liveness mutex says it is gone, long before
-// their 60 s deadline, and write nothing.
+// member's next call, and its Abort, raise kPeerLost saying so and naming member 2 once its
+// liveness mutex says it is gone, long before their 60 s deadline, and write nothing.
 TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers) {
   const std::string dir = NewStoreDir();
   ASSERT_FALSE(dir.empty());
@@ -1823,8 +1821,7 @@ TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError)
 
 // Member 0 begins to break the group and never writes why (stalled: stopped, in a debugger).
 // Member 1's call would wait for why until its deadline, 20 s away; its own Abort, from another
-// thread, ends that wait at once with the Abort's error. Before, the Abort found the group
-// broken and did nothing, and the call waited out its deadline.
+// thread, ends that wait at once with the Abort's error.
 TEST(ShmGroupFailureTest, AnAbortEndsTheWaitForAStalledBreaker) {
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("stalled_breaker", 4096, 4096, 2);
@@ -1855,8 +1852,7 @@ TEST(ShmGroupFailureTest, AnAbortEndsTheWaitForAStalledBreaker) {
 
 // Member 0 begins to break the group and writes why only 2.2 s later (a breaker descheduled or
 // stopped in between). The others, whose deadline is 20 s away, raise its error (kAborted, its
-// message), not a guess. Before, they gave up after 2 s: kPeerLost "rank 0 broke this host's
-// group and stopped before writing why (killed?)".
+// message), not a guess such as kPeerLost "stopped before writing why".
 TEST(ShmGroupFailureTest, ABreakerThatWritesWhyLateIsHeardWithinTheDeadline) {
   const std::vector<int> ranks = {0, 1, 2};
   ShmGroupOptions options = Options("slow_breaker", 4096, 4096, 3);
@@ -1878,8 +1874,8 @@ TEST(ShmGroupFailureTest, ABreakerThatWritesWhyLateIsHeardWithinTheDeadline) {
 }
 
 // A member that gave up waiting for why the group broke (300 ms deadline) raises the breaker's
-// error in its later calls once it is written. Before, it kept raising kPeerLost "stopped before
-// writing why" for good, the real cause written next to it.
+// error in its later calls once it is written, not kPeerLost "stopped before writing why" for
+// good.
 TEST(ShmGroupFailureTest, TheBreakersErrorReplacesTheGuessOnceWritten) {
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("late_reason", 4096, 4096, 2);

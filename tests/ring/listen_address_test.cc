@@ -78,7 +78,7 @@ TEST(ListenAddressTest, TheEnvironmentAsksWhenTheOptionIsEmpty) {
 }
 
 // A listen address that is no host (a port in it, an unbalanced bracket) is refused before the
-// store is reached, naming the option or the variable; it used to fail binding with kSystem.
+// store is reached, naming the option or the variable, not a failure to bind (kSystem).
 TEST(ListenAddressTest, AnAddressThatIsNoHostIsRefusedAtOnce) {
   const uint16_t port = uint16_t(FreePort());  // nobody listens: rank 1 would wait for rank 0
   CommunicationOptions options;

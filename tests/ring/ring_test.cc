@@ -632,8 +632,7 @@ TEST(RingOptionsTest, EverySocketIsCloseOnExec) {
 }
 
 // The idle progress thread polls its queue for spin_us before it sleeps; the destructor cuts
-// that short (it waited out the whole spin, up to the largest spin_us: 1 s here, 36 minutes
-// before spin_us was bounded).
+// that short rather than wait out the whole spin (up to the largest spin_us: 1 s here).
 TEST(RingOptionsTest, TheDestructorDoesNotWaitOutTheSpin) {
   CommunicationOptions options;
   options.spin_us = 1'000'000;
@@ -777,9 +776,8 @@ std::set<std::string> OpenSockets() {
 
 // When Abort returns, the peers have been told: the abort is sent and this rank's connections
 // are closed, so that a process may exit right after. Here another thread drives the fabric
-// (a call blocked on a peer that never joins); Abort used to leave the shutdown to it and
-// return at once, and the connection closed only after the shutdown's linger, some 200 ms
-// later.
+// (a call blocked on a peer that never joins); Abort does not leave the shutdown to it (the
+// connection would close only after the shutdown's linger, some 200 ms later).
 TEST(RingAbortTest, AbortReturnsOnceThePeersAreTold) {
   for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
     CommunicationOptions options;
@@ -810,9 +808,8 @@ TEST(RingAbortTest, AbortReturnsOnceThePeersAreTold) {
 }
 
 // Every call an Abort ends says which call it was and what the Abort found it doing: the one
-// running, those queued behind it, one made after. All four used to raise the same "rank 0: the
-// communicator was aborted by its caller", which told a caller waiting on several Works nothing
-// about which had run.
+// running, those queued behind it, one made after: a caller waiting on several Works learns
+// which had run.
 TEST(RingAbortTest, EveryCallItEndsIsNamed) {
   for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
     CommunicationOptions options;

@@ -223,9 +223,9 @@ TEST(SplitAbortTest, AnAbortEndsASplitWhoseMemberNeverComes) {
 // The other side: a member whose own parent is not aborted learns that another member's split
 // was abandoned, and gives up within a poll instead of waiting for it until its timeout. Rank 1
 // stands still publishing its address while rank 0's parent is aborted; released, rank 1 finds
-// rank 0's address but nobody behind it (it retried the connection until its 20 s timeout, then
-// raised kTimeout "still missing rank 0"). Now it raises kAborted naming rank 0's reason, and
-// its parent, which nothing broke, is left as it was.
+// rank 0's address but nobody behind it, and raises kAborted naming rank 0's reason (not
+// kTimeout "still missing rank 0" after 20 s); its parent, which nothing broke, is left as it
+// was.
 TEST(SplitAbortTest, TheOtherMembersLearnThatAMembersSplitWasAbandoned) {
   for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
     auto store = std::make_shared<HoldingStore>(CreateMemoryStore(), "/split1/0/addr/1");
@@ -294,7 +294,7 @@ class CountingStore final : public Store {
 // A member waiting in its child's set-up asks the store whether another member gave up a few
 // times a second, not on every poll of its waits: over a TCP store each ask is a round trip to
 // rank 0's server, and every waiting member makes them. Rank 1 stands still publishing its
-// address for a second while rank 0 waits for it. (Before, rank 0 asked about 20 times a second.)
+// address for a second while rank 0 waits for it.
 TEST(SplitAbortTest, AWaitingMemberAsksWhetherAnotherGaveUpAFewTimesASecond) {
   auto server = CreateTcpStore("127.0.0.1", 0, /*is_server=*/true, std::chrono::seconds(10));
   auto client = CreateTcpStore("127.0.0.1", TcpStorePort(*server), /*is_server=*/false,
