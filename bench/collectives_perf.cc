@@ -5,7 +5,8 @@
 // of the blocking collective. It prints one row per size: the time per call of the slowest rank,
 // the algorithm bandwidth (bytes / time) and the bus bandwidth (nccl-tests conventions; see
 // README.md), and the number of wrong elements summed over ranks. Rank 0 prints and, with --csv,
-// writes the same rows as CSV. Only the public API is used.
+// writes the same rows as CSV. Only the public API is used, and the header-only 16-bit float
+// conversions of the kernels (src/core/half.h).
 //
 // How the ranks start (bench/local_launcher.h, shared with packing_perf):
 //   --local N  this process starts N copies of itself on loopback and waits for them. Rank 0
@@ -44,9 +45,11 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/launch_help.h"
 #include "bench/local_launcher.h"
 #include "collectives/collectives.h"
 #include "src/core/algorithm_names.h"
+#include "src/core/half.h"
 
 #ifdef COLLECTIVES_WITH_MPI
 #include <mpi.h>
@@ -231,8 +234,7 @@ void CheckAlgorithm(const std::string& what, const std::string& algorithm) {
 }
 
 // --algorithm, and every --versus item: IMPL (ring or auto, as --impl) or IMPL:ALGORITHM.
-// Checked before any rank starts: each rank used to find a bad one only when it built that
-// communicator.
+// Checked before any rank starts, not by each rank when it builds that communicator.
 void CheckAlgorithms(const Config& config) {
   CheckAlgorithm("--algorithm", config.algorithm);
   for (const std::string& item : config.versus) {
@@ -259,52 +261,11 @@ struct BFloat16 {
   uint16_t bits;
 };
 
-// IEEE binary32 -> binary16, rounding to nearest even.
-uint16_t FloatToHalfBits(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t magnitude = x & 0x7FFFFFFFu;
-  if (magnitude >= 0x7F800000u) {  // inf or NaN
-    return sign | (magnitude > 0x7F800000u ? 0x7E00u : 0x7C00u);
-  }
-  if (magnitude >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds to inf
-  if (magnitude < 0x38800000u) {                        // below 2^-14: subnormal or zero
-    const float scaled = std::bit_cast<float>(magnitude) * 16777216.0f;  // units of 2^-24
-    return sign | static_cast<uint16_t>(std::nearbyint(scaled));
-  }
-  const uint32_t exponent = (magnitude >> 23) - 127 + 15;
-  const uint32_t mantissa = magnitude & 0x7FFFFFu;
-  uint32_t half = (exponent << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;  // may carry into exponent
-  return sign | static_cast<uint16_t>(half);
-}
-
-double HalfBitsToDouble(uint16_t bits) {
-  const int exponent = (bits >> 10) & 0x1F;
-  const int mantissa = bits & 0x3FF;
-  double magnitude;
-  if (exponent == 0) {
-    magnitude = std::ldexp(mantissa, -24);
-  } else if (exponent == 31) {
-    magnitude = mantissa == 0 ? std::numeric_limits<double>::infinity()
-                              : std::numeric_limits<double>::quiet_NaN();
-  } else {
-    magnitude = std::ldexp(1024 + mantissa, exponent - 25);
-  }
-  return (bits & 0x8000) ? -magnitude : magnitude;
-}
-
-// binary32 -> bfloat16, rounding to nearest even.
-uint16_t FloatToBFloat16Bits(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);
-  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
-
-double BFloat16BitsToDouble(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
+// The kernels' own conversions (src/core/half.h), rounding to nearest even.
+using core::half::BFloat16BitsToFloat;
+using core::half::FloatToBFloat16Bits;
+using core::half::FloatToHalfBits;
+using core::half::HalfBitsToFloat;
 
 template <typename T>
 T FromDouble(double value) {
@@ -323,8 +284,8 @@ template <typename T>
 double ToDouble(T value) {
   return static_cast<double>(value);
 }
-double ToDouble(Half value) { return HalfBitsToDouble(value.bits); }
-double ToDouble(BFloat16 value) { return BFloat16BitsToDouble(value.bits); }
+double ToDouble(Half value) { return HalfBitsToFloat(value.bits); }
+double ToDouble(BFloat16 value) { return BFloat16BitsToFloat(value.bits); }
 
 // Calls fn(T{}) with the C++ type that stores `dtype`.
 template <typename Fn>
@@ -1282,6 +1243,8 @@ int Main(int argc, char** argv) {
       "collectives_perf: nccl-tests style sweep of all-reduce, broadcast, all-gather "
       "and reduce-scatter"};
   AddOptions(app, config, min_bytes, max_bytes, step_bytes, collectives, dtypes, ops);
+  app.footer(bench::LaunchHelp("collectives_perf",
+                               "  collectives_perf --local N ...   (N processes on this host)\n"));
   try {
     app.parse(argc, argv);
     config.min_bytes = ParseBytes(min_bytes);
@@ -1342,6 +1305,7 @@ int Main(int argc, char** argv) {
       session = BootstrapMpi(config);
 #endif
     } else {
+      SayWhenSingleRankByDefault("collectives_perf");
       session = BootstrapFromEnvironment(config);
     }
     rank = session.comm->rank();

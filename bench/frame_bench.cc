@@ -138,6 +138,14 @@ BENCHMARK(BM_DecodeAbortPayload)->Apply(AbortSizes);
 // BENCHMARK_MAIN, plus the library's version and build type in the context block, and a warning
 // when the code measured here (the library's frame.cc) was not built for release.
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--help") {  // before Google Benchmark's own flags
+      std::printf(
+          "frame_bench: micro benchmark of the wire format's frame header and abort payload.\n"
+          "Launching: one process, no ranks (run it directly); it reads no COLLECTIVES_* "
+          "variable.\n\n");
+    }
+  }
   benchmark::AddCustomContext("collectives_version", collectives::Version());
   benchmark::AddCustomContext("collectives_build", collectives::BuildType());
   if (std::string_view(collectives::BuildType()) != "Release") {

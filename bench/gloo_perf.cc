@@ -167,8 +167,8 @@ class FloatBuffer {
 };
 
 // Element i of rank r's input.
-// A hash of (rank, i), not (7 i + 3 rank) mod 5, whose sum was the same at every element for
-// any multiple of 5 ranks (a misplaced result passed the check).
+// A hash of (rank, i), not (7 i + 3 rank) mod 5, whose sum is the same at every element for any
+// multiple of 5 ranks (a misplaced result would pass the check).
 float ReductionInput(size_t i, int rank) {
   return static_cast<float>(bench::MixRankAndIndex(rank, i) % 5);
 }
@@ -644,6 +644,12 @@ int Main(int argc, char** argv) {
                  "Without --local (refused with it): the FileStore folder every rank shares");
   app.add_option("--hostname", config.hostname, "Address of this rank's Gloo TCP device")
       ->capture_default_str();
+  app.footer(
+      "Launching N ranks (Gloo's own rendezvous, not the library's):\n"
+      "  gloo_perf --local N ...   (N processes on this host)\n"
+      "  RANK=r WORLD_SIZE=N gloo_perf --store DIR [--hostname ADDR] ...   (each rank r; DIR a "
+      "folder every rank shares)\n"
+      "Environment: RANK, WORLD_SIZE (without --local); no COLLECTIVES_* variable.");
   try {
     app.parse(argc, argv);
     config.min_bytes = ParseBytes(min_bytes);
@@ -655,15 +661,15 @@ int Main(int argc, char** argv) {
     if (config.local == 0 && config.store_dir.empty()) {
       throw CLI::ValidationError("pass --local N, or RANK / WORLD_SIZE and --store DIR");
     }
-    // The ranks of --local meet in a temporary folder of their own: a --store beside it was
-    // ignored without a word.
+    // The ranks of --local meet in a temporary folder of their own: a --store beside it is
+    // refused rather than ignored.
     if (config.local > 0 && !config.store_dir.empty()) {
       throw CLI::ValidationError("--store " + config.store_dir + " and --local " +
                                  std::to_string(config.local) +
                                  ": --local ranks meet in a temporary folder of their own; "
                                  "pass --store only without --local");
     }
-    // Gloo's FileStore said only "realpath: No such file or directory", naming neither.
+    // Gloo's FileStore says only "realpath: No such file or directory", naming neither.
     std::error_code error;
     if (config.local == 0 && !std::filesystem::is_directory(config.store_dir, error)) {
       throw CLI::ValidationError("--store " + config.store_dir +
@@ -681,8 +687,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "gloo_perf: without --local, RANK and WORLD_SIZE must be set\n");
     return kExitError;
   }
-  // Digits only, rank < world size: atoi read "abc" as rank 0, which then waited for the other
-  // ranks until --timeout.
+  // Digits only, rank < world size: atoi would read "abc" as rank 0, which would wait for the
+  // other ranks until --timeout.
   const int rank_number = ParseEnvironmentCount(rank);
   const int world_number = ParseEnvironmentCount(world_size);
   if (rank_number < 0 || world_number < 1 || rank_number >= world_number) {

@@ -129,6 +129,17 @@ bool UnderMpiLauncher() {
   return false;
 }
 
+void SayWhenSingleRankByDefault(const char* program) {
+  for (const char* name : {kLocalRankEnv, "TF_CONFIG", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                           "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
+    if (std::getenv(name) != nullptr) return;
+  }
+  std::fprintf(stderr,
+               "%s: no --local and no launcher (mpirun, RANK / WORLD_SIZE, TF_CONFIG): running "
+               "one rank; for N ranks pass --local N, or start it with mpirun -np N\n",
+               program);
+}
+
 int RankFromEnvironment() {
   for (const char* name :
        {kLocalRankEnv, "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {

@@ -39,6 +39,11 @@ bool IsLocalChild();
 // True when an MPI launcher (mpirun, srun with PMI) started this process.
 bool UnderMpiLauncher();
 
+// Says on stderr, in one line, that `program` runs a single rank since neither --local nor a
+// launcher's environment (mpirun's, RANK / WORLD_SIZE, TF_CONFIG) gives it more, and how to get
+// more. Silent where such an environment is set. For the bootstrap from the environment only.
+void SayWhenSingleRankByDefault(const char* program);
+
 // This process's rank as far as the environment tells before any bootstrap (0 if it does not),
 // so that only one rank prints usage errors.
 int RankFromEnvironment();

@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/launch_help.h"
 #include "bench/local_launcher.h"
 #include "collectives/collectives.h"
 #include "collectives/packing.h"
@@ -324,7 +325,7 @@ class Bench {
       std::vector<packing::TensorSpec> specs;
       size_t bytes = 0;
       for (size_t count : workload.counts) bytes += count * sizeof(float);
-      // What cannot be allocated names the workload and its size; it was a bare std::bad_alloc.
+      // What cannot be allocated names the workload and its size, not a bare std::bad_alloc.
       auto out_of_memory = [&] {
         return std::runtime_error(bench::Format(
             "workload '%s': cannot allocate its tensors and a copy of their inputs, twice %zu "
@@ -701,6 +702,8 @@ int Main(int argc, char** argv) {
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));
+  app.footer(bench::LaunchHelp("packing_perf",
+                               "  packing_perf --local N ...   (N processes on this host)\n"));
   try {
     app.parse(argc, argv);
     for (const std::string& name : SplitList(workloads)) {
@@ -758,6 +761,7 @@ int Main(int argc, char** argv) {
       comm = ConnectMpiRank("packing_perf", options, &launcher);
 #endif
     } else {
+      SayWhenSingleRankByDefault("packing_perf");
       launcher = std::getenv("TF_CONFIG") != nullptr ? "TF_CONFIG"
                  : std::getenv("RANK") != nullptr
                      ? "environment (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)"

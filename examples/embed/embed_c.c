@@ -13,6 +13,7 @@
 #include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "collectives/c_api.h"
 
@@ -45,7 +46,18 @@ static uint64_t fnv1a(uint64_t hash, const void* data, size_t bytes) {
 
 static float x[SAMPLES_PER_RANK][FEATURES], y[SAMPLES_PER_RANK];
 
-int main(void) {
+/* --help: how to launch the ranks and what the library reads from the environment. */
+static const char kUsage[] =
+    "usage: embed_c   (no arguments: the job comes from the environment)\n"
+    "Launching N ranks (alone, it is a single rank):\n"
+    "  mpirun -np N -x MASTER_ADDR=HOST -x MASTER_PORT=PORT embed_c\n"
+    "  RANK=r WORLD_SIZE=N MASTER_ADDR=HOST MASTER_PORT=PORT embed_c   (each rank r)\n"
+    "  TF_CONFIG='{\"cluster\": ..., \"task\": ...}' embed_c   (each rank its task)\n"
+    "Environment: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's\n"
+    "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; the library's COLLECTIVES_* variables\n"
+    "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: README.md).\n";
+
+int main(int argc, char** argv) {
   coll_comm* comm = NULL;
   coll_work* loss_work = NULL;
   int rank = 0, size = 1, step, s, j;
@@ -53,6 +65,12 @@ int main(void) {
   float w[FEATURES] = {0}, grad_w[FEATURES], b = 0.0f, grad_b;
   void* gradients[2];
   size_t counts[2] = {FEATURES, 1};
+
+  if (argc > 1) { /* no arguments but --help */
+    const int help = strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0;
+    fputs(kUsage, help ? stdout : stderr);
+    return help ? 0 : 2;
+  }
 
   /* collectives: join the job described by the environment. */
   CHECK(coll_comm_create_from_env(NULL, &comm));

@@ -17,6 +17,7 @@
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -54,7 +55,23 @@ uint64_t Checksum(const std::vector<float>& w, float b) {
 
 }  // namespace
 
-int main() {
+// --help: how to launch the ranks and what the library reads from the environment.
+constexpr const char* kUsage =
+    "usage: embed_cpp   (no arguments: the job comes from the environment)\n"
+    "Launching N ranks (alone, it is a single rank):\n"
+    "  mpirun -np N -x MASTER_ADDR=HOST -x MASTER_PORT=PORT embed_cpp\n"
+    "  RANK=r WORLD_SIZE=N MASTER_ADDR=HOST MASTER_PORT=PORT embed_cpp   (each rank r)\n"
+    "  TF_CONFIG='{\"cluster\": ..., \"task\": ...}' embed_cpp   (each rank its task)\n"
+    "Environment: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's\n"
+    "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; the library's COLLECTIVES_* variables\n"
+    "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: README.md).\n";
+
+int main(int argc, char** argv) {
+  if (argc > 1) {  // no arguments but --help
+    const bool help = std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0;
+    std::fputs(kUsage, help ? stdout : stderr);
+    return help ? 0 : 2;
+  }
   try {
     // collectives: join the job described by the environment.
     auto comm = collectives::CreateCommunication(collectives::ClusterSpec::FromEnvironment());

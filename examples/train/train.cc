@@ -47,6 +47,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/launch_help.h"
 #include "bench/seconds_flag.h"
 #include "collectives/collectives.h"
 #include "collectives/strategy.h"
@@ -572,6 +573,11 @@ int main(int argc, char** argv) {
                  "sleep this long after every step: slows a demonstration down so that a worker "
                  "can be killed mid-epoch (scripts/kill-restart.sh)")
       ->check(CLI::NonNegativeNumber);
+  app.footer(
+      "Replicas: --strategy mirrored --replicas R trains R replicas (threads) in this process.\n" +
+      collectives::bench::LaunchHelp(
+          "train --strategy multi_worker",
+          "  scripts/train.sh --workers N ...   (N worker processes on this host)\n"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -232,6 +232,10 @@ class ShmGroup {
   // would; FinishBreakingForTesting writes why, as that member would once it runs again.
   void BreakHalfwayForTesting();
   void FinishBreakingForTesting(const Error& error);
+  // Runs `hook` in each later Create of this process once the member counts as alive and has
+  // touched its first slot, before it counts itself attached (a test kills a member there);
+  // nullptr for none. Before any thread calls Create.
+  static void SetAttachingHookForTesting(void (*hook)());
 
  private:
   struct Segment;

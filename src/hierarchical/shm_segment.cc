@@ -38,6 +38,9 @@
 namespace collectives::hierarchical {
 namespace {
 
+// ShmGroup::SetAttachingHookForTesting's hook.
+void (*attaching_hook)() = nullptr;
+
 constexpr uint64_t kMagic = 0x316d6873'6c6c6f63ULL;  // "collshm1"
 constexpr uint32_t kVersion = 3;
 
@@ -394,6 +397,7 @@ std::unique_ptr<ShmGroup> ShmGroup::Create(int rank, const std::vector<int>& mem
     // From here on its liveness tells: a member killed before it attached is not waited for.
     std::atomic_ref<int32_t>(own.pid).store(int32_t(getpid()), std::memory_order_release);
     std::memset(seg.slot(index, 0), 0, seg.slot_bytes);
+    if (attaching_hook != nullptr) attaching_hook();
     std::memset(seg.slot(index, 1), 0, seg.slot_bytes);
 
     // The last member to attach removes the name: from then on only the mappings hold the
@@ -543,6 +547,8 @@ void ShmGroup::Abort(const Error& error) {
 }
 
 void ShmGroup::BreakHalfwayForTesting() { BeginBreaking(); }
+
+void ShmGroup::SetAttachingHookForTesting(void (*hook)()) { attaching_hook = hook; }
 
 void ShmGroup::FinishBreakingForTesting(const Error& error) { WriteBroken(error); }
 

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -46,6 +47,7 @@
 #include "tests/child_process.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/scoped_env.h"
+#include "tests/time_scale.h"
 
 namespace collectives {
 namespace {
@@ -617,7 +619,7 @@ void ExpectMismatch(const MismatchCase& c, size_t slot_bytes, size_t small_bytes
       EXPECT_EQ(e.code(), ErrorCode::kMismatch) << c.name << ", member " << me << ": " << e.what();
       EXPECT_NE(e.message().find("does not match"), std::string::npos) << e.what();
     }
-    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << c.name;
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5))) << c.name;
     EXPECT_TRUE(recv.AllEqual(kSentinel))
         << c.name << ": member " << me << "'s recv buffer was written before the mismatch";
     EXPECT_TRUE(recv.GuardsIntact()) << c.name;
@@ -814,7 +816,8 @@ TEST(ShmGroupFailureTest, AbortFromAnotherThreadRaisesOnEveryMember) {
         }
       }
       if (me != 2) {  // far below the 20 s deadline
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5)))
+            << "member " << me;
       }
       for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
     });
@@ -847,7 +850,7 @@ TEST(ShmGroupFailureTest, MissingMemberRaisesTimeoutNamingIt) {
       }
       const auto elapsed = Clock::now() - start;
       if (count == 10) small_elapsed[size_t(me)] = elapsed;
-      EXPECT_LT(elapsed, timeout + std::chrono::seconds(5)) << "member " << me;
+      EXPECT_LT(elapsed, timeout + test_time::Scaled(std::chrono::seconds(5))) << "member " << me;
     }
     ++finished;
   });
@@ -898,7 +901,8 @@ TEST(ShmGroupFailureTest, ACallAnnouncedOutsideTheGroupIsChecked) {
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), cases[c].expected) << "case " << c << ": " << e.what();
         if (cases[c].expected == ErrorCode::kMismatch) {
-          EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(250)) << e.what();
+          EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::milliseconds(250)))
+              << e.what();
           EXPECT_NE(e.message().find("rank 3: rank 9 runs another call outside shared memory: "
                                      "expected #3 barrier(), got #3 all_gather(i32, count=7)"),
                     std::string::npos)
@@ -946,7 +950,7 @@ TEST(ShmGroupFailureTest, ABroadcastTimeoutNamesTheMissingMemberNotTheRoot) {
 // Member 1 (rank 9) leaves the group before member 0 calls; member 0, which does not spin,
 // sleeps waiting for it with a deadline 90 ms away. Every slice of its sleep (20 ms, shm_group.h)
 // checks that the member it waits for is there, so it raises kPeerLost naming rank 9 before the
-// deadline. Before, liveness was checked every 100 ms only, past that deadline: kTimeout.
+// deadline, not kTimeout.
 TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
   const std::vector<int> ranks = {3, 9};
   ShmGroupOptions options = Options("liveness_slice", 4096, 4096, 2);
@@ -971,7 +975,7 @@ TEST(ShmGroupFailureTest, ASleepingWaiterChecksLivenessEverySlice) {
 }
 
 // A spin budget longer than the call's timeout (1 s against 100 ms) ends at the deadline: the
-// member raises kTimeout about 100 ms after it called. Before, it spun the whole second first.
+// member raises kTimeout about 100 ms after it called, not after spinning the whole second.
 TEST(ShmGroupFailureTest, ASpinLongerThanTheTimeoutEndsByTheDeadline) {
   const std::vector<int> ranks = {3, 9};
   ShmGroupOptions options = Options("spin_deadline", 4096, 4096, 2);
@@ -991,7 +995,7 @@ TEST(ShmGroupFailureTest, ASpinLongerThanTheTimeoutEndsByTheDeadline) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
       EXPECT_NE(e.message().find("from rank 9"), std::string::npos) << e.what();
     }
-    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(600));
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::milliseconds(600)));
     finished = true;
   });
 }
@@ -1032,7 +1036,8 @@ TEST(ShmGroupFailureTest, DestroyedMemberRaisesPeerLostNamingIt) {
     ExpectAllReduceLosesPeer(m, me, "lost rank 9", "");
     ASSERT_TRUE(destroying) << "member " << me << " raised before member 2 left";
     const auto since = Clock::now() - Clock::time_point(Clock::duration(destroying_at.load()));
-    EXPECT_LT(since, std::chrono::seconds(5)) << "member " << me;  // not the 20 s deadline
+    EXPECT_LT(since, test_time::Scaled(std::chrono::seconds(5)))
+        << "member " << me;  // not the 20 s deadline
   });
 }
 
@@ -1055,7 +1060,8 @@ TEST(ShmGroupFailureTest, MemberProcessThatDiesRaisesPeerLost) {
         const auto start = Clock::now();
         ExpectAllReduceLosesPeer(m, me, "lost rank 2", "died");
         // The child exits about 300 ms after everyone attached.
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5)))
+            << "member " << me;
       },
       CreateFileStore(dir), /*here=*/2);
   int status = 0;
@@ -1109,7 +1115,7 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
           EXPECT_NE(e.message().find("lost rank 2"), std::string::npos) << e.what();
           ASSERT_NE(killed_at.load(), 0) << "member " << me << " raised before the kill";
           const auto since = Clock::now() - Clock::time_point(Clock::duration(killed_at.load()));
-          EXPECT_LT(since, std::chrono::seconds(1)) << "member " << me;
+          EXPECT_LT(since, test_time::Scaled(std::chrono::seconds(1))) << "member " << me;
         }
         const auto start = Clock::now();
         try {
@@ -1118,7 +1124,8 @@ TEST(ShmGroupFailureTest, AMemberKilledAtAnyPointOfAnAllReduceIsLostOnEveryMembe
         } catch (const Error& e) {
           EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
         }
-        EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::milliseconds(500)))
+            << "member " << me;
       });
     }
     while (attached < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -1332,7 +1339,7 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutRemovesTheSegment) {
   }
   const auto elapsed = Clock::now() - start;
   EXPECT_GE(elapsed, options.timeout);
-  EXPECT_LT(elapsed, options.timeout + std::chrono::seconds(5));
+  EXPECT_LT(elapsed, options.timeout + test_time::Scaled(std::chrono::seconds(5)));
   const std::string name = store->Get(options.key_prefix + "/shm/0", std::chrono::seconds(1));
   EXPECT_FALSE(ShmNameExists(name)) << DevShmPath(name) << " was left behind";
 }
@@ -1365,7 +1372,8 @@ TEST(ShmGroupSegmentTest, TheTimeoutBoundsTheNameLookupAndTheAttachTogether) {
     EXPECT_NE(e.message().find("ranks 2 did not attach"), std::string::npos) << e.what();
   }
   // With the attach given a timeout of its own: 2.7 s + 3 s.
-  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::milliseconds(2000));
+  EXPECT_LT(Clock::now() - start,
+            options.timeout + test_time::Scaled(std::chrono::milliseconds(2000)));
   creator.join();
 }
 
@@ -1419,7 +1427,7 @@ TEST(ShmGroupSegmentTest, SetUpTimeoutOfAnAttachingMember) {
               0u)
         << e.what();
   }
-  EXPECT_LT(Clock::now() - start, options.timeout + std::chrono::seconds(5));
+  EXPECT_LT(Clock::now() - start, options.timeout + test_time::Scaled(std::chrono::seconds(5)));
 }
 
 // A slot above kMaxSlotBytes is refused before anything is made (the segment's size, two slots
@@ -1449,7 +1457,7 @@ TEST(ShmGroupSegmentTest, AMemberThatCannotAttachStopsTheOthersAtOnce) {
   auto store = CreateMemoryStore();
   const auto start = Clock::now();
   const auto [codes, errors] = CreateAtOnce({options, options, other_slot}, *store);
-  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(5)));
   EXPECT_EQ(codes[2], ErrorCode::kUnauthenticated) << errors[2];
   EXPECT_NE(errors[2].find("where this rank expects"), std::string::npos) << errors[2];
   EXPECT_NE(errors[2].find("COLLECTIVES_SHM_SLOT_BYTES"), std::string::npos) << errors[2];
@@ -1666,10 +1674,8 @@ TEST(ShmGroupSegmentTest, BadMemberListsAreRefused) {
 
 // Member 2, another process, begins to break the group and exits before writing why
 // (BreakHalfwayForTesting and _exit stand in for a kill in the middle of Abort). Every other
-// member's next call, and its Abort, used to wait for the error to be written: forever, at full
-// speed (the destructor joined a thread spinning there). Then they waited 2 s. Now they raise
-// kPeerLost saying so and naming member 2 once its liveness mutex says it is gone, long before
-// their 60 s deadline, and write nothing.
+// member's next call, and its Abort, raise kPeerLost saying so and naming member 2 once its
+// liveness mutex says it is gone, long before their 60 s deadline, and write nothing.
 TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers) {
   const std::string dir = NewStoreDir();
   ASSERT_FALSE(dir.empty());
@@ -1696,7 +1702,8 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
           EXPECT_NE(e.message().find("died"), std::string::npos) << e.what();
         }
         m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+        EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(1)))
+            << "member " << me;
         for (float v : data) ASSERT_EQ(v, 1.0f) << "member " << me << ": data written";
       },
       CreateFileStore(dir), /*here=*/2);
@@ -1706,22 +1713,45 @@ TEST(ShmGroupFailureTest, AMemberKilledWhileBreakingTheGroupDoesNotHangTheOthers
   std::filesystem::remove_all(dir);
 }
 
+// The write end of the pipe through which StopWhileAttaching says where it stopped.
+int attaching_pipe = -1;
+
+// ShmGroup's attaching hook in a member process: says so through `attaching_pipe`, then waits
+// to be killed.
+void StopWhileAttaching() {
+  const char byte = 1;
+  if (write(attaching_pipe, &byte, 1) != 1) _exit(4);
+  for (;;) pause();
+}
+
 // Member 1 is another process, killed (SIGKILL) while it attaches: after it took its liveness
-// mutex, while it touches its 64 MiB slots (its shared memory passes 16 MiB), before it counts
-// itself attached. The creator, waiting for it, raises kPeerLost naming rank 1 within a second
-// of the kill, not a kTimeout at the set-up's end. Before, it waited the whole 3 s and said
-// "ranks did not attach to segment ...", naming no one (the member had written its pid).
+// mutex and touched its first 64 MiB slot, before it counts itself attached (the attaching hook
+// stops it there and says so through a pipe). The creator, waiting for it, raises kPeerLost
+// naming rank 1 within a second of the kill, not a kTimeout at the set-up's end naming no one.
 TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
   const std::string dir = NewStoreDir();
   ASSERT_FALSE(dir.empty());
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("killed_attaching", size_t(64) << 20, 4096, 2);
-  options.timeout = std::chrono::seconds(3);
-  const pid_t child = ForkMember(dir, 1, ranks, options, [](Member&) {});
+  options.timeout = std::chrono::seconds(10);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(pipe_fds[0]);
+    attaching_pipe = pipe_fds[1];
+    ShmGroup::SetAttachingHookForTesting(StopWhileAttaching);
+    try {
+      auto store = CreateFileStore(dir);
+      ShmGroup::Create(1, ranks, *store, options);
+    } catch (...) {
+    }
+    _exit(3);
+  }
+  close(pipe_fds[1]);
   ASSERT_GE(child, 0);
   auto store = CreateFileStore(dir);
   std::optional<Error> error;
-  std::atomic<int64_t> killed_at{0};
   std::thread creator([&] {
     try {
       auto group = ShmGroup::Create(0, ranks, *store, options);
@@ -1729,44 +1759,26 @@ TEST(ShmGroupSegmentTest, AMemberKilledWhileAttachingIsNamedAtOnce) {
       error = e;
     }
   });
-  // Until 16 MiB of its shared memory are touched, for 20 s at most, and only while it lives: a
-  // member that exited (it attached between two looks, or failed: no room in /dev/shm) reads as
-  // a zombie's zeros, and the loop waited for it forever.
-  const std::string statm = "/proc/" + std::to_string(child) + "/statm";
-  const auto give_up = Clock::now() + std::chrono::seconds(20);
-  int status = 0;
-  bool exited = false;
-  bool touched = false;
-  for (long pages = 0, shared = 0; !touched && !exited && Clock::now() < give_up;) {
-    exited = waitpid(child, &status, WNOHANG) == child;
-    std::ifstream(statm) >> pages >> pages >> shared;
-    touched = shared >= 4096;
-    if (!touched) std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  killed_at = Clock::now().time_since_epoch().count();
-  if (!exited) kill(child, SIGKILL);
+  // The member's byte, or the end of the pipe if it exited first (it failed to attach); 30 s
+  // at most, should it hang before.
+  char byte = 0;
+  pollfd ready{pipe_fds[0], POLLIN, 0};
+  const ssize_t got = poll(&ready, 1, 30'000) == 1 ? read(pipe_fds[0], &byte, 1) : -1;
+  close(pipe_fds[0]);
+  const auto killed_at = Clock::now();
+  kill(child, SIGKILL);
   creator.join();
-  const auto since = Clock::now() - Clock::time_point(Clock::duration(killed_at.load()));
-  if (!exited) {
-    ASSERT_EQ(waitpid(child, &status, 0), child);
-  }
+  const auto since = Clock::now() - killed_at;
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
   std::filesystem::remove_all(dir);
-  if (WIFEXITED(status)) {
-    GTEST_SKIP() << "the member attached, or failed to, before the kill came (exit status "
-                 << WEXITSTATUS(status) << ")";
-  }
-  if (!touched) {
-    GTEST_SKIP() << "the member did not touch 16 MiB of the segment within 20 s";
-  }
-  if (error && error->code() == ErrorCode::kTimeout) {
-    GTEST_SKIP() << "the member touched 16 MiB only after the creator's set-up timed out: "
-                 << error->what();
-  }
+  ASSERT_EQ(got, 1) << "the member exited before it attached (status " << status << ")";
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
   ASSERT_TRUE(error.has_value()) << "the creator attached without member 1";
   EXPECT_EQ(error->code(), ErrorCode::kPeerLost) << error->what();
   EXPECT_NE(error->message().find("rank 1 died while attaching"), std::string::npos)
       << error->what();
-  EXPECT_LT(since, std::chrono::seconds(1)) << error->what();
+  EXPECT_LT(since, test_time::Scaled(std::chrono::seconds(1))) << error->what();
 }
 
 // An all-reduce of 100 floats on `m` that must fail: the error it raised.
@@ -1803,14 +1815,13 @@ TEST(ShmGroupFailureTest, AHalfBrokenGroupFailsLaterCallsAtOnceWithTheSameError)
     EXPECT_EQ(later.code(), ErrorCode::kPeerLost);
     EXPECT_EQ(later.message(), first.message());
     m.group->Abort(Error(ErrorCode::kAborted, "stopped by the test"));
-    EXPECT_LT(Clock::now() - start, std::chrono::seconds(1)) << "member " << me;
+    EXPECT_LT(Clock::now() - start, test_time::Scaled(std::chrono::seconds(1))) << "member " << me;
   });
 }
 
 // Member 0 begins to break the group and never writes why (stalled: stopped, in a debugger).
 // Member 1's call would wait for why until its deadline, 20 s away; its own Abort, from another
-// thread, ends that wait at once with the Abort's error. Before, the Abort found the group
-// broken and did nothing, and the call waited out its deadline.
+// thread, ends that wait at once with the Abort's error.
 TEST(ShmGroupFailureTest, AnAbortEndsTheWaitForAStalledBreaker) {
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("stalled_breaker", 4096, 4096, 2);
@@ -1835,14 +1846,13 @@ TEST(ShmGroupFailureTest, AnAbortEndsTheWaitForAStalledBreaker) {
     done = true;
     EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
     EXPECT_NE(e.message().find("aborted by the test"), std::string::npos) << e.what();
-    EXPECT_LT(took, std::chrono::seconds(2)) << e.what();
+    EXPECT_LT(took, test_time::Scaled(std::chrono::seconds(2))) << e.what();
   });
 }
 
 // Member 0 begins to break the group and writes why only 2.2 s later (a breaker descheduled or
 // stopped in between). The others, whose deadline is 20 s away, raise its error (kAborted, its
-// message), not a guess. Before, they gave up after 2 s: kPeerLost "rank 0 broke this host's
-// group and stopped before writing why (killed?)".
+// message), not a guess such as kPeerLost "stopped before writing why".
 TEST(ShmGroupFailureTest, ABreakerThatWritesWhyLateIsHeardWithinTheDeadline) {
   const std::vector<int> ranks = {0, 1, 2};
   ShmGroupOptions options = Options("slow_breaker", 4096, 4096, 3);
@@ -1864,8 +1874,8 @@ TEST(ShmGroupFailureTest, ABreakerThatWritesWhyLateIsHeardWithinTheDeadline) {
 }
 
 // A member that gave up waiting for why the group broke (300 ms deadline) raises the breaker's
-// error in its later calls once it is written. Before, it kept raising kPeerLost "stopped before
-// writing why" for good, the real cause written next to it.
+// error in its later calls once it is written, not kPeerLost "stopped before writing why" for
+// good.
 TEST(ShmGroupFailureTest, TheBreakersErrorReplacesTheGuessOnceWritten) {
   const std::vector<int> ranks = {0, 1};
   ShmGroupOptions options = Options("late_reason", 4096, 4096, 2);

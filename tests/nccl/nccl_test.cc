@@ -34,6 +34,7 @@
 
 #include "src/nccl/nccl_communication.h"
 #include "src/nccl/nccl_loader.h"
+#include "tests/time_scale.h"
 #endif
 
 namespace collectives {
@@ -65,7 +66,7 @@ TEST(NcclUnavailableTest, CreatingAnNcclCommunicatorRaisesNotSupported) {
     EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
     EXPECT_NE(e.message().find("NCCL"), std::string::npos) << e.what();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, test_time::Scaled(std::chrono::seconds(30)));
   // Twice: the loader's failure is cached, and says the same.
   EXPECT_THROW(CreateCommunication(spec, CreateMemoryStore(), NcclOptionsFor()), Error);
 }
@@ -756,7 +757,8 @@ TEST(NcclGpuTest, AbortEndsAWaitOnACallAPeerNeverJoins) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
     }
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+    EXPECT_LT(std::chrono::steady_clock::now() - start,
+              test_time::Scaled(std::chrono::seconds(20)));
     aborter.join();
     rank0_done.store(true);
   });
@@ -918,7 +920,7 @@ TEST(NcclGpuTest, AFirstCallIssuedBeforeItsPeersWaitsForThemAtMostTheTimeout) {
   auto work = comms[0]->AllReduceAsync(buffer.tensor(), buffer.tensor(), ReduceOp::kSum);
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_GE(took, std::chrono::milliseconds(450));
-  EXPECT_LT(took, std::chrono::seconds(5));
+  EXPECT_LT(took, test_time::Scaled(std::chrono::seconds(5)));
   try {
     work->Wait();
     ADD_FAILURE() << "expected Error(kTimeout)";

@@ -34,6 +34,7 @@
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
 #include "tests/scoped_env.h"
+#include "tests/time_scale.h"
 
 namespace collectives::packing {
 namespace {
@@ -144,7 +145,7 @@ TEST(PlanBucketsTest, CapZeroIsTheDefault) {
   EXPECT_EQ(PlanBuckets(tensors, 0), (std::vector<Bucket>{{0, 1, 2}, {3, 4, 5, 6}, {7, 8}}));
 }
 
-// A spec whose byte size does not fit size_t is larger than any cap (its product used to wrap
+// A spec whose byte size does not fit size_t is larger than any cap (its product does not wrap
 // to a few bytes and join its neighbours); a spec of no known dtype is refused.
 TEST(PlanBucketsTest, AnOverflowingTensorIsAloneAndAnUnknownDtypeIsRefused) {
   const size_t huge = (size_t{1} << 62) + 1;  // x 4 bytes wraps to 4
@@ -525,13 +526,16 @@ TEST_P(RingInRunsTest, PiecesOfEveryElementSizeGiveTheBitsOfTheOneBufferCall) {
   });
 }
 
+// The cases of RingInRunsTest with two ranks or more.
+class RingInRunsMismatchTest : public RingInRunsTest {};
+
 // A call in pieces that another rank makes with another operator (or, for a broadcast, another
 // root) raises kMismatch on every rank and leaves every piece as it was: the first write into a
 // piece follows frames checked through every rank, in every algorithm.
-TEST_P(RingInRunsTest, AMismatchedCallInPiecesWritesNoPiece) {
+TEST_P(RingInRunsMismatchTest, AMismatchedCallInPiecesWritesNoPiece) {
   const Transport transport = std::get<0>(GetParam());
   const int size = std::get<1>(GetParam());
-  if (size < 2) GTEST_SKIP() << "needs two ranks";
+  ASSERT_GE(size, 2);
   const CommunicationOptions options = Options();
   for (const bool broadcast : {false, true}) {
     // Under 64 KiB in all (through one buffer) and over it (in runs).
@@ -583,15 +587,26 @@ std::vector<RingInRunsTest::ParamType> RingInRunsCases() {
   return cases;
 }
 
+std::vector<RingInRunsTest::ParamType> RingInRunsCasesOfTwoOrMore() {
+  std::vector<RingInRunsTest::ParamType> cases;
+  for (const RingInRunsTest::ParamType& c : RingInRunsCases()) {
+    if (std::get<1>(c) >= 2) cases.push_back(c);
+  }
+  return cases;
+}
+
+std::string RingInRunsCaseName(const ::testing::TestParamInfo<RingInRunsTest::ParamType>& info) {
+  const std::string algorithm = std::get<2>(info.param);
+  return std::string(testing::TransportName(std::get<0>(info.param))) + "_" +
+         std::to_string(std::get<1>(info.param)) + "_" +
+         (algorithm.empty() ? "default" : algorithm) + "_chunk" +
+         std::to_string(std::get<3>(info.param));
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, RingInRunsTest, ::testing::ValuesIn(RingInRunsCases()),
-                         [](const ::testing::TestParamInfo<RingInRunsTest::ParamType>& param_info) {
-                           const std::string algorithm = std::get<2>(param_info.param);
-                           return std::string(
-                                      testing::TransportName(std::get<0>(param_info.param))) +
-                                  "_" + std::to_string(std::get<1>(param_info.param)) + "_" +
-                                  (algorithm.empty() ? "default" : algorithm) + "_chunk" +
-                                  std::to_string(std::get<3>(param_info.param));
-                         });
+                         RingInRunsCaseName);
+INSTANTIATE_TEST_SUITE_P(Transports, RingInRunsMismatchTest,
+                         ::testing::ValuesIn(RingInRunsCasesOfTwoOrMore()), RingInRunsCaseName);
 
 // Floats that are not small integers: with two ranks every reduction is one commutative
 // operation, so packed and one-by-one agree bit for bit whatever the algorithm.
@@ -759,7 +774,7 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kMismatch) << e.what();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+  EXPECT_LT(std::chrono::steady_clock::now() - start, test_time::Scaled(std::chrono::seconds(10)))
       << "rank " << comm.rank() << ": not at once";
   for (size_t i = 0; i < untouched.size(); ++i) {
     EXPECT_EQ(*untouched[i], before[i]) << "rank " << comm.rank() << ": buffer " << i;
@@ -778,10 +793,8 @@ void ExpectListsDifferAsync(CollectiveCommunication& comm, const std::vector<Ten
 
 // One rank's list is one tensor where the others' fuse two (one bucket each), or the same list
 // is cut by caps that differ (two buckets against one): the asynchronous form
-// (ExpectListsDifferAsync). Before every bucket waited for the list check, the rank whose bucket
-// was one tensor reduced it with the others' fused bucket (over TCP: a tensor written with
-// another rank's data), or, in shared memory, ran it while the others skipped theirs and waited
-// there until its timeout.
+// (ExpectListsDifferAsync): every bucket waits for the list check, so no rank reduces its one
+// tensor with the others' fused bucket, nor runs it alone in shared memory until its timeout.
 TEST(PackedAsyncTest, ListsOrCapsThatBucketOtherwiseRaiseInWaitAtOnce) {
   ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
     std::vector<uint8_t> bytes(2 * sizeof(int64_t));
@@ -804,11 +817,9 @@ TEST(PackedAsyncTest, ListsOrCapsThatBucketOtherwiseRaiseInWaitAtOnce) {
   });
 }
 
-// One rank's list does not fuse (one int64 tensor of 2) where the others' does (two of 1): the
-// rank that did not fuse used to skip the list check and send its tensor's all-reduce (int64,
-// max, 2 elements) against the others' check, which is one too. Its tensor came back reduced
-// with the hash, as a success, while the others raised kMismatch. Now every rank raises it,
-// nothing written.
+// One rank's list does not fuse (one int64 tensor of 2) where the others' does (two of 1): that
+// rank takes part in the list check too (its tensor's all-reduce, int64 max of 2 elements, looks
+// like the check), so every rank raises kMismatch, nothing written.
 TEST(PackedMismatchTest, ARankWhoseListDoesNotFuseStillRaises) {
   ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
     std::vector<int64_t> values(2, comm.rank() + 1);
@@ -825,9 +836,9 @@ TEST(PackedMismatchTest, ARankWhoseListDoesNotFuseStillRaises) {
 }
 
 // One rank's list moves nothing (an empty list, or only zero-size tensors) where the others'
-// moves two int64. That rank used to return before the list check, and the others' check (an
-// int64 max of two elements) met its next call: an all-reduce of two int64 came back holding
-// the hash, as a success. Now every rank raises kMismatch, and the next call is exact.
+// moves two int64. That rank takes part in the list check too, so the others' check (an int64
+// max of two elements) does not meet its next call: every rank raises kMismatch, and the next
+// call is exact.
 TEST(PackedMismatchTest, ARankWhoseListMovesNothingStillRaises) {
   for (bool empty_list : {false, true}) {
     SCOPED_TRACE(empty_list ? "an empty list" : "one zero-size tensor");
@@ -849,9 +860,8 @@ TEST(PackedMismatchTest, ARankWhoseListMovesNothingStillRaises) {
 }
 
 // Equal lists cut by different caps (three tensors of 64 floats: one bucket of 768 bytes with
-// the default cap, buckets of 512 and 256 bytes with a cap of 512) used to break the communicator
-// at the first bucket with a frame of the wrong size, naming neither the cap nor the packer.
-// Now every rank raises kMismatch naming bytes_per_pack, nothing written, communicator intact.
+// the default cap, buckets of 512 and 256 bytes with a cap of 512): every rank raises kMismatch
+// naming bytes_per_pack, nothing written, communicator intact (not a frame of the wrong size).
 TEST(PackedMismatchTest, CapsThatDifferAcrossRanksAreNamed) {
   ForEachOddRank([](CollectiveCommunication& comm, bool odd) {
     std::vector<float> data(192, float(comm.rank() + 1));
@@ -1191,7 +1201,7 @@ TEST(PackingArgumentTest, BadTensorsAreRefusedBeforeAnythingIsIssued) {
     ExpectError([&] { Broadcast(comm, tensors, 2); }, ErrorCode::kInvalidArgument, "root 2");
     ExpectError([&] { AllReduce(comm, tensors, static_cast<ReduceOp>(9)); },
                 ErrorCode::kInvalidArgument, "packing all_reduce: unknown reduce op 9");
-    // Tensors that share memory: a tensor twice in the list (in different buckets it was
+    // Tensors that share memory: a tensor twice in the list (in different buckets it would be
     // summed twice), and one that starts inside another.
     ExpectError(
         [&] {
@@ -1252,7 +1262,8 @@ TEST(PackingMismatchTest, DifferentCountsRaiseMismatch) {
           // Broken for good: the next list fails the same way.
           ExpectError(call, ErrorCode::kMismatch, "");
         });
-        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3))
+        EXPECT_LT(std::chrono::steady_clock::now() - start,
+                  test_time::Scaled(std::chrono::seconds(3)))
             << "cap " << cap << ", " << Name(schedule);
       }
     }

@@ -88,6 +88,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "src/core/half.h"
+
 // The opaque handle types of cuda_runtime_api.h and nccl.h, defined here.
 struct CUstream_st;
 struct CUevent_st;
@@ -301,62 +303,13 @@ void FaultDevice(int device, const std::string& what) {
 // ncclAvg multiplies floating values by 1/n before summing and divides an integer sum by n.
 // ---------------------------------------------------------------------------------------------
 
-float HalfToFloat(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
-  const int exponent = (bits >> 10) & 0x1f;
-  uint32_t mantissa = bits & 0x3ff;
-  uint32_t word;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      word = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        ++e;
-        mantissa <<= 1;
-      } while ((mantissa & 0x400) == 0);
-      word = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mantissa & 0x3ff) << 13;
-    }
-  } else if (exponent == 31) {
-    word = sign | 0x7f800000 | mantissa << 13;
-  } else {
-    word = sign | static_cast<uint32_t>(exponent - 15 + 127) << 23 | mantissa << 13;
-  }
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
-uint16_t FloatToHalf(float value) {  // round to nearest even
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  const auto sign = static_cast<uint16_t>((word >> 16) & 0x8000);
-  const uint32_t magnitude = word & 0x7fffffff;
-  if (magnitude >= 0x7f800000) {  // inf or NaN
-    return static_cast<uint16_t>(sign | 0x7c00 | (magnitude > 0x7f800000 ? 0x200 : 0));
-  }
-  if (magnitude >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // overflow
-  if (magnitude < 0x38800000) {                           // subnormal or zero in half
-    const float scaled = std::fabs(value) * 16777216.0f;  // 2^24: units of the smallest subnormal
-    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(scaled)));
-  }
-  const uint32_t rounded = magnitude + 0xfff + ((magnitude >> 13) & 1);
-  return static_cast<uint16_t>(sign | ((rounded - 0x38000000) >> 13));
-}
-
-float BFloat16ToFloat(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
-uint16_t FloatToBFloat16(float value) {  // round to nearest even
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  if ((word & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((word >> 16) | 0x40);
-  word += 0x7fff + ((word >> 16) & 1);
-  return static_cast<uint16_t>(word >> 16);
+// The library's own conversions (src/core/half.h, header only): round to nearest even; a NaN
+// keeps its top payload bits and gains the quiet bit.
+float HalfToFloat(uint16_t bits) { return collectives::core::half::HalfBitsToFloat(bits); }
+uint16_t FloatToHalf(float value) { return collectives::core::half::FloatToHalfBits(value); }
+float BFloat16ToFloat(uint16_t bits) { return collectives::core::half::BFloat16BitsToFloat(bits); }
+uint16_t FloatToBFloat16(float value) {
+  return collectives::core::half::FloatToBFloat16Bits(value);
 }
 
 // Storage type S, computed as C.
