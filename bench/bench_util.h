@@ -48,8 +48,8 @@ std::unique_ptr<std::ofstream> OpenCsv(const std::string& path);
 
 // A zeroed, page-aligned buffer of at least `bytes` bytes (and at least one page); every page
 // is touched before timing. Where it cannot be allocated, throws std::runtime_error naming
-// `what` (the buffer and the flag that sized it: "the receive buffer (-e)") and the size; it was
-// a bare std::bad_alloc.
+// `what` (the buffer and the flag that sized it: "the receive buffer (-e)") and the size, not a
+// bare std::bad_alloc.
 class AlignedBuffer {
  public:
   AlignedBuffer(size_t bytes, const std::string& what);

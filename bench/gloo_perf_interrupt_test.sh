@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # ctest GlooPerf.InterruptRemovesTheStore: gloo_perf --local, interrupted (a TERM to the
 # launcher alone, a Ctrl-C at the terminal: SIGINT to its process group) while its ranks run,
-# ends by that signal within 5 s with its ranks gone and its FileStore folder removed; it used to
-# leave the folder (gloo_perf.XXXXXX in TMPDIR) behind.
+# ends by that signal within 5 s with its ranks gone and its FileStore folder (gloo_perf.XXXXXX
+# in TMPDIR) removed, not left behind.
 #
 #   gloo_perf_interrupt_test.sh GLOO_PERF
 set -u

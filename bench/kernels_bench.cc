@@ -68,11 +68,10 @@ std::vector<unsigned char> Filled(DataType dtype, size_t count, int seed) {
 // The buffers of one benchmark at fixed places: buffer i starts 16 x (i + 1) bytes past a cache
 // line (16, 32, 48: offsets malloc's 16-byte alignment gives, so that 64-byte accesses split
 // lines as they do on malloc'd memory) and i x 1 KiB + that past a page, each in pages of its
-// own. Separately malloc'd vectors landed wherever the heap
-// had room, which moved with the set of benchmarks run before (the --benchmark_filter): a
-// 4 KiB memcpy took 30 or 47 ns, and the 4 KiB out-of-place sum 27 or 46, from one filter to
-// the next, as two buffers' addresses did or did not share their low 12 bits (a load that
-// seems to alias an earlier store waits for it). Contents: zeros.
+// own. Separately malloc'd vectors would land wherever the heap had room, which moves with the
+// set of benchmarks run before (the --benchmark_filter), and a small copy or sum would change
+// speed from one filter to the next as two buffers' addresses do or do not share their low
+// 12 bits (a load that seems to alias an earlier store waits for it). Contents: zeros.
 class PlacedBuffers {
  public:
   static constexpr size_t kPage = 4096;

@@ -253,8 +253,8 @@ double CheckExpected(ReduceOp op, int world_size, size_t tensor, size_t i) {
 // ---------------------------------------------------------------------------------------------
 // The computation of a step (--compute-ms): `units` blocks of a dependent xorshift chain, which
 // keeps a core busy without touching memory (it competes with the collectives for a core, not
-// for memory bandwidth) and cannot be shortened by the compiler. A unit takes about 2 us on the
-// development machine.
+// for memory bandwidth) and cannot be shortened by the compiler. A unit is 1024 steps of the
+// chain; what it takes in time is measured on each rank (CalibrateUnitsPerMs).
 // ---------------------------------------------------------------------------------------------
 
 volatile uint64_t compute_sink;

@@ -3,7 +3,8 @@
 # started with it, on a Ctrl-C at the terminal (SIGINT to the script's process group) and on a
 # TERM to the script alone, within 5 s. The ranks are a stand-in that hangs (as a rank waiting for
 # a peer that never comes would): timeout(1) gives each a process group of its own, which neither
-# signal reaches by itself, so they used to run on until the script's time limit.
+# signal reaches by itself, so unless the script passes the signal on they run until its time
+# limit.
 #
 #   run_two_ranks_interrupt_test.sh
 set -u

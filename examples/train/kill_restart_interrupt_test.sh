@@ -3,8 +3,8 @@
 # interrupted (a TERM to the script alone, a Ctrl-C at the terminal: SIGINT to its process group)
 # at the start of a job, before it knows the workers' train pids, within 5 s. The workers are a
 # stand-in train that takes its time to start (a script whose child is not yet the train
-# binary), which the script's search for the train pid does not find for seconds; they used to
-# run on until the script's 120 s limit.
+# binary), which the script's search for the train pid does not find for seconds; left to
+# themselves they would run on until the script's 120 s limit.
 #
 #   kill_restart_interrupt_test.sh
 set -u

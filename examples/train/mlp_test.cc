@@ -246,8 +246,8 @@ TEST_F(MalformedIdxTest, TruncatedBodyIsRefused) {
   EXPECT_NE(error.find("truncated body"), std::string::npos) << error;
 }
 
-// A header may declare up to 4 GiB. The reader used to allocate (and zero) all of it before
-// reading the body; a 120-byte file declaring 1 GiB now fails at once, allocating little.
+// A header may declare up to 4 GiB. The reader does not allocate (and zero) all of it before
+// reading the body: a 120-byte file declaring 1 GiB fails at once, allocating little.
 TEST_F(MalformedIdxTest, AHeaderThatDeclaresMoreThanTheFileHoldsAllocatesLittle) {
   std::vector<uint8_t> bytes = Header(3, {16384, 256, 256});  // 1 GiB
   bytes.resize(120, 1);

@@ -2,8 +2,9 @@
 # ctest train_sh_interrupt: scripts/train.sh stops, and every train process it started with it,
 # on a Ctrl-C at the terminal (SIGINT to the script's process group) and on a TERM to the script
 # alone, within 10 s. (timeout(1) gives train a process group of its own, which neither reaches
-# by itself: the workers used to train on for up to TRAIN_TIME_LIMIT, an hour.) It leaves
-# nothing in TMPDIR (--workers' folder of worker logs used to stay).
+# by itself: unless the script passes the signal on, the workers train on for up to
+# TRAIN_TIME_LIMIT, an hour.) It leaves nothing in TMPDIR, --workers' folder of worker logs
+# included.
 #
 #   train_sh_interrupt_test.sh BUILD_DIR
 set -u

@@ -713,9 +713,9 @@ TEST(CApiCreateTest, BadRankSizeOrPortIsAnInvalidArgument) {
   EXPECT_EQ(comm, nullptr);
 }
 
-// A world size no job can have is the caller's invalid argument, named, at once on every rank;
-// before, rank 0 returned COLL_SYSTEM "coll_comm_create: out of memory" (its store kept a record
-// per rank) and the others waited for the store until their timeout.
+// A world size no job can have is the caller's invalid argument, named, at once on every rank:
+// not COLL_SYSTEM "coll_comm_create: out of memory" on rank 0 from a store sized for that many
+// ranks, with the others waiting for the store until their timeout.
 TEST(CApiCreateTest, AWorldSizeNoJobCanHaveIsAnInvalidArgument) {
   coll_options options = TestOptions();
   options.timeout_ms = 1000;  // what rank 1 waited for the store without the check

@@ -117,7 +117,8 @@ TEST(TfConfigTest, NotJsonNamesThePosition) {
                     {"not valid JSON"});
 }
 
-// The parser ends the text at a NUL byte: what followed it used to pass unread.
+// The parser ends the text at a NUL byte, so a NUL anywhere is refused: what followed it would
+// pass unread.
 TEST(TfConfigTest, ANulByteIsRefusedWhereverItIs) {
   const std::string json =
       R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}})";
@@ -163,9 +164,9 @@ TEST(TfConfigTest, WrongTypes) {
                     {"'job_id'", "empty"});
 }
 
-// An index of another type is shown cut short, an array or an object by its type alone. Before,
-// the message held all of it: 200000 nested arrays overflowed the stack (SIGSEGV) in dump(), and
-// a string of 1 MiB made a message of 1 MiB.
+// An index of another type is shown cut short, an array or an object by its type alone, never
+// walked: dumping 200000 nested arrays would overflow the stack (SIGSEGV), and a string of 1 MiB
+// would make a message of 1 MiB.
 TEST(TfConfigTest, AnIndexOfAnotherTypeIsShownShortAndNotWalked) {
   const std::string head =
       R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": )";
@@ -236,8 +237,8 @@ TEST(TfConfigTest, MalformedHostPort) {
   }
 }
 
-// A NUL or control byte, or '/', in a host used to pass: "a\0x:1" and "a\0y:1" passed the
-// duplicate check, then both reached the resolver as "a". The message shows the byte escaped.
+// A NUL or control byte, or '/', in a host is refused: "a\0x:1" and "a\0y:1" would pass the
+// duplicate check, then both reach the resolver as "a". The message shows the byte escaped.
 // Brackets hold an IPv6 address only.
 TEST(TfConfigTest, ControlBytesSlashesAndBracketedNamesAreRefused) {
   const char* cases[][2] = {
@@ -278,9 +279,9 @@ TEST(TfConfigTest, UnsupportedRoles) {
 
 // Text from TF_CONFIG or a variable that a message shows (a role, a key, a value, the token where
 // the JSON broke) has its control bytes and ill-formed UTF-8 escaped and is cut short, as hosts
-// are. Before, an ESC in task.type or in a role reached the message (and the log) as is, a byte
-// 0xe9 that broke the JSON was shown raw, and an unterminated string of 1 MiB made a message of
-// 1 MiB.
+// are: an ESC in task.type or in a role never reaches the message (and the log) as is, a byte
+// 0xe9 that breaks the JSON is not shown raw, and an unterminated string of 1 MiB does not make
+// a message of 1 MiB.
 TEST(TfConfigTest, TextFromTheEnvironmentIsEscapedAndCutInMessages) {
   const std::pair<std::string, std::vector<std::string>> cases[] = {
       {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "w\u001b[2J", "index": 0}})",
@@ -445,8 +446,8 @@ TEST(EnvironmentTest, MalformedIntegersNameVariableAndValue) {
   ExpectBadEnv(Env{{"RANK", " 1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, {"RANK", "' 1'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "99999999999"}, {"MASTER_PORT", "1"}},
                {"WORLD_SIZE", "'99999999999'"});
-  // 20 digits: refused without being read (they overflowed a long long, undefined behaviour
-  // that only a UBSan build reports: scripts/sanitize.sh address).
+  // 20 digits: refused without being read (they would overflow a long long, undefined
+  // behaviour that only a UBSan build reports: scripts/sanitize.sh address).
   ExpectBadEnv(Env{{"RANK", "99999999999999999999"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
                {"RANK", "'99999999999999999999'"});
   ExpectBadEnv(Env{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE", "'0'", "at least 1"});
@@ -478,8 +479,9 @@ TEST(EnvironmentTest, PortRules) {
                {"MASTER_ADDR"});
 }
 
-// MASTER_ADDR is a host alone. "10.0.0.1:29500" used to be taken as a name: rank 0 failed to
-// bind, and every other rank retried resolving it until its timeout (COLL_TIMEOUT, 5 minutes).
+// MASTER_ADDR is a host alone, and one holding a port is refused at once. Taken as a name,
+// "10.0.0.1:29500" would make rank 0 fail to bind, and every other rank retry resolving it until
+// its timeout (COLL_TIMEOUT, 5 minutes).
 TEST(EnvironmentTest, MalformedMasterAddrIsRefusedNamingTheVariable) {
   const std::pair<std::string, std::vector<std::string>> cases[] = {
       {"10.0.0.1:29500", {"'10.0.0.1:29500'", "holds a port (':29500')", "MASTER_PORT"}},
@@ -549,8 +551,8 @@ TEST(EnvironmentTest, MalformedStoreListenAddressIsRefusedNamingTheVariable) {
   EXPECT_EQ(ClusterSpec::FromEnvironment(env).store_listen_address, "");
 }
 
-// ClusterSpec and coll_comm_create take port 0 with a single rank (no store is served); the
-// variable used to be refused as "not a port number in 1..65535".
+// ClusterSpec and coll_comm_create take port 0 with a single rank (no store is served), rather
+// than refuse the variable as "not a port number in 1..65535".
 TEST(EnvironmentTest, PortZeroIsValidForASingleRank) {
   ClusterSpec spec =
       ClusterSpec::FromEnvironment(Env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}});

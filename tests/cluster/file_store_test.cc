@@ -243,8 +243,8 @@ TEST(FileStoreTest, FolderRemovedUnderTheStoreIsASystemError) {
 }
 
 // A FIFO under a key's name or the token's (a stranger with write access to the folder can make
-// one) is an error at once: opening it used to block until a writer came, for good, past Get's
-// timeout.
+// one) is an error at once, since opening it would block until a writer came, for good, past
+// Get's timeout.
 TEST(FileStoreTest, AFifoInTheFolderIsAnErrorNotAWait) {
   TempDir temp;
   auto store = CreateFileStore(temp.path().string());
@@ -271,8 +271,9 @@ TEST(FileStoreTest, AFifoInTheFolderIsAnErrorNotAWait) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, kLong);
 }
 
-// A value file planted as a symbolic link (by another user who can write the folder) was read
-// through: Get returned whatever file it pointed at, another file's secret as a peer's value.
+// A value file planted as a symbolic link (by another user who can write the folder) is refused,
+// not read through: Get would return whatever file it pointed at, another file's secret as a
+// peer's value.
 TEST(FileStoreTest, AValueThatIsASymbolicLinkIsRefused) {
   TempDir temp;
   auto store = CreateFileStore(temp.path().string());
@@ -299,8 +300,8 @@ TEST(FileStoreTest, AValueThatIsASymbolicLinkIsRefused) {
 
 // A caller that waits in slices (a split's set-up: CancellableStore, polling the parent every
 // 50 ms) reads the key's file at the pace of the store's backoff, about 20 times a second once
-// it has grown, as one long Get does. (Before, every slice started the backoff again from 1 ms:
-// about 140 reads in a second, against 26 for one Get of a second.)
+// it has grown, as one long Get does: a slice does not start the backoff again from 1 ms, which
+// would read the file several times as often.
 TEST(FileStoreTest, AGetWaitingInSlicesReadsAtTheBackoffsPace) {
   TempDir temp;
   auto store = CreateFileStore(temp.path());
@@ -323,8 +324,8 @@ TEST(FileStoreTest, AGetWaitingInSlicesReadsAtTheBackoffsPace) {
 
 // A communicator's set-up Adds by its deadline (cluster::AddBy): another process that holds a
 // key's lock (a rank stopped in Add) ends the Add at the deadline with an error naming the lock,
-// not after the store's own 300 s (as a plain Add still does). Before, a set-up over a file store
-// with a 500 ms timeout waited the 300 s.
+// not after the store's own 300 s (as a plain Add does): a set-up over a file store with a
+// 500 ms timeout must not wait the 300 s.
 TEST(FileStoreTest, AnAddByADeadlineGivesUpOnAHeldLockAtTheDeadline) {
   TempDir temp;
   auto store = CreateFileStore(temp.path());
@@ -351,8 +352,8 @@ TEST(FileStoreTest, AnAddByADeadlineGivesUpOnAHeldLockAtTheDeadline) {
 
 // A failure of the file store in a communicator's set-up is raised under its code naming the
 // rank, as a TCP store's is: here the lock of the generation counter, held by another process
-// past the set-up's deadline. Before: "file store at '...': '.../lock.h...' has been locked by
-// another process for 300 ms ...", without the rank.
+// past the set-up's deadline. The store's own words alone ("file store at '...': '.../lock.h...'
+// has been locked by another process for 300 ms ...") would not say which rank failed.
 TEST(FileStoreTest, AFailureInTheSetUpNamesTheRank) {
   TempDir temp;
   const std::string key = "collectives/generation/1";  // the spec's job id, then its rank

@@ -856,7 +856,7 @@ TEST(ReduceTest, VectorAndScalarHalfPathsAgree) {
         if (a_nan && b_nan && (op == ReduceOp::kSum || op == ReduceOp::kProd)) {
           // Two NaNs: the hardware returns its first operand, whichever the compiler put first,
           // on either path (types.h: the one exception to identical bits). Which one may differ
-          // between the paths, and between builds (it did under the sanitizers' code generation).
+          // between the paths, and between builds (the sanitizers' code generation, for one).
           for (const uint16_t out : {vector_out[i], scalar_out[i]}) {
             ASSERT_TRUE(out == from_a || out == from_b)
                 << std::hex << "0x" << a[i] << " , 0x" << b[i] << " gave 0x" << out;

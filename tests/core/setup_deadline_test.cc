@@ -3,7 +3,7 @@
 // and then its host record, each a little under the timeout late. Either delay alone fits in the
 // timeout; both together do not, and rank 0 raises kTimeout about when the timeout has passed,
 // naming it and the rank it still waited for. (With a timeout of its own per step, the set-up
-// succeeded after about 1.6 times the timeout.)
+// would succeed after about 1.6 times the timeout.)
 //   - CreateCommunication with a given store;
 //   - Split: the child's set-up, under the parent's timeout.
 // And a TCP store whose server is gone in the middle of a job: a split's set-up ends about its
@@ -192,7 +192,7 @@ TEST(SetupDeadlineTest, ASplitEndsNearItsDeadlineWhenTheStoresServerStops) {
         ADD_FAILURE() << "rank " << rank << ": a split without the store's server succeeded";
       } catch (const Error& e) {
         // Whatever it raises (the store's timeout, or the other member's notice), it raised,
-        // naming the rank (before, the address's Set raised the store's words alone).
+        // naming the rank, even when the address's Set is what fails.
         EXPECT_EQ(e.message().rfind("rank " + std::to_string(rank) + ": ", 0), 0u) << e.what();
       }
       took[size_t(rank)] = Clock::now() - start;

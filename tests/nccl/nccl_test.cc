@@ -876,8 +876,8 @@ TEST(NcclGpuTest, AsyncWorksCompleteInOrder) {
 // A collective is on its stream when its async form returns, the first one included (which NCCL
 // may accept only once every peer has issued its own): work the caller queues on the legacy
 // default stream after the call, here a device-to-host copy without a Wait, runs after it (see
-// NcclOptions::stream), while rank 1 issues 300 ms late. (An issue that returned before NCCL
-// had accepted the call read 0 of 1024 reduced elements here, on both ranks.)
+// NcclOptions::stream), while rank 1 issues 300 ms late. (Were the issue to return before NCCL
+// had accepted the call, the copy would read none of the 1024 reduced elements, on both ranks.)
 TEST(NcclGpuTest, WorkQueuedAfterAnAsyncCallRunsAfterIt) {
   COLLECTIVES_REQUIRE_GPU(2);
   RunNcclRanks(2, [&](CollectiveCommunication& comm) {

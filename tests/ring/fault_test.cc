@@ -181,8 +181,9 @@ INSTANTIATE_TEST_SUITE_P(Processes, StopTest, ::testing::Values("ring", "auto"))
 
 // Abort returns once the peers have been told: a rank that aborts while a call of its is in
 // flight (on the progress thread) and exits right after still hands every other rank its
-// reason. Abort used to leave the abort frames to the progress thread and return at once; the
-// exit then took them along, and the others saw a lost peer.
+// reason. Abort returns only once the abort frames are sent: were it to return at once, leaving
+// them to the progress thread, the exit would take them along, and the others would see a lost
+// peer.
 class AbortExitTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(AbortExitTest, TheOthersLearnTheReasonOfARankThatExitsRightAfterAbort) {

@@ -58,7 +58,7 @@ int8_t Value(int rank, size_t i) {
 }
 
 // Anonymous memory in huge pages where the kernel has them: a 2 GiB std::vector faults in and
-// zeroes half a million 4 KiB pages first, which took most of the test's time.
+// zeroes half a million 4 KiB pages first, which would take most of the test's time.
 class Buffer {
  public:
   explicit Buffer(size_t count) : count_(count) {

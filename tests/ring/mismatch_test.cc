@@ -226,8 +226,9 @@ namespace {
 
 // A Split's exchange of colors and keys is a collective of its own kind: a rank that splits
 // while its peer all-gathers two int64 (what the exchange moves) raises kMismatch on both, naming
-// the split. The peer's all-gather returned the splitting rank's color and key as its data, and
-// the splitting rank waited for it in the child's set-up until the timeout.
+// the split. Taken for an all-gather, the exchange would hand the peer the splitting rank's
+// color and key as its data, and leave the splitting rank waiting in the child's set-up until
+// the timeout.
 TEST(SplitMismatchTest, ASplitAgainstAnAllGatherOfTwoInt64IsAMismatch) {
   for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
     CommunicationOptions options;

@@ -147,8 +147,8 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<UnevenCase>& p) { return std::string(p.param.name); });
 
 // A rank alone on its host whose /dev/shm is read-only (a mount namespace of its own) needs no
-// shared memory: the two levels still run on the other host, exactly. (It used to turn shared
-// memory off for every rank, and a forced "two_level" was refused.)
+// shared memory: the two levels still run on the other host, exactly. It does not turn shared
+// memory off for the other ranks, and a forced "two_level" is accepted.
 TEST(MultiProcessShmTest, ARankAloneOnItsHostNeedsNoSharedMemory) {
   constexpr int kSize = 3;
   Placement placement;
@@ -169,8 +169,8 @@ TEST(MultiProcessShmTest, ARankAloneOnItsHostNeedsNoSharedMemory) {
 
 // Two pretend hosts of two ranks, the ranks of one with another COLLECTIVES_SHM_SLOT_BYTES: the
 // steps between hosts would be cut at different sizes. Every rank fails at set-up naming the
-// variable and the ranks that differ (it used to fail in calibration with a frame of an
-// unexpected size, or "peer lost", naming neither).
+// variable and the ranks that differ, not later in calibration with a frame of an unexpected
+// size, or "peer lost", naming neither.
 TEST(MultiProcessShmTest, ASlotSizeThatDiffersBetweenHostsIsNamedOnEveryRank) {
   constexpr int kSize = 4;
   Placement placement;
@@ -190,9 +190,9 @@ TEST(MultiProcessShmTest, ASlotSizeThatDiffersBetweenHostsIsNamedOnEveryRank) {
   }
 }
 
-// A slot of 2^62 bytes: the segment's size (members x 2 x slot) wrapped past 2^64 to a few KiB,
-// every check agreed with the wrapped size, and zeroing a member's slots ran off the mapping
-// (every rank died of SIGSEGV). Now every rank refuses it at set-up, naming the variable.
+// A slot of 2^62 bytes: every rank refuses it at set-up, naming the variable. The segment's size
+// (members x 2 x slot) would wrap past 2^64 to a few KiB, every check would agree with the
+// wrapped size, and zeroing a member's slots would run off the mapping (SIGSEGV on every rank).
 TEST(MultiProcessShmTest, AnAbsurdSlotSizeIsRefusedOnEveryRank) {
   constexpr int kSize = 2;
   Placement placement;
@@ -215,10 +215,10 @@ TEST(MultiProcessShmTest, AnAbsurdSlotSizeIsRefusedOnEveryRank) {
 }
 
 // Two pretend hosts, where the creator of host b's segment (rank 2) has a /dev/shm too small for
-// it (a mount namespace of its own). Host b's ranks raised the helpful "/dev/shm is too small"
-// error, but host a's went on to the calibration's first call and raised "peer lost: lost rank 2
-// ... while sending #0 barrier()", naming neither shared memory nor the cause. Now every rank
-// publishes how its shared memory went and raises the first failure, code and text.
+// it (a mount namespace of its own). Every rank publishes how its shared memory went and raises
+// the first failure, code and text: host a's ranks too raise "/dev/shm is too small", not a
+// "peer lost: lost rank 2 ... while sending #0 barrier()" in the calibration, which would name
+// neither shared memory nor the cause.
 TEST(MultiProcessShmTest, ASharedMemoryFailureOnOneHostIsRaisedOnEveryHost) {
   constexpr int kSize = 4;
   Placement placement;
@@ -272,11 +272,11 @@ Placement OneRankCalls(const std::vector<std::string>& host_ids, int size, int d
   return placement;
 }
 
-// Two pretend hosts (and three) whose ranks make different calls, where the two-level plans once
-// let them pass: a broadcast whose hosts name different roots (the root's host only sends, so
-// no rank of it checked anyone: every rank returned, each host with its own root's data), and
-// calls of zero elements on one host against one element on another (nothing crossed: the
-// zero-element host returned, the other raised kPeerLost later). Now every rank raises
+// Two pretend hosts (and three) whose ranks make different calls that a two-level plan could
+// let pass: a broadcast whose hosts name different roots (the root's host only sends, so no
+// rank of it would check anyone, and every host would return its own root's data), and calls
+// of zero elements on one host against one element on another (nothing crosses, so the
+// zero-element host would return and the other raise kPeerLost later). Every rank raises
 // kMismatch, with recv untouched, as on RING.
 struct MismatchCase {
   const char* name;
@@ -411,8 +411,8 @@ INSTANTIATE_TEST_SUITE_P(
         MismatchCase{
             "BroadcastRootsInsideTheLargerHost", {"a", "b", "b"}, "broadcast", {"0", "0", "1"}, {}},
         // A member that differs from its own host's leader,
-        // the leaders agreeing: the other host used to
-        // return (with recv written) while this one raised.
+        // the leaders agreeing: the other host raises too,
+        // rather than return (with recv written).
         MismatchCase{"BroadcastRootsDifferInsideAReceivingHost",
                      {"a", "a", "b", "b"},
                      "broadcast",
@@ -490,9 +490,9 @@ INSTANTIATE_TEST_SUITE_P(
 // the all-reduce waits in shared memory whatever the calibration says): one rank calls a
 // collective the plan leaves to the flat ring while the others of its host call one that waits
 // for it in shared memory, or the other way round, or a rank alone on its host (no group to
-// announce in: the frames that reach it, or that it sends, name the other call). Each waited
-// until the deadline (kTimeout) before the ring call was announced in shared memory and the
-// fabric knew the call it runs.
+// announce in: the frames that reach it, or that it sends, name the other call). Every rank
+// raises kMismatch, not kTimeout at the deadline: the ring call is announced in shared memory
+// and the fabric knows the call it runs.
 struct OtherCallCase {
   const char* name;
   std::vector<std::string> host_ids;

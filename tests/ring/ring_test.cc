@@ -368,8 +368,8 @@ TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
 }
 
 // Send and recv that overlap without being the collective's in-place form are refused on every
-// rank before anything moves: the ring all-gather received a peer's block into recv before it
-// had copied its own send out of it, and returned another rank's data as a success. The
+// rank before anything moves: the ring all-gather would receive a peer's block into recv before
+// copying its own send out of it, and return another rank's data as a success. The
 // documented in-place forms run exactly, over TCP and past the small-message sizes.
 TEST(RingArgumentTest, OverlappingBuffersAreRefusedButTheInPlaceFormsRun) {
   CommunicationOptions options;
@@ -497,8 +497,8 @@ TEST(RingTimeoutTest, SetTimeoutAppliesToTheNextCalls) {
 }
 
 // "Never time out" written as the largest duration: read as a year, so the deadline (now +
-// timeout, in nanoseconds) does not overflow into the past, which made every call time out at
-// once. Over TCP (the set-up deadline too), in shared memory (AUTO), and through SetTimeout.
+// timeout, in nanoseconds) does not overflow into the past, which would make every call time out
+// at once. Over TCP (the set-up deadline too), in shared memory (AUTO), and through SetTimeout.
 TEST(RingTimeoutTest, TheLargestTimeoutMeansAYearNotAnOverflow) {
   for (Transport transport : {Transport::kInProcess, Transport::kTcp, Transport::kAuto}) {
     CommunicationOptions options;
@@ -602,8 +602,9 @@ TEST(RingOptionsTest, OptionsItCannotKeepAreRefusedWhenBuilt) {
 }
 
 // Every socket of a communicator is close-on-exec: a process the trainer spawns (a checkpoint
-// uploader, say) held copies of the data connections, so when the rank died its peers saw no
-// close and raised kTimeout after the whole timeout instead of kPeerLost at once.
+// uploader, say) would otherwise hold copies of the data connections, so when the rank died its
+// peers would see no close and raise kTimeout after the whole timeout instead of kPeerLost at
+// once.
 TEST(RingOptionsTest, EverySocketIsCloseOnExec) {
   for (Implementation impl : {Implementation::kRing, Implementation::kAuto}) {
     CommunicationOptions options;

@@ -529,11 +529,11 @@ TEST_F(CheckpointTest, ConcurrentSaversInOneProcessEachSucceedAndTheFileIsAlways
   EXPECT_EQ(Listing(), std::vector<std::string>{"checkpoint"});  // no temporary left behind
 }
 
-// Two jobs of two workers each save into the same directory at once: their workers 1 used to
-// share `.worker-1.tmp`, so one job's delete took the other's file ("cannot delete ... No such
-// file or directory") or its write truncated the other's. Each save of each job succeeds, with
-// no warning: a non-chief's failed write or delete is only a line on stderr, which is where a
-// shared temporary would show.
+// Two jobs of two workers each save into the same directory at once: their workers 1 must not
+// share a temporary such as `.worker-1.tmp`, or one job's delete would take the other's file
+// ("cannot delete ... No such file or directory") or its write truncate the other's. Each save
+// of each job succeeds, with no warning: a non-chief's failed write or delete is only a line on
+// stderr, which is where a shared temporary would show.
 TEST_F(CheckpointTest, TwoJobsSavingIntoOneDirectoryDoNotShareTemporaries) {
   constexpr int kSaves = 60;
   const auto job = [&](uint64_t seed, std::vector<std::exception_ptr>* errors) {
@@ -601,7 +601,8 @@ TEST_F(CheckpointTest, WhenOnlyTheChiefFailsEveryWorkerSaysWhy) {
 // Only the chief's file is the checkpoint (as in Keras, where the other workers save to
 // temporary places): when another worker's own write fails (here its directory is a file),
 // that worker says so on its stderr and every worker returns, with the chief's new checkpoint
-// in place. Before, every worker threw kSystem although the new file had replaced the old one.
+// in place. Every worker returns normally once the new file has replaced the old one; none
+// raises kSystem.
 TEST_F(CheckpointTest, ANonChiefsFailedWriteIsAWarningAndTheChiefsCheckpointStands) {
   RunWorkers(2, 1, kHC, [&](Strategy& s, int) {
     Model model(s, 1);
@@ -743,7 +744,7 @@ TEST_F(CheckpointTest, BackupAndRestoreResumesToTheSameWeights) {
 // A backup that outlives a finished training would make the next run with this directory resume
 // it (and skip the training): when the chief cannot delete it (here `checkpoint` is a
 // directory), OnTrainEnd throws on every worker, the others saying that it failed on the chief
-// and why. Before, the chief threw and the other worker returned as if all was well.
+// and why. No worker returns as if all was well while the chief throws.
 TEST_F(CheckpointTest, OnTrainEndThatCannotDeleteTheBackupFailsOnEveryWorker) {
   fs::create_directories(dir_ / "checkpoint");
   const auto errors = RunWorkersCatching(2, 1, kHC, [&](Strategy& s, int) {
@@ -765,8 +766,9 @@ TEST_F(CheckpointTest, OnTrainEndThatCannotDeleteTheBackupFailsOnEveryWorker) {
 }
 
 // A FIFO at the checkpoint's path (or a device: /dev/zero would never end) is refused before it
-// is read, kInvalidArgument naming the file and what it is, on every worker. Before, the chief's
-// open blocked until a writer came, forever, and the other workers waited for its broadcast.
+// is read, kInvalidArgument naming the file and what it is, on every worker. Opening it would
+// block the chief until a writer came, forever, and the other workers would wait for its
+// broadcast.
 TEST_F(CheckpointTest, AFifoAtThePathIsRefusedInsteadOfBlockingForever) {
   fs::create_directories(dir_);
   ASSERT_EQ(::mkfifo(file().c_str(), 0644), 0);

@@ -119,7 +119,8 @@ TEST(DistributedDatasetTest, PartialLastBatchFillsReplicasInOrder) {
 
 // A global batch larger than the dataset is one partial batch per epoch, whatever its size: the
 // largest size_t (one batch of everything, on one replica or on 3, which divide it) too, whose
-// round-up (n + B - 1) / B wrapped around to 0 steps, so that every epoch silently saw nothing.
+// round-up (n + B - 1) / B must not wrap around to 0 steps, which would have every epoch
+// silently see nothing.
 TEST(DistributedDatasetTest, AGlobalBatchLargerThanTheDatasetIsOneStep) {
   constexpr size_t kLargest = std::numeric_limits<size_t>::max();
   for (int local : {1, 3}) {

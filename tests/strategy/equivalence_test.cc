@@ -177,8 +177,8 @@ Result Train(Strategy& s, Opt which) {
 }
 
 // Every element within relative 1e-5 (+ absolute 1e-7) of the reference; returns the largest
-// fraction of that tolerance used by any element (about 0.11 when this was written: a margin of
-// ten), recorded as a test property.
+// fraction of that tolerance used by any element, recorded as a test property so that the
+// margin left shows in the test's results.
 double ExpectEquivalent(const Result& got, const Result& want, const std::string& what) {
   double worst = 0;
   EXPECT_EQ(got.weights.size(), want.weights.size()) << what;

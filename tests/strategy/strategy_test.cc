@@ -299,8 +299,9 @@ TEST(StrategyRunTest, ReplicasThatDisagreeOnACallGetMismatch) {
 }
 
 // Buffers shared other than as one tensor index on two replicas: lists that name each other's
-// buffers ({a, b} and {b, a}: every element was summed twice, 21 instead of 11), views that
-// overlap, a buffer twice in one replica's list. Two threads wrote the same memory, nothing said.
+// buffers ({a, b} and {b, a}: every element would be summed twice, 21 instead of 11), views that
+// overlap, a buffer twice in one replica's list. Were they run, two threads would write the same
+// memory, with nothing said.
 TEST(StrategyRunTest, BuffersThatShareMemoryAnyWayAreRefused) {
   for (CrossDeviceOps ops : {kR2O, kHC}) {
     SCOPED_TRACE(ToString(ops));
@@ -776,8 +777,9 @@ TEST(StrategyMultiWorkerTest, AWorkerThatAveragesWhereAnotherSumsGetsMismatch) {
 }
 
 // A worker that passes nothing where another passes values: every worker gets kMismatch naming
-// the counts, at once. Strategy::Reduce of empty vectors skipped the all-reduce, so the other
-// worker waited in its own until this one's strategy went away (kPeerLost) or the timeout.
+// the counts, at once. Strategy::Reduce of empty vectors must not skip the all-reduce: that would
+// leave the other worker waiting in its own until this one's strategy went away (kPeerLost) or
+// the timeout.
 TEST(StrategyMultiWorkerTest, AWorkerThatPassesNothingWhereAnotherPassesValuesGetsMismatch) {
   for (int call = 0; call < 2; ++call) {
     SCOPED_TRACE("call " + std::to_string(call));

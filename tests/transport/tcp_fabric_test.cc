@@ -624,7 +624,7 @@ TEST(TcpSetupTest, AStoreThatDoesNotAnswerIsNotARankThatNeverPublished) {
 }
 
 // A timeout of milliseconds::max() means "never": the mesh forms. The set-up must not add it to
-// the clock as it is (a year at most), which overflowed into a deadline already past.
+// the clock as it is (a year at most): that would overflow into a deadline already past.
 TEST(TcpSetupTest, ATimeoutOfMillisecondsMaxNeverTimesOut) {
   auto store = CreateMemoryStore();
   auto group =
