@@ -579,7 +579,7 @@ TEST(TcpStoreEnrolTest, AServerWithAJobTokenEnrolsNobody) {
 }
 
 TEST(TcpStoreEnrolTest, AServerWithoutWorldSizeOrTokenKeepsTheEmptyToken) {
-  auto server = Server();  // CreateTcpStore: today's behaviour
+  auto server = Server();  // CreateTcpStore with neither a world size nor a token
   const uint16_t port = TcpStorePort(*server);
   EXPECT_EQ(cluster::StoreJobToken(*server), "");
   auto plain = Client(*server);
