@@ -26,7 +26,7 @@ inline std::string LaunchHelp(const std::string& program, const std::string& own
       "library's COLLECTIVES_JOB_ID, COLLECTIVES_JOB_TOKEN, COLLECTIVES_LISTEN_ADDRESS, "
       "COLLECTIVES_STORE_LISTEN_ADDRESS, COLLECTIVES_HOST_ID, COLLECTIVES_SHM, "
       "COLLECTIVES_SHM_SLOT_BYTES, COLLECTIVES_SOCKET_RCVBUF, COLLECTIVES_SOCKET_SNDBUF, "
-      "COLLECTIVES_YIELD_US, COLLECTIVES_KERNEL_ISA (README.md says what each does).";
+      "COLLECTIVES_YIELD_US, COLLECTIVES_KERNEL_ISA (docs/tuning.md says what each does).";
   return text;
 }
 

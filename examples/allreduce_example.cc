@@ -19,7 +19,7 @@ constexpr const char* kUsage =
     "  TF_CONFIG='{\"cluster\": ..., \"task\": ...}' allreduce_example   (each rank its task)\n"
     "Environment: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's\n"
     "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; the library's COLLECTIVES_* variables\n"
-    "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: README.md).\n";
+    "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: docs/tuning.md).\n";
 
 int main(int argc, char** argv) {
   if (argc > 1) {  // no arguments but --help

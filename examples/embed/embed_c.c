@@ -55,7 +55,7 @@ static const char kUsage[] =
     "  TF_CONFIG='{\"cluster\": ..., \"task\": ...}' embed_c   (each rank its task)\n"
     "Environment: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's\n"
     "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; the library's COLLECTIVES_* variables\n"
-    "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: README.md).\n";
+    "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: docs/tuning.md).\n";
 
 int main(int argc, char** argv) {
   coll_comm* comm = NULL;

@@ -102,7 +102,7 @@ class TcpFabric final : public Fabric {
   std::atomic<bool> broken_{false};
   // Whether a data frame's call descriptor (sequence number, collective, dtype, op, count, root)
   // is compared with the receive's. Always, unless COLLECTIVES_UNSAFE_SKIP_CALL_CHECK=1 is set:
-  // that exists only to measure what the check costs (README, "When something goes wrong").
+  // that exists only to measure what the check costs (docs/tuning.md).
   const bool check_calls_ = [] {
     const char* skip = std::getenv("COLLECTIVES_UNSAFE_SKIP_CALL_CHECK");
     return skip == nullptr || std::string(skip) != "1";
