@@ -1,5 +1,5 @@
 // Conversions between f32 and the 16-bit float types, bit for bit as the reduction kernels
-// compute them (src/core/kernels.cc inlines them into its block loops; bench/collectives_perf.cc
+// compute them (src/core/kernels.cc inlines them into its block loops; bench/perf_check.cc
 // fills and checks buffers with them; the fake CUDA library under tests/nccl/fake rounds with
 // them). Header only, standard headers only, so that programs outside the library can use it.
 #ifndef COLLECTIVES_SRC_CORE_HALF_H_

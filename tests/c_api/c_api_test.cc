@@ -8,6 +8,9 @@
 // pointers, enum values out of range, bad options, counts that differ across ranks, malformed
 // TF_CONFIG, abort) return the documented status with a message naming the argument, never an
 // exception; status names; the last error is per thread.
+//
+// One file: the suites share the status checks (EXPECT_STATUS, Contains) and TestOptions, and all
+// but the create suite run their ranks as threads through RunRanks.
 #include "collectives/c_api.h"
 
 #include <arpa/inet.h>

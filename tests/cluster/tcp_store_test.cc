@@ -1,6 +1,9 @@
 // Tests of the TCP store beyond what every store does (store_test.cc): many clients, a client
 // that starts before its server, strangers that send garbage or huge lengths, shutdown with
 // clients connected, the store a ClusterSpec names, and names whose lookup does not answer.
+//
+// One file: the store, auth and enrolment suites drive the server through RawClient (a socket the
+// test writes byte by byte) and share Server() and Client(); every suite uses the kLong deadline.
 #include "src/cluster/tcp_store.h"
 
 #include <arpa/inet.h>

@@ -2,6 +2,9 @@
 // against a plain scalar reference, at several counts, with and without aliasing; the f16 and
 // bf16 conversions against an independent reference (exhaustively where there are 2^16 cases);
 // integer wrap-around; and DivideInPlace for every dtype.
+//
+// One file: the conversion, reduce and DivideInPlace suites all check against the same
+// independent 16-bit references (Format16, RefDecode, RefEncode), the last two over one dtype list.
 #include "src/core/kernels.h"
 
 #include <gtest/gtest.h>

@@ -6,6 +6,9 @@
 // deadlines and a member that leaves raise on every member, naming the rank concerned; the
 // segment's name is gone from /dev/shm once everyone attached (or set-up gave up), and a segment
 // open to other users is refused.
+//
+// One file: the suites share Options(), Member and the group builders RunMembers, CreateAtOnce
+// and ForkMember (members in other processes, meeting through a file store).
 #include "src/hierarchical/shm_group.h"
 
 #include <fcntl.h>

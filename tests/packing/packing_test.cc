@@ -4,6 +4,9 @@
 // collective per tensor; the schedule (in place for single tensors, at most two buckets in
 // flight, fusion buffers within the cap) seen through a recording communicator; argument checks;
 // ranks whose lists differ end in kMismatch, not a hang.
+//
+// One file: the plan and list suites build their lists with Spec(), and the multi-rank suites
+// share TensorList, MixedList, ForEachOddRank and ExpectListsDiffer.
 #include "collectives/packing.h"
 
 #include <gtest/gtest.h>

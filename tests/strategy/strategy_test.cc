@@ -3,6 +3,9 @@
 // ReplicaContext::AllReduce against a reference element by element (every CrossDeviceOps, 1..8
 // local replicas, odd sizes, several and mixed dtypes, every op; then 2-3 workers x 1-3 replicas
 // as threads over loopback TCP), Strategy::Reduce, CreateVariable and BroadcastFromChief.
+//
+// One file: the sections test the one Strategy class of collectives/strategy.h and share the
+// worker helpers of strategy_test_util.h and the reference input Input() of the AllReduce cases.
 #include "collectives/strategy.h"
 
 #include <gtest/gtest.h>

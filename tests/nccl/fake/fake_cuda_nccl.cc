@@ -61,6 +61,9 @@
 // `result` at once, with `message` as NCCL's last error.
 // Not modelled: per-thread default streams, managed and pinned host memory, peer access, P2P
 // calls, groups, fp8 types (refused with ncclInvalidArgument), ncclCommSplit and the rest.
+//
+// One file: it is one shared library whose NCCL half runs on the CUDA half's state: collectives
+// enqueue on the runtime's streams under its mutex and fault into its sticky device errors (Rt()).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
