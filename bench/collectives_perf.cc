@@ -4,9 +4,10 @@
 // more call whose result every rank verifies element by element, a barrier, and `-n` timed calls
 // of the blocking collective. It prints one row per size: the time per call of the slowest rank,
 // the algorithm bandwidth (bytes / time) and the bus bandwidth (nccl-tests conventions; see
-// README.md), and the number of wrong elements summed over ranks. Rank 0 prints and, with --csv,
-// writes the same rows as CSV. Only the public API is used, and the header-only 16-bit float
-// conversions of the kernels (src/core/half.h).
+// docs/benchmarks.md), and the number of wrong elements summed over ranks. Rank 0 prints and,
+// with --csv, writes the same rows as CSV. Only the public API is used, with two header-only
+// pieces of the library: the 16-bit float conversions (src/core/half.h) and the algorithm names
+// (src/core/algorithm_names.h).
 //
 // How the ranks start (bench/local_launcher.h, shared with packing_perf):
 //   --local N  this process starts N copies of itself on loopback and waits for them. Rank 0
