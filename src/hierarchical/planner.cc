@@ -299,7 +299,7 @@ class HierarchicalPlanner final : public ring::Planner {
   // In shared memory on one host: the group's, in place on the runs. Two levels where they pay:
   // the same steps as AllReduce's, each rank's runs read into the group's slots (or a lone
   // rank's step buffer) and the results written back. Elsewhere the ring's, in runs.
-  Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) override {
+  Body AllReduceInRuns(const std::vector<Tensor>& pieces, ReduceOp op) override {
     const DataType dtype = pieces.front().dtype;
     if (plan_ == Plan::kTwoLevel) {
       size_t count = 0;
@@ -317,7 +317,7 @@ class HierarchicalPlanner final : public ring::Planner {
 
   // Likewise: the group's on one host, the two-level broadcast across hosts, the ring's in runs
   // for the flat plan.
-  Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) override {
+  Body BroadcastInRuns(const std::vector<Tensor>& pieces, int root) override {
     if (plan_ == Plan::kTwoLevel) {
       return TwoLevelBroadcast(core::Runs(), core::RunsOf(pieces), /*in_place=*/true, root);
     }

@@ -91,20 +91,20 @@ class RingCommunication final : public core::InternalCommunication {
   std::shared_ptr<Work> AllReduceAsync(const std::vector<Tensor>& pieces, ReduceOp op,
                                        const core::CallOptions& options) override {
     return Submit(
-        PrepareAllReduceInPieces(pieces, op, options.checked_as.value_or(op), options.gate));
+        PrepareAllReduceInRuns(pieces, op, options.checked_as.value_or(op), options.gate));
   }
   void AllReduce(const std::vector<Tensor>& pieces, ReduceOp op,
                  const core::CallOptions& options) override {
     RunBlocking(
-        PrepareAllReduceInPieces(pieces, op, options.checked_as.value_or(op), options.gate));
+        PrepareAllReduceInRuns(pieces, op, options.checked_as.value_or(op), options.gate));
   }
   std::shared_ptr<Work> BroadcastAsync(const std::vector<Tensor>& pieces, int root,
                                        const core::CallOptions& options) override {
-    return Submit(PrepareBroadcastInPieces(pieces, root, options.gate));
+    return Submit(PrepareBroadcastInRuns(pieces, root, options.gate));
   }
   void Broadcast(const std::vector<Tensor>& pieces, int root,
                  const core::CallOptions& options) override {
-    RunBlocking(PrepareBroadcastInPieces(pieces, root, options.gate));
+    RunBlocking(PrepareBroadcastInRuns(pieces, root, options.gate));
   }
   void Abort(const Error& reason) override { Break(reason); }
 
@@ -127,13 +127,13 @@ class RingCommunication final : public core::InternalCommunication {
   }
   Prepared PrepareAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op,
                             ReduceOp checked_as) const;
-  Prepared PrepareAllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op,
+  Prepared PrepareAllReduceInRuns(const std::vector<Tensor>& pieces, ReduceOp op,
                                     ReduceOp checked_as, core::Gate go) const;
-  Prepared PrepareBroadcastInPieces(const std::vector<Tensor>& pieces, int root,
+  Prepared PrepareBroadcastInRuns(const std::vector<Tensor>& pieces, int root,
                                     core::Gate go) const;
   // The elements of `pieces` (CPU tensors of one known dtype, with data), or Error naming `name`.
   size_t CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const;
-  // The ring's own bodies for the calls in pieces (no planner): see PrepareAllReduceInPieces.
+  // The ring's own bodies for the calls in pieces (no planner): see PrepareAllReduceInRuns.
   Body AllReduceInRuns(const std::vector<Tensor>& pieces, size_t count, ReduceOp op) const;
   Body BroadcastInRuns(const std::vector<Tensor>& pieces, int root) const;
   Prepared PrepareBroadcast(const Tensor& send, const Tensor& recv, int root) const;
@@ -451,14 +451,14 @@ size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tens
   return count;
 }
 
-RingCommunication::Prepared RingCommunication::PrepareAllReduceInPieces(
+RingCommunication::Prepared RingCommunication::PrepareAllReduceInRuns(
     const std::vector<Tensor>& pieces, ReduceOp op, ReduceOp checked_as, core::Gate go) const {
   constexpr const char* kName = "all_reduce in pieces";
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
   const size_t count = CountOfPieces(kName, pieces);
   const CallDescriptor call{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count};
-  Body body = planner_ ? planner_->AllReduceInPieces(pieces, op) : Body{};
+  Body body = planner_ ? planner_->AllReduceInRuns(pieces, op) : Body{};
   return Gated(
       body ? Prepared{call, std::move(body)} : OnRing(call, AllReduceInRuns(pieces, count, op)),
       std::move(go));
@@ -516,7 +516,7 @@ Planner::Body RingCommunication::BroadcastInRuns(const std::vector<Tensor>& piec
   };
 }
 
-RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
+RingCommunication::Prepared RingCommunication::PrepareBroadcastInRuns(
     const std::vector<Tensor>& pieces, int root, core::Gate go) const {
   constexpr const char* kName = "broadcast in pieces";
   if (root < 0 || root >= size_) {
@@ -527,7 +527,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcastInPieces(
   const size_t count = CountOfPieces(kName, pieces);
   const CallDescriptor call{CollectiveKind::kBroadcast, pieces.front().dtype, ReduceOp::kSum, root,
                             count};
-  Body body = planner_ ? planner_->BroadcastInPieces(pieces, root) : Body{};
+  Body body = planner_ ? planner_->BroadcastInRuns(pieces, root) : Body{};
   return Gated(body ? Prepared{call, std::move(body)} : OnRing(call, BroadcastInRuns(pieces, root)),
                std::move(go));
 }

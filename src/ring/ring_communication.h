@@ -41,13 +41,13 @@ class Planner {
   // An all-reduce in place of `pieces` (CPU tensors of one dtype, apart; the message is their
   // elements back to back), without a buffer that holds the whole message; an empty body leaves
   // it to the ring's, in runs, as for the other calls.
-  virtual Body AllReduceInPieces(const std::vector<Tensor>& pieces, ReduceOp op) {
+  virtual Body AllReduceInRuns(const std::vector<Tensor>& pieces, ReduceOp op) {
     (void)pieces;
     (void)op;
     return {};
   }
   // A broadcast in place of `pieces` from `root`, likewise.
-  virtual Body BroadcastInPieces(const std::vector<Tensor>& pieces, int root) {
+  virtual Body BroadcastInRuns(const std::vector<Tensor>& pieces, int root) {
     (void)pieces;
     (void)root;
     return {};
