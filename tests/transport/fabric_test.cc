@@ -102,7 +102,7 @@ class FabricTest : public ::testing::TestWithParam<std::tuple<Kind, int>> {
     ASSERT_EQ(fabrics_.size(), static_cast<size_t>(size_));
     for (auto& fabric : fabrics_) {
       ASSERT_NE(fabric, nullptr);
-      fabric->SetDeadline(Clock::now() + 30s);
+      fabric->SetDeadline(Clock::now() + test_time::Scaled(30s));
     }
   }
 
@@ -355,7 +355,7 @@ TEST_P(ThreeRankFabricTest, AFrameOfTheRunningCallsNumberForAnotherCallIsAMismat
     SCOPED_TRACE(later ? "a frame of the next call" : "a frame of the running call");
     fabrics_.clear();  // before MakeFabrics replaces the store they were built through
     fabrics_ = testing::MakeFabrics(kind_, size_, &store_);
-    for (auto& f : fabrics_) f->SetDeadline(Clock::now() + 30s);
+    for (auto& f : fabrics_) f->SetDeadline(Clock::now() + test_time::Scaled(30s));
     const core::CallTag barrier5 = Tag(5, 0, core::CollectiveKind::kBarrier);
     const core::CallTag barrier6 = Tag(6, 0, core::CollectiveKind::kBarrier);
     const core::CallTag other = Tag(later ? 6 : 5, 10);
