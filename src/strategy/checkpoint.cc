@@ -435,7 +435,7 @@ std::string TemporaryName(const std::string& prefix) {
 }
 
 // Removes the temporaries that workers on this host left in `directory` when they died while
-// saving: the pid in the name ("<prefix><pid>" or "<prefix><pid>.<anything>") is no longer a
+// saving: the pid in the name ("<prefix><pid>" or "<prefix><pid>.<anything>") names no live
 // process. Others (a save in progress, a temporary of another host on a shared file system) are
 // left alone, and so are failures to remove one.
 void RemoveStaleTemporaries(const std::string& directory, const std::string& prefix) {
