@@ -544,7 +544,7 @@ void TcpStoreServer::Impl::Accept() {
     if (unproven_.size() >= MaxUnproven()) EvictOldestUnproven("to make room for a new one");
     auto session = std::make_shared<Session>(this, std::move(socket));
     // Assigned, not emplaced: a session whose handler threw (an allocation failed) was destroyed
-    // without Forget, and its address, still a key here, may be this session's.
+    // without Forget, and its address, still a key here, may be the new one's.
     sessions_.insert_or_assign(session.get(), session);
     unproven_.push_back(session);
     session->Start();

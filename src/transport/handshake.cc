@@ -441,7 +441,7 @@ void HandshakeSession::Finish(bool ok, ErrorCode code, std::string why) {
   finished_ = true;
   if (ok && (cancelled_ || timed_out_ || !socket_.is_open())) {
     // The last read or write completed, but its handler ran only after Cancel or the deadline
-    // closed the socket: the caller has given up on this session, and the socket is gone.
+    // closed the socket: the caller has given up on this handshake, and the socket is gone.
     ok = false;
     code = timed_out_ ? ErrorCode::kTimeout : ErrorCode::kAborted;
     why = timed_out_ ? "handshake not finished by the deadline" : "cancelled";
