@@ -9,6 +9,7 @@
 
 #include "tests/replaced_operator_new.h"
 #include "tests/transport/fabric_test_util.h"
+#include "tests/time_scale.h"
 
 namespace {
 std::atomic<bool> counting{false};
@@ -51,7 +52,7 @@ TEST(TcpAllocationTest, SteadyStateMakesNoAllocations) {
   std::vector<std::vector<uint8_t>> big_in(2, std::vector<uint8_t>(1 << 20));
   const auto errors = testing::RunRanks(2, [&](int rank) {
     Fabric& fabric = *group.fabrics[rank];
-    fabric.SetDeadline(Clock::now() + 60s);
+    fabric.SetDeadline(Clock::now() + test_time::Scaled(60s));
     Connection& peer = fabric.connection(1 - rank);
     uint64_t word = 0;
     uint64_t words_out[8] = {};

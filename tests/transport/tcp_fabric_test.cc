@@ -369,7 +369,7 @@ std::optional<Error> SendToAWaitingRank1(const std::string& stream) {
   std::thread rank1([&] {
     try {
       auto fabric = ConnectTcpFabric(1, 2, *store, Options());
-      fabric->SetDeadline(Clock::now() + 20s);
+      fabric->SetDeadline(Clock::now() + test_time::Scaled(20s));
       std::vector<uint8_t> in(8);
       Connection& peer = fabric->connection(0);
       peer.WaitRecv(peer.PostRecv(Tag(0, 8), in.data(), in.size()));
@@ -795,7 +795,7 @@ TEST(TcpMeasureTest, PingPongAndStreamBetweenThreads) {
   double gbps = 0;
   const auto errors = RunRanks(2, [&](int rank) {
     Fabric& fabric = *group.fabrics[rank];
-    fabric.SetDeadline(Clock::now() + 60s);
+    fabric.SetDeadline(Clock::now() + test_time::Scaled(60s));
     Connection& peer = fabric.connection(1 - rank);
     uint64_t word = 0;
     Clock::time_point start;

@@ -82,7 +82,7 @@ class RankOneProcess {
       std::string outcome = "ok\n";
       try {
         auto fabric = ConnectTcpFabric(1, 2, *store, Options(timeout));
-        fabric->SetDeadline(Clock::now() + 30s);
+        fabric->SetDeadline(Clock::now() + test_time::Scaled(30s));
         Connection& peer = fabric->connection(0);
         std::vector<uint8_t> in(8);
         peer.WaitRecv(peer.PostRecv(Tag(0, 8), in.data(), in.size()));
@@ -156,7 +156,7 @@ TEST_P(IdleStrangersTest, DoNotKeepThePeerOut) {
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     // Milliseconds normally; a stranger's handshake may take 10 s.
     EXPECT_LT(seconds, test_time::Scaled(8.0)) << "rank 0 waited behind the idle strangers";
-    fabric->SetDeadline(Clock::now() + 30s);
+    fabric->SetDeadline(Clock::now() + test_time::Scaled(30s));
     Connection& peer = fabric->connection(1);
     const auto out = Pattern(0, 1, 0, 8);
     std::vector<uint8_t> in(8);
