@@ -113,6 +113,35 @@ std::function<std::string(const std::string&)> TimeoutSeconds() {
   return [](const std::string& text) { return CheckTimeoutSeconds(text); };
 }
 
+void CommunicationFlags::ApplyTo(CommunicationOptions& options) const {
+  options.chunk_bytes = chunk_bytes;
+  options.small_message_bytes = small_message_bytes;
+  options.spin_us = spin_us;
+  options.yield_us = yield_us;
+  options.timeout = timeout();
+}
+
+void AddCommunicationFlags(CLI::App& app, CommunicationFlags& flags) {
+  app.add_option("--chunk-bytes", flags.chunk_bytes,
+                 "CommunicationOptions::chunk_bytes (0: library default; 512K, ...)")
+      ->capture_default_str()
+      ->transform(BytesSuffix());
+  app.add_option("--small-bytes", flags.small_message_bytes,
+                 "CommunicationOptions::small_message_bytes (0: library default)")
+      ->capture_default_str()
+      ->transform(BytesSuffix());
+  app.add_option("--spin-us", flags.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1'000'000));
+  app.add_option("--yield-us", flags.yield_us, "CommunicationOptions::yield_us (-1: default)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1'000'000));
+  app.add_option("--timeout", flags.timeout_s,
+                 "Seconds a collective or the rendezvous may take before it fails")
+      ->capture_default_str()
+      ->check(TimeoutSeconds());
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes, const std::string& what) {
   constexpr size_t kAlignment = 4096;
   const size_t rounded =

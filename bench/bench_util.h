@@ -17,11 +17,32 @@
 #include "bench/seconds_flag.h"
 #include "collectives/collectives.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace collectives::bench {
 
 // A CLI11 check for --timeout (CheckTimeoutSeconds in seconds_flag.h, which also has
 // TimeoutFromSeconds).
 std::function<std::string(const std::string&)> TimeoutSeconds();
+
+// The CommunicationOptions the sweeps take as flags, with the library's defaults: 0 for the
+// sizes, -1 (adaptive, default) for the waits; timeout_s is the communicator's and the set-up's.
+struct CommunicationFlags {
+  size_t chunk_bytes = 0;
+  size_t small_message_bytes = 0;
+  int spin_us = -1;
+  int yield_us = -1;
+  double timeout_s = 120;
+
+  std::chrono::milliseconds timeout() const { return TimeoutFromSeconds(timeout_s); }
+  // Sets the five options in `options`.
+  void ApplyTo(CommunicationOptions& options) const;
+};
+
+// Adds --chunk-bytes, --small-bytes, --spin-us, --yield-us and --timeout to `app`, into `flags`.
+void AddCommunicationFlags(CLI::App& app, CommunicationFlags& flags);
 
 // "8", "64K", "64M", "1G" (binary multiples; a trailing "B" or "iB" is accepted) -> bytes.
 // Throws CLI::ValidationError on anything else.

@@ -168,12 +168,8 @@ CommunicationOptions MakeOptions(const Config& config) {
   CommunicationOptions options;
   options.implementation = ParseImplementation(config.impl);
   options.algorithm = config.algorithm;
-  options.chunk_bytes = config.chunk_bytes;
-  options.small_message_bytes = config.small_message_bytes;
+  config.ApplyTo(options);
   options.medium_message_bytes = config.medium_message_bytes;
-  options.spin_us = config.spin_us;
-  options.yield_us = config.yield_us;
-  options.timeout = config.timeout();
   return options;
 }
 
@@ -249,7 +245,6 @@ class Sweep {
         comm_(*session.comm),
         rank_(comm_.rank()),
         world_size_(comm_.size()),
-        csv_(csv),
         report_(config, session, csv),
         send_(config.in_place ? 0 : config.max_bytes, "the send buffer (-e)"),
         recv_(config.max_bytes, "the receive buffer (-e)"),
@@ -261,7 +256,7 @@ class Sweep {
     int64_t total_wrong = 0;
     double busbw_sum = 0;
     size_t timed_rows = 0;
-    if (csv_ != nullptr) report_.WriteCsvHeader();
+    report_.WriteCsvHeader();
     for (Collective collective : config_.collectives) {
       report_.PrintTableHeader(collective);
       const std::vector<ReduceOp> ops =
@@ -273,7 +268,7 @@ class Sweep {
                                                 config_.step_factor, config_.step_bytes)) {
             const Row row = RunCase(collective, dtype, op, bytes);
             report_.PrintRow(row);
-            if (csv_ != nullptr) report_.WriteCsvRow(row);
+            report_.WriteCsvRow(row);
             if (row.wrong) total_wrong += *row.wrong;
             if (!row.skipped) {
               busbw_sum += row.busbw;
@@ -505,7 +500,6 @@ class Sweep {
   CollectiveCommunication& comm_;
   const int rank_;
   const int world_size_;
-  std::ofstream* csv_;
   Report report_;
   AlignedBuffer send_;
   AlignedBuffer recv_;

@@ -139,7 +139,7 @@ struct Workload {
   std::vector<size_t> counts;  // f32 elements per tensor
 };
 
-struct Config {
+struct Config : bench::CommunicationFlags {
   std::vector<Workload> workloads;
   std::vector<size_t> caps;  // bytes_per_pack values; 0 = the library default
   double compute_ms = 0;     // > 0: the overlap modes, with this much computation per step
@@ -149,15 +149,8 @@ struct Config {
   bool check = false;
   bool mean = false;
   std::string csv_path;
-  int spin_us = -1;
-  int yield_us = -1;
-  size_t chunk_bytes = 0;
-  size_t small_message_bytes = 0;
-  double timeout_s = 120;
   int local = 0;
   std::string impl = "ring";
-
-  std::chrono::milliseconds timeout() const { return bench::TimeoutFromSeconds(timeout_s); }
 };
 
 Workload ParseWorkload(const std::string& name) {
@@ -633,11 +626,7 @@ class Bench {
 CommunicationOptions MakeOptions(const Config& config) {
   CommunicationOptions options;
   options.implementation = ParseImplementation(config.impl);
-  options.chunk_bytes = config.chunk_bytes;
-  options.small_message_bytes = config.small_message_bytes;
-  options.spin_us = config.spin_us;
-  options.yield_us = config.yield_us;
-  options.timeout = config.timeout();
+  config.ApplyTo(options);
   return options;
 }
 
@@ -677,24 +666,7 @@ int Main(int argc, char** argv) {
   app.add_flag("--mean", config.mean,
                "Report the mean step time of the slowest rank instead of the median");
   app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
-  app.add_option("--chunk-bytes", config.chunk_bytes,
-                 "CommunicationOptions::chunk_bytes (0: library default; 512K, ...)")
-      ->capture_default_str()
-      ->transform(bench::BytesSuffix());
-  app.add_option("--small-bytes", config.small_message_bytes,
-                 "CommunicationOptions::small_message_bytes (0: library default)")
-      ->capture_default_str()
-      ->transform(bench::BytesSuffix());
-  app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 1'000'000));
-  app.add_option("--yield-us", config.yield_us, "CommunicationOptions::yield_us (-1: default)")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 1'000'000));
-  app.add_option("--timeout", config.timeout_s,
-                 "Seconds a collective or the rendezvous may take before it fails")
-      ->capture_default_str()
-      ->check(bench::TimeoutSeconds());
+  bench::AddCommunicationFlags(app, config);
   app.add_option("--impl", config.impl,
                  "Implementation: ring (TCP) or auto (shared memory between the ranks of a host)")
       ->capture_default_str()

@@ -186,28 +186,11 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--root", config.root, "Root rank of broadcast")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--chunk-bytes", config.chunk_bytes,
-                 "CommunicationOptions::chunk_bytes (0: library default; 512K, ...)")
-      ->capture_default_str()
-      ->transform(bench::BytesSuffix());
+  bench::AddCommunicationFlags(app, config);
   app.add_option("--medium-bytes", config.medium_message_bytes,
                  "CommunicationOptions::medium_message_bytes (0: library default; 1: never "
                  "halving-doubling)")
       ->transform(bench::BytesSuffix());
-  app.add_option("--small-bytes", config.small_message_bytes,
-                 "CommunicationOptions::small_message_bytes (0: library default)")
-      ->capture_default_str()
-      ->transform(bench::BytesSuffix());
-  app.add_option("--spin-us", config.spin_us, "CommunicationOptions::spin_us (-1: adaptive)")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 1'000'000));
-  app.add_option("--yield-us", config.yield_us, "CommunicationOptions::yield_us (-1: default)")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 1'000'000));
-  app.add_option("--timeout", config.timeout_s,
-                 "Seconds a collective or the rendezvous may take before it fails")
-      ->capture_default_str()
-      ->check(bench::TimeoutSeconds());
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));

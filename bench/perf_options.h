@@ -42,7 +42,7 @@ double BusBandwidthFactor(Collective collective, int world_size);
 // Command line.
 // ---------------------------------------------------------------------------------------------
 
-struct Config {
+struct Config : bench::CommunicationFlags {
   size_t min_bytes = 8;
   size_t max_bytes = size_t{64} << 20;
   size_t step_factor = 2;
@@ -66,16 +66,9 @@ struct Config {
   // communicator's progress thread and back costs (the blocking form of a small call runs on
   // the caller's thread).
   bool async = false;
-  size_t chunk_bytes = 0;
-  size_t small_message_bytes = 0;
   size_t medium_message_bytes = 0;
-  int spin_us = -1;
-  int yield_us = -1;
-  double timeout_s = 120;
   int local = 0;
   std::string baseline = "none";
-
-  std::chrono::milliseconds timeout() const { return bench::TimeoutFromSeconds(timeout_s); }
 };
 
 // The list flags: a comma-separated list of names, or all.

@@ -109,7 +109,7 @@ std::string Report::AlgorithmOf(const Row& row) const {
 }
 
 void Report::WriteCsvHeader() {
-  if (rank_ != 0) return;
+  if (csv_ == nullptr || rank_ != 0) return;
   *csv_ << "collective,world_size,size_bytes,count,dtype,op,root,time_us,algbw_gbps,"
            "busbw_gbps,wrong";
   if (config_.baseline == "mpi") *csv_ << ",mpi_time_us,mpi_busbw_gbps,time_ratio_ours_over_mpi";
@@ -120,7 +120,7 @@ void Report::WriteCsvHeader() {
 }
 
 void Report::WriteCsvRow(const Row& row) {
-  if (rank_ != 0) return;
+  if (csv_ == nullptr || rank_ != 0) return;
   *csv_ << ToString(row.collective) << ',' << world_size_ << ',' << row.bytes << ',' << row.count
         << ',' << ToString(row.dtype) << ',' << (HasOp(row.collective) ? ToString(row.op) : "")
         << ',' << (row.collective == Collective::kBroadcast ? std::to_string(row.root) : "") << ',';

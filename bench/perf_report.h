@@ -53,6 +53,7 @@ class Report {
   void PrintHeader();
   void PrintTableHeader(Collective collective);
   void PrintRow(const Row& row);
+  // The CSV lines, on rank 0 with --csv; nothing otherwise.
   void WriteCsvHeader();
   // Columns that do not apply (op of a broadcast, time of a skipped size) are left empty.
   void WriteCsvRow(const Row& row);
