@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
@@ -192,6 +193,42 @@ class CollectiveCommunication {
   // Completes once every rank has entered it.
   virtual std::shared_ptr<Work> BarrierAsync() = 0;
 
+  // The rooted collectives and the all-to-all, as MPI and NCCL define them. Each is a
+  // collective: every rank issues it, with the same root, dtype (and op) and counts that fit.
+  // Buffers a rank does not use (recv off the root of a reduce or gather, send off the root of a
+  // scatter) may be empty and are neither read nor written. The default implementations raise
+  // Error(kNotSupported); RING, AUTO and NCCL implement them.
+  //
+  // recv on `root` = op over ranks of send; recv.count == send.count there. In place on the root
+  // when send.data == recv.data.
+  virtual std::shared_ptr<Work> ReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                            int root);
+  // recv on `root` = concatenation over ranks of send, in rank order; recv.count ==
+  // size() * send.count there. In place on the root when send.data == recv.data + root * count
+  // elements.
+  virtual std::shared_ptr<Work> GatherAsync(const Tensor& send, const Tensor& recv, int root);
+  // recv = block `rank` of root's send; send.count == size() * recv.count on the root. In place
+  // on the root when recv.data == send.data + root * recv.count elements.
+  virtual std::shared_ptr<Work> ScatterAsync(const Tensor& send, const Tensor& recv, int root);
+  // Block j of recv = block `rank` of rank j's send. Blocks lie back to back in rank order. With
+  // empty count vectors the blocks are equal: send.count == recv.count, a multiple of size().
+  // Otherwise send_counts[j] elements go to rank j and recv_counts[j] come from rank j (size()
+  // entries each, summing to send.count and recv.count); rank j's send_counts[rank] must equal
+  // this rank's recv_counts[j], else both raise Error(kMismatch). send and recv must lie apart.
+  virtual std::shared_ptr<Work> AllToAllAsync(const Tensor& send, const Tensor& recv,
+                                              const std::vector<size_t>& send_counts = {},
+                                              const std::vector<size_t>& recv_counts = {});
+
+  // Point to point. Not collectives: only the two ranks take part, and neither takes a place in
+  // the collective sequence. `tensor` goes to rank `peer`, whose RecvAsync(…, this rank, tag)
+  // receives it. Between two ranks, sends are received in the order they were issued, and a
+  // receive whose dtype, count or tag differ from the send's raises Error(kMismatch) on both
+  // (tags are checked, not used to reorder). Sends and receives run in issue order with the
+  // collectives of their rank, so a send and its receive must not sit behind calls that wait
+  // for each other. A send may wait for its receive (a large one does).
+  virtual std::shared_ptr<Work> SendAsync(const Tensor& tensor, int peer, int64_t tag = 0);
+  virtual std::shared_ptr<Work> RecvAsync(const Tensor& tensor, int peer, int64_t tag = 0);
+
   // Blocking forms: the async call waited on. An implementation may run a blocking call on
   // the caller's thread when nothing else is queued, saving two thread hand-offs.
   virtual void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) {
@@ -209,6 +246,26 @@ class CollectiveCommunication {
     ReduceScatterAsync(send, recv, op)->Wait();
   }
   virtual void Barrier() { BarrierAsync()->Wait(); }
+  virtual void Reduce(const Tensor& send, const Tensor& recv, ReduceOp op, int root) {
+    ReduceAsync(send, recv, op, root)->Wait();
+  }
+  virtual void Gather(const Tensor& send, const Tensor& recv, int root) {
+    GatherAsync(send, recv, root)->Wait();
+  }
+  virtual void Scatter(const Tensor& send, const Tensor& recv, int root) {
+    ScatterAsync(send, recv, root)->Wait();
+  }
+  virtual void AllToAll(const Tensor& send, const Tensor& recv,
+                        const std::vector<size_t>& send_counts = {},
+                        const std::vector<size_t>& recv_counts = {}) {
+    AllToAllAsync(send, recv, send_counts, recv_counts)->Wait();
+  }
+  virtual void Send(const Tensor& tensor, int peer, int64_t tag = 0) {
+    SendAsync(tensor, peer, tag)->Wait();
+  }
+  virtual void Recv(const Tensor& tensor, int peer, int64_t tag = 0) {
+    RecvAsync(tensor, peer, tag)->Wait();
+  }
 
   // The name of the algorithm an all-reduce of `bytes` bytes runs on this communicator: "ring",
   // "recursive_doubling", "halving_doubling", "shm", "shm_small", "two_level", "nccl". Every

@@ -497,4 +497,33 @@ std::unique_ptr<CollectiveCommunication> CollectiveCommunication::Split(int colo
                                             " communicators cannot be split");
 }
 
+namespace {
+[[noreturn]] void NotImplemented(const CollectiveCommunication& comm, const char* collective) {
+  throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(comm.rank()) + ": " + collective +
+                                            ": not implemented by this communicator");
+}
+}  // namespace
+
+std::shared_ptr<Work> CollectiveCommunication::ReduceAsync(const Tensor&, const Tensor&, ReduceOp,
+                                                           int) {
+  NotImplemented(*this, "reduce");
+}
+std::shared_ptr<Work> CollectiveCommunication::GatherAsync(const Tensor&, const Tensor&, int) {
+  NotImplemented(*this, "gather");
+}
+std::shared_ptr<Work> CollectiveCommunication::ScatterAsync(const Tensor&, const Tensor&, int) {
+  NotImplemented(*this, "scatter");
+}
+std::shared_ptr<Work> CollectiveCommunication::AllToAllAsync(const Tensor&, const Tensor&,
+                                                             const std::vector<size_t>&,
+                                                             const std::vector<size_t>&) {
+  NotImplemented(*this, "all_to_all");
+}
+std::shared_ptr<Work> CollectiveCommunication::SendAsync(const Tensor&, int, int64_t) {
+  NotImplemented(*this, "send");
+}
+std::shared_ptr<Work> CollectiveCommunication::RecvAsync(const Tensor&, int, int64_t) {
+  NotImplemented(*this, "recv");
+}
+
 }  // namespace collectives
