@@ -15,6 +15,7 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libssl-dev libeigen3-dev zlib1g-dev
   dataset-fashion-mnist
   python3 python3-matplotlib
+  python3-dev python3-numpy python3-pybind11 python3-pytest python3-torch libtorch-dev
   time iproute2 procps
   "$@"
 )
