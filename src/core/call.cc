@@ -1,6 +1,8 @@
 // Names of collective calls, for error messages.
 #include "src/core/call.h"
 
+#include <cstdint>
+
 namespace collectives::core {
 
 const char* ToString(CollectiveKind kind) {
@@ -11,6 +13,11 @@ const char* ToString(CollectiveKind kind) {
     case CollectiveKind::kReduceScatter: return "reduce_scatter";
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kSplit: return "split";
+    case CollectiveKind::kReduce: return "reduce";
+    case CollectiveKind::kGather: return "gather";
+    case CollectiveKind::kScatter: return "scatter";
+    case CollectiveKind::kAllToAll: return "all_to_all";
+    case CollectiveKind::kSend: return "send";
   }
   return "unknown_collective";
 }
@@ -20,11 +27,19 @@ std::string CallDescriptor::ToString() const {
   if (kind == CollectiveKind::kBarrier) return out + "()";
   out += "(";
   out += collectives::ToString(dtype);
-  if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kReduceScatter) {
+  if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kReduceScatter ||
+      kind == CollectiveKind::kReduce) {
     out += ", ";
     out += collectives::ToString(op);
   }
-  if (kind == CollectiveKind::kBroadcast) out += ", root=" + std::to_string(root);
+  if (kind == CollectiveKind::kBroadcast || kind == CollectiveKind::kReduce ||
+      kind == CollectiveKind::kGather || kind == CollectiveKind::kScatter) {
+    out += ", root=" + std::to_string(root);
+  }
+  if (kind == CollectiveKind::kSend) {
+    out += root == INT32_MIN ? std::string(", tag=(in the first frame)")
+                             : ", tag=" + std::to_string(root);
+  }
   out += ", count=" + std::to_string(count) + ")";
   return out;
 }
