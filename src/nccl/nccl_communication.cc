@@ -372,11 +372,7 @@ class NcclCommunication final : public core::InternalCommunication {
 
   std::shared_ptr<Work> BroadcastAsync(const Tensor& send, const Tensor& recv, int root) override {
     constexpr const char* kName = "broadcast";
-    if (root < 0 || root >= size_) {
-      throw Error(ErrorCode::kInvalidArgument, Where(kName) + "root " + std::to_string(root) +
-                                                   " is outside [0, " + std::to_string(size_) +
-                                                   ")");
-    }
+    CheckRank(kName, "root", root);
     CheckTensor(kName, "recv", recv);
     const void* source = recv.data;  // read by NCCL on the root only
     if (rank_ == root) {
@@ -456,6 +452,225 @@ class NcclCommunication final : public core::InternalCommunication {
     return Issue("barrier", "", [buffer](const NcclApi& api, ncclComm_t comm, cudaStream_t s) {
       return api.ncclAllReduce(buffer, buffer, 1, ncclInt32, ncclSum, comm, s);
     });
+  }
+
+  // ncclReduce; recv is passed to NCCL on the root only (null elsewhere: never written).
+  std::shared_ptr<Work> ReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                    int root) override {
+    constexpr const char* kName = "reduce";
+    CheckRank(kName, "root", root);
+    CheckTensor(kName, "send", send);
+    CheckOp(kName, op);
+    void* target = nullptr;
+    if (rank_ == root) {
+      CheckTensor(kName, "recv", recv);
+      CheckSameType(kName, send, recv);
+      if (send.count != recv.count) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    Where(kName) + "send has " + std::to_string(send.count) +
+                        " elements but the root's recv has " + std::to_string(recv.count));
+      }
+      core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
+                              "recv.data");
+      target = recv.data;
+    }
+    return Issue(
+        kName, Detail(send.dtype, std::string(ToString(op)) + ", root=" + std::to_string(root),
+                      send.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return api.ncclReduce(send.data, target, send.count, ToNcclDataType(send.dtype),
+                                ToNcclRedOp(op), root, comm, stream);
+        },
+        &send, rank_ == root ? &recv : nullptr);
+  }
+
+  // One group: every rank sends its block to the root, which receives block r from rank r
+  // (from itself too, unless in place).
+  std::shared_ptr<Work> GatherAsync(const Tensor& send, const Tensor& recv, int root) override {
+    constexpr const char* kName = "gather";
+    CheckRank(kName, "root", root);
+    CheckTensor(kName, "send", send);
+    bool in_place = false;
+    if (rank_ == root) {
+      CheckTensor(kName, "recv", recv);
+      CheckSameType(kName, send, recv);
+      if (send.count > SIZE_MAX / static_cast<size_t>(size_) ||
+          recv.count != send.count * static_cast<size_t>(size_)) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    Where(kName) + "the root's recv must have size x send.count = " +
+                        std::to_string(size_) + " x " + std::to_string(send.count) +
+                        " elements, got " + std::to_string(recv.count));
+      }
+      const uintptr_t own = reinterpret_cast<uintptr_t>(recv.data) + size_t(root) * send.bytes();
+      core::CheckBuffersApart(rank_, kName, send, recv, own,
+                              "recv.data + root * send.count elements");
+      in_place = reinterpret_cast<uintptr_t>(send.data) == own;
+    }
+    const size_t count = send.count;
+    const size_t bytes = send.bytes();
+    const ncclDataType_t type = ToNcclDataType(send.dtype);
+    return Issue(
+        kName, Detail(send.dtype, "root=" + std::to_string(root), count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return Grouped(api, [&]() -> ncclResult_t {
+            if (count == 0) return ncclSuccess;
+            if (rank_ == root) {
+              for (int r = 0; r < size_; ++r) {
+                if (r == root && in_place) continue;
+                void* block = static_cast<char*>(recv.data) + size_t(r) * bytes;
+                if (ncclResult_t result = api.ncclRecv(block, count, type, r, comm, stream);
+                    result != ncclSuccess) {
+                  return result;
+                }
+              }
+              if (in_place) return ncclSuccess;
+            }
+            return api.ncclSend(send.data, count, type, root, comm, stream);
+          });
+        },
+        &send, rank_ == root ? &recv : nullptr);
+  }
+
+  // One group: the root sends block r to rank r (to itself too, unless in place); every rank
+  // receives its block from the root.
+  std::shared_ptr<Work> ScatterAsync(const Tensor& send, const Tensor& recv, int root) override {
+    constexpr const char* kName = "scatter";
+    CheckRank(kName, "root", root);
+    CheckTensor(kName, "recv", recv);
+    bool in_place = false;
+    if (rank_ == root) {
+      CheckTensor(kName, "send", send);
+      CheckSameType(kName, send, recv);
+      if (recv.count > SIZE_MAX / static_cast<size_t>(size_) ||
+          send.count != recv.count * static_cast<size_t>(size_)) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    Where(kName) + "the root's send must have size x recv.count = " +
+                        std::to_string(size_) + " x " + std::to_string(recv.count) +
+                        " elements, got " + std::to_string(send.count));
+      }
+      const uintptr_t own = reinterpret_cast<uintptr_t>(recv.data) - size_t(root) * recv.bytes();
+      core::CheckBuffersApart(rank_, kName, send, recv, own,
+                              "recv.data - root * recv.count elements");
+      in_place = reinterpret_cast<uintptr_t>(send.data) == own;
+    }
+    const size_t count = recv.count;
+    const size_t bytes = recv.bytes();
+    const ncclDataType_t type = ToNcclDataType(recv.dtype);
+    return Issue(
+        kName, Detail(recv.dtype, "root=" + std::to_string(root), count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return Grouped(api, [&]() -> ncclResult_t {
+            if (count == 0) return ncclSuccess;
+            if (rank_ == root) {
+              for (int r = 0; r < size_; ++r) {
+                if (r == root && in_place) continue;
+                const void* block = static_cast<const char*>(send.data) + size_t(r) * bytes;
+                if (ncclResult_t result = api.ncclSend(block, count, type, r, comm, stream);
+                    result != ncclSuccess) {
+                  return result;
+                }
+              }
+              if (in_place) return ncclSuccess;
+            }
+            return api.ncclRecv(recv.data, count, type, root, comm, stream);
+          });
+        },
+        rank_ == root ? &send : nullptr, &recv);
+  }
+
+  // One group of a send and a receive per rank (itself included), as nccl-tests' alltoall and
+  // PyTorch's all_to_all; a block of 0 elements is neither sent nor received.
+  std::shared_ptr<Work> AllToAllAsync(const Tensor& send, const Tensor& recv,
+                                      const std::vector<size_t>& send_counts,
+                                      const std::vector<size_t>& recv_counts) override {
+    constexpr const char* kName = "all_to_all";
+    CheckTensor(kName, "send", send);
+    CheckTensor(kName, "recv", recv);
+    CheckSameType(kName, send, recv);
+    const size_t n = static_cast<size_t>(size_);
+    std::vector<size_t> sends = send_counts;
+    std::vector<size_t> recvs = recv_counts;
+    if (sends.empty() && recvs.empty()) {
+      if (send.count != recv.count || send.count % n != 0) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    Where(kName) + "with equal blocks send and recv must have the same count, a "
+                                   "multiple of the size " +
+                        std::to_string(size_) + ", got " + std::to_string(send.count) + " and " +
+                        std::to_string(recv.count));
+      }
+      sends.assign(n, send.count / n);
+      recvs.assign(n, send.count / n);
+    } else {
+      CheckCounts(kName, "send_counts", sends, send.count);
+      CheckCounts(kName, "recv_counts", recvs, recv.count);
+    }
+    CheckApart(kName, send, recv);
+    const size_t elem = SizeOf(send.dtype);
+    const ncclDataType_t type = ToNcclDataType(send.dtype);
+    std::string detail = "send_counts=" + CountsText(sends) + ", recv_counts=" + CountsText(recvs);
+    return Issue(
+        kName, Detail(send.dtype, detail, send.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return Grouped(api, [&]() -> ncclResult_t {
+            size_t send_offset = 0;
+            size_t recv_offset = 0;
+            for (int r = 0; r < size_; ++r) {
+              const size_t out = sends[size_t(r)];
+              const size_t in = recvs[size_t(r)];
+              if (out > 0) {
+                const void* block = static_cast<const char*>(send.data) + send_offset * elem;
+                if (ncclResult_t result = api.ncclSend(block, out, type, r, comm, stream);
+                    result != ncclSuccess) {
+                  return result;
+                }
+              }
+              if (in > 0) {
+                void* block = static_cast<char*>(recv.data) + recv_offset * elem;
+                if (ncclResult_t result = api.ncclRecv(block, in, type, r, comm, stream);
+                    result != ncclSuccess) {
+                  return result;
+                }
+              }
+              send_offset += out;
+              recv_offset += in;
+            }
+            return ncclSuccess;
+          });
+        },
+        &send, &recv);
+  }
+
+  // ncclSend in a group of its own; the tag is named in messages only (see the header).
+  std::shared_ptr<Work> SendAsync(const Tensor& tensor, int peer, int64_t tag) override {
+    constexpr const char* kName = "send";
+    CheckPeer(kName, peer);
+    CheckTensor(kName, "tensor", tensor);
+    return Issue(
+        kName, Detail(tensor.dtype, PeerText(peer, tag), tensor.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return Grouped(api, [&]() -> ncclResult_t {
+            if (tensor.count == 0) return ncclSuccess;
+            return api.ncclSend(tensor.data, tensor.count, ToNcclDataType(tensor.dtype), peer,
+                                comm, stream);
+          });
+        },
+        &tensor, nullptr);
+  }
+
+  std::shared_ptr<Work> RecvAsync(const Tensor& tensor, int peer, int64_t tag) override {
+    constexpr const char* kName = "recv";
+    CheckPeer(kName, peer);
+    CheckTensor(kName, "tensor", tensor);
+    return Issue(
+        kName, Detail(tensor.dtype, PeerText(peer, tag), tensor.count),
+        [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
+          return Grouped(api, [&]() -> ncclResult_t {
+            if (tensor.count == 0) return ncclSuccess;
+            return api.ncclRecv(tensor.data, tensor.count, ToNcclDataType(tensor.dtype), peer,
+                                comm, stream);
+          });
+        },
+        nullptr, &tensor);
   }
 
   void Abort() override {
@@ -600,6 +815,90 @@ class NcclCommunication final : public core::InternalCommunication {
                     core::TensorPrefix(rank_, collective, name) + which + " " + problem);
       }
     }
+  }
+
+  // Error(kInvalidArgument) unless `value` (the argument `name`: a root, a peer) is a rank.
+  void CheckRank(const char* collective, const char* name, int value) const {
+    if (value < 0 || value >= size_) {
+      throw Error(ErrorCode::kInvalidArgument, Where(collective) + name + " " +
+                                                   std::to_string(value) + " is outside [0, " +
+                                                   std::to_string(size_) + ")");
+    }
+  }
+
+  // A peer of a send or a receive: another rank. One to itself would wait for its partner,
+  // which the stream runs only after it.
+  void CheckPeer(const char* collective, int peer) const {
+    CheckRank(collective, "peer", peer);
+    if (peer == rank_) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  Where(collective) + "peer " + std::to_string(peer) +
+                      " is this rank: its partner would be queued behind it on the stream");
+    }
+  }
+
+  // An all-to-all's count vector: size() entries summing to `total`.
+  void CheckCounts(const char* collective, const char* name, const std::vector<size_t>& counts,
+                   size_t total) const {
+    if (counts.size() != static_cast<size_t>(size_)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  Where(collective) + name + " has " + std::to_string(counts.size()) +
+                      " entries, not one per rank (" + std::to_string(size_) +
+                      "); both vectors empty means equal blocks");
+    }
+    size_t sum = 0;
+    for (const size_t count : counts) {
+      if (count > SIZE_MAX - sum) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    Where(collective) + name + " sums to more than size_t holds");
+      }
+      sum += count;
+    }
+    const char* tensor = std::strcmp(name, "send_counts") == 0 ? "send" : "recv";
+    if (sum != total) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  Where(collective) + name + " sums to " + std::to_string(sum) + " but " +
+                      tensor + " has " + std::to_string(total) + " elements");
+    }
+  }
+
+  // Error(kInvalidArgument) when the bytes of send and recv overlap: the call has no in-place
+  // form (a block received could land on one not yet sent).
+  void CheckApart(const char* collective, const Tensor& send, const Tensor& recv) const {
+    const uintptr_t s = reinterpret_cast<uintptr_t>(send.data);
+    const uintptr_t r = reinterpret_cast<uintptr_t>(recv.data);
+    if (send.bytes() == 0 || recv.bytes() == 0) return;
+    if (s - r < recv.bytes() || r - s < send.bytes()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  Where(collective) + "send (data " + PointerText(send.data) + ", " +
+                      std::to_string(send.bytes()) + " bytes) and recv (data " +
+                      PointerText(recv.data) + ", " + std::to_string(recv.bytes()) +
+                      " bytes) overlap; they must lie apart");
+    }
+  }
+
+  static std::string CountsText(const std::vector<size_t>& counts) {
+    std::string out = "[";
+    for (size_t i = 0; i < counts.size(); ++i) {
+      if (i > 0) out += ",";
+      out += std::to_string(counts[i]);
+    }
+    return out + "]";
+  }
+
+  static std::string PeerText(int peer, int64_t tag) {
+    return "peer=" + std::to_string(peer) + ", tag=" + std::to_string(tag);
+  }
+
+  // body() between ncclGroupStart and ncclGroupEnd, so that NCCL launches its sends and
+  // receives together (else a send could wait for a receive queued behind it). The group is
+  // closed even when body() fails, and the first failure is returned; ncclGroupEnd's result
+  // (ncclInProgress on a non-blocking communicator while NCCL connects) otherwise.
+  static ncclResult_t Grouped(const NcclApi& api, const std::function<ncclResult_t()>& body) {
+    if (ncclResult_t result = api.ncclGroupStart(); result != ncclSuccess) return result;
+    const ncclResult_t inner = body();
+    const ncclResult_t end = api.ncclGroupEnd();
+    return inner != ncclSuccess ? inner : end;
   }
 
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const {

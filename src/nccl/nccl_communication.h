@@ -33,6 +33,21 @@
 // Abort), not success.
 // NCCL cannot check that ranks agree on counts, dtypes or ops: a mismatch is undefined there
 // (typically a hang until the timeout), not Error(kMismatch).
+// Reduce is ncclReduce. Gather, Scatter, AllToAll, Send and Recv are ncclSend and ncclRecv
+// between ncclGroupStart and ncclGroupEnd, one group per call, as nccl-tests and PyTorch's
+// ProcessGroupNCCL issue them: a root's receive from (or send to) itself is a self send/receive
+// pair in the same group, left out when the call is in place; a block of 0 elements is neither
+// sent nor received. Each is one call on the stream with one event, its Work as above. Nothing
+// is checked across ranks there either: a root, a count vector or a dtype that disagrees, a send
+// without its receive, or a receive longer than its send, is undefined (typically a hang until
+// the timeout raises Error(kTimeout) and aborts the communicator), never Error(kMismatch).
+// Send and Recv take no place in the collective sequence (NCCL's collectives and its sends meet
+// only the ranks they name). NCCL has no tags: between two ranks, sends pair with receives in
+// the order each rank issues them, and the tag is accepted and named in messages, but neither
+// checked nor used to pair (a tag that differs is not Error(kMismatch) here). A peer must be
+// another rank: a send to this rank would wait for its receive, queued behind it on the stream
+// (Error(kInvalidArgument)). A Send may wait for its Recv, so the ranks of a chain of blocking
+// sends and receives must order them (even ranks send first, odd ones receive first).
 // CommunicationOptions::algorithm cannot be forced (NCCL picks its own; NCCL_ALGO does that):
 // any value raises Error(kNotSupported) when the communicator is built.
 //

@@ -50,7 +50,12 @@ namespace collectives::nccl {
   X(ncclAllReduce)                    \
   X(ncclBroadcast)                    \
   X(ncclAllGather)                    \
-  X(ncclReduceScatter)
+  X(ncclReduceScatter)                \
+  X(ncclReduce)                       \
+  X(ncclSend)                         \
+  X(ncclRecv)                         \
+  X(ncclGroupStart)                   \
+  X(ncclGroupEnd)
 
 // One pointer per function, named as the function (api.ncclAllReduce(...)).
 struct NcclApi {

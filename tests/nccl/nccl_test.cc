@@ -932,6 +932,368 @@ TEST(NcclGpuTest, AFirstCallIssuedBeforeItsPeersWaitsForThemAtMostTheTimeout) {
   }
 }
 
+// ---- Reduce, Gather, Scatter, AllToAll, Send and Recv, against plain loops on the host. ----
+
+// What the tests put in an output buffer beforehand: no result equals it, and every dtype holds it.
+constexpr double kUnwritten = 99;
+
+// The rooted and point-to-point tests' input: small values, and for kProd values of 1 and 2, so
+// that a product over four ranks stays exact in int8 and bfloat16.
+double RootedValue(ReduceOp op, int rank, size_t i) {
+  if (op == ReduceOp::kProd) return static_cast<double>(1 + (i * 7 + size_t(rank) * 3) % 2);
+  return InputValue(rank, i);
+}
+
+template <typename T>
+std::vector<T> RootedInput(ReduceOp op, int rank, size_t count) {
+  std::vector<T> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = Elem<T>::Of(RootedValue(op, rank, i));
+  return v;
+}
+
+// Relative tolerance of a reduced T: a few units in the last place (ncclAvg rounds 1/n to T).
+template <typename T>
+double Tolerance() {
+  if constexpr (std::is_same_v<T, Half>) return std::ldexp(1.0, -8);
+  if constexpr (std::is_same_v<T, BFloat16>) return std::ldexp(1.0, -5);
+  if constexpr (std::is_same_v<T, float>) return std::ldexp(1.0, -20);
+  return std::ldexp(1.0, -48);
+}
+
+template <typename T>
+void ExpectReduced(double expected, T got_value, const std::string& where) {
+  const double got = Elem<T>::ToDouble(got_value);
+  if constexpr (Elem<T>::kFloating) {
+    EXPECT_NEAR(expected, got, std::abs(expected) * Tolerance<T>()) << where;
+  } else {
+    EXPECT_EQ(expected, got) << where;
+  }
+}
+
+// Bits of a copied T, which must arrive exactly.
+template <typename T>
+void ExpectCopied(double expected, T got_value, const std::string& where) {
+  EXPECT_EQ(expected, Elem<T>::ToDouble(got_value)) << where;
+}
+
+// A tensor over `count` elements of `buffer` from element `offset` (an empty one: count 0).
+template <typename T>
+Tensor View(const DeviceBuffer<T>& buffer, size_t offset, size_t count) {
+  Tensor t = buffer.tensor();
+  t.data = static_cast<T*>(t.data) + offset;
+  t.count = count;
+  return t;
+}
+
+template <typename T>
+Tensor Empty(int device) {
+  return Tensor{nullptr, 0, DataTypeOf<T>(), Device::Cuda(device)};
+}
+
+// Elements rank `src` sends to rank `dst` in the uneven all-to-all: 0 for some pairs.
+size_t UnevenCount(size_t count, int src, int dst) {
+  return (count * size_t(src + 2 * dst + 1)) % (count + 3);
+}
+
+template <typename T>
+void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& comm,
+                            size_t count) {
+  const int size = comm.size();
+  const int rank = comm.rank();
+  const int device = rank;
+  const size_t n = static_cast<size_t>(size);
+  const std::string type = std::string(ToString(DataTypeOf<T>())) + " count=" + std::to_string(count);
+  auto at = [](const std::string& what, size_t i) { return what + " [" + std::to_string(i) + "]"; };
+
+  // Reduce: every op, every root, out of place (recv empty off the root) and in place.
+  for (ReduceOp op : kOps) {
+    for (int root = 0; root < size; ++root) {
+      const std::string where = "reduce " + type + " " + ToString(op) + " root=" +
+                                std::to_string(root);
+      std::vector<double> expected(count);
+      std::vector<double> column(n);
+      for (size_t i = 0; i < count; ++i) {
+        for (int r = 0; r < size; ++r) column[size_t(r)] = RootedValue(op, r, i);
+        expected[i] = Reduce<T>(op, column);
+      }
+      DeviceBuffer<T> send(api, device, count), recv(api, device, count);
+      send.Upload(RootedInput<T>(op, rank, count));
+      recv.Upload(std::vector<T>(count, Elem<T>::Of(kUnwritten)));
+      comm.Reduce(send.tensor(), rank == root ? recv.tensor() : Empty<T>(device), op, root);
+      std::vector<T> got = recv.Download();
+      for (size_t i = 0; i < count; ++i) {
+        if (rank == root) {
+          ExpectReduced(expected[i], got[i], at(where, i));
+        } else {
+          ExpectCopied(kUnwritten, got[i], at(where + " (untouched off the root)", i));
+        }
+      }
+      comm.Reduce(send.tensor(), send.tensor(), op, root);  // in place on the root
+      got = send.Download();
+      for (size_t i = 0; i < count; ++i) {
+        ExpectReduced(rank == root ? expected[i] : RootedValue(op, rank, i), got[i],
+                      at("in-place " + where, i));
+      }
+    }
+  }
+
+  for (int root = 0; root < size; ++root) {
+    const std::string suffix = " " + type + " root=" + std::to_string(root);
+    // Gather, out of place then in place (the root's block already at its place in recv).
+    DeviceBuffer<T> part(api, device, count), all(api, device, n * count);
+    part.Upload(Input<T>(rank, count));
+    all.Upload(std::vector<T>(n * count, Elem<T>::Of(kUnwritten)));
+    comm.Gather(part.tensor(), rank == root ? all.tensor() : Empty<T>(device), root);
+    std::vector<T> got = all.Download();
+    for (size_t k = 0; k < n * count; ++k) {
+      const double expected = rank == root ? InputValue(int(k / count), k % count) : kUnwritten;
+      ExpectCopied(expected, got[k], at("gather" + suffix, k));
+    }
+    if (rank == root) {
+      std::vector<T> host(n * count, Elem<T>::Of(kUnwritten));
+      for (size_t i = 0; i < count; ++i) host[size_t(root) * count + i] = Elem<T>::Of(InputValue(rank, i));
+      all.Upload(host);
+      comm.Gather(View(all, size_t(root) * count, count), all.tensor(), root);
+      got = all.Download();
+      for (size_t k = 0; k < n * count; ++k) {
+        ExpectCopied(InputValue(int(k / count), k % count), got[k], at("in-place gather" + suffix, k));
+      }
+    } else {
+      comm.Gather(part.tensor(), Empty<T>(device), root);
+    }
+
+    // Scatter, out of place then in place (the root's block read from its place in send).
+    DeviceBuffer<T> whole(api, device, n * count), block(api, device, count);
+    whole.Upload(Input<T>(rank, n * count));
+    block.Upload(std::vector<T>(count, Elem<T>::Of(kUnwritten)));
+    comm.Scatter(rank == root ? whole.tensor() : Empty<T>(device), block.tensor(), root);
+    got = block.Download();
+    for (size_t i = 0; i < count; ++i) {
+      ExpectCopied(InputValue(root, size_t(rank) * count + i), got[i], at("scatter" + suffix, i));
+    }
+    if (rank == root) {
+      comm.Scatter(whole.tensor(), View(whole, size_t(root) * count, count), root);
+      got = whole.Download();
+      for (size_t k = 0; k < n * count; ++k) {
+        ExpectCopied(InputValue(root, k), got[k], at("in-place scatter" + suffix, k));
+      }
+    } else {
+      comm.Scatter(Empty<T>(device), block.tensor(), root);
+    }
+  }
+
+  // AllToAll with equal blocks: block j of recv = block `rank` of rank j's send.
+  {
+    DeviceBuffer<T> send(api, device, n * count), recv(api, device, n * count);
+    send.Upload(Input<T>(rank, n * count));
+    recv.Upload(std::vector<T>(n * count, Elem<T>::Of(kUnwritten)));
+    comm.AllToAll(send.tensor(), recv.tensor());
+    const std::vector<T> got = recv.Download();
+    for (size_t k = 0; k < n * count; ++k) {
+      const int from = int(k / count);
+      ExpectCopied(InputValue(from, size_t(rank) * count + k % count), got[k],
+                   at("all_to_all " + type, k));
+    }
+  }
+  // AllToAll with uneven blocks, some of them empty.
+  {
+    std::vector<size_t> send_counts(n), recv_counts(n);
+    for (int j = 0; j < size; ++j) {
+      send_counts[size_t(j)] = UnevenCount(count, rank, j);
+      recv_counts[size_t(j)] = UnevenCount(count, j, rank);
+    }
+    size_t send_total = 0, recv_total = 0;
+    for (int j = 0; j < size; ++j) {
+      send_total += send_counts[size_t(j)];
+      recv_total += recv_counts[size_t(j)];
+    }
+    DeviceBuffer<T> send(api, device, send_total), recv(api, device, recv_total);
+    send.Upload(Input<T>(rank, send_total));
+    recv.Upload(std::vector<T>(recv_total, Elem<T>::Of(kUnwritten)));
+    comm.AllToAll(send.tensor(), recv.tensor(), send_counts, recv_counts);
+    const std::vector<T> got = recv.Download();
+    size_t k = 0;
+    for (int j = 0; j < size; ++j) {
+      size_t offset_in_j = 0;  // where rank j's block for this rank starts in j's send
+      for (int d = 0; d < rank; ++d) offset_in_j += UnevenCount(count, j, d);
+      for (size_t t = 0; t < recv_counts[size_t(j)]; ++t, ++k) {
+        ExpectCopied(InputValue(j, offset_in_j + t), got[k], at("uneven all_to_all " + type, k));
+      }
+    }
+  }
+
+  // Send and Recv around the ring, twice with different tags: each receive gets the send issued
+  // in the same order. Rank 0 sends first and the others receive first, so the blocking calls
+  // form a chain.
+  if (size > 1) {
+    const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    DeviceBuffer<T> out1(api, device, count), out2(api, device, count);
+    DeviceBuffer<T> in1(api, device, count), in2(api, device, count);
+    out1.Upload(Input<T>(rank, count));
+    out2.Upload(Input<T>(rank + 10, count));
+    in1.Upload(std::vector<T>(count, Elem<T>::Of(kUnwritten)));
+    in2.Upload(std::vector<T>(count, Elem<T>::Of(kUnwritten)));
+    auto send_both = [&] {
+      comm.Send(out1.tensor(), next, 7);
+      comm.Send(out2.tensor(), next, 8);
+    };
+    auto recv_both = [&] {
+      comm.Recv(in1.tensor(), prev, 7);
+      comm.Recv(in2.tensor(), prev, 8);
+    };
+    if (rank == 0) {
+      send_both();
+      recv_both();
+    } else {
+      recv_both();
+      send_both();
+    }
+    const std::vector<T> got1 = in1.Download(), got2 = in2.Download();
+    for (size_t i = 0; i < count; ++i) {
+      ExpectCopied(InputValue(prev, i), got1[i], at("recv #1 " + type, i));
+      ExpectCopied(InputValue(prev + 10, i), got2[i], at("recv #2 " + type, i));
+    }
+    // Async: every rank issues both, in the same order as above, then waits for both.
+    in1.Upload(std::vector<T>(count, Elem<T>::Of(kUnwritten)));
+    std::shared_ptr<Work> first, second;
+    if (rank == 0) {
+      first = comm.SendAsync(out2.tensor(), next);
+      second = comm.RecvAsync(in1.tensor(), prev);
+    } else {
+      first = comm.RecvAsync(in1.tensor(), prev);
+      second = comm.SendAsync(out2.tensor(), next);
+    }
+    second->Wait();
+    EXPECT_TRUE(first->Done());
+    first->Wait();
+    const std::vector<T> got3 = in1.Download();
+    for (size_t i = 0; i < count; ++i) {
+      ExpectCopied(InputValue(prev + 10, i), got3[i], at("async recv " + type, i));
+    }
+  }
+  comm.Barrier();
+}
+
+void CheckEveryDtypeRooted(const nccl::NcclApi& api, CollectiveCommunication& comm) {
+  for (const size_t count : {size_t{0}, size_t{1}, size_t{1009}}) {
+    CheckRootedCollectives<float>(api, comm, count);
+    CheckRootedCollectives<double>(api, comm, count);
+    CheckRootedCollectives<Half>(api, comm, count);
+    CheckRootedCollectives<BFloat16>(api, comm, count);
+    CheckRootedCollectives<int8_t>(api, comm, count);
+    CheckRootedCollectives<uint8_t>(api, comm, count);
+    CheckRootedCollectives<int32_t>(api, comm, count);
+    CheckRootedCollectives<int64_t>(api, comm, count);
+  }
+  CheckRootedCollectives<float>(api, comm, (size_t{1} << 18) + 3);
+}
+
+class NcclRootedTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(NcclRootedTest, ReduceGatherScatterAllToAllSendRecvMatchAHostReference) {
+  const int size = GetParam();
+  COLLECTIVES_REQUIRE_GPU(size);
+  RunNcclRanks(size, [&](CollectiveCommunication& comm) { CheckEveryDtypeRooted(api, comm); });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, NcclRootedTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& world) {
+                           return std::to_string(world.param) + "Ranks";
+                         });
+
+// Bad arguments of the rooted calls, the all-to-all and the point-to-point calls are refused on
+// the caller's thread, naming the call and the argument, and the communicator still works.
+TEST(NcclGpuTest, BadArgumentsOfTheRootedAndPointToPointCallsAreInvalidArguments) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    const int rank = comm.rank();
+    DeviceBuffer<float> a(api, rank, 8), b(api, rank, 4), c(api, rank, 16);
+    DeviceBuffer<int32_t> d(api, rank, 8);
+    auto expect_invalid = [&](const std::string& what, const std::function<void()>& call) {
+      try {
+        call();
+        ADD_FAILURE() << "expected Error(kInvalidArgument) naming " << what;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_NE(e.message().find("rank " + std::to_string(rank) + ": "), std::string::npos)
+            << e.what();
+        EXPECT_NE(e.message().find(what), std::string::npos) << e.what();
+      }
+    };
+    expect_invalid("root 2", [&] { comm.Reduce(a.tensor(), a.tensor(), ReduceOp::kSum, 2); });
+    expect_invalid("root -1", [&] { comm.Gather(a.tensor(), c.tensor(), -1); });
+    expect_invalid("root 5", [&] { comm.Scatter(c.tensor(), a.tensor(), 5); });
+    // Only the root's recv (reduce, gather) and send (scatter) are checked.
+    expect_invalid("reduce", [&] { comm.Reduce(a.tensor(), d.tensor(), ReduceOp::kSum, rank); });
+    expect_invalid("reduce", [&] { comm.Reduce(a.tensor(), b.tensor(), ReduceOp::kSum, rank); });
+    expect_invalid("gather", [&] { comm.Gather(a.tensor(), a.tensor(), rank); });
+    expect_invalid("scatter", [&] { comm.Scatter(a.tensor(), a.tensor(), rank); });
+    expect_invalid("all_to_all", [&] { comm.AllToAll(a.tensor(), b.tensor()); });
+    expect_invalid("all_to_all", [&] { comm.AllToAll(View(c, 0, 3), View(c, 8, 3)); });
+    expect_invalid("send_counts has 1 entries", [&] { comm.AllToAll(a.tensor(), a.tensor(), {8}, {4, 4}); });
+    expect_invalid("recv_counts sums to 7", [&] {
+      comm.AllToAll(a.tensor(), c.tensor(), {4, 4}, {4, 3});
+    });
+    expect_invalid("overlap", [&] { comm.AllToAll(View(c, 0, 8), View(c, 4, 8)); });
+    expect_invalid("peer 2", [&] { comm.Send(a.tensor(), 2, 0); });
+    expect_invalid("peer " + std::to_string(rank) + " is this rank",
+                   [&] { comm.Recv(a.tensor(), rank, 0); });
+    // Still usable: a reduce to rank 0.
+    a.Upload(std::vector<float>(8, 1.0f + rank));
+    comm.Reduce(a.tensor(), a.tensor(), ReduceOp::kSum, 0);
+    if (rank == 0) {
+      for (float v : a.Download()) EXPECT_EQ(v, 3.0f);
+    }
+  });
+}
+
+// NCCL has no tags: a receive pairs with the send issued in the same order, whatever the tags
+// say (see nccl_communication.h).
+TEST(NcclGpuTest, SendsPairWithReceivesByOrderNotByTag) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<int32_t> first(api, comm.rank(), 5), second(api, comm.rank(), 5);
+    if (comm.rank() == 0) {
+      first.Upload(std::vector<int32_t>(5, 1));
+      second.Upload(std::vector<int32_t>(5, 2));
+      auto w1 = comm.SendAsync(first.tensor(), 1, 1);
+      auto w2 = comm.SendAsync(second.tensor(), 1, 2);
+      w1->Wait();
+      w2->Wait();
+    } else {
+      auto w1 = comm.RecvAsync(first.tensor(), 0, 2);  // tags swapped
+      auto w2 = comm.RecvAsync(second.tensor(), 0, 1);
+      w1->Wait();
+      w2->Wait();
+      for (int32_t v : first.Download()) EXPECT_EQ(v, 1);
+      for (int32_t v : second.Download()) EXPECT_EQ(v, 2);
+    }
+  });
+}
+
+// A receive whose send never comes is not Error(kMismatch) (NCCL checks nothing) but ends at
+// its timeout, naming the call, and the communicator is aborted; the peer is unharmed.
+TEST(NcclGpuTest, AReceiveWithoutItsSendTimesOut) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    DeviceBuffer<float> buffer(api, comm.rank(), 16);
+    if (comm.rank() == 0) return;
+    comm.SetTimeout(std::chrono::milliseconds(300));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.Recv(buffer.tensor(), 0, 3);
+      ADD_FAILURE() << "expected Error(kTimeout)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(e.message().find("rank 1: recv #0 (f32, peer=0, tag=3, count=16)"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start,
+              test_time::Scaled(std::chrono::seconds(10)));
+  });
+}
+
 #endif  // COLLECTIVES_WITH_NCCL
 
 }  // namespace

@@ -12,7 +12,8 @@
 // results may differ from NCCL's in the last bits.
 //
 // The model, one process with the ranks as threads:
-//  - Devices: COLLECTIVES_FAKE_CUDA_DEVICES of them (default 2); the current device is per
+//  - Devices: COLLECTIVES_FAKE_CUDA_DEVICES of them (default 4,
+//    so that tests run up to four ranks); the current device is per
 //    thread and starts at 0, as the runtime's.
 //  - Device memory is host memory from the fake cudaMalloc, filled with 0xff bytes (a NaN in
 //    every floating type) so that a read of unwritten memory shows; cudaPointerGetAttributes
@@ -47,8 +48,22 @@
 //    setting the asynchronous error of a non-blocking communicator, and enqueue on the stream;
 //    when run, each waits for every rank of the communicator to reach the same call (the n-th
 //    call of each rank meet), then the last to arrive computes every rank's result.
+//    ncclReduce writes the root's recv only.
+//  - Point to point: ncclSend and ncclRecv queue on the calling thread's group (one of their own
+//    outside ncclGroupStart/ncclGroupEnd); ncclGroupEnd checks each communicator's operations as
+//    a collective's, then puts them on its stream as one "kernel". The first group of a rank
+//    that names a peer connects the two: it is accepted (ncclInProgress until then on a
+//    non-blocking communicator, as the first collective) once that peer has issued a group
+//    naming this rank; a rank's sends and receives with itself need no connection. When run,
+//    the kernel posts all its sends, then takes each receive's send from the FIFO of sends
+//    from that peer to this rank (sends and receives pair in issue order, as NCCL's), copies
+//    it and marks the send consumed; it completes once its own sends are consumed too, so a
+//    send waits for its receive (NCCL's rendezvous for large messages). A receive whose send
+//    has another count or datatype is a contract violation (NCCL: undefined) and hangs.
+//    Collectives inside a group are not modelled (a contract violation).
 //    ncclCommAbort wakes this rank's waiting and queued calls (they return at once, their
-//    output undefined); peers keep waiting, as on a GPU. ncclCommFinalize reports ncclSuccess
+//    output undefined), withdrawing its sends not yet received; peers keep waiting, as on a
+//    GPU. ncclCommFinalize reports ncclSuccess
 //    once every call of this rank has run; ncclCommDestroy waits for that too.
 //  - Where real NCCL or CUDA would be undefined (a communicator used after ncclCommAbort or
 //    ncclCommDestroy, a call while the state is ncclInProgress, ranks that disagree on a call,
@@ -59,8 +74,9 @@
 // libnccl.so.2 and skip elsewhere): collectivesFakeNcclFailNext(function, result, message) makes
 // the next call of that NCCL function (ncclGetUniqueId or ncclCommInitRankConfig) return
 // `result` at once, with `message` as NCCL's last error.
-// Not modelled: per-thread default streams, managed and pinned host memory, peer access, P2P
-// calls, groups, fp8 types (refused with ncclInvalidArgument), ncclCommSplit and the rest.
+// Not modelled: per-thread default streams, managed and pinned host memory, peer access, groups
+// of collectives or of several streams, fp8 types (refused with ncclInvalidArgument),
+// ncclCommSplit and the rest.
 //
 // One file: it is one shared library whose NCCL half runs on the CUDA half's state: collectives
 // enqueue on the runtime's streams under its mutex and fault into its sticky device errors (Rt()).
@@ -156,7 +172,7 @@ struct Allocation {
 struct Runtime {
   std::mutex mu;
   std::condition_variable progress;
-  int device_count = 2;
+  int device_count = 4;
   std::map<uintptr_t, Allocation> allocations;                             // by base address
   std::unordered_map<CUstream_st*, std::shared_ptr<CUstream_st>> streams;  // user streams
   std::vector<std::shared_ptr<CUstream_st>> legacy;                        // per device
@@ -446,7 +462,7 @@ void Reduce(ncclDataType_t type, void* out, const std::vector<const void*>& in, 
 // NCCL state.
 // ---------------------------------------------------------------------------------------------
 
-enum class Coll { kAllReduce, kBroadcast, kAllGather, kReduceScatter };
+enum class Coll { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kReduce };
 
 const char* CollName(Coll coll) {
   switch (coll) {
@@ -458,6 +474,8 @@ const char* CollName(Coll coll) {
       return "AllGather";
     case Coll::kReduceScatter:
       return "ReduceScatter";
+    case Coll::kReduce:
+      return "Reduce";
   }
   return "?";
 }
@@ -481,6 +499,25 @@ std::string Describe(const Call& c) {
   return text;
 }
 
+// One ncclSend or ncclRecv of a group.
+struct P2pOp {
+  bool is_send;
+  const void* send;  // is_send
+  void* recv;        // !is_send
+  size_t count;
+  ncclDataType_t type;
+  int peer;
+  cudaStream_t stream;
+};
+
+// A send posted by a running group kernel, until a receive takes it.
+struct Posted {
+  const void* data;
+  size_t count;
+  ncclDataType_t type;
+  bool consumed = false;  // guarded by Clique::mu
+};
+
 struct Slot {
   std::vector<std::optional<Call>> calls;  // by rank
   int arrived = 0;
@@ -500,6 +537,10 @@ struct Clique {
   bool complete = false;           // guarded by mu
   std::atomic<int> connecting{0};  // ranks that issued their first collective
   std::map<uint64_t, Slot> slots;  // guarded by mu; by call number
+  // Point to point, guarded by mu: (a, b) when rank a issued a group naming peer b (the two
+  // are connected once both pairs are here); the sends posted from a to b, oldest first.
+  std::set<std::pair<int, int>> p2p_wants;
+  std::map<std::pair<int, int>, std::deque<std::shared_ptr<Posted>>> channels;
 };
 
 struct Registry {
@@ -564,7 +605,9 @@ struct ncclComm {
     std::shared_ptr<CUstream_st> stream;
     std::function<void()> fn;
     Clock::time_point since;
+    std::function<bool()> connected;  // under mu: the peers it needs have come
   };
+  std::set<int> p2p_connected;  // guarded by mu: peers connected by an earlier group
   std::optional<Pending> pending;  // guarded by mu
 };
 
@@ -617,6 +660,7 @@ void RunCall(ncclComm* comm, const std::shared_ptr<Clique>& clique, uint64_t ind
   size_t send_bytes = call.count * elem, recv_bytes = call.count * elem;
   if (call.coll == Coll::kAllGather) recv_bytes *= n;
   if (call.coll == Coll::kReduceScatter) send_bytes *= n;
+  if (call.coll == Coll::kReduce && call.root != comm->rank) recv_bytes = 0;  // not used
   const bool reads_send = call.coll != Coll::kBroadcast || call.root == comm->rank;
   if ((reads_send && !OnDevice(call.send, send_bytes, comm->device)) ||
       !OnDevice(call.recv, recv_bytes, comm->device)) {
@@ -680,6 +724,13 @@ void RunCall(ncclComm* comm, const std::shared_ptr<Clique>& clique, uint64_t ind
             std::memcpy(slot.calls[r]->recv, result.data() + r * bytes, bytes);
           }
           break;
+        case Coll::kReduce:
+          result.resize(bytes);
+          Reduce(first.type, result.data(), sends, count, first.op);
+          if (bytes > 0) {
+            std::memcpy(slot.calls[static_cast<size_t>(first.root)]->recv, result.data(), bytes);
+          }
+          break;
       }
       slot.done = true;
       slot.left = comm->nranks;
@@ -712,9 +763,43 @@ ncclResult_t ReadyLocked(ncclComm* comm, const char* call) {
   return ncclSuccess;
 }
 
+// The stream a call of `comm` names, in *target, or the error NCCL returns for it.
+ncclResult_t StreamFor(ncclComm* comm, cudaStream_t stream, const char* name,
+                       std::shared_ptr<CUstream_st>* target) {
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  const int saved = current_device;
+  current_device = comm->device;  // NCCL works on the communicator's device
+  *target = ResolveLocked(stream);
+  current_device = saved;
+  if (*target == nullptr) {
+    Violation("%s: unknown stream %p", name, static_cast<void*>(stream));
+    return ncclInvalidArgument;
+  }
+  if ((*target)->device != comm->device) {
+    SetLastError("%s: the stream is on device %d, the communicator on device %d", name,
+                 (*target)->device, comm->device);
+    return ncclUnhandledCudaError;
+  }
+  if (Rt().sticky[static_cast<size_t>(comm->device)] != cudaSuccess) {
+    SetLastError("%s: Cuda failure 'an illegal memory access was encountered'", name);
+    return ncclUnhandledCudaError;
+  }
+  return ncclSuccess;
+}
+
+// The operations of the calling thread's open group (ncclGroupStart .. ncclGroupEnd).
+thread_local int group_depth = 0;
+thread_local std::vector<std::pair<ncclComm*, P2pOp>> group_ops;
+thread_local ncclResult_t group_error = ncclSuccess;  // the first refusal inside the group
+
 // The collectives' common path: NCCL's argument checks, then the enqueue.
 ncclResult_t Collective(ncclComm_t comm, cudaStream_t stream, Call call, const char* name) {
   if (ncclResult_t r = CheckComm(comm, name); r != ncclSuccess) return r;
+  if (group_depth > 0) {
+    Violation("%s inside ncclGroupStart/ncclGroupEnd: groups of collectives are not modelled",
+              name);
+    return ncclInvalidUsage;
+  }
   std::lock_guard<std::mutex> comm_lock(comm->mu);
   if (ncclResult_t r = ReadyLocked(comm, name); r != ncclSuccess) return r;
   // A refused call sets the asynchronous error of a non-blocking communicator.
@@ -740,25 +825,8 @@ ncclResult_t Collective(ncclComm_t comm, cudaStream_t stream, Call call, const c
     return refuse(ncclInvalidArgument);
   }
   std::shared_ptr<CUstream_st> target;
-  {
-    std::lock_guard<std::mutex> lock(Rt().mu);
-    const int saved = current_device;
-    current_device = comm->device;  // NCCL works on the communicator's device
-    target = ResolveLocked(stream);
-    current_device = saved;
-    if (target == nullptr) {
-      Violation("%s: unknown stream %p", name, static_cast<void*>(stream));
-      return refuse(ncclInvalidArgument);
-    }
-    if (target->device != comm->device) {
-      SetLastError("%s: the stream is on device %d, the communicator on device %d", name,
-                   target->device, comm->device);
-      return refuse(ncclUnhandledCudaError);
-    }
-    if (Rt().sticky[static_cast<size_t>(comm->device)] != cudaSuccess) {
-      SetLastError("%s: Cuda failure 'an illegal memory access was encountered'", name);
-      return refuse(ncclUnhandledCudaError);
-    }
+  if (ncclResult_t r = StreamFor(comm, stream, name, &target); r != ncclSuccess) {
+    return refuse(r);
   }
   const uint64_t index = comm->next_call++;
   std::shared_ptr<Clique> clique = comm->clique;
@@ -772,7 +840,9 @@ ncclResult_t Collective(ncclComm_t comm, cudaStream_t stream, Call call, const c
       clique->cv.notify_all();
     }
     if (!comm->blocking) {
-      comm->pending = ncclComm::Pending{target, std::move(fn), Clock::now()};
+      comm->pending = ncclComm::Pending{target, std::move(fn), Clock::now(), [clique] {
+                                          return clique->connecting.load() == clique->nranks;
+                                        }};
       comm->state.store(ncclInProgress);
       return ncclInProgress;
     }
@@ -786,7 +856,7 @@ ncclResult_t Collective(ncclComm_t comm, cudaStream_t stream, Call call, const c
 
 // Under comm->mu: completes what a non-blocking communicator does in the background.
 void ProgressLocked(ncclComm* comm) {
-  if (comm->pending && comm->clique->connecting.load() == comm->nranks &&
+  if (comm->pending && comm->pending->connected() &&
       Clock::now() - comm->pending->since >= std::chrono::milliseconds(1)) {
     {
       std::lock_guard<std::mutex> lock(Rt().mu);
@@ -815,11 +885,194 @@ void AbortCalls(ncclComm* comm) {
       --slot.arrived;
     }
   }
+  for (auto& [pair, queue] : clique.channels) {
+    if (pair.first == comm->rank) queue.clear();  // its kernels returned: nothing to read
+  }
   if (!clique.complete && clique.members[static_cast<size_t>(comm->rank)] == comm) {
     clique.members[static_cast<size_t>(comm->rank)] = nullptr;
     --clique.joined;
   }
   clique.cv.notify_all();
+}
+
+std::string DescribeP2p(const P2pOp& op) {
+  char text[160];
+  std::snprintf(text, sizeof(text), "%s(count=%zu, datatype=%d, peer=%d)",
+                op.is_send ? "Send" : "Recv", op.count, static_cast<int>(op.type), op.peer);
+  return text;
+}
+
+// Runs on the stream's worker: one group's sends and receives of rank comm->rank (see the file
+// comment). Posts every send first, so that groups that send to each other do not deadlock.
+void RunP2p(ncclComm* comm, const std::shared_ptr<Clique>& clique, std::vector<P2pOp> ops) {
+  struct Finish {
+    ncclComm* comm;
+    ~Finish() { comm->finished.fetch_add(1); }
+  } finish{comm};
+  if (comm->aborted.load()) return;
+  for (const P2pOp& op : ops) {
+    const void* data = op.is_send ? op.send : op.recv;
+    if (!OnDevice(data, op.count * TypeSize(op.type), comm->device)) {
+      char what[200];
+      std::snprintf(what, sizeof(what), "rank %d's %s, buffer %p", comm->rank,
+                    DescribeP2p(op).c_str(), data);
+      FaultDevice(comm->device, what);
+      comm->state.store(ncclUnhandledCudaError);
+      return;
+    }
+  }
+  std::unique_lock<std::mutex> lock(clique->mu);
+  if (comm->aborted.load()) return;
+  std::vector<std::shared_ptr<Posted>> mine;
+  for (const P2pOp& op : ops) {
+    if (!op.is_send) continue;
+    auto posted = std::make_shared<Posted>(Posted{op.send, op.count, op.type});
+    clique->channels[{comm->rank, op.peer}].push_back(posted);
+    mine.push_back(std::move(posted));
+  }
+  clique->cv.notify_all();
+  for (const P2pOp& op : ops) {
+    if (op.is_send) continue;
+    auto& queue = clique->channels[{op.peer, comm->rank}];
+    clique->cv.wait(lock, [&] { return !queue.empty() || comm->aborted.load(); });
+    if (comm->aborted.load()) return;  // AbortCalls withdrew this rank's sends
+    std::shared_ptr<Posted> posted = queue.front();
+    queue.pop_front();
+    if (posted->count != op.count || posted->type != op.type) {
+      Violation(
+          "rank %d's %s pairs with rank %d's Send(count=%zu, datatype=%d) (NCCL: undefined, "
+          "typically a hang)",
+          comm->rank, DescribeP2p(op).c_str(), op.peer, posted->count,
+          static_cast<int>(posted->type));
+      clique->cv.wait(lock, [&] { return comm->aborted.load(); });
+      return;
+    }
+    if (op.count > 0) std::memcpy(op.recv, posted->data, op.count * TypeSize(op.type));
+    posted->consumed = true;
+    clique->cv.notify_all();
+  }
+  clique->cv.wait(lock, [&] {
+    return comm->aborted.load() ||
+           std::all_of(mine.begin(), mine.end(), [](const auto& p) { return p->consumed; });
+  });
+}
+
+// Under clique->mu: whether every peer of `peers` issued a group naming `rank`.
+bool PeersConnectedLocked(const Clique& clique, int rank, const std::set<int>& peers) {
+  for (const int peer : peers) {
+    if (clique.p2p_wants.count({peer, rank}) == 0) return false;
+  }
+  return true;
+}
+
+// ncclGroupEnd's work for one communicator: NCCL's checks, then one kernel on the stream.
+ncclResult_t IssueP2p(ncclComm* comm, const std::vector<P2pOp>& ops) {
+  const char* name = "ncclGroupEnd";
+  if (ncclResult_t r = CheckComm(comm, name); r != ncclSuccess) return r;
+  std::unique_lock<std::mutex> comm_lock(comm->mu);
+  if (ncclResult_t r = ReadyLocked(comm, name); r != ncclSuccess) return r;
+  auto refuse = [&](ncclResult_t result) {
+    if (!comm->blocking) comm->state.store(result);
+    return result;
+  };
+  for (const P2pOp& op : ops) {
+    if (op.stream != ops.front().stream) {
+      Violation("rank %d's group names several streams: not modelled", comm->rank);
+      return refuse(ncclInvalidUsage);
+    }
+  }
+  std::shared_ptr<CUstream_st> target;
+  if (ncclResult_t r = StreamFor(comm, ops.front().stream, name, &target); r != ncclSuccess) {
+    return refuse(r);
+  }
+  std::set<int> fresh;  // peers this group connects
+  for (const P2pOp& op : ops) {
+    if (op.peer != comm->rank && comm->p2p_connected.count(op.peer) == 0) fresh.insert(op.peer);
+  }
+  std::shared_ptr<Clique> clique = comm->clique;
+  {
+    std::lock_guard<std::mutex> lock(clique->mu);
+    for (const P2pOp& op : ops) {
+      if (op.peer != comm->rank) clique->p2p_wants.insert({comm->rank, op.peer});
+    }
+    clique->cv.notify_all();
+  }
+  comm->p2p_connected.insert(fresh.begin(), fresh.end());
+  std::function<void()> fn = [comm, clique, ops] { RunP2p(comm, clique, ops); };
+  ++comm->issued;
+  const int rank = comm->rank;
+  auto connected = [clique, rank, fresh] {
+    std::lock_guard<std::mutex> lock(clique->mu);
+    return PeersConnectedLocked(*clique, rank, fresh);
+  };
+  if (!fresh.empty()) {
+    if (!comm->blocking) {
+      comm->pending = ncclComm::Pending{target, std::move(fn), Clock::now(), connected};
+      comm->state.store(ncclInProgress);
+      return ncclInProgress;
+    }
+    std::unique_lock<std::mutex> lock(clique->mu);
+    clique->cv.wait(lock, [&] {
+      return PeersConnectedLocked(*clique, rank, fresh) || comm->aborted.load();
+    });
+  }
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  EnqueueLocked(target, std::move(fn));
+  return ncclSuccess;
+}
+
+// Ends the calling thread's outermost group: issues each communicator's operations, in the
+// order the communicators first appear. Returns the first refusal, else ncclInProgress if a
+// non-blocking communicator is connecting, else ncclSuccess.
+ncclResult_t FlushGroup() {
+  std::vector<std::pair<ncclComm*, P2pOp>> ops = std::move(group_ops);
+  group_ops.clear();
+  const ncclResult_t refused = group_error;
+  group_error = ncclSuccess;
+  if (refused != ncclSuccess) return refused;
+  std::vector<std::pair<ncclComm*, std::vector<P2pOp>>> by_comm;
+  for (const auto& [comm, op] : ops) {
+    auto it = std::find_if(by_comm.begin(), by_comm.end(),
+                           [comm = comm](const auto& entry) { return entry.first == comm; });
+    if (it == by_comm.end()) it = by_comm.insert(by_comm.end(), {comm, {}});
+    it->second.push_back(op);
+  }
+  ncclResult_t result = ncclSuccess;
+  for (const auto& [comm, list] : by_comm) {
+    const ncclResult_t r = IssueP2p(comm, list);
+    if (r != ncclSuccess && (result == ncclSuccess || result == ncclInProgress)) result = r;
+  }
+  return result;
+}
+
+// ncclSend and ncclRecv: NCCL's argument checks, then the operation joins the thread's group
+// (a group of its own outside one).
+ncclResult_t PointToPoint(ncclComm* comm, P2pOp op, const char* name) {
+  auto fail = [&](ncclResult_t result) {
+    if (group_depth > 0 && group_error == ncclSuccess) group_error = result;
+    return result;
+  };
+  if (ncclResult_t r = CheckComm(comm, name); r != ncclSuccess) return fail(r);
+  auto refuse = [&](ncclResult_t result) {
+    if (!comm->blocking) comm->state.store(result);
+    return fail(result);
+  };
+  if (op.type < 0 || op.type >= ncclNumTypes) {
+    SetLastError("%s: invalid type %d", name, static_cast<int>(op.type));
+    return refuse(ncclInvalidArgument);
+  }
+  if (op.type == ncclFloat8e4m3 || op.type == ncclFloat8e5m2) {
+    SetLastError("%s: fp8 types are not implemented by the fake", name);
+    return refuse(ncclInvalidArgument);
+  }
+  if (op.peer < 0 || op.peer >= comm->nranks) {
+    SetLastError("%s: invalid peer %d (peer should be in the 0..%d range)", name, op.peer,
+                 comm->nranks);
+    return refuse(ncclInvalidArgument);
+  }
+  group_ops.emplace_back(comm, op);
+  if (group_depth == 0) return FlushGroup();
+  return ncclSuccess;
 }
 
 const char* CudaErrorText(cudaError_t error) {
@@ -1354,6 +1607,36 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclD
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   return Collective(comm, stream, Call{Coll::kReduceScatter, send, recv, count, type, op, 0},
                     "ncclReduceScatter");
+}
+
+ncclResult_t ncclReduce(const void* send, void* recv, size_t count, ncclDataType_t type,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
+  return Collective(comm, stream, Call{Coll::kReduce, send, recv, count, type, op, root},
+                    "ncclReduce");
+}
+
+ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t type, int peer,
+                      ncclComm_t comm, cudaStream_t stream) {
+  return PointToPoint(comm, P2pOp{true, send, nullptr, count, type, peer, stream}, "ncclSend");
+}
+
+ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return PointToPoint(comm, P2pOp{false, nullptr, recv, count, type, peer, stream}, "ncclRecv");
+}
+
+ncclResult_t ncclGroupStart() {
+  ++group_depth;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+  if (group_depth == 0) {
+    Violation("ncclGroupEnd without ncclGroupStart");
+    return ncclInvalidUsage;
+  }
+  if (--group_depth > 0) return ncclSuccess;
+  return FlushGroup();
 }
 
 // The fake's own entry point (see the file comment); not part of NCCL.
