@@ -296,6 +296,54 @@ coll_status coll_all_reduce_many(coll_comm* comm, void* const* buffers, const si
 coll_status coll_broadcast_many(coll_comm* comm, void* const* buffers, const size_t* counts,
                                 size_t n, coll_dtype dtype, int root, size_t bytes_per_pack);
 
+/* ---- Rooted collectives, all-to-all, and point to point. ----
+ * As collectives/communication.h defines them (MPI's and NCCL's semantics). A buffer a rank does
+ * not use (recvbuff off the root of a reduce or a gather, sendbuff off the root of a scatter) is
+ * neither read nor written, and may be NULL. A root or peer outside [0, size) returns
+ * COLL_INVALID_ARGUMENT. */
+
+/* recvbuff on `root` = op over all ranks of sendbuff, `count` elements of `dtype` each. In place
+ * iff the root's sendbuff == recvbuff; otherwise the two must not overlap. */
+coll_status coll_reduce(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                        coll_dtype dtype, coll_op op, int root);
+
+/* recvbuff on `root` = the concatenation, in rank order, of every rank's sendbuff. sendbuff holds
+ * count_per_rank elements; the root's recvbuff holds size * count_per_rank. In place iff the
+ * root's sendbuff == recvbuff + root * count_per_rank elements. */
+coll_status coll_gather(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                        size_t count_per_rank, coll_dtype dtype, int root);
+
+/* recvbuff = block `rank` of root's sendbuff. recvbuff holds count_per_rank elements; the root's
+ * sendbuff holds size * count_per_rank, block r being elements
+ * [r * count_per_rank, (r + 1) * count_per_rank). In place iff the root's
+ * recvbuff == sendbuff + root * count_per_rank elements. */
+coll_status coll_scatter(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                         size_t count_per_rank, coll_dtype dtype, int root);
+
+/* Block j of recvbuff = block `rank` of rank j's sendbuff; blocks lie back to back in rank order.
+ * With send_counts and recv_counts both NULL the blocks are equal: each buffer holds
+ * size * count_per_rank elements. Otherwise both are arrays of size entries (count_per_rank must
+ * then be 0): send_counts[j] elements go to rank j, recv_counts[j] come from rank j, and each
+ * buffer holds the sum of its array. Rank j's send_counts[rank] must equal this rank's
+ * recv_counts[j] (COLL_MISMATCH otherwise, where the implementation checks it: see
+ * communication.h). sendbuff and recvbuff must not overlap. The arrays are read during the call
+ * only (also for the _async form). */
+coll_status coll_all_to_all(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                            size_t count_per_rank, const size_t* send_counts,
+                            const size_t* recv_counts, coll_dtype dtype);
+
+/* Point to point: not collectives; only the two ranks take part and neither takes a place in the
+ * sequence of collectives. coll_send sends `count` elements of `dtype` from sendbuff to rank
+ * `peer`, whose coll_recv(..., this rank, tag) receives them into recvbuff. Between two ranks,
+ * sends are received in the order they were issued; a receive whose dtype, count or tag differs
+ * from its send's returns COLL_MISMATCH on both. Sends and receives run in issue order with the
+ * rank's collectives, and a send may wait for its receive: two ranks that both send first, and
+ * receive after, can wait for each other until the timeout. */
+coll_status coll_send(coll_comm* comm, const void* sendbuff, size_t count, coll_dtype dtype,
+                      int peer, int64_t tag);
+coll_status coll_recv(coll_comm* comm, void* recvbuff, size_t count, coll_dtype dtype, int peer,
+                      int64_t tag);
+
 /* ---- Asynchronous collectives. ----
  * Each coll_*_async function takes the arguments of its blocking form and checks them, queues the
  * collective behind those already issued on the communicator, and returns at once with *work set
@@ -343,6 +391,21 @@ coll_status coll_all_reduce_many_async(coll_comm* comm, void* const* buffers, co
 coll_status coll_broadcast_many_async(coll_comm* comm, void* const* buffers, const size_t* counts,
                                       size_t n, coll_dtype dtype, int root, size_t bytes_per_pack,
                                       coll_work** work);
+
+coll_status coll_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                              coll_dtype dtype, coll_op op, int root, coll_work** work);
+coll_status coll_gather_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                              size_t count_per_rank, coll_dtype dtype, int root, coll_work** work);
+coll_status coll_scatter_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                               size_t count_per_rank, coll_dtype dtype, int root,
+                               coll_work** work);
+coll_status coll_all_to_all_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                  size_t count_per_rank, const size_t* send_counts,
+                                  const size_t* recv_counts, coll_dtype dtype, coll_work** work);
+coll_status coll_send_async(coll_comm* comm, const void* sendbuff, size_t count, coll_dtype dtype,
+                            int peer, int64_t tag, coll_work** work);
+coll_status coll_recv_async(coll_comm* comm, void* recvbuff, size_t count, coll_dtype dtype,
+                            int peer, int64_t tag, coll_work** work);
 
 /* Blocks until the collective completed (at most its communicator's timeout after it started)
  * and returns its status: COLL_OK, or the failure, with coll_last_error naming it. May be called

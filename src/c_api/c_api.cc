@@ -351,6 +351,120 @@ coll_status Barrier(const char* function, Mode mode, coll_comm* comm, coll_work*
   });
 }
 
+// A buffer the call reads or writes only on the root: its tensor there, an empty one elsewhere
+// (not read, not written, and NULL allowed whatever the count).
+Tensor RootOnlyTensorOf(const CollectiveCommunication& c, int root, const char* name,
+                        const void* data, size_t count, DataType dtype) {
+  if (c.rank() != root) return Tensor{nullptr, 0, dtype};
+  return TensorOf(name, data, count, dtype);
+}
+
+coll_status Reduce(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                   void* recvbuff, size_t count, coll_dtype dtype, coll_op op, int root,
+                   coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const ReduceOp reduce = ReduceOpOf(op);
+    const Tensor send = TensorOf("sendbuff", sendbuff, count, type);
+    const Tensor recv = RootOnlyTensorOf(c, root, "recvbuff", recvbuff, count, type);
+    if (async) return c.ReduceAsync(send, recv, reduce, root);
+    c.Reduce(send, recv, reduce, root);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status Gather(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                   void* recvbuff, size_t count_per_rank, coll_dtype dtype, int root,
+                   coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const size_t total = TimesSize("count_per_rank", count_per_rank, c.size());
+    const Tensor send = TensorOf("sendbuff", sendbuff, count_per_rank, type);
+    const Tensor recv = RootOnlyTensorOf(c, root, "recvbuff", recvbuff, total, type);
+    if (async) return c.GatherAsync(send, recv, root);
+    c.Gather(send, recv, root);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status Scatter(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                    void* recvbuff, size_t count_per_rank, coll_dtype dtype, int root,
+                    coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    const size_t total = TimesSize("count_per_rank", count_per_rank, c.size());
+    const Tensor send = RootOnlyTensorOf(c, root, "sendbuff", sendbuff, total, type);
+    const Tensor recv = TensorOf("recvbuff", recvbuff, count_per_rank, type);
+    if (async) return c.ScatterAsync(send, recv, root);
+    c.Scatter(send, recv, root);
+    return std::shared_ptr<Work>();
+  });
+}
+
+// An all-to-all's count array as a vector of size() entries, and its sum, checked.
+std::vector<size_t> CountsOf(const char* name, const size_t* counts, int size, size_t* total) {
+  std::vector<size_t> out(counts, counts + size);
+  *total = 0;
+  for (const size_t count : out) {
+    if (count > SIZE_MAX - *total) {
+      InvalidArgument(std::string(name) + " sums to more than size_t holds");
+    }
+    *total += count;
+  }
+  return out;
+}
+
+coll_status AllToAll(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                     void* recvbuff, size_t count_per_rank, const size_t* send_counts,
+                     const size_t* recv_counts, coll_dtype dtype, coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const DataType type = DataTypeOf(dtype);
+    std::vector<size_t> sends, recvs;
+    size_t send_total = 0, recv_total = 0;
+    if (send_counts == nullptr && recv_counts == nullptr) {
+      send_total = recv_total = TimesSize("count_per_rank", count_per_rank, c.size());
+    } else {
+      if (send_counts == nullptr || recv_counts == nullptr) {
+        InvalidArgument(std::string(send_counts == nullptr ? "send_counts" : "recv_counts") +
+                        " is NULL but " + (send_counts == nullptr ? "recv_counts" : "send_counts") +
+                        " is not: pass both (uneven blocks) or neither (equal blocks)");
+      }
+      if (count_per_rank != 0) {
+        InvalidArgument("count_per_rank is " + std::to_string(count_per_rank) +
+                        ", not 0, but send_counts and recv_counts are given");
+      }
+      sends = CountsOf("send_counts", send_counts, c.size(), &send_total);
+      recvs = CountsOf("recv_counts", recv_counts, c.size(), &recv_total);
+    }
+    const Tensor send = TensorOf("sendbuff", sendbuff, send_total, type);
+    const Tensor recv = TensorOf("recvbuff", recvbuff, recv_total, type);
+    if (async) return c.AllToAllAsync(send, recv, sends, recvs);
+    c.AllToAll(send, recv, sends, recvs);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status Send(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
+                 size_t count, coll_dtype dtype, int peer, int64_t tag,
+                 coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const Tensor tensor = TensorOf("sendbuff", sendbuff, count, DataTypeOf(dtype));
+    if (async) return c.SendAsync(tensor, peer, tag);
+    c.Send(tensor, peer, tag);
+    return std::shared_ptr<Work>();
+  });
+}
+
+coll_status Recv(const char* function, Mode mode, coll_comm* comm, void* recvbuff, size_t count,
+                 coll_dtype dtype, int peer, int64_t tag, coll_work** work) noexcept {
+  return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
+    const Tensor tensor = TensorOf("recvbuff", recvbuff, count, DataTypeOf(dtype));
+    if (async) return c.RecvAsync(tensor, peer, tag);
+    c.Recv(tensor, peer, tag);
+    return std::shared_ptr<Work>();
+  });
+}
+
 struct CreateOptions {
   CommunicationOptions communication;
   size_t bytes_per_pack = 0;
@@ -622,6 +736,77 @@ coll_status coll_reduce_scatter_async(coll_comm* comm, const void* sendbuff, voi
 
 coll_status coll_barrier_async(coll_comm* comm, coll_work** work) {
   return Barrier("coll_barrier_async", Mode::kAsync, comm, work);
+}
+
+coll_status coll_reduce(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                        coll_dtype dtype, coll_op op, int root) {
+  return Reduce("coll_reduce", Mode::kBlocking, comm, sendbuff, recvbuff, count, dtype, op, root,
+                nullptr);
+}
+
+coll_status coll_gather(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                        size_t count_per_rank, coll_dtype dtype, int root) {
+  return Gather("coll_gather", Mode::kBlocking, comm, sendbuff, recvbuff, count_per_rank, dtype,
+                root, nullptr);
+}
+
+coll_status coll_scatter(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                         size_t count_per_rank, coll_dtype dtype, int root) {
+  return Scatter("coll_scatter", Mode::kBlocking, comm, sendbuff, recvbuff, count_per_rank, dtype,
+                 root, nullptr);
+}
+
+coll_status coll_all_to_all(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                            size_t count_per_rank, const size_t* send_counts,
+                            const size_t* recv_counts, coll_dtype dtype) {
+  return AllToAll("coll_all_to_all", Mode::kBlocking, comm, sendbuff, recvbuff, count_per_rank,
+                  send_counts, recv_counts, dtype, nullptr);
+}
+
+coll_status coll_send(coll_comm* comm, const void* sendbuff, size_t count, coll_dtype dtype,
+                      int peer, int64_t tag) {
+  return Send("coll_send", Mode::kBlocking, comm, sendbuff, count, dtype, peer, tag, nullptr);
+}
+
+coll_status coll_recv(coll_comm* comm, void* recvbuff, size_t count, coll_dtype dtype, int peer,
+                      int64_t tag) {
+  return Recv("coll_recv", Mode::kBlocking, comm, recvbuff, count, dtype, peer, tag, nullptr);
+}
+
+coll_status coll_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
+                              coll_dtype dtype, coll_op op, int root, coll_work** work) {
+  return Reduce("coll_reduce_async", Mode::kAsync, comm, sendbuff, recvbuff, count, dtype, op,
+                root, work);
+}
+
+coll_status coll_gather_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                              size_t count_per_rank, coll_dtype dtype, int root, coll_work** work) {
+  return Gather("coll_gather_async", Mode::kAsync, comm, sendbuff, recvbuff, count_per_rank, dtype,
+                root, work);
+}
+
+coll_status coll_scatter_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                               size_t count_per_rank, coll_dtype dtype, int root,
+                               coll_work** work) {
+  return Scatter("coll_scatter_async", Mode::kAsync, comm, sendbuff, recvbuff, count_per_rank,
+                 dtype, root, work);
+}
+
+coll_status coll_all_to_all_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
+                                  size_t count_per_rank, const size_t* send_counts,
+                                  const size_t* recv_counts, coll_dtype dtype, coll_work** work) {
+  return AllToAll("coll_all_to_all_async", Mode::kAsync, comm, sendbuff, recvbuff, count_per_rank,
+                  send_counts, recv_counts, dtype, work);
+}
+
+coll_status coll_send_async(coll_comm* comm, const void* sendbuff, size_t count, coll_dtype dtype,
+                            int peer, int64_t tag, coll_work** work) {
+  return Send("coll_send_async", Mode::kAsync, comm, sendbuff, count, dtype, peer, tag, work);
+}
+
+coll_status coll_recv_async(coll_comm* comm, void* recvbuff, size_t count, coll_dtype dtype,
+                            int peer, int64_t tag, coll_work** work) {
+  return Recv("coll_recv_async", Mode::kAsync, comm, recvbuff, count, dtype, peer, tag, work);
 }
 
 coll_status coll_work_wait(coll_work* work) {
