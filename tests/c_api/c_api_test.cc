@@ -4,10 +4,11 @@
 // coll_comm_create_from_tf_config on a real TCP store; packed lists (coll_all_reduce_many,
 // coll_broadcast_many) of odd sizes, and lists that differ across ranks; the asynchronous forms
 // (every collective in flight at once, waited on, polled, or freed unwaited; handles that
-// outlive their communicator); coll_comm_split and coll_comm_set_timeout; the error paths (NULL
-// pointers, enum values out of range, bad options, counts that differ across ranks, malformed
-// TF_CONFIG, abort) return the documented status with a message naming the argument, never an
-// exception; status names; the last error is per thread.
+// outlive their communicator); coll_comm_split and coll_comm_set_timeout; reduce, gather,
+// scatter, the all-to-all (equal and uneven blocks) and send/recv, blocking and asynchronous;
+// the error paths (NULL pointers, enum values out of range, bad options, counts that differ
+// across ranks, malformed TF_CONFIG, abort) return the documented status with a message naming
+// the argument, never an exception; status names; the last error is per thread.
 //
 // One file: the suites share the status checks (EXPECT_STATUS, Contains) and TestOptions, and all
 // but the create suite run their ranks as threads through RunRanks.
@@ -1466,6 +1467,395 @@ TEST(CApiErrorTest, LastErrorIsPerThreadAndKeptOverSuccesses) {
   coll_options options;
   EXPECT_OK(coll_options_init(&options));
   EXPECT_EQ(std::string(coll_last_error()), mine);  // a success does not clear it
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rooted collectives, all-to-all, and point to point, per world size.
+// ---------------------------------------------------------------------------------------------
+
+class CApiRootedTest : public ::testing::TestWithParam<int> {};
+
+// What an output buffer holds beforehand where the call must not write: no result equals it.
+constexpr double kUntouched = 99;
+
+void FillWith(DataType dtype, std::vector<uint8_t>& buffer, size_t count, double value) {
+  for (size_t i = 0; i < count; ++i) Store(dtype, buffer.data(), i, value);
+}
+
+TEST_P(CApiRootedTest, ReduceEveryDtypeAndOpToTheFirstAndLastRoot) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    for (int root : {0, size - 1}) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{17000}}) {
+        for (int d = 0; d < collectives::kNumDataTypes; ++d) {
+          for (int o = 0; o < collectives::kNumReduceOps; ++o) {
+            for (bool in_place : {false, true}) {
+              const auto dtype = static_cast<DataType>(d);
+              const auto op = static_cast<ReduceOp>(o);
+              std::vector<uint8_t> send = Buffer(dtype, count), recv = Buffer(dtype, count);
+              std::vector<uint8_t>& input = in_place ? recv : send;
+              Fill(dtype, op, rank, input.data(), count);
+              // Off the root recvbuff is not used: NULL there when out of place.
+              void* recvbuff = in_place || rank == root ? recv.data() : nullptr;
+              EXPECT_OK(coll_reduce(comm, input.data(), recvbuff, count, C(dtype), C(op), root));
+              const std::string what = Describe("reduce", rank, dtype, op, count, in_place) +
+                                       " root=" + std::to_string(root);
+              if (rank == root) {
+                ExpectElements(what, dtype, recv, count,
+                               [&](size_t i) { return Expected(op, dtype, size, i); });
+              } else {
+                ExpectElements(what + " (input unchanged)", dtype, input, count,
+                               [&](size_t i) {
+                                 return Stored(dtype, InputValue(op, dtype, rank, i));
+                               });
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CApiRootedTest, GatherToEveryRoot) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    for (int root = 0; root < size; ++root) {
+      for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kInt8,
+                             DataType::kInt64, DataType::kFloat16}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{10007}}) {
+          for (bool in_place : {false, true}) {
+            const size_t total = count * size_t(size);
+            std::vector<uint8_t> send = Buffer(dtype, count), recv = Buffer(dtype, total);
+            FillWith(dtype, recv, total, kUntouched);
+            // In place on the root: its block of recvbuff is the input.
+            uint8_t* input = in_place && rank == root
+                                 ? recv.data() + size_t(rank) * count * SizeOf(dtype)
+                                 : send.data();
+            Fill(dtype, ReduceOp::kSum, rank, input, count);
+            void* recvbuff = rank == root ? recv.data() : nullptr;
+            EXPECT_OK(coll_gather(comm, input, recvbuff, count, C(dtype), root));
+            ExpectElements(Describe("gather", rank, dtype, ReduceOp::kSum, count, in_place) +
+                               " root=" + std::to_string(root),
+                           dtype, recv, total, [&](size_t i) {
+                             if (rank != root) return Stored(dtype, kUntouched);
+                             return Stored(dtype, InputValue(ReduceOp::kSum, dtype,
+                                                             int(i / count), i % count));
+                           });
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CApiRootedTest, ScatterFromEveryRoot) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    for (int root = 0; root < size; ++root) {
+      for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kUInt8,
+                             DataType::kInt32, DataType::kBFloat16}) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{10007}}) {
+          for (bool in_place : {false, true}) {
+            const size_t total = count * size_t(size);
+            std::vector<uint8_t> send = Buffer(dtype, total), recv = Buffer(dtype, count);
+            FillWith(dtype, recv, count, kUntouched);
+            // The root's send holds block r = InputValue(root, r * count + i).
+            if (rank == root) Fill(dtype, ReduceOp::kSum, root, send.data(), total);
+            // In place on the root: the result is its own block of sendbuff, left as it is.
+            uint8_t* output = in_place && rank == root
+                                  ? send.data() + size_t(rank) * count * SizeOf(dtype)
+                                  : recv.data();
+            const void* sendbuff = rank == root ? send.data() : nullptr;
+            EXPECT_OK(coll_scatter(comm, sendbuff, output, count, C(dtype), root));
+            std::vector<uint8_t> result(output, output + count * SizeOf(dtype));
+            result.push_back(recv.back());
+            ExpectElements(Describe("scatter", rank, dtype, ReduceOp::kSum, count, in_place) +
+                               " root=" + std::to_string(root),
+                           dtype, result, count, [&](size_t i) {
+                             return Stored(dtype, InputValue(ReduceOp::kSum, dtype, root,
+                                                             size_t(rank) * count + i));
+                           });
+          }
+        }
+      }
+    }
+  });
+}
+
+// Elements rank `src` sends to rank `dst` in the uneven all-to-all: 0 for some pairs.
+size_t UnevenCount(size_t count, int src, int dst) {
+  return (count * size_t(src + 2 * dst + 1)) % (count + 3);
+}
+
+TEST_P(CApiRootedTest, AllToAllEqualAndUnevenBlocks) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    const size_t n = size_t(size);
+    for (DataType dtype : {DataType::kFloat32, DataType::kFloat64, DataType::kInt8,
+                           DataType::kInt64, DataType::kFloat16}) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{10007}}) {
+        const std::string what = Describe("all_to_all", rank, dtype, ReduceOp::kSum, count, false);
+        // Equal blocks: element k of rank j's send is InputValue(j, k).
+        std::vector<uint8_t> send = Buffer(dtype, n * count), recv = Buffer(dtype, n * count);
+        Fill(dtype, ReduceOp::kSum, rank, send.data(), n * count);
+        EXPECT_OK(coll_all_to_all(comm, send.data(), recv.data(), count, nullptr, nullptr,
+                                  C(dtype)));
+        ExpectElements(what, dtype, recv, n * count, [&](size_t k) {
+          return Stored(dtype, InputValue(ReduceOp::kSum, dtype, int(k / count),
+                                          size_t(rank) * count + k % count));
+        });
+        // Uneven blocks, some empty.
+        std::vector<size_t> send_counts(n), recv_counts(n), want;
+        size_t send_total = 0, recv_total = 0;
+        for (int j = 0; j < size; ++j) {
+          send_counts[size_t(j)] = UnevenCount(count, rank, j);
+          recv_counts[size_t(j)] = UnevenCount(count, j, rank);
+          send_total += send_counts[size_t(j)];
+          recv_total += recv_counts[size_t(j)];
+          size_t offset_in_j = 0;  // where rank j's block for this rank starts in j's send
+          for (int d = 0; d < rank; ++d) offset_in_j += UnevenCount(count, j, d);
+          for (size_t t = 0; t < recv_counts[size_t(j)]; ++t) {
+            want.push_back(size_t(j) << 32 | (offset_in_j + t));
+          }
+        }
+        std::vector<uint8_t> usend = Buffer(dtype, send_total), urecv = Buffer(dtype, recv_total);
+        Fill(dtype, ReduceOp::kSum, rank, usend.data(), send_total);
+        EXPECT_OK(coll_all_to_all(comm, usend.data(), urecv.data(), 0, send_counts.data(),
+                                  recv_counts.data(), C(dtype)));
+        ExpectElements("uneven " + what, dtype, urecv, recv_total, [&](size_t k) {
+          return Stored(dtype, InputValue(ReduceOp::kSum, dtype, int(want[k] >> 32),
+                                          want[k] & 0xffffffffu));
+        });
+      }
+    }
+  });
+}
+
+// Around the ring, twice with two tags: rank 0 sends first and the others receive first, so the
+// blocking calls form a chain; then the same with the asynchronous forms, all issued before any
+// is waited on.
+TEST_P(CApiRootedTest, SendAndRecvAroundTheRing) {
+  const int size = GetParam();
+  if (size == 1) GTEST_SKIP() << "point to point needs two ranks";
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    for (DataType dtype : {DataType::kFloat32, DataType::kInt64, DataType::kBFloat16}) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{100003}}) {
+        std::vector<uint8_t> out1 = Buffer(dtype, count), out2 = Buffer(dtype, count);
+        std::vector<uint8_t> in1 = Buffer(dtype, count), in2 = Buffer(dtype, count);
+        Fill(dtype, ReduceOp::kSum, rank, out1.data(), count);
+        Fill(dtype, ReduceOp::kSum, rank + 10, out2.data(), count);
+        auto sends = [&] {
+          EXPECT_OK(coll_send(comm, out1.data(), count, C(dtype), next, 1));
+          EXPECT_OK(coll_send(comm, out2.data(), count, C(dtype), next, 2));
+        };
+        auto recvs = [&] {
+          EXPECT_OK(coll_recv(comm, in1.data(), count, C(dtype), prev, 1));
+          EXPECT_OK(coll_recv(comm, in2.data(), count, C(dtype), prev, 2));
+        };
+        if (rank == 0) {
+          sends();
+          recvs();
+        } else {
+          recvs();
+          sends();
+        }
+        const std::string what = Describe("recv", rank, dtype, ReduceOp::kSum, count, false);
+        auto from = [&](int sender) {
+          return [=](size_t i) { return Stored(dtype, InputValue(ReduceOp::kSum, dtype, sender, i)); };
+        };
+        ExpectElements(what + " #1", dtype, in1, count, from(prev));
+        ExpectElements(what + " #2", dtype, in2, count, from(prev + 10));
+
+        std::vector<uint8_t> in3 = Buffer(dtype, count);
+        coll_work* first = nullptr;
+        coll_work* second = nullptr;
+        if (rank == 0) {
+          EXPECT_OK(coll_send_async(comm, out2.data(), count, C(dtype), next, 3, &first));
+          EXPECT_OK(coll_recv_async(comm, in3.data(), count, C(dtype), prev, 3, &second));
+        } else {
+          EXPECT_OK(coll_recv_async(comm, in3.data(), count, C(dtype), prev, 3, &first));
+          EXPECT_OK(coll_send_async(comm, out2.data(), count, C(dtype), next, 3, &second));
+        }
+        EXPECT_OK(coll_work_wait(second));
+        EXPECT_OK(coll_work_free(second));
+        EXPECT_OK(coll_work_free(first));
+        ExpectElements(what + " async", dtype, in3, count, from(prev + 10));
+      }
+    }
+  });
+}
+
+// The asynchronous forms of the rooted collectives and the all-to-all, all in flight at once,
+// then waited on in reverse order.
+TEST_P(CApiRootedTest, AsyncRootedCollectivesInFlightTogether) {
+  const int size = GetParam();
+  RunRanks(size, [size](coll_comm* comm, int rank) {
+    const size_t n = size_t(size), count = 1001;
+    const int root = size - 1;
+    const DataType dtype = DataType::kInt32;
+    std::vector<uint8_t> reduce_in = Buffer(dtype, count), reduce_out = Buffer(dtype, count);
+    std::vector<uint8_t> gather_in = Buffer(dtype, count), gather_out = Buffer(dtype, n * count);
+    std::vector<uint8_t> scatter_in = Buffer(dtype, n * count), scatter_out = Buffer(dtype, count);
+    std::vector<uint8_t> a2a_in = Buffer(dtype, n * count), a2a_out = Buffer(dtype, n * count);
+    Fill(dtype, ReduceOp::kMax, rank, reduce_in.data(), count);
+    Fill(dtype, ReduceOp::kSum, rank, gather_in.data(), count);
+    Fill(dtype, ReduceOp::kSum, rank, scatter_in.data(), n * count);
+    Fill(dtype, ReduceOp::kSum, rank, a2a_in.data(), n * count);
+    coll_work* works[4] = {};
+    EXPECT_OK(coll_reduce_async(comm, reduce_in.data(), reduce_out.data(), count, COLL_INT32,
+                                COLL_MAX, root, &works[0]));
+    EXPECT_OK(coll_gather_async(comm, gather_in.data(), gather_out.data(), count, COLL_INT32,
+                                root, &works[1]));
+    EXPECT_OK(coll_scatter_async(comm, scatter_in.data(), scatter_out.data(), count, COLL_INT32,
+                                 root, &works[2]));
+    EXPECT_OK(coll_all_to_all_async(comm, a2a_in.data(), a2a_out.data(), count, nullptr, nullptr,
+                                    COLL_INT32, &works[3]));
+    for (int k = 3; k >= 0; --k) {
+      EXPECT_OK(coll_work_wait(works[k]));
+      EXPECT_OK(coll_work_free(works[k]));
+    }
+    auto input = [&](int r, size_t i) { return InputValue(ReduceOp::kSum, dtype, r, i); };
+    if (rank == root) {
+      ExpectElements("reduce_async", dtype, reduce_out, count,
+                     [&](size_t i) { return Expected(ReduceOp::kMax, dtype, size, i); });
+      ExpectElements("gather_async", dtype, gather_out, n * count,
+                     [&](size_t k) { return input(int(k / count), k % count); });
+    }
+    ExpectElements("scatter_async", dtype, scatter_out, count,
+                   [&](size_t i) { return input(root, size_t(rank) * count + i); });
+    ExpectElements("all_to_all_async", dtype, a2a_out, n * count, [&](size_t k) {
+      return input(int(k / count), size_t(rank) * count + k % count);
+    });
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CApiRootedTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& param_info) {
+                           return "world" + std::to_string(param_info.param);
+                         });
+
+// The arguments the C API itself checks (NULL comm, enum values, the all-to-all's count arrays,
+// sizes that overflow) and those the communicator checks (roots, peers, NULL buffers with
+// elements) return COLL_INVALID_ARGUMENT naming them, the rank once the communicator is known,
+// with no handle and nothing queued.
+TEST(CApiRootedErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x[4] = {1, 2, 3, 4};
+  float y[4] = {0, 0, 0, 0};
+  const size_t one[1] = {4};
+  const size_t huge[1] = {SIZE_MAX / 2};
+  const coll_dtype bad_dtype = static_cast<coll_dtype>(99);
+  const coll_op bad_op = static_cast<coll_op>(42);
+  struct Case {
+    std::function<coll_status()> call;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {[&] { return coll_reduce(nullptr, x, y, 4, COLL_FLOAT32, COLL_SUM, 0); },
+       "coll_reduce: comm is NULL"},
+      {[&] { return coll_gather(nullptr, x, y, 4, COLL_FLOAT32, 0); }, "coll_gather: comm is NULL"},
+      {[&] { return coll_scatter(nullptr, x, y, 4, COLL_FLOAT32, 0); },
+       "coll_scatter: comm is NULL"},
+      {[&] { return coll_all_to_all(nullptr, x, y, 4, nullptr, nullptr, COLL_FLOAT32); },
+       "coll_all_to_all: comm is NULL"},
+      {[&] { return coll_send(nullptr, x, 4, COLL_FLOAT32, 0, 0); }, "coll_send: comm is NULL"},
+      {[&] { return coll_recv(nullptr, y, 4, COLL_FLOAT32, 0, 0); }, "coll_recv: comm is NULL"},
+      {[&] { return coll_reduce(comm, x, y, 4, bad_dtype, COLL_SUM, 0); },
+       "coll_reduce: rank 0: dtype 99"},
+      {[&] { return coll_reduce(comm, x, y, 4, COLL_FLOAT32, bad_op, 0); },
+       "coll_reduce: rank 0: op 42"},
+      {[&] { return coll_gather(comm, x, y, 4, bad_dtype, 0); }, "coll_gather: rank 0: dtype 99"},
+      {[&] { return coll_scatter(comm, x, y, 4, bad_dtype, 0); },
+       "coll_scatter: rank 0: dtype 99"},
+      {[&] { return coll_all_to_all(comm, x, y, 4, nullptr, nullptr, bad_dtype); },
+       "coll_all_to_all: rank 0: dtype 99"},
+      {[&] { return coll_send(comm, x, 4, bad_dtype, 0, 0); }, "coll_send: rank 0: dtype 99"},
+      {[&] { return coll_recv(comm, y, 4, bad_dtype, 0, 0); }, "coll_recv: rank 0: dtype 99"},
+      // The all-to-all's count arrays: both or neither, count_per_rank 0 with them, sums that fit.
+      {[&] { return coll_all_to_all(comm, x, y, 0, one, nullptr, COLL_FLOAT32); },
+       "coll_all_to_all: rank 0: recv_counts is NULL but send_counts is not"},
+      {[&] { return coll_all_to_all(comm, x, y, 0, nullptr, one, COLL_FLOAT32); },
+       "coll_all_to_all: rank 0: send_counts is NULL but recv_counts is not"},
+      {[&] { return coll_all_to_all(comm, x, y, 4, one, one, COLL_FLOAT32); },
+       "coll_all_to_all: rank 0: count_per_rank is 4, not 0"},
+      {[&] { return coll_all_to_all(comm, x, y, 0, huge, one, COLL_FLOAT32); },
+       "coll_all_to_all: rank 0: sendbuff has"},
+      // Sizes whose bytes overflow size_t.
+      {[&] { return coll_reduce(comm, x, y, SIZE_MAX / 2, COLL_FLOAT32, COLL_SUM, 0); },
+       "more bytes than size_t holds"},
+      {[&] { return coll_gather(comm, x, y, SIZE_MAX / 2, COLL_FLOAT32, 0); },
+       "more bytes than size_t holds"},
+      {[&] { return coll_send(comm, x, SIZE_MAX / 2, COLL_FLOAT32, 0, 0); },
+       "more bytes than size_t holds"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.call(), COLL_INVALID_ARGUMENT) << c.expect;
+    EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << c.expect << " / " << coll_last_error();
+  }
+  // The same through the asynchronous forms: no handle.
+  coll_work* junk = reinterpret_cast<coll_work*>(uintptr_t{0x1});
+  const std::vector<std::pair<std::string, std::function<coll_status(coll_work**)>>> async = {
+      {"coll_reduce_async: rank 0: dtype 99",
+       [&](coll_work** w) { return coll_reduce_async(comm, x, y, 4, bad_dtype, COLL_SUM, 0, w); }},
+      {"coll_gather_async: rank 0: dtype 99",
+       [&](coll_work** w) { return coll_gather_async(comm, x, y, 4, bad_dtype, 0, w); }},
+      {"coll_scatter_async: rank 0: dtype 99",
+       [&](coll_work** w) { return coll_scatter_async(comm, x, y, 4, bad_dtype, 0, w); }},
+      {"coll_all_to_all_async: rank 0: recv_counts is NULL",
+       [&](coll_work** w) {
+         return coll_all_to_all_async(comm, x, y, 0, one, nullptr, COLL_FLOAT32, w);
+       }},
+      {"coll_send_async: rank 0: dtype 99",
+       [&](coll_work** w) { return coll_send_async(comm, x, 4, bad_dtype, 0, 0, w); }},
+      {"coll_recv_async: rank 0: dtype 99",
+       [&](coll_work** w) { return coll_recv_async(comm, y, 4, bad_dtype, 0, 0, w); }},
+  };
+  for (const auto& [expect, call] : async) {
+    coll_work* work = junk;
+    EXPECT_EQ(call(&work), COLL_INVALID_ARGUMENT) << expect;
+    EXPECT_TRUE(Contains(coll_last_error(), expect)) << expect << " / " << coll_last_error();
+    EXPECT_EQ(work, nullptr) << expect;
+  }
+  EXPECT_EQ(coll_send_async(comm, x, 4, COLL_FLOAT32, 0, 0, nullptr), COLL_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(coll_last_error()), "coll_send_async: work is NULL");
+  EXPECT_EQ(y[0], 0.0f);  // nothing written
+  EXPECT_OK(coll_comm_destroy(comm));
+}
+
+// Checks the communicator makes (the rank's own implementation): a root or a peer that is no
+// rank, a NULL buffer with elements. The message names the rank and the argument.
+TEST(CApiRootedErrorTest, RootsPeersAndNullBuffersAreCheckedByTheCommunicator) {
+  coll_comm* comm = nullptr;
+  ASSERT_EQ(coll_comm_create(0, 1, nullptr, 0, nullptr, &comm), COLL_OK);
+  float x[4] = {1, 2, 3, 4};
+  float y[4] = {0, 0, 0, 0};
+  struct Case {
+    std::function<coll_status()> call;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {[&] { return coll_reduce(comm, x, y, 4, COLL_FLOAT32, COLL_SUM, 1); }, "root 1"},
+      {[&] { return coll_gather(comm, x, y, 4, COLL_FLOAT32, -1); }, "root -1"},
+      {[&] { return coll_scatter(comm, x, y, 4, COLL_FLOAT32, 2); }, "root 2"},
+      {[&] { return coll_send(comm, x, 4, COLL_FLOAT32, 1, 0); }, "peer 1"},
+      {[&] { return coll_recv(comm, y, 4, COLL_FLOAT32, -3, 0); }, "peer -3"},
+      {[&] { return coll_reduce(comm, nullptr, y, 4, COLL_FLOAT32, COLL_SUM, 0); }, "null"},
+      {[&] { return coll_all_to_all(comm, x, nullptr, 4, nullptr, nullptr, COLL_FLOAT32); },
+       "null"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.call(), COLL_INVALID_ARGUMENT) << c.expect;
+    EXPECT_TRUE(Contains(coll_last_error(), c.expect)) << c.expect << " / " << coll_last_error();
+    EXPECT_TRUE(Contains(coll_last_error(), ": rank 0: ")) << coll_last_error();
+  }
+  EXPECT_EQ(y[0], 0.0f);  // nothing written
+  // None of them ran: the communicator still works.
+  EXPECT_OK(coll_reduce(comm, x, y, 4, COLL_FLOAT32, COLL_SUM, 0));
+  EXPECT_EQ(y[3], 4.0f);
+  EXPECT_OK(coll_comm_destroy(comm));
 }
 
 }  // namespace
