@@ -25,6 +25,7 @@ const char* ToString(CollectiveKind kind) {
 std::string CallDescriptor::ToString() const {
   std::string out = core::ToString(kind);
   if (kind == CollectiveKind::kBarrier) return out + "()";
+  if (kind == CollectiveKind::kAllToAll) return out + "(" + collectives::ToString(dtype) + ")";
   out += "(";
   out += collectives::ToString(dtype);
   if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kReduceScatter ||
@@ -47,8 +48,15 @@ std::string CallDescriptor::ToString() const {
 std::string CallTag::ToString() const {
   // Appended piece by piece: GCC 12 warns (-Wrestrict, a known false positive) on
   // "literal" + std::string temporaries here.
-  std::string out = "#";
-  out += std::to_string(seq);
+  std::string out;
+  if (seq == kPointToPointCall) return call.ToString();
+  if ((seq & kPointToPointSeqBit) != 0) {
+    out += "message #";
+    out += std::to_string(seq & ~kPointToPointSeqBit);
+  } else {
+    out += "#";
+    out += std::to_string(seq);
+  }
   out += ' ';
   out += call.ToString();
   return out;
