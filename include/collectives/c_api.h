@@ -325,20 +325,22 @@ coll_status coll_scatter(coll_comm* comm, const void* sendbuff, void* recvbuff,
  * size * count_per_rank elements. Otherwise both are arrays of size entries (count_per_rank must
  * then be 0): send_counts[j] elements go to rank j, recv_counts[j] come from rank j, and each
  * buffer holds the sum of its array. Rank j's send_counts[rank] must equal this rank's
- * recv_counts[j] (COLL_MISMATCH otherwise, where the implementation checks it: see
- * communication.h). sendbuff and recvbuff must not overlap. The arrays are read during the call
- * only (also for the _async form). */
+ * recv_counts[j], else COLL_MISMATCH on every rank, nothing written (a rank's own entries must
+ * agree too: COLL_INVALID_ARGUMENT). sendbuff and recvbuff must not overlap. The arrays are read
+ * during the call only (also by the _async form). */
 coll_status coll_all_to_all(coll_comm* comm, const void* sendbuff, void* recvbuff,
                             size_t count_per_rank, const size_t* send_counts,
                             const size_t* recv_counts, coll_dtype dtype);
 
 /* Point to point: not collectives; only the two ranks take part and neither takes a place in the
  * sequence of collectives. coll_send sends `count` elements of `dtype` from sendbuff to rank
- * `peer`, whose coll_recv(..., this rank, tag) receives them into recvbuff. Between two ranks,
- * sends are received in the order they were issued; a receive whose dtype, count or tag differs
- * from its send's returns COLL_MISMATCH on both. Sends and receives run in issue order with the
- * rank's collectives, and a send may wait for its receive: two ranks that both send first, and
- * receive after, can wait for each other until the timeout. */
+ * `peer` (another rank: this one's own is COLL_INVALID_ARGUMENT), whose
+ * coll_recv(..., this rank, tag) receives them into recvbuff. Between two ranks, sends are
+ * received in the order they were issued; a receive whose dtype, count or tag differs from its
+ * send's returns COLL_MISMATCH, writing nothing, and breaks the communicator, so the sender sees
+ * it too (at that send or a later call). Sends and receives run in issue order with the rank's
+ * collectives, and a send may wait for its receive: two ranks that both send first, and receive
+ * after, can wait for each other until the timeout. */
 coll_status coll_send(coll_comm* comm, const void* sendbuff, size_t count, coll_dtype dtype,
                       int peer, int64_t tag);
 coll_status coll_recv(coll_comm* comm, void* recvbuff, size_t count, coll_dtype dtype, int peer,

@@ -1842,6 +1842,7 @@ TEST(CApiRootedErrorTest, RootsPeersAndNullBuffersAreCheckedByTheCommunicator) {
       {[&] { return coll_scatter(comm, x, y, 4, COLL_FLOAT32, 2); }, "root 2"},
       {[&] { return coll_send(comm, x, 4, COLL_FLOAT32, 1, 0); }, "peer 1"},
       {[&] { return coll_recv(comm, y, 4, COLL_FLOAT32, -3, 0); }, "peer -3"},
+      {[&] { return coll_send(comm, x, 4, COLL_FLOAT32, 0, 0); }, "peer 0 is this rank"},
       {[&] { return coll_reduce(comm, nullptr, y, 4, COLL_FLOAT32, COLL_SUM, 0); }, "null"},
       {[&] { return coll_all_to_all(comm, x, nullptr, 4, nullptr, nullptr, COLL_FLOAT32); },
        "null"},
@@ -1856,6 +1857,40 @@ TEST(CApiRootedErrorTest, RootsPeersAndNullBuffersAreCheckedByTheCommunicator) {
   EXPECT_OK(coll_reduce(comm, x, y, 4, COLL_FLOAT32, COLL_SUM, 0));
   EXPECT_EQ(y[3], 4.0f);
   EXPECT_OK(coll_comm_destroy(comm));
+}
+
+// Arguments that differ across ranks: a receive whose tag differs from its send's, and
+// all-to-all count arrays that disagree, return COLL_MISMATCH, with nothing written; the
+// communicator is then broken on every rank.
+TEST(CApiRootedErrorTest, TagsAndCountArraysThatDisagreeAreAMismatch) {
+  RunRanks(2, [](coll_comm* comm, int rank) {
+    float x[4] = {1, 2, 3, 4};
+    float y[4] = {0, 0, 0, 0};
+    if (rank == 0) {
+      const coll_status sent = coll_send(comm, x, 4, COLL_FLOAT32, 1, 1);
+      // The send may complete before the receiver compares; the barrier after it fails then.
+      if (sent == COLL_OK) {
+        EXPECT_STATUS(COLL_MISMATCH, coll_barrier(comm));
+      } else {
+        EXPECT_EQ(sent, COLL_MISMATCH) << coll_last_error();
+      }
+    } else {
+      EXPECT_STATUS(COLL_MISMATCH, coll_recv(comm, y, 4, COLL_FLOAT32, 0, 2));
+      EXPECT_TRUE(Contains(coll_last_error(), "coll_recv: rank 1")) << coll_last_error();
+      EXPECT_EQ(y[0], 0.0f);
+    }
+  });
+  RunRanks(2, [](coll_comm* comm, int rank) {
+    int32_t send[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    int32_t recv[8] = {};
+    // Rank 0 expects 3 elements from rank 1, which sends it 2; the rest agrees.
+    const size_t send_counts[2][2] = {{1, 3}, {2, 2}};
+    const size_t recv_counts[2][2] = {{1, 3}, {3, 2}};
+    EXPECT_STATUS(COLL_MISMATCH,
+                  coll_all_to_all(comm, send, recv, 0, send_counts[rank], recv_counts[rank],
+                                  COLL_INT32));
+    for (int32_t v : recv) EXPECT_EQ(v, 0) << "rank " << rank;
+  });
 }
 
 }  // namespace
