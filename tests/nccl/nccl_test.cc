@@ -1303,6 +1303,61 @@ TEST(NcclGpuTest, AReceiveWithoutItsSendTimesOut) {
   });
 }
 
+// Abort ends the wait of a receive whose send never comes (after a first pair connected the two
+// ranks, so that the receive is on the stream): its Work raises Error(kAborted) naming it.
+TEST(NcclGpuTest, AbortEndsAReceiveWhoseSendNeverComes) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    const int rank = comm.rank();
+    DeviceBuffer<float> buffer(api, rank, 64);
+    buffer.Upload(std::vector<float>(64, 1.0f + rank));
+    if (rank == 0) {
+      comm.Send(buffer.tensor(), 1, 0);
+      return;
+    }
+    comm.Recv(buffer.tensor(), 0, 0);
+    for (float v : buffer.Download()) EXPECT_EQ(v, 1.0f);
+    auto work = comm.RecvAsync(buffer.tensor(), 0, 5);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_FALSE(work->Done());
+    const auto start = std::chrono::steady_clock::now();
+    comm.Abort();
+    try {
+      work->Wait();
+      ADD_FAILURE() << "expected Error(kAborted)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      EXPECT_NE(e.message().find("recv #1 (f32, peer=0, tag=5, count=64) was in flight"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start,
+              test_time::Scaled(std::chrono::seconds(5)));
+  });
+}
+
+// A first send to a peer connects the two (as a first collective connects every rank): its
+// async form returns once the peer has issued its receive, here 300 ms late, and the data
+// arrives.
+TEST(NcclGpuTest, AFirstSendWaitsForItsPeersReceive) {
+  COLLECTIVES_REQUIRE_GPU(2);
+  RunNcclRanks(2, [&](CollectiveCommunication& comm) {
+    const int rank = comm.rank();
+    DeviceBuffer<int64_t> buffer(api, rank, 1000);
+    buffer.Upload(std::vector<int64_t>(1000, rank == 0 ? 42 : -1));
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      comm.Recv(buffer.tensor(), 0, 0);
+      for (int64_t v : buffer.Download()) EXPECT_EQ(v, 42);
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    auto work = comm.SendAsync(buffer.tensor(), 1, 0);
+    EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250));
+    work->Wait();
+  });
+}
+
 #endif  // COLLECTIVES_WITH_NCCL
 
 }  // namespace
