@@ -399,8 +399,7 @@ coll_status coll_reduce_async(coll_comm* comm, const void* sendbuff, void* recvb
 coll_status coll_gather_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
                               size_t count_per_rank, coll_dtype dtype, int root, coll_work** work);
 coll_status coll_scatter_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
-                               size_t count_per_rank, coll_dtype dtype, int root,
-                               coll_work** work);
+                               size_t count_per_rank, coll_dtype dtype, int root, coll_work** work);
 coll_status coll_all_to_all_async(coll_comm* comm, const void* sendbuff, void* recvbuff,
                                   size_t count_per_rank, const size_t* send_counts,
                                   const size_t* recv_counts, coll_dtype dtype, coll_work** work);

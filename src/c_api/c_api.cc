@@ -445,8 +445,7 @@ coll_status AllToAll(const char* function, Mode mode, coll_comm* comm, const voi
 }
 
 coll_status Send(const char* function, Mode mode, coll_comm* comm, const void* sendbuff,
-                 size_t count, coll_dtype dtype, int peer, int64_t tag,
-                 coll_work** work) noexcept {
+                 size_t count, coll_dtype dtype, int peer, int64_t tag, coll_work** work) noexcept {
   return Issue(function, mode, comm, work, [&](CollectiveCommunication& c, bool async) {
     const Tensor tensor = TensorOf("sendbuff", sendbuff, count, DataTypeOf(dtype));
     if (async) return c.SendAsync(tensor, peer, tag);
@@ -775,8 +774,8 @@ coll_status coll_recv(coll_comm* comm, void* recvbuff, size_t count, coll_dtype 
 
 coll_status coll_reduce_async(coll_comm* comm, const void* sendbuff, void* recvbuff, size_t count,
                               coll_dtype dtype, coll_op op, int root, coll_work** work) {
-  return Reduce("coll_reduce_async", Mode::kAsync, comm, sendbuff, recvbuff, count, dtype, op,
-                root, work);
+  return Reduce("coll_reduce_async", Mode::kAsync, comm, sendbuff, recvbuff, count, dtype, op, root,
+                work);
 }
 
 coll_status coll_gather_async(coll_comm* comm, const void* sendbuff, void* recvbuff,

@@ -475,8 +475,9 @@ class NcclCommunication final : public core::InternalCommunication {
       target = recv.data;
     }
     return Issue(
-        kName, Detail(send.dtype, std::string(ToString(op)) + ", root=" + std::to_string(root),
-                      send.count),
+        kName,
+        Detail(send.dtype, std::string(ToString(op)) + ", root=" + std::to_string(root),
+               send.count),
         [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
           return api.ncclReduce(send.data, target, send.count, ToNcclDataType(send.dtype),
                                 ToNcclRedOp(op), root, comm, stream);
@@ -593,8 +594,9 @@ class NcclCommunication final : public core::InternalCommunication {
     if (sends.empty() && recvs.empty()) {
       if (send.count != recv.count || send.count % n != 0) {
         throw Error(ErrorCode::kInvalidArgument,
-                    Where(kName) + "with equal blocks send and recv must have the same count, a "
-                                   "multiple of the size " +
+                    Where(kName) +
+                        "with equal blocks send and recv must have the same count, a "
+                        "multiple of the size " +
                         std::to_string(size_) + ", got " + std::to_string(send.count) + " and " +
                         std::to_string(recv.count));
       }
@@ -650,8 +652,8 @@ class NcclCommunication final : public core::InternalCommunication {
         [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
           return Grouped(api, [&]() -> ncclResult_t {
             if (tensor.count == 0) return ncclSuccess;
-            return api.ncclSend(tensor.data, tensor.count, ToNcclDataType(tensor.dtype), peer,
-                                comm, stream);
+            return api.ncclSend(tensor.data, tensor.count, ToNcclDataType(tensor.dtype), peer, comm,
+                                stream);
           });
         },
         &tensor, nullptr);
@@ -666,8 +668,8 @@ class NcclCommunication final : public core::InternalCommunication {
         [&](const NcclApi& api, ncclComm_t comm, cudaStream_t stream) {
           return Grouped(api, [&]() -> ncclResult_t {
             if (tensor.count == 0) return ncclSuccess;
-            return api.ncclRecv(tensor.data, tensor.count, ToNcclDataType(tensor.dtype), peer,
-                                comm, stream);
+            return api.ncclRecv(tensor.data, tensor.count, ToNcclDataType(tensor.dtype), peer, comm,
+                                stream);
           });
         },
         nullptr, &tensor);
@@ -856,9 +858,9 @@ class NcclCommunication final : public core::InternalCommunication {
     }
     const char* tensor = std::strcmp(name, "send_counts") == 0 ? "send" : "recv";
     if (sum != total) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  Where(collective) + name + " sums to " + std::to_string(sum) + " but " +
-                      tensor + " has " + std::to_string(total) + " elements");
+      throw Error(ErrorCode::kInvalidArgument, Where(collective) + name + " sums to " +
+                                                   std::to_string(sum) + " but " + tensor +
+                                                   " has " + std::to_string(total) + " elements");
     }
   }
 

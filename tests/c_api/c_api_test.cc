@@ -1504,10 +1504,9 @@ TEST_P(CApiRootedTest, ReduceEveryDtypeAndOpToTheFirstAndLastRoot) {
                 ExpectElements(what, dtype, recv, count,
                                [&](size_t i) { return Expected(op, dtype, size, i); });
               } else {
-                ExpectElements(what + " (input unchanged)", dtype, input, count,
-                               [&](size_t i) {
-                                 return Stored(dtype, InputValue(op, dtype, rank, i));
-                               });
+                ExpectElements(what + " (input unchanged)", dtype, input, count, [&](size_t i) {
+                  return Stored(dtype, InputValue(op, dtype, rank, i));
+                });
               }
             }
           }
@@ -1539,8 +1538,8 @@ TEST_P(CApiRootedTest, GatherToEveryRoot) {
                                " root=" + std::to_string(root),
                            dtype, recv, total, [&](size_t i) {
                              if (rank != root) return Stored(dtype, kUntouched);
-                             return Stored(dtype, InputValue(ReduceOp::kSum, dtype,
-                                                             int(i / count), i % count));
+                             return Stored(dtype, InputValue(ReduceOp::kSum, dtype, int(i / count),
+                                                             i % count));
                            });
           }
         }
@@ -1599,8 +1598,8 @@ TEST_P(CApiRootedTest, AllToAllEqualAndUnevenBlocks) {
         // Equal blocks: element k of rank j's send is InputValue(j, k).
         std::vector<uint8_t> send = Buffer(dtype, n * count), recv = Buffer(dtype, n * count);
         Fill(dtype, ReduceOp::kSum, rank, send.data(), n * count);
-        EXPECT_OK(coll_all_to_all(comm, send.data(), recv.data(), count, nullptr, nullptr,
-                                  C(dtype)));
+        EXPECT_OK(
+            coll_all_to_all(comm, send.data(), recv.data(), count, nullptr, nullptr, C(dtype)));
         ExpectElements(what, dtype, recv, n * count, [&](size_t k) {
           return Stored(dtype, InputValue(ReduceOp::kSum, dtype, int(k / count),
                                           size_t(rank) * count + k % count));
@@ -1624,8 +1623,8 @@ TEST_P(CApiRootedTest, AllToAllEqualAndUnevenBlocks) {
         EXPECT_OK(coll_all_to_all(comm, usend.data(), urecv.data(), 0, send_counts.data(),
                                   recv_counts.data(), C(dtype)));
         ExpectElements("uneven " + what, dtype, urecv, recv_total, [&](size_t k) {
-          return Stored(dtype, InputValue(ReduceOp::kSum, dtype, int(want[k] >> 32),
-                                          want[k] & 0xffffffffu));
+          return Stored(
+              dtype, InputValue(ReduceOp::kSum, dtype, int(want[k] >> 32), want[k] & 0xffffffffu));
         });
       }
     }
@@ -1663,7 +1662,8 @@ TEST_P(CApiRootedTest, SendAndRecvAroundTheRing) {
         }
         const std::string what = Describe("recv", rank, dtype, ReduceOp::kSum, count, false);
         auto from = [&](int sender) {
-          return [=](size_t i) { return Stored(dtype, InputValue(ReduceOp::kSum, dtype, sender, i)); };
+          return
+              [=](size_t i) { return Stored(dtype, InputValue(ReduceOp::kSum, dtype, sender, i)); };
         };
         ExpectElements(what + " #1", dtype, in1, count, from(prev));
         ExpectElements(what + " #2", dtype, in2, count, from(prev + 10));
@@ -1706,8 +1706,8 @@ TEST_P(CApiRootedTest, AsyncRootedCollectivesInFlightTogether) {
     coll_work* works[4] = {};
     EXPECT_OK(coll_reduce_async(comm, reduce_in.data(), reduce_out.data(), count, COLL_INT32,
                                 COLL_MAX, root, &works[0]));
-    EXPECT_OK(coll_gather_async(comm, gather_in.data(), gather_out.data(), count, COLL_INT32,
-                                root, &works[1]));
+    EXPECT_OK(coll_gather_async(comm, gather_in.data(), gather_out.data(), count, COLL_INT32, root,
+                                &works[1]));
     EXPECT_OK(coll_scatter_async(comm, scatter_in.data(), scatter_out.data(), count, COLL_INT32,
                                  root, &works[2]));
     EXPECT_OK(coll_all_to_all_async(comm, a2a_in.data(), a2a_out.data(), count, nullptr, nullptr,
@@ -1768,8 +1768,7 @@ TEST(CApiRootedErrorTest, BadArgumentsAreInvalidArgumentsNamingThem) {
       {[&] { return coll_reduce(comm, x, y, 4, COLL_FLOAT32, bad_op, 0); },
        "coll_reduce: rank 0: op 42"},
       {[&] { return coll_gather(comm, x, y, 4, bad_dtype, 0); }, "coll_gather: rank 0: dtype 99"},
-      {[&] { return coll_scatter(comm, x, y, 4, bad_dtype, 0); },
-       "coll_scatter: rank 0: dtype 99"},
+      {[&] { return coll_scatter(comm, x, y, 4, bad_dtype, 0); }, "coll_scatter: rank 0: dtype 99"},
       {[&] { return coll_all_to_all(comm, x, y, 4, nullptr, nullptr, bad_dtype); },
        "coll_all_to_all: rank 0: dtype 99"},
       {[&] { return coll_send(comm, x, 4, bad_dtype, 0, 0); }, "coll_send: rank 0: dtype 99"},
@@ -1886,9 +1885,8 @@ TEST(CApiRootedErrorTest, TagsAndCountArraysThatDisagreeAreAMismatch) {
     // Rank 0 expects 3 elements from rank 1, which sends it 2; the rest agrees.
     const size_t send_counts[2][2] = {{1, 3}, {2, 2}};
     const size_t recv_counts[2][2] = {{1, 3}, {3, 2}};
-    EXPECT_STATUS(COLL_MISMATCH,
-                  coll_all_to_all(comm, send, recv, 0, send_counts[rank], recv_counts[rank],
-                                  COLL_INT32));
+    EXPECT_STATUS(COLL_MISMATCH, coll_all_to_all(comm, send, recv, 0, send_counts[rank],
+                                                 recv_counts[rank], COLL_INT32));
     for (int32_t v : recv) EXPECT_EQ(v, 0) << "rank " << rank;
   });
 }

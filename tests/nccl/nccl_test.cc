@@ -998,20 +998,20 @@ size_t UnevenCount(size_t count, int src, int dst) {
 }
 
 template <typename T>
-void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& comm,
-                            size_t count) {
+void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& comm, size_t count) {
   const int size = comm.size();
   const int rank = comm.rank();
   const int device = rank;
   const size_t n = static_cast<size_t>(size);
-  const std::string type = std::string(ToString(DataTypeOf<T>())) + " count=" + std::to_string(count);
+  const std::string type =
+      std::string(ToString(DataTypeOf<T>())) + " count=" + std::to_string(count);
   auto at = [](const std::string& what, size_t i) { return what + " [" + std::to_string(i) + "]"; };
 
   // Reduce: every op, every root, out of place (recv empty off the root) and in place.
   for (ReduceOp op : kOps) {
     for (int root = 0; root < size; ++root) {
-      const std::string where = "reduce " + type + " " + ToString(op) + " root=" +
-                                std::to_string(root);
+      const std::string where =
+          "reduce " + type + " " + ToString(op) + " root=" + std::to_string(root);
       std::vector<double> expected(count);
       std::vector<double> column(n);
       for (size_t i = 0; i < count; ++i) {
@@ -1027,7 +1027,8 @@ void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& c
         if (rank == root) {
           ExpectReduced(expected[i], got[i], [&] { return at(where, i); });
         } else {
-          ExpectCopied(kUnwritten, got[i], [&] { return at(where + " (untouched off the root)", i); });
+          ExpectCopied(kUnwritten, got[i],
+                       [&] { return at(where + " (untouched off the root)", i); });
         }
       }
       comm.Reduce(send.tensor(), send.tensor(), op, root);  // in place on the root
@@ -1053,12 +1054,14 @@ void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& c
     }
     if (rank == root) {
       std::vector<T> host(n * count, Elem<T>::Of(kUnwritten));
-      for (size_t i = 0; i < count; ++i) host[size_t(root) * count + i] = Elem<T>::Of(InputValue(rank, i));
+      for (size_t i = 0; i < count; ++i)
+        host[size_t(root) * count + i] = Elem<T>::Of(InputValue(rank, i));
       all.Upload(host);
       comm.Gather(View(all, size_t(root) * count, count), all.tensor(), root);
       got = all.Download();
       for (size_t k = 0; k < n * count; ++k) {
-        ExpectCopied(InputValue(int(k / count), k % count), got[k], [&] { return at("in-place gather" + suffix, k); });
+        ExpectCopied(InputValue(int(k / count), k % count), got[k],
+                     [&] { return at("in-place gather" + suffix, k); });
       }
     } else {
       comm.Gather(part.tensor(), Empty<T>(device), root);
@@ -1071,13 +1074,15 @@ void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& c
     comm.Scatter(rank == root ? whole.tensor() : Empty<T>(device), block.tensor(), root);
     got = block.Download();
     for (size_t i = 0; i < count; ++i) {
-      ExpectCopied(InputValue(root, size_t(rank) * count + i), got[i], [&] { return at("scatter" + suffix, i); });
+      ExpectCopied(InputValue(root, size_t(rank) * count + i), got[i],
+                   [&] { return at("scatter" + suffix, i); });
     }
     if (rank == root) {
       comm.Scatter(whole.tensor(), View(whole, size_t(root) * count, count), root);
       got = whole.Download();
       for (size_t k = 0; k < n * count; ++k) {
-        ExpectCopied(InputValue(root, k), got[k], [&] { return at("in-place scatter" + suffix, k); });
+        ExpectCopied(InputValue(root, k), got[k],
+                     [&] { return at("in-place scatter" + suffix, k); });
       }
     } else {
       comm.Scatter(Empty<T>(device), block.tensor(), root);
@@ -1119,7 +1124,8 @@ void CheckRootedCollectives(const nccl::NcclApi& api, CollectiveCommunication& c
       size_t offset_in_j = 0;  // where rank j's block for this rank starts in j's send
       for (int d = 0; d < rank; ++d) offset_in_j += UnevenCount(count, j, d);
       for (size_t t = 0; t < recv_counts[size_t(j)]; ++t, ++k) {
-        ExpectCopied(InputValue(j, offset_in_j + t), got[k], [&] { return at("uneven all_to_all " + type, k); });
+        ExpectCopied(InputValue(j, offset_in_j + t), got[k],
+                     [&] { return at("uneven all_to_all " + type, k); });
       }
     }
   }
@@ -1200,15 +1206,14 @@ TEST_P(NcclRootedTest, ReduceGatherScatterAllToAllSendRecvMatchAHostReference) {
                [&](CollectiveCommunication& comm) { CheckEveryDtypeRooted(api, comm, count); });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WorldSizesAndCounts, NcclRootedTest,
-    ::testing::Combine(::testing::Values(1, 2, 3, 4),
-                       ::testing::Values(size_t{0}, size_t{1}, size_t{1009},
-                                         (size_t{1} << 18) + 3)),
-    [](const ::testing::TestParamInfo<std::tuple<int, size_t>>& world) {
-      return std::to_string(std::get<0>(world.param)) + "Ranks" +
-             std::to_string(std::get<1>(world.param)) + "Elements";
-    });
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndCounts, NcclRootedTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(size_t{0}, size_t{1}, size_t{1009},
+                                                              (size_t{1} << 18) + 3)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, size_t>>& world) {
+                           return std::to_string(std::get<0>(world.param)) + "Ranks" +
+                                  std::to_string(std::get<1>(world.param)) + "Elements";
+                         });
 
 // Bad arguments of the rooted calls, the all-to-all and the point-to-point calls are refused on
 // the caller's thread, naming the call and the argument, and the communicator still works.
@@ -1239,7 +1244,9 @@ TEST(NcclGpuTest, BadArgumentsOfTheRootedAndPointToPointCallsAreInvalidArguments
     expect_invalid("scatter", [&] { comm.Scatter(a.tensor(), a.tensor(), rank); });
     expect_invalid("all_to_all", [&] { comm.AllToAll(a.tensor(), b.tensor()); });
     expect_invalid("all_to_all", [&] { comm.AllToAll(View(c, 0, 3), View(c, 8, 3)); });
-    expect_invalid("send_counts has 1 entries", [&] { comm.AllToAll(a.tensor(), a.tensor(), {8}, {4, 4}); });
+    expect_invalid("send_counts has 1 entries", [&] {
+      comm.AllToAll(a.tensor(), a.tensor(), {8}, {4, 4});
+    });
     expect_invalid("recv_counts sums to 7", [&] {
       comm.AllToAll(a.tensor(), c.tensor(), {4, 4}, {4, 3});
     });
@@ -1331,8 +1338,7 @@ TEST(NcclGpuTest, AbortEndsAReceiveWhoseSendNeverComes) {
                 std::string::npos)
           << e.what();
     }
-    EXPECT_LT(std::chrono::steady_clock::now() - start,
-              test_time::Scaled(std::chrono::seconds(5)));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, test_time::Scaled(std::chrono::seconds(5)));
   });
 }
 

@@ -607,7 +607,7 @@ struct ncclComm {
     Clock::time_point since;
     std::function<bool()> connected;  // under mu: the peers it needs have come
   };
-  std::set<int> p2p_connected;  // guarded by mu: peers connected by an earlier group
+  std::set<int> p2p_connected;     // guarded by mu: peers connected by an earlier group
   std::optional<Pending> pending;  // guarded by mu
 };
 
@@ -1012,9 +1012,8 @@ ncclResult_t IssueP2p(ncclComm* comm, const std::vector<P2pOp>& ops) {
       return ncclInProgress;
     }
     std::unique_lock<std::mutex> lock(clique->mu);
-    clique->cv.wait(lock, [&] {
-      return PeersConnectedLocked(*clique, rank, fresh) || comm->aborted.load();
-    });
+    clique->cv.wait(
+        lock, [&] { return PeersConnectedLocked(*clique, rank, fresh) || comm->aborted.load(); });
   }
   std::lock_guard<std::mutex> lock(Rt().mu);
   EnqueueLocked(target, std::move(fn));
