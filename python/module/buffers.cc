@@ -68,15 +68,16 @@ std::string TypeName(py::handle obj) {
 }
 
 // A struct-module format character with its item size as numpy names it ("int16", "bool").
-std::string FormatName(char code, size_t itemsize) {
+std::string FormatName(const std::string& code, size_t itemsize) {
+  if (code.size() == 2 && code[0] == 'Z') return "complex" + std::to_string(itemsize * 8);
+  if (code.size() != 1) return "format '" + code + "'";
   const std::string bits = std::to_string(itemsize * 8);
-  switch (code) {
+  switch (code[0]) {
     case 'f': case 'd': case 'e': case 'g': return "float" + bits;
     case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': return "int" + bits;
     case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': return "uint" + bits;
     case '?': return "bool";
-    case 'Z': return "complex" + std::to_string(itemsize * 8);
-    default: return std::string("format '") + code + "'";
+    default: return "format '" + code + "'";
   }
 }
 
@@ -127,18 +128,21 @@ constexpr const char* kAccepted =
     "float32, float64, float16, bfloat16 (DLPack, or dtype='bf16' on a 2-byte buffer), int8, "
     "uint8, int32 or int64";
 
+// The element type: the override if any (of the same size), else the natural one. Prefix and
+// NaturalName build the message text, only when it is needed.
+template <typename Prefix, typename NaturalName>
 DataType Resolve(std::optional<DataType> natural, std::optional<DataType> override_dtype,
-                 size_t itemsize, const std::string& prefix, const std::string& natural_name) {
+                 size_t itemsize, const Prefix& prefix, const NaturalName& natural_name) {
   if (override_dtype) {
     if (SizeOf(*override_dtype) != itemsize) {
-      Invalid(prefix + "has " + std::to_string(itemsize) + "-byte elements (" + natural_name +
+      Invalid(prefix() + "has " + std::to_string(itemsize) + "-byte elements (" + natural_name() +
               "), but dtype='" + ToString(*override_dtype) + "' has " +
               std::to_string(SizeOf(*override_dtype)) + "-byte ones");
     }
     return *override_dtype;
   }
   if (!natural) {
-    throw py::type_error(prefix + "has elements of " + natural_name +
+    throw py::type_error(prefix() + "has elements of " + natural_name() +
                          ", which no collective takes (expected " + kAccepted + ")");
   }
   return *natural;
@@ -154,8 +158,8 @@ BorrowedBuffer::~BorrowedBuffer() {
 std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, const std::string& where, const char* name,
                                         bool writable, std::optional<DataType> dtype) {
   auto out = std::make_unique<BorrowedBuffer>();
-  const std::string type_name = TypeName(obj);
-  const std::string prefix = where + ": " + name + " (" + type_name + ") ";
+  // Message text is built only for a refusal: this runs on every call.
+  auto prefix = [&] { return where + ": " + name + " (" + TypeName(obj) + ") "; };
 
   if (PyObject_CheckBuffer(obj.ptr())) {
     // Read-only buffers are asked for too, so that the refusal can say why.
@@ -173,42 +177,44 @@ std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, const std::string& where
     }
     const std::string code = format.substr(pos);
     const size_t itemsize = static_cast<size_t>(v.itemsize);
-    const std::string natural_name =
-        code.size() == 1 ? FormatName(code[0], itemsize) : "format '" + format + "'";
+    // numpy names its own dtypes best ("int16", "complex64", "datetime64[s]").
+    auto natural_name = [&]() -> std::string {
+      if (py::hasattr(obj, "dtype")) return py::str(obj.attr("dtype"));
+      return FormatName(code, itemsize);
+    };
     std::optional<DataType> natural;
     if (code.size() == 1 && !big_endian) natural = FromFormat(code[0], itemsize);
     if (big_endian && itemsize > 1) {
-      throw py::type_error(prefix + "is big-endian (format '" + format +
+      throw py::type_error(prefix() + "is big-endian (format '" + format +
                            "'); collectives take native byte order");
     }
     const DataType dt = Resolve(natural, dtype, itemsize, prefix, natural_name);
     if (writable && v.readonly) {
-      Invalid(prefix + "is read-only; the collective writes it (pass a writable array)");
+      Invalid(prefix() + "is read-only; the collective writes it (pass a writable array)");
     }
     if (!PyBuffer_IsContiguous(&v, 'C')) {
-      Invalid(prefix + "is not C-contiguous; pass numpy.ascontiguousarray(...) and copy the "
+      Invalid(prefix() + "is not C-contiguous; pass numpy.ascontiguousarray(...) and copy the "
                        "result back");
     }
     out->tensor = Tensor{v.buf, static_cast<size_t>(v.len) / itemsize, dt, Device::Cpu()};
-    out->description = type_name + " of " + natural_name;
     return out;
   }
 
   if (!py::hasattr(obj, "__dlpack__")) {
-    throw py::type_error(prefix + "is neither a buffer (numpy array, bytearray, memoryview) nor "
+    throw py::type_error(prefix() + "is neither a buffer (numpy array, bytearray, memoryview) nor "
                                   "a DLPack producer (__dlpack__)");
   }
   if (py::hasattr(obj, "__dlpack_device__")) {
     py::tuple device = obj.attr("__dlpack_device__")();
     const int32_t type = device[0].cast<int32_t>();
     if (type != kDLCPU) {
-      Invalid(prefix + "lives on " + DLDeviceName(type) + ":" + py::str(device[1]).cast<std::string>() +
+      Invalid(prefix() + "lives on " + DLDeviceName(type) + ":" + py::str(device[1]).cast<std::string>() +
               "; this module moves CPU memory only (the torch backend takes CUDA tensors)");
     }
   }
   py::object capsule = obj.attr("__dlpack__")();
   if (!PyCapsule_IsValid(capsule.ptr(), "dltensor")) {
-    throw py::type_error(prefix + "returned no unused 'dltensor' capsule from __dlpack__()");
+    throw py::type_error(prefix() + "returned no unused 'dltensor' capsule from __dlpack__()");
   }
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   if (managed == nullptr) throw py::error_already_set();
@@ -217,10 +223,10 @@ std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, const std::string& where
   out->dl_ = managed;
   const DLTensor& t = managed->dl_tensor;
   if (t.device.device_type != kDLCPU) {
-    Invalid(prefix + "lives on " + DLDeviceName(t.device.device_type) +
+    Invalid(prefix() + "lives on " + DLDeviceName(t.device.device_type) +
             "; this module moves CPU memory only");
   }
-  const std::string natural_name = DLPackTypeName(t.dtype);
+  auto natural_name = [&] { return DLPackTypeName(t.dtype); };
   const size_t itemsize = (static_cast<size_t>(t.dtype.bits) * t.dtype.lanes + 7) / 8;
   const DataType dt = Resolve(FromDLPack(t.dtype), dtype, itemsize, prefix, natural_name);
   size_t count = 1;
@@ -233,10 +239,9 @@ std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, const std::string& where
     expected_stride *= extent;
   }
   if (!contiguous && count > 0) {
-    Invalid(prefix + "is not C-contiguous; pass a contiguous copy (tensor.contiguous())");
+    Invalid(prefix() + "is not C-contiguous; pass a contiguous copy (tensor.contiguous())");
   }
   out->tensor = Tensor{static_cast<char*>(t.data) + t.byte_offset, count, dt, Device::Cpu()};
-  out->description = type_name + " of " + natural_name;
   return out;
 }
 

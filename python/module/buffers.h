@@ -29,8 +29,6 @@ class BorrowedBuffer {
   ~BorrowedBuffer();
 
   Tensor tensor;
-  // The object's own description for messages: "numpy.ndarray of float32 (3 elements)".
-  std::string description;
 
  private:
   friend std::unique_ptr<BorrowedBuffer> Acquire(pybind11::handle, const std::string&, const char*,

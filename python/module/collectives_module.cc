@@ -11,7 +11,6 @@
 // Thread-safety: a Communication may be used from several Python threads, as the C++ one may;
 // close() waits for nothing on other threads: their calls keep the communicator alive until they
 // return.
-#include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -158,6 +157,31 @@ void RunBlocking(const CommPtr& comm, Call&& call) {
   }
 }
 
+// A timeout in seconds: a number, or a datetime.timedelta.
+Seconds ToSeconds(const py::handle& value, const char* where) {
+  double seconds = 0;
+  if (py::hasattr(value, "total_seconds")) {
+    seconds = value.attr("total_seconds")().cast<double>();
+  } else if (PyNumber_Check(value.ptr())) {
+    seconds = py::float_(py::reinterpret_borrow<py::object>(value)).cast<double>();
+  } else {
+    throw py::type_error(std::string(where) + ": timeout must be seconds (a number) or a "
+                         "datetime.timedelta, got " + py::str(py::type::of(value)).cast<std::string>());
+  }
+  if (!(seconds > 0)) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(where) +
+                                                 ": timeout must be positive, got " +
+                                                 std::to_string(seconds) + " s");
+  }
+  return Seconds(seconds);
+}
+
+// A year at most, as the library reads any longer timeout.
+std::chrono::milliseconds ToMilliseconds(Seconds s) {
+  const double ms = std::min(s.count() * 1000.0, 365.0 * 24 * 3600 * 1000);
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(ms)));
+}
+
 // ---- Work ----
 
 // An async collective: the library's Work, the buffers it borrows and the object wait() returns.
@@ -255,7 +279,7 @@ class PyCommunication {
 
   static std::unique_ptr<PyCommunication> Create(std::optional<ClusterSpec> spec,
                                                  const std::string& implementation,
-                                                 Seconds timeout, size_t chunk_bytes,
+                                                 py::object timeout, size_t chunk_bytes,
                                                  size_t small_message_bytes,
                                                  size_t medium_message_bytes,
                                                  const std::string& algorithm, int spin_us,
@@ -265,14 +289,7 @@ class PyCommunication {
                                                  std::optional<std::string> store_path) {
     CommunicationOptions options;
     options.implementation = ParseImplementation(implementation);
-    if (!(timeout.count() > 0)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "Communication: timeout must be positive, got " +
-                      std::to_string(timeout.count()) + " s");
-    }
-    // A year at most, as the library reads any longer one.
-    const double ms = std::min(timeout.count() * 1000.0, 365.0 * 24 * 3600 * 1000);
-    options.timeout = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(ms)));
+    options.timeout = ToMilliseconds(ToSeconds(timeout, "Communication"));
     options.chunk_bytes = chunk_bytes;
     options.small_message_bytes = small_message_bytes;
     options.medium_message_bytes = medium_message_bytes;
@@ -512,14 +529,9 @@ class PyCommunication {
     comm.reset();
   }
 
-  void SetTimeout(Seconds timeout) {
+  void SetTimeout(py::object timeout) {
     CommPtr comm = Get("set_timeout");
-    if (!(timeout.count() > 0)) {
-      throw Error(ErrorCode::kInvalidArgument, "set_timeout: timeout must be positive, got " +
-                                                   std::to_string(timeout.count()) + " s");
-    }
-    const double ms = std::min(timeout.count() * 1000.0, 365.0 * 24 * 3600 * 1000);
-    comm->SetTimeout(std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(ms))));
+    comm->SetTimeout(ToMilliseconds(ToSeconds(timeout, "set_timeout")));
   }
 
   std::string AllReduceAlgorithm(size_t bytes) {
@@ -641,7 +653,7 @@ PYBIND11_MODULE(_collectives, m) {
   const auto dtype_arg = py::arg("dtype") = py::none();
   py::class_<PyCommunication>(m, "Communication")
       .def(py::init(&PyCommunication::Create), py::arg("spec") = py::none(), py::kw_only(),
-           py::arg("implementation") = "auto", py::arg("timeout") = Seconds(300.0),
+           py::arg("implementation") = "auto", py::arg("timeout") = 300.0,
            py::arg("chunk_bytes") = 0, py::arg("small_message_bytes") = 0,
            py::arg("medium_message_bytes") = 0, py::arg("algorithm") = "",
            py::arg("spin_us") = -1, py::arg("yield_us") = -1, py::arg("job_token") = "",
