@@ -65,17 +65,24 @@ void SetPythonError(const Error& e) {
 // ---- Ctrl-C during a blocking call. ----
 //
 // Python's SIGINT handler only records the signal; the main thread raises KeyboardInterrupt at
-// its next bytecode, which a thread blocked in C++ never reaches. While the main thread is in a
-// call, OnSigint chains to that handler and posts `g_sigint`, async-signal-safely; the watchdog
-// thread then aborts the communicator the call runs on, which returns within about a second
-// (Abort's bound), and the caller turns the kAborted into the KeyboardInterrupt.
+// its next bytecode, which a thread blocked in C++ never reaches. OnSigint, installed over
+// Python's handler at the first blocking call of the main thread, chains to it and posts
+// `g_sigint`, async-signal-safely; the watchdog thread then aborts the communicator the main
+// thread's call runs on, if any, which makes the call return within about a second (Abort's
+// bound), and the caller turns the kAborted into the KeyboardInterrupt. Between calls OnSigint
+// is Python's handler with one extra sem_post.
+//
+// Installing costs system calls, so a call only re-checks, at most every 100 ms, that OnSigint
+// still wraps the installed handler: after signal.signal(SIGINT, f), Python's handler is back,
+// and the next check wraps it again (SIG_IGN and SIG_DFL are left alone).
 
 sem_t g_sigint;
 std::atomic<void (*)(int)> g_python_handler{nullptr};
 std::mutex g_target_mu;
-CommPtr g_target;  // the communicator the main thread's current call runs on; GUARDED_BY(g_target_mu)
+CommPtr g_target;  // the communicator the main thread's call runs on; GUARDED_BY(g_target_mu)
 std::once_flag g_watchdog_once;
 unsigned long g_main_thread = 0;  // PyThread ident of the main thread
+std::chrono::steady_clock::time_point g_next_check{};  // main thread only
 
 void OnSigint(int sig) {
   const int saved_errno = errno;
@@ -93,39 +100,46 @@ void Watchdog() {
   }
 }
 
-// Installs OnSigint for its lifetime when it runs on the main thread and Python's handler is the
-// one installed; does nothing elsewhere. Built and destroyed with the GIL held.
+// Whether OnSigint wraps Python's handler now; installs it when Python's (or another C
+// handler) is there. Main thread, GIL held.
+bool EnsureSigintHandler() {
+  const auto now = std::chrono::steady_clock::now();
+  static bool installed = false;
+  if (now < g_next_check) return installed;
+  g_next_check = now + std::chrono::milliseconds(100);
+  struct sigaction current {};
+  installed = false;
+  if (sigaction(SIGINT, nullptr, &current) != 0) return false;
+  if (current.sa_handler == OnSigint && (current.sa_flags & SA_SIGINFO) == 0) {
+    return installed = true;
+  }
+  if ((current.sa_flags & SA_SIGINFO) != 0 || current.sa_handler == SIG_DFL ||
+      current.sa_handler == SIG_IGN) {
+    return false;
+  }
+  std::call_once(g_watchdog_once, [] {
+    sem_init(&g_sigint, 0, 0);
+    std::thread(Watchdog).detach();
+  });
+  g_python_handler.store(current.sa_handler);
+  struct sigaction ours = current;
+  ours.sa_handler = OnSigint;
+  installed = sigaction(SIGINT, &ours, nullptr) == 0;
+  return installed;
+}
+
+// Names `comm` as the one a SIGINT aborts while it lives, on the main thread. Built and
+// destroyed with the GIL held.
 class SigintGuard {
  public:
   explicit SigintGuard(const CommPtr& comm) {
-    if (!comm || PyThread_get_thread_ident() != g_main_thread) return;
-    struct sigaction current {};
-    if (sigaction(SIGINT, nullptr, &current) != 0) return;
-    if ((current.sa_flags & SA_SIGINFO) != 0 || current.sa_handler == SIG_DFL ||
-        current.sa_handler == SIG_IGN || current.sa_handler == OnSigint) {
-      return;
-    }
-    std::call_once(g_watchdog_once, [] {
-      sem_init(&g_sigint, 0, 0);
-      std::thread(Watchdog).detach();
-    });
-    {
-      std::lock_guard<std::mutex> lock(g_target_mu);
-      g_target = comm;
-    }
-    g_python_handler.store(current.sa_handler);
-    struct sigaction ours = current;
-    ours.sa_handler = OnSigint;
-    if (sigaction(SIGINT, &ours, &saved_) != 0) {
-      std::lock_guard<std::mutex> lock(g_target_mu);
-      g_target.reset();
-      return;
-    }
+    if (!comm || PyThread_get_thread_ident() != g_main_thread || !EnsureSigintHandler()) return;
+    std::lock_guard<std::mutex> lock(g_target_mu);
+    g_target = comm;
     active_ = true;
   }
   ~SigintGuard() {
     if (!active_) return;
-    sigaction(SIGINT, &saved_, nullptr);
     std::lock_guard<std::mutex> lock(g_target_mu);
     g_target.reset();
   }
@@ -134,7 +148,6 @@ class SigintGuard {
 
  private:
   bool active_ = false;
-  struct sigaction saved_ {};
 };
 
 // Runs `call` (which takes no Python object) with the GIL released, interruptible as above.
@@ -570,8 +583,11 @@ PYBIND11_MODULE(_collectives, m) {
                       .attr("main_thread")()
                       .attr("ident")
                       .cast<unsigned long>();
-  // A child of fork has no watchdog thread: it starts its own at its first call.
-  pthread_atfork(nullptr, nullptr, [] { new (&g_watchdog_once) std::once_flag(); });
+  // A child of fork has no watchdog thread: it starts its own at its next check.
+  pthread_atfork(nullptr, nullptr, [] {
+    new (&g_watchdog_once) std::once_flag();
+    g_next_check = {};
+  });
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
