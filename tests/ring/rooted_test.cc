@@ -1,0 +1,574 @@
+// Reduce, gather, scatter and all-to-all under RING (loopback TCP, and the in-process transport)
+// and AUTO (every rank on this host), ranks as threads of this process: every dtype and op,
+// counts 0, 1, a prime and sizes past the small-message threshold, in place and out of place,
+// every root, uneven all-to-all counts with zeros, argument errors, mismatched calls (another
+// root, count or all-to-all split) raising kMismatch on every rank within the deadline with no
+// buffer written, and a peer that is gone. Every result is checked against a reference computed
+// here in double / int64 from the inputs (tests/ring/collective_checks.h only converts values
+// to and from the dtypes).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/communication.h"
+#include "collectives/errors.h"
+#include "tests/ring/collective_checks.h"
+#include "tests/ring/run_ranks.h"
+#include "tests/time_scale.h"
+
+namespace collectives::testing {
+namespace {
+
+bool IsFloat(DataType d) {
+  return d == DataType::kFloat32 || d == DataType::kFloat64 || d == DataType::kFloat16 ||
+         d == DataType::kBFloat16;
+}
+
+// `v` as stored in `dtype` and read back (integers wrap, floats round).
+double AsStored(DataType dtype, double v) {
+  uint64_t cell = 0;
+  Store(dtype, &cell, 0, v);
+  return Load(dtype, &cell, 0);
+}
+
+// Element i of op over `size` ranks' InputValue, computed in double (float types) or int64
+// (integer types, wrapped into the dtype at the end, as two's complement arithmetic does), with
+// kAvg as the sum divided by size: for floats in float (the dtype's precision or float for the
+// 16-bit ones), for integers truncated towards zero.
+double Reference(ReduceOp op, DataType dtype, int size, size_t i) {
+  if (IsFloat(dtype)) {
+    double acc = InputValue(op, dtype, 0, i);
+    for (int r = 1; r < size; ++r) {
+      const double v = InputValue(op, dtype, r, i);
+      if (op == ReduceOp::kSum || op == ReduceOp::kAvg) acc += v;
+      if (op == ReduceOp::kProd) acc *= v;
+      if (op == ReduceOp::kMin) acc = std::min(acc, v);
+      if (op == ReduceOp::kMax) acc = std::max(acc, v);
+    }
+    if (op == ReduceOp::kAvg) {
+      acc = dtype == DataType::kFloat64 ? acc / size : double(float(acc) / float(size));
+    }
+    return AsStored(dtype, acc);
+  }
+  int64_t acc = int64_t(InputValue(op, dtype, 0, i));
+  for (int r = 1; r < size; ++r) {
+    const int64_t v = int64_t(InputValue(op, dtype, r, i));
+    if (op == ReduceOp::kSum || op == ReduceOp::kAvg) acc += v;
+    if (op == ReduceOp::kProd) acc *= v;
+    if (op == ReduceOp::kMin) acc = std::min(acc, v);
+    if (op == ReduceOp::kMax) acc = std::max(acc, v);
+  }
+  // Wrapped into the dtype first (the sum is reduced in the dtype), then divided.
+  const double wrapped = AsStored(dtype, double(acc));
+  if (op == ReduceOp::kAvg) return std::trunc(wrapped / size);
+  return wrapped;
+}
+
+// The value rank r holds at element i of an input that is not reduced (gather, scatter,
+// all-to-all): distinct per rank and element, exact in every dtype (0..100).
+double Plain(int r, size_t i) { return double((size_t(r) * 37 + i * 11) % 101); }
+
+struct Failures {
+  size_t wrong = 0;
+  std::string first;
+  void Check(const std::string& what, size_t i, double got, double want) {
+    if (got == want) return;
+    if (wrong++ == 0) {
+      first = what + ": element " + std::to_string(i) + " is " + std::to_string(got) +
+              ", expected " + std::to_string(want);
+    }
+  }
+};
+
+std::string Describe(const CollectiveCommunication& comm, const char* collective, DataType d,
+                     size_t count, bool in_place, int root) {
+  return "rank " + std::to_string(comm.rank()) + " " + collective + " " + ToString(d) +
+         " count=" + std::to_string(count) + (in_place ? " in-place" : "") +
+         " root=" + std::to_string(root);
+}
+
+// One reduce of `count` elements to `root`, checked on the root; off the root, recv (a guard
+// buffer) must stay untouched.
+void CheckReduce(CollectiveCommunication& comm, DataType d, ReduceOp op, size_t count,
+                 bool in_place, int root, Failures& f) {
+  const int rank = comm.rank();
+  Buffer send(d, count), recv(d, count);
+  Buffer& input = in_place && rank == root ? recv : send;
+  for (size_t i = 0; i < count; ++i) Store(d, input.bytes.data(), i, InputValue(op, d, rank, i));
+  const std::vector<uint8_t> recv_before = recv.bytes;
+  comm.Reduce(input.tensor(), recv.tensor(), op, root);
+  const std::string what = Describe(comm, "reduce", d, count, in_place, root) + " " + ToString(op);
+  if (rank == root) {
+    for (size_t i = 0; i < count; ++i) {
+      f.Check(what, i, Load(d, recv.bytes.data(), i), Reference(op, d, comm.size(), i));
+    }
+    f.Check(what + " (guard byte)", count, recv.bytes.back(), 0xA5);
+  } else if (recv.bytes != recv_before) {
+    f.Check(what + " (recv off the root written)", 0, 1, 0);
+  }
+}
+
+void CheckGather(CollectiveCommunication& comm, DataType d, size_t count, bool in_place, int root,
+                 Failures& f) {
+  const int rank = comm.rank();
+  const size_t n = size_t(comm.size());
+  Buffer send(d, count), recv(d, n * count);
+  Tensor input = in_place && rank == root ? recv.tensor(size_t(rank) * count, count)
+                                          : send.tensor();
+  for (size_t i = 0; i < count; ++i) Store(d, input.data, i, Plain(rank, i));
+  const std::vector<uint8_t> recv_before = recv.bytes;
+  comm.Gather(input, rank == root ? recv.tensor() : Tensor{nullptr, 0, d}, root);
+  const std::string what = Describe(comm, "gather", d, count, in_place, root);
+  if (rank == root) {
+    for (size_t r = 0; r < n; ++r) {
+      for (size_t i = 0; i < count; ++i) {
+        f.Check(what, r * count + i, Load(d, recv.bytes.data(), r * count + i),
+                AsStored(d, Plain(int(r), i)));
+      }
+    }
+    f.Check(what + " (guard byte)", n * count, recv.bytes.back(), 0xA5);
+  } else if (recv.bytes != recv_before) {
+    f.Check(what + " (recv off the root written)", 0, 1, 0);
+  }
+}
+
+void CheckScatter(CollectiveCommunication& comm, DataType d, size_t count, bool in_place,
+                  int root, Failures& f) {
+  const int rank = comm.rank();
+  const size_t n = size_t(comm.size());
+  Buffer send(d, n * count), recv(d, count);
+  if (rank == root) {
+    for (size_t i = 0; i < n * count; ++i) Store(d, send.bytes.data(), i, Plain(root, i));
+  }
+  const std::vector<uint8_t> send_before = send.bytes;
+  Tensor output = in_place && rank == root ? send.tensor(size_t(rank) * count, count)
+                                           : recv.tensor();
+  comm.Scatter(rank == root ? send.tensor() : Tensor{nullptr, 0, d}, output, root);
+  const std::string what = Describe(comm, "scatter", d, count, in_place, root);
+  for (size_t i = 0; i < count; ++i) {
+    f.Check(what, i, Load(d, output.data, i),
+            AsStored(d, Plain(root, size_t(rank) * count + i)));
+  }
+  if (!(in_place && rank == root)) {
+    f.Check(what + " (guard byte)", count, recv.bytes.back(), 0xA5);
+    if (send.bytes != send_before) f.Check(what + " (send written)", 0, 1, 0);
+  }
+}
+
+// counts[i][j]: elements rank i sends to rank j. Empty: equal blocks of `block` (no count
+// vectors passed).
+void CheckAllToAll(CollectiveCommunication& comm, DataType d, size_t block,
+                   const std::vector<std::vector<size_t>>& counts, Failures& f) {
+  const int rank = comm.rank();
+  const size_t n = size_t(comm.size());
+  std::vector<size_t> send_counts, recv_counts;
+  if (counts.empty()) {
+    send_counts.assign(n, block);
+    recv_counts.assign(n, block);
+  } else {
+    for (size_t j = 0; j < n; ++j) {
+      send_counts.push_back(counts[size_t(rank)][j]);
+      recv_counts.push_back(counts[j][size_t(rank)]);
+    }
+  }
+  size_t send_total = 0, recv_total = 0;
+  for (size_t j = 0; j < n; ++j) send_total += send_counts[j], recv_total += recv_counts[j];
+  Buffer send(d, send_total), recv(d, recv_total);
+  // Element e of the block for rank j: Plain(rank, j * 1000 + e).
+  size_t at = 0;
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t e = 0; e < send_counts[j]; ++e) {
+      Store(d, send.bytes.data(), at++, Plain(rank, j * 1000 + e));
+    }
+  }
+  const std::vector<uint8_t> send_before = send.bytes;
+  if (counts.empty()) {
+    comm.AllToAll(send.tensor(), recv.tensor());
+  } else {
+    comm.AllToAll(send.tensor(), recv.tensor(), send_counts, recv_counts);
+  }
+  std::string what = "rank " + std::to_string(rank) + " all_to_all " + ToString(d) +
+                     (counts.empty() ? " block=" + std::to_string(block) : " uneven");
+  at = 0;
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t e = 0; e < recv_counts[j]; ++e, ++at) {
+      f.Check(what, at, Load(d, recv.bytes.data(), at),
+              AsStored(d, Plain(int(j), size_t(rank) * 1000 + e)));
+    }
+  }
+  f.Check(what + " (guard byte)", recv_total, recv.bytes.back(), 0xA5);
+  if (send.bytes != send_before) f.Check(what + " (send written)", 0, 1, 0);
+}
+
+// Uneven splits with zeros: rank i sends (i + 2 j) % 4 elements to rank j, none where that is
+// 0, and `extra` more to the next rank.
+std::vector<std::vector<size_t>> UnevenCounts(size_t n, size_t extra) {
+  std::vector<std::vector<size_t>> counts(n, std::vector<size_t>(n));
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) counts[i][j] = (i + 2 * j) % 4;
+    counts[i][(i + 1) % n] += extra;
+  }
+  return counts;
+}
+
+// The matrix of one communicator: every dtype x op x count x in-place, the root turning with
+// the parameters; `large`: one call of each collective past the small-message sizes (0: none).
+void CheckRootedMatrix(CollectiveCommunication& comm, size_t large, Failures& f) {
+  const size_t n = size_t(comm.size());
+  const std::vector<size_t> counts = {0, 1, 7, n + 1};
+  int turn = 0;
+  for (DataType d : AllDataTypes()) {
+    for (size_t count : counts) {
+      for (bool in_place : {false, true}) {
+        for (ReduceOp op : AllReduceOps()) {
+          CheckReduce(comm, d, op, count, in_place, turn++ % int(n), f);
+        }
+        CheckGather(comm, d, count, in_place, turn++ % int(n), f);
+        CheckScatter(comm, d, count, in_place, turn++ % int(n), f);
+      }
+      CheckAllToAll(comm, d, count, {}, f);
+    }
+    CheckAllToAll(comm, d, 0, UnevenCounts(n, 0), f);
+  }
+  if (large == 0) return;
+  CheckReduce(comm, DataType::kFloat32, ReduceOp::kSum, large, false, int(n - 1), f);
+  CheckReduce(comm, DataType::kInt32, ReduceOp::kMax, large, true, 0, f);
+  CheckReduce(comm, DataType::kFloat16, ReduceOp::kAvg, large + 2, false, int(n / 2), f);
+  CheckGather(comm, DataType::kBFloat16, large / n + 1, false, int(n - 1), f);
+  CheckGather(comm, DataType::kInt64, large / n + 3, true, 0, f);
+  CheckScatter(comm, DataType::kFloat32, large / n + 1, false, int(n / 2), f);
+  CheckScatter(comm, DataType::kInt8, large / n + 5, true, int(n - 1), f);
+  CheckAllToAll(comm, DataType::kFloat32, large / n + 1, {}, f);
+  CheckAllToAll(comm, DataType::kUInt8, 0, UnevenCounts(n, large / n), f);
+}
+
+enum class Mode { kDefault, kLargeTinyChunks, kSmallMessage };
+
+struct MatrixParam {
+  Transport transport;
+  int size;
+  Mode mode;
+};
+
+std::string Name(const ::testing::TestParamInfo<MatrixParam>& info) {
+  const MatrixParam& p = info.param;
+  std::string name = p.transport == Transport::kTcp         ? "Tcp"
+                     : p.transport == Transport::kInProcess ? "InProcess"
+                                                            : "AutoShm";
+  name += std::to_string(p.size) + "Ranks";
+  switch (p.mode) {
+    case Mode::kDefault: return name + "Default";
+    case Mode::kLargeTinyChunks: return name + "LargeTinyChunks";
+    case Mode::kSmallMessage: return name + "SmallMessage";
+  }
+  return name;
+}
+
+class RootedMatrixTest : public ::testing::TestWithParam<MatrixParam> {};
+
+TEST_P(RootedMatrixTest, EveryDtypeOpCountAndPlacementIsExactOnEveryRank) {
+  const MatrixParam p = GetParam();
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(60);
+  size_t large = 0;
+  switch (p.mode) {
+    case Mode::kDefault:
+      large = 300'007;  // past the 64 KiB small-message bytes: chain, direct, pairwise
+      break;
+    case Mode::kLargeTinyChunks:
+      options.small_message_bytes = 1;  // the large forms for every non-empty message
+      options.chunk_bytes = 24;         // several frames per block, several staging slots
+      large = 1'001;
+      break;
+    case Mode::kSmallMessage:
+      options.small_message_bytes = SIZE_MAX;  // the recursive-doubling forms at every size
+      large = 30'011;
+      break;
+  }
+  RunRanks(p.transport, p.size, options, [&](CollectiveCommunication& comm) {
+    Failures f;
+    CheckRootedMatrix(comm, large, f);
+    EXPECT_EQ(f.wrong, 0u) << f.first;
+  });
+}
+
+std::vector<MatrixParam> MatrixParams() {
+  std::vector<MatrixParam> params;
+  for (int size = 1; size <= 8; ++size) {
+    for (Mode m : {Mode::kDefault, Mode::kLargeTinyChunks, Mode::kSmallMessage}) {
+      params.push_back({Transport::kTcp, size, m});
+    }
+    params.push_back({Transport::kAuto, size, Mode::kDefault});
+  }
+  for (int size : {3, 4}) params.push_back({Transport::kInProcess, size, Mode::kLargeTinyChunks});
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Rooted, RootedMatrixTest, ::testing::ValuesIn(MatrixParams()), Name);
+
+// Every root of every rooted collective, small and large, and async calls of every kind in
+// flight at once, mixed with an all-reduce, waited on in reverse.
+TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(60);
+    options.chunk_bytes = 4096;
+    RunRanks(transport, 5, options, [&](CollectiveCommunication& comm) {
+      Failures f;
+      for (int root = 0; root < comm.size(); ++root) {
+        for (size_t count : {size_t{3}, size_t{20'011}}) {
+          CheckReduce(comm, DataType::kFloat64, ReduceOp::kSum, count, root % 2 == 0, root, f);
+          CheckGather(comm, DataType::kInt32, count, root % 2 == 1, root, f);
+          CheckScatter(comm, DataType::kUInt8, count, root % 2 == 0, root, f);
+        }
+      }
+      EXPECT_EQ(f.wrong, 0u) << f.first;
+
+      const int n = comm.size();
+      const int rank = comm.rank();
+      const size_t count = 5'003;
+      std::vector<float> red(count, float(rank + 1)), red_out(count, -1.f);
+      std::vector<int64_t> all(count, rank), all_out(count, -1);
+      std::vector<int32_t> gat(count, rank * 10), gat_out(count * size_t(n), -1);
+      std::vector<int32_t> sca(count * size_t(n)), sca_out(count, -1);
+      for (size_t i = 0; i < sca.size(); ++i) sca[i] = int32_t(i);
+      std::vector<double> a2a(count * size_t(n)), a2a_out(count * size_t(n), -1);
+      for (size_t i = 0; i < a2a.size(); ++i) a2a[i] = rank * 1e6 + double(i);
+      std::vector<std::shared_ptr<Work>> works;
+      works.push_back(comm.ReduceAsync(Tensor{red.data(), count, DataType::kFloat32},
+                                       Tensor{red_out.data(), count, DataType::kFloat32},
+                                       ReduceOp::kSum, 1));
+      works.push_back(comm.AllReduceAsync(Tensor{all.data(), count, DataType::kInt64},
+                                          Tensor{all_out.data(), count, DataType::kInt64},
+                                          ReduceOp::kSum));
+      works.push_back(comm.GatherAsync(Tensor{gat.data(), count, DataType::kInt32},
+                                       Tensor{gat_out.data(), gat_out.size(), DataType::kInt32},
+                                       n - 1));
+      works.push_back(comm.ScatterAsync(Tensor{sca.data(), sca.size(), DataType::kInt32},
+                                        Tensor{sca_out.data(), count, DataType::kInt32}, 0));
+      works.push_back(comm.AllToAllAsync(Tensor{a2a.data(), a2a.size(), DataType::kFloat64},
+                                         Tensor{a2a_out.data(), a2a_out.size(),
+                                                DataType::kFloat64}));
+      for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->Wait();
+      const float sum = float(n * (n + 1) / 2);
+      EXPECT_EQ(red_out, std::vector<float>(count, rank == 1 ? sum : -1.f));
+      EXPECT_EQ(all_out, std::vector<int64_t>(count, int64_t(n) * (n - 1) / 2));
+      if (rank == n - 1) {
+        for (size_t i = 0; i < gat_out.size(); ++i) {
+          ASSERT_EQ(gat_out[i], int32_t(i / count) * 10) << i;
+        }
+      }
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(sca_out[i], int32_t(size_t(rank) * count + i));
+      for (size_t j = 0; j < size_t(n); ++j) {
+        for (size_t e = 0; e < count; ++e) {
+          ASSERT_EQ(a2a_out[j * count + e], double(j) * 1e6 + double(size_t(rank) * count + e));
+        }
+      }
+    });
+  }
+}
+
+// Arguments one rank alone can tell are wrong: Error(kInvalidArgument) on the caller's thread,
+// naming the collective, nothing written, the communicator still usable.
+TEST(RootedTest, BadArgumentsRaiseInvalidArgumentAndWriteNothing) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(30);
+  RunRanks(Transport::kTcp, 3, options, [&](CollectiveCommunication& comm) {
+    std::vector<float> a(12, 1.f), b(12, 2.f);
+    const std::vector<float> b_before = b;
+    const auto t = [](std::vector<float>& v, size_t count, size_t offset = 0) {
+      return Tensor{v.data() + offset, count, DataType::kFloat32};
+    };
+    const auto expect_invalid = [&](const std::function<void()>& call, const std::string& words) {
+      try {
+        call();
+        ADD_FAILURE() << "rank " << comm.rank() << ": no error; expected: " << words;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      }
+    };
+    expect_invalid([&] { comm.Reduce(t(a, 4), t(b, 4), ReduceOp::kSum, 3); }, "reduce: root 3");
+    expect_invalid([&] { comm.Gather(t(a, 4), t(b, 12), -1); }, "gather: root -1");
+    expect_invalid([&] { comm.Scatter(t(a, 12), t(b, 4), 7); }, "scatter: root 7");
+    expect_invalid([&] { comm.ReduceAsync(t(a, 4), t(b, 4), ReduceOp(9), 0); }, "reduce");
+    if (comm.rank() == 0) {
+      expect_invalid([&] { comm.Reduce(t(a, 4), t(b, 5), ReduceOp::kSum, 0); }, "reduce");
+      expect_invalid([&] { comm.Gather(t(a, 4), t(b, 11), 0); }, "gather");
+      expect_invalid([&] { comm.Scatter(t(a, 11), t(b, 4), 0); }, "scatter");
+      // Overlapping without being the in-place form.
+      expect_invalid([&] { comm.Reduce(t(a, 4, 1), t(a, 4), ReduceOp::kSum, 0); }, "overlap");
+      expect_invalid([&] { comm.Gather(t(a, 4, 1), t(a, 12), 0); }, "overlap");
+      expect_invalid([&] { comm.Scatter(t(a, 12), t(a, 4, 1), 0); }, "overlap");
+    }
+    expect_invalid([&] { comm.AllToAll(t(a, 4), t(b, 4)); }, "multiple of size 3");
+    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 3)); }, "all_to_all");
+    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2}, {2, 2, 2}); },
+                   "send_counts has 2 entries");
+    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 3}, {2, 2, 2}); },
+                   "send_counts adds up to more than send.count 6");
+    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 1}, {2, 2, 2}); },
+                   "send_counts adds up to 5");
+    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 2}, {}); }, "recv_counts has 0");
+    expect_invalid([&] { comm.AllToAll(t(a, 6), t(a, 6, 3)); }, "overlap");
+    EXPECT_EQ(b, b_before);
+    // Still usable.
+    std::vector<float> out(3, 0.f);
+    comm.Gather(t(a, 1), comm.rank() == 2 ? t(out, 3) : Tensor{}, 2);
+    if (comm.rank() == 2) {
+      EXPECT_EQ(out, std::vector<float>(3, 1.f));
+    }
+  });
+}
+
+// What differs between the ranks' calls.
+enum class Differ { kRoot, kCount, kCollective, kSplit };
+
+struct MismatchParam {
+  Differ differ;
+  Transport transport;
+  int size;
+  size_t count;  // per-rank elements: small (recursive doubling) or large (chain, direct, pairwise)
+};
+
+std::string MismatchName(const ::testing::TestParamInfo<MismatchParam>& info) {
+  const MismatchParam& p = info.param;
+  std::string name = p.differ == Differ::kRoot         ? "Root"
+                     : p.differ == Differ::kCount      ? "Count"
+                     : p.differ == Differ::kCollective ? "Collective"
+                                                       : "AllToAllSplit";
+  name += p.transport == Transport::kTcp ? "Tcp" : "Auto";
+  return name + std::to_string(p.size) + "Ranks" + std::to_string(p.count) + "Elements";
+}
+
+class RootedMismatchTest : public ::testing::TestWithParam<MismatchParam> {};
+
+// The last rank's call differs (another root, count, rooted collective, or an all-to-all whose
+// counts disagree with its peers'): every rank raises kMismatch at that call, well within the
+// deadline, no buffer of any rank changed, and the communicator stays broken.
+TEST_P(RootedMismatchTest, EveryRankRaisesMismatchAndNoBufferChanges) {
+  const MismatchParam p = GetParam();
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(20);
+  RunRanks(p.transport, p.size, options, [&](CollectiveCommunication& comm) {
+    const int n = comm.size();
+    const int rank = comm.rank();
+    const bool odd = rank == n - 1;
+    const size_t count = p.count + (p.differ == Differ::kCount && odd ? 4 : 0);
+    const int root = p.differ == Differ::kRoot && odd ? 1 : 0;
+    std::vector<float> send(count * size_t(n) + 8, 3.f);
+    std::vector<float> recv(count * size_t(n) + 8, 7.f);
+    const std::vector<float> send_before = send, recv_before = recv;
+    const auto start = std::chrono::steady_clock::now();
+    const auto t = [&](std::vector<float>& v, size_t c) {
+      return Tensor{v.data(), c, DataType::kFloat32};
+    };
+    std::string error;
+    try {
+      switch (p.differ) {
+        case Differ::kRoot:
+        case Differ::kCount:
+          comm.Reduce(t(send, count), t(recv, count), ReduceOp::kSum, root);
+          break;
+        case Differ::kCollective:
+          if (odd) {
+            comm.Scatter(t(send, count * size_t(n)), t(recv, count), 0);
+          } else {
+            comm.Gather(t(send, count), t(recv, count * size_t(n)), 0);
+          }
+          break;
+        case Differ::kSplit: {
+          // Rank n-1 expects one element more from rank 0 than rank 0 sends it.
+          std::vector<size_t> sends(size_t(n), count), recvs(size_t(n), count);
+          if (odd) recvs[0] += 1, recvs[size_t(n - 1)] -= 1, sends[size_t(n - 1)] -= 1;
+          size_t total_send = 0, total_recv = 0;
+          for (int j = 0; j < n; ++j) total_send += sends[size_t(j)], total_recv += recvs[size_t(j)];
+          comm.AllToAll(t(send, total_send), t(recv, total_recv), sends, recvs);
+          break;
+        }
+      }
+      comm.Barrier();
+      ADD_FAILURE() << "rank " << rank << ": the mismatch went unnoticed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kMismatch) << "rank " << rank << ": " << e.what();
+      error = e.what();
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, test_time::Scaled(10.0)) << "rank " << rank << ": " << error;
+    EXPECT_EQ(error.find("barrier"), std::string::npos)
+        << "rank " << rank << " raised at the barrier, not at the mismatched call: " << error;
+    EXPECT_EQ(send, send_before) << "rank " << rank;
+    EXPECT_EQ(recv, recv_before) << "rank " << rank;
+    if (p.differ == Differ::kSplit && rank == 0) {
+      EXPECT_NE(error.find("rank 0 sends " + std::to_string(p.count) + " elements to rank " +
+                           std::to_string(n - 1) + ", which expects " +
+                           std::to_string(p.count + 1)),
+                std::string::npos)
+          << error;
+    }
+    EXPECT_THROW(comm.Barrier(), Error) << "rank " << rank << ": not broken after the mismatch";
+  });
+}
+
+std::vector<MismatchParam> MismatchParams() {
+  std::vector<MismatchParam> params;
+  for (Differ d : {Differ::kRoot, Differ::kCount, Differ::kCollective, Differ::kSplit}) {
+    for (int size : {2, 3, 5}) {
+      for (size_t count : {size_t{10}, size_t{40'000}}) {
+        params.push_back({d, Transport::kTcp, size, count});
+      }
+    }
+    params.push_back({d, Transport::kAuto, 4, 10});
+    params.push_back({d, Transport::kAuto, 4, 40'000});
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Rooted, RootedMismatchTest, ::testing::ValuesIn(MismatchParams()),
+                         MismatchName);
+
+// A rank whose communicator is gone: the others' gather (which waits for its block), reduce and
+// all-to-all raise, kPeerLost or kAborted, within the deadline rather than hanging.
+TEST(RootedTest, APeerThatIsGoneEndsTheCallWithAnError) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(20);
+    std::atomic<int> gone{0};
+    RunRanks(transport, 4, options, [&](CollectiveCommunication& comm) {
+      std::vector<int32_t> send(100'000, comm.rank()), recv(400'000, -1);
+      comm.Barrier();
+      if (comm.rank() == 3) return;  // its communicator is destroyed: its connections close
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        if (comm.rank() == 0) {
+          comm.Gather(Tensor{send.data(), send.size(), DataType::kInt32},
+                      Tensor{recv.data(), recv.size(), DataType::kInt32}, 0);
+        } else {
+          comm.Gather(Tensor{send.data(), send.size(), DataType::kInt32}, Tensor{}, 0);
+        }
+        comm.AllToAll(Tensor{recv.data(), 4, DataType::kInt32},
+                      Tensor{recv.data() + 4, 4, DataType::kInt32});
+        ADD_FAILURE() << "rank " << comm.rank() << ": no error with rank 3 gone";
+      } catch (const Error& e) {
+        EXPECT_TRUE(e.code() == ErrorCode::kPeerLost || e.code() == ErrorCode::kAborted)
+            << e.what();
+        gone++;
+      }
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                test_time::Scaled(10.0));
+    });
+    EXPECT_EQ(gone.load(), 3);
+  }
+}
+
+}  // namespace
+}  // namespace collectives::testing
