@@ -204,3 +204,19 @@ def test_packing(comm):
     ro.flags.writeable = False
     with pytest.raises(collectives.InvalidArgumentError, match="tensor 1"):
         collectives.packing.all_reduce(comm, [np.ones(2), ro])
+
+
+def test_rooted_collectives_need_their_root_buffers(comm):
+    a = np.arange(3, dtype=np.float32)
+    with pytest.raises(collectives.InvalidArgumentError, match="gather: recv is required"):
+        comm.gather(a, None, 0)
+    with pytest.raises(collectives.InvalidArgumentError, match="scatter: send is required"):
+        comm.scatter(None, a, 0)
+    np.testing.assert_array_equal(comm.reduce(a, None, "max", 0), [0, 1, 2])  # in place
+    out = np.zeros(3, np.float32)
+    assert comm.gather(a, out, 0) is out
+    np.testing.assert_array_equal(out, a)
+    with pytest.raises(collectives.InvalidArgumentError):
+        comm.reduce(a, None, "sum", 1)
+    with pytest.raises(collectives.InvalidArgumentError):
+        comm.all_to_all(a, np.zeros(3, np.float32), [3, 0], [3])
