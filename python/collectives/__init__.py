@@ -20,6 +20,8 @@ import enum as _enum
 from . import _collectives
 from ._collectives import ClusterSpec, Communication, Work, build_type, dtype_size, version
 
+__version__ = version()
+
 __all__ = [
     "ClusterSpec", "Communication", "Work", "ErrorCode", "Error", "InvalidArgumentError",
     "InvalidUsageError", "SystemCallError", "PeerLostError", "MismatchError", "TimeoutError",

@@ -667,7 +667,12 @@ PYBIND11_MODULE(_collectives, m) {
 
   const auto async_arg = py::arg("async_op") = false;
   const auto dtype_arg = py::arg("dtype") = py::none();
-  py::class_<PyCommunication>(m, "Communication")
+  py::class_<PyCommunication>(
+      m, "Communication",
+      "This rank's communicator. Communication(spec=None, **options): spec None reads the "
+      "environment (ClusterSpec.from_environment()); the options are CommunicationOptions' "
+      "(implementation='auto'|'ring'|'nccl', timeout in seconds or a timedelta, chunk_bytes, "
+      "...); store_path rendezvouses through a file store in that folder. A context manager.")
       .def(py::init(&PyCommunication::Create), py::arg("spec") = py::none(), py::kw_only(),
            py::arg("implementation") = "auto", py::arg("timeout") = 300.0,
            py::arg("chunk_bytes") = 0, py::arg("small_message_bytes") = 0,
@@ -679,29 +684,47 @@ PYBIND11_MODULE(_collectives, m) {
       .def_property_readonly("size", &PyCommunication::size)
       .def_property_readonly("implementation", &PyCommunication::implementation)
       .def_property_readonly("closed", &PyCommunication::closed)
+      .def("__repr__",
+           [](const PyCommunication& c) {
+             return "<collectives.Communication rank " + std::to_string(c.rank()) + " of " +
+                    std::to_string(c.size()) + ", " + c.implementation() +
+                    (c.closed() ? ", closed>" : ">");
+           })
       .def("all_reduce", &PyCommunication::AllReduce, py::arg("buf"), py::arg("op") = "sum",
-           py::kw_only(), py::arg("out") = py::none(), async_arg, dtype_arg)
+           py::kw_only(), py::arg("out") = py::none(), async_arg, dtype_arg,
+           "out (or buf, in place) = op over ranks of buf, on every rank. op: sum, prod, min, max, avg. Returns the output (a Work with async_op=True).")
       .def("broadcast", &PyCommunication::Broadcast, py::arg("buf"), py::arg("root") = 0,
-           py::kw_only(), py::arg("out") = py::none(), async_arg, dtype_arg)
+           py::kw_only(), py::arg("out") = py::none(), async_arg, dtype_arg,
+           "out (or buf, in place) = root's buf, on every rank.")
       .def("all_gather", &PyCommunication::AllGather, py::arg("send"), py::arg("recv"),
-           py::kw_only(), async_arg, dtype_arg)
+           py::kw_only(), async_arg, dtype_arg,
+           "recv = concatenation over ranks of send; recv.size == size * send.size. In place when send is recv[rank*n:(rank+1)*n].")
       .def("reduce_scatter", &PyCommunication::ReduceScatter, py::arg("send"), py::arg("recv"),
-           py::arg("op") = "sum", py::kw_only(), async_arg, dtype_arg)
-      .def("barrier", &PyCommunication::Barrier, py::kw_only(), async_arg)
+           py::arg("op") = "sum", py::kw_only(), async_arg, dtype_arg,
+           "recv = block `rank` of (op over ranks of send); send.size == size * recv.size.")
+      .def("barrier", &PyCommunication::Barrier, py::kw_only(), async_arg,
+           "Returns once every rank has entered it.")
       .def("reduce", &PyCommunication::Reduce, py::arg("send"), py::arg("recv") = py::none(),
-           py::arg("op") = "sum", py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg)
+           py::arg("op") = "sum", py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg,
+           "On the root, recv (or send, in place, when recv is None) = op over ranks of send. recv is unused elsewhere.")
       .def("gather", &PyCommunication::Gather, py::arg("send"), py::arg("recv") = py::none(),
-           py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg)
+           py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg,
+           "On the root, recv = concatenation over ranks of send (recv.size == size * send.size); recv is unused elsewhere.")
       .def("scatter", &PyCommunication::Scatter, py::arg("send"), py::arg("recv"),
-           py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg)
+           py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg,
+           "recv = block `rank` of root's send (send.size == size * recv.size there; None elsewhere).")
       .def("all_to_all", &PyCommunication::AllToAll, py::arg("send"), py::arg("recv"),
            py::arg("send_counts") = py::none(), py::arg("recv_counts") = py::none(),
-           py::kw_only(), async_arg, dtype_arg)
+           py::kw_only(), async_arg, dtype_arg,
+           "Block j of recv = block `rank` of rank j's send. Equal blocks without counts; else send_counts[j] elements go to rank j and recv_counts[j] come from it.")
       .def("send", &PyCommunication::Send, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
-           py::kw_only(), async_arg, dtype_arg)
+           py::kw_only(), async_arg, dtype_arg,
+           "Sends buf to rank `peer`, whose recv(..., this rank, tag) receives it, in issue order.")
       .def("recv", &PyCommunication::Recv, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
-           py::kw_only(), async_arg, dtype_arg)
-      .def("split", &PyCommunication::Split, py::arg("color"), py::arg("key") = py::none())
+           py::kw_only(), async_arg, dtype_arg,
+           "Receives into buf what rank `peer` sends with the same tag, dtype and size.")
+      .def("split", &PyCommunication::Split, py::arg("color"), py::arg("key") = py::none(),
+           "A collective: ranks of one color >= 0 get a new Communication, ranked by key (default: this rank); a negative color gets None.")
       .def("_packed_all_reduce", &PyCommunication::PackedAllReduce)
       .def("_packed_broadcast", &PyCommunication::PackedBroadcast)
       .def("__enter__", [](py::object self) { return self; })
@@ -714,10 +737,14 @@ PYBIND11_MODULE(_collectives, m) {
             c.Close();
             return false;
           })
-      .def("abort", &PyCommunication::Abort)
-      .def("close", &PyCommunication::Close)
-      .def("set_timeout", &PyCommunication::SetTimeout, py::arg("timeout"))
-      .def("all_reduce_algorithm", &PyCommunication::AllReduceAlgorithm, py::arg("bytes"));
+      .def("abort", &PyCommunication::Abort,
+           "Breaks the communicator now: calls in flight and later ones raise AbortedError, here and on the peers.")
+      .def("close", &PyCommunication::Close,
+           "Destroys the communicator once its queued calls have run (each bounded by its timeout).")
+      .def("set_timeout", &PyCommunication::SetTimeout, py::arg("timeout"),
+           "The deadline (seconds or timedelta) of every call issued after this one.")
+      .def("all_reduce_algorithm", &PyCommunication::AllReduceAlgorithm, py::arg("bytes"),
+           "The algorithm an all-reduce of `bytes` bytes runs here (recursive_doubling, ring, shm, ...).");
 
   m.def("_plan_buckets",
         [](const std::vector<std::pair<std::string, size_t>>& specs, size_t bytes_per_pack) {
