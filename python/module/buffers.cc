@@ -155,11 +155,15 @@ BorrowedBuffer::~BorrowedBuffer() {
   if (dl_ != nullptr && dl_->deleter != nullptr) dl_->deleter(dl_);
 }
 
-std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, const std::string& where, const char* name,
-                                        bool writable, std::optional<DataType> dtype) {
+std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, int rank, const char* collective,
+                                        const char* name, bool writable,
+                                        std::optional<DataType> dtype) {
   auto out = std::make_unique<BorrowedBuffer>();
   // Message text is built only for a refusal: this runs on every call.
-  auto prefix = [&] { return where + ": " + name + " (" + TypeName(obj) + ") "; };
+  auto prefix = [&] {
+    return "rank " + std::to_string(rank) + ": " + collective + ": " + name + " (" +
+           TypeName(obj) + ") ";
+  };
 
   if (PyObject_CheckBuffer(obj.ptr())) {
     // Read-only buffers are asked for too, so that the refusal can say why.

@@ -31,21 +31,21 @@ class BorrowedBuffer {
   Tensor tensor;
 
  private:
-  friend std::unique_ptr<BorrowedBuffer> Acquire(pybind11::handle, const std::string&, const char*,
+  friend std::unique_ptr<BorrowedBuffer> Acquire(pybind11::handle, int, const char*, const char*,
                                                  bool, std::optional<DataType>);
   Py_buffer view_{};
   bool has_view_ = false;
   DLManagedTensor* dl_ = nullptr;
 };
 
-// Borrows `obj`'s memory as a C-contiguous CPU tensor. `where` starts every message
-// ("rank 1: all_reduce"), `name` is the argument ("out"). With `writable`, a read-only buffer is
+// Borrows `obj`'s memory as a C-contiguous CPU tensor. Messages start with
+// "rank <rank>: <collective>: <name>" (name is the argument: "out"). With `writable`, a read-only buffer is
 // refused. `dtype` overrides the element type that the object's format names; its element size
 // must equal the object's (dtype="bf16" on a uint16 array). Throws TypeError for an object that
 // is neither a buffer nor a DLPack producer and for an element type no collective takes, and
 // Error(kInvalidArgument) (the package's InvalidArgumentError, a ValueError) for a read-only,
 // non-contiguous or non-CPU one.
-std::unique_ptr<BorrowedBuffer> Acquire(pybind11::handle obj, const std::string& where,
+std::unique_ptr<BorrowedBuffer> Acquire(pybind11::handle obj, int rank, const char* collective,
                                         const char* name, bool writable,
                                         std::optional<DataType> dtype);
 

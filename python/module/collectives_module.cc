@@ -254,21 +254,24 @@ std::optional<DataType> ParseDtype(const py::object& dtype) {
 class Args {
  public:
   Args(int rank, const char* collective, const py::object& dtype)
-      : where_("rank " + std::to_string(rank) + ": " + collective), dtype_(ParseDtype(dtype)) {}
+      : rank_(rank), collective_(collective), dtype_(ParseDtype(dtype)) {}
 
   const Tensor& Add(py::handle obj, const char* name, bool writable) {
-    buffers_.push_back(Acquire(obj, where_, name, writable, dtype_));
+    buffers_.push_back(Acquire(obj, rank_, collective_, name, writable, dtype_));
     return buffers_.back()->tensor;
   }
   // An unused buffer (recv off the root of a reduce): empty, of `like`'s dtype.
   static Tensor Empty(const Tensor& like) { return Tensor{nullptr, 0, like.dtype, like.device}; }
   [[noreturn]] void Missing(const char* name, const char* why) const {
-    throw Error(ErrorCode::kInvalidArgument, where_ + ": " + name + " is required " + why);
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " +
+                                                 collective_ + ": " + name + " is required " +
+                                                 why);
   }
   Buffers Take() { return std::move(buffers_); }
 
  private:
-  std::string where_;
+  int rank_;
+  const char* collective_;  // a literal
   std::optional<DataType> dtype_;
   Buffers buffers_;
 };
@@ -547,6 +550,22 @@ class PyCommunication {
     comm->SetTimeout(ToMilliseconds(ToSeconds(timeout, "set_timeout")));
   }
 
+  // Seconds per call of `iters` blocking sum all-reduces of `buf` in place, issued from C++ in a
+  // loop: the library's own cost, for examples/python/numpy_allreduce_latency.py to set beside
+  // the same calls made from Python, in the same processes.
+  double TimeAllReduce(py::object buf, int iters) {
+    CommPtr comm = Get("_time_all_reduce");
+    Args args(rank_, "_time_all_reduce", py::none());
+    const Tensor t = args.Add(buf, "buf", true);
+    double seconds = 0;
+    RunBlocking(comm, [&] {
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < iters; ++i) comm->AllReduce(t, t, ReduceOp::kSum);
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+    return iters > 0 ? seconds / iters : 0.0;
+  }
+
   std::string AllReduceAlgorithm(size_t bytes) {
     return Get("all_reduce_algorithm")->AllReduceAlgorithm(bytes);
   }
@@ -726,6 +745,7 @@ PYBIND11_MODULE(_collectives, m) {
       .def("split", &PyCommunication::Split, py::arg("color"), py::arg("key") = py::none(),
            "A collective: ranks of one color >= 0 get a new Communication, ranked by key (default: this rank); a negative color gets None.")
       .def("_packed_all_reduce", &PyCommunication::PackedAllReduce)
+      .def("_time_all_reduce", &PyCommunication::TimeAllReduce)
       .def("_packed_broadcast", &PyCommunication::PackedBroadcast)
       .def("__enter__", [](py::object self) { return self; })
       .def(
