@@ -445,6 +445,24 @@ def scenario_killed(implementation):
     comm.close()
 
 
+def scenario_timeout():
+    """Rank 0 calls a collective that rank 1 never issues, with a 2-second deadline."""
+    comm = collectives.Communication(timeout=30)
+    comm.barrier()
+    if comm.rank != 0:
+        time.sleep(8)
+        return
+    comm.set_timeout(2.0)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(3, np.float32))
+        report(rank=RANK, error=None)
+    except TimeoutError as e:  # the builtin: collectives.TimeoutError derives from it
+        report(rank=RANK, error=type(e).__name__, message=str(e),
+               seconds=time.monotonic() - start)
+    comm.abort()
+
+
 def scenario_sigint(kind):
     """Rank 0 blocks in a collective that rank 1 never issues; the test sends SIGINT."""
     comm = collectives.Communication(timeout=120)
@@ -481,6 +499,8 @@ if __name__ == "__main__":
         scenario_mismatch()
     elif name == "killed":
         scenario_killed(sys.argv[2])
+    elif name == "timeout":
+        scenario_timeout()
     elif name == "sigint":
         scenario_sigint(sys.argv[2])
     else:

@@ -220,3 +220,21 @@ def test_rooted_collectives_need_their_root_buffers(comm):
         comm.reduce(a, None, "sum", 1)
     with pytest.raises(collectives.InvalidArgumentError):
         comm.all_to_all(a, np.zeros(3, np.float32), [3, 0], [3])
+
+
+def test_a_dropped_work_and_calls_from_threads(comm):
+    import threading
+    comm.all_reduce_async(np.ones(100, np.float32))  # dropped at once: waits, then frees
+    results = []
+
+    def worker():
+        a = np.full(10, 2, np.int64)
+        comm.all_reduce(a, "prod")
+        results.append(a.tolist())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[2] * 10] * 4

@@ -53,6 +53,14 @@ def test_killed_rank_every_survivor_raises_within_the_timeout(implementation):
         assert result["seconds"] < 8 + 3, text
 
 
+def test_a_peer_that_never_comes_raises_timeout_error():
+    results = _launch.run(2, "timeout", timeout=40)
+    rc, result, _, stderr = results[0]
+    assert rc == 0 and result is not None, stderr
+    assert result["error"] == "TimeoutError", result
+    assert 2 <= result["seconds"] < 5, result
+
+
 @pytest.mark.parametrize("kind", ["small", "large", "wait"])
 def test_ctrl_c_interrupts_a_blocked_call(kind):
     procs = _launch.start(2, "sigint", kind)
