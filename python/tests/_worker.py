@@ -445,6 +445,14 @@ def scenario_killed(implementation):
     comm.close()
 
 
+def scenario_file_store(path):
+    """The ranks meet through a file store in `path` rather than rank 0's TCP store."""
+    with collectives.Communication(store_path=path, timeout=20) as comm:
+        a = np.full(5, comm.rank + 1, np.int32)
+        comm.all_reduce(a, "sum")
+        report(rank=RANK, values=a.tolist())
+
+
 def scenario_timeout():
     """Rank 0 calls a collective that rank 1 never issues, with a 2-second deadline."""
     comm = collectives.Communication(timeout=30)
@@ -499,6 +507,8 @@ if __name__ == "__main__":
         scenario_mismatch()
     elif name == "killed":
         scenario_killed(sys.argv[2])
+    elif name == "file_store":
+        scenario_file_store(sys.argv[2])
     elif name == "timeout":
         scenario_timeout()
     elif name == "sigint":

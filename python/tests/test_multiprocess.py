@@ -53,6 +53,13 @@ def test_killed_rank_every_survivor_raises_within_the_timeout(implementation):
         assert result["seconds"] < 8 + 3, text
 
 
+def test_file_store_rendezvous(tmp_path):
+    results = _launch.run(3, "file_store", str(tmp_path / "store"), timeout=40)
+    for rc, result, _, stderr in results:
+        assert rc == 0 and result is not None, stderr
+        assert result["values"] == [6] * 5, result
+
+
 def test_a_peer_that_never_comes_raises_timeout_error():
     results = _launch.run(2, "timeout", timeout=40)
     rc, result, _, stderr = results[0]
