@@ -3,9 +3,10 @@
 // Every collective takes its buffers through the buffer protocol or DLPack (buffers.h), without
 // copies, and runs with the GIL released. A blocking call runs the library's blocking call on
 // the caller's thread (no thread hand-off, whatever its size). On the main thread it stays
-// interruptible: while it runs, a SIGINT handler wraps Python's own (which only flags the
-// signal) and wakes a watchdog thread that aborts the communicator, so the call returns at once
-// with kAborted and the module raises the KeyboardInterrupt that Python's handler recorded.
+// interruptible: a SIGINT handler that wraps Python's own (which only flags the signal) wakes a
+// watchdog thread that aborts the communicator of the call in progress, so the call returns at
+// once with kAborted and the module raises the KeyboardInterrupt that Python's handler
+// recorded. The set-up (the constructor) waits on a thread of its own and checks for signals.
 // An async call returns a Work that holds its buffers until the collective has completed.
 //
 // Thread-safety: a Communication may be used from several Python threads, as the C++ one may;
@@ -22,6 +23,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -278,6 +281,59 @@ class Args {
 
 // ---- Communication ----
 
+// The set-up waits for every rank, up to its timeout. On the main thread it runs on a thread of
+// its own while the caller checks for signals every 50 ms: Ctrl-C raises KeyboardInterrupt at
+// once, and the set-up thread, which cannot be cancelled, finishes on its own by its deadline
+// and destroys what it built (its peers then see this rank leave).
+template <typename Create>
+CommPtr CreateReleasingTheGil(const Create& create) {
+  py::gil_scoped_release release;
+  return create();
+}
+
+template <typename Create>
+CommPtr CreateInterruptibly(const Create& create) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;  // GUARDED_BY(mu), as the three below
+    CommPtr comm;
+    std::optional<Error> error;
+    std::exception_ptr other;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state, create] {
+    CommPtr comm;
+    std::optional<Error> error;
+    std::exception_ptr other;
+    try {
+      comm = create();
+    } catch (const Error& e) {
+      error.emplace(e);
+    } catch (...) {
+      other = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->comm = std::move(comm);
+    state->error = std::move(error);
+    state->other = other;
+    state->done = true;
+    state->cv.notify_all();
+  }).detach();
+  for (;;) {
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(state->mu);
+      if (state->cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return state->done; })) {
+        if (state->error) throw *state->error;
+        if (state->other) std::rethrow_exception(state->other);
+        return std::move(state->comm);
+      }
+    }
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
 class PyCommunication {
  public:
   explicit PyCommunication(CommPtr comm) : comm_(std::move(comm)) {
@@ -316,15 +372,12 @@ class PyCommunication {
     options.listen_address = listen_address;
     options.bytes_per_pack = bytes_per_pack;
     const ClusterSpec resolved = spec ? *spec : ClusterSpec::FromEnvironment();
-    CommPtr comm;
-    {
-      py::gil_scoped_release release;
-      if (store_path) {
-        comm = CreateCommunication(resolved, CreateFileStore(*store_path), options);
-      } else {
-        comm = CreateCommunication(resolved, options);
-      }
-    }
+    auto create = [resolved, options, store_path]() -> CommPtr {
+      if (store_path) return CreateCommunication(resolved, CreateFileStore(*store_path), options);
+      return CreateCommunication(resolved, options);
+    };
+    CommPtr comm = PyThread_get_thread_ident() == g_main_thread ? CreateInterruptibly(create)
+                                                                : CreateReleasingTheGil(create);
     return std::make_unique<PyCommunication>(std::move(comm));
   }
 

@@ -16,11 +16,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(world, scenario, *args, env=None):
-    """Starts the ranks; returns their Popen objects (stdout and stderr piped, text)."""
+def start(world, scenario, *args, env=None, ranks=None):
+    """Starts the ranks (those of `ranks`, default all); returns their Popen objects (stdout
+    and stderr piped, text)."""
     port = free_port()
     procs = []
-    for rank in range(world):
+    for rank in range(world) if ranks is None else ranks:
         e = dict(os.environ)
         for name in ("TF_CONFIG", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
             e.pop(name, None)

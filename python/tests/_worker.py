@@ -472,7 +472,19 @@ def scenario_timeout():
 
 
 def scenario_sigint(kind):
-    """Rank 0 blocks in a collective that rank 1 never issues; the test sends SIGINT."""
+    """Rank 0 blocks in a collective that rank 1 never issues, or (kind "setup", launched alone)
+    in the set-up that waits for it; the test sends SIGINT."""
+    if kind == "setup":
+        print("BLOCKING", flush=True)
+        start = time.monotonic()
+        try:
+            collectives.Communication(timeout=120)
+        except KeyboardInterrupt:
+            report(rank=RANK, interrupted=True, seconds=time.monotonic() - start,
+                   after="AbortedError")
+            raise
+        report(rank=RANK, interrupted=False)
+        return
     comm = collectives.Communication(timeout=120)
     comm.barrier()
     if comm.rank != 0:

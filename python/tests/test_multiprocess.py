@@ -68,9 +68,10 @@ def test_a_peer_that_never_comes_raises_timeout_error():
     assert 2 <= result["seconds"] < 5, result
 
 
-@pytest.mark.parametrize("kind", ["small", "large", "wait"])
+@pytest.mark.parametrize("kind", ["small", "large", "wait", "setup"])
 def test_ctrl_c_interrupts_a_blocked_call(kind):
-    procs = _launch.start(2, "sigint", kind)
+    # "setup": rank 1 never starts, so rank 0 waits in the constructor.
+    procs = _launch.start(2, "sigint", kind, ranks=[0] if kind == "setup" else None)
     try:
         line = procs[0].stdout.readline()  # "BLOCKING", once rank 0 is about to block
         assert line.strip() == "BLOCKING", procs[0].stderr.read()
@@ -80,12 +81,13 @@ def test_ctrl_c_interrupts_a_blocked_call(kind):
         procs[0].wait(timeout=5)
         elapsed = time.monotonic() - sent
     finally:
-        procs[1].kill()
+        procs[-1].kill()
     results = _launch.finish(procs, timeout=10)
     rc, result, _, stderr = results[0]
     assert result is not None and result["interrupted"], stderr
     assert "KeyboardInterrupt" in stderr, stderr
-    assert rc != 0
+    assert "Segmentation fault" not in stderr and "core dumped" not in stderr, stderr
+    assert rc == -signal.SIGINT, rc
     assert elapsed < 3, elapsed
     # The communicator is aborted: a later call raises at once.
     assert result["after"] == "AbortedError", result
