@@ -213,8 +213,8 @@ void PairwiseAllToAll(Context& ctx, const void* send, void* recv, DataType dtype
 // frames have left (into the socket), not once they have been received.
 void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
                  DataType dtype, int64_t tag);
-void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count,
-                 DataType dtype, int64_t tag);
+void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
+                 int64_t tag);
 // The descriptor of a point-to-point message (core::CallDescriptor says how the tag is held).
 core::CallDescriptor PointToPointDescriptor(DataType dtype, size_t count, int64_t tag);
 
