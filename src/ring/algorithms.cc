@@ -1,5 +1,6 @@
 // The RING algorithms: ring all-reduce, reduce-scatter and all-gather, chain and tree
-// broadcast, recursive-doubling all-reduce and barrier.
+// broadcast, recursive-doubling all-reduce and barrier, chain reduce, direct gather and scatter,
+// pairwise all-to-all, and point-to-point messages.
 //
 // Conventions shared by the ring algorithms. Ranks form the ring 0 -> 1 -> ... -> n-1 -> 0;
 // every rank sends to its right neighbour and receives from its left one. A tensor of `count`

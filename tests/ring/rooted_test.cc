@@ -157,6 +157,31 @@ TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
   }
 }
 
+// Equal blocks passed without counts on one rank and as explicit counts on the others are the
+// same call.
+TEST(RootedTest, AllToAllWithAndWithoutCountsMixAcrossRanks) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(30);
+    RunRanks(transport, 3, options, [&](CollectiveCommunication& comm) {
+      std::vector<int32_t> send(6), recv(6, -1);
+      for (size_t i = 0; i < 6; ++i) send[i] = comm.rank() * 100 + int32_t(i);
+      const Tensor in{send.data(), 6, DataType::kInt32};
+      const Tensor out{recv.data(), 6, DataType::kInt32};
+      if (comm.rank() == 0) {
+        comm.AllToAll(in, out);
+      } else {
+        comm.AllToAll(in, out, {2, 2, 2}, {2, 2, 2});
+      }
+      for (size_t j = 0; j < 3; ++j) {
+        for (size_t e = 0; e < 2; ++e) {
+          EXPECT_EQ(recv[j * 2 + e], int32_t(j) * 100 + comm.rank() * 2 + int32_t(e));
+        }
+      }
+    });
+  }
+}
+
 // Arguments one rank alone can tell are wrong: Error(kInvalidArgument) on the caller's thread,
 // naming the collective, nothing written, the communicator still usable.
 TEST(RootedTest, BadArgumentsRaiseInvalidArgumentAndWriteNothing) {
