@@ -714,6 +714,9 @@ RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
   const CallDescriptor call{CollectiveKind::kReduce, send.dtype, op, root, send.count};
   const bool small = send.bytes() <= small_message_bytes_;
   void* const out = is_root ? recv.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Reduce(send, out, op, root)) return Prepared{call, std::move(body)};
+  }
   return OnRing(call, [send, out, op, root, small](Context& ctx) {
     if (small) return SmallReduce(ctx, send.data, out, send.count, send.dtype, op, root);
     CallAgreement agreement(ctx);
@@ -742,6 +745,9 @@ RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send,
   const CallDescriptor call{CollectiveKind::kGather, send.dtype, ReduceOp::kSum, root, send.count};
   const bool small = size_t(size_) * send.bytes() <= small_message_bytes_;
   void* const out = is_root ? recv.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Gather(send, out, root)) return Prepared{call, std::move(body)};
+  }
   return OnRing(call, [send, out, root, small](Context& ctx) {
     if (small) return SmallGather(ctx, send.data, out, send.bytes(), root);
     CallAgreement agreement(ctx);

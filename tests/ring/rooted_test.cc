@@ -157,6 +157,21 @@ TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
   }
 }
 
+// Reduces and gathers past the 16 MiB that AUTO's shared-memory forms stage at once (they run
+// in pieces there), in place and out of place, checked element by element.
+TEST(RootedTest, LargeReduceAndGatherInPieces) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(120);
+  RunRanks(Transport::kAuto, 3, options, [&](CollectiveCommunication& comm) {
+    Failures f;
+    CheckReduce(comm, DataType::kInt32, ReduceOp::kSum, 4'200'007, false, 1, f);
+    CheckReduce(comm, DataType::kFloat32, ReduceOp::kMax, 4'200'011, true, 2, f);
+    CheckGather(comm, DataType::kInt32, 1'500'007, false, 0, f);
+    CheckGather(comm, DataType::kUInt8, 6'000'001, true, 2, f);
+    EXPECT_EQ(f.wrong, 0u) << f.first;
+  });
+}
+
 // Equal blocks passed without counts on one rank and as explicit counts on the others are the
 // same call.
 TEST(RootedTest, AllToAllWithAndWithoutCountsMixAcrossRanks) {
