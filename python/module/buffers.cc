@@ -43,15 +43,24 @@ constexpr uint8_t kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4;
 
 const char* DLDeviceName(int32_t type) {
   switch (type) {
-    case 1: return "cpu";
-    case 2: return "cuda";
-    case 3: return "cuda_host";
-    case 4: return "opencl";
-    case 7: return "vulkan";
-    case 8: return "metal";
-    case 10: return "rocm";
-    case 13: return "cuda_managed";
-    default: return "a non-CPU device";
+    case 1:
+      return "cpu";
+    case 2:
+      return "cuda";
+    case 3:
+      return "cuda_host";
+    case 4:
+      return "opencl";
+    case 7:
+      return "vulkan";
+    case 8:
+      return "metal";
+    case 10:
+      return "rocm";
+    case 13:
+      return "cuda_managed";
+    default:
+      return "a non-CPU device";
   }
 }
 
@@ -73,27 +82,59 @@ std::string FormatName(const std::string& code, size_t itemsize) {
   if (code.size() != 1) return "format '" + code + "'";
   const std::string bits = std::to_string(itemsize * 8);
   switch (code[0]) {
-    case 'f': case 'd': case 'e': case 'g': return "float" + bits;
-    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': return "int" + bits;
-    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': return "uint" + bits;
-    case '?': return "bool";
-    default: return "format '" + code + "'";
+    case 'f':
+    case 'd':
+    case 'e':
+    case 'g':
+      return "float" + bits;
+    case 'b':
+    case 'h':
+    case 'i':
+    case 'l':
+    case 'q':
+    case 'n':
+      return "int" + bits;
+    case 'B':
+    case 'H':
+    case 'I':
+    case 'L':
+    case 'Q':
+    case 'N':
+      return "uint" + bits;
+    case '?':
+      return "bool";
+    default:
+      return "format '" + code + "'";
   }
 }
 
 // The DataType of a buffer format, or nullopt.
 std::optional<DataType> FromFormat(char code, size_t itemsize) {
   switch (code) {
-    case 'f': if (itemsize == 4) return DataType::kFloat32; break;
-    case 'd': if (itemsize == 8) return DataType::kFloat64; break;
-    case 'e': if (itemsize == 2) return DataType::kFloat16; break;
-    case 'b': if (itemsize == 1) return DataType::kInt8; break;
-    case 'B': if (itemsize == 1) return DataType::kUInt8; break;
-    case 'i': case 'l': case 'q': case 'n':
+    case 'f':
+      if (itemsize == 4) return DataType::kFloat32;
+      break;
+    case 'd':
+      if (itemsize == 8) return DataType::kFloat64;
+      break;
+    case 'e':
+      if (itemsize == 2) return DataType::kFloat16;
+      break;
+    case 'b':
+      if (itemsize == 1) return DataType::kInt8;
+      break;
+    case 'B':
+      if (itemsize == 1) return DataType::kUInt8;
+      break;
+    case 'i':
+    case 'l':
+    case 'q':
+    case 'n':
       if (itemsize == 4) return DataType::kInt32;
       if (itemsize == 8) return DataType::kInt64;
       break;
-    default: break;
+    default:
+      break;
   }
   return std::nullopt;
 }
@@ -112,13 +153,13 @@ std::optional<DataType> FromDLPack(DLDataType t) {
 }
 
 std::string DLPackTypeName(DLDataType t) {
-  const char* kind = t.code == kDLInt     ? "int"
-                     : t.code == kDLUInt  ? "uint"
-                     : t.code == kDLFloat ? "float"
+  const char* kind = t.code == kDLInt      ? "int"
+                     : t.code == kDLUInt   ? "uint"
+                     : t.code == kDLFloat  ? "float"
                      : t.code == kDLBfloat ? "bfloat"
-                     : t.code == 5        ? "complex"
-                     : t.code == 6        ? "bool"
-                                          : "code";
+                     : t.code == 5         ? "complex"
+                     : t.code == 6         ? "bool"
+                                           : "code";
   std::string name = std::string(kind) + std::to_string(t.bits);
   if (t.lanes != 1) name += "x" + std::to_string(t.lanes);
   return name;
@@ -161,8 +202,8 @@ std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, int rank, const char* co
   auto out = std::make_unique<BorrowedBuffer>();
   // Message text is built only for a refusal: this runs on every call.
   auto prefix = [&] {
-    return "rank " + std::to_string(rank) + ": " + collective + ": " + name + " (" +
-           TypeName(obj) + ") ";
+    return "rank " + std::to_string(rank) + ": " + collective + ": " + name + " (" + TypeName(obj) +
+           ") ";
   };
 
   if (PyObject_CheckBuffer(obj.ptr())) {
@@ -197,22 +238,25 @@ std::unique_ptr<BorrowedBuffer> Acquire(py::handle obj, int rank, const char* co
       Invalid(prefix() + "is read-only; the collective writes it (pass a writable array)");
     }
     if (!PyBuffer_IsContiguous(&v, 'C')) {
-      Invalid(prefix() + "is not C-contiguous; pass numpy.ascontiguousarray(...) and copy the "
-                       "result back");
+      Invalid(prefix() +
+              "is not C-contiguous; pass numpy.ascontiguousarray(...) and copy the "
+              "result back");
     }
     out->tensor = Tensor{v.buf, static_cast<size_t>(v.len) / itemsize, dt, Device::Cpu()};
     return out;
   }
 
   if (!py::hasattr(obj, "__dlpack__")) {
-    throw py::type_error(prefix() + "is neither a buffer (numpy array, bytearray, memoryview) nor "
-                                  "a DLPack producer (__dlpack__)");
+    throw py::type_error(prefix() +
+                         "is neither a buffer (numpy array, bytearray, memoryview) nor "
+                         "a DLPack producer (__dlpack__)");
   }
   if (py::hasattr(obj, "__dlpack_device__")) {
     py::tuple device = obj.attr("__dlpack_device__")();
     const int32_t type = device[0].cast<int32_t>();
     if (type != kDLCPU) {
-      Invalid(prefix() + "lives on " + DLDeviceName(type) + ":" + py::str(device[1]).cast<std::string>() +
+      Invalid(prefix() + "lives on " + DLDeviceName(type) + ":" +
+              py::str(device[1]).cast<std::string>() +
               "; this module moves CPU memory only (the torch backend takes CUDA tensors)");
     }
   }

@@ -39,10 +39,10 @@ class BorrowedBuffer {
 };
 
 // Borrows `obj`'s memory as a C-contiguous CPU tensor. Messages start with
-// "rank <rank>: <collective>: <name>" (name is the argument: "out"). With `writable`, a read-only buffer is
-// refused. `dtype` overrides the element type that the object's format names; its element size
-// must equal the object's (dtype="bf16" on a uint16 array). Throws TypeError for an object that
-// is neither a buffer nor a DLPack producer and for an element type no collective takes, and
+// "rank <rank>: <collective>: <name>" (name is the argument: "out"). With `writable`, a read-only
+// buffer is refused. `dtype` overrides the element type that the object's format names; its element
+// size must equal the object's (dtype="bf16" on a uint16 array). Throws TypeError for an object
+// that is neither a buffer nor a DLPack producer and for an element type no collective takes, and
 // Error(kInvalidArgument) (the package's InvalidArgumentError, a ValueError) for a read-only,
 // non-contiguous or non-CPU one.
 std::unique_ptr<BorrowedBuffer> Acquire(pybind11::handle obj, int rank, const char* collective,

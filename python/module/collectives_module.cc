@@ -12,11 +12,10 @@
 // Thread-safety: a Communication may be used from several Python threads, as the C++ one may;
 // close() waits for nothing on other threads: their calls keep the communicator alive until they
 // return.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
 #include <errno.h>
 #include <pthread.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <semaphore.h>
 #include <signal.h>
 
@@ -84,7 +83,7 @@ std::atomic<void (*)(int)> g_python_handler{nullptr};
 std::mutex g_target_mu;
 CommPtr g_target;  // the communicator the main thread's call runs on; GUARDED_BY(g_target_mu)
 std::once_flag g_watchdog_once;
-unsigned long g_main_thread = 0;  // PyThread ident of the main thread
+unsigned long g_main_thread = 0;                       // PyThread ident of the main thread
 std::chrono::steady_clock::time_point g_next_check{};  // main thread only
 
 void OnSigint(int sig) {
@@ -181,13 +180,15 @@ Seconds ToSeconds(const py::handle& value, const char* where) {
   } else if (PyNumber_Check(value.ptr())) {
     seconds = py::float_(py::reinterpret_borrow<py::object>(value)).cast<double>();
   } else {
-    throw py::type_error(std::string(where) + ": timeout must be seconds (a number) or a "
-                         "datetime.timedelta, got " + py::str(py::type::of(value)).cast<std::string>());
+    throw py::type_error(std::string(where) +
+                         ": timeout must be seconds (a number) or a "
+                         "datetime.timedelta, got " +
+                         py::str(py::type::of(value)).cast<std::string>());
   }
   if (!(seconds > 0)) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(where) +
-                                                 ": timeout must be positive, got " +
-                                                 std::to_string(seconds) + " s");
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        std::string(where) + ": timeout must be positive, got " + std::to_string(seconds) + " s");
   }
   return Seconds(seconds);
 }
@@ -246,7 +247,8 @@ std::optional<DataType> ParseDtype(const py::object& dtype) {
   if (dtype.is_none()) return std::nullopt;
   if (py::isinstance<py::str>(dtype)) return ParseDataType(dtype.cast<std::string>());
   // A numpy dtype or type: its name ("float16", "uint16").
-  if (py::hasattr(dtype, "name")) return ParseDataType(py::str(dtype.attr("name")).cast<std::string>());
+  if (py::hasattr(dtype, "name"))
+    return ParseDataType(py::str(dtype.attr("name")).cast<std::string>());
   if (py::hasattr(dtype, "__name__")) {
     return ParseDataType(py::str(dtype.attr("__name__")).cast<std::string>());
   }
@@ -266,9 +268,8 @@ class Args {
   // An unused buffer (recv off the root of a reduce): empty, of `like`'s dtype.
   static Tensor Empty(const Tensor& like) { return Tensor{nullptr, 0, like.dtype, like.device}; }
   [[noreturn]] void Missing(const char* name, const char* why) const {
-    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " +
-                                                 collective_ + ": " + name + " is required " +
-                                                 why);
+    throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank_) + ": " + collective_ +
+                                                 ": " + name + " is required " + why);
   }
   Buffers Take() { return std::move(buffers_); }
 
@@ -349,16 +350,12 @@ class PyCommunication {
     }
   }
 
-  static std::unique_ptr<PyCommunication> Create(std::optional<ClusterSpec> spec,
-                                                 const std::string& implementation,
-                                                 py::object timeout, size_t chunk_bytes,
-                                                 size_t small_message_bytes,
-                                                 size_t medium_message_bytes,
-                                                 const std::string& algorithm, int spin_us,
-                                                 int yield_us, const std::string& job_token,
-                                                 const std::string& listen_address,
-                                                 size_t bytes_per_pack,
-                                                 std::optional<std::string> store_path) {
+  static std::unique_ptr<PyCommunication> Create(
+      std::optional<ClusterSpec> spec, const std::string& implementation, py::object timeout,
+      size_t chunk_bytes, size_t small_message_bytes, size_t medium_message_bytes,
+      const std::string& algorithm, int spin_us, int yield_us, const std::string& job_token,
+      const std::string& listen_address, size_t bytes_per_pack,
+      std::optional<std::string> store_path) {
     CommunicationOptions options;
     options.implementation = ParseImplementation(implementation);
     options.timeout = ToMilliseconds(ToSeconds(timeout, "Communication"));
@@ -409,7 +406,8 @@ class PyCommunication {
       py::gil_scoped_release release;
       work = async();
     }
-    return py::cast(std::make_unique<PyWork>(std::move(work), comm, args.Take(), std::move(result)));
+    return py::cast(
+        std::make_unique<PyWork>(std::move(work), comm, args.Take(), std::move(result)));
   }
 
   py::object AllReduce(py::object buf, const std::string& op, py::object out, bool async_op,
@@ -420,20 +418,17 @@ class PyCommunication {
     const Tensor send = args.Add(buf, "buf", out.is_none());
     const Tensor recv = out.is_none() ? send : args.Add(out, "out", true);
     return Issue(
-        comm, args, async_op, out.is_none() ? buf : out,
-        [&] { comm->AllReduce(send, recv, rop); },
+        comm, args, async_op, out.is_none() ? buf : out, [&] { comm->AllReduce(send, recv, rop); },
         [&] { return comm->AllReduceAsync(send, recv, rop); });
   }
 
-  py::object Broadcast(py::object buf, int root, py::object out, bool async_op,
-                       py::object dtype) {
+  py::object Broadcast(py::object buf, int root, py::object out, bool async_op, py::object dtype) {
     CommPtr comm = Get("broadcast");
     Args args(rank_, "broadcast", dtype);
     const Tensor send = args.Add(buf, "buf", out.is_none());
     const Tensor recv = out.is_none() ? send : args.Add(out, "out", true);
     return Issue(
-        comm, args, async_op, out.is_none() ? buf : out,
-        [&] { comm->Broadcast(send, recv, root); },
+        comm, args, async_op, out.is_none() ? buf : out, [&] { comm->Broadcast(send, recv, root); },
         [&] { return comm->BroadcastAsync(send, recv, root); });
   }
 
@@ -476,9 +471,9 @@ class PyCommunication {
     // Without recv, the root reduces in place into send.
     const bool in_place = is_root && recv_obj.is_none();
     const Tensor send = args.Add(send_obj, "send", in_place);
-    const Tensor recv = in_place              ? send
+    const Tensor recv = in_place             ? send
                         : recv_obj.is_none() ? Args::Empty(send)
-                                              : args.Add(recv_obj, "recv", is_root);
+                                             : args.Add(recv_obj, "recv", is_root);
     py::object result = in_place ? send_obj : recv_obj;
     return Issue(
         comm, args, async_op, result, [&] { comm->Reduce(send, recv, rop, root); },
@@ -492,7 +487,8 @@ class PyCommunication {
     const bool is_root = rank_ == root;
     const Tensor send = args.Add(send_obj, "send", false);
     if (is_root && recv_obj.is_none()) args.Missing("recv", "on the root");
-    const Tensor recv = recv_obj.is_none() ? Args::Empty(send) : args.Add(recv_obj, "recv", is_root);
+    const Tensor recv =
+        recv_obj.is_none() ? Args::Empty(send) : args.Add(recv_obj, "recv", is_root);
     return Issue(
         comm, args, async_op, recv_obj, [&] { comm->Gather(send, recv, root); },
         [&] { return comm->GatherAsync(send, recv, root); });
@@ -633,9 +629,10 @@ class PyCommunication {
 std::string SpecRepr(const ClusterSpec& s) {
   std::string r = "ClusterSpec(rank=" + std::to_string(s.rank) +
                   ", world_size=" + std::to_string(s.world_size) + ", master_addr='" +
-                  s.master_addr + "', master_port=" + std::to_string(s.master_port) +
-                  ", job_id='" + s.job_id + "'";
-  if (!s.store_listen_address.empty()) r += ", store_listen_address='" + s.store_listen_address + "'";
+                  s.master_addr + "', master_port=" + std::to_string(s.master_port) + ", job_id='" +
+                  s.job_id + "'";
+  if (!s.store_listen_address.empty())
+    r += ", store_listen_address='" + s.store_listen_address + "'";
   if (s.task_type != "worker" || s.task_index != s.rank) {
     r += ", task_type='" + s.task_type + "', task_index=" + std::to_string(s.task_index);
   }
@@ -651,10 +648,8 @@ PYBIND11_MODULE(_collectives, m) {
   using namespace collectives::python;
   m.doc() = "The compiled core of the collectives package; use `import collectives`.";
 
-  g_main_thread = py::module_::import("threading")
-                      .attr("main_thread")()
-                      .attr("ident")
-                      .cast<unsigned long>();
+  g_main_thread =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   // A child of fork has no watchdog thread: it starts its own at its next check.
   pthread_atfork(nullptr, nullptr, [] {
     new (&g_watchdog_once) std::once_flag();
@@ -680,16 +675,17 @@ PYBIND11_MODULE(_collectives, m) {
 
   m.def("version", &Version, "The library's version.");
   m.def("build_type", &BuildType, "The library's build type (Release, Debug, ...).");
-  m.def("dtype_size", [](const std::string& name) { return SizeOf(ParseDataType(name)); },
-        py::arg("dtype"), "Bytes of one element of `dtype` ('f32', 'bf16', ...).");
+  m.def(
+      "dtype_size", [](const std::string& name) { return SizeOf(ParseDataType(name)); },
+      py::arg("dtype"), "Bytes of one element of `dtype` ('f32', 'bf16', ...).");
 
   py::class_<ClusterSpec>(m, "ClusterSpec",
                           "Who takes part in a job: this rank, the world size and where rank 0's "
                           "rendezvous store listens (master_addr:master_port).")
       .def(py::init([](int rank, int world_size, std::string master_addr, uint16_t master_port,
-                       std::string job_id, std::string job_token,
-                       std::string store_listen_address, std::vector<std::string> addresses,
-                       std::optional<std::string> task_type, std::optional<int> task_index) {
+                       std::string job_id, std::string job_token, std::string store_listen_address,
+                       std::vector<std::string> addresses, std::optional<std::string> task_type,
+                       std::optional<int> task_index) {
              ClusterSpec s;
              s.rank = rank;
              s.world_size = world_size;
@@ -748,10 +744,9 @@ PYBIND11_MODULE(_collectives, m) {
       .def(py::init(&PyCommunication::Create), py::arg("spec") = py::none(), py::kw_only(),
            py::arg("implementation") = "auto", py::arg("timeout") = 300.0,
            py::arg("chunk_bytes") = 0, py::arg("small_message_bytes") = 0,
-           py::arg("medium_message_bytes") = 0, py::arg("algorithm") = "",
-           py::arg("spin_us") = -1, py::arg("yield_us") = -1, py::arg("job_token") = "",
-           py::arg("listen_address") = "", py::arg("bytes_per_pack") = 0,
-           py::arg("store_path") = py::none())
+           py::arg("medium_message_bytes") = 0, py::arg("algorithm") = "", py::arg("spin_us") = -1,
+           py::arg("yield_us") = -1, py::arg("job_token") = "", py::arg("listen_address") = "",
+           py::arg("bytes_per_pack") = 0, py::arg("store_path") = py::none())
       .def_property_readonly("rank", &PyCommunication::rank)
       .def_property_readonly("size", &PyCommunication::size)
       .def_property_readonly("implementation", &PyCommunication::implementation)
@@ -764,13 +759,15 @@ PYBIND11_MODULE(_collectives, m) {
            })
       .def("all_reduce", &PyCommunication::AllReduce, py::arg("buf"), py::arg("op") = "sum",
            py::kw_only(), py::arg("out") = py::none(), async_arg, dtype_arg,
-           "out (or buf, in place) = op over ranks of buf, on every rank. op: sum, prod, min, max, avg. Returns the output (a Work with async_op=True).")
+           "out (or buf, in place) = op over ranks of buf, on every rank. op: sum, prod, min, max, "
+           "avg. Returns the output (a Work with async_op=True).")
       .def("broadcast", &PyCommunication::Broadcast, py::arg("buf"), py::arg("root") = 0,
            py::kw_only(), py::arg("out") = py::none(), async_arg, dtype_arg,
            "out (or buf, in place) = root's buf, on every rank.")
       .def("all_gather", &PyCommunication::AllGather, py::arg("send"), py::arg("recv"),
            py::kw_only(), async_arg, dtype_arg,
-           "recv = concatenation over ranks of send; recv.size == size * send.size. In place when send is recv[rank*n:(rank+1)*n].")
+           "recv = concatenation over ranks of send; recv.size == size * send.size. In place when "
+           "send is recv[rank*n:(rank+1)*n].")
       .def("reduce_scatter", &PyCommunication::ReduceScatter, py::arg("send"), py::arg("recv"),
            py::arg("op") = "sum", py::kw_only(), async_arg, dtype_arg,
            "recv = block `rank` of (op over ranks of send); send.size == size * recv.size.")
@@ -778,17 +775,21 @@ PYBIND11_MODULE(_collectives, m) {
            "Returns once every rank has entered it.")
       .def("reduce", &PyCommunication::Reduce, py::arg("send"), py::arg("recv") = py::none(),
            py::arg("op") = "sum", py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg,
-           "On the root, recv (or send, in place, when recv is None) = op over ranks of send. recv is unused elsewhere.")
+           "On the root, recv (or send, in place, when recv is None) = op over ranks of send. recv "
+           "is unused elsewhere.")
       .def("gather", &PyCommunication::Gather, py::arg("send"), py::arg("recv") = py::none(),
            py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg,
-           "On the root, recv = concatenation over ranks of send (recv.size == size * send.size); recv is unused elsewhere.")
+           "On the root, recv = concatenation over ranks of send (recv.size == size * send.size); "
+           "recv is unused elsewhere.")
       .def("scatter", &PyCommunication::Scatter, py::arg("send"), py::arg("recv"),
            py::arg("root") = 0, py::kw_only(), async_arg, dtype_arg,
-           "recv = block `rank` of root's send (send.size == size * recv.size there; None elsewhere).")
+           "recv = block `rank` of root's send (send.size == size * recv.size there; None "
+           "elsewhere).")
       .def("all_to_all", &PyCommunication::AllToAll, py::arg("send"), py::arg("recv"),
-           py::arg("send_counts") = py::none(), py::arg("recv_counts") = py::none(),
-           py::kw_only(), async_arg, dtype_arg,
-           "Block j of recv = block `rank` of rank j's send. Equal blocks without counts; else send_counts[j] elements go to rank j and recv_counts[j] come from it.")
+           py::arg("send_counts") = py::none(), py::arg("recv_counts") = py::none(), py::kw_only(),
+           async_arg, dtype_arg,
+           "Block j of recv = block `rank` of rank j's send. Equal blocks without counts; else "
+           "send_counts[j] elements go to rank j and recv_counts[j] come from it.")
       .def("send", &PyCommunication::Send, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
            py::kw_only(), async_arg, dtype_arg,
            "Sends buf to rank `peer`, whose recv(..., this rank, tag) receives it, in issue order.")
@@ -796,28 +797,31 @@ PYBIND11_MODULE(_collectives, m) {
            py::kw_only(), async_arg, dtype_arg,
            "Receives into buf what rank `peer` sends with the same tag, dtype and size.")
       .def("split", &PyCommunication::Split, py::arg("color"), py::arg("key") = py::none(),
-           "A collective: ranks of one color >= 0 get a new Communication, ranked by key (default: this rank); a negative color gets None.")
+           "A collective: ranks of one color >= 0 get a new Communication, ranked by key (default: "
+           "this rank); a negative color gets None.")
       .def("_packed_all_reduce", &PyCommunication::PackedAllReduce)
       .def("_time_all_reduce", &PyCommunication::TimeAllReduce)
       .def("_packed_broadcast", &PyCommunication::PackedBroadcast)
       .def("__enter__", [](py::object self) { return self; })
-      .def(
-          "__exit__",
-          [](PyCommunication& c, py::object type, py::object, py::object) {
-            // Leaving on an exception: abort first, so that neither this rank nor its peers
-            // wait for calls that will never be matched.
-            if (!type.is_none()) c.Abort();
-            c.Close();
-            return false;
-          })
+      .def("__exit__",
+           [](PyCommunication& c, py::object type, py::object, py::object) {
+             // Leaving on an exception: abort first, so that neither this rank nor its peers
+             // wait for calls that will never be matched.
+             if (!type.is_none()) c.Abort();
+             c.Close();
+             return false;
+           })
       .def("abort", &PyCommunication::Abort,
-           "Breaks the communicator now: calls in flight and later ones raise AbortedError, here and on the peers.")
-      .def("close", &PyCommunication::Close,
-           "Destroys the communicator once its queued calls have run (each bounded by its timeout).")
+           "Breaks the communicator now: calls in flight and later ones raise AbortedError, here "
+           "and on the peers.")
+      .def(
+          "close", &PyCommunication::Close,
+          "Destroys the communicator once its queued calls have run (each bounded by its timeout).")
       .def("set_timeout", &PyCommunication::SetTimeout, py::arg("timeout"),
            "The deadline (seconds or timedelta) of every call issued after this one.")
       .def("all_reduce_algorithm", &PyCommunication::AllReduceAlgorithm, py::arg("bytes"),
-           "The algorithm an all-reduce of `bytes` bytes runs here (recursive_doubling, ring, shm, ...).");
+           "The algorithm an all-reduce of `bytes` bytes runs here (recursive_doubling, ring, shm, "
+           "...).");
 
   m.def("_plan_buckets",
         [](const std::vector<std::pair<std::string, size_t>>& specs, size_t bytes_per_pack) {
