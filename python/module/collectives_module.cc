@@ -102,8 +102,9 @@ void Watchdog() {
   }
 }
 
-// Whether OnSigint wraps Python's handler now; installs it when Python's (or another C
-// handler) is there. Main thread, GIL held.
+// Whether OnSigint wraps the installed SIGINT handler, installing it over Python's (or another
+// plain C handler) when that is what is installed; as of the last check, at most 100 ms old.
+// Main thread, GIL held.
 bool EnsureSigintHandler() {
   const auto now = std::chrono::steady_clock::now();
   static bool installed = false;
