@@ -1,5 +1,6 @@
 // The RING algorithms: ring all-reduce, reduce-scatter and all-gather, chain and tree
-// broadcast, recursive-doubling all-reduce and barrier.
+// broadcast, recursive-doubling all-reduce and barrier, chain reduce, direct gather and scatter,
+// pairwise all-to-all, and point-to-point messages.
 //
 // Conventions shared by the ring algorithms. Ranks form the ring 0 -> 1 -> ... -> n-1 -> 0;
 // every rank sends to its right neighbour and receives from its left one. A tensor of `count`
@@ -877,8 +878,8 @@ void WaitRecvs(const Tickets& tickets) {
 
 }  // namespace
 
-void DirectGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t block_bytes,
-                  int root, CallAgreement& agreement) {
+void DirectGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t block_bytes, int root,
+                  CallAgreement& agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
   const auto* send = static_cast<const uint8_t*>(send_ptr);
@@ -894,9 +895,8 @@ void DirectGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t blo
   for (int k = 1; k < n; ++k) {
     const int j = (r + k) % n;
     Connection& from = ctx.peer(j);
-    receives.emplace_back(&from,
-                          PostFramesIn(ctx, from, ctx.tag, recv + size_t(j) * block_bytes,
-                                       block_bytes));
+    receives.emplace_back(
+        &from, PostFramesIn(ctx, from, ctx.tag, recv + size_t(j) * block_bytes, block_bytes));
   }
   CopyUnlessSame(recv + size_t(r) * block_bytes, send, block_bytes);
   WaitRecvs(receives);
@@ -911,8 +911,8 @@ void SmallGather(Context& ctx, const void* send, void* recv, size_t block_bytes,
   SmallAllGather(ctx, send, whole, block_bytes);
 }
 
-void DirectScatter(Context& ctx, const void* send_ptr, void* recv_ptr, size_t block_bytes,
-                   int root, CallAgreement& agreement) {
+void DirectScatter(Context& ctx, const void* send_ptr, void* recv_ptr, size_t block_bytes, int root,
+                   CallAgreement& agreement) {
   const int n = ctx.size();
   const int r = ctx.rank();
   const auto* send = static_cast<const uint8_t*>(send_ptr);
@@ -1044,12 +1044,12 @@ void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size
   Connection& to = ctx.peer(peer);
   const int64_t wide = tag;
   if (frame.call.root == INT32_MIN) to.PostSend(frame, &wide, sizeof wide);
-  to.WaitSend(PostFramesOut(ctx, to, frame, static_cast<const uint8_t*>(data),
-                            count * SizeOf(dtype)));
+  to.WaitSend(
+      PostFramesOut(ctx, to, frame, static_cast<const uint8_t*>(data), count * SizeOf(dtype)));
 }
 
-void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count,
-                 DataType dtype, int64_t tag) {
+void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
+                 int64_t tag) {
   const core::CallTag frame{core::kPointToPointSeqBit | number,
                             PointToPointDescriptor(dtype, count, tag)};
   Connection& from = ctx.peer(peer);
@@ -1063,8 +1063,7 @@ void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t cou
                       " with tag " + std::to_string(tag) + ", got tag " + std::to_string(got));
     }
   }
-  from.WaitRecv(
-      PostFramesIn(ctx, from, frame, static_cast<uint8_t*>(data), count * SizeOf(dtype)));
+  from.WaitRecv(PostFramesIn(ctx, from, frame, static_cast<uint8_t*>(data), count * SizeOf(dtype)));
 }
 
 }  // namespace collectives::ring

@@ -5,7 +5,10 @@
 // Memory: besides the caller's buffers, an algorithm uses only the Context's staging area,
 // which holds at most kStagingSlots chunks, plus, for the two algorithms meant for bounded sizes,
 // their partial results: recursive doubling two copies of the (small) message, halving-doubling
-// half of the (medium) message. The ring algorithms never hold more than the chunks.
+// half of the (medium) message, and the small forms built on recursive doubling one copy more
+// of their (small) result. The ring algorithms and the chain reduce never hold more than the
+// chunks; gather, scatter, all-to-all and point-to-point messages move frames straight between
+// the callers' buffers (the all-to-all's count round holds 2 x size^2 counts).
 //
 // Thread-safety: a Context is used by one thread.
 #ifndef COLLECTIVES_SRC_RING_ALGORITHMS_H_
@@ -213,8 +216,8 @@ void PairwiseAllToAll(Context& ctx, const void* send, void* recv, DataType dtype
 // frames have left (into the socket), not once they have been received.
 void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
                  DataType dtype, int64_t tag);
-void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count,
-                 DataType dtype, int64_t tag);
+void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
+                 int64_t tag);
 // The descriptor of a point-to-point message (core::CallDescriptor says how the tag is held).
 core::CallDescriptor PointToPointDescriptor(DataType dtype, size_t count, int64_t tag);
 

@@ -691,9 +691,8 @@ void RingCommunication::CheckRoot(const char* collective, int root) const {
   }
 }
 
-RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
-                                                             const Tensor& recv, ReduceOp op,
-                                                             int root) const {
+RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send, const Tensor& recv,
+                                                             ReduceOp op, int root) const {
   constexpr const char* kName = "reduce";
   CheckRoot(kName, root);
   CheckTensor(kName, "send", send);
@@ -704,8 +703,9 @@ RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
     CheckSameType(kName, send, recv);
     if (send.count != recv.count) {
       throw Error(ErrorCode::kInvalidArgument,
-                  CountMismatch(rank_, kName, "the root's recv must have send's " +
-                                                  std::to_string(send.count) + " elements",
+                  CountMismatch(rank_, kName,
+                                "the root's recv must have send's " + std::to_string(send.count) +
+                                    " elements",
                                 recv.count));
     }
     core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
@@ -714,6 +714,9 @@ RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
   const CallDescriptor call{CollectiveKind::kReduce, send.dtype, op, root, send.count};
   const bool small = send.bytes() <= small_message_bytes_;
   void* const out = is_root ? recv.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Reduce(send, out, op, root)) return Prepared{call, std::move(body)};
+  }
   return OnRing(call, [send, out, op, root, small](Context& ctx) {
     if (small) return SmallReduce(ctx, send.data, out, send.count, send.dtype, op, root);
     CallAgreement agreement(ctx);
@@ -721,8 +724,8 @@ RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
   });
 }
 
-RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send,
-                                                             const Tensor& recv, int root) const {
+RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send, const Tensor& recv,
+                                                             int root) const {
   constexpr const char* kName = "gather";
   CheckRoot(kName, root);
   CheckTensor(kName, "send", send);
@@ -735,14 +738,16 @@ RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send,
                             reinterpret_cast<uintptr_t>(recv.data) + size_t(root) * send.bytes(),
                             "recv.data + root * send.count elements");
   } else if (send.count > SIZE_MAX / size_t(size_) / SizeOf(send.dtype)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                core::ArgumentPrefix(rank_, kName) + "size x send.count elements of " +
-                    ToString(send.dtype) + " do not fit size_t");
+    throw Error(ErrorCode::kInvalidArgument, core::ArgumentPrefix(rank_, kName) +
+                                                 "size x send.count elements of " +
+                                                 ToString(send.dtype) + " do not fit size_t");
   }
-  const CallDescriptor call{CollectiveKind::kGather, send.dtype, ReduceOp::kSum, root,
-                            send.count};
+  const CallDescriptor call{CollectiveKind::kGather, send.dtype, ReduceOp::kSum, root, send.count};
   const bool small = size_t(size_) * send.bytes() <= small_message_bytes_;
   void* const out = is_root ? recv.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Gather(send, out, root)) return Prepared{call, std::move(body)};
+  }
   return OnRing(call, [send, out, root, small](Context& ctx) {
     if (small) return SmallGather(ctx, send.data, out, send.bytes(), root);
     CallAgreement agreement(ctx);
@@ -751,8 +756,7 @@ RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send,
 }
 
 RingCommunication::Prepared RingCommunication::PrepareScatter(const Tensor& send,
-                                                              const Tensor& recv,
-                                                              int root) const {
+                                                              const Tensor& recv, int root) const {
   constexpr const char* kName = "scatter";
   CheckRoot(kName, root);
   CheckTensor(kName, "recv", recv);
@@ -765,12 +769,11 @@ RingCommunication::Prepared RingCommunication::PrepareScatter(const Tensor& send
                             reinterpret_cast<uintptr_t>(recv.data) - size_t(root) * recv.bytes(),
                             "recv.data - root * recv.count elements");
   } else if (recv.count > SIZE_MAX / size_t(size_) / SizeOf(recv.dtype)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                core::ArgumentPrefix(rank_, kName) + "size x recv.count elements of " +
-                    ToString(recv.dtype) + " do not fit size_t");
+    throw Error(ErrorCode::kInvalidArgument, core::ArgumentPrefix(rank_, kName) +
+                                                 "size x recv.count elements of " +
+                                                 ToString(recv.dtype) + " do not fit size_t");
   }
-  const CallDescriptor call{CollectiveKind::kScatter, recv.dtype, ReduceOp::kSum, root,
-                            recv.count};
+  const CallDescriptor call{CollectiveKind::kScatter, recv.dtype, ReduceOp::kSum, root, recv.count};
   const bool small = size_t(size_) * recv.bytes() <= small_message_bytes_;
   const void* const in = is_root ? send.data : nullptr;
   return OnRing(call, [in, recv, root, small](Context& ctx) {
@@ -793,8 +796,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllToAll(
       throw Error(ErrorCode::kInvalidArgument,
                   prefix + "without counts, send and recv must have one count, a multiple of " +
                       "size " + std::to_string(size_) + "; got send.count " +
-                      std::to_string(send.count) + " and recv.count " +
-                      std::to_string(recv.count));
+                      std::to_string(send.count) + " and recv.count " + std::to_string(recv.count));
     }
     sends.assign(size_t(size_), send.count / size_t(size_));
     recvs = sends;
@@ -811,25 +813,24 @@ RingCommunication::Prepared RingCommunication::PrepareAllToAll(
       for (const size_t c : counts) {
         if (c > total - sum) {
           throw Error(ErrorCode::kInvalidArgument, prefix + name + " adds up to more than " +
-                                                       tensor + ".count " +
-                                                       std::to_string(total));
+                                                       tensor + ".count " + std::to_string(total));
         }
         sum += c;
       }
       if (sum != total) {
-        throw Error(ErrorCode::kInvalidArgument,
-                    prefix + name + " adds up to " + std::to_string(sum) + ", not " + tensor +
-                        ".count " + std::to_string(total));
+        throw Error(ErrorCode::kInvalidArgument, prefix + name + " adds up to " +
+                                                     std::to_string(sum) + ", not " + tensor +
+                                                     ".count " + std::to_string(total));
       }
     };
     check("send_counts", sends, send.count, "send");
     check("recv_counts", recvs, recv.count, "recv");
     if (sends[size_t(rank_)] != recvs[size_t(rank_)]) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  prefix + "send_counts[" + std::to_string(rank_) + "] (" +
-                      std::to_string(sends[size_t(rank_)]) + ") and recv_counts[" +
-                      std::to_string(rank_) + "] (" + std::to_string(recvs[size_t(rank_)]) +
-                      ") differ: this rank's block to itself");
+      throw Error(ErrorCode::kInvalidArgument, prefix + "send_counts[" + std::to_string(rank_) +
+                                                   "] (" + std::to_string(sends[size_t(rank_)]) +
+                                                   ") and recv_counts[" + std::to_string(rank_) +
+                                                   "] (" + std::to_string(recvs[size_t(rank_)]) +
+                                                   ") differ: this rank's block to itself");
     }
   }
   // No in-place form: a block received may land where a block still to be sent lies.
@@ -840,15 +841,15 @@ RingCommunication::Prepared RingCommunication::PrepareAllToAll(
                 prefix + "send and recv overlap; an all-to-all needs them apart");
   }
   const CallDescriptor call{CollectiveKind::kAllToAll, send.dtype, ReduceOp::kSum, 0, 0};
-  return OnRing(call, [send, recv, sends = std::move(sends), recvs = std::move(recvs)](
-                          Context& ctx) {
-    PairwiseAllToAll(ctx, send.data, recv.data, send.dtype, sends, recvs);
-  });
+  return OnRing(call,
+                [send, recv, sends = std::move(sends), recvs = std::move(recvs)](Context& ctx) {
+                  PairwiseAllToAll(ctx, send.data, recv.data, send.dtype, sends, recvs);
+                });
 }
 
 RingCommunication::Prepared RingCommunication::PreparePointToPoint(bool sending,
-                                                                   const Tensor& tensor,
-                                                                   int peer, int64_t tag) {
+                                                                   const Tensor& tensor, int peer,
+                                                                   int64_t tag) {
   const char* const name = sending ? "send" : "recv";
   CheckTensor(name, "message", tensor);
   if (peer < 0 || peer >= size_ || peer == rank_) {
@@ -865,7 +866,8 @@ RingCommunication::Prepared RingCommunication::PreparePointToPoint(bool sending,
   uint64_t& next = sending ? messages_sent_[size_t(peer)] : messages_received_[size_t(peer)];
   prepared.body = [sending, tensor, peer, tag, &next](Context& ctx) {
     const uint64_t number = next++;
-    if (sending) return SendMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
+    if (sending)
+      return SendMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
     RecvMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
   };
   return prepared;

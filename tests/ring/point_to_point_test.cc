@@ -27,7 +27,9 @@ namespace collectives::testing {
 namespace {
 
 // Element i of message `m` from rank `from`: exact in every dtype (0..120).
-double Value(int from, int m, size_t i) { return double((size_t(from) * 13 + size_t(m) * 7 + i * 3) % 121); }
+double Value(int from, int m, size_t i) {
+  return double((size_t(from) * 13 + size_t(m) * 7 + i * 3) % 121);
+}
 
 class PointToPointTest : public ::testing::TestWithParam<Transport> {};
 
@@ -44,9 +46,13 @@ TEST_P(PointToPointTest, MessagesAroundTheRingAreExact) {
       const int rank = comm.rank();
       const int next = (rank + 1) % n;
       const int prev = (rank + n - 1) % n;
-      const std::vector<int64_t> tags = {0, 7, -3, std::numeric_limits<int32_t>::max(),
+      const std::vector<int64_t> tags = {0,
+                                         7,
+                                         -3,
+                                         std::numeric_limits<int32_t>::max(),
                                          std::numeric_limits<int32_t>::min(),
-                                         int64_t{1} << 40, -(int64_t{1} << 50)};
+                                         int64_t{1} << 40,
+                                         -(int64_t{1} << 50)};
       int m = 0;
       for (DataType d : AllDataTypes()) {
         for (size_t count : {size_t{0}, size_t{1}, size_t{13}, size_t{200'003}}) {
@@ -66,8 +72,7 @@ TEST_P(PointToPointTest, MessagesAroundTheRingAreExact) {
             uint64_t cell = 0;
             Store(d, &cell, 0, Value(prev, m, i));
             ASSERT_EQ(Load(d, in.bytes.data(), i), Load(d, &cell, 0))
-                << "rank " << rank << " " << ToString(d) << " count " << count << " element "
-                << i;
+                << "rank " << rank << " " << ToString(d) << " count " << count << " element " << i;
           }
           EXPECT_EQ(in.bytes.back(), 0xA5) << "guard byte";
           ++m;
@@ -91,7 +96,8 @@ TEST_P(PointToPointTest, MessagesBetweenSeveralPairsArriveInIssueOrder) {
       std::vector<std::shared_ptr<Work>> works;
       std::vector<std::vector<int32_t>> messages;
       for (int k = 0; k < 3; ++k) {
-        for (int j = 1; j < n; ++j) messages.push_back(std::vector<int32_t>(size_t(10 + k), j * 100 + k));
+        for (int j = 1; j < n; ++j)
+          messages.push_back(std::vector<int32_t>(size_t(10 + k), j * 100 + k));
       }
       size_t at = 0;
       for (int k = 0; k < 3; ++k) {
@@ -101,7 +107,8 @@ TEST_P(PointToPointTest, MessagesBetweenSeveralPairsArriveInIssueOrder) {
         }
       }
       for (int j = 1; j < n; ++j) {
-        works.push_back(comm.RecvAsync(Tensor{replies[size_t(j)].data(), 5, DataType::kInt32}, j, 99));
+        works.push_back(
+            comm.RecvAsync(Tensor{replies[size_t(j)].data(), 5, DataType::kInt32}, j, 99));
       }
       for (auto& w : works) w->Wait();
       for (int j = 1; j < n; ++j) {
@@ -112,7 +119,8 @@ TEST_P(PointToPointTest, MessagesBetweenSeveralPairsArriveInIssueOrder) {
       std::vector<std::shared_ptr<Work>> works;
       for (int k = 0; k < 3; ++k) got.push_back(std::vector<int32_t>(size_t(10 + k), -1));
       for (int k = 0; k < 3; ++k) {
-        works.push_back(comm.RecvAsync(Tensor{got[size_t(k)].data(), got[size_t(k)].size(), DataType::kInt32}, 0, k));
+        works.push_back(comm.RecvAsync(
+            Tensor{got[size_t(k)].data(), got[size_t(k)].size(), DataType::kInt32}, 0, k));
       }
       std::vector<int32_t> reply(5, rank * 1000);
       works.push_back(comm.SendAsync(Tensor{reply.data(), 5, DataType::kInt32}, 0, 99));
@@ -200,7 +208,8 @@ TEST_P(PointToPointMismatchTest, TheReceiverRaisesMismatchAndEveryRankLearnsIt) 
       if (rank == 0) {
         const int64_t tag = p.wrong == Wrong::kWideTag ? (int64_t{5} << 33) : 5;
         comm.Send(Tensor{data.data(), p.count, DataType::kFloat32}, 1, tag);
-        if (p.wrong == Wrong::kOrder) comm.AllReduce(Tensor{data.data(), 1, DataType::kFloat32}, ReduceOp::kSum);
+        if (p.wrong == Wrong::kOrder)
+          comm.AllReduce(Tensor{data.data(), 1, DataType::kFloat32}, ReduceOp::kSum);
       } else if (rank == 1) {
         int64_t tag = 5;
         size_t count = p.count;
@@ -330,8 +339,11 @@ TEST(PointToPointFaultTest, BadArgumentsRaiseInvalidArgument) {
     expect_invalid([&] { comm.Send(t, comm.rank(), 0); }, "is this rank");
     expect_invalid([&] { comm.Recv(t, 2, 0); }, "recv: peer 2 is not a rank");
     expect_invalid([&] { comm.SendAsync(t, -1, 0); }, "send: peer -1");
-    expect_invalid([&] { comm.Send(Tensor{nullptr, 4, DataType::kFloat32}, 1 - comm.rank(), 0); },
-                   "send: message tensor has null data");
+    expect_invalid(
+        [&] {
+          comm.Send(Tensor{nullptr, 4, DataType::kFloat32}, 1 - comm.rank(), 0);
+        },
+        "send: message tensor has null data");
     // Still usable, and the numbering of messages is untouched by the refused calls.
     if (comm.rank() == 0) comm.Send(t, 1, 3);
     if (comm.rank() == 1) {

@@ -20,235 +20,13 @@
 
 #include "collectives/communication.h"
 #include "collectives/errors.h"
-#include "tests/ring/collective_checks.h"
+#include "tests/ring/rooted_checks.h"
 #include "tests/ring/run_ranks.h"
+#include "tests/ring/worker_processes.h"
 #include "tests/time_scale.h"
 
 namespace collectives::testing {
 namespace {
-
-bool IsFloat(DataType d) {
-  return d == DataType::kFloat32 || d == DataType::kFloat64 || d == DataType::kFloat16 ||
-         d == DataType::kBFloat16;
-}
-
-// `v` as stored in `dtype` and read back (integers wrap, floats round).
-double AsStored(DataType dtype, double v) {
-  uint64_t cell = 0;
-  Store(dtype, &cell, 0, v);
-  return Load(dtype, &cell, 0);
-}
-
-// Element i of op over `size` ranks' InputValue, computed in double (float types) or int64
-// (integer types, wrapped into the dtype at the end, as two's complement arithmetic does), with
-// kAvg as the sum divided by size: for floats in float (the dtype's precision or float for the
-// 16-bit ones), for integers truncated towards zero.
-double Reference(ReduceOp op, DataType dtype, int size, size_t i) {
-  if (IsFloat(dtype)) {
-    double acc = InputValue(op, dtype, 0, i);
-    for (int r = 1; r < size; ++r) {
-      const double v = InputValue(op, dtype, r, i);
-      if (op == ReduceOp::kSum || op == ReduceOp::kAvg) acc += v;
-      if (op == ReduceOp::kProd) acc *= v;
-      if (op == ReduceOp::kMin) acc = std::min(acc, v);
-      if (op == ReduceOp::kMax) acc = std::max(acc, v);
-    }
-    if (op == ReduceOp::kAvg) {
-      acc = dtype == DataType::kFloat64 ? acc / size : double(float(acc) / float(size));
-    }
-    return AsStored(dtype, acc);
-  }
-  int64_t acc = int64_t(InputValue(op, dtype, 0, i));
-  for (int r = 1; r < size; ++r) {
-    const int64_t v = int64_t(InputValue(op, dtype, r, i));
-    if (op == ReduceOp::kSum || op == ReduceOp::kAvg) acc += v;
-    if (op == ReduceOp::kProd) acc *= v;
-    if (op == ReduceOp::kMin) acc = std::min(acc, v);
-    if (op == ReduceOp::kMax) acc = std::max(acc, v);
-  }
-  // Wrapped into the dtype first (the sum is reduced in the dtype), then divided.
-  const double wrapped = AsStored(dtype, double(acc));
-  if (op == ReduceOp::kAvg) return std::trunc(wrapped / size);
-  return wrapped;
-}
-
-// The value rank r holds at element i of an input that is not reduced (gather, scatter,
-// all-to-all): distinct per rank and element, exact in every dtype (0..100).
-double Plain(int r, size_t i) { return double((size_t(r) * 37 + i * 11) % 101); }
-
-struct Failures {
-  size_t wrong = 0;
-  std::string first;
-  void Check(const std::string& what, size_t i, double got, double want) {
-    if (got == want) return;
-    if (wrong++ == 0) {
-      first = what + ": element " + std::to_string(i) + " is " + std::to_string(got) +
-              ", expected " + std::to_string(want);
-    }
-  }
-};
-
-std::string Describe(const CollectiveCommunication& comm, const char* collective, DataType d,
-                     size_t count, bool in_place, int root) {
-  return "rank " + std::to_string(comm.rank()) + " " + collective + " " + ToString(d) +
-         " count=" + std::to_string(count) + (in_place ? " in-place" : "") +
-         " root=" + std::to_string(root);
-}
-
-// One reduce of `count` elements to `root`, checked on the root; off the root, recv (a guard
-// buffer) must stay untouched.
-void CheckReduce(CollectiveCommunication& comm, DataType d, ReduceOp op, size_t count,
-                 bool in_place, int root, Failures& f) {
-  const int rank = comm.rank();
-  Buffer send(d, count), recv(d, count);
-  Buffer& input = in_place && rank == root ? recv : send;
-  for (size_t i = 0; i < count; ++i) Store(d, input.bytes.data(), i, InputValue(op, d, rank, i));
-  const std::vector<uint8_t> recv_before = recv.bytes;
-  comm.Reduce(input.tensor(), recv.tensor(), op, root);
-  const std::string what = Describe(comm, "reduce", d, count, in_place, root) + " " + ToString(op);
-  if (rank == root) {
-    for (size_t i = 0; i < count; ++i) {
-      f.Check(what, i, Load(d, recv.bytes.data(), i), Reference(op, d, comm.size(), i));
-    }
-    f.Check(what + " (guard byte)", count, recv.bytes.back(), 0xA5);
-  } else if (recv.bytes != recv_before) {
-    f.Check(what + " (recv off the root written)", 0, 1, 0);
-  }
-}
-
-void CheckGather(CollectiveCommunication& comm, DataType d, size_t count, bool in_place, int root,
-                 Failures& f) {
-  const int rank = comm.rank();
-  const size_t n = size_t(comm.size());
-  Buffer send(d, count), recv(d, n * count);
-  Tensor input = in_place && rank == root ? recv.tensor(size_t(rank) * count, count)
-                                          : send.tensor();
-  for (size_t i = 0; i < count; ++i) Store(d, input.data, i, Plain(rank, i));
-  const std::vector<uint8_t> recv_before = recv.bytes;
-  comm.Gather(input, rank == root ? recv.tensor() : Tensor{nullptr, 0, d}, root);
-  const std::string what = Describe(comm, "gather", d, count, in_place, root);
-  if (rank == root) {
-    for (size_t r = 0; r < n; ++r) {
-      for (size_t i = 0; i < count; ++i) {
-        f.Check(what, r * count + i, Load(d, recv.bytes.data(), r * count + i),
-                AsStored(d, Plain(int(r), i)));
-      }
-    }
-    f.Check(what + " (guard byte)", n * count, recv.bytes.back(), 0xA5);
-  } else if (recv.bytes != recv_before) {
-    f.Check(what + " (recv off the root written)", 0, 1, 0);
-  }
-}
-
-void CheckScatter(CollectiveCommunication& comm, DataType d, size_t count, bool in_place,
-                  int root, Failures& f) {
-  const int rank = comm.rank();
-  const size_t n = size_t(comm.size());
-  Buffer send(d, n * count), recv(d, count);
-  if (rank == root) {
-    for (size_t i = 0; i < n * count; ++i) Store(d, send.bytes.data(), i, Plain(root, i));
-  }
-  const std::vector<uint8_t> send_before = send.bytes;
-  Tensor output = in_place && rank == root ? send.tensor(size_t(rank) * count, count)
-                                           : recv.tensor();
-  comm.Scatter(rank == root ? send.tensor() : Tensor{nullptr, 0, d}, output, root);
-  const std::string what = Describe(comm, "scatter", d, count, in_place, root);
-  for (size_t i = 0; i < count; ++i) {
-    f.Check(what, i, Load(d, output.data, i),
-            AsStored(d, Plain(root, size_t(rank) * count + i)));
-  }
-  if (!(in_place && rank == root)) {
-    f.Check(what + " (guard byte)", count, recv.bytes.back(), 0xA5);
-    if (send.bytes != send_before) f.Check(what + " (send written)", 0, 1, 0);
-  }
-}
-
-// counts[i][j]: elements rank i sends to rank j. Empty: equal blocks of `block` (no count
-// vectors passed).
-void CheckAllToAll(CollectiveCommunication& comm, DataType d, size_t block,
-                   const std::vector<std::vector<size_t>>& counts, Failures& f) {
-  const int rank = comm.rank();
-  const size_t n = size_t(comm.size());
-  std::vector<size_t> send_counts, recv_counts;
-  if (counts.empty()) {
-    send_counts.assign(n, block);
-    recv_counts.assign(n, block);
-  } else {
-    for (size_t j = 0; j < n; ++j) {
-      send_counts.push_back(counts[size_t(rank)][j]);
-      recv_counts.push_back(counts[j][size_t(rank)]);
-    }
-  }
-  size_t send_total = 0, recv_total = 0;
-  for (size_t j = 0; j < n; ++j) send_total += send_counts[j], recv_total += recv_counts[j];
-  Buffer send(d, send_total), recv(d, recv_total);
-  // Element e of the block for rank j: Plain(rank, j * 1000 + e).
-  size_t at = 0;
-  for (size_t j = 0; j < n; ++j) {
-    for (size_t e = 0; e < send_counts[j]; ++e) {
-      Store(d, send.bytes.data(), at++, Plain(rank, j * 1000 + e));
-    }
-  }
-  const std::vector<uint8_t> send_before = send.bytes;
-  if (counts.empty()) {
-    comm.AllToAll(send.tensor(), recv.tensor());
-  } else {
-    comm.AllToAll(send.tensor(), recv.tensor(), send_counts, recv_counts);
-  }
-  std::string what = "rank " + std::to_string(rank) + " all_to_all " + ToString(d) +
-                     (counts.empty() ? " block=" + std::to_string(block) : " uneven");
-  at = 0;
-  for (size_t j = 0; j < n; ++j) {
-    for (size_t e = 0; e < recv_counts[j]; ++e, ++at) {
-      f.Check(what, at, Load(d, recv.bytes.data(), at),
-              AsStored(d, Plain(int(j), size_t(rank) * 1000 + e)));
-    }
-  }
-  f.Check(what + " (guard byte)", recv_total, recv.bytes.back(), 0xA5);
-  if (send.bytes != send_before) f.Check(what + " (send written)", 0, 1, 0);
-}
-
-// Uneven splits with zeros: rank i sends (i + 2 j) % 4 elements to rank j, none where that is
-// 0, and `extra` more to the next rank.
-std::vector<std::vector<size_t>> UnevenCounts(size_t n, size_t extra) {
-  std::vector<std::vector<size_t>> counts(n, std::vector<size_t>(n));
-  for (size_t i = 0; i < n; ++i) {
-    for (size_t j = 0; j < n; ++j) counts[i][j] = (i + 2 * j) % 4;
-    counts[i][(i + 1) % n] += extra;
-  }
-  return counts;
-}
-
-// The matrix of one communicator: every dtype x op x count x in-place, the root turning with
-// the parameters; `large`: one call of each collective past the small-message sizes (0: none).
-void CheckRootedMatrix(CollectiveCommunication& comm, size_t large, Failures& f) {
-  const size_t n = size_t(comm.size());
-  const std::vector<size_t> counts = {0, 1, 7, n + 1};
-  int turn = 0;
-  for (DataType d : AllDataTypes()) {
-    for (size_t count : counts) {
-      for (bool in_place : {false, true}) {
-        for (ReduceOp op : AllReduceOps()) {
-          CheckReduce(comm, d, op, count, in_place, turn++ % int(n), f);
-        }
-        CheckGather(comm, d, count, in_place, turn++ % int(n), f);
-        CheckScatter(comm, d, count, in_place, turn++ % int(n), f);
-      }
-      CheckAllToAll(comm, d, count, {}, f);
-    }
-    CheckAllToAll(comm, d, 0, UnevenCounts(n, 0), f);
-  }
-  if (large == 0) return;
-  CheckReduce(comm, DataType::kFloat32, ReduceOp::kSum, large, false, int(n - 1), f);
-  CheckReduce(comm, DataType::kInt32, ReduceOp::kMax, large, true, 0, f);
-  CheckReduce(comm, DataType::kFloat16, ReduceOp::kAvg, large + 2, false, int(n / 2), f);
-  CheckGather(comm, DataType::kBFloat16, large / n + 1, false, int(n - 1), f);
-  CheckGather(comm, DataType::kInt64, large / n + 3, true, 0, f);
-  CheckScatter(comm, DataType::kFloat32, large / n + 1, false, int(n / 2), f);
-  CheckScatter(comm, DataType::kInt8, large / n + 5, true, int(n - 1), f);
-  CheckAllToAll(comm, DataType::kFloat32, large / n + 1, {}, f);
-  CheckAllToAll(comm, DataType::kUInt8, 0, UnevenCounts(n, large / n), f);
-}
 
 enum class Mode { kDefault, kLargeTinyChunks, kSmallMessage };
 
@@ -265,9 +43,12 @@ std::string Name(const ::testing::TestParamInfo<MatrixParam>& info) {
                                                             : "AutoShm";
   name += std::to_string(p.size) + "Ranks";
   switch (p.mode) {
-    case Mode::kDefault: return name + "Default";
-    case Mode::kLargeTinyChunks: return name + "LargeTinyChunks";
-    case Mode::kSmallMessage: return name + "SmallMessage";
+    case Mode::kDefault:
+      return name + "Default";
+    case Mode::kLargeTinyChunks:
+      return name + "LargeTinyChunks";
+    case Mode::kSmallMessage:
+      return name + "SmallMessage";
   }
   return name;
 }
@@ -354,9 +135,9 @@ TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
                                        n - 1));
       works.push_back(comm.ScatterAsync(Tensor{sca.data(), sca.size(), DataType::kInt32},
                                         Tensor{sca_out.data(), count, DataType::kInt32}, 0));
-      works.push_back(comm.AllToAllAsync(Tensor{a2a.data(), a2a.size(), DataType::kFloat64},
-                                         Tensor{a2a_out.data(), a2a_out.size(),
-                                                DataType::kFloat64}));
+      works.push_back(
+          comm.AllToAllAsync(Tensor{a2a.data(), a2a.size(), DataType::kFloat64},
+                             Tensor{a2a_out.data(), a2a_out.size(), DataType::kFloat64}));
       for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->Wait();
       const float sum = float(n * (n + 1) / 2);
       EXPECT_EQ(red_out, std::vector<float>(count, rank == 1 ? sum : -1.f));
@@ -370,6 +151,46 @@ TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
       for (size_t j = 0; j < size_t(n); ++j) {
         for (size_t e = 0; e < count; ++e) {
           ASSERT_EQ(a2a_out[j * count + e], double(j) * 1e6 + double(size_t(rank) * count + e));
+        }
+      }
+    });
+  }
+}
+
+// Reduces and gathers past the 16 MiB that AUTO's shared-memory forms stage at once (they run
+// in pieces there), in place and out of place, checked element by element.
+TEST(RootedTest, LargeReduceAndGatherInPieces) {
+  CommunicationOptions options;
+  options.timeout = std::chrono::seconds(120);
+  RunRanks(Transport::kAuto, 3, options, [&](CollectiveCommunication& comm) {
+    Failures f;
+    CheckReduce(comm, DataType::kInt32, ReduceOp::kSum, 4'200'007, false, 1, f);
+    CheckReduce(comm, DataType::kFloat32, ReduceOp::kMax, 4'200'011, true, 2, f);
+    CheckGather(comm, DataType::kInt32, 1'500'007, false, 0, f);
+    CheckGather(comm, DataType::kUInt8, 6'000'001, true, 2, f);
+    EXPECT_EQ(f.wrong, 0u) << f.first;
+  });
+}
+
+// Equal blocks passed without counts on one rank and as explicit counts on the others are the
+// same call.
+TEST(RootedTest, AllToAllWithAndWithoutCountsMixAcrossRanks) {
+  for (Transport transport : {Transport::kTcp, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(30);
+    RunRanks(transport, 3, options, [&](CollectiveCommunication& comm) {
+      std::vector<int32_t> send(6), recv(6, -1);
+      for (size_t i = 0; i < 6; ++i) send[i] = comm.rank() * 100 + int32_t(i);
+      const Tensor in{send.data(), 6, DataType::kInt32};
+      const Tensor out{recv.data(), 6, DataType::kInt32};
+      if (comm.rank() == 0) {
+        comm.AllToAll(in, out);
+      } else {
+        comm.AllToAll(in, out, {2, 2, 2}, {2, 2, 2});
+      }
+      for (size_t j = 0; j < 3; ++j) {
+        for (size_t e = 0; e < 2; ++e) {
+          EXPECT_EQ(recv[j * 2 + e], int32_t(j) * 100 + comm.rank() * 2 + int32_t(e));
         }
       }
     });
@@ -411,12 +232,21 @@ TEST(RootedTest, BadArgumentsRaiseInvalidArgumentAndWriteNothing) {
     }
     expect_invalid([&] { comm.AllToAll(t(a, 4), t(b, 4)); }, "multiple of size 3");
     expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 3)); }, "all_to_all");
-    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2}, {2, 2, 2}); },
-                   "send_counts has 2 entries");
-    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 3}, {2, 2, 2}); },
-                   "send_counts adds up to more than send.count 6");
-    expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 1}, {2, 2, 2}); },
-                   "send_counts adds up to 5");
+    expect_invalid(
+        [&] {
+          comm.AllToAll(t(a, 6), t(b, 6), {2, 2}, {2, 2, 2});
+        },
+        "send_counts has 2 entries");
+    expect_invalid(
+        [&] {
+          comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 3}, {2, 2, 2});
+        },
+        "send_counts adds up to more than send.count 6");
+    expect_invalid(
+        [&] {
+          comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 1}, {2, 2, 2});
+        },
+        "send_counts adds up to 5");
     expect_invalid([&] { comm.AllToAll(t(a, 6), t(b, 6), {2, 2, 2}, {}); }, "recv_counts has 0");
     expect_invalid([&] { comm.AllToAll(t(a, 6), t(a, 6, 3)); }, "overlap");
     EXPECT_EQ(b, b_before);
@@ -490,7 +320,8 @@ TEST_P(RootedMismatchTest, EveryRankRaisesMismatchAndNoBufferChanges) {
           std::vector<size_t> sends(size_t(n), count), recvs(size_t(n), count);
           if (odd) recvs[0] += 1, recvs[size_t(n - 1)] -= 1, sends[size_t(n - 1)] -= 1;
           size_t total_send = 0, total_recv = 0;
-          for (int j = 0; j < n; ++j) total_send += sends[size_t(j)], total_recv += recvs[size_t(j)];
+          for (int j = 0; j < n; ++j)
+            total_send += sends[size_t(j)], total_recv += recvs[size_t(j)];
           comm.AllToAll(t(send, total_send), t(recv, total_recv), sends, recvs);
           break;
         }
@@ -509,10 +340,10 @@ TEST_P(RootedMismatchTest, EveryRankRaisesMismatchAndNoBufferChanges) {
     EXPECT_EQ(send, send_before) << "rank " << rank;
     EXPECT_EQ(recv, recv_before) << "rank " << rank;
     if (p.differ == Differ::kSplit && rank == 0) {
-      EXPECT_NE(error.find("rank 0 sends " + std::to_string(p.count) + " elements to rank " +
-                           std::to_string(n - 1) + ", which expects " +
-                           std::to_string(p.count + 1)),
-                std::string::npos)
+      EXPECT_NE(
+          error.find("rank 0 sends " + std::to_string(p.count) + " elements to rank " +
+                     std::to_string(n - 1) + ", which expects " + std::to_string(p.count + 1)),
+          std::string::npos)
           << error;
     }
     EXPECT_THROW(comm.Barrier(), Error) << "rank " << rank << ": not broken after the mismatch";
@@ -569,6 +400,49 @@ TEST(RootedTest, APeerThatIsGoneEndsTheCallWithAnError) {
     EXPECT_EQ(gone.load(), 3);
   }
 }
+
+// Real processes: ring_worker in its "rooted" mode (the matrix above and messages around the
+// ring) under RING, under AUTO on one host (shared memory for the other collectives), and under
+// AUTO on pretend hosts of different rank counts (the calls here on the flat ring beside the
+// two-level plans).
+struct ProcessCase {
+  const char* name;
+  int size;
+  std::string implementation;
+  std::vector<std::string> host_ids;
+};
+
+void PrintTo(const ProcessCase& c, std::ostream* os) { *os << c.name; }
+
+class RootedProcessTest : public ::testing::TestWithParam<ProcessCase> {};
+
+TEST_P(RootedProcessTest, EveryCallIsExactInEveryProcess) {
+  const ProcessCase& c = GetParam();
+  Placement placement;
+  placement.implementation = c.implementation;
+  placement.host_ids = c.host_ids;
+  std::vector<Worker> workers = Start(c.size, {"rooted", "100003"}, placement);
+  const bool finished = WaitAll(workers, All(c.size), std::chrono::seconds(120));
+  KillAll(workers);
+  ASSERT_TRUE(finished) << "workers did not finish in time";
+  for (int rank = 0; rank < c.size; ++rank) {
+    const Worker& w = workers[size_t(rank)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)
+        << "rank " << rank << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("rank " + std::to_string(rank) + ": rooted 0 wrong"), std::string::npos)
+        << w.output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Processes, RootedProcessTest,
+                         ::testing::Values(ProcessCase{"Ring3", 3, "ring", {}},
+                                           ProcessCase{"Auto3OneHost", 3, "auto", {}},
+                                           ProcessCase{"Auto3TwoHosts", 3, "auto", {"a", "a", "b"}},
+                                           ProcessCase{
+                                               "Auto4TwoHosts", 4, "auto", {"a", "b", "a", "b"}}),
+                         [](const ::testing::TestParamInfo<ProcessCase>& param) {
+                           return std::string(param.param.name);
+                         });
 
 }  // namespace
 }  // namespace collectives::testing
