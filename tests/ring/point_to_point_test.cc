@@ -175,7 +175,9 @@ std::string TransportParamName(const ::testing::TestParamInfo<Transport>& param)
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PointToPointTest,
-                         ::testing::Values(Transport::kTcp, Transport::kAuto), TransportParamName);
+                         ::testing::Values(Transport::kTcp, Transport::kAuto,
+                                           Transport::kInProcess),
+                         TransportParamName);
 
 // What the receive of rank 1 gets wrong about rank 0's send.
 enum class Wrong { kTag, kWideTag, kCount, kDtype, kOrder };

@@ -157,8 +157,8 @@ TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
   }
 }
 
-// Reduces and gathers past the 16 MiB that AUTO's shared-memory forms stage at once (they run
-// in pieces there), in place and out of place, checked element by element.
+// Reduces and gathers past the 16 MiB that AUTO's shared-memory forms stage at once (a reduce
+// runs in pieces there, a gather on the ring), in place and out of place, element by element.
 TEST(RootedTest, LargeReduceAndGatherInPieces) {
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(120);
