@@ -2,10 +2,10 @@
 // and AUTO (every rank on this host), ranks as threads of this process: every dtype and op,
 // counts 0, 1, a prime and sizes past the small-message threshold, in place and out of place,
 // every root, uneven all-to-all counts with zeros, argument errors, mismatched calls (another
-// root, count or all-to-all split) raising kMismatch on every rank within the deadline with no
-// buffer written, and a peer that is gone. Every result is checked against a reference computed
-// here in double / int64 from the inputs (tests/ring/collective_checks.h only converts values
-// to and from the dtypes).
+// root, count, collective or all-to-all split) raising kMismatch on every rank within the
+// deadline with no buffer written, and a peer that is gone; then the same checks in real
+// processes (ring_worker rooted). Every result is checked against a reference computed in
+// double / int64 from the inputs (tests/ring/rooted_checks.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
