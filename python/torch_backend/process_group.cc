@@ -202,8 +202,10 @@ class CollectivesWork final : public c10d::Work {
  public:
   CollectivesWork(int rank, c10d::OpType type, std::vector<std::shared_ptr<collectives::Work>> works,
                   std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep_alive,
-                  std::function<void()> finish, std::shared_ptr<Completer> completer)
+                  std::function<void()> finish, std::shared_ptr<Completer> completer,
+                  std::exception_ptr ran_inline_error = nullptr)
       : c10d::Work(rank, type),
+        ran_inline_error_(std::move(ran_inline_error)),
         works_(std::move(works)),
         outputs_(std::move(outputs)),
         keep_alive_(std::move(keep_alive)),
@@ -211,10 +213,12 @@ class CollectivesWork final : public c10d::Work {
         completer_(std::move(completer)) {}
 
   // Waits for the library's Works, unpacks, records the outcome and completes the future; once.
+  // The future's callbacks run after finish_mutex_ is released: a Python callback takes the GIL,
+  // which a thread blocked in Finish (is_completed keeps the GIL) may hold.
   void Finish() {
-    std::lock_guard<std::mutex> finishing(finish_mutex_);
+    std::unique_lock<std::mutex> finishing(finish_mutex_);
     if (finished_.load(std::memory_order_acquire)) return;
-    std::exception_ptr error;
+    std::exception_ptr error = ran_inline_error_;
     try {
       for (const auto& work : works_) work->Wait();
       if (finish_) finish_();
@@ -231,6 +235,7 @@ class CollectivesWork final : public c10d::Work {
       future = future_;
       finished_.store(true, std::memory_order_release);
     }
+    finishing.unlock();
     cv_.notify_all();
     if (future) Complete(*future, error);
   }
@@ -293,6 +298,7 @@ class CollectivesWork final : public c10d::Work {
     }
   }
 
+  const std::exception_ptr ran_inline_error_;  // the error of a call run on the caller's thread
   const std::vector<std::shared_ptr<collectives::Work>> works_;
   const std::vector<at::Tensor> outputs_;
   std::mutex finish_mutex_;  // serialises Finish; held while waiting, so never under mutex_
@@ -389,8 +395,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   // $COLLECTIVES_JOB_TOKEN sets one, the job token; both travel through the store.
   ProcessGroupCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                           CommunicationOptions options, const std::string& master_addr,
-                          int master_port)
-      : c10d::ProcessGroup(rank, size), options_(std::move(options)) {
+                          int master_port, size_t inline_bytes)
+      : c10d::ProcessGroup(rank, size), options_(std::move(options)), inline_bytes_(inline_bytes) {
     auto torch_store = std::make_shared<TorchStore>(store);
     const std::string key = "collectives/job";
     const bool own_token = collectives::ResolveJobToken(options_).empty();
@@ -425,6 +431,7 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
 
   collectives::CollectiveCommunication& comm() { return *comm_; }
   const CommunicationOptions& options() const { return options_; }
+  size_t inline_bytes() const { return inline_bytes_; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
@@ -432,8 +439,11 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckOne(tensors.size(), rank_, op, "tensor");
     CheckRoot(opts.rootRank, op);
     const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
-    return Make(c10d::OpType::BROADCAST, {comm_->BroadcastAsync(view, view, int(opts.rootRank))},
-                tensors);
+    const int root = int(opts.rootRank);
+    if (view.bytes() <= inline_bytes_) {
+      return Inline(c10d::OpType::BROADCAST, [&] { comm_->Broadcast(view, view, root); }, tensors);
+    }
+    return Make(c10d::OpType::BROADCAST, {comm_->BroadcastAsync(view, view, root)}, tensors);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -442,6 +452,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckOne(tensors.size(), rank_, op, "tensor");
     const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
     const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    if (view.bytes() <= inline_bytes_) {
+      return Inline(c10d::OpType::ALLREDUCE, [&] { comm_->AllReduce(view, view, reduce); },
+                    tensors);
+    }
     return Make(c10d::OpType::ALLREDUCE, {comm_->AllReduceAsync(view, view, reduce)}, tensors);
   }
 
@@ -669,6 +683,7 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    if (inline_bytes_ > 0) return Inline(c10d::OpType::BARRIER, [&] { comm_->Barrier(); }, {});
     return Make(c10d::OpType::BARRIER, {comm_->BarrierAsync()}, {});
   }
 
@@ -774,7 +789,29 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
                                                 completer_);
   }
 
+  // Runs `call` (a blocking collective) on the caller's thread and returns its completed Work,
+  // which raises the call's error, if any, from wait().
+  c10::intrusive_ptr<c10d::Work> Inline(c10d::OpType type, const std::function<void()>& call,
+                                        std::vector<at::Tensor> outputs) {
+    std::exception_ptr error;
+    try {
+      call();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    auto work = c10::make_intrusive<CollectivesWork>(rank_, type,
+                                                     std::vector<std::shared_ptr<collectives::Work>>{},
+                                                     std::move(outputs), std::vector<at::Tensor>{},
+                                                     nullptr, completer_, error);
+    work->Finish();
+    return work;
+  }
+
   CommunicationOptions options_;
+  // All-reduces and broadcasts of at most this many bytes, and barriers when it is positive,
+  // run on the caller's thread and return completed (see Options.inline_bytes in
+  // python/collectives/torch.py). Default 0: every call is asynchronous.
+  size_t inline_bytes_ = 0;
   std::unique_ptr<collectives::CollectiveCommunication> comm_;
   std::shared_ptr<Completer> completer_ = std::make_shared<Completer>();
 };
@@ -812,18 +849,21 @@ PYBIND11_MODULE(_torch, m) {
              c10::intrusive_ptr<ProcessGroupCollectives>>(m, "ProcessGroupCollectives")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        const CommunicationOptions& options, const std::string& master_addr,
-                       int master_port) {
+                       int master_port, size_t inline_bytes) {
              return c10::make_intrusive<ProcessGroupCollectives>(store, rank, size, options,
-                                                                 master_addr, master_port);
+                                                                 master_addr, master_port,
+                                                                 inline_bytes);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
            py::arg("master_addr") = "127.0.0.1", py::arg("master_port") = 29500,
+           py::arg("inline_bytes") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("implementation",
                              [](ProcessGroupCollectives& pg) {
                                return std::string(collectives::ToString(pg.comm().implementation()));
                              })
       .def_property_readonly("options", &ProcessGroupCollectives::options)
+      .def_property_readonly("inline_bytes", &ProcessGroupCollectives::inline_bytes)
       .def("all_reduce_algorithm",
            [](ProcessGroupCollectives& pg, size_t bytes) { return pg.comm().AllReduceAlgorithm(bytes); },
            py::arg("bytes"));

@@ -64,3 +64,11 @@ def test_ddp_matches_single_process_training():
     for got, want in w.launch(w.ddp, 2, "collectives"):
         for g, ref in zip(got, want):
             assert torch.allclose(torch.tensor(g), torch.tensor(ref), atol=1e-5), (g, ref)
+
+
+def test_inline_small_calls():
+    # all_reduce, broadcast and barrier on the caller's thread (Options.inline_bytes), async
+    # forms and futures included, amid asynchronous calls of larger sizes.
+    failures = sum(w.launch(w.matrix, 2, [0, 13, 65537], ["float32", "int8"],
+                            env={"COLLECTIVES_TORCH_INLINE_BYTES": "65536"}), [])
+    assert not failures, "\n".join(failures[:40])
