@@ -580,8 +580,9 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckList(inputs[0], outputs[0], op, "input");
     at::Tensor packed = Pack(inputs[0]);
     const collectives::Tensor send = View(packed, rank_, op, "the inputs");
-    return Make(c10d::OpType::SCATTER, {comm_->ScatterAsync(send, recv, root)}, outputs,
-                {packed});
+    std::vector<at::Tensor> keep(inputs[0].begin(), inputs[0].end());
+    keep.push_back(packed);
+    return Make(c10d::OpType::SCATTER, {comm_->ScatterAsync(send, recv, root)}, outputs, keep);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -595,8 +596,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckList(inputs[0], outputs[0], op, "input");
     at::Tensor packed = Pack(inputs[0]);
     const collectives::Tensor send = View(packed, rank_, op, "the inputs");
+    std::vector<at::Tensor> keep(inputs[0].begin(), inputs[0].end());
+    keep.push_back(packed);
     return Make(c10d::OpType::REDUCE_SCATTER, {comm_->ReduceScatterAsync(send, recv, reduce)},
-                outputs, {packed});
+                outputs, keep);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -654,9 +657,12 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     at::Tensor packed = Pack(inputs);
     const collectives::Tensor send = View(packed, rank_, op, "the inputs");
     Gathered recv = GatherInto(outputs, outputs[0], send);
+    std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
+    keep.push_back(packed);
+    keep.push_back(recv.buffer);
     return Make(c10d::OpType::ALLTOALL,
-                {comm_->AllToAllAsync(send, recv.view, send_counts, recv_counts)}, outputs,
-                {packed, recv.buffer}, recv.unpack);
+                {comm_->AllToAllAsync(send, recv.view, send_counts, recv_counts)}, outputs, keep,
+                recv.unpack);
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
@@ -711,14 +717,15 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
       int64_t offset = 0;
       for (const at::Tensor& output : outputs) {
         const int64_t n = output.numel();
-        output.view({-1}).copy_(buffer.narrow(0, offset, n));
+        output.copy_(buffer.narrow(0, offset, n).view(output.sizes()));
         offset += n;
       }
     };
     return gathered;
   }
 
-  // `tensors` as one contiguous tensor: themselves when they lie back to back, else a copy.
+  // `tensors` as one contiguous tensor: a view of their memory when they lie back to back (it
+  // does not own it: the Work keeps `tensors` alive), else a copy.
   static at::Tensor Pack(const std::vector<at::Tensor>& tensors) {
     if (BackToBack(tensors)) {
       int64_t total = 0;

@@ -195,6 +195,13 @@ def _cases(rank, world, dist, dtype, n):
         return same(flat, everyone(), dtype)
     yield "all_gather (views of one buffer)", all_gather_views
 
+    def all_gather_strided():
+        # Outputs that are columns of one matrix: not contiguous, unpacked from a buffer.
+        grid = torch.zeros(n, world, dtype=getattr(torch, dtype))
+        dist.all_gather([grid[:, r] for r in range(world)], v(rank))
+        return same(grid.t().reshape(-1), everyone(), dtype)
+    yield "all_gather (strided outputs)", all_gather_strided
+
     def all_gather_into_tensor():
         out = torch.zeros(n * world, dtype=getattr(torch, dtype))
         dist.all_gather_into_tensor(out, v(rank))
