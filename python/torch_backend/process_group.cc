@@ -215,7 +215,11 @@ class CollectivesWork final : public c10d::Work {
   // Waits for the library's Works, unpacks, records the outcome and completes the future; once.
   // The future's callbacks run after finish_mutex_ is released: a Python callback takes the GIL,
   // which a thread blocked in Finish (is_completed keeps the GIL) may hold.
+  // Tensors are released after finish_mutex_ too: releasing a tensor that Python has seen
+  // takes the GIL.
   void Finish() {
+    std::vector<at::Tensor> released;
+    std::function<void()> released_finish;
     std::unique_lock<std::mutex> finishing(finish_mutex_);
     if (finished_.load(std::memory_order_acquire)) return;
     std::exception_ptr error = ran_inline_error_;
@@ -225,7 +229,9 @@ class CollectivesWork final : public c10d::Work {
     } catch (...) {
       error = std::current_exception();
     }
+    released_finish = std::move(finish_);
     finish_ = nullptr;
+    released = std::move(keep_alive_);
     keep_alive_.clear();
     c10::intrusive_ptr<c10::ivalue::Future> future;
     {
@@ -369,6 +375,15 @@ c10::intrusive_ptr<c10::ivalue::Future> CollectivesWork::getFuture() {
     future = future_;
     finished = finished_.load(std::memory_order_acquire);
   }
+  if (!finished) {
+    // A call that has already completed needs no thread.
+    bool done = true;
+    for (const auto& work : works_) done = done && work->Done();
+    if (done) {
+      Finish();  // completes future_ unless another thread's Finish recorded the outcome first
+      return future;
+    }
+  }
   if (finished) {
     std::exception_ptr error;
     {
@@ -422,9 +437,18 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     init();
   }
 
+  // Joins the completion thread and closes the communicator. Python destroys a group with the
+  // GIL held, and the completion thread takes it to release the tensors of the Works it
+  // finishes: both steps run with the GIL released.
   ~ProcessGroupCollectives() override {
-    completer_->Stop();
-    comm_.reset();
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      pybind11::gil_scoped_release released;
+      completer_->Stop();
+      comm_.reset();
+    } else {
+      completer_->Stop();
+      comm_.reset();
+    }
   }
 
   const std::string getBackendName() const override { return kBackendName; }

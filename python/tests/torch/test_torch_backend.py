@@ -54,8 +54,9 @@ def test_mismatch_raises_on_every_rank():
 
 def test_killed_rank_every_survivor_raises():
     results = w.launch(w.killed_rank, 3, allow_exit=(2,), timeout=60)
-    for rank, (message, elapsed) in enumerate(results[:2]):
+    for rank, (message, future, elapsed) in enumerate(results[:2]):
         assert message != "did not raise", rank
+        assert future != "did not raise", rank
         assert elapsed < 12, (rank, elapsed, message)
 
 

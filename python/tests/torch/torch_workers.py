@@ -410,12 +410,21 @@ def options(rank, world):
 def async_work(rank, world):
     """Work.wait(timeout), is_completed, is_success, get_future with then(), in issue order."""
     import datetime
+    import os
     import torch
     dist = _init(rank, world)
+    # Blocking calls start no thread; the first get_future starts the group's completion thread.
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    dist.all_reduce(torch.ones(4))
+    before = threads()
+    for _ in range(50):
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+    ok = [threads() == before]
     ts = [value(rank, 1000 * (i + 1), "float32") for i in range(3)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
     chained = works[1].get_future().then(lambda f: f.value()[0] * 2)
-    ok = [works[2].wait(timeout=datetime.timedelta(seconds=20)), works[0].wait()]
+    ok += [works[2].wait(timeout=datetime.timedelta(seconds=20)), works[0].wait()]
     ok.append(all(w.is_completed() and w.is_success() for w in works))
     wants = [reduce_ref([value(r, 1000 * (i + 1), "float32") for r in range(world)], "sum",
                         "float32") for i in range(3)]
@@ -480,10 +489,11 @@ def killed_rank(rank, world):
     if rank == world - 1:
         os._exit(3)
     start = time.monotonic()
-    message = _raises(lambda: [dist.all_reduce(torch.ones(1000)) for _ in range(100)])
+    future = _raises(lambda: dist.all_reduce(torch.ones(1000), async_op=True).get_future().wait())
+    message = _raises(lambda: dist.all_reduce(torch.ones(1000)))
     elapsed = time.monotonic() - start
     dist.destroy_process_group()
-    return [message, elapsed]
+    return [message, future, elapsed]
 
 
 def _ddp_model():
