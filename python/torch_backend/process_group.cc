@@ -411,7 +411,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   ProcessGroupCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                           CommunicationOptions options, const std::string& master_addr,
                           int master_port, size_t inline_bytes)
-      : c10d::ProcessGroup(rank, size), options_(std::move(options)), inline_bytes_(inline_bytes) {
+      : c10d::ProcessGroup(rank, size),
+        options_(std::move(options)),
+        // Alone, a rank waits for no one: every call may run on the caller's thread.
+        inline_bytes_(size == 1 ? SIZE_MAX : inline_bytes) {
     auto torch_store = std::make_shared<TorchStore>(store);
     const std::string key = "collectives/job";
     const bool own_token = collectives::ResolveJobToken(options_).empty();
@@ -841,7 +844,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   CommunicationOptions options_;
   // All-reduces and broadcasts of at most this many bytes, and barriers when it is positive,
   // run on the caller's thread and return completed (see Options.inline_bytes in
-  // python/collectives/torch.py). Default 0: every call is asynchronous.
+  // python/collectives/torch.py). Default 0: every call is asynchronous; every call of a group
+  // of one rank runs inline.
   size_t inline_bytes_ = 0;
   std::unique_ptr<collectives::CollectiveCommunication> comm_;
   std::shared_ptr<Completer> completer_ = std::make_shared<Completer>();

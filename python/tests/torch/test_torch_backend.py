@@ -28,8 +28,9 @@ def test_subgroups():
 
 
 def test_options_and_environment():
-    got = w.launch(w.options, 2, env={"COLLECTIVES_IMPLEMENTATION": "ring"})
-    assert got == [["ring", 8192, True]] * 2
+    got = w.launch(w.options, 2, env={"COLLECTIVES_IMPLEMENTATION": "ring",
+                                      "COLLECTIVES_TORCH_INLINE_BYTES": "64"})
+    assert got == [["ring", 8192, True, "auto", 16384, 64]] * 2
 
 
 def test_async_work_and_futures():

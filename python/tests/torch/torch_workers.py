@@ -393,7 +393,7 @@ def subgroups(rank, world):
 
 
 def options(rank, world):
-    """set_options and COLLECTIVES_IMPLEMENTATION reach the communicator."""
+    """pg_options, then set_options, then COLLECTIVES_* variables reach the communicator."""
     import collectives.torch as ct
     env_impl = None
     ct.set_options(ct.Options(chunk_bytes=8192))
@@ -402,9 +402,13 @@ def options(rank, world):
     env_impl = pg.implementation
     chunk = pg.options.chunk_bytes
     ok = _sum_check(dist, ranks=range(world))
+    # pg_options win over set_options and the environment.
+    group = dist.new_group(list(range(world)), pg_options=ct.Options("auto", chunk_bytes=16384))
+    ok = ok and _sum_check(dist, group, range(world))
+    mine = [group.implementation, group.options.chunk_bytes, group.inline_bytes]
     dist.destroy_process_group()
     ct.set_options(None)
-    return [env_impl, chunk, ok]
+    return [env_impl, chunk, ok] + mine
 
 
 def async_work(rank, world):
