@@ -401,31 +401,17 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
-  // On one host: the group's all-gather, into recv on the root (in place when send is the root's
-  // block of it), into staging elsewhere; a gather of more than kShmScratchBytes in pieces of
-  // each block through staging, the root copying each piece's blocks to their places.
+  // On one host, up to kShmScratchBytes in all: the group's all-gather, into recv on the root
+  // (in place when send is the root's block of it), into staging elsewhere. A larger gather runs
+  // on the ring (direct to the root): in pieces through staging, the root's extra copy of every
+  // piece costs more than the loopback saves.
   Body Gather(const Tensor& send, void* recv, int /*root*/) override {
-    if (plan_ != Plan::kShm) return {};
+    if (plan_ != Plan::kShm || size_t(size_) * send.bytes() > kShmScratchBytes) return {};
     ShmGroup* group = group_.get();
     const size_t members = size_t(size_);
     return [group, send, recv, members](ring::Context& ctx) {
-      const size_t block = send.bytes();
-      const auto* in = static_cast<const uint8_t*>(send.data);
-      auto* out = static_cast<uint8_t*>(recv);
-      if (members * block <= kShmScratchBytes) {
-        uint8_t* const into = out != nullptr ? out : ctx.staging.Get(members * block);
-        return group->AllGather(ctx.tag, ctx.deadline, in, into, block);
-      }
-      const size_t piece = std::max<size_t>(1, kShmScratchBytes / members);
-      uint8_t* const scratch = ctx.staging.Get(members * piece);
-      for (size_t offset = 0; offset < block; offset += piece) {
-        const size_t n = std::min(piece, block - offset);
-        group->AllGather(ctx.tag, ctx.deadline, in + offset, scratch, n);
-        if (out == nullptr) continue;
-        for (size_t j = 0; j < members; ++j) {
-          std::memcpy(out + j * block + offset, scratch + j * n, n);
-        }
-      }
+      void* const into = recv != nullptr ? recv : ctx.staging.Get(members * send.bytes());
+      group->AllGather(ctx.tag, ctx.deadline, send.data, into, send.bytes());
     };
   }
 

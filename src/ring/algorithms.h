@@ -169,10 +169,10 @@ void Barrier(Context& ctx);
 // the caller, kEmptyFrames): the root waits for it before its first write into recv, every other
 // rank before it returns, so that every rank learns of a mismatch.
 
-// recv on `root` = op over ranks of send (count elements). Chain: ranks root+1, ..., root-1 form
-// a chain towards the root; the last sends its chunks, each other rank reduces what it receives
-// with its own chunk (in staging) and passes it on, and the root reduces into recv. Every link
-// carries the message once, pipelined in chunks.
+// recv on `root` = op over ranks of send (count elements). Chain: partial results flow from rank
+// root-1 down through root-2, ..., root+1 to the root; root-1 sends its chunks, each rank between
+// reduces every chunk it receives with its own (in a staging slot) and passes it on, and the root
+// reduces the last hop into recv. Every link carries the message once, pipelined in chunks.
 void ChainReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
                  ReduceOp op, int root, CallAgreement& agreement);
 // The same through a recursive-doubling all-reduce into staging (the root into recv).
@@ -208,10 +208,10 @@ void PairwiseAllToAll(Context& ctx, const void* send, void* recv, DataType dtype
 
 // Point to point: message number `number` (the count of earlier messages from this rank to
 // `peer`; kPointToPointSeqBit is added) of `count` elements of `dtype` to / from `peer`, in frames
-// of at most chunk_bytes, each carrying {kSend, dtype, count, tag} (PointToPointTag). The
-// receiver's transport checks each frame against its own receive before writing any of it:
-// another dtype, count or tag (of a tag that fits an int32) is Error(kMismatch) naming both; a
-// tag outside the int32 range travels in a first frame of 8 bytes, which the receiver compares
+// of at most chunk_bytes, each carrying {kSend, dtype, count, tag} (PointToPointDescriptor).
+// The receiver's transport checks each frame against its own receive before writing any of it:
+// another dtype, count or tag is Error(kMismatch) naming both; a tag outside (INT32_MIN,
+// INT32_MAX] travels in a first frame of 8 bytes, which the receiver compares
 // (kMismatch, naming both tags) before it posts a receive into `data`. The send returns once its
 // frames have left (into the socket), not once they have been received.
 void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size_t count,

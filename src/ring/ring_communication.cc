@@ -866,9 +866,11 @@ RingCommunication::Prepared RingCommunication::PreparePointToPoint(bool sending,
   uint64_t& next = sending ? messages_sent_[size_t(peer)] : messages_received_[size_t(peer)];
   prepared.body = [sending, tensor, peer, tag, &next](Context& ctx) {
     const uint64_t number = next++;
-    if (sending)
-      return SendMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
-    RecvMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
+    if (sending) {
+      SendMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
+    } else {
+      RecvMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
+    }
   };
   return prepared;
 }

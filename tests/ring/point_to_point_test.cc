@@ -175,7 +175,9 @@ std::string TransportParamName(const ::testing::TestParamInfo<Transport>& param)
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PointToPointTest,
-                         ::testing::Values(Transport::kTcp, Transport::kAuto), TransportParamName);
+                         ::testing::Values(Transport::kTcp, Transport::kAuto,
+                                           Transport::kInProcess),
+                         TransportParamName);
 
 // What the receive of rank 1 gets wrong about rank 0's send.
 enum class Wrong { kTag, kWideTag, kCount, kDtype, kOrder };
@@ -303,9 +305,17 @@ TEST(PointToPointFaultTest, AReceiveWithoutSendTimesOutAndAGonePeerRaises) {
       }
     });
     options.timeout = std::chrono::seconds(20);
+    std::atomic<bool> past_barrier{false};
     RunRanks(transport, 2, options, [&](CollectiveCommunication& comm) {
       comm.Barrier();
-      if (comm.rank() == 1) return;  // gone: its connections close
+      if (comm.rank() == 1) {  // gone once rank 0 is past the barrier: its connections close
+        const auto cap = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (!past_barrier && std::chrono::steady_clock::now() < cap) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        return;
+      }
+      past_barrier = true;
       std::vector<int32_t> buffer(10, -1);
       const auto start = std::chrono::steady_clock::now();
       try {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/communication.h"
@@ -157,8 +158,8 @@ TEST(RootedTest, EveryRootSmallAndLargeAndAsyncCallsInFlight) {
   }
 }
 
-// Reduces and gathers past the 16 MiB that AUTO's shared-memory forms stage at once (they run
-// in pieces there), in place and out of place, checked element by element.
+// Reduces and gathers past the 16 MiB that AUTO's shared-memory forms stage at once (a reduce
+// runs in pieces there, a gather on the ring), in place and out of place, element by element.
 TEST(RootedTest, LargeReduceAndGatherInPieces) {
   CommunicationOptions options;
   options.timeout = std::chrono::seconds(120);
@@ -374,10 +375,20 @@ TEST(RootedTest, APeerThatIsGoneEndsTheCallWithAnError) {
     CommunicationOptions options;
     options.timeout = std::chrono::seconds(20);
     std::atomic<int> gone{0};
+    std::atomic<int> past_barrier{0};
     RunRanks(transport, 4, options, [&](CollectiveCommunication& comm) {
       std::vector<int32_t> send(100'000, comm.rank()), recv(400'000, -1);
       comm.Barrier();
-      if (comm.rank() == 3) return;  // its communicator is destroyed: its connections close
+      if (comm.rank() == 3) {
+        // Gone once the others are past the barrier (they would see it leave during it): its
+        // communicator is destroyed, its connections close.
+        const auto cap = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (past_barrier < 3 && std::chrono::steady_clock::now() < cap) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        return;
+      }
+      past_barrier++;
       const auto start = std::chrono::steady_clock::now();
       try {
         if (comm.rank() == 0) {
