@@ -388,6 +388,13 @@ def subgroups(rank, world):
         dist.broadcast(t, src=3, group=odd)  # src is a global rank
         results["odd_broadcast"] = torch.equal(t, value(3, 3, "int64"))
     results["world_again"] = _sum_check(dist, ranks=range(world))
+    # The object collectives: all_gather and broadcast of uint8 and int64 tensors underneath.
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "text": "x" * rank})
+    results["all_gather_object"] = gathered == [{"rank": r, "text": "x" * r} for r in range(world)]
+    objects = [rank, "from rank %d" % rank] if rank == 1 else [None, None]
+    dist.broadcast_object_list(objects, src=1)
+    results["broadcast_object_list"] = objects == [1, "from rank 1"]
     dist.destroy_process_group()
     return results
 
