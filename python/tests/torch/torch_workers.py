@@ -441,6 +441,17 @@ def async_work(rank, world):
                         "float32") for i in range(3)]
     ok += [torch.equal(t, want) for t, want in zip(ts, wants)]
     ok.append(torch.equal(chained.wait(), wants[1] * 2))
+    # wait(timeout) gives up on a call a peer has not issued yet; the call itself goes on.
+    import time
+    t = torch.ones(3)
+    if rank == 1:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        late = _raises(lambda: work.wait(timeout=datetime.timedelta(milliseconds=100)),
+                       "did not complete")
+        ok.append(not late.startswith(("did not raise", "wrong message")))
+    ok += [work.wait(), torch.equal(t, torch.full((3,), float(world)))]
     dist.destroy_process_group()
     return ok
 
