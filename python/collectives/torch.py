@@ -153,10 +153,19 @@ def _master(store):
 def new_process_group(store, rank, world_size, timeout=datetime.timedelta(minutes=30),
                       options=None):
     """A ProcessGroupCollectives over `store` (a torch.distributed Store every rank shares), for
-    use without init_process_group. Blocks until every rank has connected or `timeout` passed."""
-    options = options if options is not None else get_options()
-    if not isinstance(options, Options):
+    use without init_process_group. Blocks until every rank has connected or `timeout` passed.
+    `options` (an Options) wins over set_options field by field."""
+    if options is None:
+        options = get_options()
+    elif not isinstance(options, Options):
         raise TypeError(f"options must be a collectives.torch.Options, not {type(options).__name__}")
+    else:
+        # Fields the given options leave None come from set_options.
+        merged = Options()
+        for name in _FIELDS:
+            given = getattr(options, name)
+            setattr(merged, name, given if given is not None else getattr(get_options(), name))
+        options = merged
     addr, port = _master(store)
     return _torch.ProcessGroupCollectives(store, rank, world_size, options.resolve(timeout),
                                           addr, port, options.inline())
