@@ -61,10 +61,11 @@ def test_killed_rank_every_survivor_raises():
         assert elapsed < 12, (rank, elapsed, message)
 
 
-def test_ddp_matches_single_process_training():
+def test_ddp_matches_gloo_and_single_process_training():
     import torch
-    for got, want in w.launch(w.ddp, 2, "collectives"):
-        for g, ref in zip(got, want):
+    for ours, gloo, reference in w.launch(w.ddp_versus_gloo, 2, w.free_port()):
+        assert ours == gloo  # bit for bit: two ranks add in either order to the same sum
+        for g, ref in zip(ours, reference):
             assert torch.allclose(torch.tensor(g), torch.tensor(ref), atol=1e-5), (g, ref)
 
 

@@ -530,13 +530,16 @@ def _ddp_data(step):
     return torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
 
 
-def ddp(rank, world, backend):
-    """Trains 5 steps with DistributedDataParallel on `backend`; returns the weights and those
-    of one process training on the global batch."""
+def ddp(rank, world, backend, port=None):
+    """Trains 5 steps with DistributedDataParallel on `backend` (its store on `port` when
+    given); returns the weights and those of one process training on the global batch."""
     import datetime
+    import os
     import torch
     import torch.distributed as dist
     import collectives.torch  # noqa: F401
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=30))
     model = torch.nn.parallel.DistributedDataParallel(_ddp_model(), bucket_cap_mb=0.0001)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -556,3 +559,10 @@ def ddp(rank, world, backend):
     want = [p.detach().reshape(-1).tolist() for p in reference.parameters()]
     dist.destroy_process_group()
     return [got, want]
+
+
+def ddp_versus_gloo(rank, world, gloo_port):
+    """DDP's weights on "collectives", then on "gloo", in the same processes."""
+    ours, reference = ddp(rank, world, "collectives")
+    gloo, _ = ddp(rank, world, "gloo", gloo_port)
+    return [ours, gloo, reference]
