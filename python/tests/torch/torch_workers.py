@@ -480,6 +480,13 @@ def bad_arguments(rank, world):
     seen["untouched"] = (torch.equal(strided, torch.arange(16.0).reshape(4, 4).t())
                          and torch.equal(t, torch.ones(4)))
     seen["any_source"] = _raises(lambda: dist.recv(torch.ones(2)), "any source")
+    out = torch.zeros(2 * world - 1)
+    seen["output_size"] = _raises(lambda: dist.all_gather_into_tensor(out, torch.ones(2)),
+                                  "all_gather_into_tensor", f"expected {2 * world}")
+    seen["list_length"] = _raises(lambda: dist.all_gather([torch.zeros(2)], torch.ones(2)),
+                                  f"expects {world} output tensors")
+    seen["root"] = _raises(lambda: dist.broadcast(torch.ones(2), src=world), "root")
+    seen["untouched_outputs"] = torch.equal(out, torch.zeros(2 * world - 1))
     # The group still works after refused calls.
     seen["works"] = _sum_check(dist, ranks=range(world))
     dist.destroy_process_group()
