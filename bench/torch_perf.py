@@ -83,6 +83,11 @@ def parse_args(argv):
     p.add_argument("--time", type=float,
                    help="seconds of timed rounds to aim for per size (default 0.2; 0.05 with "
                    "--quick)")
+    p.add_argument("-r", "--repeat", type=int, default=1,
+                   help="rounds of timed calls per size; the median round is reported")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run the backends' jobs this many times, interleaved; each row keeps "
+                   "its fastest job (on a shared machine, the least disturbed)")
     p.add_argument("--quick", action="store_true",
                    help="a short sweep: the defaults -f 8 -e 16M --time 0.05")
     p.add_argument("--csv", metavar="FILE", help="write every row to FILE as CSV")
@@ -116,6 +121,8 @@ def parse_args(argv):
         p.error(f"-f {args.factor}: must be greater than 1")
     if args.min_bytes > args.max_bytes:
         p.error(f"-b {args.min_bytes} is more than -e {args.max_bytes}")
+    if args.repeat < 1 or args.jobs < 1:
+        p.error("--repeat and --jobs: at least 1")
     if args.min_iters < 1 or args.max_iters < args.min_iters or args.warmup_iters < 0:
         p.error("need 0 <= --warmup-iters and 1 <= --min-iters <= --max-iters")
     for kv in args.env:
@@ -354,14 +361,17 @@ def measure_backend(args, label, torch, dist, meta, rank, n):
             dist.all_reduce(stat, op=dist.ReduceOp.MAX, group=meta)
             iters = int(min(args.max_iters, max(args.min_iters,
                                                 math.ceil(args.time / max(stat[0].item(), 1e-9)))))
-            dist.barrier(group=meta)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                case.run()
-            elapsed = (time.perf_counter() - t0) / iters
-            stat[0], stat[1] = elapsed, 0.0
-            dist.all_reduce(stat, op=dist.ReduceOp.MAX, group=meta)
-            seconds = stat[0].item() / (2 if collective == "sendrecv" else 1)
+            round_times = []
+            for _ in range(args.repeat):
+                dist.barrier(group=meta)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    case.run()
+                stat[0], stat[1] = (time.perf_counter() - t0) / iters, 0.0
+                dist.all_reduce(stat, op=dist.ReduceOp.MAX, group=meta)
+                round_times.append(stat[0].item())
+            seconds = sorted(round_times)[len(round_times) // 2]
+            seconds /= 2 if collective == "sendrecv" else 1
             algbw = row["size_bytes"] / seconds / 1e9 if seconds > 0 else 0.0
             row.update(time_us=seconds * 1e6, algbw_gbps=algbw,
                        busbw_gbps=algbw * bus_factor(collective, n), wrong=wrong, iters=iters)
@@ -511,19 +521,22 @@ def parent(args, argv):
           f"each backend in its own job")
     print(f"# sizes {args.min_bytes} B to {args.max_bytes} B, factor {args.factor:g}; "
           f"{args.warmup_iters} warm-up rounds, timed rounds for ~{args.time:g} s "
-          f"({args.min_iters}..{args.max_iters}); time = the slowest rank's mean")
+          f"({args.min_iters}..{args.max_iters}), median of {args.repeat} round(s), fastest of "
+          f"{args.jobs} job(s); time = the slowest rank's mean")
     print("# busbw = algbw x 2(n-1)/n (all_reduce), x (n-1)/n (all_gather, reduce_scatter, "
           "all_to_all, gather, scatter), x 1 (broadcast, reduce, sendrecv: half a round trip)")
     if env_extra:
         print("# environment: " + " ".join(f"{k}={v}" for k, v in env_extra.items()))
-    rows, status = [], 0
+    status = 0
     passthrough = strip_parent_options(argv)
-    for label in args.backends:
+    best = {}
+    for job, label in [(j, b) for j in range(args.jobs) for b in args.backends]:
         name, _, impl = label.partition(":")
         env = dict(env_extra)
         if impl:
             env[IMPL_ENV] = impl
-        print(f"# job: backend {label}" + (f" ({IMPL_ENV}={impl})" if impl else ""), flush=True)
+        print(f"# job {job + 1}/{args.jobs}: backend {label}" +
+              (f" ({IMPL_ENV}={impl})" if impl else ""), flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             rc = launch(args.nproc, passthrough + ["--backends", label, "--rows-out", out], env,
@@ -534,7 +547,17 @@ def parent(args, argv):
                 status = 1
                 continue
             with open(out) as f:
-                rows += json.load(f)
+                for r in json.load(f):
+                    key = (r["backend"], r["collective"], r["size_bytes"])
+                    old = best.get(key)
+                    if old is None or (r["time_us"] is not None and
+                                       (old["time_us"] is None or r["time_us"] < old["time_us"])):
+                        r["wrong"] = max(r["wrong"] or 0, (old or {}).get("wrong") or 0) \
+                            if r["time_us"] is not None else None
+                        best[key] = r
+                    elif r.get("wrong"):
+                        old["wrong"] = max(old["wrong"] or 0, r["wrong"])
+    rows = list(best.values())
     labels = [b for b in args.backends if any(r["backend"] == b for r in rows)]
     if rows:
         print_tables(args, rows, labels, args.nproc)
@@ -554,10 +577,10 @@ def strip_parent_options(argv):
         if skip:
             skip = False
             continue
-        if a in ("--backends", "--csv", "--nproc", "--rows-out"):
+        if a in ("--backends", "--csv", "--nproc", "--rows-out", "--jobs"):
             skip = True
             continue
-        if a.startswith(("--backends=", "--csv=", "--nproc=", "--rows-out=")):
+        if a.startswith(("--backends=", "--csv=", "--nproc=", "--rows-out=", "--jobs=")):
             continue
         out.append(a)
     return out

@@ -57,16 +57,16 @@ run() {  # run LOG COMMAND...: the command's output to LOG and the terminal; not
 
 for n in ${RANKS}; do
   run "torch_all_reduce_n${n}.log" ${PYTHON} bench/torch_perf.py --nproc "${n}" -c all_reduce \
-    "${BIG[@]}" --time "${TIME}" --backends collectives:auto,collectives:ring,gloo \
+    "${BIG[@]}" --time "${TIME}" -r 3 --jobs 2 --backends collectives:auto,collectives:ring,gloo \
     --csv "${OUT}/torch_all_reduce_n${n}.csv"
   run "torch_latency_n${n}.log" ${PYTHON} bench/torch_perf.py --nproc "${n}" -c all_reduce \
-    -b 8 -e 8 --time "${TIME}" --max-iters 5000 \
+    -b 8 -e 8 --time "${TIME}" --max-iters 5000 -r 3 --jobs 2 \
     --backends collectives:auto,collectives:ring,gloo --csv "${OUT}/torch_latency_n${n}.csv"
   for impl in auto ring; do
     run "cpp_${impl}_n${n}.log" "${PERF}" --local "${n}" --impl "${impl}" -c all_reduce \
-      "${BIG[@]}" --check --csv "${OUT}/cpp_${impl}_n${n}.csv"
+      "${BIG[@]}" -r 3 --check --csv "${OUT}/cpp_${impl}_n${n}.csv"
     run "cpp_latency_${impl}_n${n}.log" "${PERF}" --local "${n}" --impl "${impl}" -c all_reduce \
-      -b 8 -e 8 -n 1000 --check --csv "${OUT}/cpp_latency_${impl}_n${n}.csv"
+      -b 8 -e 8 -n 1000 -r 3 --check --csv "${OUT}/cpp_latency_${impl}_n${n}.csv"
   done
   for backend in collectives gloo; do
     run "ddp_${backend}_n${n}.log" ${PYTHON} examples/python/ddp_fashion_mnist.py --nproc "${n}" \
