@@ -20,7 +20,7 @@ counts it: the output of all_gather and gather, the input of reduce_scatter and 
 rank's buffer of all_to_all, one message of sendrecv (ranks 2k and 2k+1 ping-pong; time is half
 a round trip). float32, sum. Timing and checks travel over a separate Gloo group.
 
-A backend entry is NAME or collectives:IMPL; IMPL sets COLLECTIVES_TORCH_IMPLEMENTATION for that
+A backend entry is NAME or collectives:IMPL; IMPL sets COLLECTIVES_IMPLEMENTATION for that
 job (auto, ring, ...). Ratio columns compare each backend with the entry "gloo" of the same run:
 busbw ours/gloo (> 1: faster than Gloo).
 
@@ -43,7 +43,7 @@ import time
 
 COLLECTIVES = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
                "all_to_all_single", "reduce", "gather", "scatter", "barrier", "sendrecv"]
-IMPL_ENV = "COLLECTIVES_TORCH_IMPLEMENTATION"
+IMPL_ENV = "COLLECTIVES_IMPLEMENTATION"
 ELEMENT_BYTES = 4  # float32
 
 
