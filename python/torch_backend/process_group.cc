@@ -1,0 +1,830 @@
+// collectives._torch: the torch.distributed backend "collectives", a c10d::ProcessGroup whose
+// collectives run on a CollectiveCommunication (RING, AUTO or NCCL), and its pybind11 glue.
+//
+// Shape of a call: each ProcessGroup method checks its tensors (one helper, View: CPU, strided,
+// contiguous, a supported dtype), turns them into non-owning collectives::Tensor views of the
+// tensors' own memory, issues the library's async collective and returns a Work that keeps the
+// tensors alive. Only list forms whose tensors do not lie back to back in memory go through a
+// buffer of the call's own (packed before the call, unpacked when it completes). Nothing is
+// written before every argument has been checked, here and by the library.
+//
+// Completion: the library's Work has Wait and Done only. CollectivesWork::Finish waits for it,
+// unpacks, and marks the torch Future if one was asked for. Work.wait() calls Finish on the
+// caller's thread (torch's binding releases the GIL); a future (getFuture, as DDP's reducer and
+// comm hooks use) is completed by the group's completion thread, started at the first
+// getFuture, which finishes its works in the order they were handed over. A plain blocking call
+// (allreduce then wait) therefore never touches that thread.
+//
+// Thread-safety: a process group may be called from any thread (DDP's reducer calls it from
+// autograd threads); the library orders the calls. A Work may be waited on from any thread.
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "collectives/cluster.h"
+#include "collectives/communication.h"
+#include "collectives/errors.h"
+#include "collectives/packing.h"
+#include "collectives/types.h"
+
+namespace collectives_torch {
+namespace {
+
+namespace py = pybind11;
+using collectives::CommunicationOptions;
+using collectives::DataType;
+using collectives::ErrorCode;
+using collectives::ReduceOp;
+
+constexpr const char* kBackendName = "collectives";
+
+// ---- The rendezvous: torch's store as the library's Store. ----
+
+// Forwards to the c10d::Store torch gives the creator (a PrefixStore over the job's TCPStore,
+// FileStore or HashStore). Thread-safety: as c10d::Store, callable from any thread.
+class TorchStore final : public collectives::Store {
+ public:
+  explicit TorchStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+
+  void Set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+
+  std::string Get(const std::string& key, std::chrono::milliseconds timeout) override {
+    try {
+      store_->wait({key}, timeout);
+      const std::vector<uint8_t> value = store_->get(key);
+      return std::string(value.begin(), value.end());
+    } catch (const collectives::Error&) {
+      throw;
+    } catch (const std::exception& error) {
+      // c10d's stores say "Timeout" or "timed out" when the key did not appear in time.
+      const std::string what = error.what();
+      const bool timed_out = what.find("imeout") != std::string::npos ||
+                             what.find("timed out") != std::string::npos;
+      throw collectives::Error(timed_out ? ErrorCode::kTimeout : ErrorCode::kSystem,
+                               "torch store: waiting " + std::to_string(timeout.count()) +
+                                   " ms for key '" + key + "': " + FirstLine(what));
+    }
+  }
+
+  int64_t Add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+
+ private:
+  static std::string FirstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// 16 random bytes in hex.
+std::string RandomHex(size_t bytes) {
+  std::random_device device;  // /dev/urandom (or the CPU's generator) on Linux
+  static const char kDigits[] = "0123456789abcdef";
+  std::string text;
+  for (size_t i = 0; i < bytes; ++i) {
+    const unsigned byte = device() & 0xff;
+    text += kDigits[byte >> 4];
+    text += kDigits[byte & 0xf];
+  }
+  return text;
+}
+
+// ---- Argument checks: one helper for every tensor. ----
+
+std::string Where(int rank, const char* op) {
+  return std::string(kBackendName) + " backend: rank " + std::to_string(rank) + ": " + op;
+}
+
+DataType ToDataType(const at::Tensor& tensor, int rank, const char* op, const char* what) {
+  switch (tensor.scalar_type()) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kByte: return DataType::kUInt8;
+    case at::kChar: return DataType::kInt8;
+    default:
+      TORCH_CHECK(false, Where(rank, op), ": ", what, " has dtype ", tensor.scalar_type(),
+                  ", which is not supported (float32, float64, float16, bfloat16, int32, int64, "
+                  "uint8, int8)");
+  }
+}
+
+// The library's view of `tensor`: its own memory, no copy. Refuses what the library cannot
+// take, naming the op and the argument.
+collectives::Tensor View(const at::Tensor& tensor, int rank, const char* op, const char* what) {
+  TORCH_CHECK(tensor.defined(), Where(rank, op), ": ", what, " is an undefined tensor");
+  TORCH_CHECK(tensor.device().is_cpu(), Where(rank, op), ": ", what, " is on ", tensor.device(),
+              "; this backend takes CPU tensors only");
+  TORCH_CHECK(tensor.layout() == at::kStrided, Where(rank, op), ": ", what, " has layout ",
+              tensor.layout(), "; only dense (strided) tensors are supported");
+  TORCH_CHECK(tensor.is_contiguous(), Where(rank, op), ": ", what,
+              " is not contiguous; call .contiguous() first");
+  const DataType dtype = ToDataType(tensor, rank, op, what);
+  return collectives::Tensor{tensor.data_ptr(), static_cast<size_t>(tensor.numel()), dtype};
+}
+
+// An empty view of `like`'s dtype, for the buffers a rank does not use (recv off the root).
+collectives::Tensor Empty(const collectives::Tensor& like) {
+  return collectives::Tensor{nullptr, 0, like.dtype, like.device};
+}
+
+ReduceOp ToReduceOp(const c10d::ReduceOp& op, int rank, const char* name) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
+    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.BAND is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    case c10d::ReduceOp::BOR: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.BOR is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    case c10d::ReduceOp::BXOR: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.BXOR is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    case c10d::ReduceOp::PREMUL_SUM: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.PREMUL_SUM is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    default: TORCH_CHECK(false, Where(rank, name), ": unknown ReduceOp ", int(op.op_));
+  }
+}
+
+void CheckOne(size_t got, int rank, const char* op, const char* what) {
+  TORCH_CHECK(got == 1, Where(rank, op), ": takes one ", what, " per process, got ", got,
+              " (multi-tensor lists are not supported)");
+}
+
+void CheckSameAs(const at::Tensor& tensor, const at::Tensor& like, int64_t numel, int rank,
+                 const char* op, const std::string& what) {
+  TORCH_CHECK(tensor.scalar_type() == like.scalar_type(), Where(rank, op), ": ", what,
+              " has dtype ", tensor.scalar_type(), ", the input ", like.scalar_type());
+  TORCH_CHECK(tensor.numel() == numel, Where(rank, op), ": ", what, " has ", tensor.numel(),
+              " elements, expected ", numel);
+}
+
+// Whether the contiguous CPU tensors `tensors` lie back to back in memory in list order, so that
+// the list can go to the library as one view without a copy.
+bool BackToBack(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return false;
+  const char* next = static_cast<const char*>(tensors[0].data_ptr());
+  for (const at::Tensor& tensor : tensors) {
+    if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||
+        tensor.scalar_type() != tensors[0].scalar_type())
+      return false;
+    if (tensor.numel() > 0 && static_cast<const char*>(tensor.data_ptr()) != next) return false;
+    next += tensor.nbytes();
+  }
+  return true;
+}
+
+// ---- Work. ----
+
+class Completer;
+
+// One torch Work over one or more library Works issued by one ProcessGroup call, in order.
+// `finish` (may be empty) runs once they all succeeded: it unpacks a call's own buffer into the
+// caller's tensors. Thread-safety: every method may be called from any thread.
+class CollectivesWork final : public c10d::Work {
+ public:
+  CollectivesWork(int rank, c10d::OpType type, std::vector<std::shared_ptr<collectives::Work>> works,
+                  std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep_alive,
+                  std::function<void()> finish, std::shared_ptr<Completer> completer)
+      : c10d::Work(rank, type),
+        works_(std::move(works)),
+        outputs_(std::move(outputs)),
+        keep_alive_(std::move(keep_alive)),
+        finish_(std::move(finish)),
+        completer_(std::move(completer)) {}
+
+  // Waits for the library's Works, unpacks, records the outcome and completes the future; once.
+  void Finish() {
+    std::lock_guard<std::mutex> finishing(finish_mutex_);
+    if (finished_.load(std::memory_order_acquire)) return;
+    std::exception_ptr error;
+    try {
+      for (const auto& work : works_) work->Wait();
+      if (finish_) finish_();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    finish_ = nullptr;
+    keep_alive_.clear();
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      completed_ = true;
+      exception_ = error;
+      future = future_;
+      finished_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+    if (future) Complete(*future, error);
+  }
+
+  bool isCompleted() override {
+    if (finished_.load(std::memory_order_acquire)) return true;
+    for (const auto& work : works_) {
+      if (!work->Done()) return false;
+    }
+    Finish();
+    return true;
+  }
+
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return completed_ && !exception_;
+  }
+
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return exception_;
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  // The tensors are CPU memory: nothing to synchronize with.
+  void synchronize() override {}
+
+  // Blocks until the call completed and rethrows its error. A positive `timeout` bounds the
+  // wait: past it, raises RuntimeError (the call itself goes on, bounded by the group's timeout).
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout > std::chrono::milliseconds(0) && !finished_.load(std::memory_order_acquire)) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!isCompleted()) {
+        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, kBackendName,
+                    " backend: rank ", rank_, ": ", c10d::opTypeToString(opType_),
+                    " did not complete within wait(timeout=", timeout.count(), " ms)");
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
+    Finish();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+  void abort() override {
+    TORCH_CHECK(false, kBackendName, " backend: Work.abort is not supported; "
+                "destroy the process group instead");
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  void Complete(c10::ivalue::Future& future, const std::exception_ptr& error) {
+    if (error) {
+      future.setError(error);
+    } else {
+      future.markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  const std::vector<std::shared_ptr<collectives::Work>> works_;
+  const std::vector<at::Tensor> outputs_;
+  std::mutex finish_mutex_;  // serialises Finish; held while waiting, so never under mutex_
+  std::vector<at::Tensor> keep_alive_;  // GUARDED_BY(finish_mutex_)
+  std::function<void()> finish_;        // GUARDED_BY(finish_mutex_)
+  std::atomic<bool> finished_{false};   // set under mutex_ once the outcome is recorded
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // GUARDED_BY(mutex_)
+  std::shared_ptr<Completer> completer_;
+};
+
+// The thread that finishes the Works whose futures were asked for, one after another in the
+// order they arrive (calls complete in issue order, so none waits behind a later one). Started
+// by the first Add; Stop finishes what is queued and joins. Thread-safety: Add and Stop may be
+// called from any thread; Stop is called once, by the owning process group.
+class Completer {
+ public:
+  void Add(c10::intrusive_ptr<CollectivesWork> work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!stopped_) {
+        if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+        queue_.push_back(std::move(work));
+        cv_.notify_one();
+        return;
+      }
+    }
+    work->Finish();  // the group is gone: finish on the caller's thread
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [this] { return stopped_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopped and drained
+      c10::intrusive_ptr<CollectivesWork> work = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      work->Finish();  // records any error in the Work and its future
+      work.reset();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<CollectivesWork>> queue_;  // GUARDED_BY(mutex_)
+  bool stopped_ = false;                                   // GUARDED_BY(mutex_)
+  std::thread thread_;
+};
+
+c10::intrusive_ptr<c10::ivalue::Future> CollectivesWork::getFuture() {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  bool finished = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (future_) return future_;
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future = future_;
+    finished = finished_.load(std::memory_order_acquire);
+  }
+  if (finished) {
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error = exception_;
+    }
+    Complete(*future, error);
+  } else {
+    completer_->Add(c10::intrusive_ptr<CollectivesWork>::reclaim_copy(this));
+  }
+  return future;
+}
+
+// ---- The process group. ----
+
+class ProcessGroupCollectives final : public c10d::ProcessGroup {
+ public:
+  // Rendezvouses through `store` (every rank of the group calls this, with the same store
+  // prefix) and connects. `master_addr` and `master_port` fill the ClusterSpec: the data
+  // listener binds to the local address that routes toward master_addr unless
+  // options.listen_address or $COLLECTIVES_LISTEN_ADDRESS names one; the port only has to be
+  // non-zero, the store being given. Rank 0 picks the job id (unique per group, so shared-memory
+  // segments of two groups or two jobs never meet) and, when neither options.job_token nor
+  // $COLLECTIVES_JOB_TOKEN sets one, the job token; both travel through the store.
+  ProcessGroupCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                          CommunicationOptions options, const std::string& master_addr,
+                          int master_port)
+      : c10d::ProcessGroup(rank, size), options_(std::move(options)) {
+    auto torch_store = std::make_shared<TorchStore>(store);
+    const std::string key = "collectives/job";
+    const bool own_token = collectives::ResolveJobToken(options_).empty();
+    std::string job;
+    if (rank == 0) {
+      job = "torch-" + RandomHex(8) + "\n" + (own_token ? RandomHex(32) : std::string());
+      torch_store->Set(key, job);
+    } else {
+      job = torch_store->Get(key, options_.timeout);
+    }
+    const size_t newline = job.find('\n');
+    collectives::ClusterSpec spec;
+    spec.rank = rank;
+    spec.world_size = size;
+    spec.master_addr = master_addr.empty() ? "127.0.0.1" : master_addr;
+    spec.master_port = size > 1 ? static_cast<uint16_t>(master_port > 0 && master_port < 65536
+                                                             ? master_port
+                                                             : 29500)
+                                : 0;
+    spec.job_id = job.substr(0, newline);
+    if (own_token && newline != std::string::npos) options_.job_token = job.substr(newline + 1);
+    comm_ = collectives::CreateCommunication(spec, torch_store, options_);
+    init();
+  }
+
+  ~ProcessGroupCollectives() override {
+    completer_->Stop();
+    comm_.reset();
+  }
+
+  const std::string getBackendName() const override { return kBackendName; }
+
+  collectives::CollectiveCommunication& comm() { return *comm_; }
+  const CommunicationOptions& options() const { return options_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    const char* op = "broadcast";
+    CheckOne(tensors.size(), rank_, op, "tensor");
+    CheckRoot(opts.rootRank, op);
+    const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    return Make(c10d::OpType::BROADCAST, {comm_->BroadcastAsync(view, view, int(opts.rootRank))},
+                tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const char* op = "all_reduce";
+    CheckOne(tensors.size(), rank_, op, "tensor");
+    const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
+    const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    return Make(c10d::OpType::ALLREDUCE, {comm_->AllReduceAsync(view, view, reduce)}, tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    const char* op = "all_reduce_coalesced";
+    const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
+    std::vector<collectives::Tensor> views;
+    for (const at::Tensor& tensor : tensors) views.push_back(View(tensor, rank_, op, "a tensor"));
+    return Make(c10d::OpType::ALLREDUCE_COALESCED,
+                {collectives::packing::AllReduceAsync(*comm_, views, reduce)}, tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    const char* op = "reduce";
+    CheckOne(tensors.size(), rank_, op, "tensor");
+    CheckRoot(opts.rootRank, op);
+    const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
+    const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    const int root = int(opts.rootRank);
+    return Make(c10d::OpType::REDUCE,
+                {comm_->ReduceAsync(view, rank_ == root ? view : Empty(view), reduce, root)},
+                tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    const char* op = "all_gather";
+    CheckOne(inputs.size(), rank_, op, "input tensor");
+    CheckOne(outputs.size(), rank_, op, "output list");
+    const collectives::Tensor send = View(inputs[0], rank_, op, "the input");
+    CheckList(outputs[0], inputs[0], op, "output");
+    Gathered recv = GatherInto(outputs[0], inputs[0], send);
+    return Make(c10d::OpType::ALLGATHER, {comm_->AllGatherAsync(send, recv.view)}, outputs[0],
+                {inputs[0], recv.buffer}, recv.unpack);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions&) override {
+    const char* op = "all_gather_into_tensor";
+    const collectives::Tensor send = View(input, rank_, op, "the input");
+    const collectives::Tensor recv = View(output, rank_, op, "the output");
+    CheckSameAs(output, input, input.numel() * size_, rank_, op, "the output");
+    return Make(c10d::OpType::_ALLGATHER_BASE, {comm_->AllGatherAsync(send, recv)}, {output},
+                {input});
+  }
+
+  // outputs[r][i] = rank r's inputs[i]: one all-gather per input.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions&) override {
+    const char* op = "all_gather_coalesced";
+    TORCH_CHECK(outputs.size() == size_t(size_), Where(rank_, op), ": expects ", size_,
+                " output lists (one per rank), got ", outputs.size());
+    std::vector<collectives::Tensor> sends;
+    std::vector<std::vector<at::Tensor>> per_input(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      sends.push_back(View(inputs[i], rank_, op, "an input"));
+      for (int r = 0; r < size_; ++r) {
+        TORCH_CHECK(outputs[r].size() == inputs.size(), Where(rank_, op), ": output list ", r,
+                    " has ", outputs[r].size(), " tensors, expected ", inputs.size());
+        per_input[i].push_back(outputs[r][i]);
+      }
+      CheckList(per_input[i], inputs[i], op, "output");
+    }
+    std::vector<std::shared_ptr<collectives::Work>> works;
+    std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
+    std::vector<std::function<void()>> unpacks;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      Gathered recv = GatherInto(per_input[i], inputs[i], sends[i]);
+      works.push_back(comm_->AllGatherAsync(sends[i], recv.view));
+      keep.push_back(recv.buffer);
+      if (recv.unpack) unpacks.push_back(std::move(recv.unpack));
+    }
+    std::vector<at::Tensor> flat_outputs;
+    for (const auto& list : outputs) flat_outputs.insert(flat_outputs.end(), list.begin(), list.end());
+    return Make(c10d::OpType::ALLGATHER_COALESCED, std::move(works), flat_outputs, keep,
+                [unpacks = std::move(unpacks)] {
+                  for (const auto& unpack : unpacks) unpack();
+                });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    const char* op = "gather";
+    CheckOne(inputs.size(), rank_, op, "input tensor");
+    CheckRoot(opts.rootRank, op);
+    const int root = int(opts.rootRank);
+    const collectives::Tensor send = View(inputs[0], rank_, op, "the input");
+    if (rank_ != root) {
+      TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                  Where(rank_, op), ": output tensors are given on rank ", rank_,
+                  ", which is not the root (", root, ")");
+      return Make(c10d::OpType::GATHER, {comm_->GatherAsync(send, Empty(send), root)}, {},
+                  {inputs[0]});
+    }
+    CheckOne(outputs.size(), rank_, op, "output list");
+    CheckList(outputs[0], inputs[0], op, "output");
+    Gathered recv = GatherInto(outputs[0], inputs[0], send);
+    return Make(c10d::OpType::GATHER, {comm_->GatherAsync(send, recv.view, root)}, outputs[0],
+                {inputs[0], recv.buffer}, recv.unpack);
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    const char* op = "scatter";
+    CheckOne(outputs.size(), rank_, op, "output tensor");
+    CheckRoot(opts.rootRank, op);
+    const int root = int(opts.rootRank);
+    const collectives::Tensor recv = View(outputs[0], rank_, op, "the output");
+    if (rank_ != root) {
+      TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), Where(rank_, op),
+                  ": input tensors are given on rank ", rank_, ", which is not the root (", root,
+                  ")");
+      return Make(c10d::OpType::SCATTER, {comm_->ScatterAsync(Empty(recv), recv, root)}, outputs);
+    }
+    CheckOne(inputs.size(), rank_, op, "input list");
+    CheckList(inputs[0], outputs[0], op, "input");
+    at::Tensor packed = Pack(inputs[0]);
+    const collectives::Tensor send = View(packed, rank_, op, "the inputs");
+    return Make(c10d::OpType::SCATTER, {comm_->ScatterAsync(send, recv, root)}, outputs,
+                {packed});
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    const char* op = "reduce_scatter";
+    CheckOne(outputs.size(), rank_, op, "output tensor");
+    CheckOne(inputs.size(), rank_, op, "input list");
+    const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
+    const collectives::Tensor recv = View(outputs[0], rank_, op, "the output");
+    CheckList(inputs[0], outputs[0], op, "input");
+    at::Tensor packed = Pack(inputs[0]);
+    const collectives::Tensor send = View(packed, rank_, op, "the inputs");
+    return Make(c10d::OpType::REDUCE_SCATTER, {comm_->ReduceScatterAsync(send, recv, reduce)},
+                outputs, {packed});
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    const char* op = "reduce_scatter_tensor";
+    const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
+    const collectives::Tensor send = View(input, rank_, op, "the input");
+    const collectives::Tensor recv = View(output, rank_, op, "the output");
+    CheckSameAs(input, output, output.numel() * size_, rank_, op, "the input");
+    return Make(c10d::OpType::_REDUCE_SCATTER_BASE,
+                {comm_->ReduceScatterAsync(send, recv, reduce)}, {output}, {input});
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions&) override {
+    const char* op = "all_to_all_single";
+    const collectives::Tensor send = View(input, rank_, op, "the input");
+    const collectives::Tensor recv = View(output, rank_, op, "the output");
+    TORCH_CHECK(input.scalar_type() == output.scalar_type(), Where(rank_, op),
+                ": the output has dtype ", output.scalar_type(), ", the input ",
+                input.scalar_type());
+    if (output_splits.empty() && input_splits.empty()) {
+      TORCH_CHECK(input.numel() == output.numel() && input.numel() % size_ == 0, Where(rank_, op),
+                  ": without split sizes the input and the output must have the same number "
+                  "of elements, a multiple of the world size (", size_, "); got ",
+                  input.numel(), " and ", output.numel());
+      return Make(c10d::OpType::ALLTOALL_BASE, {comm_->AllToAllAsync(send, recv)}, {output},
+                  {input});
+    }
+    std::vector<size_t> send_counts = Counts(input, input_splits, op, "input");
+    std::vector<size_t> recv_counts = Counts(output, output_splits, op, "output");
+    return Make(c10d::OpType::ALLTOALL_BASE,
+                {comm_->AllToAllAsync(send, recv, send_counts, recv_counts)}, {output}, {input});
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions&) override {
+    const char* op = "all_to_all";
+    TORCH_CHECK(inputs.size() == size_t(size_) && outputs.size() == size_t(size_),
+                Where(rank_, op), ": expects ", size_, " input and output tensors (one per rank), got ",
+                inputs.size(), " and ", outputs.size());
+    std::vector<size_t> send_counts, recv_counts;
+    for (int r = 0; r < size_; ++r) {
+      View(inputs[r], rank_, op, "an input");
+      View(outputs[r], rank_, op, "an output");
+      TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
+                      outputs[r].scalar_type() == inputs[0].scalar_type(),
+                  Where(rank_, op), ": every input and output must have one dtype");
+      send_counts.push_back(size_t(inputs[r].numel()));
+      recv_counts.push_back(size_t(outputs[r].numel()));
+    }
+    at::Tensor packed = Pack(inputs);
+    const collectives::Tensor send = View(packed, rank_, op, "the inputs");
+    Gathered recv = GatherInto(outputs, outputs[0], send);
+    return Make(c10d::OpType::ALLTOALL,
+                {comm_->AllToAllAsync(send, recv.view, send_counts, recv_counts)}, outputs,
+                {packed, recv.buffer}, recv.unpack);
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
+                                      int tag) override {
+    const char* op = "send";
+    CheckOne(tensors.size(), rank_, op, "tensor");
+    CheckPeer(dst, op);
+    const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    return Make(c10d::OpType::SEND, {comm_->SendAsync(view, dst, tag)}, tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
+                                      int tag) override {
+    const char* op = "recv";
+    CheckOne(tensors.size(), rank_, op, "tensor");
+    CheckPeer(src, op);
+    const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    return Make(c10d::OpType::RECV, {comm_->RecvAsync(view, src, tag)}, tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
+    TORCH_CHECK(false, Where(rank_, "recv"),
+                ": receiving from any source (src=None) is not supported; name the source rank");
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    return Make(c10d::OpType::BARRIER, {comm_->BarrierAsync()}, {});
+  }
+
+ private:
+  // The receive side of a gather-like call: the caller's tensors themselves when they lie back to
+  // back, else a buffer of the call's own and the unpacking into them.
+  struct Gathered {
+    collectives::Tensor view;
+    at::Tensor buffer;
+    std::function<void()> unpack;
+  };
+
+  Gathered GatherInto(const std::vector<at::Tensor>& outputs, const at::Tensor& like,
+                      const collectives::Tensor& send) {
+    Gathered gathered;
+    int64_t total = 0;
+    for (const at::Tensor& output : outputs) total += output.numel();
+    if (BackToBack(outputs)) {
+      gathered.view = {outputs[0].data_ptr(), size_t(total), send.dtype};
+      return gathered;
+    }
+    gathered.buffer = at::empty({total}, like.options());
+    gathered.view = {gathered.buffer.data_ptr(), size_t(total), send.dtype};
+    gathered.unpack = [outputs, buffer = gathered.buffer] {
+      int64_t offset = 0;
+      for (const at::Tensor& output : outputs) {
+        const int64_t n = output.numel();
+        output.view({-1}).copy_(buffer.narrow(0, offset, n));
+        offset += n;
+      }
+    };
+    return gathered;
+  }
+
+  // `tensors` as one contiguous tensor: themselves when they lie back to back, else a copy.
+  static at::Tensor Pack(const std::vector<at::Tensor>& tensors) {
+    if (BackToBack(tensors)) {
+      int64_t total = 0;
+      for (const at::Tensor& tensor : tensors) total += tensor.numel();
+      return at::from_blob(tensors[0].data_ptr(), {total}, tensors[0].options());
+    }
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& tensor : tensors) flat.push_back(tensor.reshape({-1}));
+    return at::cat(flat);
+  }
+
+  // Checks a rank-indexed list (one tensor per rank, each like `like`).
+  void CheckList(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* op,
+                 const char* what) {
+    TORCH_CHECK(list.size() == size_t(size_), Where(rank_, op), ": expects ", size_, " ", what,
+                " tensors (one per rank), got ", list.size());
+    for (size_t r = 0; r < list.size(); ++r) {
+      TORCH_CHECK(list[r].defined() && list[r].device().is_cpu() &&
+                      list[r].layout() == at::kStrided,
+                  Where(rank_, op), ": ", what, " tensor ", r, " is not a dense CPU tensor");
+      CheckSameAs(list[r], like, like.numel(), rank_, op,
+                  std::string(what) + " tensor " + std::to_string(r));
+    }
+  }
+
+  // Element counts per rank from split sizes along dimension 0 (empty: equal splits).
+  std::vector<size_t> Counts(const at::Tensor& tensor, const std::vector<int64_t>& splits,
+                             const char* op, const char* what) {
+    const int64_t rows = tensor.dim() == 0 ? 1 : tensor.size(0);
+    const int64_t row = rows == 0 ? 0 : tensor.numel() / rows;
+    std::vector<size_t> counts;
+    if (splits.empty()) {
+      TORCH_CHECK(rows % size_ == 0, Where(rank_, op), ": the ", what, "'s first dimension (",
+                  rows, ") does not split evenly over ", size_, " ranks");
+      counts.assign(size_t(size_), size_t(rows / size_ * row));
+      return counts;
+    }
+    TORCH_CHECK(splits.size() == size_t(size_), Where(rank_, op), ": ", what, "_split_sizes has ",
+                splits.size(), " entries, expected ", size_);
+    int64_t sum = 0;
+    for (int64_t split : splits) {
+      TORCH_CHECK(split >= 0, Where(rank_, op), ": ", what, "_split_sizes has a negative entry");
+      sum += split;
+      counts.push_back(size_t(split * row));
+    }
+    TORCH_CHECK(sum == rows, Where(rank_, op), ": ", what, "_split_sizes sum to ", sum,
+                ", the ", what, "'s first dimension is ", rows);
+    return counts;
+  }
+
+  void CheckRoot(int64_t root, const char* op) {
+    TORCH_CHECK(root >= 0 && root < size_, Where(rank_, op), ": root ", root,
+                " is not a rank of this group (size ", size_, ")");
+  }
+
+  void CheckPeer(int peer, const char* op) {
+    TORCH_CHECK(peer >= 0 && peer < size_ && peer != rank_, Where(rank_, op), ": peer ", peer,
+                " is not another rank of this group (size ", size_, ")");
+  }
+
+  c10::intrusive_ptr<c10d::Work> Make(c10d::OpType type,
+                                      std::vector<std::shared_ptr<collectives::Work>> works,
+                                      std::vector<at::Tensor> outputs,
+                                      std::vector<at::Tensor> keep_alive = {},
+                                      std::function<void()> finish = nullptr) {
+    return c10::make_intrusive<CollectivesWork>(rank_, type, std::move(works), std::move(outputs),
+                                                std::move(keep_alive), std::move(finish),
+                                                completer_);
+  }
+
+  CommunicationOptions options_;
+  std::unique_ptr<collectives::CollectiveCommunication> comm_;
+  std::shared_ptr<Completer> completer_ = std::make_shared<Completer>();
+};
+
+}  // namespace
+}  // namespace collectives_torch
+
+PYBIND11_MODULE(_torch, m) {
+  namespace py = pybind11;
+  using collectives::CommunicationOptions;
+  using collectives_torch::ProcessGroupCollectives;
+  m.doc() = "The torch.distributed backend 'collectives' (import collectives.torch to register it)";
+  py::module_::import("torch.distributed");
+
+  py::class_<CommunicationOptions>(m, "CommunicationOptions")
+      .def(py::init<>())
+      .def_property(
+          "implementation",
+          [](const CommunicationOptions& o) { return std::string(collectives::ToString(o.implementation)); },
+          [](CommunicationOptions& o, const std::string& name) {
+            o.implementation = collectives::ParseImplementation(name);
+          })
+      .def_readwrite("timeout", &CommunicationOptions::timeout)
+      .def_readwrite("chunk_bytes", &CommunicationOptions::chunk_bytes)
+      .def_readwrite("small_message_bytes", &CommunicationOptions::small_message_bytes)
+      .def_readwrite("medium_message_bytes", &CommunicationOptions::medium_message_bytes)
+      .def_readwrite("bytes_per_pack", &CommunicationOptions::bytes_per_pack)
+      .def_readwrite("algorithm", &CommunicationOptions::algorithm)
+      .def_readwrite("spin_us", &CommunicationOptions::spin_us)
+      .def_readwrite("yield_us", &CommunicationOptions::yield_us)
+      .def_readwrite("job_token", &CommunicationOptions::job_token)
+      .def_readwrite("listen_address", &CommunicationOptions::listen_address);
+
+  py::class_<ProcessGroupCollectives, c10d::ProcessGroup,
+             c10::intrusive_ptr<ProcessGroupCollectives>>(m, "ProcessGroupCollectives")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       const CommunicationOptions& options, const std::string& master_addr,
+                       int master_port) {
+             return c10::make_intrusive<ProcessGroupCollectives>(store, rank, size, options,
+                                                                 master_addr, master_port);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
+           py::arg("master_addr") = "127.0.0.1", py::arg("master_port") = 29500,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("implementation",
+                             [](ProcessGroupCollectives& pg) {
+                               return std::string(collectives::ToString(pg.comm().implementation()));
+                             })
+      .def_property_readonly("options", &ProcessGroupCollectives::options)
+      .def("all_reduce_algorithm",
+           [](ProcessGroupCollectives& pg, size_t bytes) { return pg.comm().AllReduceAlgorithm(bytes); },
+           py::arg("bytes"));
+}
