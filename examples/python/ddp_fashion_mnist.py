@@ -32,6 +32,7 @@ Exit status: 0 on success; 1 when the weights differ between ranks or --check-si
 """
 
 import argparse
+import contextlib
 import datetime
 import gzip
 import hashlib
@@ -290,14 +291,12 @@ def main(argv):
             order, order_epoch = epoch_order(x_train.shape[0], args.seed, epoch), epoch
         batch_indices = global_batch(order, step, batch)
         idx = rank_shard(batch_indices, rank, world_size, batch)
-        logits = ddp(x_train[idx])
-        losses = F.cross_entropy(logits, y_train[idx], reduction="none")
-        loss = losses.sum() * (world_size / batch_indices.numel())
         optimizer.zero_grad(set_to_none=True)
-        if args.no_sync:
-            with ddp.no_sync():
-                loss.backward()
-        else:
+        # no_sync() must cover the forward pass too: DDP's forward prepares the reduction.
+        with ddp.no_sync() if args.no_sync else contextlib.nullcontext():
+            logits = ddp(x_train[idx])
+            losses = F.cross_entropy(logits, y_train[idx], reduction="none")
+            loss = losses.sum() * (world_size / batch_indices.numel())
             loss.backward()
         optimizer.step()
         if g >= warmup:

@@ -52,3 +52,17 @@ def test_ddp_two_processes_match_single_process(backend, tmp_path):
     assert result["single_max_difference"] <= TOLERANCE, run.stdout
     # 30 steps of Adam move a Glorot-initialised model well above chance (0.1).
     assert result["test_accuracy"] > 0.5, run.stdout
+
+
+@pytest.mark.skipif(not (DATA_DIR / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST is missing (Debian package dataset-fashion-mnist)")
+def test_no_sync_skips_gradient_synchronisation(tmp_path):
+    # Different shards without synchronised gradients leave different weights on each rank.
+    out = tmp_path / "result.json"
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--nproc", "2", "--backend", "gloo", "--steps", "3",
+         "--no-sync", "--timeout", "60", "--json", str(out)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"exit status {run.returncode}\n{run.stdout}\n{run.stderr}"
+    result = json.loads(out.read_text())
+    assert result["no_sync"] and not result["weights_identical"], run.stdout
