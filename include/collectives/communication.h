@@ -196,11 +196,15 @@ class CollectiveCommunication {
   // The rooted collectives and the all-to-all, as MPI and NCCL define them. Each is a
   // collective: every rank issues it, with the same root, dtype (and op) and counts that fit.
   // Buffers a rank does not use (recv off the root of a reduce or gather, send off the root of a
-  // scatter) may be empty and are neither read nor written. The default implementations raise
-  // Error(kNotSupported); RING, AUTO and NCCL implement them.
+  // scatter) may be empty and are neither read nor written. Arguments one rank can tell are
+  // wrong (a root outside [0, size()), counts that do not fit, buffers that overlap other than
+  // in place) raise Error(kInvalidArgument) on that rank at the call. RING and AUTO check every
+  // call against every other rank's: one that differs (another root, count, dtype, op or
+  // collective) raises Error(kMismatch) on every rank, with no recv written. The default
+  // implementations raise Error(kNotSupported); RING, AUTO and NCCL implement them.
   //
-  // recv on `root` = op over ranks of send; recv.count == send.count there. In place on the root
-  // when send.data == recv.data.
+  // recv on `root` = op over ranks of send (kAvg as for AllReduce); recv.count == send.count
+  // there. In place on the root when send.data == recv.data.
   virtual std::shared_ptr<Work> ReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
                                             int root);
   // recv on `root` = concatenation over ranks of send, in rank order; recv.count ==
@@ -213,19 +217,29 @@ class CollectiveCommunication {
   // Block j of recv = block `rank` of rank j's send. Blocks lie back to back in rank order. With
   // empty count vectors the blocks are equal: send.count == recv.count, a multiple of size().
   // Otherwise send_counts[j] elements go to rank j and recv_counts[j] come from rank j (size()
-  // entries each, summing to send.count and recv.count); rank j's send_counts[rank] must equal
-  // this rank's recv_counts[j], else both raise Error(kMismatch). send and recv must lie apart.
+  // entries each, summing to send.count and recv.count; send_counts[rank] == recv_counts[rank]);
+  // the two forms mix freely across ranks. Rank j's send_counts[rank] must equal this rank's
+  // recv_counts[j]: RING and AUTO exchange every rank's counts before any data moves, and a
+  // disagreement anywhere raises Error(kMismatch) on every rank, naming the pair, with no recv
+  // written. send and recv must lie apart (no in-place form).
   virtual std::shared_ptr<Work> AllToAllAsync(const Tensor& send, const Tensor& recv,
                                               const std::vector<size_t>& send_counts = {},
                                               const std::vector<size_t>& recv_counts = {});
 
   // Point to point. Not collectives: only the two ranks take part, and neither takes a place in
-  // the collective sequence. `tensor` goes to rank `peer`, whose RecvAsync(…, this rank, tag)
-  // receives it. Between two ranks, sends are received in the order they were issued, and a
-  // receive whose dtype, count or tag differ from the send's raises Error(kMismatch) on both
-  // (tags are checked, not used to reorder). Sends and receives run in issue order with the
-  // collectives of their rank, so a send and its receive must not sit behind calls that wait
-  // for each other. A send may wait for its receive (a large one does).
+  // the collective sequence. `tensor` goes to rank `peer` (another rank), whose
+  // RecvAsync(…, this rank, tag) receives it. Between two ranks, the messages of one direction
+  // are received in the order they were issued; tags are checked, not used to reorder. A
+  // receive whose dtype, count or tag differ from the send's raises Error(kMismatch) on the
+  // receiver before anything is written into its tensor, and breaks the communicator as every
+  // mismatch does: the sender raises kMismatch at its send if that is still running, else at its
+  // next call. Sends and receives run in issue order with the collectives of their rank, so a
+  // send and its receive must not sit behind calls that wait for each other (over TCP, a
+  // message that meets a collective raises kMismatch on the rank that receives it; a collective
+  // that AUTO runs in shared memory never meets one). A send completes once its data has left
+  // for the socket, so a large one waits for its receive: two ranks that send each other large
+  // messages must not both send first. A receive that no send answers raises kTimeout at the
+  // communicator's deadline.
   virtual std::shared_ptr<Work> SendAsync(const Tensor& tensor, int peer, int64_t tag = 0);
   virtual std::shared_ptr<Work> RecvAsync(const Tensor& tensor, int peer, int64_t tag = 0);
 

@@ -34,8 +34,9 @@ _ENVIRONMENT = {
     "medium_message_bytes": ("COLLECTIVES_MEDIUM_MESSAGE_BYTES", int),
     "bytes_per_pack": ("COLLECTIVES_BYTES_PER_PACK", int),
     "spin_us": ("COLLECTIVES_SPIN_US", int),
+    "inline_bytes": ("COLLECTIVES_TORCH_INLINE_BYTES", int),
 }
-_FIELDS = ("implementation", "algorithm", "chunk_bytes", "small_message_bytes",
+_FIELDS = ("implementation", "inline_bytes", "algorithm", "chunk_bytes", "small_message_bytes",
            "medium_message_bytes", "bytes_per_pack", "spin_us", "yield_us", "job_token",
            "listen_address")
 
@@ -49,13 +50,20 @@ class Options:
     on every rank. bytes_per_pack: the fusion bucket of all_reduce_coalesced. spin_us, yield_us:
     how waiters poll. job_token: the job's secret (default: one rank 0 draws and shares through
     torch's store). listen_address: the address the data listener binds to.
+    inline_bytes (this backend's own; COLLECTIVES_TORCH_INLINE_BYTES): all_reduce and broadcast
+    of at most this many bytes, and barrier when positive, run on the calling thread and return
+    completed, even with async_op=True: no hand-off to the communicator's thread. Default 0
+    (every call asynchronous). A rank then blocks in such a call until every rank has issued it,
+    so a program whose ranks wait for each other between an async call and its wait() through
+    something else (another group, the store) must leave it at 0.
     The timeout is init_process_group's (or new_group's) ``timeout``.
     """
 
     def __init__(self, implementation=None, *, chunk_bytes=None, small_message_bytes=None,
                  medium_message_bytes=None, algorithm=None, bytes_per_pack=None, spin_us=None,
-                 yield_us=None, job_token=None, listen_address=None):
+                 yield_us=None, job_token=None, listen_address=None, inline_bytes=None):
         self.implementation = implementation
+        self.inline_bytes = inline_bytes
         self.chunk_bytes = chunk_bytes
         self.small_message_bytes = small_message_bytes
         self.medium_message_bytes = medium_message_bytes
@@ -75,7 +83,23 @@ class Options:
         """The library's CommunicationOptions: these fields, else the environment's, else the
         defaults; ``timeout`` (a timedelta or seconds) the communicator's timeout."""
         resolved = _torch.CommunicationOptions()
+        for name, value in self._fields().items():
+            setattr(resolved, name, value)
+        if timeout is not None:
+            if not isinstance(timeout, datetime.timedelta):
+                timeout = datetime.timedelta(seconds=timeout)
+            resolved.timeout = timeout
+        return resolved
+
+    def inline(self):
+        """inline_bytes, resolved as the other fields (0 by default)."""
+        return self._fields(inline=True).get("inline_bytes", 0)
+
+    def _fields(self, inline=False):
+        fields = {}
         for name in _FIELDS:
+            if (name == "inline_bytes") != inline:
+                continue
             value = getattr(self, name)
             if value is None and name in _ENVIRONMENT:
                 variable, parse = _ENVIRONMENT[name]
@@ -86,12 +110,8 @@ class Options:
                     except ValueError:
                         raise ValueError(f"{variable}={text!r} is not a valid {name}") from None
             if value is not None:
-                setattr(resolved, name, value)
-        if timeout is not None:
-            if not isinstance(timeout, datetime.timedelta):
-                timeout = datetime.timedelta(seconds=timeout)
-            resolved.timeout = timeout
-        return resolved
+                fields[name] = value
+        return fields
 
 
 _default_options = None
@@ -133,13 +153,22 @@ def _master(store):
 def new_process_group(store, rank, world_size, timeout=datetime.timedelta(minutes=30),
                       options=None):
     """A ProcessGroupCollectives over `store` (a torch.distributed Store every rank shares), for
-    use without init_process_group. Blocks until every rank has connected or `timeout` passed."""
-    options = options if options is not None else get_options()
-    if not isinstance(options, Options):
+    use without init_process_group. Blocks until every rank has connected or `timeout` passed.
+    `options` (an Options) wins over set_options field by field."""
+    if options is None:
+        options = get_options()
+    elif not isinstance(options, Options):
         raise TypeError(f"options must be a collectives.torch.Options, not {type(options).__name__}")
+    else:
+        # Fields the given options leave None come from set_options.
+        merged = Options()
+        for name in _FIELDS:
+            given = getattr(options, name)
+            setattr(merged, name, given if given is not None else getattr(get_options(), name))
+        options = merged
     addr, port = _master(store)
     return _torch.ProcessGroupCollectives(store, rank, world_size, options.resolve(timeout),
-                                          addr, port)
+                                          addr, port, options.inline())
 
 
 def _create(backend_options, pg_options):

@@ -12,17 +12,15 @@
 // unpacks, and marks the torch Future if one was asked for. Work.wait() calls Finish on the
 // caller's thread (torch's binding releases the GIL); a future (getFuture, as DDP's reducer and
 // comm hooks use) is completed by the group's completion thread, started at the first
-// getFuture, which finishes its works in the order they were handed over. A plain blocking call
-// (allreduce then wait) therefore never touches that thread.
+// getFuture of a call still running, which finishes its works in the order they were handed
+// over. A plain blocking call (allreduce then wait) therefore never touches that thread. Small
+// calls may also run on the caller's thread as the library's blocking forms (inline_bytes_).
 //
 // Thread-safety: a process group may be called from any thread (DDP's reducer calls it from
 // autograd threads); the library orders the calls. A Work may be waited on from any thread.
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -35,6 +33,9 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <utility>
 #include <vector>
 
@@ -77,8 +78,8 @@ class TorchStore final : public collectives::Store {
     } catch (const std::exception& error) {
       // c10d's stores say "Timeout" or "timed out" when the key did not appear in time.
       const std::string what = error.what();
-      const bool timed_out = what.find("imeout") != std::string::npos ||
-                             what.find("timed out") != std::string::npos;
+      const bool timed_out =
+          what.find("imeout") != std::string::npos || what.find("timed out") != std::string::npos;
       throw collectives::Error(timed_out ? ErrorCode::kTimeout : ErrorCode::kSystem,
                                "torch store: waiting " + std::to_string(timeout.count()) +
                                    " ms for key '" + key + "': " + FirstLine(what));
@@ -93,7 +94,7 @@ class TorchStore final : public collectives::Store {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
-// 16 random bytes in hex.
+// `bytes` random bytes in hex.
 std::string RandomHex(size_t bytes) {
   std::random_device device;  // /dev/urandom (or the CPU's generator) on Linux
   static const char kDigits[] = "0123456789abcdef";
@@ -114,14 +115,22 @@ std::string Where(int rank, const char* op) {
 
 DataType ToDataType(const at::Tensor& tensor, int rank, const char* op, const char* what) {
   switch (tensor.scalar_type()) {
-    case at::kFloat: return DataType::kFloat32;
-    case at::kDouble: return DataType::kFloat64;
-    case at::kHalf: return DataType::kFloat16;
-    case at::kBFloat16: return DataType::kBFloat16;
-    case at::kInt: return DataType::kInt32;
-    case at::kLong: return DataType::kInt64;
-    case at::kByte: return DataType::kUInt8;
-    case at::kChar: return DataType::kInt8;
+    case at::kFloat:
+      return DataType::kFloat32;
+    case at::kDouble:
+      return DataType::kFloat64;
+    case at::kHalf:
+      return DataType::kFloat16;
+    case at::kBFloat16:
+      return DataType::kBFloat16;
+    case at::kInt:
+      return DataType::kInt32;
+    case at::kLong:
+      return DataType::kInt64;
+    case at::kByte:
+      return DataType::kUInt8;
+    case at::kChar:
+      return DataType::kInt8;
     default:
       TORCH_CHECK(false, Where(rank, op), ": ", what, " has dtype ", tensor.scalar_type(),
                   ", which is not supported (float32, float64, float16, bfloat16, int32, int64, "
@@ -150,16 +159,30 @@ collectives::Tensor Empty(const collectives::Tensor& like) {
 
 ReduceOp ToReduceOp(const c10d::ReduceOp& op, int rank, const char* name) {
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
-    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
-    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
-    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
-    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
-    case c10d::ReduceOp::BAND: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.BAND is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
-    case c10d::ReduceOp::BOR: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.BOR is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
-    case c10d::ReduceOp::BXOR: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.BXOR is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
-    case c10d::ReduceOp::PREMUL_SUM: TORCH_CHECK(false, Where(rank, name), ": ReduceOp.PREMUL_SUM is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
-    default: TORCH_CHECK(false, Where(rank, name), ": unknown ReduceOp ", int(op.op_));
+    case c10d::ReduceOp::SUM:
+      return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT:
+      return ReduceOp::kProd;
+    case c10d::ReduceOp::MIN:
+      return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND:
+      TORCH_CHECK(false, Where(rank, name),
+                  ": ReduceOp.BAND is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    case c10d::ReduceOp::BOR:
+      TORCH_CHECK(false, Where(rank, name),
+                  ": ReduceOp.BOR is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    case c10d::ReduceOp::BXOR:
+      TORCH_CHECK(false, Where(rank, name),
+                  ": ReduceOp.BXOR is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    case c10d::ReduceOp::PREMUL_SUM:
+      TORCH_CHECK(false, Where(rank, name),
+                  ": ReduceOp.PREMUL_SUM is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    default:
+      TORCH_CHECK(false, Where(rank, name), ": unknown ReduceOp ", int(op.op_));
   }
 }
 
@@ -200,10 +223,13 @@ class Completer;
 // caller's tensors. Thread-safety: every method may be called from any thread.
 class CollectivesWork final : public c10d::Work {
  public:
-  CollectivesWork(int rank, c10d::OpType type, std::vector<std::shared_ptr<collectives::Work>> works,
+  CollectivesWork(int rank, c10d::OpType type,
+                  std::vector<std::shared_ptr<collectives::Work>> works,
                   std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep_alive,
-                  std::function<void()> finish, std::shared_ptr<Completer> completer)
+                  std::function<void()> finish, std::shared_ptr<Completer> completer,
+                  std::exception_ptr ran_inline_error = nullptr)
       : c10d::Work(rank, type),
+        ran_inline_error_(std::move(ran_inline_error)),
         works_(std::move(works)),
         outputs_(std::move(outputs)),
         keep_alive_(std::move(keep_alive)),
@@ -211,17 +237,25 @@ class CollectivesWork final : public c10d::Work {
         completer_(std::move(completer)) {}
 
   // Waits for the library's Works, unpacks, records the outcome and completes the future; once.
+  // The future's callbacks run after finish_mutex_ is released: a Python callback takes the GIL,
+  // which a thread blocked in Finish (is_completed keeps the GIL) may hold.
+  // Tensors are released after finish_mutex_ too: releasing a tensor that Python has seen
+  // takes the GIL.
   void Finish() {
-    std::lock_guard<std::mutex> finishing(finish_mutex_);
+    std::vector<at::Tensor> released;
+    std::function<void()> released_finish;
+    std::unique_lock<std::mutex> finishing(finish_mutex_);
     if (finished_.load(std::memory_order_acquire)) return;
-    std::exception_ptr error;
+    std::exception_ptr error = ran_inline_error_;
     try {
       for (const auto& work : works_) work->Wait();
       if (finish_) finish_();
     } catch (...) {
       error = std::current_exception();
     }
+    released_finish = std::move(finish_);
     finish_ = nullptr;
+    released = std::move(keep_alive_);
     keep_alive_.clear();
     c10::intrusive_ptr<c10::ivalue::Future> future;
     {
@@ -231,6 +265,7 @@ class CollectivesWork final : public c10d::Work {
       future = future_;
       finished_.store(true, std::memory_order_release);
     }
+    finishing.unlock();
     cv_.notify_all();
     if (future) Complete(*future, error);
   }
@@ -265,8 +300,8 @@ class CollectivesWork final : public c10d::Work {
     if (timeout > std::chrono::milliseconds(0) && !finished_.load(std::memory_order_acquire)) {
       const auto deadline = std::chrono::steady_clock::now() + timeout;
       while (!isCompleted()) {
-        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, kBackendName,
-                    " backend: rank ", rank_, ": ", c10d::opTypeToString(opType_),
+        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, kBackendName, " backend: rank ",
+                    rank_, ": ", c10d::opTypeToString(opType_),
                     " did not complete within wait(timeout=", timeout.count(), " ms)");
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
@@ -278,7 +313,8 @@ class CollectivesWork final : public c10d::Work {
   }
 
   void abort() override {
-    TORCH_CHECK(false, kBackendName, " backend: Work.abort is not supported; "
+    TORCH_CHECK(false, kBackendName,
+                " backend: Work.abort is not supported; "
                 "destroy the process group instead");
   }
 
@@ -293,12 +329,13 @@ class CollectivesWork final : public c10d::Work {
     }
   }
 
+  const std::exception_ptr ran_inline_error_;  // the error of a call run on the caller's thread
   const std::vector<std::shared_ptr<collectives::Work>> works_;
   const std::vector<at::Tensor> outputs_;
   std::mutex finish_mutex_;  // serialises Finish; held while waiting, so never under mutex_
-  std::vector<at::Tensor> keep_alive_;  // GUARDED_BY(finish_mutex_)
-  std::function<void()> finish_;        // GUARDED_BY(finish_mutex_)
-  std::atomic<bool> finished_{false};   // set under mutex_ once the outcome is recorded
+  std::vector<at::Tensor> keep_alive_;              // GUARDED_BY(finish_mutex_)
+  std::function<void()> finish_;                    // GUARDED_BY(finish_mutex_)
+  std::atomic<bool> finished_{false};               // set under mutex_ once the outcome is recorded
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // GUARDED_BY(mutex_)
   std::shared_ptr<Completer> completer_;
 };
@@ -359,9 +396,19 @@ c10::intrusive_ptr<c10::ivalue::Future> CollectivesWork::getFuture() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (future_) return future_;
-    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future_ =
+        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     future = future_;
     finished = finished_.load(std::memory_order_acquire);
+  }
+  if (!finished) {
+    // A call that has already completed needs no thread.
+    bool done = true;
+    for (const auto& work : works_) done = done && work->Done();
+    if (done) {
+      Finish();  // completes future_ unless another thread's Finish recorded the outcome first
+      return future;
+    }
   }
   if (finished) {
     std::exception_ptr error;
@@ -389,8 +436,11 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   // $COLLECTIVES_JOB_TOKEN sets one, the job token; both travel through the store.
   ProcessGroupCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                           CommunicationOptions options, const std::string& master_addr,
-                          int master_port)
-      : c10d::ProcessGroup(rank, size), options_(std::move(options)) {
+                          int master_port, size_t inline_bytes)
+      : c10d::ProcessGroup(rank, size),
+        options_(std::move(options)),
+        // Alone, a rank waits for no one: every call may run on the caller's thread.
+        inline_bytes_(size == 1 ? SIZE_MAX : inline_bytes) {
     auto torch_store = std::make_shared<TorchStore>(store);
     const std::string key = "collectives/job";
     const bool own_token = collectives::ResolveJobToken(options_).empty();
@@ -406,25 +456,35 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     spec.rank = rank;
     spec.world_size = size;
     spec.master_addr = master_addr.empty() ? "127.0.0.1" : master_addr;
-    spec.master_port = size > 1 ? static_cast<uint16_t>(master_port > 0 && master_port < 65536
-                                                             ? master_port
-                                                             : 29500)
-                                : 0;
+    spec.master_port =
+        size > 1
+            ? static_cast<uint16_t>(master_port > 0 && master_port < 65536 ? master_port : 29500)
+            : 0;
     spec.job_id = job.substr(0, newline);
     if (own_token && newline != std::string::npos) options_.job_token = job.substr(newline + 1);
     comm_ = collectives::CreateCommunication(spec, torch_store, options_);
     init();
   }
 
+  // Joins the completion thread and closes the communicator. Python destroys a group with the
+  // GIL held, and the completion thread takes it to release the tensors of the Works it
+  // finishes: both steps run with the GIL released.
   ~ProcessGroupCollectives() override {
-    completer_->Stop();
-    comm_.reset();
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      pybind11::gil_scoped_release released;
+      completer_->Stop();
+      comm_.reset();
+    } else {
+      completer_->Stop();
+      comm_.reset();
+    }
   }
 
   const std::string getBackendName() const override { return kBackendName; }
 
   collectives::CollectiveCommunication& comm() { return *comm_; }
   const CommunicationOptions& options() const { return options_; }
+  size_t inline_bytes() const { return inline_bytes_; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
@@ -432,8 +492,12 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckOne(tensors.size(), rank_, op, "tensor");
     CheckRoot(opts.rootRank, op);
     const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
-    return Make(c10d::OpType::BROADCAST, {comm_->BroadcastAsync(view, view, int(opts.rootRank))},
-                tensors);
+    const int root = int(opts.rootRank);
+    if (view.bytes() <= inline_bytes_) {
+      return Inline(
+          c10d::OpType::BROADCAST, [&] { comm_->Broadcast(view, view, root); }, tensors);
+    }
+    return Make(c10d::OpType::BROADCAST, {comm_->BroadcastAsync(view, view, root)}, tensors);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -442,6 +506,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckOne(tensors.size(), rank_, op, "tensor");
     const ReduceOp reduce = ToReduceOp(opts.reduceOp, rank_, op);
     const collectives::Tensor view = View(tensors[0], rank_, op, "tensor");
+    if (view.bytes() <= inline_bytes_) {
+      return Inline(
+          c10d::OpType::ALLREDUCE, [&] { comm_->AllReduce(view, view, reduce); }, tensors);
+    }
     return Make(c10d::OpType::ALLREDUCE, {comm_->AllReduceAsync(view, view, reduce)}, tensors);
   }
 
@@ -519,7 +587,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
       if (recv.unpack) unpacks.push_back(std::move(recv.unpack));
     }
     std::vector<at::Tensor> flat_outputs;
-    for (const auto& list : outputs) flat_outputs.insert(flat_outputs.end(), list.begin(), list.end());
+    for (const auto& list : outputs)
+      flat_outputs.insert(flat_outputs.end(), list.begin(), list.end());
     return Make(c10d::OpType::ALLGATHER_COALESCED, std::move(works), flat_outputs, keep,
                 [unpacks = std::move(unpacks)] {
                   for (const auto& unpack : unpacks) unpack();
@@ -535,9 +604,9 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     const int root = int(opts.rootRank);
     const collectives::Tensor send = View(inputs[0], rank_, op, "the input");
     if (rank_ != root) {
-      TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                  Where(rank_, op), ": output tensors are given on rank ", rank_,
-                  ", which is not the root (", root, ")");
+      TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), Where(rank_, op),
+                  ": output tensors are given on rank ", rank_, ", which is not the root (", root,
+                  ")");
       return Make(c10d::OpType::GATHER, {comm_->GatherAsync(send, Empty(send), root)}, {},
                   {inputs[0]});
     }
@@ -566,8 +635,9 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckList(inputs[0], outputs[0], op, "input");
     at::Tensor packed = Pack(inputs[0]);
     const collectives::Tensor send = View(packed, rank_, op, "the inputs");
-    return Make(c10d::OpType::SCATTER, {comm_->ScatterAsync(send, recv, root)}, outputs,
-                {packed});
+    std::vector<at::Tensor> keep(inputs[0].begin(), inputs[0].end());
+    keep.push_back(packed);
+    return Make(c10d::OpType::SCATTER, {comm_->ScatterAsync(send, recv, root)}, outputs, keep);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -581,8 +651,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     CheckList(inputs[0], outputs[0], op, "input");
     at::Tensor packed = Pack(inputs[0]);
     const collectives::Tensor send = View(packed, rank_, op, "the inputs");
+    std::vector<at::Tensor> keep(inputs[0].begin(), inputs[0].end());
+    keep.push_back(packed);
     return Make(c10d::OpType::REDUCE_SCATTER, {comm_->ReduceScatterAsync(send, recv, reduce)},
-                outputs, {packed});
+                outputs, keep);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -592,8 +664,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     const collectives::Tensor send = View(input, rank_, op, "the input");
     const collectives::Tensor recv = View(output, rank_, op, "the output");
     CheckSameAs(input, output, output.numel() * size_, rank_, op, "the input");
-    return Make(c10d::OpType::_REDUCE_SCATTER_BASE,
-                {comm_->ReduceScatterAsync(send, recv, reduce)}, {output}, {input});
+    return Make(c10d::OpType::_REDUCE_SCATTER_BASE, {comm_->ReduceScatterAsync(send, recv, reduce)},
+                {output}, {input});
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -609,8 +681,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     if (output_splits.empty() && input_splits.empty()) {
       TORCH_CHECK(input.numel() == output.numel() && input.numel() % size_ == 0, Where(rank_, op),
                   ": without split sizes the input and the output must have the same number "
-                  "of elements, a multiple of the world size (", size_, "); got ",
-                  input.numel(), " and ", output.numel());
+                  "of elements, a multiple of the world size (",
+                  size_, "); got ", input.numel(), " and ", output.numel());
       return Make(c10d::OpType::ALLTOALL_BASE, {comm_->AllToAllAsync(send, recv)}, {output},
                   {input});
     }
@@ -624,8 +696,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions&) override {
     const char* op = "all_to_all";
-    TORCH_CHECK(inputs.size() == size_t(size_) && outputs.size() == size_t(size_),
-                Where(rank_, op), ": expects ", size_, " input and output tensors (one per rank), got ",
+    TORCH_CHECK(inputs.size() == size_t(size_) && outputs.size() == size_t(size_), Where(rank_, op),
+                ": expects ", size_, " input and output tensors (one per rank), got ",
                 inputs.size(), " and ", outputs.size());
     std::vector<size_t> send_counts, recv_counts;
     for (int r = 0; r < size_; ++r) {
@@ -640,13 +712,15 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     at::Tensor packed = Pack(inputs);
     const collectives::Tensor send = View(packed, rank_, op, "the inputs");
     Gathered recv = GatherInto(outputs, outputs[0], send);
+    std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
+    keep.push_back(packed);
+    keep.push_back(recv.buffer);
     return Make(c10d::OpType::ALLTOALL,
-                {comm_->AllToAllAsync(send, recv.view, send_counts, recv_counts)}, outputs,
-                {packed, recv.buffer}, recv.unpack);
+                {comm_->AllToAllAsync(send, recv.view, send_counts, recv_counts)}, outputs, keep,
+                recv.unpack);
   }
 
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
-                                      int tag) override {
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
     const char* op = "send";
     CheckOne(tensors.size(), rank_, op, "tensor");
     CheckPeer(dst, op);
@@ -654,8 +728,7 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     return Make(c10d::OpType::SEND, {comm_->SendAsync(view, dst, tag)}, tensors);
   }
 
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
-                                      int tag) override {
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     const char* op = "recv";
     CheckOne(tensors.size(), rank_, op, "tensor");
     CheckPeer(src, op);
@@ -669,6 +742,7 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    if (inline_bytes_ > 0) return Inline(c10d::OpType::BARRIER, [&] { comm_->Barrier(); }, {});
     return Make(c10d::OpType::BARRIER, {comm_->BarrierAsync()}, {});
   }
 
@@ -696,14 +770,15 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
       int64_t offset = 0;
       for (const at::Tensor& output : outputs) {
         const int64_t n = output.numel();
-        output.view({-1}).copy_(buffer.narrow(0, offset, n));
+        output.copy_(buffer.narrow(0, offset, n).view(output.sizes()));
         offset += n;
       }
     };
     return gathered;
   }
 
-  // `tensors` as one contiguous tensor: themselves when they lie back to back, else a copy.
+  // `tensors` as one contiguous tensor: a view of their memory when they lie back to back (it
+  // does not own it: the Work keeps `tensors` alive), else a copy.
   static at::Tensor Pack(const std::vector<at::Tensor>& tensors) {
     if (BackToBack(tensors)) {
       int64_t total = 0;
@@ -721,9 +796,9 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     TORCH_CHECK(list.size() == size_t(size_), Where(rank_, op), ": expects ", size_, " ", what,
                 " tensors (one per rank), got ", list.size());
     for (size_t r = 0; r < list.size(); ++r) {
-      TORCH_CHECK(list[r].defined() && list[r].device().is_cpu() &&
-                      list[r].layout() == at::kStrided,
-                  Where(rank_, op), ": ", what, " tensor ", r, " is not a dense CPU tensor");
+      TORCH_CHECK(
+          list[r].defined() && list[r].device().is_cpu() && list[r].layout() == at::kStrided,
+          Where(rank_, op), ": ", what, " tensor ", r, " is not a dense CPU tensor");
       CheckSameAs(list[r], like, like.numel(), rank_, op,
                   std::string(what) + " tensor " + std::to_string(r));
     }
@@ -736,8 +811,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     const int64_t row = rows == 0 ? 0 : tensor.numel() / rows;
     std::vector<size_t> counts;
     if (splits.empty()) {
-      TORCH_CHECK(rows % size_ == 0, Where(rank_, op), ": the ", what, "'s first dimension (",
-                  rows, ") does not split evenly over ", size_, " ranks");
+      TORCH_CHECK(rows % size_ == 0, Where(rank_, op), ": the ", what, "'s first dimension (", rows,
+                  ") does not split evenly over ", size_, " ranks");
       counts.assign(size_t(size_), size_t(rows / size_ * row));
       return counts;
     }
@@ -749,8 +824,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
       sum += split;
       counts.push_back(size_t(split * row));
     }
-    TORCH_CHECK(sum == rows, Where(rank_, op), ": ", what, "_split_sizes sum to ", sum,
-                ", the ", what, "'s first dimension is ", rows);
+    TORCH_CHECK(sum == rows, Where(rank_, op), ": ", what, "_split_sizes sum to ", sum, ", the ",
+                what, "'s first dimension is ", rows);
     return counts;
   }
 
@@ -774,7 +849,29 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
                                                 completer_);
   }
 
+  // Runs `call` (a blocking collective) on the caller's thread and returns its completed Work,
+  // which raises the call's error, if any, from wait().
+  c10::intrusive_ptr<c10d::Work> Inline(c10d::OpType type, const std::function<void()>& call,
+                                        std::vector<at::Tensor> outputs) {
+    std::exception_ptr error;
+    try {
+      call();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    auto work = c10::make_intrusive<CollectivesWork>(
+        rank_, type, std::vector<std::shared_ptr<collectives::Work>>{}, std::move(outputs),
+        std::vector<at::Tensor>{}, nullptr, completer_, error);
+    work->Finish();
+    return work;
+  }
+
   CommunicationOptions options_;
+  // All-reduces and broadcasts of at most this many bytes, and barriers when it is positive,
+  // run on the caller's thread and return completed (see Options.inline_bytes in
+  // python/collectives/torch.py). Default 0: every call is asynchronous; every call of a group
+  // of one rank runs inline.
+  size_t inline_bytes_ = 0;
   std::unique_ptr<collectives::CollectiveCommunication> comm_;
   std::shared_ptr<Completer> completer_ = std::make_shared<Completer>();
 };
@@ -793,7 +890,9 @@ PYBIND11_MODULE(_torch, m) {
       .def(py::init<>())
       .def_property(
           "implementation",
-          [](const CommunicationOptions& o) { return std::string(collectives::ToString(o.implementation)); },
+          [](const CommunicationOptions& o) {
+            return std::string(collectives::ToString(o.implementation));
+          },
           [](CommunicationOptions& o, const std::string& name) {
             o.implementation = collectives::ParseImplementation(name);
           })
@@ -812,19 +911,24 @@ PYBIND11_MODULE(_torch, m) {
              c10::intrusive_ptr<ProcessGroupCollectives>>(m, "ProcessGroupCollectives")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        const CommunicationOptions& options, const std::string& master_addr,
-                       int master_port) {
-             return c10::make_intrusive<ProcessGroupCollectives>(store, rank, size, options,
-                                                                 master_addr, master_port);
+                       int master_port, size_t inline_bytes) {
+             return c10::make_intrusive<ProcessGroupCollectives>(
+                 store, rank, size, options, master_addr, master_port, inline_bytes);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
            py::arg("master_addr") = "127.0.0.1", py::arg("master_port") = 29500,
-           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("implementation",
-                             [](ProcessGroupCollectives& pg) {
-                               return std::string(collectives::ToString(pg.comm().implementation()));
-                             })
+           py::arg("inline_bytes") = 0, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "implementation",
+          [](ProcessGroupCollectives& pg) {
+            return std::string(collectives::ToString(pg.comm().implementation()));
+          })
       .def_property_readonly("options", &ProcessGroupCollectives::options)
-      .def("all_reduce_algorithm",
-           [](ProcessGroupCollectives& pg, size_t bytes) { return pg.comm().AllReduceAlgorithm(bytes); },
-           py::arg("bytes"));
+      .def_property_readonly("inline_bytes", &ProcessGroupCollectives::inline_bytes)
+      .def(
+          "all_reduce_algorithm",
+          [](ProcessGroupCollectives& pg, size_t bytes) {
+            return pg.comm().AllReduceAlgorithm(bytes);
+          },
+          py::arg("bytes"));
 }

@@ -55,6 +55,10 @@ class SubFabric final : public transport::Fabric {
 
 enum class Plan { kRing, kShm, kTwoLevel };
 
+// The most staging a reduce or a gather in shared memory takes for the results a rank does not
+// keep (a non-root's reduce, every rank's pieces of a large gather): larger ones run in pieces.
+constexpr size_t kShmScratchBytes = size_t{16} << 20;
+
 // Two levels check a call across hosts where frames cross: a rank checks the call descriptor of
 // every frame it receives, and its host's members check each other's calls in shared memory before
 // a step writes. Data that crosses hosts reaches a caller's buffer only through frames checked hop
@@ -370,6 +374,44 @@ class HierarchicalPlanner final : public ring::Planner {
       };
       group->ReduceScatterAcross(ctx.tag, ctx.deadline, send.data, recv.data, recv.count, dtype, op,
                                  hooks);
+    };
+  }
+
+  // On one host: the group's all-reduce, the root's result into recv, the others' into staging
+  // (thrown away), in pieces of at most kShmScratchBytes so that staging stays bounded. Every
+  // piece is a call of the group under this call's tag, checked across members before it
+  // writes. Elsewhere the ring's chain.
+  Body Reduce(const Tensor& send, void* recv, ReduceOp op, int /*root*/) override {
+    if (plan_ != Plan::kShm) return {};
+    ShmGroup* group = group_.get();
+    return [group, send, recv, op](ring::Context& ctx) {
+      const size_t es = SizeOf(send.dtype);
+      const size_t piece = std::max<size_t>(1, kShmScratchBytes / es);
+      uint8_t* const scratch =
+          recv == nullptr ? ctx.staging.Get(std::min(send.count, piece) * es) : nullptr;
+      const auto* in = static_cast<const uint8_t*>(send.data);
+      auto* out = static_cast<uint8_t*>(recv);
+      size_t done = 0;
+      do {
+        const size_t n = std::min(piece, send.count - done);
+        group->AllReduce(ctx.tag, ctx.deadline, in + done * es,
+                         out != nullptr ? out + done * es : scratch, n, send.dtype, op);
+        done += n;
+      } while (done < send.count);
+    };
+  }
+
+  // On one host, up to kShmScratchBytes in all: the group's all-gather, into recv on the root
+  // (in place when send is the root's block of it), into staging elsewhere. A larger gather runs
+  // on the ring (direct to the root): in pieces through staging, the root's extra copy of every
+  // piece costs more than the loopback saves.
+  Body Gather(const Tensor& send, void* recv, int /*root*/) override {
+    if (plan_ != Plan::kShm || size_t(size_) * send.bytes() > kShmScratchBytes) return {};
+    ShmGroup* group = group_.get();
+    const size_t members = size_t(size_);
+    return [group, send, recv, members](ring::Context& ctx) {
+      void* const into = recv != nullptr ? recv : ctx.staging.Get(members * send.bytes());
+      group->AllGather(ctx.tag, ctx.deadline, send.data, into, send.bytes());
     };
   }
 

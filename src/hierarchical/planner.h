@@ -3,7 +3,9 @@
 // hosts: inside each host, then across hosts among one rank of each, then inside again), or on the
 // ring over TCP. Hosts of different rank counts run all-reduces in two levels too, in as many lanes
 // across hosts as the smallest host of several ranks has (a rank alone on its host takes part in
-// every lane), broadcasts in two levels too, and their other collectives on the ring.
+// every lane), broadcasts in two levels too, and their other collectives on the ring. Reduce, and
+// gather up to 16 MiB, run in shared memory on one host, on the ring otherwise; scatter and
+// all-to-all always on the ring (point-to-point messages never reach the planner).
 //
 // Thread-safety: as ring::Planner.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_

@@ -1,5 +1,6 @@
 // The RING algorithms: ring all-reduce, reduce-scatter and all-gather, chain and tree
-// broadcast, recursive-doubling all-reduce and barrier.
+// broadcast, recursive-doubling all-reduce and barrier, chain reduce, direct gather and scatter,
+// pairwise all-to-all, and point-to-point messages.
 //
 // Conventions shared by the ring algorithms. Ranks form the ring 0 -> 1 -> ... -> n-1 -> 0;
 // every rank sends to its right neighbour and receives from its left one. A tensor of `count`
@@ -12,12 +13,14 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "collectives/errors.h"
 #include "src/core/kernels.h"
 
 namespace collectives::ring {
@@ -762,6 +765,305 @@ void CallAgreement::Wait() {
 
 void Barrier(Context& ctx) {
   RecursiveDoublingAllReduce(ctx, nullptr, nullptr, 0, DataType::kUInt8, ReduceOp::kMax);
+}
+
+void ChainReduce(Context& ctx, const void* send_ptr, void* recv_ptr, size_t count, DataType dtype,
+                 ReduceOp op, int root, CallAgreement& agreement) {
+  const int n = ctx.size();
+  const size_t es = SizeOf(dtype);
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  auto* recv = static_cast<uint8_t*>(recv_ptr);
+  if (n == 1) {
+    agreement.Wait();
+    return CopyUnlessSame(recv, send, count * es);
+  }
+  const int position = Mod(int64_t{ctx.rank()} - root, n);
+  // Data flows from position n - 1 (rank root - 1) down to position 0 (the root): from the right
+  // neighbour to the left one.
+  Connection* const to = position > 0 ? &ctx.left() : nullptr;
+  Connection* const from = position + 1 < n ? &ctx.right() : nullptr;
+  const size_t chunk_elems = std::max<size_t>(1, ctx.chunk_bytes / es);
+  const Split chunks{count, std::max<size_t>(1, CeilDiv(count, chunk_elems))};
+  if (from == nullptr) {  // the chain's far end: its own chunks, straight from send
+    uint64_t last = 0;
+    for (size_t c = 0; c < chunks.parts; ++c) {
+      last = to->PostSend(ctx.tag, send + chunks.Offset(c) * es, chunks.Length(c) * es);
+    }
+    to->WaitSend(last);
+    agreement.Wait();
+    return;
+  }
+  // Chunk c lands in slot c % kStagingSlots; a slot takes its next chunk once the previous one
+  // was reduced and, off the root, forwarded (its send completed).
+  const size_t slot_bytes = chunks.Length(0) * es;
+  uint8_t* const slots = ctx.staging.Get(kStagingSlots * std::max<size_t>(1, slot_bytes));
+  const auto slot = [&](size_t c) { return slots + (c % kStagingSlots) * slot_bytes; };
+  std::array<uint64_t, kStagingSlots> received{};
+  std::array<uint64_t, kStagingSlots> forwarded{};
+  size_t posted = 0;
+  const auto post_until = [&](size_t end) {
+    for (; posted < std::min(end, chunks.parts); ++posted) {
+      if (to != nullptr && posted >= kStagingSlots) {
+        to->WaitSend(forwarded[posted % kStagingSlots]);
+      }
+      received[posted % kStagingSlots] =
+          from->PostRecv(ctx.tag, slot(posted), chunks.Length(posted) * es);
+    }
+  };
+  post_until(kStagingSlots);
+  if (to == nullptr) agreement.Wait();  // the root, before its first write into recv
+  uint64_t last_forward = 0;
+  for (size_t c = 0; c < chunks.parts; ++c) {
+    from->WaitRecv(received[c % kStagingSlots]);
+    const size_t offset = chunks.Offset(c) * es;
+    const size_t length = chunks.Length(c);
+    if (to != nullptr) {
+      if (length > 0) core::Reduce(dtype, op, slot(c), send + offset, slot(c), length);
+      last_forward = to->PostSend(ctx.tag, slot(c), length * es);
+      forwarded[c % kStagingSlots] = last_forward;
+    } else if (length > 0) {
+      core::Reduce(dtype, op, recv + offset, send + offset, slot(c), length);
+      if (op == ReduceOp::kAvg) core::DivideInPlace(dtype, recv + offset, length, size_t(n));
+    }
+    post_until(c + 1 + kStagingSlots);
+  }
+  if (to != nullptr) {
+    to->WaitSend(last_forward);
+    agreement.Wait();
+  }
+}
+
+void SmallReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                 ReduceOp op, int root) {
+  if (ctx.rank() == root) return RecursiveDoublingAllReduce(ctx, send, recv, count, dtype, op);
+  const size_t bytes = count * SizeOf(dtype);
+  uint8_t* const scratch = ctx.staging.Get(3 * bytes);
+  RecursiveDoublingAllReduce(ctx, send, scratch + 2 * bytes, count, dtype, op, scratch);
+}
+
+namespace {
+
+// The frames of `bytes` bytes: at most chunk_bytes each, one header-only frame when empty.
+Split FramesOf(const Context& ctx, size_t bytes) {
+  return Split{bytes, std::max<size_t>(1, CeilDiv(bytes, ctx.chunk_bytes))};
+}
+
+// Posts the frames of `bytes` at `data` to / from one peer; returns the last ticket.
+uint64_t PostFramesOut(Context& ctx, Connection& to, const core::CallTag& tag, const uint8_t* data,
+                       size_t bytes) {
+  const Split frames = FramesOf(ctx, bytes);
+  uint64_t last = 0;
+  for (size_t f = 0; f < frames.parts; ++f) {
+    last = to.PostSend(tag, data + frames.Offset(f), frames.Length(f));
+  }
+  return last;
+}
+uint64_t PostFramesIn(Context& ctx, Connection& from, const core::CallTag& tag, uint8_t* data,
+                      size_t bytes) {
+  const Split frames = FramesOf(ctx, bytes);
+  uint64_t last = 0;
+  for (size_t f = 0; f < frames.parts; ++f) {
+    last = from.PostRecv(tag, data + frames.Offset(f), frames.Length(f));
+  }
+  return last;
+}
+
+using Tickets = std::vector<std::pair<Connection*, uint64_t>>;
+void WaitSends(const Tickets& tickets) {
+  for (const auto& [connection, ticket] : tickets) connection->WaitSend(ticket);
+}
+void WaitRecvs(const Tickets& tickets) {
+  for (const auto& [connection, ticket] : tickets) connection->WaitRecv(ticket);
+}
+
+}  // namespace
+
+void DirectGather(Context& ctx, const void* send_ptr, void* recv_ptr, size_t block_bytes, int root,
+                  CallAgreement& agreement) {
+  const int n = ctx.size();
+  const int r = ctx.rank();
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  auto* recv = static_cast<uint8_t*>(recv_ptr);
+  if (r != root) {
+    Connection& to = ctx.peer(root);
+    to.WaitSend(PostFramesOut(ctx, to, ctx.tag, send, block_bytes));
+    agreement.Wait();
+    return;
+  }
+  agreement.Wait();
+  Tickets receives;
+  for (int k = 1; k < n; ++k) {
+    const int j = (r + k) % n;
+    Connection& from = ctx.peer(j);
+    receives.emplace_back(
+        &from, PostFramesIn(ctx, from, ctx.tag, recv + size_t(j) * block_bytes, block_bytes));
+  }
+  CopyUnlessSame(recv + size_t(r) * block_bytes, send, block_bytes);
+  WaitRecvs(receives);
+}
+
+void SmallGather(Context& ctx, const void* send, void* recv, size_t block_bytes, int root) {
+  if (ctx.rank() == root) return SmallAllGather(ctx, send, recv, block_bytes);
+  const size_t bytes = size_t(ctx.size()) * block_bytes;
+  // The result behind the 3 x bytes of staging SmallAllGather uses (Get does not move a buffer
+  // that is large enough).
+  uint8_t* const whole = ctx.staging.Get(4 * bytes) + 3 * bytes;
+  SmallAllGather(ctx, send, whole, block_bytes);
+}
+
+void DirectScatter(Context& ctx, const void* send_ptr, void* recv_ptr, size_t block_bytes, int root,
+                   CallAgreement& agreement) {
+  const int n = ctx.size();
+  const int r = ctx.rank();
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  auto* recv = static_cast<uint8_t*>(recv_ptr);
+  if (r == root) {
+    Tickets sends;
+    for (int k = 1; k < n; ++k) {
+      const int j = (r + k) % n;
+      Connection& to = ctx.peer(j);
+      sends.emplace_back(
+          &to, PostFramesOut(ctx, to, ctx.tag, send + size_t(j) * block_bytes, block_bytes));
+    }
+    agreement.Wait();
+    CopyUnlessSame(recv, send + size_t(r) * block_bytes, block_bytes);
+    WaitSends(sends);
+    return;
+  }
+  agreement.Wait();
+  Connection& from = ctx.peer(root);
+  from.WaitRecv(PostFramesIn(ctx, from, ctx.tag, recv, block_bytes));
+}
+
+void SmallScatter(Context& ctx, const void* send_ptr, void* recv, size_t block_bytes, int root) {
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  const size_t bytes = size_t(ctx.size()) * block_bytes;
+  const size_t mine = size_t(ctx.rank()) * block_bytes;
+  // The root's whole send behind the 3 x bytes of staging SmallBroadcast uses.
+  uint8_t* const whole = ctx.staging.Get(4 * bytes) + 3 * bytes;
+  if (ctx.rank() == root) {
+    SmallBroadcast(ctx, send, whole, bytes, root);
+    return CopyUnlessSame(recv, send + mine, block_bytes);
+  }
+  SmallBroadcast(ctx, nullptr, whole, bytes, root);
+  CopyUnlessSame(recv, whole + mine, block_bytes);
+}
+
+void PairwiseAllToAll(Context& ctx, const void* send_ptr, void* recv_ptr, DataType dtype,
+                      const std::vector<size_t>& send_counts,
+                      const std::vector<size_t>& recv_counts) {
+  const int n = ctx.size();
+  const int r = ctx.rank();
+  const size_t es = SizeOf(dtype);
+  const auto* send = static_cast<const uint8_t*>(send_ptr);
+  auto* recv = static_cast<uint8_t*>(recv_ptr);
+  std::vector<size_t> send_at(size_t(n), 0);
+  std::vector<size_t> recv_at(size_t(n), 0);
+  for (int j = 1; j < n; ++j) {
+    send_at[size_t(j)] = send_at[size_t(j - 1)] + send_counts[size_t(j - 1)];
+    recv_at[size_t(j)] = recv_at[size_t(j - 1)] + recv_counts[size_t(j - 1)];
+  }
+  if (n > 1) {
+    // The count round: row j of `matrix` is rank j's send_counts then its recv_counts.
+    const size_t row = 2 * size_t(n);
+    std::vector<uint64_t> matrix(row * size_t(n));
+    uint64_t* const mine = matrix.data() + size_t(r) * row;
+    for (int j = 0; j < n; ++j) {
+      mine[size_t(j)] = send_counts[size_t(j)];
+      mine[size_t(n + j)] = recv_counts[size_t(j)];
+    }
+    Tickets sends;
+    Tickets receives;
+    for (int k = 1; k < n; ++k) {
+      const int j = (r + k) % n;
+      Connection& peer = ctx.peer(j);
+      sends.emplace_back(&peer, peer.PostSend(ctx.tag, mine, row * sizeof(uint64_t)));
+      receives.emplace_back(
+          &peer, peer.PostRecv(ctx.tag, matrix.data() + size_t(j) * row, row * sizeof(uint64_t)));
+    }
+    WaitRecvs(receives);
+    WaitSends(sends);
+    // Every pair, the ones this rank is part of first (its own message names them).
+    std::string fault;
+    for (int i = 0; i < n && fault.empty(); ++i) {
+      for (int j = 0; j < n && fault.empty(); ++j) {
+        const bool concerns_me = i == r || j == r;
+        const uint64_t sent = matrix[size_t(i) * row + size_t(j)];
+        const uint64_t expected = matrix[size_t(j) * row + size_t(n + i)];
+        if (sent != expected && concerns_me) {
+          fault = "rank " + std::to_string(i) + " sends " + std::to_string(sent) +
+                  " elements to rank " + std::to_string(j) + ", which expects " +
+                  std::to_string(expected) + " from it";
+        }
+      }
+    }
+    for (int i = 0; i < n && fault.empty(); ++i) {
+      for (int j = 0; j < n && fault.empty(); ++j) {
+        const uint64_t sent = matrix[size_t(i) * row + size_t(j)];
+        const uint64_t expected = matrix[size_t(j) * row + size_t(n + i)];
+        if (sent != expected) {
+          fault = "rank " + std::to_string(i) + " sends " + std::to_string(sent) +
+                  " elements to rank " + std::to_string(j) + ", which expects " +
+                  std::to_string(expected) + " from it";
+        }
+      }
+    }
+    if (!fault.empty()) {
+      throw Error(ErrorCode::kMismatch, "rank " + std::to_string(r) + ": " + ctx.tag.ToString() +
+                                            ": the ranks' counts do not fit: " + fault);
+    }
+  }
+  Tickets sends;
+  Tickets receives;
+  for (int k = 1; k < n; ++k) {
+    const int to = (r + k) % n;
+    const int from = (r + n - k) % n;
+    Connection& out = ctx.peer(to);
+    sends.emplace_back(&out, PostFramesOut(ctx, out, ctx.tag, send + send_at[size_t(to)] * es,
+                                           send_counts[size_t(to)] * es));
+    Connection& in = ctx.peer(from);
+    receives.emplace_back(&in, PostFramesIn(ctx, in, ctx.tag, recv + recv_at[size_t(from)] * es,
+                                            recv_counts[size_t(from)] * es));
+  }
+  CopyUnlessSame(recv + recv_at[size_t(r)] * es, send + send_at[size_t(r)] * es,
+                 recv_counts[size_t(r)] * es);
+  WaitRecvs(receives);
+  WaitSends(sends);
+}
+
+core::CallDescriptor PointToPointDescriptor(DataType dtype, size_t count, int64_t tag) {
+  const bool fits = tag > INT32_MIN && tag <= INT32_MAX;
+  return core::CallDescriptor{core::CollectiveKind::kSend, dtype, ReduceOp::kSum,
+                              fits ? int32_t(tag) : INT32_MIN, count};
+}
+
+void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
+                 DataType dtype, int64_t tag) {
+  const core::CallTag frame{core::kPointToPointSeqBit | number,
+                            PointToPointDescriptor(dtype, count, tag)};
+  Connection& to = ctx.peer(peer);
+  const int64_t wide = tag;
+  if (frame.call.root == INT32_MIN) to.PostSend(frame, &wide, sizeof wide);
+  to.WaitSend(
+      PostFramesOut(ctx, to, frame, static_cast<const uint8_t*>(data), count * SizeOf(dtype)));
+}
+
+void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
+                 int64_t tag) {
+  const core::CallTag frame{core::kPointToPointSeqBit | number,
+                            PointToPointDescriptor(dtype, count, tag)};
+  Connection& from = ctx.peer(peer);
+  if (frame.call.root == INT32_MIN) {
+    int64_t got = 0;
+    from.WaitRecv(from.PostRecv(frame, &got, sizeof got));
+    if (got != tag) {
+      throw Error(ErrorCode::kMismatch,
+                  "rank " + std::to_string(ctx.rank()) + ": frame from rank " +
+                      std::to_string(peer) + " does not match: expected " + frame.ToString() +
+                      " with tag " + std::to_string(tag) + ", got tag " + std::to_string(got));
+    }
+  }
+  from.WaitRecv(PostFramesIn(ctx, from, frame, static_cast<uint8_t*>(data), count * SizeOf(dtype)));
 }
 
 }  // namespace collectives::ring

@@ -5,7 +5,10 @@
 // Memory: besides the caller's buffers, an algorithm uses only the Context's staging area,
 // which holds at most kStagingSlots chunks, plus, for the two algorithms meant for bounded sizes,
 // their partial results: recursive doubling two copies of the (small) message, halving-doubling
-// half of the (medium) message. The ring algorithms never hold more than the chunks.
+// half of the (medium) message, and the small forms built on recursive doubling one copy more
+// of their (small) result. The ring algorithms and the chain reduce never hold more than the
+// chunks; gather, scatter, all-to-all and point-to-point messages move frames straight between
+// the callers' buffers (the all-to-all's count round holds 2 x size^2 counts).
 //
 // Thread-safety: a Context is used by one thread.
 #ifndef COLLECTIVES_SRC_RING_ALGORITHMS_H_
@@ -158,6 +161,65 @@ void SmallReduceScatter(Context& ctx, const void* send, void* recv, size_t count
 
 // Returns once every rank has entered (recursive doubling of empty frames).
 void Barrier(Context& ctx);
+
+// The rooted collectives. Off the root, `recv` of a reduce or gather and `send` of a scatter
+// are neither read nor written (they may be null). Each has a small form for latency-bound
+// sizes, which inherits the recursive-doubling all-reduce's safety (a mismatched call writes
+// nothing, with no agreement round), and a large one that takes an `agreement` (constructed by
+// the caller, kEmptyFrames): the root waits for it before its first write into recv, every other
+// rank before it returns, so that every rank learns of a mismatch.
+
+// recv on `root` = op over ranks of send (count elements). Chain: partial results flow from rank
+// root-1 down through root-2, ..., root+1 to the root; root-1 sends its chunks, each rank between
+// reduces every chunk it receives with its own (in a staging slot) and passes it on, and the root
+// reduces the last hop into recv. Every link carries the message once, pipelined in chunks.
+void ChainReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                 ReduceOp op, int root, CallAgreement& agreement);
+// The same through a recursive-doubling all-reduce into staging (the root into recv).
+void SmallReduce(Context& ctx, const void* send, void* recv, size_t count, DataType dtype,
+                 ReduceOp op, int root);
+
+// recv on `root` (size * block_bytes) = the ranks' send blocks in rank order. Direct: each rank
+// sends its block to the root in frames of at most chunk_bytes, and the root receives every
+// block straight into its place.
+void DirectGather(Context& ctx, const void* send, void* recv, size_t block_bytes, int root,
+                  CallAgreement& agreement);
+// The same through SmallAllGather (into staging off the root).
+void SmallGather(Context& ctx, const void* send, void* recv, size_t block_bytes, int root);
+
+// recv (block_bytes) = block `rank` of root's send (size * block_bytes). Direct: the root sends
+// each block to its rank in frames of at most chunk_bytes.
+void DirectScatter(Context& ctx, const void* send, void* recv, size_t block_bytes, int root,
+                   CallAgreement& agreement);
+// The same through SmallBroadcast of the root's whole send into staging.
+void SmallScatter(Context& ctx, const void* send, void* recv, size_t block_bytes, int root);
+
+// Block j of recv (recv_counts[j] elements) = block `rank` of rank j's send (send_counts holds
+// this rank's: send_counts[j] elements go to rank j). First a round in which every rank sends
+// both its count vectors to every other, so that every rank checks every pair of the whole
+// matrix (rank i's send_counts[j] == rank j's recv_counts[i]) before anything moves: a
+// disagreement anywhere raises kMismatch on every rank, naming the pair, and writes nothing.
+// The round stands in for a CallAgreement (its frames carry the call's tag). Then pairwise
+// exchange: the block for rank + k and the one from rank - k, for k = 1 .. size - 1, in frames
+// of at most chunk_bytes straight from send into recv, all posted at once.
+void PairwiseAllToAll(Context& ctx, const void* send, void* recv, DataType dtype,
+                      const std::vector<size_t>& send_counts,
+                      const std::vector<size_t>& recv_counts);
+
+// Point to point: message number `number` (the count of earlier messages from this rank to
+// `peer`; kPointToPointSeqBit is added) of `count` elements of `dtype` to / from `peer`, in frames
+// of at most chunk_bytes, each carrying {kSend, dtype, count, tag} (PointToPointDescriptor).
+// The receiver's transport checks each frame against its own receive before writing any of it:
+// another dtype, count or tag is Error(kMismatch) naming both; a tag outside (INT32_MIN,
+// INT32_MAX] travels in a first frame of 8 bytes, which the receiver compares
+// (kMismatch, naming both tags) before it posts a receive into `data`. The send returns once its
+// frames have left (into the socket), not once they have been received.
+void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
+                 DataType dtype, int64_t tag);
+void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
+                 int64_t tag);
+// The descriptor of a point-to-point message (core::CallDescriptor says how the tag is held).
+core::CallDescriptor PointToPointDescriptor(DataType dtype, size_t count, int64_t tag);
 
 }  // namespace collectives::ring
 

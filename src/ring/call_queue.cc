@@ -70,15 +70,12 @@ std::optional<Error> CallQueue::RunCall(const Call& call) {
   // the call fails as every later call does, whatever its gate says.
   try {
     const bool run = !call.prepared.go || call.prepared.go();
-    core::CallTag tag{0, call.prepared.descriptor};
+    core::CallTag tag;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (broken_) {
-        tag.seq = next_seq_++;
-        return Stopped(*broken_, tag, "did not run");
-      }
+      if (broken_) return Stopped(*broken_, TakeTag(call.prepared), "did not run");
       if (!run) return std::nullopt;
-      tag.seq = next_seq_++;
+      tag = TakeTag(call.prepared);
     }
     return run_(tag, call.prepared.body, call.timeout);
   } catch (const Error& e) {  // from the gate, or from building an error
@@ -92,14 +89,14 @@ std::optional<Error> CallQueue::RunCall(const Call& call) {
 
 void CallQueue::RunBlocking(PreparedCall prepared, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (broken_) throw Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run");
+  if (broken_) throw Stopped(*broken_, TakeTag(prepared), "did not run");
   // A gated call goes through the queue, where RunCall reads its gate.
   if (busy_ || !queue_.empty() || prepared.go) {
     lock.unlock();
     Submit(std::move(prepared), timeout)->Wait();
     return;
   }
-  const core::CallTag tag{next_seq_++, prepared.descriptor};
+  const core::CallTag tag = TakeTag(prepared);
   busy_ = true;
   lock.unlock();
   const std::optional<Error> failure = run_(tag, prepared.body, timeout);
@@ -109,6 +106,11 @@ void CallQueue::RunBlocking(PreparedCall prepared, std::chrono::milliseconds tim
   lock.unlock();
   if (wake) cv_.notify_all();
   if (failure) throw *failure;
+}
+
+core::CallTag CallQueue::TakeTag(const PreparedCall& prepared) {
+  return core::CallTag{prepared.collective ? next_seq_++ : core::kPointToPointCall,
+                       prepared.descriptor};
 }
 
 Error CallQueue::Break(const Error& error, bool* first_error) {
@@ -136,7 +138,7 @@ std::shared_ptr<Work> CallQueue::Submit(PreparedCall prepared, std::chrono::mill
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {
-      work->Complete(Stopped(*broken_, {next_seq_++, prepared.descriptor}, "did not run"));
+      work->Complete(Stopped(*broken_, TakeTag(prepared), "did not run"));
       return work;
     }
     // The sequence number is taken when the call runs (RunCall): calls run in the order they

@@ -40,6 +40,9 @@ struct PreparedCall {
   core::CallDescriptor descriptor;
   std::function<void(Context&)> body;
   core::Gate go = {};  // where set, the call runs only if go() says so (core::Gate)
+  // false: a point-to-point call (a send or a receive), which only two ranks issue: it takes no
+  // number of the collective sequence and runs as core::kPointToPointCall.
+  bool collective = true;
 };
 
 class CallQueue {
@@ -87,6 +90,9 @@ class CallQueue {
   // Runs `call`, taken from the queue by this thread (busy_ set): its gate, its number, its
   // body. Returns its failure, if any; an exception of the gate's breaks the communicator with it.
   std::optional<Error> RunCall(const Call& call);
+  // The tag `prepared` runs as: the next number of the sequence for a collective (taken),
+  // core::kPointToPointCall for a point-to-point call. Called with mu_ held.
+  core::CallTag TakeTag(const PreparedCall& prepared);
 
   const int rank_;
   const std::chrono::microseconds handoff_spin_;

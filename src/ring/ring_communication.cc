@@ -68,6 +68,47 @@ class RingCommunication final : public core::InternalCommunication {
   }
   void Barrier() override { RunBlocking(PrepareBarrier()); }
 
+  std::shared_ptr<Work> ReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                    int root) override {
+    return Submit(PrepareReduce(send, recv, op, root));
+  }
+  std::shared_ptr<Work> GatherAsync(const Tensor& send, const Tensor& recv, int root) override {
+    return Submit(PrepareGather(send, recv, root));
+  }
+  std::shared_ptr<Work> ScatterAsync(const Tensor& send, const Tensor& recv, int root) override {
+    return Submit(PrepareScatter(send, recv, root));
+  }
+  std::shared_ptr<Work> AllToAllAsync(const Tensor& send, const Tensor& recv,
+                                      const std::vector<size_t>& send_counts,
+                                      const std::vector<size_t>& recv_counts) override {
+    return Submit(PrepareAllToAll(send, recv, send_counts, recv_counts));
+  }
+  std::shared_ptr<Work> SendAsync(const Tensor& tensor, int peer, int64_t tag) override {
+    return Submit(PreparePointToPoint(true, tensor, peer, tag));
+  }
+  std::shared_ptr<Work> RecvAsync(const Tensor& tensor, int peer, int64_t tag) override {
+    return Submit(PreparePointToPoint(false, tensor, peer, tag));
+  }
+  void Reduce(const Tensor& send, const Tensor& recv, ReduceOp op, int root) override {
+    RunBlocking(PrepareReduce(send, recv, op, root));
+  }
+  void Gather(const Tensor& send, const Tensor& recv, int root) override {
+    RunBlocking(PrepareGather(send, recv, root));
+  }
+  void Scatter(const Tensor& send, const Tensor& recv, int root) override {
+    RunBlocking(PrepareScatter(send, recv, root));
+  }
+  void AllToAll(const Tensor& send, const Tensor& recv, const std::vector<size_t>& send_counts,
+                const std::vector<size_t>& recv_counts) override {
+    RunBlocking(PrepareAllToAll(send, recv, send_counts, recv_counts));
+  }
+  void Send(const Tensor& tensor, int peer, int64_t tag) override {
+    RunBlocking(PreparePointToPoint(true, tensor, peer, tag));
+  }
+  void Recv(const Tensor& tensor, int peer, int64_t tag) override {
+    RunBlocking(PreparePointToPoint(false, tensor, peer, tag));
+  }
+
   // core::InternalCommunication (src/core/internal_communication.h).
   bool RunsGatedCalls() const override { return true; }
   std::shared_ptr<Work> AllReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op,
@@ -140,6 +181,17 @@ class RingCommunication final : public core::InternalCommunication {
   Prepared PrepareAllGather(const Tensor& send, const Tensor& recv) const;
   Prepared PrepareReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) const;
   Prepared PrepareBarrier() const;
+  Prepared PrepareReduce(const Tensor& send, const Tensor& recv, ReduceOp op, int root) const;
+  Prepared PrepareGather(const Tensor& send, const Tensor& recv, int root) const;
+  Prepared PrepareScatter(const Tensor& send, const Tensor& recv, int root) const;
+  Prepared PrepareAllToAll(const Tensor& send, const Tensor& recv,
+                           const std::vector<size_t>& send_counts,
+                           const std::vector<size_t>& recv_counts) const;
+  // A send (`sending`) or a receive of `tensor` to / from `peer`: no planner, no number of the
+  // collective sequence (PreparedCall::collective), messages numbered per peer and direction.
+  Prepared PreparePointToPoint(bool sending, const Tensor& tensor, int peer, int64_t tag);
+  // Throws Error(kInvalidArgument) unless 0 <= root < size().
+  void CheckRoot(const char* collective, int root) const;
   // `prepared`, which runs only if `go()` says so when its turn comes (always without one): the
   // packer's buckets after a list check that found the lists differ are skipped on every rank.
   static Prepared Gated(Prepared prepared, core::Gate go) {
@@ -201,6 +253,10 @@ class RingCommunication final : public core::InternalCommunication {
   // it to one at a time) and the fabric by Abort.
   std::unique_ptr<transport::Fabric> fabric_;
   Staging staging_;
+  // Point-to-point messages sent to / received from each peer so far: the number of the next
+  // one. Used by the thread running a call.
+  std::vector<uint64_t> messages_sent_;
+  std::vector<uint64_t> messages_received_;
 
   // Last: its destructor runs the queued calls and joins the progress thread, whose calls use
   // the members above.
@@ -248,6 +304,8 @@ RingCommunication::RingCommunication(std::unique_ptr<transport::Fabric> fabric,
       planner_(std::move(planner)),
       split_(std::move(split)),
       fabric_(std::move(fabric)),
+      messages_sent_(size_t(size_), 0),
+      messages_received_(size_t(size_), 0),
       queue_(
           rank_, SpinBudget(options.spin_us, size_, 2), yield_,
           [this](const core::CallTag& tag, const Body& body, std::chrono::milliseconds timeout) {
@@ -623,6 +681,198 @@ RingCommunication::Prepared RingCommunication::PrepareBarrier() const {
     if (Body body = planner_->Barrier()) return Prepared{call, std::move(body)};
   }
   return OnRing(call, [](Context& ctx) { ring::Barrier(ctx); });
+}
+
+void RingCommunication::CheckRoot(const char* collective, int root) const {
+  if (root < 0 || root >= size_) {
+    throw Error(ErrorCode::kInvalidArgument,
+                core::ArgumentPrefix(rank_, collective) + "root " + std::to_string(root) +
+                    " is not a rank of this communicator (size " + std::to_string(size_) + ")");
+  }
+}
+
+RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send, const Tensor& recv,
+                                                             ReduceOp op, int root) const {
+  constexpr const char* kName = "reduce";
+  CheckRoot(kName, root);
+  CheckTensor(kName, "send", send);
+  CheckOp(rank_, kName, op);
+  const bool is_root = rank_ == root;
+  if (is_root) {
+    CheckTensor(kName, "recv", recv);
+    CheckSameType(kName, send, recv);
+    if (send.count != recv.count) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  CountMismatch(rank_, kName,
+                                "the root's recv must have send's " + std::to_string(send.count) +
+                                    " elements",
+                                recv.count));
+    }
+    core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
+                            "recv.data");
+  }
+  const CallDescriptor call{CollectiveKind::kReduce, send.dtype, op, root, send.count};
+  const bool small = send.bytes() <= small_message_bytes_;
+  void* const out = is_root ? recv.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Reduce(send, out, op, root)) return Prepared{call, std::move(body)};
+  }
+  return OnRing(call, [send, out, op, root, small](Context& ctx) {
+    if (small) return SmallReduce(ctx, send.data, out, send.count, send.dtype, op, root);
+    CallAgreement agreement(ctx);
+    ChainReduce(ctx, send.data, out, send.count, send.dtype, op, root, agreement);
+  });
+}
+
+RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send, const Tensor& recv,
+                                                             int root) const {
+  constexpr const char* kName = "gather";
+  CheckRoot(kName, root);
+  CheckTensor(kName, "send", send);
+  const bool is_root = rank_ == root;
+  if (is_root) {
+    CheckTensor(kName, "recv", recv);
+    CheckSameType(kName, send, recv);
+    CheckWholeIsSizeTimesBlock(kName, "the root's recv", recv, "send", send);
+    core::CheckBuffersApart(rank_, kName, send, recv,
+                            reinterpret_cast<uintptr_t>(recv.data) + size_t(root) * send.bytes(),
+                            "recv.data + root * send.count elements");
+  } else if (send.count > SIZE_MAX / size_t(size_) / SizeOf(send.dtype)) {
+    throw Error(ErrorCode::kInvalidArgument, core::ArgumentPrefix(rank_, kName) +
+                                                 "size x send.count elements of " +
+                                                 ToString(send.dtype) + " do not fit size_t");
+  }
+  const CallDescriptor call{CollectiveKind::kGather, send.dtype, ReduceOp::kSum, root, send.count};
+  const bool small = size_t(size_) * send.bytes() <= small_message_bytes_;
+  void* const out = is_root ? recv.data : nullptr;
+  if (planner_) {
+    if (Body body = planner_->Gather(send, out, root)) return Prepared{call, std::move(body)};
+  }
+  return OnRing(call, [send, out, root, small](Context& ctx) {
+    if (small) return SmallGather(ctx, send.data, out, send.bytes(), root);
+    CallAgreement agreement(ctx);
+    DirectGather(ctx, send.data, out, send.bytes(), root, agreement);
+  });
+}
+
+RingCommunication::Prepared RingCommunication::PrepareScatter(const Tensor& send,
+                                                              const Tensor& recv, int root) const {
+  constexpr const char* kName = "scatter";
+  CheckRoot(kName, root);
+  CheckTensor(kName, "recv", recv);
+  const bool is_root = rank_ == root;
+  if (is_root) {
+    CheckTensor(kName, "send", send);
+    CheckSameType(kName, send, recv);
+    CheckWholeIsSizeTimesBlock(kName, "the root's send", send, "recv", recv);
+    core::CheckBuffersApart(rank_, kName, send, recv,
+                            reinterpret_cast<uintptr_t>(recv.data) - size_t(root) * recv.bytes(),
+                            "recv.data - root * recv.count elements");
+  } else if (recv.count > SIZE_MAX / size_t(size_) / SizeOf(recv.dtype)) {
+    throw Error(ErrorCode::kInvalidArgument, core::ArgumentPrefix(rank_, kName) +
+                                                 "size x recv.count elements of " +
+                                                 ToString(recv.dtype) + " do not fit size_t");
+  }
+  const CallDescriptor call{CollectiveKind::kScatter, recv.dtype, ReduceOp::kSum, root, recv.count};
+  const bool small = size_t(size_) * recv.bytes() <= small_message_bytes_;
+  const void* const in = is_root ? send.data : nullptr;
+  return OnRing(call, [in, recv, root, small](Context& ctx) {
+    if (small) return SmallScatter(ctx, in, recv.data, recv.bytes(), root);
+    CallAgreement agreement(ctx);
+    DirectScatter(ctx, in, recv.data, recv.bytes(), root, agreement);
+  });
+}
+
+RingCommunication::Prepared RingCommunication::PrepareAllToAll(
+    const Tensor& send, const Tensor& recv, const std::vector<size_t>& send_counts,
+    const std::vector<size_t>& recv_counts) const {
+  constexpr const char* kName = "all_to_all";
+  CheckSendRecv(kName, send, recv);
+  const std::string prefix = core::ArgumentPrefix(rank_, kName);
+  std::vector<size_t> sends = send_counts;
+  std::vector<size_t> recvs = recv_counts;
+  if (sends.empty() && recvs.empty()) {
+    if (send.count != recv.count || send.count % size_t(size_) != 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  prefix + "without counts, send and recv must have one count, a multiple of " +
+                      "size " + std::to_string(size_) + "; got send.count " +
+                      std::to_string(send.count) + " and recv.count " + std::to_string(recv.count));
+    }
+    sends.assign(size_t(size_), send.count / size_t(size_));
+    recvs = sends;
+  } else {
+    const auto check = [&](const char* name, const std::vector<size_t>& counts, size_t total,
+                           const char* tensor) {
+      if (counts.size() != size_t(size_)) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    prefix + name + " has " + std::to_string(counts.size()) +
+                        " entries; it needs one per rank (" + std::to_string(size_) +
+                        "), or both count vectors empty");
+      }
+      size_t sum = 0;
+      for (const size_t c : counts) {
+        if (c > total - sum) {
+          throw Error(ErrorCode::kInvalidArgument, prefix + name + " adds up to more than " +
+                                                       tensor + ".count " + std::to_string(total));
+        }
+        sum += c;
+      }
+      if (sum != total) {
+        throw Error(ErrorCode::kInvalidArgument, prefix + name + " adds up to " +
+                                                     std::to_string(sum) + ", not " + tensor +
+                                                     ".count " + std::to_string(total));
+      }
+    };
+    check("send_counts", sends, send.count, "send");
+    check("recv_counts", recvs, recv.count, "recv");
+    if (sends[size_t(rank_)] != recvs[size_t(rank_)]) {
+      throw Error(ErrorCode::kInvalidArgument, prefix + "send_counts[" + std::to_string(rank_) +
+                                                   "] (" + std::to_string(sends[size_t(rank_)]) +
+                                                   ") and recv_counts[" + std::to_string(rank_) +
+                                                   "] (" + std::to_string(recvs[size_t(rank_)]) +
+                                                   ") differ: this rank's block to itself");
+    }
+  }
+  // No in-place form: a block received may land where a block still to be sent lies.
+  const uintptr_t s = reinterpret_cast<uintptr_t>(send.data);
+  const uintptr_t r = reinterpret_cast<uintptr_t>(recv.data);
+  if (send.bytes() > 0 && recv.bytes() > 0 && (s - r < recv.bytes() || r - s < send.bytes())) {
+    throw Error(ErrorCode::kInvalidArgument,
+                prefix + "send and recv overlap; an all-to-all needs them apart");
+  }
+  const CallDescriptor call{CollectiveKind::kAllToAll, send.dtype, ReduceOp::kSum, 0, 0};
+  return OnRing(call,
+                [send, recv, sends = std::move(sends), recvs = std::move(recvs)](Context& ctx) {
+                  PairwiseAllToAll(ctx, send.data, recv.data, send.dtype, sends, recvs);
+                });
+}
+
+RingCommunication::Prepared RingCommunication::PreparePointToPoint(bool sending,
+                                                                   const Tensor& tensor, int peer,
+                                                                   int64_t tag) {
+  const char* const name = sending ? "send" : "recv";
+  CheckTensor(name, "message", tensor);
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    throw Error(ErrorCode::kInvalidArgument,
+                core::ArgumentPrefix(rank_, name) + "peer " + std::to_string(peer) +
+                    (peer == rank_ ? " is this rank"
+                                   : " is not a rank of this communicator (size " +
+                                         std::to_string(size_) + ")"));
+  }
+  Prepared prepared;
+  prepared.descriptor = PointToPointDescriptor(tensor.dtype, tensor.count, tag);
+  prepared.collective = false;
+  // Numbered when it runs: sends and receives run in issue order, one at a time.
+  uint64_t& next = sending ? messages_sent_[size_t(peer)] : messages_received_[size_t(peer)];
+  prepared.body = [sending, tensor, peer, tag, &next](Context& ctx) {
+    const uint64_t number = next++;
+    if (sending) {
+      SendMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
+    } else {
+      RecvMessage(ctx, peer, number, tensor.data, tensor.count, tensor.dtype, tag);
+    }
+  };
+  return prepared;
 }
 
 RingCommunication::Prepared RingCommunication::OnRing(const CallDescriptor& call, Body body) const {

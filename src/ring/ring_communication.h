@@ -57,6 +57,21 @@ class Planner {
   virtual Body AllGather(const Tensor& send, const Tensor& recv) = 0;
   virtual Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
   virtual Body Barrier() = 0;
+  // A reduce to `root` and a gather to `root`; `recv` is null off the root (where the caller's
+  // recv is neither read nor written). Empty bodies (the default) leave them to the ring.
+  virtual Body Reduce(const Tensor& send, void* recv, ReduceOp op, int root) {
+    (void)send;
+    (void)recv;
+    (void)op;
+    (void)root;
+    return {};
+  }
+  virtual Body Gather(const Tensor& send, void* recv, int root) {
+    (void)send;
+    (void)recv;
+    (void)root;
+    return {};
+  }
   // A call the planner left to the ring (an empty body) is about to run, tagged `tag`: a planner
   // whose bodies wait for the other ranks of a host in shared memory tells them, so that one of
   // them waiting there during a call of the same number and another descriptor raises kMismatch

@@ -36,6 +36,11 @@
 //                              recv filled with -7, or one barrier; $RING_WORKER_COLLECTIVE, when
 //                              set, names this rank's instead; prints "returned" or "error <code>
 //                              <message>", then "recv untouched" or "recv written"
+//   ring_worker rooted [large]
+//                              runs reduce, gather, scatter and all-to-all over every dtype,
+//                              op, count and root (tests/ring/rooted_checks.h), and messages
+//                              around the ring of every dtype (13 elements and `large`); exit 0
+//                              iff every element is right ("rank R: rooted 0 wrong")
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
@@ -56,6 +61,7 @@
 #include "src/ring/ring_communication.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/float_inputs.h"
+#include "tests/ring/rooted_checks.h"
 
 using namespace collectives;
 
@@ -95,6 +101,16 @@ int main(int argc, char** argv) {
                   comm->AllReduceAlgorithm(large * sizeof(float)).c_str());
       std::printf("rank %d: %zu wrong\n", comm->rank(), wrong);
       return wrong == 0 ? 0 : 1;
+    }
+    if (mode == "rooted") {
+      const size_t large = argc > 2 ? std::stoul(argv[2]) : 0;
+      testing::Failures failures;
+      testing::CheckRootedMatrix(*comm, large, failures);
+      testing::CheckPointToPointRing(*comm, 13, failures);
+      if (large > 0) testing::CheckPointToPointRing(*comm, large, failures);
+      if (failures.wrong > 0) std::fprintf(stderr, "%s\n", failures.first.c_str());
+      std::printf("rank %d: rooted %zu wrong\n", comm->rank(), failures.wrong);
+      return failures.wrong == 0 ? 0 : 1;
     }
     if (mode == "identity") {
       const int n = comm->size();

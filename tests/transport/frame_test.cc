@@ -109,7 +109,7 @@ TEST(FrameTest, RejectsNonZeroReservedBytes) {
 }
 TEST(FrameTest, RejectsCollectiveKindsOutOfRange) {
   ExpectRejected([](EncodedHeader& b) { b[16] = 0; }, "unknown collective kind 0");
-  ExpectRejected([](EncodedHeader& b) { b[16] = 7; }, "unknown collective kind 7");
+  ExpectRejected([](EncodedHeader& b) { b[16] = 12; }, "unknown collective kind 12");
 }
 TEST(FrameTest, RejectsDtypesOutOfRange) {
   ExpectRejected([](EncodedHeader& b) { b[17] = 8; }, "unknown dtype 8");

@@ -28,8 +28,9 @@ def test_subgroups():
 
 
 def test_options_and_environment():
-    got = w.launch(w.options, 2, env={"COLLECTIVES_IMPLEMENTATION": "ring"})
-    assert got == [["ring", 8192, True]] * 2
+    got = w.launch(w.options, 2, env={"COLLECTIVES_IMPLEMENTATION": "ring",
+                                      "COLLECTIVES_TORCH_INLINE_BYTES": "64"})
+    assert got == [["ring", 8192, True, "auto", 16384, 64]] * 2
 
 
 def test_async_work_and_futures():
@@ -54,13 +55,23 @@ def test_mismatch_raises_on_every_rank():
 
 def test_killed_rank_every_survivor_raises():
     results = w.launch(w.killed_rank, 3, allow_exit=(2,), timeout=60)
-    for rank, (message, elapsed) in enumerate(results[:2]):
+    for rank, (message, future, elapsed) in enumerate(results[:2]):
         assert message != "did not raise", rank
+        assert future != "did not raise", rank
         assert elapsed < 12, (rank, elapsed, message)
 
 
-def test_ddp_matches_single_process_training():
+def test_ddp_matches_gloo_and_single_process_training():
     import torch
-    for got, want in w.launch(w.ddp, 2, "collectives"):
-        for g, ref in zip(got, want):
+    for ours, gloo, reference in w.launch(w.ddp_versus_gloo, 2, w.free_port()):
+        assert ours == gloo  # bit for bit: two ranks add in either order to the same sum
+        for g, ref in zip(ours, reference):
             assert torch.allclose(torch.tensor(g), torch.tensor(ref), atol=1e-5), (g, ref)
+
+
+def test_inline_small_calls():
+    # all_reduce, broadcast and barrier on the caller's thread (Options.inline_bytes), async
+    # forms and futures included, amid asynchronous calls of larger sizes.
+    failures = sum(w.launch(w.matrix, 2, [0, 13, 65537], ["float32", "int8"],
+                            env={"COLLECTIVES_TORCH_INLINE_BYTES": "65536"}), [])
+    assert not failures, "\n".join(failures[:40])

@@ -195,6 +195,13 @@ def _cases(rank, world, dist, dtype, n):
         return same(flat, everyone(), dtype)
     yield "all_gather (views of one buffer)", all_gather_views
 
+    def all_gather_strided():
+        # Outputs that are columns of one matrix: not contiguous, unpacked from a buffer.
+        grid = torch.zeros(n, world, dtype=getattr(torch, dtype))
+        dist.all_gather([grid[:, r] for r in range(world)], v(rank))
+        return same(grid.t().reshape(-1), everyone(), dtype)
+    yield "all_gather (strided outputs)", all_gather_strided
+
     def all_gather_into_tensor():
         out = torch.zeros(n * world, dtype=getattr(torch, dtype))
         dist.all_gather_into_tensor(out, v(rank))
@@ -381,12 +388,19 @@ def subgroups(rank, world):
         dist.broadcast(t, src=3, group=odd)  # src is a global rank
         results["odd_broadcast"] = torch.equal(t, value(3, 3, "int64"))
     results["world_again"] = _sum_check(dist, ranks=range(world))
+    # The object collectives: all_gather and broadcast of uint8 and int64 tensors underneath.
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "text": "x" * rank})
+    results["all_gather_object"] = gathered == [{"rank": r, "text": "x" * r} for r in range(world)]
+    objects = [rank, "from rank %d" % rank] if rank == 1 else [None, None]
+    dist.broadcast_object_list(objects, src=1)
+    results["broadcast_object_list"] = objects == [1, "from rank 1"]
     dist.destroy_process_group()
     return results
 
 
 def options(rank, world):
-    """set_options and COLLECTIVES_IMPLEMENTATION reach the communicator."""
+    """pg_options, then set_options, then COLLECTIVES_* variables reach the communicator."""
     import collectives.torch as ct
     env_impl = None
     ct.set_options(ct.Options(chunk_bytes=8192))
@@ -395,25 +409,49 @@ def options(rank, world):
     env_impl = pg.implementation
     chunk = pg.options.chunk_bytes
     ok = _sum_check(dist, ranks=range(world))
+    # pg_options win over set_options and the environment.
+    group = dist.new_group(list(range(world)), pg_options=ct.Options("auto", chunk_bytes=16384))
+    ok = ok and _sum_check(dist, group, range(world))
+    mine = [group.implementation, group.options.chunk_bytes, group.inline_bytes]
     dist.destroy_process_group()
     ct.set_options(None)
-    return [env_impl, chunk, ok]
+    return [env_impl, chunk, ok] + mine
 
 
 def async_work(rank, world):
     """Work.wait(timeout), is_completed, is_success, get_future with then(), in issue order."""
     import datetime
+    import os
     import torch
     dist = _init(rank, world)
+    # Blocking calls start no thread; the first get_future starts the group's completion thread.
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    dist.all_reduce(torch.ones(4))
+    before = threads()
+    for _ in range(50):
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+    ok = [threads() == before]
     ts = [value(rank, 1000 * (i + 1), "float32") for i in range(3)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
     chained = works[1].get_future().then(lambda f: f.value()[0] * 2)
-    ok = [works[2].wait(timeout=datetime.timedelta(seconds=20)), works[0].wait()]
+    ok += [works[2].wait(timeout=datetime.timedelta(seconds=20)), works[0].wait()]
     ok.append(all(w.is_completed() and w.is_success() for w in works))
     wants = [reduce_ref([value(r, 1000 * (i + 1), "float32") for r in range(world)], "sum",
                         "float32") for i in range(3)]
     ok += [torch.equal(t, want) for t, want in zip(ts, wants)]
     ok.append(torch.equal(chained.wait(), wants[1] * 2))
+    # wait(timeout) gives up on a call a peer has not issued yet; the call itself goes on.
+    import time
+    t = torch.ones(3)
+    if rank == 1:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        late = _raises(lambda: work.wait(timeout=datetime.timedelta(milliseconds=100)),
+                       "did not complete")
+        ok.append(not late.startswith(("did not raise", "wrong message")))
+    ok += [work.wait(), torch.equal(t, torch.full((3,), float(world)))]
     dist.destroy_process_group()
     return ok
 
@@ -442,6 +480,13 @@ def bad_arguments(rank, world):
     seen["untouched"] = (torch.equal(strided, torch.arange(16.0).reshape(4, 4).t())
                          and torch.equal(t, torch.ones(4)))
     seen["any_source"] = _raises(lambda: dist.recv(torch.ones(2)), "any source")
+    out = torch.zeros(2 * world - 1)
+    seen["output_size"] = _raises(lambda: dist.all_gather_into_tensor(out, torch.ones(2)),
+                                  "all_gather_into_tensor", f"expected {2 * world}")
+    seen["list_length"] = _raises(lambda: dist.all_gather([torch.zeros(2)], torch.ones(2)),
+                                  f"expects {world} output tensors")
+    seen["root"] = _raises(lambda: dist.broadcast(torch.ones(2), src=world), "root")
+    seen["untouched_outputs"] = torch.equal(out, torch.zeros(2 * world - 1))
     # The group still works after refused calls.
     seen["works"] = _sum_check(dist, ranks=range(world))
     dist.destroy_process_group()
@@ -473,10 +518,11 @@ def killed_rank(rank, world):
     if rank == world - 1:
         os._exit(3)
     start = time.monotonic()
-    message = _raises(lambda: [dist.all_reduce(torch.ones(1000)) for _ in range(100)])
+    future = _raises(lambda: dist.all_reduce(torch.ones(1000), async_op=True).get_future().wait())
+    message = _raises(lambda: dist.all_reduce(torch.ones(1000)))
     elapsed = time.monotonic() - start
     dist.destroy_process_group()
-    return [message, elapsed]
+    return [message, future, elapsed]
 
 
 def _ddp_model():
@@ -491,13 +537,16 @@ def _ddp_data(step):
     return torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
 
 
-def ddp(rank, world, backend):
-    """Trains 5 steps with DistributedDataParallel on `backend`; returns the weights and those
-    of one process training on the global batch."""
+def ddp(rank, world, backend, port=None):
+    """Trains 5 steps with DistributedDataParallel on `backend` (its store on `port` when
+    given); returns the weights and those of one process training on the global batch."""
     import datetime
+    import os
     import torch
     import torch.distributed as dist
     import collectives.torch  # noqa: F401
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=30))
     model = torch.nn.parallel.DistributedDataParallel(_ddp_model(), bucket_cap_mb=0.0001)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -517,3 +566,10 @@ def ddp(rank, world, backend):
     want = [p.detach().reshape(-1).tolist() for p in reference.parameters()]
     dist.destroy_process_group()
     return [got, want]
+
+
+def ddp_versus_gloo(rank, world, gloo_port):
+    """DDP's weights on "collectives", then on "gloo", in the same processes."""
+    ours, reference = ddp(rank, world, "collectives")
+    gloo, _ = ddp(rank, world, "gloo", gloo_port)
+    return [ours, gloo, reference]
