@@ -26,6 +26,24 @@
 
 namespace collectives::core {
 
+class WorkState;
+
+// What may run a work's call on the thread that waits for it, rather than hand the call to
+// another thread and wait (the call queue, while the call has not started): a call issued
+// async and waited on at once then costs what a blocking call does.
+class WorkHelper {
+ public:
+  virtual ~WorkHelper() = default;
+  // Called with the work's lock held, so the helper is alive (it completes its works, which
+  // unsets it, before it goes): true registers this thread as a helper, which keeps the helper
+  // alive until Leave; false when it stops.
+  virtual bool Enter() = 0;
+  // Runs `work`'s call on this thread if it can right now (it has not started and nothing runs);
+  // else returns at once. Between Enter and Leave.
+  virtual void RunOnWaiter(WorkState& work) = 0;
+  virtual void Leave() = 0;
+};
+
 class WorkState final : public Work {
  public:
   WorkState(std::chrono::microseconds spin, std::chrono::microseconds yield)
@@ -36,6 +54,8 @@ class WorkState final : public Work {
 
   // Marks the work complete, failed with `error` when it has one, and wakes the waiters.
   void Complete(const std::optional<Error>& error);
+  // Wait offers `helper` to run the call first. Set before the work is shared; Complete unsets it.
+  void SetHelper(WorkHelper* helper) { helper_ = helper; }
 
  private:
   const std::chrono::microseconds spin_;
@@ -44,6 +64,7 @@ class WorkState final : public Work {
   std::mutex mu_;
   std::condition_variable cv_;
   std::optional<Error> error_;  // guarded by mu_; written before done_ is set
+  WorkHelper* helper_ = nullptr;  // guarded by mu_; may be null
 };
 
 // Polls `ready` for up to `spin`; true if it became ready. It does not yield: under load,

@@ -34,6 +34,46 @@ CallQueue::~CallQueue() {
   }
   cv_.notify_all();
   thread_.join();
+  // A waiter may still be running a call it took (RunOnWaiter): the calls use the
+  // communicator's members, which go after this.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return helpers_ == 0; });
+}
+
+bool CallQueue::Enter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return false;
+  ++helpers_;
+  return true;
+}
+
+void CallQueue::Leave() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --helpers_;
+  }
+  cv_.notify_all();
+}
+
+void CallQueue::RunOnWaiter(core::WorkState& work) {
+  Call call;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_ || queue_.empty() || queue_.front().work.get() != &work) return;
+    call = std::move(queue_.front());
+    queue_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_release);
+    busy_ = true;
+  }
+  const std::optional<Error> failure = RunCall(call);
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+    wake = !queue_.empty() || stopping_;
+  }
+  if (wake) cv_.notify_all();
+  call.work->Complete(failure);
 }
 
 void CallQueue::Run() {
@@ -143,6 +183,7 @@ std::shared_ptr<Work> CallQueue::Submit(PreparedCall prepared, std::chrono::mill
     }
     // The sequence number is taken when the call runs (RunCall): calls run in the order they
     // are issued, and a gated call that does not run takes none.
+    work->SetHelper(this);
     queue_.push_back(Call{std::move(prepared), work, timeout});
     queued_.fetch_add(1, std::memory_order_release);
   }

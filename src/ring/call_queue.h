@@ -45,7 +45,7 @@ struct PreparedCall {
   bool collective = true;
 };
 
-class CallQueue {
+class CallQueue final : private core::WorkHelper {
  public:
   using Body = std::function<void(Context&)>;
   // Runs `body` as call `tag` within `timeout` on the calling thread, which holds the fabric;
@@ -87,6 +87,11 @@ class CallQueue {
 
   // The progress thread: runs queued calls in order until the destructor stops it.
   void Run();
+  // core::WorkHelper: a thread waiting on a Work runs its call itself when the call is next in
+  // the queue and nothing runs (an async call waited on at once), as RunBlocking would have.
+  bool Enter() override;
+  void RunOnWaiter(core::WorkState& work) override;
+  void Leave() override;
   // Runs `call`, taken from the queue by this thread (busy_ set): its gate, its number, its
   // body. Returns its failure, if any; an exception of the gate's breaks the communicator with it.
   std::optional<Error> RunCall(const Call& call);
@@ -107,6 +112,7 @@ class CallQueue {
   // Written under mu_; atomic so that the idle progress thread's spin sees the destructor.
   std::atomic<bool> stopping_{false};
   bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
+  int helpers_ = 0;              // guarded by mu_; waiters between Enter and Leave
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};
   std::thread thread_;
