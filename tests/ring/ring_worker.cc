@@ -4,7 +4,8 @@
 //   ring_worker check [large]  runs the whole collective matrix and packed lists (blocking and
 //                              asynchronous); exit 0 iff every element is right
 //   ring_worker loop [collective [count [timeout_ms]]]
-//                              runs the collective (all_reduce, broadcast or all_gather; default
+//                              runs the collective (all_reduce, broadcast, all_gather, reduce,
+//                              gather, or send_recv: messages between ranks 2k and 2k+1; default
 //                              all_reduce of 4 Mi floats = 16 MiB) in a loop, printing "ready"
 //                              after the first (which runs under a 60 s deadline; timeout_ms
 //                              applies to the later calls); on an Error prints
@@ -221,7 +222,9 @@ int main(int argc, char** argv) {
       const std::string collective = argc > 2 ? argv[2] : "all_reduce";
       const size_t count = argc > 3 ? std::stoul(argv[3]) : size_t{4} << 20;
       std::vector<float> data(count, 1.0f);
-      std::vector<float> gathered(collective == "all_gather" ? count * comm->size() : 0);
+      const bool gathers = collective == "all_gather" || collective == "gather";
+      std::vector<float> gathered(gathers ? count * comm->size() : 0);
+      std::vector<float> received(count, 0.0f);
       const Tensor tensor{data.data(), data.size(), DataType::kFloat32};
       for (long i = 0;; ++i) {
         if (collective == "all_reduce") {
@@ -230,6 +233,22 @@ int main(int argc, char** argv) {
           comm->Broadcast(tensor, int(i % comm->size()));
         } else if (collective == "all_gather") {
           comm->AllGather(tensor, Tensor{gathered.data(), gathered.size(), DataType::kFloat32});
+        } else if (collective == "reduce") {
+          comm->Reduce(tensor, Tensor{received.data(), count, DataType::kFloat32}, ReduceOp::kSum,
+                       int(i % comm->size()));
+        } else if (collective == "gather") {
+          comm->Gather(tensor, Tensor{gathered.data(), gathered.size(), DataType::kFloat32},
+                       int(i % comm->size()));
+        } else if (collective == "send_recv") {  // ranks 2k and 2k+1 trade messages
+          const int partner = comm->rank() ^ 1;
+          const Tensor in{received.data(), count, DataType::kFloat32};
+          if (partner < comm->size() && comm->rank() % 2 == 0) {
+            comm->Send(tensor, partner, i);
+            comm->Recv(in, partner, i);
+          } else if (partner < comm->size()) {
+            comm->Recv(in, partner, i);
+            comm->Send(tensor, partner, i);
+          }
         } else {
           std::fprintf(stderr, "unknown collective '%s'\n", collective.c_str());
           return 2;

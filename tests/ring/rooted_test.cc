@@ -2,11 +2,12 @@
 // and AUTO (every rank on this host), ranks as threads of this process: every dtype and op,
 // counts 0, 1, a prime and sizes past the small-message threshold, in place and out of place,
 // every root, uneven all-to-all counts with zeros, argument errors, mismatched calls (another
-// root, count or all-to-all split) raising kMismatch on every rank within the deadline with no
-// buffer written, and a peer that is gone. Every result is checked against a reference computed
-// here in double / int64 from the inputs (tests/ring/collective_checks.h only converts values
-// to and from the dtypes).
+// root, count, collective or all-to-all split) raising kMismatch on every rank within the
+// deadline with no buffer written, and a peer that is gone; then the same checks in real
+// processes (ring_worker rooted), and a process killed during reduces, gathers or messages. Every result is checked against a reference computed in
+// double / int64 from the inputs (tests/ring/rooted_checks.h).
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -452,6 +453,64 @@ INSTANTIATE_TEST_SUITE_P(Processes, RootedProcessTest,
                                            ProcessCase{
                                                "Auto4TwoHosts", 4, "auto", {"a", "b", "a", "b"}}),
                          [](const ::testing::TestParamInfo<ProcessCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+// A rank killed (SIGKILL) while the others loop over reduces or gathers (the root turning), or
+// while its partner trades messages with it: every rank that waits for it exits within 5 s,
+// raising kPeerLost naming it.
+struct KillCase {
+  const char* name;
+  std::string collective;
+  int size;
+  std::string implementation;
+  std::vector<int> waiters;  // the ranks that must notice
+};
+
+void PrintTo(const KillCase& c, std::ostream* os) { *os << c.name; }
+
+class RootedKillTest : public ::testing::TestWithParam<KillCase> {};
+
+TEST_P(RootedKillTest, EveryRankThatWaitsForTheDeadOneRaisesPeerLost) {
+  const KillCase& c = GetParam();
+  const int victim = 1;
+  Placement placement;
+  placement.implementation = c.implementation;
+  std::vector<Worker> workers = Start(c.size, {"loop", c.collective, "262144", "60000"}, placement);
+  const auto ready_by = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (bool ready = false; !ready;) {
+    ready = true;
+    for (Worker& w : workers) {
+      Drain(w);
+      ready = ready && w.output.find("ready") != std::string::npos;
+    }
+    if (!ready && std::chrono::steady_clock::now() > ready_by) {
+      KillAll(workers);
+      FAIL() << "the workers never started their loop";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill(workers[size_t(victim)].pid, SIGKILL);
+  const bool exited = WaitAll(workers, c.waiters, std::chrono::seconds(5));
+  KillAll(workers);
+  ASSERT_TRUE(exited) << "a rank that waits for the dead one was still running 5 s after the kill";
+  for (int r : c.waiters) {
+    const Worker& w = workers[size_t(r)];
+    EXPECT_TRUE(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 20 + int(ErrorCode::kPeerLost))
+        << "rank " << r << " status " << w.status << ": " << w.output;
+    EXPECT_NE(w.output.find("lost rank " + std::to_string(victim)), std::string::npos)
+        << "rank " << r << ": " << w.output;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Processes, RootedKillTest,
+                         ::testing::Values(KillCase{"ReduceRing", "reduce", 4, "ring", {0, 2, 3}},
+                                           KillCase{"GatherRing", "gather", 4, "ring", {0, 2, 3}},
+                                           KillCase{"ReduceAuto", "reduce", 4, "auto", {0, 2, 3}},
+                                           KillCase{"GatherAuto", "gather", 4, "auto", {0, 2, 3}},
+                                           KillCase{"SendRecvRing", "send_recv", 4, "ring", {0}},
+                                           KillCase{"SendRecvAuto", "send_recv", 2, "auto", {0}}),
+                         [](const ::testing::TestParamInfo<KillCase>& param) {
                            return std::string(param.param.name);
                          });
 
