@@ -488,7 +488,8 @@ def print_tables(args, rows, labels, n):
                     f"{some['root']:>4}")
             for b in labels:
                 r = by.get((b, collective, size)) or {}
-                line += (f"  {fmt(r.get('time_us'), '.2f', 10)} {fmt(r.get('algbw_gbps'), '.3f', 7)}"
+                line += (f"  {fmt(r.get('time_us'), '.2f', 10)}"
+                         f" {fmt(r.get('algbw_gbps'), '.3f', 7)}"
                          f" {fmt(r.get('busbw_gbps'), '.3f', 7)} {fmt(r.get('wrong'), 'd', 6)}")
             for b in ours:
                 r, g = by.get((b, collective, size)), by.get((base, collective, size))

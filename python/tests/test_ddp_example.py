@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("numpy")
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python" / "ddp_fashion_mnist.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "python" / "ddp_fashion_mnist.py"
 DATA_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 STEPS = 30
 TOLERANCE = 1e-5
