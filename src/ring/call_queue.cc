@@ -6,6 +6,11 @@
 #include <utility>
 
 namespace collectives::ring {
+namespace {
+// How long the woken progress thread leaves a queued call to a waiter that may run it itself.
+constexpr std::chrono::microseconds kWaiterGrace{20};
+constexpr int kWaiterGracePolls = 8;
+}  // namespace
 
 Error Stopped(const Error& broken, const core::CallTag& tag, const char* what) {
   std::string message = broken.message();
@@ -86,9 +91,19 @@ void CallQueue::Run() {
                stopping_.load(std::memory_order_relaxed);
       });
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock,
-               [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
-      if (queue_.empty()) return;  // stopping, and every queued call has run
+      for (bool waited_for_waiter = false;; waited_for_waiter = true) {
+        cv_.wait(lock,
+                 [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
+        if (queue_.empty()) return;  // stopping, and every queued call has run
+        if (waited_for_waiter || stopping_ || queue_.size() > 1) break;
+        // A caller that waits at once runs the call itself (RunOnWaiter), with no hand-off to
+        // this thread and back: it gets a moment to come before this thread takes a lone call
+        // (a queue of several runs at once: their callers are not waiting on the first).
+        lock.unlock();
+        core::YieldUntil(kWaiterGrace, kWaiterGracePolls,
+                         [this] { return queued_.load(std::memory_order_acquire) == 0; });
+        lock.lock();
+      }
       call = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
