@@ -12,8 +12,13 @@ Run N processes on this host (the script starts them, with the environment torch
       --backend collectives --epochs 1
 
 or start one process per rank with a launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT (torch.distributed.run --nproc_per_node N, where it works: Debian's torch 1.13
-under Python 3.11 fails to parse its own default --redirects).
+MASTER_PORT:
+
+  PYTHONPATH=build/python /usr/bin/python3 -m torch.distributed.run --nproc_per_node 2 \\
+      --redirects 1 --tee 1 examples/python/ddp_fashion_mnist.py --backend collectives
+
+(Debian's torch 1.13 under Python 3.11 cannot parse torch.distributed.run's own default
+--redirects 0 and --tee 0; any other value works.)
 
 Sharding: every rank computes the same order; rank r of N takes elements [r*B/N, (r+1)*B/N) of
 each global batch of B (a last partial batch fills the ranks in order with up to B/N each, so
