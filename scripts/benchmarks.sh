@@ -243,6 +243,10 @@ doc += ["## Measuring more", "",
         "element (exit status 2 on a wrong one); `--csv FILE` writes the rows. Columns: `time` "
         "(us, the slowest rank's), `algbw` = size / time, `busbw` = algbw x 2(n-1)/n for "
         "all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1 for broadcast.",
+        "- PyTorch: [benchmarks-torch.md](benchmarks-torch.md), written by "
+        "`scripts/torch-bench.sh` (`torch.distributed` through the backend against Gloo and the "
+        "C++ sweep, DDP); `bench/torch_perf.py --nproc N` times every `torch.distributed` "
+        "collective.",
         "- `scripts/sweep-matrix.sh [OUT_DIR]`: every collective at 2 and 4 ranks, 8 B to "
         "256 MiB, ours, ours against Open MPI over TCP, and Gloo (`build/bench/gloo_perf`), "
         "with one plot per collective.",
