@@ -53,10 +53,9 @@ bool CallQueue::Enter() {
 }
 
 void CallQueue::Leave() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --helpers_;
-  }
+  // Notified under the lock: once the destructor sees no helper it destroys cv_.
+  std::lock_guard<std::mutex> lock(mu_);
+  --helpers_;
   cv_.notify_all();
 }
 
