@@ -35,8 +35,6 @@ import json
 import math
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -419,42 +417,10 @@ def worker(args):
 # ---- The parent: one job per backend, then the tables ------------------------------------------
 
 def launch(nproc, argv, env_extra, timeout_s):
-    """Runs this script as ranks 0..nproc-1 on this host with torchrun's environment; when one
-    rank fails, the others get SIGTERM. Returns the first non-zero exit status, else 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), **env_extra)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv, env=env))
-    status, deadline = 0, time.monotonic() + timeout_s
-    try:
-        pending = list(procs)
-        while pending:
-            if time.monotonic() > deadline:
-                print(f"torch_perf: a job ran past {timeout_s:.0f} s; stopping it",
-                      file=sys.stderr)
-                return 1
-            for p in list(pending):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                pending.remove(p)
-                if rc != 0 and status == 0:
-                    status = rc if rc > 0 else 1
-                    for other in pending:
-                        other.terminate()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return status
+    """Runs this script as ranks 0..nproc-1 on this host (collectives.launch.run_local)."""
+    from collectives.launch import run_local
+    return run_local(nproc, [os.path.abspath(__file__)] + argv, env=env_extra,
+                     timeout_s=timeout_s, name="torch_perf")
 
 
 def fmt(value, spec, width):

@@ -50,8 +50,6 @@ import os
 import sys
 import time
 
-import socket
-import subprocess
 
 import numpy as np
 import torch
@@ -202,38 +200,9 @@ def train_single(args, x, y, total_steps, steps_per_epoch):
 
 
 def launch(nproc, argv):
-    """Runs this script as ranks 0..nproc-1 on this host, with torchrun's environment; when one
-    rank fails, the others get SIGTERM. Returns the first non-zero exit status, else 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv, env=env))
-    status = 0
-    try:
-        pending = list(procs)
-        while pending:
-            for p in list(pending):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                pending.remove(p)
-                if rc != 0 and status == 0:
-                    status = rc if rc > 0 else 1
-                    for other in pending:
-                        other.terminate()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return status
+    """Runs this script as ranks 0..nproc-1 on this host (collectives.launch.run_local)."""
+    from collectives.launch import run_local
+    return run_local(nproc, [os.path.abspath(__file__)] + argv, name="ddp_fashion_mnist")
 
 
 def say(rank, *parts):
