@@ -6,6 +6,7 @@
 #include "collectives/communication.h"
 #include "collectives/errors.h"
 #include "collectives/packing.h"
+#include "collectives/parameter_server.h"
 #include "collectives/strategy.h"
 #include "collectives/types.h"
 #include "collectives/version.h"
