@@ -10,6 +10,7 @@
 //   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker
 //   MASTER_PORT=29500 mpirun -np 2 train --strategy multi_worker --replicas 2
 //   TF_CONFIG='{"cluster":{"worker":["h0:p","h1:p"]},"task":{"type":"worker","index":0}}' train ...
+//   scripts/train.sh --strategy parameter_server --workers 2 --ps 2   (asynchronous: ps_train.h)
 //
 // One step, on every replica (Strategy::Run): gather the replica's share of the global batch
 // (DistributedDataset), forward, per-example losses, backward of their sum scaled by 1 / global
@@ -55,6 +56,7 @@
 #include "collectives/strategy.h"
 #include "examples/train/fashion_mnist.h"
 #include "examples/train/model.h"
+#include "examples/train/ps_train.h"
 
 namespace {
 
@@ -537,9 +539,12 @@ int main(int argc, char** argv) {
   app.add_option("--model", o.model, "mlp (784-256-256-10) or cnn (the guide's Conv2D network)")
       ->check(CLI::IsMember(train::ModelNames()))
       ->capture_default_str();
-  app.add_option("--strategy", o.strategy, "default, one_device, mirrored or multi_worker")
+  app.add_option("--strategy", o.strategy,
+                 "default, one_device, mirrored, multi_worker, or parameter_server (every task "
+                 "of a TF_CONFIG cluster with chief, worker and ps tasks; ps_train.h)")
       ->check(CLI::IsMember(
-          {"default", "one_device", "mirrored", "multi_worker", "multi_worker_mirrored"}))
+          {"default", "one_device", "mirrored", "multi_worker", "multi_worker_mirrored",
+           "parameter_server"}))
       ->capture_default_str();
   app.add_option("--replicas", o.replicas,
                  "local replicas (threads) of mirrored and multi_worker; 0: the strategy's default")
@@ -599,6 +604,26 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is a ParseError too
   }
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
+  // Every task of the cluster runs this; its role comes from TF_CONFIG (ps_train.h). A step is
+  // one worker's batch: --global-batch, else --batch-per-replica.
+  if (o.strategy == "parameter_server") {
+    return train::TrainParameterServer(
+        {.model = o.model,
+         .batch = o.global_batch > 0 ? o.global_batch : o.batch_per_replica,
+         .epochs = o.epochs,
+         .learning_rate = o.learning_rate,
+         .seed = o.seed,
+         .checkpoint_dir = o.checkpoint_dir,
+         .save_every_steps = o.save_every_steps,
+         .train_limit = o.train_limit,
+         .test_limit = o.test_limit,
+         .max_steps_per_epoch = o.max_steps_per_epoch,
+         .data_dir = o.data_dir,
+         .save_weights = o.save_weights,
+         .quiet_progress = o.quiet_progress,
+         .timeout_s = o.timeout_s,
+         .throttle_ms = o.throttle_ms});
+  }
 
   try {
     return Train(o);
