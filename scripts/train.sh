@@ -151,7 +151,8 @@ start_task() {
 # shown as it comes; the servers log to $work/<role><i>.log, shown when one fails. With
 # KILL_ROLE (worker or ps), that task gets SIGKILL once the coordinator reports progress in
 # epoch 2; a worker is started again RESTART_AFTER seconds later, with the same TF_CONFIG. Once
-# the coordinator has exited, servers that have not stopped by themselves within 5 s get TERM.
+# the coordinator has exited, servers that have not stopped by themselves within 5 s (at once when
+# it failed) get TERM.
 # Returns the coordinator's status (1 if a server failed on its own otherwise); sets
 # $samples_per_s from its throughput line.
 run_parameter_server() {
@@ -217,8 +218,10 @@ run_parameter_server() {
       'BEGIN {printf "train.sh: the coordinator exited with status %d, %.2f s after the SIGKILL to %s\n", rc, b - a, who}' >&2
   fi
 
-  # The servers: stopped by the coordinator's end, or by a TERM 5 s later.
+  # The servers: stopped by the coordinator at the end of its training, or by a TERM 5 s later;
+  # at once when it failed (they would wait for another coordinator).
   local deadline=$((SECONDS + 5)) alive status
+  [[ ${rc} == 0 ]] || deadline=${SECONDS}
   while :; do
     alive=0
     for i in "${!pids[@]}"; do kill -0 "${pids[i]}" 2>/dev/null && alive=1; done
