@@ -267,11 +267,11 @@ class ParameterServerStrategy {
   // value is cut into shards by the partitioner and sent to their parameter servers (whole
   // variables go round-robin over them). A variable of that name already on a parameter server
   // (left by an earlier coordinator) is replaced, its slots reset. Names must be unique
-  // (kInvalidArgument).
-  const PsVariable& CreateVariable(const std::string& name, std::vector<size_t> shape,
-                                   const Initializer& init);
-  // Every variable, in creation order.
-  const std::vector<PsVariable>& variables() const;
+  // (kInvalidArgument). Returns where it lives (a copy).
+  PsVariable CreateVariable(const std::string& name, std::vector<size_t> shape,
+                            const Initializer& init);
+  // Every variable, in creation order (a copy).
+  std::vector<PsVariable> variables() const;
 
   // The current value of a variable, read from its parameter servers; and its replacement.
   std::vector<float> Read(const std::string& name);
