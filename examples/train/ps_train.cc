@@ -457,6 +457,8 @@ int TrainParameterServer(const ParameterServerTrainOptions& o) {
       role = spec.task_type + " " + std::to_string(spec.task_index);
     }
     st::CheckClusterLayout(spec, "parameter_server");
+    ps_options.ps_addresses = spec.cluster.at("ps");
+    ps_options.worker_addresses = spec.cluster.at("worker");
     ps_options.request_timeout = Milliseconds(o.timeout_s);
     ps_options.ps_timeout = Milliseconds(o.ps_timeout_s);
     // Every task registers the same functions, by name, before it serves or schedules.
