@@ -8,7 +8,7 @@
 #     2. the same job again, with worker 1 SIGKILLed in epoch 2 and started again 1 s later: the
 #        coordinator must run the dead worker's unfinished steps on the other worker, take the
 #        restarted one back, finish with status 0, and reach a test accuracy within
-#        --tolerance (default 0.01, one point) of the uninterrupted run's;
+#        --tolerance (default 0.01, one point; 0.03 with --quick) of the uninterrupted run's;
 #   --victim ps
 #     1. the job runs with --checkpoint-dir; parameter server 1 is SIGKILLed in epoch 2: the
 #        coordinator must exit with an error that names "ps 1", within --deadline seconds
@@ -27,7 +27,7 @@ set -uo pipefail
 
 quick=0
 victim=worker
-tolerance=0.01
+tolerance=""
 deadline=20
 min_accuracy=""
 keep=0
@@ -53,6 +53,13 @@ if [[ ${victim} != worker && ${victim} != ps ]]; then
   echo "ps-kill-restart.sh: --victim must be worker or ps, got '${victim}'" >&2
   exit 2
 fi
+# Asynchronous training ends at a different point each run (the workers' updates interleave
+# differently): the quick form's accuracy varies by about a point between uninterrupted runs, the
+# full form's by less. Hence the quick form's wider default tolerance.
+if [[ -z ${tolerance} ]]; then
+  tolerance=0.01
+  [[ ${quick} == 1 ]] && tolerance=0.03
+fi
 if [[ -z ${min_accuracy} ]]; then
   min_accuracy=0.85
   [[ ${quick} == 1 ]] && min_accuracy=0.75
@@ -68,12 +75,12 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The job. --throttle-ms slows every step down so that epoch 2 lasts long enough for the kill
 # and the restart to land in it; it changes no arithmetic.
 if [[ ${quick} == 1 ]]; then
-  # 8192 examples / 128 per step = 64 steps per epoch.
-  job=(--epochs 3 --train-limit 8192 --test-limit 10000 --global-batch 128 --throttle-ms 15)
+  # 8192 examples / 64 per step = 128 steps per epoch.
+  job=(--epochs 3 --train-limit 8192 --test-limit 10000 --global-batch 64 --throttle-ms 10)
 else
   job=(--epochs 3 --global-batch 128 --throttle-ms 5)
 fi
-job+=(--seed 7 --quiet-progress)
+job+=(--seed 7)
 run=("${ROOT}/scripts/train.sh" --strategy parameter_server --workers 2 --ps 2)
 
 # Build once, here, rather than in every run below.
