@@ -119,8 +119,10 @@ struct ParameterServerOptions {
   // ClusterSpec::FromEnvironment(). This task's role is its task_type and task_index.
   std::optional<ClusterSpec> cluster{};
   // "host:port" of every parameter server and every worker, in task index order. When empty,
-  // they are read from the cluster spec. A server listens on the host and port of its own entry
-  // (a host "0.0.0.0" or "::" listens on every interface).
+  // they are the cluster spec's (ClusterSpec::cluster["ps"] and ["worker"], from TF_CONFIG),
+  // whose layout is then checked (CheckClusterLayout(spec, "parameter_server"): a chief, at least
+  // one worker and one ps; kInvalidArgument naming the field otherwise). A server listens on the
+  // host and port of its own entry.
   std::vector<std::string> ps_addresses{};
   std::vector<std::string> worker_addresses{};
   // The job's shared secret, proven on every connection. Empty: the cluster's job_token, else

@@ -132,6 +132,15 @@ ResolvedCluster ResolveCluster(const ParameterServerOptions& options, bool serve
     out.task_type = spec->task_type;
     out.task_index = spec->task_index;
     out.token = spec->job_token;
+    // The lists TF_CONFIG gives, unless the options name them.
+    const bool from_spec = out.ps_addresses.empty() || out.worker_addresses.empty();
+    if (from_spec && !spec->cluster.empty()) CheckClusterLayout(*spec, "parameter_server");
+    const auto role = [&](const char* name) {
+      auto it = spec->cluster.find(name);
+      return it == spec->cluster.end() ? std::vector<std::string>{} : it->second;
+    };
+    if (out.ps_addresses.empty()) out.ps_addresses = role("ps");
+    if (out.worker_addresses.empty()) out.worker_addresses = role("worker");
   }
   if (!options.job_token.empty()) out.token = options.job_token;
   if (out.token.empty()) {

@@ -317,6 +317,48 @@ TEST(ParameterServerTest, PlacementAndShardingAreInvisibleToTheStep) {
   EXPECT_THROW(fixed_strategy.CreateVariable("k2", {1}, Zeros()), Error);
 }
 
+TEST(ParameterServerTest, TheClusterComesFromTfConfig) {
+  const std::vector<std::string> a = LoopbackAddresses(4);
+  const std::string cluster = R"({"cluster": {"chief": [")" + a[0] + R"("], "worker": [")" +
+                              a[1] + R"("], "ps": [")" + a[2] + R"(", ")" + a[3] + R"("]}, )";
+  const auto spec = [&](const std::string& type, int index) {
+    ClusterSpec s = ClusterSpec::FromTfConfig(cluster + R"("task": {"type": ")" + type +
+                                              R"(", "index": )" + std::to_string(index) + "}}");
+    s.job_token = kToken;
+    return s;
+  };
+  std::vector<std::unique_ptr<Server>> servers;
+  for (const auto& [type, index] : {std::pair<std::string, int>{"ps", 0}, {"ps", 1}, {"worker", 0}}) {
+    ParameterServerOptions options;
+    options.cluster = spec(type, index);
+    servers.push_back(StartServer(options));
+  }
+  ParameterServerOptions options;
+  options.cluster = spec("chief", 0);
+  ParameterServerStrategy strategy(options);
+  EXPECT_EQ(strategy.num_ps(), 2);
+  EXPECT_EQ(strategy.num_workers(), 1);
+  strategy.CreateVariable("a", {2}, Constant(1.0f));
+  strategy.CreateVariable("b", {1}, Constant(2.0f));
+  EXPECT_EQ(strategy.variables()[1].shards[0].ps_index, 1);  // round-robin
+  ClusterCoordinator coordinator(strategy);
+  EXPECT_EQ(DecodeFloats(coordinator.Schedule("read_all").Fetch(milliseconds(10'000))),
+            (std::vector<float>{1, 1, 2}));
+
+  // A layout without a ps is refused, naming the rule.
+  ParameterServerOptions no_ps;
+  no_ps.cluster = ClusterSpec::FromTfConfig(R"({"cluster": {"chief": [")" + a[0] +
+                                            R"("], "worker": [")" + a[1] +
+                                            R"("]}, "task": {"type": "chief", "index": 0}})");
+  try {
+    ParameterServerStrategy refused(no_ps);
+    ADD_FAILURE() << "a cluster without a ps was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find("ps"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ParameterServerTest, ConcurrentPushesFromEveryWorkerAllLand) {
   ThreadCluster cluster(2, 3);
   ParameterServerOptions options = cluster.options();
