@@ -46,6 +46,10 @@
 //   - a worker that dies (its connection breaks, or a step outlives step_timeout) has its
 //     unfinished steps run again on the other workers; the coordinator keeps reconnecting to it
 //     and gives it steps again (after creating its per-worker datasets anew) once it is back.
+//     A step runs at least once: one that died after pushing its gradients has pushed them
+//     again when it runs again (TensorFlow's rule too). One whose workers were lost
+//     max_step_attempts times fails with kPeerLost (a step that kills every worker it runs on
+//     must not go round them forever).
 //   - a parameter server that dies makes the coordinator raise Error(kPeerLost) naming it
 //     ("ps 1 at 127.0.0.1:2223") within ps_timeout: from Fetch, Join, Schedule and every
 //     strategy call. A new coordinator resumes from the last checkpoint once it is back.
@@ -152,6 +156,9 @@ struct ParameterServerOptions {
   std::chrono::milliseconds no_worker_timeout{600'000};
   // How often the coordinator tries to reach a lost worker again. Default 200 ms.
   std::chrono::milliseconds reconnect_interval{200};
+  // How many workers one step may be given, each lost while running it, before it fails with
+  // kPeerLost. Default 5.
+  int max_step_attempts = 5;
 };
 
 // ---- What runs on a worker ---------------------------------------------------------------------

@@ -811,6 +811,7 @@ class ClusterCoordinator::Impl {
     std::string args;
     std::shared_ptr<RemoteValue::State> value;
     int ps_retries = 0;
+    int attempts = 0;  // workers lost while running it
   };
   struct Dataset {
     std::string name;
@@ -1003,9 +1004,17 @@ class ClusterCoordinator::Impl {
       Finish(c, "", Error(e.code(), e.message()));
     } catch (const Error& e) {
       done_running();
-      if (c->value->IsDone()) return;  // failed by FailAll meanwhile
-      Requeue(c, true);
       Lost(w, e);
+      if (c->value->IsDone()) return;  // failed by FailAll meanwhile
+      if (++c->attempts >= std::max(options_.max_step_attempts, 1)) {
+        Finish(c, "",
+               Error(ErrorCode::kPeerLost,
+                     "step '" + c->function + "' was given to " + std::to_string(c->attempts) +
+                         " workers and each was lost while running it; the last: " +
+                         e.message()));
+        return;
+      }
+      Requeue(c, true);
     }
   }
 

@@ -245,6 +245,19 @@ class ChildServer {
   }
   ~ChildServer() { Kill(); }
   pid_t pid() const { return pid_; }
+  // True when it exits with status 0 within `limit`.
+  bool ExitsCleanlyWithin(std::chrono::nanoseconds limit) {
+    int status = 0;
+    const auto until = Clock::now() + limit;
+    while (Clock::now() < until) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      }
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return false;
+  }
   void Kill() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
@@ -567,7 +580,11 @@ TEST(ParameterServerTest, AWorkerKilledMidStepHasItsStepRunElsewhereAndRejoins) 
   for (const RemoteValue& v : values) pids.insert(v.Fetch());
   EXPECT_TRUE(pids.count(std::to_string(worker1->pid()))) << "the restarted worker got no step";
   EXPECT_EQ(strategy.Read("w"), (std::vector<float>(3, -float(kFirst + 20))));
+  // The servers' RunServer returns when the coordinator stops them.
   coordinator.StopServers();
+  EXPECT_TRUE(worker0->ExitsCleanlyWithin(test_time::Scaled(std::chrono::seconds(10))));
+  EXPECT_TRUE(worker1->ExitsCleanlyWithin(test_time::Scaled(std::chrono::seconds(10))));
+  EXPECT_TRUE(ps_server->Wait(milliseconds(10'000)));
   fs::remove_all(flags);
 }
 
