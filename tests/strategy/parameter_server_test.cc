@@ -620,6 +620,32 @@ TEST(ParameterServerTest, AKilledParameterServerIsNamedWithinTheDeadline) {
   EXPECT_THROW(strategy.Read("w"), Error);
 }
 
+TEST(ParameterServerTest, AParameterServerRestartedEmptyIsNamed) {
+  const std::vector<std::string> ps = LoopbackAddresses(1);
+  const std::vector<std::string> workers = LoopbackAddresses(1);
+  ParameterServerOptions options = Options(ps, workers);
+  options.ps_timeout = milliseconds(5'000);
+  auto ps0 = std::make_unique<ChildServer>("ps:0", ps, workers, fs::temp_directory_path());
+  ParameterServerStrategy strategy(options);
+  strategy.CreateVariable("w", {4}, Zeros());
+  ps0->Kill();
+  ps0 = std::make_unique<ChildServer>("ps:0", ps, workers, fs::temp_directory_path());
+  // Back within ps_timeout, but without its variables: named as restarted, not waited for.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        try {
+          strategy.CheckHealth();
+          return false;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kPeerLost);
+          EXPECT_NE(e.message().find("ps 0 at " + ps[0]), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find("restarted"), std::string::npos) << e.what();
+          return true;
+        }
+      },
+      test_time::Scaled(std::chrono::seconds(10))));
+}
+
 TEST(ParameterServerTest, ANewCoordinatorResumesFromTheCheckpoint) {
   ThreadCluster cluster(2, 2);
   const fs::path dir = fs::temp_directory_path() /
