@@ -340,7 +340,8 @@ class PerWorkerDataset {
 
 // Dispatches steps to the workers: each worker runs one step at a time, taken from a queue in
 // the order they were scheduled (a free worker takes the next one). Connects to the workers in
-// the background: a worker that is not up yet (or lost) gets steps once it answers.
+// the background: a worker that is not up yet (or lost) gets steps once it answers. The strategy
+// must outlive its coordinator.
 class ClusterCoordinator {
  public:
   explicit ClusterCoordinator(ParameterServerStrategy& strategy);

@@ -280,7 +280,9 @@ class ParameterServerStrategy::Impl {
     std::lock_guard<std::mutex> lock(mutex_);
     listeners_.push_back(std::move(listener));
   }
+  // Returns once no listener runs; none is called after.
   void ClearListeners() {
+    std::lock_guard<std::mutex> calling(listeners_mutex_);
     std::lock_guard<std::mutex> lock(mutex_);
     listeners_.clear();
   }
@@ -473,6 +475,7 @@ class ParameterServerStrategy::Impl {
   }
 
   void MarkLost(size_t index, const std::string& why) {
+    std::lock_guard<std::mutex> calling(listeners_mutex_);
     std::vector<std::function<void(const Error&)>> listeners;
     Error error(ErrorCode::kPeerLost, "");
     {
@@ -535,6 +538,7 @@ class ParameterServerStrategy::Impl {
   ps::Layout layout_;
   std::optional<Error> broken_;
   std::vector<std::function<void(const Error&)>> listeners_;
+  std::mutex listeners_mutex_;  // held while listeners run (before mutex_)
   bool stopping_ = false;
   std::thread watcher_;
 };
