@@ -46,6 +46,10 @@
 //   - a worker that dies (its connection breaks, or a step outlives step_timeout) has its
 //     unfinished steps run again on the other workers; the coordinator keeps reconnecting to it
 //     and gives it steps again (after creating its per-worker datasets anew) once it is back.
+//     A step runs at least once: one that died after pushing its gradients has pushed them
+//     again when it runs again (TensorFlow's rule too). One whose workers were lost
+//     max_step_attempts times fails with kPeerLost (a step that kills every worker it runs on
+//     must not go round them forever).
 //   - a parameter server that dies makes the coordinator raise Error(kPeerLost) naming it
 //     ("ps 1 at 127.0.0.1:2223") within ps_timeout: from Fetch, Join, Schedule and every
 //     strategy call. A new coordinator resumes from the last checkpoint once it is back.
@@ -119,8 +123,10 @@ struct ParameterServerOptions {
   // ClusterSpec::FromEnvironment(). This task's role is its task_type and task_index.
   std::optional<ClusterSpec> cluster{};
   // "host:port" of every parameter server and every worker, in task index order. When empty,
-  // they are read from the cluster spec. A server listens on the host and port of its own entry
-  // (a host "0.0.0.0" or "::" listens on every interface).
+  // they are the cluster spec's (ClusterSpec::cluster["ps"] and ["worker"], from TF_CONFIG),
+  // whose layout is then checked (CheckClusterLayout(spec, "parameter_server"): a chief, at least
+  // one worker and one ps; kInvalidArgument naming the field otherwise). A server listens on the
+  // host and port of its own entry.
   std::vector<std::string> ps_addresses{};
   std::vector<std::string> worker_addresses{};
   // The job's shared secret, proven on every connection. Empty: the cluster's job_token, else
@@ -150,6 +156,9 @@ struct ParameterServerOptions {
   std::chrono::milliseconds no_worker_timeout{600'000};
   // How often the coordinator tries to reach a lost worker again. Default 200 ms.
   std::chrono::milliseconds reconnect_interval{200};
+  // How many workers one step may be given, each lost while running it, before it fails with
+  // kPeerLost. Default 5.
+  int max_step_attempts = 5;
 };
 
 // ---- What runs on a worker ---------------------------------------------------------------------
@@ -331,7 +340,8 @@ class PerWorkerDataset {
 
 // Dispatches steps to the workers: each worker runs one step at a time, taken from a queue in
 // the order they were scheduled (a free worker takes the next one). Connects to the workers in
-// the background: a worker that is not up yet (or lost) gets steps once it answers.
+// the background: a worker that is not up yet (or lost) gets steps once it answers. The strategy
+// must outlive its coordinator.
 class ClusterCoordinator {
  public:
   explicit ClusterCoordinator(ParameterServerStrategy& strategy);

@@ -132,6 +132,15 @@ ResolvedCluster ResolveCluster(const ParameterServerOptions& options, bool serve
     out.task_type = spec->task_type;
     out.task_index = spec->task_index;
     out.token = spec->job_token;
+    // The lists TF_CONFIG gives, unless the options name them.
+    const bool from_spec = out.ps_addresses.empty() || out.worker_addresses.empty();
+    if (from_spec && !spec->cluster.empty()) CheckClusterLayout(*spec, "parameter_server");
+    const auto role = [&](const char* name) {
+      auto it = spec->cluster.find(name);
+      return it == spec->cluster.end() ? std::vector<std::string>{} : it->second;
+    };
+    if (out.ps_addresses.empty()) out.ps_addresses = role("ps");
+    if (out.worker_addresses.empty()) out.worker_addresses = role("worker");
   }
   if (!options.job_token.empty()) out.token = options.job_token;
   if (out.token.empty()) {
@@ -271,7 +280,9 @@ class ParameterServerStrategy::Impl {
     std::lock_guard<std::mutex> lock(mutex_);
     listeners_.push_back(std::move(listener));
   }
+  // Returns once no listener runs; none is called after.
   void ClearListeners() {
+    std::lock_guard<std::mutex> calling(listeners_mutex_);
     std::lock_guard<std::mutex> lock(mutex_);
     listeners_.clear();
   }
@@ -464,6 +475,7 @@ class ParameterServerStrategy::Impl {
   }
 
   void MarkLost(size_t index, const std::string& why) {
+    std::lock_guard<std::mutex> calling(listeners_mutex_);
     std::vector<std::function<void(const Error&)>> listeners;
     Error error(ErrorCode::kPeerLost, "");
     {
@@ -526,6 +538,7 @@ class ParameterServerStrategy::Impl {
   ps::Layout layout_;
   std::optional<Error> broken_;
   std::vector<std::function<void(const Error&)>> listeners_;
+  std::mutex listeners_mutex_;  // held while listeners run (before mutex_)
   bool stopping_ = false;
   std::thread watcher_;
 };
@@ -802,6 +815,7 @@ class ClusterCoordinator::Impl {
     std::string args;
     std::shared_ptr<RemoteValue::State> value;
     int ps_retries = 0;
+    int attempts = 0;  // workers lost while running it
   };
   struct Dataset {
     std::string name;
@@ -994,9 +1008,17 @@ class ClusterCoordinator::Impl {
       Finish(c, "", Error(e.code(), e.message()));
     } catch (const Error& e) {
       done_running();
-      if (c->value->IsDone()) return;  // failed by FailAll meanwhile
-      Requeue(c, true);
       Lost(w, e);
+      if (c->value->IsDone()) return;  // failed by FailAll meanwhile
+      if (++c->attempts >= std::max(options_.max_step_attempts, 1)) {
+        Finish(c, "",
+               Error(ErrorCode::kPeerLost,
+                     "step '" + c->function + "' was given to " + std::to_string(c->attempts) +
+                         " workers and each was lost while running it; the last: " +
+                         e.message()));
+        return;
+      }
+      Requeue(c, true);
     }
   }
 

@@ -62,6 +62,10 @@ uint64_t RandomIncarnation() {
 
 using Handler = std::function<std::vector<uint8_t>(Op op, In& body)>;
 
+// Connections a server keeps at once (each has a thread): coordinators, workers' pools, and
+// peers still in the handshake, which get 10 s. Beyond it a new connection is closed at once.
+constexpr size_t kMaxConnections = 512;
+
 class TaskServer final : public Server {
  public:
   TaskServer(Kind kind, int index, const std::string& address, std::string token,
@@ -144,8 +148,14 @@ class TaskServer final : public Server {
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       auto socket = std::make_shared<Socket>(fd);
       auto done = std::make_shared<std::atomic<bool>>(false);
+      Reap();
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopped_) break;  // `socket` closes
+      if (connections_.size() >= kMaxConnections) {
+        std::fprintf(stderr, "collectives: %s refused a connection from %s: %zu are open\n",
+                     who_.c_str(), socket->PeerName().c_str(), connections_.size());
+        continue;  // `socket` closes
+      }
       connections_.push_back(Connection{socket, std::thread(), done});
       connections_.back().thread = std::thread([this, socket, done] {
         Serve(*socket);

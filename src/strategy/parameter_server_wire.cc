@@ -442,14 +442,27 @@ Client::Client(std::string address, std::string name, Kind kind, std::string tok
 
 Client::~Client() = default;
 
-void Client::Interrupt() { socket_.Shutdown(); }
+void Client::Interrupt() {
+  std::lock_guard<std::mutex> lock(socket_mutex_);
+  socket_.Shutdown();
+}
+
+void Client::CloseSocket() {
+  std::lock_guard<std::mutex> lock(socket_mutex_);
+  socket_.Close();
+}
 
 bool Client::EnsureConnected(Clock::time_point deadline, std::string* why) {
   if (socket_.valid()) return true;
-  if (!socket_.Connect(address_, deadline, why)) return false;
+  Socket fresh;
+  if (!fresh.Connect(address_, deadline, why)) return false;
+  {
+    std::lock_guard<std::mutex> lock(socket_mutex_);
+    socket_ = std::move(fresh);
+  }
   const HandshakeResult result = ClientHandshake(socket_, token_, kind_, deadline, why);
   if (result == HandshakeResult::kOk) return true;
-  socket_.Close();
+  CloseSocket();
   if (result == HandshakeResult::kRejected) {
     throw Error(ErrorCode::kUnauthenticated, name_ + ": " + *why);
   }
@@ -462,7 +475,7 @@ std::vector<uint8_t> Client::Call(Op op, const std::vector<uint8_t>& body,
   if (deadline == Clock::time_point::min()) deadline = Clock::now() + timeout_;
   std::string why;
   const auto fail = [&](const std::string& doing) {
-    socket_.Close();
+    CloseSocket();
     const bool timed_out = why.starts_with("deadline passed");
     throw Error(timed_out ? ErrorCode::kTimeout : ErrorCode::kPeerLost,
                 name_ + " " + doing + ": " + why);

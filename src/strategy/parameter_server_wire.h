@@ -200,7 +200,8 @@ class Client {
   std::vector<uint8_t> Call(Op op, const std::vector<uint8_t>& body,
                             Clock::time_point deadline = Clock::time_point::min());
   // Opens the connection now when there is none; false with the reason in `*why`. Throws
-  // Error(kUnauthenticated) when the server rejects the token.
+  // Error(kUnauthenticated) when the server rejects the token. Called by one thread at a time,
+  // and not during a Call.
   bool EnsureConnected(Clock::time_point deadline, std::string* why);
   // Closes the connection and wakes a call blocked on it (from any thread).
   void Interrupt();
@@ -211,7 +212,12 @@ class Client {
   Kind kind_;
   std::string token_;
   std::chrono::milliseconds timeout_;
+  void CloseSocket();
+
   std::mutex call_mutex_;  // one call at a time
+  // Guards closing and replacing socket_ against Interrupt, which must never shut down a
+  // descriptor number that was closed and given to another socket meanwhile.
+  std::mutex socket_mutex_;
   Socket socket_;
 };
 

@@ -245,6 +245,19 @@ class ChildServer {
   }
   ~ChildServer() { Kill(); }
   pid_t pid() const { return pid_; }
+  // True when it exits with status 0 within `limit`.
+  bool ExitsCleanlyWithin(std::chrono::nanoseconds limit) {
+    int status = 0;
+    const auto until = Clock::now() + limit;
+    while (Clock::now() < until) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      }
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return false;
+  }
   void Kill() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);
@@ -315,6 +328,48 @@ TEST(ParameterServerTest, PlacementAndShardingAreInvisibleToTheStep) {
   EXPECT_EQ(fixed_strategy.CreateVariable("k2", {7, 2}, Zeros()).shards.size(), 3u);
   EXPECT_EQ(fixed_strategy.CreateVariable("b2", {2}, Zeros()).shards.size(), 2u);
   EXPECT_THROW(fixed_strategy.CreateVariable("k2", {1}, Zeros()), Error);
+}
+
+TEST(ParameterServerTest, TheClusterComesFromTfConfig) {
+  const std::vector<std::string> a = LoopbackAddresses(4);
+  const std::string cluster = R"({"cluster": {"chief": [")" + a[0] + R"("], "worker": [")" +
+                              a[1] + R"("], "ps": [")" + a[2] + R"(", ")" + a[3] + R"("]}, )";
+  const auto spec = [&](const std::string& type, int index) {
+    ClusterSpec s = ClusterSpec::FromTfConfig(cluster + R"("task": {"type": ")" + type +
+                                              R"(", "index": )" + std::to_string(index) + "}}");
+    s.job_token = kToken;
+    return s;
+  };
+  std::vector<std::unique_ptr<Server>> servers;
+  for (const auto& [type, index] : {std::pair<std::string, int>{"ps", 0}, {"ps", 1}, {"worker", 0}}) {
+    ParameterServerOptions options;
+    options.cluster = spec(type, index);
+    servers.push_back(StartServer(options));
+  }
+  ParameterServerOptions options;
+  options.cluster = spec("chief", 0);
+  ParameterServerStrategy strategy(options);
+  EXPECT_EQ(strategy.num_ps(), 2);
+  EXPECT_EQ(strategy.num_workers(), 1);
+  strategy.CreateVariable("a", {2}, Constant(1.0f));
+  strategy.CreateVariable("b", {1}, Constant(2.0f));
+  EXPECT_EQ(strategy.variables()[1].shards[0].ps_index, 1);  // round-robin
+  ClusterCoordinator coordinator(strategy);
+  EXPECT_EQ(DecodeFloats(coordinator.Schedule("read_all").Fetch(milliseconds(10'000))),
+            (std::vector<float>{1, 1, 2}));
+
+  // A layout without a ps is refused, naming the rule.
+  ParameterServerOptions no_ps;
+  no_ps.cluster = ClusterSpec::FromTfConfig(R"({"cluster": {"chief": [")" + a[0] +
+                                            R"("], "worker": [")" + a[1] +
+                                            R"("]}, "task": {"type": "chief", "index": 0}})");
+  try {
+    ParameterServerStrategy refused(no_ps);
+    ADD_FAILURE() << "a cluster without a ps was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find("ps"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ParameterServerTest, ConcurrentPushesFromEveryWorkerAllLand) {
@@ -525,7 +580,11 @@ TEST(ParameterServerTest, AWorkerKilledMidStepHasItsStepRunElsewhereAndRejoins) 
   for (const RemoteValue& v : values) pids.insert(v.Fetch());
   EXPECT_TRUE(pids.count(std::to_string(worker1->pid()))) << "the restarted worker got no step";
   EXPECT_EQ(strategy.Read("w"), (std::vector<float>(3, -float(kFirst + 20))));
+  // The servers' RunServer returns when the coordinator stops them.
   coordinator.StopServers();
+  EXPECT_TRUE(worker0->ExitsCleanlyWithin(test_time::Scaled(std::chrono::seconds(10))));
+  EXPECT_TRUE(worker1->ExitsCleanlyWithin(test_time::Scaled(std::chrono::seconds(10))));
+  EXPECT_TRUE(ps_server->Wait(milliseconds(10'000)));
   fs::remove_all(flags);
 }
 
@@ -559,6 +618,32 @@ TEST(ParameterServerTest, AKilledParameterServerIsNamedWithinTheDeadline) {
   // Every later call says the same.
   EXPECT_THROW(coordinator.Schedule("push_step", "0"), Error);
   EXPECT_THROW(strategy.Read("w"), Error);
+}
+
+TEST(ParameterServerTest, AParameterServerRestartedEmptyIsNamed) {
+  const std::vector<std::string> ps = LoopbackAddresses(1);
+  const std::vector<std::string> workers = LoopbackAddresses(1);
+  ParameterServerOptions options = Options(ps, workers);
+  options.ps_timeout = milliseconds(5'000);
+  auto ps0 = std::make_unique<ChildServer>("ps:0", ps, workers, fs::temp_directory_path());
+  ParameterServerStrategy strategy(options);
+  strategy.CreateVariable("w", {4}, Zeros());
+  ps0->Kill();
+  ps0 = std::make_unique<ChildServer>("ps:0", ps, workers, fs::temp_directory_path());
+  // Back within ps_timeout, but without its variables: named as restarted, not waited for.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        try {
+          strategy.CheckHealth();
+          return false;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kPeerLost);
+          EXPECT_NE(e.message().find("ps 0 at " + ps[0]), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find("restarted"), std::string::npos) << e.what();
+          return true;
+        }
+      },
+      test_time::Scaled(std::chrono::seconds(10))));
 }
 
 TEST(ParameterServerTest, ANewCoordinatorResumesFromTheCheckpoint) {
