@@ -316,8 +316,13 @@ if [[ ${strategy} == parameter_server ]]; then
   if [[ ${compare} == 1 && ${rc} == 0 ]]; then
     ps_rate=${samples_per_s:-0}
     echo "== multi_worker, ${workers} workers, the same arguments =="
-    out=$(run_workers "$workers" "${rest[@]}" 2>&1 | tee /dev/stderr) || rc=$?
-    mw_rate=$(sed -n 's/^throughput: \([0-9.]*\) samples\/s.*/\1/p' <<<"$out" | tail -1)
+    # Shown through this script's own stdout, copied to a file (tee to /dev/stderr would open the
+    # caller's file again, truncating it, when the output goes to a file).
+    work=$(mktemp -d)
+    run_workers "$workers" "${rest[@]}" 2>&1 | tee "$work/compare.log" || rc=$?
+    mw_rate=$(sed -n 's/^throughput: \([0-9.]*\) samples\/s.*/\1/p' "$work/compare.log" | tail -1)
+    rm -rf "$work"
+    work=""
     echo "== throughput (samples/s, $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)) =="
     printf '%-40s %10.0f\n' "parameter_server, ${workers} workers, ${servers} ps" "${ps_rate}" \
       "multi_worker, ${workers} workers" "${mw_rate:-0}"
