@@ -453,9 +453,7 @@ int TrainParameterServer(const ParameterServerTrainOptions& o) {
     st::ParameterServerOptions ps_options;
     ps_options.cluster = co::ClusterSpec::FromEnvironment();
     const co::ClusterSpec& spec = *ps_options.cluster;
-    if (spec.task_type == "worker" || spec.task_type == "ps") {
-      role = spec.task_type + " " + std::to_string(spec.task_index);
-    }
+    if (spec.task_type != "chief") role = spec.task_type + " " + std::to_string(spec.task_index);
     st::CheckClusterLayout(spec, "parameter_server");
     ps_options.ps_addresses = spec.cluster.at("ps");
     ps_options.worker_addresses = spec.cluster.at("worker");
