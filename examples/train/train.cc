@@ -7,7 +7,7 @@
 //   train --strategy mirrored --replicas 4 --cross-device hierarchical_copy
 //   RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker &
 //   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker
-//   MASTER_PORT=29500 mpirun -np 2 train --strategy multi_worker --replicas 2
+//   mpirun -np 2 train --strategy multi_worker --replicas 2
 //   TF_CONFIG='{"cluster":{"worker":["h0:p","h1:p"]},"task":{"type":"worker","index":0}}' train ...
 //
 // One step, on every replica (Strategy::Run): gather the replica's share of the global batch
