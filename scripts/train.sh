@@ -4,6 +4,7 @@
 #
 #   scripts/train.sh [ARGS...]                  one process: train ARGS
 #       e.g. scripts/train.sh --strategy mirrored --replicas 4 --epochs 5
+#            scripts/train.sh --strategy central_storage --replicas 4 --epochs 5
 #   scripts/train.sh --workers N [ARGS...]      N worker processes on this host, found through
 #                                               RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a
 #                                               free port), each `train --strategy multi_worker ARGS`;
