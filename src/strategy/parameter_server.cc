@@ -407,6 +407,21 @@ class ParameterServerStrategy::Impl {
     return out;
   }
 
+  // The value alone: one request per shard, no slots.
+  std::vector<float> ReadValue(const PsVariable& v) {
+    std::vector<float> value(v.count);
+    for (const PsShard& s : v.shards) {
+      ps::Out request;
+      request.U32(1);
+      request.Str(ps::ShardKey(v, s));
+      const std::vector<uint8_t> reply =
+          Call(size_t(s.ps_index), ps::Op::kReadShards, request.bytes());
+      ps::In in(reply);
+      in.FloatsInto(value.data() + s.offset, s.count);
+    }
+    return value;
+  }
+
   void SetState(const PsVariable& v, const VariableState& state) {
     for (const PsShard& s : v.shards) {
       ps::Out request;
@@ -570,7 +585,7 @@ std::vector<PsVariable> ParameterServerStrategy::variables() const {
 }
 std::vector<float> ParameterServerStrategy::Read(const std::string& name) {
   impl_->CheckHealth();
-  return impl_->GetState(impl_->Find(name)).value;
+  return impl_->ReadValue(impl_->Find(name));
 }
 void ParameterServerStrategy::Assign(const std::string& name, std::span<const float> value) {
   impl_->CheckHealth();

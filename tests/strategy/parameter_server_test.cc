@@ -149,6 +149,33 @@ std::string JoinComma(const std::vector<std::string>& v) {
   return out;
 }
 
+// The coordinator the coordinator-kill test kills: 10 steps of push_step, a checkpoint in
+// <flags>/ckpt, the file <flags>/saved, then steps until it is killed.
+void RunTestCoordinator() {
+  ParameterServerOptions options;
+  ClusterSpec spec;
+  spec.task_type = "chief";
+  options.cluster = spec;
+  options.ps_addresses = SplitComma(std::getenv("COLLECTIVES_PS_TEST_PS"));
+  options.worker_addresses = SplitComma(std::getenv("COLLECTIVES_PS_TEST_WORKERS"));
+  options.job_token = kToken;
+  options.optimizer = PsOptimizer::Sgd({.learning_rate = 1.0f});
+  try {
+    ParameterServerStrategy strategy(options);
+    strategy.CreateVariable("w", {5}, Zeros());
+    ClusterCoordinator coordinator(strategy);
+    for (int i = 0; i < 10; ++i) coordinator.Schedule("push_step", std::to_string(i));
+    coordinator.Join(milliseconds(30'000));
+    strategy.SaveCheckpoint((FlagDir() / "ckpt").string(), {1, 0});
+    std::ofstream(FlagDir() / "saved") << "1";
+    for (int i = 0; i < 1000; ++i) coordinator.Schedule("slow_push", "20");
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "coordinator: %s\n", e.what());
+    _exit(1);
+  }
+}
+
 // This binary run as a server: COLLECTIVES_PS_TEST_ROLE="ps:1" or "worker:0", the addresses in
 // COLLECTIVES_PS_TEST_PS and COLLECTIVES_PS_TEST_WORKERS. Runs before main and never returns.
 const bool kRegistered = [] {
@@ -157,6 +184,10 @@ const bool kRegistered = [] {
   if (role == nullptr) return true;
   const std::string text = role;
   const size_t colon = text.find(':');
+  if (text.substr(0, colon) == "coordinator") {
+    RunTestCoordinator();
+    _exit(0);
+  }
   ParameterServerOptions options;
   ClusterSpec spec;
   spec.task_type = text.substr(0, colon);
@@ -644,6 +675,48 @@ TEST(ParameterServerTest, AParameterServerRestartedEmptyIsNamed) {
         }
       },
       test_time::Scaled(std::chrono::seconds(10))));
+}
+
+TEST(ParameterServerTest, ServersOutliveAKilledCoordinatorAndServeTheNext) {
+  ThreadCluster cluster(2, 2);
+  const fs::path flags = fs::temp_directory_path() /
+                         ("collectives_ps_coord_" + std::to_string(getpid()));
+  fs::remove_all(flags);
+  fs::create_directories(flags);
+  ChildServer first("coordinator:0", cluster.ps, cluster.workers, flags);
+  ASSERT_TRUE(WaitUntil([&] { return fs::exists(flags / "saved"); },
+                        test_time::Scaled(std::chrono::seconds(20))));
+  std::this_thread::sleep_for(milliseconds(100));  // killed while its steps run
+  first.Kill();
+  // The steps it had started finish on their workers (their pushes land; their results have no
+  // one to go to): give them their 20 ms before the restore, which they would otherwise follow.
+  std::this_thread::sleep_for(milliseconds(500));
+
+  ParameterServerOptions options = cluster.options();
+  options.optimizer = PsOptimizer::Sgd({.learning_rate = 1.0f});
+  ParameterServerStrategy strategy(options);
+  strategy.CreateVariable("w", {5}, Constant(7.0f));
+  ASSERT_EQ(strategy.RestoreCheckpoint((flags / "ckpt").string()), (TrainingState{1, 0}));
+  std::vector<double> expected(5, 0.0);
+  for (int i = 0; i < 10; ++i) {
+    const std::vector<float> g = StepGradient(i, 5);
+    for (size_t j = 0; j < 5; ++j) expected[j] -= g[j];
+  }
+  std::vector<float> restored = strategy.Read("w");
+  for (size_t j = 0; j < 5; ++j) EXPECT_EQ(double(restored[j]), expected[j]) << j;
+  // Both workers take steps from the new coordinator.
+  ClusterCoordinator coordinator(strategy);
+  ASSERT_TRUE(WaitUntil([&] { return coordinator.num_available_workers() == 2; },
+                        test_time::Scaled(std::chrono::seconds(10))));
+  for (int i = 10; i < 20; ++i) coordinator.Schedule("push_step", std::to_string(i));
+  coordinator.Join(milliseconds(30'000));
+  for (int i = 10; i < 20; ++i) {
+    const std::vector<float> g = StepGradient(i, 5);
+    for (size_t j = 0; j < 5; ++j) expected[j] -= g[j];
+  }
+  const std::vector<float> after = strategy.Read("w");
+  for (size_t j = 0; j < 5; ++j) EXPECT_EQ(double(after[j]), expected[j]) << j;
+  fs::remove_all(flags);
 }
 
 TEST(ParameterServerTest, ANewCoordinatorResumesFromTheCheckpoint) {
