@@ -691,11 +691,12 @@ int main(int argc, char** argv) {
   }
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
   // Every task of the cluster runs this; its role comes from TF_CONFIG (ps_train.h). A step is
-  // one worker's batch: --global-batch, else --batch-per-replica.
+  // one worker's batch: --batch-per-replica when given, else --global-batch. The parameter
+  // servers' Adam keeps its learning rate: --learning-rate-decay does not apply.
   if (o.strategy == "parameter_server") {
     return train::TrainParameterServer(
         {.model = o.model,
-         .batch = o.global_batch > 0 ? o.global_batch : o.batch_per_replica,
+         .batch = o.batch_per_replica > 0 ? o.batch_per_replica : o.global_batch,
          .epochs = o.epochs,
          .learning_rate = o.learning_rate,
          .seed = o.seed,
