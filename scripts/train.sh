@@ -151,10 +151,10 @@ start_task() {
 # run_parameter_server N M KILL_ROLE KILL_INDEX RESTART_AFTER ARGS...: a ParameterServerStrategy
 # job on loopback, every task `train --strategy parameter_server ARGS` with its own TF_CONFIG:
 #   {"cluster": {"chief": [A0], "worker": [A1..AN], "ps": [..]}, "task": {"type": T, "index": I}}
-# (free ports, one job token for all). The coordinator's output goes to $work/chief.log and is
+# (free ports, one job token for all). The coordinator's output goes to $work/chief0.log and is
 # shown as it comes; the servers log to $work/<role><i>.log, shown when one fails. With
 # KILL_ROLE (worker or ps), that task gets SIGKILL once the coordinator reports progress in
-# epoch 2; a worker is started again RESTART_AFTER seconds later, with the same TF_CONFIG. Once
+# epoch 2 (with --quiet-progress, at that epoch's end); a worker is started again RESTART_AFTER seconds later, with the same TF_CONFIG. Once
 # the coordinator has exited, servers that have not stopped by themselves within 5 s (at once when
 # it failed) get TERM.
 # Returns the coordinator's status (1 if a server failed on its own otherwise); sets

@@ -318,6 +318,7 @@ bool IsReportStep(size_t done, size_t total) {
 }
 
 int RunCoordinator(const ParameterServerTrainOptions& o, st::ParameterServerOptions ps_options) {
+  // The coordinator reads the training set for its size and shape only; the workers train on it.
   const ImageDataset train_set = LoadFashionMnist(o.data_dir, "train", o.train_limit);
   if (o.batch == 0 || o.batch > train_set.count) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
