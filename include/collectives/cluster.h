@@ -2,8 +2,8 @@
 //
 // A ClusterSpec says this process's rank, the world size and where the rendezvous store lives.
 // It comes from TensorFlow's TF_CONFIG, from torchrun-style RANK / WORLD_SIZE / MASTER_ADDR /
-// MASTER_PORT, from mpirun's OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE (with MASTER_ADDR /
-// MASTER_PORT), or is filled in by code.
+// MASTER_PORT, from mpirun (OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE, and its PMIx server when
+// MASTER_PORT is not exported), from Slurm's srun (SLURM_PROCID, ...), or is filled in by code.
 //
 // Thread-safety: ClusterSpec is a plain value. Every Store may be called from any thread.
 #ifndef COLLECTIVES_CLUSTER_H_
@@ -76,9 +76,22 @@ struct ClusterSpec {
   // every role), a bad "host:port", an unknown role, more than one chief or evaluator.
   static ClusterSpec FromTfConfig(std::string_view json);
 
-  // Builds the spec from the environment: TF_CONFIG if set; else RANK and WORLD_SIZE; else
-  // OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; MASTER_ADDR (default 127.0.0.1) and
-  // MASTER_PORT for the last two. With none of them: a single rank. Then, whatever the source:
+  // Builds the spec from the environment, the first source present winning:
+  //   1. TF_CONFIG (RANK / WORLD_SIZE beside it must agree with it: else ambiguous, refused);
+  //   2. RANK and WORLD_SIZE (torchrun), MASTER_ADDR (default 127.0.0.1) and MASTER_PORT;
+  //   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), MASTER_ADDR and MASTER_PORT
+  //      when exported; without MASTER_PORT, rank 0 picks its address (MASTER_ADDR, else
+  //      127.0.0.1 when every rank is on its host, else its first non-loopback IPv4 address), a
+  //      free port and a job token, and every rank reads them through mpirun's PMIx server (one
+  //      PMIx fence, done once per process: every rank must call this); job_id becomes
+  //      "mpirun-<PMIx namespace>";
+  //   4. SLURM_PROCID with SLURM_STEP_ID (an srun job step): SLURM_STEP_NUM_TASKS (else
+  //      SLURM_NTASKS) ranks; the store on the first host of SLURM_STEP_NODELIST (else
+  //      SLURM_JOB_NODELIST, SLURM_NODELIST; Slurm's compressed lists) at port 20000 + 4 x
+  //      (SLURM_JOB_ID mod 10000) + step mod 4, unless MASTER_ADDR / MASTER_PORT are set; job_id
+  //      "slurm-<job>.<step>";
+  //   5. none of them: a single rank.
+  // Then, whatever the source:
   // COLLECTIVES_JOB_ID gives job_id (it must not be empty, and must equal TF_CONFIG's "job_id"
   // when that names one other than the default), COLLECTIVES_JOB_TOKEN job_token, and
   // COLLECTIVES_STORE_LISTEN_ADDRESS store_listen_address. Throws Error(kInvalidArgument) naming

@@ -9,10 +9,18 @@
 //   1. TF_CONFIG (an empty or blank TF_CONFIG counts as unset);
 //   2. RANK and WORLD_SIZE (torchrun), with MASTER_ADDR (default 127.0.0.1) and MASTER_PORT
 //      (required when WORLD_SIZE > 1);
-//   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_* as above;
-//   4. nothing: a single rank.
+//   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_* as above; without
+//      MASTER_PORT, rank 0 publishes its store's address and a job token through mpirun's PMIx
+//      server (src/cluster/launchers.h);
+//   4. SLURM_PROCID with SLURM_STEP_ID (srun), SLURM_STEP_NUM_TASKS or SLURM_NTASKS, the store
+//      on the first host of the node list at a port derived from the job and step ids, unless
+//      MASTER_ADDR / MASTER_PORT say otherwise;
+//   5. nothing: a single rank.
+// TF_CONFIG beside RANK / WORLD_SIZE that disagree with it is refused as ambiguous.
 // COLLECTIVES_JOB_ID, when set, gives job_id; if TF_CONFIG also names one, they must agree.
 #include <cctype>
+#include <chrono>
+#include <cstdint>
 #include <climits>
 #include <cstdlib>
 #include <map>
@@ -25,6 +33,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/launchers.h"
 #include "src/core/text.h"
 
 namespace collectives {
@@ -150,8 +159,13 @@ const std::string* Find(const std::map<std::string, std::string>& env, const cha
 }
 
 // RANK/WORLD_SIZE or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, with MASTER_ADDR/MASTER_PORT.
+// How long the ranks of an mpirun job wait for each other in the PMIx fence that tells them rank
+// 0's store: as long as a communicator's default set-up.
+constexpr std::chrono::seconds kPmixTimeout{300};
+
+// `pmix`: a job of mpirun's, which may meet through its PMIx server when MASTER_PORT is unset.
 ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, const char* rank_name,
-                              const char* size_name) {
+                              const char* size_name, bool pmix) {
   const std::string* rank_value = Find(env, rank_name);
   const std::string* size_value = Find(env, size_name);
   if (rank_value == nullptr) {
@@ -194,10 +208,83 @@ ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, con
               "=1; " + size_name + "=" + *size_value + " needs the port of rank 0's store");
     }
     spec.master_port = *parsed;
+  } else if (spec.world_size > 1 && pmix && cluster::StartedByPmix(env)) {
+    // mpirun with nothing exported: rank 0 publishes its store's address through PMIx.
+    const std::string* addr = Find(env, "MASTER_ADDR");
+    cluster::PmixStore store = cluster::ExchangeThroughPmix(
+        spec.rank, spec.world_size, addr != nullptr ? spec.master_addr : std::string(),
+        kPmixTimeout);
+    spec.master_addr = store.master_addr;
+    spec.master_port = store.master_port;
+    spec.job_token = store.job_token;
+    spec.job_id = "mpirun-" + store.nspace;
   } else if (spec.world_size > 1) {
     Invalid(std::string("environment variable MASTER_PORT is required when ") + size_name + "=" +
-            *size_value + " > 1 (rank 0 hosts the rendezvous store on it)");
+            *size_value + " > 1 (rank 0 hosts the rendezvous store on it)" +
+            (pmix ? "; mpirun started this process without a PMIx server (PMIX_NAMESPACE, "
+                    "PMIX_RANK) through which the ranks could meet instead"
+                  : ""));
   }
+  return spec;
+}
+
+// A decimal id of Slurm's (job or step), digits only.
+uint64_t ParseSlurmId(const char* name, const std::string& value) {
+  if (value.empty() || value.size() > 18 ||
+      value.find_first_not_of("0123456789") != std::string::npos) {
+    Invalid(std::string("environment variable ") + name + "=" + Quote(value) +
+            " is not a Slurm id (digits)");
+  }
+  return std::stoull(value);
+}
+
+// srun: SLURM_PROCID of SLURM_STEP_NUM_TASKS (else SLURM_NTASKS); the store on the first host of
+// the step's node list, at a port derived from the job and step ids, unless MASTER_ADDR and
+// MASTER_PORT say otherwise.
+ClusterSpec FromSlurm(const std::map<std::string, std::string>& env) {
+  const char* size_name =
+      Find(env, "SLURM_STEP_NUM_TASKS") != nullptr ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
+  if (Find(env, size_name) == nullptr) {
+    Invalid("environment variable SLURM_PROCID is set (an srun job step) but neither "
+            "SLURM_STEP_NUM_TASKS nor SLURM_NTASKS says how many tasks it has");
+  }
+  std::map<std::string, std::string> ranks = {{"SLURM_PROCID", env.at("SLURM_PROCID")},
+                                              {size_name, env.at(size_name)}};
+  for (const char* name : {"MASTER_ADDR", "MASTER_PORT"}) {
+    if (const std::string* value = Find(env, name)) ranks.emplace(name, *value);
+  }
+  const std::string* job = Find(env, "SLURM_JOB_ID");
+  if (job == nullptr) job = Find(env, "SLURM_JOBID");
+  const std::string* step = Find(env, "SLURM_STEP_ID");
+  if (Find(env, "MASTER_ADDR") == nullptr) {
+    const char* list_name = nullptr;
+    for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+      if (Find(env, name) != nullptr) {
+        list_name = name;
+        break;
+      }
+    }
+    if (list_name != nullptr) {
+      const std::vector<std::string> hosts = cluster::ExpandSlurmHostList(
+          env.at(list_name), std::string("environment variable ") + list_name);
+      ranks["MASTER_ADDR"] = hosts.front();
+    } else if (ParseNonNegativeInt(size_name, env.at(size_name)) > 1) {
+      Invalid("an srun job step of several tasks needs the store's host: none of "
+              "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST, SLURM_NODELIST and MASTER_ADDR is set");
+    }
+  }
+  if (Find(env, "MASTER_PORT") == nullptr) {
+    if (job != nullptr) {
+      const uint64_t step_id = ParseSlurmId("SLURM_STEP_ID", *step);
+      ranks["MASTER_PORT"] = std::to_string(
+          cluster::SlurmDefaultPort(ParseSlurmId("SLURM_JOB_ID", *job), step_id));
+    } else if (ParseNonNegativeInt(size_name, env.at(size_name)) > 1) {
+      Invalid("an srun job step of several tasks needs the store's port: neither SLURM_JOB_ID "
+              "(from which it is derived) nor MASTER_PORT is set");
+    }
+  }
+  ClusterSpec spec = FromRankVariables(ranks, "SLURM_PROCID", size_name, /*pmix=*/false);
+  if (job != nullptr) spec.job_id = "slurm-" + *job + "." + *step;
   return spec;
 }
 
@@ -348,6 +435,17 @@ ClusterSpec ClusterSpec::FromEnvironment() {
                                        "WORLD_SIZE",
                                        "OMPI_COMM_WORLD_RANK",
                                        "OMPI_COMM_WORLD_SIZE",
+                                       "SLURM_PROCID",
+                                       "SLURM_NTASKS",
+                                       "SLURM_STEP_NUM_TASKS",
+                                       "SLURM_STEP_ID",
+                                       "SLURM_JOB_ID",
+                                       "SLURM_JOBID",
+                                       "SLURM_STEP_NODELIST",
+                                       "SLURM_JOB_NODELIST",
+                                       "SLURM_NODELIST",
+                                       "PMIX_NAMESPACE",
+                                       "PMIX_RANK",
                                        "MASTER_ADDR",
                                        "MASTER_PORT",
                                        "COLLECTIVES_JOB_ID",
@@ -360,6 +458,26 @@ ClusterSpec ClusterSpec::FromEnvironment() {
   return FromEnvironment(env);
 }
 
+namespace {
+
+// TF_CONFIG beside RANK / WORLD_SIZE that name another rank or size: two launchers' variables,
+// and no way to know which is meant.
+void CheckAgainstRankVariables(const ClusterSpec& spec, const std::map<std::string, std::string>& env) {
+  const std::string* rank = Find(env, "RANK");
+  const std::string* size = Find(env, "WORLD_SIZE");
+  if (rank == nullptr && size == nullptr) return;
+  const bool differs = (rank != nullptr && *rank != std::to_string(spec.rank)) ||
+                       (size != nullptr && *size != std::to_string(spec.world_size));
+  if (differs) {
+    Invalid("TF_CONFIG makes this process rank " + std::to_string(spec.rank) + " of " +
+            std::to_string(spec.world_size) + ", but RANK=" + Quote(rank ? *rank : "") +
+            " WORLD_SIZE=" + Quote(size ? *size : "") +
+            " say otherwise: two launchers' variables; unset one of them");
+  }
+}
+
+}  // namespace
+
 ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string>& env) {
   ClusterSpec spec;
   bool job_id_from_tf_config = false;
@@ -368,11 +486,15 @@ ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string
     spec = FromTfConfig(*tf_config);
     job_id_from_tf_config = spec.job_id != ClusterSpec().job_id;
   } else if (Find(env, "RANK") != nullptr || Find(env, "WORLD_SIZE") != nullptr) {
-    spec = FromRankVariables(env, "RANK", "WORLD_SIZE");
+    spec = FromRankVariables(env, "RANK", "WORLD_SIZE", /*pmix=*/false);
   } else if (Find(env, "OMPI_COMM_WORLD_RANK") != nullptr ||
              Find(env, "OMPI_COMM_WORLD_SIZE") != nullptr) {
-    spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", /*pmix=*/true);
+  } else if (Find(env, "SLURM_PROCID") != nullptr && Find(env, "SLURM_STEP_ID") != nullptr) {
+    // An srun job step; a batch script (SLURM_PROCID without a step) is a single rank.
+    spec = FromSlurm(env);
   }
+  if (tf_config != nullptr && !IsBlank(*tf_config)) CheckAgainstRankVariables(spec, env);
   if (const std::string* token = Find(env, "COLLECTIVES_JOB_TOKEN")) spec.job_token = *token;
   const std::string* listen = Find(env, "COLLECTIVES_STORE_LISTEN_ADDRESS");
   if (listen != nullptr && !listen->empty()) {  // empty: unset, as for COLLECTIVES_LISTEN_ADDRESS

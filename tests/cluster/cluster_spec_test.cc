@@ -10,6 +10,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/launchers.h"
 #include "tests/scoped_env.h"
 
 namespace collectives {
@@ -398,16 +399,26 @@ TEST(EnvironmentTest, NothingSetIsASingleRank) {
   EXPECT_EQ(spec.job_id, "collectives");
 }
 
-TEST(EnvironmentTest, TfConfigWinsOverRankVariables) {
+TEST(EnvironmentTest, TfConfigWinsOverRankVariablesThatAgree) {
   Env env = {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1", "b:2"]},
                               "task": {"type": "worker", "index": 1}})"},
-             {"RANK", "0"},
-             {"WORLD_SIZE", "5"},
+             {"RANK", "1"},
+             {"WORLD_SIZE", "2"},
              {"MASTER_PORT", "9"}};
   ClusterSpec spec = ClusterSpec::FromEnvironment(env);
   EXPECT_EQ(spec.rank, 1);
   EXPECT_EQ(spec.world_size, 2);
   EXPECT_EQ(spec.master_addr, "a");
+  EXPECT_EQ(spec.master_port, 1);
+}
+
+// Two launchers' variables that name different jobs: no way to tell which is meant.
+TEST(EnvironmentTest, TfConfigBesideRankVariablesThatDisagreeIsAmbiguous) {
+  const std::string tf_config = R"({"cluster": {"worker": ["a:1", "b:2"]},
+                                    "task": {"type": "worker", "index": 1}})";
+  ExpectBadEnv(Env{{"TF_CONFIG", tf_config}, {"RANK", "0"}, {"WORLD_SIZE", "2"}},
+               {"TF_CONFIG makes this process rank 1 of 2", "RANK='0'", "unset one"});
+  ExpectBadEnv(Env{{"TF_CONFIG", tf_config}, {"WORLD_SIZE", "5"}}, {"WORLD_SIZE='5'"});
 }
 
 TEST(EnvironmentTest, TheStoreListenAddressAndTheTokenComeFromTheEnvironment) {
@@ -633,6 +644,97 @@ TEST(EnvironmentTest, PortZeroIsValidForASingleRank) {
   spec = ClusterSpec::FromEnvironment(
       Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}});
   EXPECT_EQ(spec.master_port, 0);
+}
+
+// srun's variables: the rank of the step's tasks, the store on the first host of the step's
+// node list (Slurm's compressed form), the port derived from the job and step ids.
+TEST(EnvironmentTest, SlurmJobStep) {
+  Env env = {{"SLURM_PROCID", "3"},         {"SLURM_NTASKS", "8"},
+             {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_STEP_ID", "2"},
+             {"SLURM_JOB_ID", "123456"},    {"SLURM_STEP_NODELIST", "gpu-[07-09,12]x,login1"},
+             {"SLURM_JOB_NODELIST", "other[1-2]"}};
+  ClusterSpec spec = ClusterSpec::FromEnvironment(env);
+  EXPECT_EQ(spec.rank, 3);
+  EXPECT_EQ(spec.world_size, 4);  // the step's tasks, not the allocation's
+  EXPECT_EQ(spec.master_addr, "gpu-07x");
+  EXPECT_EQ(spec.master_port, 20000 + 4 * 3456 + 2);
+  EXPECT_EQ(spec.job_id, "slurm-123456.2");
+  EXPECT_EQ(spec.task_type, "worker");
+  // MASTER_ADDR and MASTER_PORT win; SLURM_NTASKS when the step's count is absent.
+  env.erase("SLURM_STEP_NUM_TASKS");
+  env["MASTER_ADDR"] = "10.0.0.9";
+  env["MASTER_PORT"] = "4000";
+  spec = ClusterSpec::FromEnvironment(env);
+  EXPECT_EQ(spec.world_size, 8);
+  EXPECT_EQ(spec.master_addr, "10.0.0.9");
+  EXPECT_EQ(spec.master_port, 4000);
+  // Two steps of one job, and two jobs, get different ports.
+  EXPECT_NE(cluster::SlurmDefaultPort(7, 0), cluster::SlurmDefaultPort(7, 1));
+  EXPECT_NE(cluster::SlurmDefaultPort(7, 0), cluster::SlurmDefaultPort(8, 0));
+}
+
+TEST(EnvironmentTest, SlurmBatchScriptIsASingleRankAndMpirunWinsInsideAnAllocation) {
+  // sbatch's script has SLURM_PROCID but no step: a program run from it directly is alone.
+  ClusterSpec spec = ClusterSpec::FromEnvironment(
+      Env{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_JOB_NODELIST", "n[1-2]"}});
+  EXPECT_EQ(spec.world_size, 1);
+  spec = ClusterSpec::FromEnvironment(Env{{"SLURM_PROCID", "0"},
+                                          {"SLURM_STEP_ID", "0"},
+                                          {"SLURM_NTASKS", "8"},
+                                          {"SLURM_JOB_ID", "5"},
+                                          {"OMPI_COMM_WORLD_RANK", "1"},
+                                          {"OMPI_COMM_WORLD_SIZE", "2"},
+                                          {"MASTER_PORT", "4000"}});
+  EXPECT_EQ(spec.rank, 1);
+  EXPECT_EQ(spec.world_size, 2);
+}
+
+TEST(EnvironmentTest, PartialSlurmEnvironmentsNameWhatIsMissing) {
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}},
+               {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_JOB_ID", "5"}},
+               {"SLURM_STEP_NODELIST", "MASTER_ADDR"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n1"}},
+               {"SLURM_JOB_ID", "MASTER_PORT"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "2"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_ID", "5"}},
+               {"SLURM_PROCID='2'", "out of range"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "x"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_ID", "5"}},
+               {"SLURM_STEP_ID='x'"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n[1-"}, {"SLURM_JOB_ID", "5"}},
+               {"SLURM_NODELIST", "'[' without ']'"});
+}
+
+TEST(SlurmHostListTest, ExpandsCompressedLists) {
+  using cluster::ExpandSlurmHostList;
+  using List = std::vector<std::string>;
+  EXPECT_EQ(ExpandSlurmHostList("n1", "x"), (List{"n1"}));
+  EXPECT_EQ(ExpandSlurmHostList("n[1-3]", "x"), (List{"n1", "n2", "n3"}));
+  EXPECT_EQ(ExpandSlurmHostList("n[08-11,20],login", "x"),
+            (List{"n08", "n09", "n10", "n11", "n20", "login"}));
+  EXPECT_EQ(ExpandSlurmHostList("r[1-2]-n[1-2]", "x"), (List{"r1-n1", "r1-n2", "r2-n1", "r2-n2"}));
+  EXPECT_EQ(ExpandSlurmHostList("a[7],b", "x"), (List{"a7", "b"}));
+  EXPECT_EQ(ExpandSlurmHostList("10.0.0.[1-2]", "x"), (List{"10.0.0.1", "10.0.0.2"}));
+  const std::pair<const char*, const char*> bad[] = {
+      {"n[1-", "'[' without ']'"}, {"n1-]", "']' without '['"},  {"n[[1]]", "nested"},
+      {"n[3-1]", "backwards"},     {"n[a]", "no number"},         {"n[]", "no number"},
+      {"a,,b", "empty entry"},     {"n[1-2", "'[' without ']'"},  {"n[1,]", "no number"}};
+  for (const auto& [list, why] : bad) {
+    SCOPED_TRACE(list);
+    ExpectInvalid([&] { ExpandSlurmHostList(list, "SLURM_NODELIST"); }, {"SLURM_NODELIST", why});
+  }
+  ExpectInvalid([] { ExpandSlurmHostList("n[1-100]", "L", 50); }, {"more than 50 hosts"});
+  ExpectInvalid([] { ExpandSlurmHostList("n[1-999999999999]", "L"); }, {"more than"});
+}
+
+// Under mpirun with no MASTER_PORT and no PMIx server to meet through, the error says both.
+TEST(EnvironmentTest, MpirunWithoutMasterPortOrPmixNamesBoth) {
+  ExpectBadEnv(Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+               {"MASTER_PORT is required", "PMIx"});
 }
 
 TEST(EnvironmentTest, HalfOfAPairIsMissing) {
