@@ -139,7 +139,7 @@ struct ParameterServerOptions {
   PsOptimizer optimizer{};
 
   // Coordinator: how long it waits for every parameter server to answer at start (they may start
-  // after it). Default 60 s.
+  // after it), and for the workers to make a per-worker dataset. Default 60 s.
   std::chrono::milliseconds connect_timeout{60'000};
   // Every request to a server (a read, a push, a variable's creation) must be answered within
   // this. Default 30 s.
@@ -256,8 +256,9 @@ void RunServer(const ParameterServerOptions& options);
 // ---- The coordinator ---------------------------------------------------------------------------
 
 // The coordinator's side of the variables. The constructor connects to every parameter server
-// (waiting up to connect_timeout for each; kTimeout naming the one that never answered) and
-// starts watching them (heartbeat_interval, ps_timeout): once one is lost, every call here and
+// (waiting up to connect_timeout for each; kTimeout naming the one that never answered,
+// kUnauthenticated when one refuses the job token, kInvalidArgument for a cluster without ps or
+// workers) and starts watching them (heartbeat_interval, ps_timeout): once one is lost, every call here and
 // on the coordinator throws Error(kPeerLost) naming it.
 class ParameterServerStrategy {
  public:
@@ -363,7 +364,8 @@ class ClusterCoordinator {
 
   // Runs the registered dataset function `function` (`name` defaults to `function`) on every
   // worker, now and whenever a worker comes back after a loss, before it takes a step. Waits
-  // until every worker reachable now has made it.
+  // until every worker reachable now has made it (kTimeout after connect_timeout); throws the
+  // error the function threw on a worker.
   PerWorkerDataset CreatePerWorkerDataset(const std::string& function, std::string args = {},
                                           std::string name = {});
 

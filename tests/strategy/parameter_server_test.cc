@@ -121,6 +121,13 @@ void RegisterTestFunctions() {
     ctx.PushGradients({{"w", ones}});
     return std::to_string(getpid());
   });
+  // Ends the worker's process (only in a child: never the test's own).
+  RegisterFunction("die", [](WorkerContext&, const std::string&) -> std::string {
+    if (std::getenv("COLLECTIVES_PS_TEST_ROLE") == nullptr) {
+      throw Error(ErrorCode::kInvalidUsage, "'die' runs only on a worker process");
+    }
+    _exit(3);
+  });
   RegisterFunction("fail", [](WorkerContext&, const std::string&) -> std::string {
     throw Error(ErrorCode::kInvalidArgument, "the step says boom");
   });
@@ -617,6 +624,30 @@ TEST(ParameterServerTest, AWorkerKilledMidStepHasItsStepRunElsewhereAndRejoins) 
   EXPECT_TRUE(worker1->ExitsCleanlyWithin(test_time::Scaled(std::chrono::seconds(10))));
   EXPECT_TRUE(ps_server->Wait(milliseconds(10'000)));
   fs::remove_all(flags);
+}
+
+TEST(ParameterServerTest, AStepThatKillsEveryWorkerFailsAfterMaxAttempts) {
+  const std::vector<std::string> ps = LoopbackAddresses(1);
+  const std::vector<std::string> workers = LoopbackAddresses(2);
+  ParameterServerOptions options = Options(ps, workers);
+  options.max_step_attempts = 2;
+  std::unique_ptr<Server> ps0 = StartThreadServer(options, "ps", 0);
+  ChildServer w0("worker:0", ps, workers, fs::temp_directory_path());
+  ChildServer w1("worker:1", ps, workers, fs::temp_directory_path());
+  ParameterServerStrategy strategy(options);
+  strategy.CreateVariable("w", {1}, Zeros());
+  ClusterCoordinator coordinator(strategy);
+  ASSERT_TRUE(WaitUntil([&] { return coordinator.num_available_workers() == 2; },
+                        test_time::Scaled(std::chrono::seconds(15))));
+  RemoteValue poison = coordinator.Schedule("die");
+  try {
+    poison.Fetch(milliseconds(30'000));
+    ADD_FAILURE() << "the step that kills its worker returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kPeerLost) << e.what();
+    EXPECT_NE(e.message().find("given to 2 workers"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(coordinator.rescheduled_steps(), 1);
 }
 
 TEST(ParameterServerTest, AKilledParameterServerIsNamedWithinTheDeadline) {
