@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "examples/train/cnn.h"
 #include "examples/train/mlp.h"
 
 namespace train {
@@ -45,8 +46,8 @@ BatchStats Workspace::Forward(Weights weights, const float* images, const int32_
   return Forward(weights, n);
 }
 
-BatchStats Workspace::LossAndGradients(Weights weights, const float* images,
-                                       const int32_t* labels, size_t n, float loss_scale) {
+BatchStats Workspace::LossAndGradients(Weights weights, const float* images, const int32_t* labels,
+                                       size_t n, float loss_scale) {
   const BatchStats stats = Forward(weights, images, labels, n);
   Backward(weights, n, loss_scale);
   return stats;
@@ -111,16 +112,18 @@ class MlpWorkspaceAdapter final : public Workspace {
   float* x() override { return workspace_.x(); }
   int32_t* labels() override { return workspace_.labels(); }
   BatchStats Forward(Weights weights, size_t n) override {
-    Bind(weights, "Forward");
+    Bind(weights, "MLP Forward");
+    if (n > max_batch()) {
+      throw std::invalid_argument("MLP Forward: batch of " + std::to_string(n) +
+                                  " is more than max_batch " + std::to_string(max_batch()));
+    }
     return workspace_.Forward(params_, n);
   }
   void Backward(Weights weights, size_t n, float loss_scale) override {
-    Bind(weights, "Backward");
+    Bind(weights, "MLP Backward");
     workspace_.Backward(params_, n, loss_scale);
   }
-  const std::vector<std::span<float>>& gradients() const override {
-    return workspace_.gradients();
-  }
+  const std::vector<std::span<float>>& gradients() const override { return workspace_.gradients(); }
   std::span<const float> logits(size_t n) const override { return workspace_.logits(n); }
 
  private:
@@ -142,7 +145,8 @@ class MlpModel final : public Model {
   std::string Describe() const override {
     std::string text = "MLP ";
     for (size_t i = 0; i < mlp_.widths().size(); ++i) {
-      text += (i > 0 ? "-" : "") + std::to_string(mlp_.widths()[i]);
+      if (i > 0) text += '-';
+      text += std::to_string(mlp_.widths()[i]);
     }
     return text;
   }
@@ -169,11 +173,12 @@ class MlpModel final : public Model {
 
 }  // namespace
 
-std::vector<std::string> ModelNames() { return {"mlp"}; }
+std::vector<std::string> ModelNames() { return {"mlp", "cnn"}; }
 
 std::unique_ptr<Model> MakeModel(std::string_view name) {
   if (name == "mlp") return std::make_unique<MlpModel>(std::vector<size_t>{784, 256, 256, 10});
-  throw std::invalid_argument("unknown model '" + std::string(name) + "' (known: mlp)");
+  if (name == "cnn") return MakeCnnModel(CnnShape{});
+  throw std::invalid_argument("unknown model '" + std::string(name) + "' (known: mlp, cnn)");
 }
 
 }  // namespace train

@@ -16,8 +16,10 @@
 //   train::BatchStats stats = ws->LossAndGradients(weights, batch.size(), 1.0f / global_batch);
 //   ... ws->gradients()[p] is d(loss_scale * sum of losses) / d(parameter p)
 //
-// Models: "mlp", Dense(256, ReLU), Dense(256, ReLU), Dense(10) on 784 inputs (mlp.h). It outputs
-// logits and trains with sparse categorical cross-entropy from logits.
+// Models: "mlp", Dense(256, ReLU), Dense(256, ReLU), Dense(10) on 784 inputs (mlp.h); "cnn", the
+// Keras multi-worker guide's network on 28x28x1 images: Conv2D(32, 3x3, valid, ReLU),
+// MaxPooling2D(2x2), Flatten, Dense(64, ReLU), Dense(10) (cnn.h). Both output logits and train
+// with sparse categorical cross-entropy from logits.
 //
 // Thread-safety: a Model is immutable; its methods may be called from any thread. A Workspace
 // belongs to one thread at a time (one per replica).
@@ -77,8 +79,8 @@ class Workspace {
 
   // The same, with the batch copied in from `images` (n x num_inputs) and `labels` (n) first.
   BatchStats Forward(Weights weights, const float* images, const int32_t* labels, size_t n);
-  BatchStats LossAndGradients(Weights weights, const float* images, const int32_t* labels,
-                              size_t n, float loss_scale);
+  BatchStats LossAndGradients(Weights weights, const float* images, const int32_t* labels, size_t n,
+                              float loss_scale);
   // Loss and accuracy sums over `n` examples, any number, max_batch() at a time.
   BatchStats Evaluate(Weights weights, const float* images, const int32_t* labels, size_t n);
 
