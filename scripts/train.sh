@@ -12,6 +12,9 @@
 #   scripts/train.sh --throughput [ARGS...]     samples per second, 1 epoch at global batch 256
 #                                               each: one_device vs mirrored with 2 replicas, and
 #                                               1 worker vs 2 workers; prints the two ratios
+#   scripts/train.sh --table [ARGS...]          every strategy x model (mlp, cnn), 5 epochs each
+#                                               at one global batch: a markdown table of test
+#                                               accuracy and samples/s (scripts/train-table.sh)
 #
 # Under mpirun instead: MASTER_PORT=29500 mpirun -np 2 build/examples/train/train --strategy multi_worker
 # Environment: COLLECTIVES_BUILD_DIR (default build); TRAIN_NO_BUILD=1 skips the build;
@@ -150,6 +153,14 @@ case "${1:-}" in
     awk -v a="$mirrored" -v b="$one_device" -v c="$two_workers" -v d="$one_worker" 'BEGIN {
       printf "ratio mirrored 2 replicas / one_device: %.2fx\n", a / b
       printf "ratio 2 workers / 1 worker:             %.2fx\n", c / d }'
+    ;;
+  --table)
+    shift
+    # Not under one time limit: each of its runs has TRAIN_TIME_LIMIT. A TERM stops it and its run.
+    set_stop_traps
+    bash "${ROOT}/scripts/train-table.sh" "$@" &
+    limited+=($!)
+    wait $!
     ;;
   *)
     run_limited "$TRAIN" "$@"
