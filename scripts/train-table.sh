@@ -47,10 +47,16 @@ while [[ $# -gt 0 ]]; do
 done
 
 # The runs are scripts/train.sh's own (built once by the caller): one child at a time, stopped
-# with this script on INT or TERM (train.sh passes the TERM on to its train processes).
+# with this script on INT or TERM (train.sh passes the TERM on to its train processes), which
+# also removes the run's output file.
 child=""
-trap '[[ -n ${child} ]] && kill -TERM "${child}" 2>/dev/null; exit 130' INT
-trap '[[ -n ${child} ]] && kill -TERM "${child}" 2>/dev/null; exit 143' TERM
+output=""
+stop() {
+  if [[ -n ${child} ]]; then kill -TERM "${child}" 2>/dev/null; fi
+  if [[ -n ${output} ]]; then rm -f "${output}"; fi
+}
+trap 'stop; exit 130' INT
+trap 'stop; exit 143' TERM
 
 rows=()
 status=0
@@ -71,6 +77,7 @@ for model in ${models}; do
     accuracy=$(sed -n 's/^test loss: [0-9.]* - test accuracy: \([0-9.]*\) .*/\1/p' "${output}")
     rate=$(sed -n 's/^throughput: \([0-9.]*\) samples\/s.*/\1/p' "${output}" | tail -1)
     rm -f "${output}"
+    output=""
     if [[ ${rc} -ne 0 || -z ${accuracy} ]]; then
       rows+=("| ${label} | ${model} | failed (exit ${rc}) | |")
       status=1

@@ -121,8 +121,8 @@ class CnnWorkspace final : public Workspace {
     for (size_t b = 0; b < n; ++b) {
       for (size_t pi = 0; pi < d_.pooled_rows; ++pi) {
         for (size_t pj = 0; pj < d_.pooled_cols; ++pj) {
-          const size_t out = (b * d_.pooled_rows * d_.pooled_cols + pi * d_.pooled_cols + pj) *
-                             s.filters;
+          const size_t out =
+              (b * d_.pooled_rows * d_.pooled_cols + pi * d_.pooled_cols + pj) * s.filters;
           const size_t top = (b * d_.positions + 2 * pi * d_.out_cols + 2 * pj) * s.filters;
           const size_t window[4] = {top, top + s.filters, top + d_.out_cols * s.filters,
                                     top + (d_.out_cols + 1) * s.filters};
@@ -257,22 +257,28 @@ class CnnModel final : public Model {
   size_t num_classes() const override { return d_.shape.classes; }
   size_t num_parameters() const override { return kParams; }
   std::string ParameterName(size_t p) const override {
-    static const char* const kNames[kParams] = {"conv2d/kernel", "conv2d/bias",
-                                                "dense/kernel",  "dense/bias",
-                                                "dense_1/kernel", "dense_1/bias"};
+    static const char* const kNames[kParams] = {"conv2d/kernel", "conv2d/bias",    "dense/kernel",
+                                                "dense/bias",    "dense_1/kernel", "dense_1/bias"};
     if (p >= kParams) throw std::out_of_range("CNN: no parameter " + std::to_string(p));
     return kNames[p];
   }
   std::vector<size_t> ParameterShape(size_t p) const override {
     const CnnShape& s = d_.shape;
     switch (p) {
-      case kConvKernel: return {kKernel, kKernel, 1, s.filters};
-      case kConvBias: return {s.filters};
-      case kDenseKernel: return {d_.flat, s.hidden};
-      case kDenseBias: return {s.hidden};
-      case kOutKernel: return {s.hidden, s.classes};
-      case kOutBias: return {s.classes};
-      default: throw std::out_of_range("CNN: no parameter " + std::to_string(p));
+      case kConvKernel:
+        return {kKernel, kKernel, 1, s.filters};
+      case kConvBias:
+        return {s.filters};
+      case kDenseKernel:
+        return {d_.flat, s.hidden};
+      case kDenseBias:
+        return {s.hidden};
+      case kOutKernel:
+        return {s.hidden, s.classes};
+      case kOutBias:
+        return {s.classes};
+      default:
+        throw std::out_of_range("CNN: no parameter " + std::to_string(p));
     }
   }
   void InitialValue(size_t p, uint64_t seed, std::span<float> value) const override {

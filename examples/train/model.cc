@@ -46,8 +46,8 @@ BatchStats Workspace::Forward(Weights weights, const float* images, const int32_
   return Forward(weights, n);
 }
 
-BatchStats Workspace::LossAndGradients(Weights weights, const float* images,
-                                       const int32_t* labels, size_t n, float loss_scale) {
+BatchStats Workspace::LossAndGradients(Weights weights, const float* images, const int32_t* labels,
+                                       size_t n, float loss_scale) {
   const BatchStats stats = Forward(weights, images, labels, n);
   Backward(weights, n, loss_scale);
   return stats;
@@ -123,9 +123,7 @@ class MlpWorkspaceAdapter final : public Workspace {
     Bind(weights, "MLP Backward");
     workspace_.Backward(params_, n, loss_scale);
   }
-  const std::vector<std::span<float>>& gradients() const override {
-    return workspace_.gradients();
-  }
+  const std::vector<std::span<float>>& gradients() const override { return workspace_.gradients(); }
   std::span<const float> logits(size_t n) const override { return workspace_.logits(n); }
 
  private:

@@ -79,8 +79,8 @@ class Workspace {
 
   // The same, with the batch copied in from `images` (n x num_inputs) and `labels` (n) first.
   BatchStats Forward(Weights weights, const float* images, const int32_t* labels, size_t n);
-  BatchStats LossAndGradients(Weights weights, const float* images, const int32_t* labels,
-                              size_t n, float loss_scale);
+  BatchStats LossAndGradients(Weights weights, const float* images, const int32_t* labels, size_t n,
+                              float loss_scale);
   // Loss and accuracy sums over `n` examples, any number, max_batch() at a time.
   BatchStats Evaluate(Weights weights, const float* images, const int32_t* labels, size_t n);
 

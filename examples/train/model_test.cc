@@ -146,7 +146,8 @@ CnnShape SmallShape() { return {.rows = 8, .cols = 7, .filters = 3, .hidden = 5,
 // can tell when a perturbation crossed a kink.
 double ReferenceLoss(const CnnShape& s, const std::vector<std::vector<double>>& w,
                      const std::vector<float>& x, const std::vector<int32_t>& labels, size_t n,
-                     double loss_scale, std::vector<double>* logits_out, std::vector<int>* pattern) {
+                     double loss_scale, std::vector<double>* logits_out,
+                     std::vector<int>* pattern) {
   const size_t orows = s.rows - 2, ocols = s.cols - 2, prows = orows / 2, pcols = ocols / 2;
   const size_t flat = prows * pcols * s.filters;
   const auto& kc = w[0];
@@ -165,7 +166,8 @@ double ReferenceLoss(const CnnShape& s, const std::vector<std::vector<double>>& 
     auto conv = [&](size_t i, size_t j, size_t f) {
       double z = bc[f];
       for (size_t di = 0; di < 3; ++di) {
-        for (size_t dj = 0; dj < 3; ++dj) z += pixel(i + di, j + dj) * kc[(di * 3 + dj) * s.filters + f];
+        for (size_t dj = 0; dj < 3; ++dj)
+          z += pixel(i + di, j + dj) * kc[(di * 3 + dj) * s.filters + f];
       }
       if (pattern != nullptr) pattern->push_back(z > 0);
       return std::max(z, 0.0);
@@ -177,7 +179,8 @@ double ReferenceLoss(const CnnShape& s, const std::vector<std::vector<double>>& 
           double best = -1;
           int winner = -1;
           for (int k = 0; k < 4; ++k) {
-            const double a = conv(2 * pi + static_cast<size_t>(k / 2), 2 * pj + static_cast<size_t>(k % 2), f);
+            const double a =
+                conv(2 * pi + static_cast<size_t>(k / 2), 2 * pj + static_cast<size_t>(k % 2), f);
             if (a > best) {
               best = a;
               winner = k;
@@ -245,7 +248,8 @@ TEST(CnnTest, ForwardMatchesADirectComputation) {
   size_t correct = 0;
   for (size_t b = 0; b < batch.n; ++b) {
     for (size_t c = 0; c < 4; ++c) {
-      EXPECT_NEAR(got[b * 4 + c], logits[b * 4 + c], 1e-4 * std::max(1.0, std::fabs(logits[b * 4 + c])));
+      EXPECT_NEAR(got[b * 4 + c], logits[b * 4 + c],
+                  1e-4 * std::max(1.0, std::fabs(logits[b * 4 + c])));
     }
     const auto row = logits.begin() + static_cast<std::ptrdiff_t>(b * 4);
     if (std::max_element(row, row + 4) - row == batch.labels[b]) ++correct;
@@ -271,8 +275,8 @@ TEST(CnnTest, BackwardMatchesFiniteDifferencesOfADirectComputation) {
       const double saved = w[p][i];
       std::vector<int> pattern_plus, pattern_minus;
       w[p][i] = saved + kEps;
-      const double plus = ReferenceLoss(SmallShape(), w, batch.x, batch.labels, batch.n,
-                                        kLossScale, nullptr, &pattern_plus);
+      const double plus = ReferenceLoss(SmallShape(), w, batch.x, batch.labels, batch.n, kLossScale,
+                                        nullptr, &pattern_plus);
       w[p][i] = saved - kEps;
       const double minus = ReferenceLoss(SmallShape(), w, batch.x, batch.labels, batch.n,
                                          kLossScale, nullptr, &pattern_minus);

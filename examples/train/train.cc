@@ -1,6 +1,6 @@
 // train: the training demo. Fashion-MNIST with an MLP (784-256-256-10, ReLU, logits; the default)
-// or the Keras guide's convolutional network (--model cnn; model.h), Adam, sparse categorical
-// cross-entropy from logits, written as a custom training loop
+// or the Keras guide's convolutional network (--model cnn; model.h), Adam with a cosine-decaying
+// learning rate, sparse categorical cross-entropy from logits, written as a custom training loop
 // over the strategy layer, so that the same program runs on one device, on several local
 // replicas, and on several workers:
 //
@@ -44,6 +44,7 @@
 #include <cstring>
 #include <functional>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -192,7 +193,9 @@ class ScheduledAdam final : public st::Optimizer {
  public:
   using Schedule = std::function<double(int64_t iterations)>;
   ScheduledAdam(st::Strategy& strategy, st::AdamOptions options, Schedule schedule)
-      : Optimizer(strategy, "Adam", {"m", "v"}), options_(options), schedule_(std::move(schedule)) {}
+      : Optimizer(strategy, "Adam", {"m", "v"}),
+        options_(options),
+        schedule_(std::move(schedule)) {}
 
  private:
   void Update(std::span<float> variable, std::span<const float> gradient,
@@ -446,8 +449,7 @@ int Train(const Options& o) {
                     asked + " is more than the " + std::to_string(train_set.count) +
                         " training examples (a step takes at most all of them)");
   }
-  const size_t global_batch =
-      per_replica ? o.batch_per_replica * replicas_in_sync : o.global_batch;
+  const size_t global_batch = per_replica ? o.batch_per_replica * replicas_in_sync : o.global_batch;
   if (global_batch == 0 || global_batch % replicas_in_sync != 0) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
                     "global batch " + std::to_string(global_batch) +
@@ -475,8 +477,7 @@ int Train(const Options& o) {
     const st::Initializer init = [&model, p, seed](std::span<float> value) {
       model.InitialValue(p, seed, value);
     };
-    vars.push_back(
-        &strategy.CreateVariable(model.ParameterName(p), model.ParameterShape(p), init));
+    vars.push_back(&strategy.CreateVariable(model.ParameterName(p), model.ParameterShape(p), init));
   }
 
   st::DistributedDataset data(strategy, train_set.count,
@@ -488,16 +489,15 @@ int Train(const Options& o) {
                            ? std::min(o.max_steps_per_epoch, data.steps_per_epoch())
                            : data.steps_per_epoch();
   const auto decay_steps = static_cast<int64_t>(steps) * o.epochs;
-  ScheduledAdam adam(strategy, {.learning_rate = o.learning_rate},
-                     [&o, decay_steps](int64_t iterations) {
-                       return LearningRate(o.learning_rate_decay, o.learning_rate, decay_steps,
-                                           iterations);
-                     });
+  ScheduledAdam adam(
+      strategy, {.learning_rate = o.learning_rate}, [&o, decay_steps](int64_t iterations) {
+        return LearningRate(o.learning_rate_decay, o.learning_rate, decay_steps, iterations);
+      });
   Say("model: %s, %zu parameters; Adam, learning rate %g%s; global batch %zu "
       "(%zu per replica), %zu steps per epoch\n",
       model.Describe().c_str(), model.TotalParameterCount(), static_cast<double>(o.learning_rate),
-      o.learning_rate_decay == "cosine" ? " with cosine decay to 0 over the run" : "",
-      global_batch, data.per_replica_batch_size(), steps);
+      o.learning_rate_decay == "cosine" ? " with cosine decay to 0 over the run" : "", global_batch,
+      data.per_replica_batch_size(), steps);
 
   std::vector<Replica> replicas;
   replicas.reserve(static_cast<size_t>(strategy.num_local_replicas()));
