@@ -61,6 +61,7 @@
 #include "examples/train/fashion_mnist.h"
 #include "examples/train/model.h"
 #include "examples/train/ps_train.h"
+#include "examples/train/scheduled_adam.h"
 
 namespace {
 
@@ -182,57 +183,6 @@ std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
   options.communication.implementation = co::ParseImplementation(o.communication);
   options.communication.timeout = timeout;
   return std::make_unique<st::MultiWorkerMirroredStrategy>(std::move(options));
-}
-
-// Keras' Adam with a learning-rate schedule: the update of strategy::Adam (the same arithmetic,
-// so a constant schedule gives the same weights bit for bit) with the learning rate
-// schedule(iterations before this update), as Keras evaluates a LearningRateSchedule. Named
-// "Adam" with slots "m" and "v", so that its checkpoints are Adam's; the schedule is a function
-// of the step count alone, so a run resumed from a checkpoint continues it where it stopped.
-class ScheduledAdam final : public st::Optimizer {
- public:
-  using Schedule = std::function<double(int64_t iterations)>;
-  ScheduledAdam(st::Strategy& strategy, st::AdamOptions options, Schedule schedule)
-      : Optimizer(strategy, "Adam", {"m", "v"}),
-        options_(options),
-        schedule_(std::move(schedule)) {}
-
- private:
-  void Update(std::span<float> variable, std::span<const float> gradient,
-              std::span<std::span<float>> slots, int64_t step) override {
-    const double t = static_cast<double>(step);
-    const float lr_t = static_cast<float>(
-        schedule_(step - 1) * std::sqrt(1.0 - std::pow(static_cast<double>(options_.beta_2), t)) /
-        (1.0 - std::pow(static_cast<double>(options_.beta_1), t)));
-    const float b1 = options_.beta_1;
-    const float b2 = options_.beta_2;
-    const float one_minus_b1 = 1.0f - b1;
-    const float one_minus_b2 = 1.0f - b2;
-    const float eps = options_.epsilon;
-    const size_t n = variable.size();
-    float* __restrict w = variable.data();
-    const float* __restrict g = gradient.data();
-    float* __restrict m = slots[0].data();
-    float* __restrict v = slots[1].data();
-    for (size_t i = 0; i < n; ++i) {
-      m[i] = b1 * m[i] + one_minus_b1 * g[i];
-      v[i] = b2 * v[i] + one_minus_b2 * g[i] * g[i];
-      w[i] -= lr_t * m[i] / (std::sqrt(v[i]) + eps);
-    }
-  }
-
-  st::AdamOptions options_;
-  Schedule schedule_;
-};
-
-// The learning rate after `iterations` updates: constant ("none"), or Keras' CosineDecay from
-// `rate` to 0 over `decay_steps` updates ("cosine"), which ends a run at a small step size.
-double LearningRate(const std::string& decay, double rate, int64_t decay_steps,
-                    int64_t iterations) {
-  if (decay == "none" || decay_steps <= 0) return rate;
-  const double progress =
-      static_cast<double>(std::min(iterations, decay_steps)) / static_cast<double>(decay_steps);
-  return rate * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
 // Running sums of one replica over the steps of an epoch.
@@ -489,9 +439,9 @@ int Train(const Options& o) {
                            ? std::min(o.max_steps_per_epoch, data.steps_per_epoch())
                            : data.steps_per_epoch();
   const auto decay_steps = static_cast<int64_t>(steps) * o.epochs;
-  ScheduledAdam adam(
+  train::ScheduledAdam adam(
       strategy, {.learning_rate = o.learning_rate}, [&o, decay_steps](int64_t iterations) {
-        return LearningRate(o.learning_rate_decay, o.learning_rate, decay_steps, iterations);
+        return train::LearningRate(o.learning_rate_decay, o.learning_rate, decay_steps, iterations);
       });
   Say("model: %s, %zu parameters; Adam, learning rate %g%s; global batch %zu "
       "(%zu per replica), %zu steps per epoch\n",
