@@ -125,6 +125,8 @@ BRIDGE_ADDR="${NET}.254"
 ns_of() { echo "${TAG}h$1"; }
 addr_of() { echo "${NET}.$(($1 + 1))"; }
 
+echo "emulated-cluster: hosts $(ns_of 0)..$(ns_of $((HOSTS - 1))) (network namespaces) on bridge" \
+  "${BRIDGE}, ${NET}.0/24"
 WORK=$(mktemp -d /tmp/emulated-cluster.XXXXXX)
 made_bridge=0
 made_ns=()
