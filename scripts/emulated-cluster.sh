@@ -21,8 +21,9 @@
 #
 # Options:
 #   --hosts H (default 4), --ranks R per host (default 2)
-#   --sizes full (default): 8 B to 64 MiB (x8 to 32 KiB, then 256 KiB, 1, 4, 16, 64 MiB), few
-#           timed calls for the large sizes (a few minutes at 1 Gbit/s); quick: 8 B and 64 KiB,
+#   --sizes full (default): 8 B to 64 MiB (x8 to 32 KiB, then 256 KiB, 1, 4, 16, 64 MiB); up to
+#           1 MiB the median of 3 rounds, above it one round of 2 calls (a few minutes at
+#           1 Gbit/s); quick: 8 B and 64 KiB,
 #           for a smoke test; or a list of byte sizes ("8 1M").
 #   --check  verify every call's result on every rank (collectives_perf and gloo_perf --check)
 #   --out OUT_DIR  the CSVs, logs and table.md (default out/emulated-<preset>-<date>-<time>)
@@ -108,7 +109,8 @@ command -v ip >/dev/null || refuse "cannot make network namespaces here: 'ip' (i
 command -v tc >/dev/null || refuse "cannot shape links here: 'tc' (iproute2) is missing"
 command -v mpirun >/dev/null || refuse "mpirun (Open MPI) is missing"
 [[ -x ${PYTHON} ]] || refuse "${PYTHON} is missing (Debian's python3 prints the table)"
-[[ -x ${PERF} ]] || refuse "${PERF} is not built (cmake --build ${BUILD_DIR} --target collectives_perf)"
+[[ -x ${PERF} ]] ||
+  refuse "${PERF} is not built (cmake --build ${BUILD_DIR} --target collectives_perf)"
 grep -q '^COLLECTIVES_WITH_MPI:BOOL=ON' "${BUILD_DIR}/CMakeCache.txt" 2>/dev/null ||
   refuse "${PERF} was built without MPI: the ranks start under mpirun"
 if [[ ${GLOO} == 1 && ! -x ${GLOO_PERF} ]]; then
@@ -224,14 +226,16 @@ AGENT=${WORK}/agent.sh
   echo 'esac'
   echo "session=${WORK}/session/\$ns"
   echo 'mkdir -p "$session"'
-  echo 'exec ip netns exec "$ns" env COLLECTIVES_HOST_ID="$host" OMPI_MCA_orte_tmpdir_base="$session" \'
-  echo '  OMPI_MCA_btl_vader_backing_directory="$session" /bin/sh -c "$*"'
+  echo 'exec ip netns exec "$ns" env COLLECTIVES_HOST_ID="$host" \'
+  echo '  OMPI_MCA_orte_tmpdir_base="$session" OMPI_MCA_btl_vader_backing_directory="$session" \'
+  echo '  /bin/sh -c "$*"'
 } >"${AGENT}"
 chmod +x "${AGENT}"
 
 host_list=""
 for ((h = 0; h < HOSTS; ++h)); do host_list+="${host_list:+,}$(addr_of "${h}"):${RANKS}"; done
 NP=$((HOSTS * RANKS))
+# shellcheck disable=SC2054  # the host list is one argument, commas and all
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "${NP}" --host "${host_list}"
   --mca plm_rsh_agent "${AGENT}" --mca plm_rsh_no_tree_spawn 1
   --mca oob_tcp_if_include "${NET}.0/24" --mca pml ob1 --mca btl self,vader,tcp
@@ -241,8 +245,8 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "${NP}" --host "${host_li
 SWEEPS=()
 case ${SIZES_MODE} in
   full)
-    SWEEPS+=("-b 8 -e 32K -f 8 -n 50 -w 5")
-    SWEEPS+=("-b 256K -e 1M -f 4 -n 10 -w 2")
+    SWEEPS+=("-b 8 -e 32K -f 8 -n 30 -w 5 -r 3")
+    SWEEPS+=("-b 256K -e 1M -f 4 -n 6 -w 2 -r 3")
     SWEEPS+=("-b 4M -e 64M -f 4 -n 2 -w 1") ;;
   quick) SWEEPS+=("-b 8 -e 64K -f 8192 -n 3 -w 1") ;;
   *)
@@ -302,9 +306,18 @@ for i in "${!SWEEPS[@]}"; do
   run "ours_${i}" "${MPIRUN[@]}" "${PERF}" --impl auto -c all_reduce "${sweep[@]}" \
     "${CHECK_FLAG[@]}" --baseline mpi --versus "${FIXED}" --timeout 300 --csv "${OUT}/ours_${i}.csv"
   if [[ ${GLOO} == 1 ]]; then
+    # gloo_perf times one round of -n calls (it has no -r).
+    gloo_sweep=()
+    skip=0
+    for arg in "${sweep[@]}"; do
+      if ((skip)); then skip=0; continue; fi
+      if [[ ${arg} == -r ]]; then skip=1; continue; fi
+      gloo_sweep+=("${arg}")
+    done
     store=${WORK}/gloo_store_${i}
     mkdir -p "${store}"
-    run "gloo_${i}" "${MPIRUN[@]}" "${GLOO_RANK}" --store "${store}" -c all_reduce "${sweep[@]}" \
+    run "gloo_${i}" "${MPIRUN[@]}" "${GLOO_RANK}" --store "${store}" -c all_reduce \
+      "${gloo_sweep[@]}" \
       "${CHECK_FLAG[@]}" --timeout 300 --csv "${OUT}/gloo_${i}.csv"
   fi
 done
@@ -363,7 +376,8 @@ for size in sorted(ours):
         worst_fixed = (rf, size)
     cell = lambda t: f"{t:.1f}" if t else "-"
     lines.append("| " + " | ".join(
-        [size_text(size), cell(e["AUTO"]), e["algorithm"] or "-"] + [cell(e.get(n)) for n in names] +
+        [size_text(size), cell(e["AUTO"]), e["algorithm"] or "-"] +
+        [cell(e.get(n)) for n in names] +
         [cell(e.get("Open MPI")), cell(gloo.get(size)),
          f"{rb:.2f}" if rb else "-", f"{rf:.2f}" if rf else "-"]) + " |")
 summary = []
@@ -374,7 +388,8 @@ if worst_base[1] is not None:
 if worst_fixed[1] is not None:
     summary.append(f"AUTO / best fixed algorithm: at most {worst_fixed[0]:.2f} "
                    f"(at {size_text(worst_fixed[1])}); "
-                   + ("within 10% at every size" if worst_fixed[0] <= 1.10 else "more than 10% off"))
+                   + ("within 10% at every size" if worst_fixed[0] <= 1.10
+                      else "more than 10% off"))
 table = "\n".join(lines)
 print()
 print(f"All-reduce, f32 sum, time per call in us (slowest rank), {hosts} hosts x {ranks} ranks, "
