@@ -23,13 +23,14 @@
 #   --hosts H (default 4), --ranks R per host (default 2)
 #   --sizes full (default): 8 B to 64 MiB (x8 to 32 KiB, then 256 KiB, 1, 4, 16, 64 MiB); up to
 #           1 MiB the median of 3 rounds, above it one round of 2 calls (a few minutes at
-#           1 Gbit/s); quick: 8 B and 64 KiB,
-#           for a smoke test; or a list of byte sizes ("8 1M").
+#           1 Gbit/s); quick: 8 B and 64 KiB, one round of 3 calls, for a smoke test; or a list
+#           of byte sizes ("8 1M"), each the median of 3 rounds of 5 calls.
 #   --check  verify every call's result on every rank (collectives_perf and gloo_perf --check)
 #   --out OUT_DIR  the CSVs, logs and table.md (default out/emulated-<preset>-<date>-<time>)
 #   --docs FILE    also write the table, dated, naming the machine and the command, into FILE's
 #                  section "## Emulated clusters" (subsection per preset; FILE: docs/benchmarks.md)
 #   --no-gloo      leave Gloo out (it is left out, with a note, when gloo_perf is not built)
+#   --perf-args "FLAGS"  more flags for collectives_perf, e.g. "--yield-us 0" (every one of ours)
 # Environment: COLLECTIVES_BUILD_DIR (default build).
 #
 # Needs root (namespaces, veth pairs, a bridge, tc), iproute2's `ip netns` and `tc`, mpirun (Open
@@ -59,6 +60,7 @@ CHECK=0
 OUT=""
 DOCS=""
 GLOO=1
+PERF_ARGS=""
 COMMAND_LINE="scripts/emulated-cluster.sh $*"
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -70,6 +72,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT=$(realpath -m -- "${2:?--out needs a folder}"); shift 2 ;;
     --docs) DOCS=$(realpath -m -- "${2:?--docs needs a file}"); shift 2 ;;
     --no-gloo) GLOO=0; shift ;;
+    --perf-args) PERF_ARGS=${2?--perf-args needs flags}; shift 2 ;;
     -h | --help)
       sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
       exit 0 ;;
@@ -250,7 +253,7 @@ case ${SIZES_MODE} in
     SWEEPS+=("-b 4M -e 64M -f 4 -n 2 -w 1") ;;
   quick) SWEEPS+=("-b 8 -e 64K -f 8192 -n 3 -w 1") ;;
   *)
-    for size in ${SIZES_MODE}; do SWEEPS+=("-b ${size} -e ${size} -n 3 -w 1"); done ;;
+    for size in ${SIZES_MODE}; do SWEEPS+=("-b ${size} -e ${size} -n 5 -w 2 -r 3"); done ;;
 esac
 CHECK_FLAG=()
 if [[ ${CHECK} == 1 ]]; then CHECK_FLAG=(--check); fi
@@ -262,6 +265,7 @@ if ((RANKS == 1)); then FIXED=${FIXED%,auto:two_level}; fi  # one rank per host:
 
 OUT=${OUT:-out/emulated-${PRESET}-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "${OUT}"
+rm -f "${OUT}"/ours_*.csv "${OUT}"/gloo_*.csv "${OUT}"/ours_*.log "${OUT}"/gloo_*.log  # a rerun's
 echo "emulated-cluster: ${HOSTS} hosts x ${RANKS} ranks, links ${PRESET_TEXT} (tc tbf" \
   "${RATE}${DELAY:+, netem delay ${DELAY}}), on $(nproc) cores"
 if [[ ${HAVE_NETEM} == 0 ]]; then
@@ -303,7 +307,8 @@ chmod +x "${GLOO_RANK}"
 for i in "${!SWEEPS[@]}"; do
   # shellcheck disable=SC2206
   sweep=(${SWEEPS[$i]})
-  run "ours_${i}" "${MPIRUN[@]}" "${PERF}" --impl auto -c all_reduce "${sweep[@]}" \
+  # shellcheck disable=SC2086  # PERF_ARGS: flags, split at spaces
+  run "ours_${i}" "${MPIRUN[@]}" "${PERF}" --impl auto -c all_reduce "${sweep[@]}" ${PERF_ARGS} \
     "${CHECK_FLAG[@]}" --baseline mpi --versus "${FIXED}" --timeout 300 --csv "${OUT}/ours_${i}.csv"
   if [[ ${GLOO} == 1 ]]; then
     # gloo_perf times one round of -n calls (it has no -r).
@@ -324,10 +329,11 @@ done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
 "${PYTHON}" - "${OUT}" "${PRESET_TEXT}" "${HOSTS}" "${RANKS}" "${HAVE_NETEM}" \
-  "${uptime_load}" "${load_after}" "${COMMAND_LINE}" "${DOCS}" "${PRESET}" <<'PY'
+  "${uptime_load}" "${load_after}" "${COMMAND_LINE}" "${DOCS}" "${PRESET}" "${PERF_ARGS}" <<'PY'
 import csv, datetime, glob, os, platform, re, subprocess, sys
 
-out, preset_text, hosts, ranks, netem, load0, load1, command, docs, preset = sys.argv[1:11]
+out, preset_text, hosts, ranks, netem, load0, load1, command, docs, preset, perf_args = \
+    sys.argv[1:12]
 ours, gloo = {}, {}
 names = []
 for path in sorted(glob.glob(os.path.join(out, "ours_*.csv"))):
@@ -423,7 +429,9 @@ try:
                             text=True).stdout.strip() or "unknown"
 except OSError:
     commit = "unknown"
-section = [f"### {preset_text}: {hosts} hosts x {ranks} ranks", "",
+heading = f"### {preset_text}: {hosts} hosts x {ranks} ranks" + \
+    (f", ours with `{perf_args}`" if perf_args else "")
+section = [heading, "",
            f"{date}, commit {commit}, on {os.cpu_count()} cores ({cpu}), load average "
            f"{load0} before and {load1} after. Command: `{command}`.",
            "Links: " + ("rate only (this kernel has no netem: no added delay)"
@@ -451,10 +459,9 @@ if docs:
         end = text.find("\n## ", start + 1)
         body = text[start + 1:end if end >= 0 else len(text)].rstrip("\n").split("\n")
         before, after = text[:start + 1], text[end:] if end >= 0 else ""
-    head_line = section[0]
-    # Replace this preset's subsection, or append it.
+    # Replace this preset's subsection (of this layout and flags), or append it.
     joined = "\n".join(body)
-    own = re.compile(r"^### " + re.escape(preset_text) + r":.*?(?=^### |\Z)", re.S | re.M)
+    own = re.compile(r"^" + re.escape(heading) + r"\n.*?(?=^### |\Z)", re.S | re.M)
     new = "\n".join(section).rstrip("\n") + "\n\n"
     joined = own.sub(lambda _: new, joined) if own.search(joined) else \
         joined.rstrip("\n") + "\n\n" + new
