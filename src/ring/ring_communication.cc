@@ -890,6 +890,14 @@ RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) co
     return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
   }
   const bool power_of_two = HalvingDoublingRunsOn(size_);
+  if (planner_) {  // AUTO across hosts: its cost model's choice
+    const std::string planned = planner_->FlatAllReduceAlgorithm(bytes);
+    if (planned == core::algorithm::kRecursiveDoubling) return Algorithm::kRecursiveDoubling;
+    if (planned == core::algorithm::kRing) return Algorithm::kRing;
+    if (planned == core::algorithm::kHalvingDoubling && power_of_two) {
+      return Algorithm::kHalvingDoubling;
+    }
+  }
   // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
   // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
   if (bytes <= small_message_bytes_) return Algorithm::kRecursiveDoubling;
