@@ -458,6 +458,37 @@ void RemoveStaleTemporaries(const std::string& directory, const std::string& pre
   }
 }
 
+// Removes this host's stale temporaries of `prefix` from `directory`, then writes `bytes` to a
+// new temporary of that prefix there (O_EXCL; fsynced with `sync`). Returns its path. A
+// temporary that cannot be written whole is deleted.
+std::string WriteTemporary(const std::string& who, const std::string& directory,
+                           const std::string& prefix, const std::vector<unsigned char>& bytes,
+                           bool sync) {
+  RemoveStaleTemporaries(directory, prefix);
+  for (int attempt = 1;; ++attempt) {
+    const std::string temp = directory + "/" + TemporaryName(prefix);
+    try {
+      if (WriteFile(who, temp, bytes, sync, /*exclusive=*/true) == 0) return temp;
+    } catch (...) {
+      ::unlink(temp.c_str());  // a partial file would only fill the disk further
+      throw;
+    }
+    if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
+  }
+}
+
+// Renames the (fsynced) temporary `temp` over `path` in `directory` and fsyncs the directory:
+// a crash leaves the old file or the new one. On failure the temporary is deleted.
+void RenameIntoPlace(const std::string& who, const std::string& directory,
+                     const std::string& temp, const std::string& path) {
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    ThrowSystem(who, "cannot rename " + temp + " to", path, error);
+  }
+  SyncDirectory(who, directory);
+}
+
 std::string ShapeText(const std::vector<size_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -637,27 +668,11 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
     // saving into the same directory); the chief's becomes the checkpoint, the others' go.
     const bool chief = strategy.IsChief();
     const std::string prefix = TemporaryPrefix(chief ? -1 : strategy.worker_index());
-    RemoveStaleTemporaries(directory, prefix);
-    std::string temp;
-    for (int attempt = 1;; ++attempt) {
-      temp = directory + "/" + TemporaryName(prefix);
-      try {
-        if (WriteFile(who, temp, bytes, /*sync=*/chief, /*exclusive=*/true) == 0) break;
-      } catch (...) {
-        ::unlink(temp.c_str());  // a partial file would only fill the disk further
-        throw;
-      }
-      if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
-    }
+    const std::string temp = WriteTemporary(who, directory, prefix, bytes, /*sync=*/chief);
     if (!chief) {
       if (::unlink(temp.c_str()) != 0) ThrowSystem(who, "cannot delete", temp, errno);
     } else {
-      if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {
-        const int error = errno;
-        ::unlink(temp.c_str());
-        ThrowSystem(who, "cannot rename " + temp + " to", PathOf(directory), error);
-      }
-      SyncDirectory(who, directory);
+      RenameIntoPlace(who, directory, temp, PathOf(directory));
     }
   } catch (...) {
     failure = std::current_exception();
@@ -747,6 +762,67 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
     throw;
   }
   return contents->state;
+}
+
+// ---- Checkpoint files without a strategy ---------------------------------------------------
+
+const CheckpointData::Tensor* CheckpointData::FindVariable(const std::string& name) const {
+  for (const Tensor& t : variables) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+std::optional<CheckpointData> ReadCheckpointFile(const std::string& directory) {
+  const std::string path = PathOf(directory);
+  std::optional<std::vector<unsigned char>> bytes = ReadFile("", path);
+  if (!bytes) return std::nullopt;
+  Contents c = Parse(*bytes, path);
+  CheckpointData data;
+  data.state = c.state;
+  data.optimizer = std::move(c.optimizer);
+  data.iterations = c.iterations;
+  for (Entry& e : c.entries) {
+    CheckpointData::Tensor t{std::move(e.name), std::move(e.shape), std::move(e.values)};
+    (e.kind == Entry::kVariable ? data.variables : data.slots).push_back(std::move(t));
+  }
+  return data;
+}
+
+void WriteCheckpointFile(const std::string& directory, const CheckpointData& data) {
+  const auto refuse = [&](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "WriteCheckpointFile to " + directory + ": " + why + "; nothing written");
+  };
+  if (data.state.epoch < 0 || data.state.step < 0 || data.iterations < 0) {
+    refuse("negative epoch, step or iterations (" + std::to_string(data.state.epoch) + ", " +
+           std::to_string(data.state.step) + ", " + std::to_string(data.iterations) + ")");
+  }
+  Contents c;
+  c.state = data.state;
+  c.optimizer = data.optimizer;
+  c.iterations = data.iterations;
+  for (const auto* list : {&data.variables, &data.slots}) {
+    const Entry::Kind kind = list == &data.variables ? Entry::kVariable : Entry::kSlot;
+    for (const CheckpointData::Tensor& t : *list) {
+      size_t product = 1;
+      bool overflow = false;
+      for (size_t d : t.shape) {
+        overflow = overflow || (d != 0 && product > std::numeric_limits<size_t>::max() / d);
+        product *= d;
+      }
+      if (overflow || product != t.values.size()) {
+        refuse(std::string(kind == Entry::kVariable ? "variable" : "slot") + " '" + t.name +
+               "' has " + std::to_string(t.values.size()) + " values for shape " +
+               ShapeText(t.shape));
+      }
+      c.entries.push_back(Entry{kind, t.name, t.shape, t.values});
+    }
+  }
+  const std::vector<unsigned char> bytes = Serialize(c);
+  CreateDirectory("", directory);
+  const std::string temp = WriteTemporary("", directory, TemporaryPrefix(-1), bytes, /*sync=*/true);
+  RenameIntoPlace("", directory, temp, PathOf(directory));
 }
 
 // ---- BackupAndRestore ----------------------------------------------------------------------
