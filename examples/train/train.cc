@@ -1,5 +1,6 @@
-// train: the training demo. Fashion-MNIST with the Keras guide's model (784-256-256-10, ReLU,
-// logits; Adam; sparse categorical cross-entropy from logits), written as a custom training loop
+// train: the training demo. Fashion-MNIST with an MLP (784-256-256-10, ReLU, logits; the default)
+// or the Keras guide's convolutional network (--model cnn; model.h), Adam, sparse categorical
+// cross-entropy from logits, written as a custom training loop
 // over the strategy layer, so that the same program runs on one device, on several local
 // replicas, and on several workers:
 //
@@ -42,6 +43,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -52,7 +54,7 @@
 #include "collectives/collectives.h"
 #include "collectives/strategy.h"
 #include "examples/train/fashion_mnist.h"
-#include "examples/train/mlp.h"
+#include "examples/train/model.h"
 
 namespace {
 
@@ -61,6 +63,7 @@ namespace st = collectives::strategy;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
+  std::string model = "mlp";
   std::string strategy = "default";
   int replicas = 0;
   std::string communication = "auto";
@@ -169,17 +172,17 @@ struct Totals {
 
 // What one local replica owns: scratch for forward and backward, and its running sums.
 struct Replica {
-  Replica(const train::Mlp& model, size_t max_batch) : workspace(model, max_batch) {}
-  train::MlpWorkspace workspace;
-  std::vector<const float*> params;
+  Replica(const train::Model& model, size_t max_batch)
+      : workspace(model.MakeWorkspace(max_batch)), weights(model.num_parameters()) {}
+  std::unique_ptr<train::Workspace> workspace;
+  std::vector<std::span<const float>> weights;
   Totals totals;
 };
 
-// Points `replica.params` at its copy of every variable (cheap; done per step so that nothing
+// Points `replica.weights` at its copy of every variable (cheap; done per step so that nothing
 // depends on a copy's storage never moving).
 void BindParams(Replica& replica, const std::vector<st::MirroredVariable*>& vars, int local) {
-  replica.params.resize(vars.size());
-  for (size_t p = 0; p < vars.size(); ++p) replica.params[p] = vars[p]->data(local);
+  for (size_t p = 0; p < vars.size(); ++p) replica.weights[p] = vars[p]->value(local);
 }
 
 // Sums of loss, correct and count over every replica of every worker. Collective.
@@ -211,11 +214,11 @@ Totals Evaluate(st::Strategy& strategy, std::vector<Replica>& replicas,
     Totals sums;
     const size_t first = begin + (end - begin) * local / locals;
     const size_t last = begin + (end - begin) * (local + 1) / locals;
-    train::MlpWorkspace& ws = replica.workspace;
+    train::Workspace& ws = *replica.workspace;
     for (size_t i = first; i < last; i += ws.max_batch()) {
       const size_t n = std::min(ws.max_batch(), last - i);
       data.GatherRange(i, n, ws.x(), ws.labels());
-      const train::BatchStats stats = ws.Forward(replica.params, n);
+      const train::BatchStats stats = ws.Forward(replica.weights, n);
       sums.loss_sum += stats.loss_sum;
       sums.correct += static_cast<double>(stats.correct);
       sums.count += static_cast<double>(stats.count);
@@ -388,13 +391,22 @@ int Train(const Options& o) {
   Say("strategy: %s\n", Describe(strategy).c_str());
 
   // The model's variables, "inside the scope": the chief initialises, every copy receives it.
-  const train::Mlp model({train_set.features(), 256, 256, 10});
+  // Kernels Glorot-uniform from the seed, biases zero (Model::InitialValue).
+  const std::unique_ptr<train::Model> model_owner = train::MakeModel(o.model);
+  const train::Model& model = *model_owner;
+  if (model.num_inputs() != train_set.features()) {
+    throw co::Error(co::ErrorCode::kInvalidArgument,
+                    model.Describe() + " takes " + std::to_string(model.num_inputs()) +
+                        " inputs, the data has " + std::to_string(train_set.features()));
+  }
   std::vector<st::MirroredVariable*> vars;
   for (size_t p = 0; p < model.num_parameters(); ++p) {
-    const std::vector<size_t> shape = model.ParameterShape(p);
-    const st::Initializer init =
-        p % 2 == 0 ? st::GlorotUniform(shape[0], shape[1], o.seed + p / 2) : st::Zeros();
-    vars.push_back(&strategy.CreateVariable(model.ParameterName(p), shape, init));
+    const uint64_t seed = o.seed;
+    const st::Initializer init = [&model, p, seed](std::span<float> value) {
+      model.InitialValue(p, seed, value);
+    };
+    vars.push_back(
+        &strategy.CreateVariable(model.ParameterName(p), model.ParameterShape(p), init));
   }
   st::Adam adam(strategy, {.learning_rate = o.learning_rate});
 
@@ -406,9 +418,9 @@ int Train(const Options& o) {
   const size_t steps = o.max_steps_per_epoch > 0
                            ? std::min(o.max_steps_per_epoch, data.steps_per_epoch())
                            : data.steps_per_epoch();
-  Say("model: MLP %zu-256-256-10, %zu parameters; Adam, learning rate %g; global batch %zu "
+  Say("model: %s, %zu parameters; Adam, learning rate %g; global batch %zu "
       "(%zu per replica), %zu steps per epoch\n",
-      model.num_inputs(), model.TotalParameterCount(), static_cast<double>(o.learning_rate),
+      model.Describe().c_str(), model.TotalParameterCount(), static_cast<double>(o.learning_rate),
       global_batch, data.per_replica_batch_size(), steps);
 
   std::vector<Replica> replicas;
@@ -451,11 +463,11 @@ int Train(const Options& o) {
         const int local = ctx.local_replica_id();
         Replica& replica = replicas[static_cast<size_t>(local)];
         BindParams(replica, vars, local);
-        train::MlpWorkspace& ws = replica.workspace;
+        train::Workspace& ws = *replica.workspace;
         const std::vector<size_t> batch = data.ReplicaBatch(epoch, step, local);
         train_set.Gather(batch, ws.x(), ws.labels());
-        const train::BatchStats stats = ws.Forward(replica.params, batch.size());
-        ws.Backward(replica.params, batch.size(), loss_scale);
+        const train::BatchStats stats =
+            ws.LossAndGradients(replica.weights, batch.size(), loss_scale);
         adam.ApplyGradients(ctx, vars, ws.gradients());
         replica.totals.loss_sum += stats.loss_sum;
         replica.totals.correct += static_cast<double>(stats.correct);
@@ -522,6 +534,9 @@ int main(int argc, char** argv) {
 
   Options o;
   CLI::App app{"Fashion-MNIST training demo over the collectives strategy layer"};
+  app.add_option("--model", o.model, "mlp (784-256-256-10) or cnn (the guide's Conv2D network)")
+      ->check(CLI::IsMember(train::ModelNames()))
+      ->capture_default_str();
   app.add_option("--strategy", o.strategy, "default, one_device, mirrored or multi_worker")
       ->check(CLI::IsMember(
           {"default", "one_device", "mirrored", "multi_worker", "multi_worker_mirrored"}))
