@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "collectives/errors.h"
+#include "collectives/evaluator.h"
 #include "collectives/strategy.h"
 #include "src/core/environment.h"
 #include "src/core/files.h"
@@ -75,6 +76,7 @@ static_assert(std::endian::native == std::endian::little,
 constexpr char kMagic[8] = {'C', 'O', 'L', 'L', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr char kFileName[] = "checkpoint";
+constexpr char kFinalMarkName[] = "checkpoint.final";
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8;  // magic, version, reserved, file_bytes
 constexpr size_t kChecksumBytes = 4;
 
@@ -823,6 +825,63 @@ void WriteCheckpointFile(const std::string& directory, const CheckpointData& dat
   CreateDirectory("", directory);
   const std::string temp = WriteTemporary("", directory, TemporaryPrefix(-1), bytes, /*sync=*/true);
   RenameIntoPlace("", directory, temp, PathOf(directory));
+}
+
+// ---- The final mark ------------------------------------------------------------------------
+//
+// `<directory>/checkpoint.final` is one line of text, "step <iterations> epoch <e> epoch_step
+// <s>\n", naming the checkpoint that ends the training; written as checkpoints are.
+
+void MarkFinalCheckpoint(const std::string& directory, const FinalCheckpointMark& mark) {
+  if (mark.iterations < 0 || mark.state.epoch < 0 || mark.state.step < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "MarkFinalCheckpoint: negative step, epoch or epoch step (" +
+                    std::to_string(mark.iterations) + ", " + std::to_string(mark.state.epoch) +
+                    ", " + std::to_string(mark.state.step) + ")");
+  }
+  const std::string line = "step " + std::to_string(mark.iterations) + " epoch " +
+                           std::to_string(mark.state.epoch) + " epoch_step " +
+                           std::to_string(mark.state.step) + "\n";
+  const std::vector<unsigned char> bytes(line.begin(), line.end());
+  CreateDirectory("", directory);
+  const std::string prefix = std::string(kFinalMarkName) + ".tmp-" + core::HostName() + "-";
+  const std::string temp = WriteTemporary("", directory, prefix, bytes, /*sync=*/true);
+  RenameIntoPlace("", directory, temp, directory + "/" + kFinalMarkName);
+}
+
+std::optional<FinalCheckpointMark> ReadFinalCheckpointMark(const std::string& directory) {
+  const std::string path = directory + "/" + kFinalMarkName;
+  std::optional<std::vector<unsigned char>> bytes = ReadFile("", path);
+  if (!bytes) return std::nullopt;
+  const std::string text(bytes->begin(), bytes->end());
+  long long step = -1, epoch = -1, epoch_step = -1;
+  int consumed = 0;
+  if (text.size() > 200 ||
+      std::sscanf(text.c_str(), "step %lld epoch %lld epoch_step %lld\n%n", &step, &epoch,
+                  &epoch_step, &consumed) != 3 ||
+      static_cast<size_t>(consumed) != text.size() || step < 0 || epoch < 0 || epoch_step < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "final checkpoint mark " + path +
+                    " is not one line \"step <n> epoch <n> epoch_step <n>\"");
+  }
+  return FinalCheckpointMark{{.epoch = epoch, .step = epoch_step}, step};
+}
+
+void AssignVariables(Strategy& strategy, const CheckpointData& data) {
+  strategy.impl().CheckCrossReplica("AssignVariables");
+  Contents c;
+  for (const CheckpointData::Tensor& t : data.variables) {
+    size_t product = 1;
+    for (size_t d : t.shape) product *= d;
+    if (product != t.values.size()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "AssignVariables: variable '" + t.name + "' has " +
+                      std::to_string(t.values.size()) + " values for shape " + ShapeText(t.shape));
+    }
+    c.entries.push_back(Entry{Entry::kVariable, t.name, t.shape, t.values});
+  }
+  const Plan plan = Check(strategy, nullptr, c, "data (step " + std::to_string(data.iterations) + ")");
+  Commit(nullptr, c, plan);
 }
 
 // ---- BackupAndRestore ----------------------------------------------------------------------
