@@ -39,9 +39,20 @@ struct ClusterSpec {
   // Per-rank "host:port" when the source lists them (TF_CONFIG does); empty otherwise. When
   // present, rank i binds its data listener to the host of addresses[i].
   std::vector<std::string> addresses;
-  // TF_CONFIG task type and index of this process ("chief"/0, "worker"/3), or "worker"/rank.
+  // TF_CONFIG task type and index of this process ("chief"/0, "worker"/3, "ps"/1,
+  // "evaluator"/0), or "worker"/rank. The roles, as in TensorFlow:
+  //   "chief"     worker 0 of the training (it writes checkpoints); the coordinator under
+  //               ParameterServerStrategy. At most one.
+  //   "worker"    a training worker.
+  //   "ps"        a parameter server: only ParameterServerStrategy has them.
+  //   "evaluator" evaluates the chief's checkpoints beside the training (SidecarEvaluator) and is
+  //               not part of the training collective. At most one.
+  // Strategies refuse a layout that does not fit them (strategy::CheckClusterLayout).
   std::string task_type = "worker";
   int task_index = 0;
+  // Every task TF_CONFIG lists, by role ("chief", "worker", "ps", "evaluator"; a role with no
+  // task is absent), each "host:port" as written, in list order. Empty for the other sources.
+  std::map<std::string, std::vector<std::string>> cluster;
   // A name every rank of the job agrees on; keys in the store are prefixed with it, it travels
   // in the connection handshake so that two jobs sharing a host never cross, and a hash of it goes
   // into the shared-memory segment names. FromTfConfig takes it from TF_CONFIG's top-level
@@ -53,12 +64,16 @@ struct ClusterSpec {
   std::string job_token;
 
   // Parses TensorFlow's TF_CONFIG JSON:
-  //   {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", "h2:p"]},
+  //   {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", "h2:p"], "ps": ["h3:p"],
+  //                "evaluator": ["h4:p"]},
   //    "task": {"type": "worker", "index": 1}}
-  // Ranks are the chief (if any) first, then workers in list order. Rank 0's address hosts the
-  // store. Roles other than chief and worker ("ps", "evaluator") are rejected. Throws
-  // Error(kInvalidArgument) naming the offending field: not JSON, a missing or mistyped key, an
-  // index out of range, duplicate addresses, a bad "host:port", an unsupported role.
+  // The training collective's ranks are the chief (if any) first, then the workers in list order;
+  // rank 0's address hosts the store. A "ps" or "evaluator" task is a job of one rank of its own
+  // (rank 0, world_size 1, master_port 0, no addresses: see InTrainingCollective), and `cluster`
+  // tells it where the others are. An evaluator's TF_CONFIG may list only the evaluator; every
+  // other task's needs a chief or a worker. Throws Error(kInvalidArgument) naming the offending
+  // field: not JSON, a missing or mistyped key, an index out of range, duplicate addresses (over
+  // every role), a bad "host:port", an unknown role, more than one chief or evaluator.
   static ClusterSpec FromTfConfig(std::string_view json);
 
   // Builds the spec from the environment: TF_CONFIG if set; else RANK and WORLD_SIZE; else
@@ -73,9 +88,15 @@ struct ClusterSpec {
   // The same, over an explicit variable map (for tests and for embedding).
   static ClusterSpec FromEnvironment(const std::map<std::string, std::string>& env);
 
-  // Throws Error(kInvalidArgument) naming the field if the fields are inconsistent or
-  // master_addr or store_listen_address is no host name or address.
+  // Throws Error(kInvalidArgument) naming the field if the fields are inconsistent (a "ps" or
+  // "evaluator" task with world_size > 1 included), task_type or a key of `cluster` is no role,
+  // or master_addr, store_listen_address or an address is malformed.
   void Validate() const;
+
+  // True for a "chief" or "worker" task: one of the ranks of the training collective. False for
+  // a "ps" or "evaluator" task, whose spec is a job of one rank, so that a communicator it
+  // creates never joins the training's.
+  bool InTrainingCollective() const;
 };
 
 // A key-value store for rendezvous: ranks publish their addresses and read their peers'.

@@ -43,6 +43,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -311,6 +312,19 @@ class MultiWorkerMirroredStrategy : public Strategy {
  public:
   explicit MultiWorkerMirroredStrategy(MultiWorkerOptions options = {});
 };
+
+// Checks that `spec`'s layout fits the strategy named `strategy`, with TensorFlow's rules, and
+// throws Error(kInvalidArgument) naming the TF_CONFIG field and the rule when it does not:
+//   "multi_worker_mirrored": a chief or worker task; no "ps" tasks (they are only for
+//     ParameterServerStrategy); an "evaluator" task may be listed: it is not in the collective.
+//   "parameter_server": TF_CONFIG's cluster with a "chief" (the coordinator), at least one
+//     "worker" and at least one "ps".
+//   "default", "one_device", "mirrored", "central_storage" (one process): not a "ps" task; a
+//     chief or worker task only in a cluster of one chief or worker; an evaluator task runs one
+//     of these whatever the training's size.
+// MultiWorkerMirroredStrategy calls it on its cluster; a program that picks its strategy from the
+// role (ClusterSpec::task_type) calls it before it builds one. Unknown names: kInvalidArgument.
+void CheckClusterLayout(const ClusterSpec& spec, std::string_view strategy);
 
 // Per-example losses -> the replica's share of the mean loss of the global batch:
 // sum(losses[i] * weights[i]) / global_batch_size (weights default to 1). Summed over all

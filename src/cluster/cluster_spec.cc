@@ -37,6 +37,16 @@ using cluster::ParseHostPort;
 
 constexpr char kChief[] = "chief";
 constexpr char kWorker[] = "worker";
+constexpr char kPs[] = "ps";
+constexpr char kEvaluator[] = "evaluator";
+constexpr const char* kRoles[] = {kChief, kWorker, kPs, kEvaluator};
+
+bool IsRole(std::string_view name) {
+  for (const char* role : kRoles) {
+    if (name == role) return true;
+  }
+  return false;
+}
 
 [[noreturn]] void Invalid(const std::string& message) {
   throw Error(ErrorCode::kInvalidArgument, message);
@@ -222,31 +232,35 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             cluster_it->type_name());
   }
   for (const auto& [role, unused] : cluster_it->items()) {
-    if (role != kChief && role != kWorker) {
+    if (!IsRole(role)) {
       Invalid("TF_CONFIG field " + Quote("cluster." + role) + ": role " + Quote(role) +
-              " is not supported; only 'chief' and 'worker' are (collective training has no "
-              "parameter servers or evaluators)");
+              " is not supported; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
     }
   }
   std::vector<TaskAddress> chiefs = ReadRole(*cluster_it, kChief);
   std::vector<TaskAddress> workers = ReadRole(*cluster_it, kWorker);
+  std::vector<TaskAddress> servers = ReadRole(*cluster_it, kPs);
+  std::vector<TaskAddress> evaluators = ReadRole(*cluster_it, kEvaluator);
   if (chiefs.size() > 1) {
     Invalid("TF_CONFIG field 'cluster.chief' lists " + std::to_string(chiefs.size()) +
             " tasks; at most one chief is allowed");
   }
-  if (chiefs.empty() && workers.empty()) {
-    Invalid(
-        "TF_CONFIG field 'cluster' lists no tasks: 'cluster.worker' is empty or missing and "
-        "there is no 'cluster.chief'");
+  if (evaluators.size() > 1) {
+    Invalid("TF_CONFIG field 'cluster.evaluator' lists " + std::to_string(evaluators.size()) +
+            " tasks; at most one evaluator is allowed");
   }
   std::vector<TaskAddress> ranks = chiefs;  // rank order: the chief, then the workers
   ranks.insert(ranks.end(), workers.begin(), workers.end());
-  std::map<std::string, size_t> seen;  // address -> rank
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    auto [it, inserted] = seen.emplace(AddressKey(ranks[r].parsed), r);
+  std::vector<const TaskAddress*> tasks;  // every task of every role
+  for (const std::vector<TaskAddress>* list : {&ranks, &servers, &evaluators}) {
+    for (const TaskAddress& task : *list) tasks.push_back(&task);
+  }
+  std::map<std::string, const TaskAddress*> seen;  // address -> its first task
+  for (const TaskAddress* task : tasks) {
+    auto [it, inserted] = seen.emplace(AddressKey(task->parsed), task);
     if (!inserted) {
-      Invalid("TF_CONFIG fields " + Quote(ranks[it->second].field) + " and " +
-              Quote(ranks[r].field) + " have the same address " + Quote(ranks[r].text));
+      Invalid("TF_CONFIG fields " + Quote(it->second->field) + " and " + Quote(task->field) +
+              " have the same address " + Quote(task->text));
     }
   }
 
@@ -263,9 +277,15 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             type_it->type_name());
   }
   std::string type = type_it->get<std::string>();
-  if (type != kChief && type != kWorker) {
+  if (!IsRole(type)) {
     Invalid("TF_CONFIG field 'task.type': role " + Quote(type) +
-            " is not supported; only 'chief' and 'worker' are");
+            " is not supported; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
+  }
+  // An evaluator's TF_CONFIG may list only itself; every other task belongs to a training job.
+  if (type != kEvaluator && ranks.empty()) {
+    Invalid(
+        "TF_CONFIG field 'cluster' lists no chief or worker: 'cluster.worker' is empty or "
+        "missing and there is no 'cluster.chief'");
   }
   auto index_it = task_it->find("index");
   if (index_it == task_it->end()) Invalid("TF_CONFIG is missing the field 'task.index'");
@@ -276,7 +296,10 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             index_it->type_name() +
             (index_it->is_structured() ? "" : " " + core::OneLine(index_it->dump(), 64)));
   }
-  const std::vector<TaskAddress>& role_list = type == kChief ? chiefs : workers;
+  const std::vector<TaskAddress>& role_list = type == kChief    ? chiefs
+                                              : type == kWorker ? workers
+                                              : type == kPs     ? servers
+                                                                : evaluators;
   bool in_range = index_it->is_number_unsigned()
                       ? index_it->get<uint64_t>() < role_list.size()
                       : index_it->get<int64_t>() >= 0 &&
@@ -292,13 +315,21 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
   int index = static_cast<int>(index_it->get<int64_t>());
 
   ClusterSpec spec;
-  spec.world_size = static_cast<int>(ranks.size());
-  spec.rank = type == kChief ? 0 : static_cast<int>(chiefs.size()) + index;
   spec.task_type = type;
   spec.task_index = index;
-  spec.master_addr = ranks[0].parsed.host;
-  spec.master_port = ranks[0].parsed.port;
-  for (const TaskAddress& address : ranks) spec.addresses.push_back(address.text);
+  if (type == kChief || type == kWorker) {
+    spec.world_size = static_cast<int>(ranks.size());
+    spec.rank = type == kChief ? 0 : static_cast<int>(chiefs.size()) + index;
+    spec.master_addr = ranks[0].parsed.host;
+    spec.master_port = ranks[0].parsed.port;
+    for (const TaskAddress& address : ranks) spec.addresses.push_back(address.text);
+  }  // else a job of one rank of its own: see InTrainingCollective
+  for (const auto& [role, list] : {std::pair{kChief, &chiefs}, std::pair{kWorker, &workers},
+                                   std::pair{kPs, &servers}, std::pair{kEvaluator, &evaluators}}) {
+    if (list->empty()) continue;
+    std::vector<std::string>& out = spec.cluster[role];
+    for (const TaskAddress& task : *list) out.push_back(task.text);
+  }
 
   if (auto job_it = root.find("job_id"); job_it != root.end()) {
     if (!job_it->is_string()) {
@@ -399,7 +430,32 @@ void ClusterSpec::Validate() const {
   if (task_index < 0) {
     Invalid("ClusterSpec: task_index=" + std::to_string(task_index) + " is negative");
   }
+  if (!IsRole(task_type)) {
+    Invalid("ClusterSpec: task_type=" + Quote(task_type) +
+            " is not a role; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
+  }
+  if (!InTrainingCollective() && world_size != 1) {
+    Invalid("ClusterSpec: a " + Quote(task_type) + " task is not part of the training " +
+            "collective, so its world_size must be 1, not " + std::to_string(world_size));
+  }
+  for (const auto& [role, list] : cluster) {
+    if (!IsRole(role)) {
+      Invalid("ClusterSpec: cluster has role " + Quote(role) +
+              "; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      std::string why;
+      if (!ParseHostPort(list[i], &why)) {
+        Invalid("ClusterSpec: cluster." + role + "[" + std::to_string(i) + "] = " +
+                Quote(list[i]) + " is not a valid host:port: " + why);
+      }
+    }
+  }
   if (job_id.empty()) Invalid("ClusterSpec: job_id is empty");
+}
+
+bool ClusterSpec::InTrainingCollective() const {
+  return task_type == kChief || task_type == kWorker;
 }
 
 }  // namespace collectives

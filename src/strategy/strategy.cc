@@ -121,6 +121,7 @@ std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
   config.bytes_per_pack = options.communication.bytes_per_pack;
   const ClusterSpec spec = options.cluster ? *options.cluster : ClusterSpec::FromEnvironment();
   spec.Validate();
+  CheckClusterLayout(spec, config.name);
   config.worker_index = spec.rank;
   config.num_workers = spec.world_size;
   if (spec.world_size > 1) {
@@ -221,6 +222,68 @@ MirroredStrategy::MirroredStrategy(const MirroredOptions& options)
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options)
     : Strategy(MultiWorker(std::move(options))) {}
+
+// ---- Cluster layouts ---------------------------------------------------------------------------
+
+void CheckClusterLayout(const ClusterSpec& spec, std::string_view strategy) {
+  auto count = [&](const char* role) -> size_t {
+    auto it = spec.cluster.find(role);
+    return it == spec.cluster.end() ? 0 : it->second.size();
+  };
+  const std::string name(strategy);
+  const std::string task = "TF_CONFIG field 'task.type' = '" + spec.task_type + "'";
+  if (name == "multi_worker_mirrored") {
+    if (spec.task_type == "ps") {
+      Invalid(task + ": parameter servers run only under ParameterServerStrategy, not " + name);
+    }
+    if (spec.task_type == "evaluator") {
+      Invalid(task + ": the evaluator is not part of the training collective; it runs a "
+                     "SidecarEvaluator with a local strategy, not " + name);
+    }
+    if (count("ps") > 0) {
+      Invalid("TF_CONFIG field 'cluster.ps' lists " + std::to_string(count("ps")) +
+              " tasks: " + name + " has no parameter servers ('ps' tasks are only for "
+              "ParameterServerStrategy)");
+    }
+    return;
+  }
+  if (name == "parameter_server") {
+    if (spec.cluster.empty()) {
+      Invalid("parameter_server needs TF_CONFIG's 'cluster' with a 'chief' (the coordinator), "
+              "'worker' and 'ps' tasks; this ClusterSpec lists none");
+    }
+    if (count("chief") == 0) {
+      Invalid("TF_CONFIG field 'cluster.chief' is missing: parameter_server needs a chief, the "
+              "coordinator that creates the variables and schedules the steps");
+    }
+    if (count("worker") == 0) {
+      Invalid("TF_CONFIG field 'cluster.worker' is empty or missing: parameter_server needs at "
+              "least one worker to run the steps");
+    }
+    if (count("ps") == 0) {
+      Invalid("TF_CONFIG field 'cluster.ps' is empty or missing: parameter_server needs at least "
+              "one parameter server to hold the variables");
+    }
+    return;
+  }
+  if (name == "default" || name == "one_device" || name == "mirrored" ||
+      name == "central_storage") {
+    if (spec.task_type == "ps") {
+      Invalid(task + ": parameter servers run only under ParameterServerStrategy, not " + name);
+    }
+    const size_t training = count("chief") + count("worker");
+    if (spec.InTrainingCollective() && training > 1) {
+      Invalid("TF_CONFIG field 'cluster' lists " + std::to_string(training) +
+              " chief and worker tasks: " + name +
+              " runs in one process (MultiWorkerMirroredStrategy or ParameterServerStrategy "
+              "train over several)");
+    }
+    return;
+  }
+  Invalid("CheckClusterLayout: unknown strategy '" + name +
+          "' (expected default, one_device, mirrored, central_storage, multi_worker_mirrored or "
+          "parameter_server)");
+}
 
 // ---- Loss scaling ------------------------------------------------------------------------------
 

@@ -260,21 +260,93 @@ TEST(TfConfigTest, ControlBytesSlashesAndBracketedNamesAreRefused) {
                     {"'cluster.worker[1]'", "'b\\x1b[2J:1'", "control character"});
 }
 
-TEST(TfConfigTest, UnsupportedRoles) {
-  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
-                        "task": {"type": "worker", "index": 0}})",
-                    {"'cluster.ps'", "only 'chief' and 'worker'"});
-  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:1"]},
-                        "task": {"type": "worker", "index": 0}})",
-                    {"'cluster.evaluator'", "only 'chief' and 'worker'"});
+TEST(TfConfigTest, UnknownRoles) {
   ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "master": ["m:1"]},
                         "task": {"type": "worker", "index": 0}})",
-                    {"'cluster.master'", "only 'chief' and 'worker'"});
-  ExpectBadTfConfig(
-      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator", "index": 0}})",
-      {"'task.type'", "'evaluator'", "only 'chief' and 'worker'"});
-  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}})",
-                    {"'task.type'", "'ps'"});
+                    {"'cluster.master'", "'chief', 'worker', 'ps' and 'evaluator'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "master", "index": 0}})",
+                    {"'task.type'", "'master'", "'chief', 'worker', 'ps' and 'evaluator'"});
+}
+
+// The four roles: chief and workers form the training collective; a ps or an evaluator task is
+// a job of one rank of its own, and every task sees the whole cluster by role.
+TEST(TfConfigTest, EveryRoleIsReadAndOnlyChiefAndWorkersAreRanks) {
+  const std::string cluster =
+      R"("cluster": {"chief": ["c:1"], "worker": ["w0:2", "w1:3"], "ps": ["p0:4", "p1:5"],
+                     "evaluator": ["e:6"]})";
+  const std::map<std::string, std::vector<std::string>> expected = {
+      {"chief", {"c:1"}}, {"worker", {"w0:2", "w1:3"}}, {"ps", {"p0:4", "p1:5"}},
+      {"evaluator", {"e:6"}}};
+  struct Case {
+    std::string type;
+    int index;
+    bool in_collective;
+    int rank;
+    int world_size;
+  };
+  for (const Case& c : {Case{"chief", 0, true, 0, 3}, Case{"worker", 1, true, 2, 3},
+                        Case{"ps", 1, false, 0, 1}, Case{"evaluator", 0, false, 0, 1}}) {
+    SCOPED_TRACE(c.type);
+    ClusterSpec spec = ClusterSpec::FromTfConfig("{" + cluster + R"(, "task": {"type": ")" +
+                                                 c.type + R"(", "index": )" +
+                                                 std::to_string(c.index) + "}}");
+    EXPECT_EQ(spec.task_type, c.type);
+    EXPECT_EQ(spec.task_index, c.index);
+    EXPECT_EQ(spec.InTrainingCollective(), c.in_collective);
+    EXPECT_EQ(spec.rank, c.rank);
+    EXPECT_EQ(spec.world_size, c.world_size);
+    EXPECT_EQ(spec.cluster, expected);
+    if (c.in_collective) {
+      EXPECT_EQ(spec.addresses, (std::vector<std::string>{"c:1", "w0:2", "w1:3"}));
+      EXPECT_EQ(spec.master_addr, "c");
+      EXPECT_EQ(spec.master_port, 1);
+    } else {
+      EXPECT_TRUE(spec.addresses.empty());
+      EXPECT_EQ(spec.master_port, 0);
+    }
+  }
+}
+
+TEST(TfConfigTest, AnEvaluatorMayListOnlyItself) {
+  ClusterSpec spec = ClusterSpec::FromTfConfig(
+      R"({"cluster": {"evaluator": ["e:1"]}, "task": {"type": "evaluator", "index": 0}})");
+  EXPECT_FALSE(spec.InTrainingCollective());
+  EXPECT_EQ(spec.world_size, 1);
+  ExpectBadTfConfig(R"({"cluster": {"ps": ["p:1"]}, "task": {"type": "ps", "index": 0}})",
+                    {"'cluster'", "no chief or worker"});
+}
+
+TEST(TfConfigTest, RoleRules) {
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.evaluator'", "2 tasks", "at most one evaluator"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
+                        "task": {"type": "ps", "index": 1}})",
+                    {"'task.index'", "'ps'", "0..0"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["a:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker[0]'", "'cluster.ps[0]'", "same address"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"], "evaluator": ["p:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.ps[0]'", "'cluster.evaluator[0]'", "same address"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": "p:1"},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.ps'", "must be an array"});
+}
+
+TEST(ValidateTest, RolesAndClusterAreChecked) {
+  ClusterSpec spec;
+  spec.task_type = "master";
+  ExpectInvalid([&] { spec.Validate(); }, {"task_type", "'master'"});
+  spec.task_type = "ps";
+  spec.world_size = 2;
+  spec.master_port = 1;
+  ExpectInvalid([&] { spec.Validate(); }, {"'ps'", "not part of the training collective"});
+  spec = ClusterSpec();
+  spec.cluster["ps"] = {"nohost"};
+  ExpectInvalid([&] { spec.Validate(); }, {"cluster.ps[0]", "'nohost'"});
+  spec.cluster = {{"parameter", {"p:1"}}};
+  ExpectInvalid([&] { spec.Validate(); }, {"'parameter'"});
 }
 
 // Text from TF_CONFIG or a variable that a message shows (a role, a key, a value, the token where
