@@ -125,8 +125,9 @@ int RunEvaluator(const EvaluatorOptions& o) {
   std::fflush(stdout);
   st::SidecarEvaluator evaluator(evaluate, options);
   const st::EvaluatorStop stop = evaluator.Run();
-  std::printf("evaluator: done: %s; %zu evaluations\n", st::ToString(stop),
-              evaluator.evaluations().size());
+  const size_t made = evaluator.evaluations().size();
+  std::printf("evaluator: done: %s; %zu evaluation%s\n", st::ToString(stop), made,
+              made == 1 ? "" : "s");
   std::fflush(stdout);
   return stop == st::EvaluatorStop::kIdleTimeout ? 1 : 0;
 }

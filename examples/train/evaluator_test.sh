@@ -8,6 +8,8 @@
 #     says it stopped there;
 #   - the final record's accuracy is the test accuracy the training itself reports (the same
 #     weights and test set, evaluated by the two workers in their own processes);
+#   - `train` with TF_CONFIG's "evaluator" task, on the kept export folder, evaluates the final
+#     checkpoint once to the same accuracy and stops;
 #   - scripts/plot-evaluations.py draws the log to a PNG (skipped without matplotlib).
 #
 #   evaluator_test.sh BUILD_DIR
@@ -25,7 +27,7 @@ fail() {
 output=$(cd "${tmp}" && TMPDIR=${tmp} TRAIN_NO_BUILD=1 COLLECTIVES_BUILD_DIR=${build_dir} \
   TRAIN_TIME_LIMIT=60 "${root}/scripts/train.sh" --workers 2 --evaluator --epochs 2 \
   --train-limit 2048 --test-limit 1000 --global-batch 128 --export-every-steps 4 \
-  --quiet-progress --eval-log "${tmp}/evaluations.jsonl" 2>&1)
+  --quiet-progress --eval-log "${tmp}/evaluations.jsonl" --export-checkpoints "${tmp}/export" 2>&1)
 rc=$?
 printf '%s\n' "${output}"
 [[ ${rc} == 0 ]] || fail "train.sh exit status ${rc}"
@@ -63,6 +65,19 @@ if f"{last['metrics']['accuracy']:.4f}" != test_accuracy:
     fail(f"final accuracy {last['metrics']['accuracy']} differs from the training's {test_accuracy}")
 print(f"ok: {len(records)} records, steps {steps}, final accuracy {test_accuracy}")
 PY
+
+# TF_CONFIG's evaluator task runs the evaluator without --evaluator: on the kept export folder it
+# evaluates the final checkpoint once, to the same accuracy, and stops.
+tf_config='{"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+  "evaluator": ["127.0.0.1:3"]}, "task": {"type": "evaluator", "index": 0}}'
+again=$(TF_CONFIG=${tf_config} timeout 60 "${build_dir}/examples/train/train" \
+  --export-checkpoints "${tmp}/export" --eval-log "${tmp}/again.jsonl" --test-limit 1000 2>&1)
+rc=$?
+printf '%s\n' "${again}"
+[[ ${rc} == 0 ]] || fail "the TF_CONFIG evaluator's exit status is ${rc}"
+[[ $(grep -c '^evaluator: step 32 (after epoch 2, final) .* accuracy: '"${test_accuracy}"' ' \
+  <<<"${again}") == 1 && $(wc -l <"${tmp}/again.jsonl") == 1 ]] ||
+  fail "the TF_CONFIG evaluator did not evaluate the final checkpoint once"
 
 if "${python}" -c 'import matplotlib' 2>/dev/null; then
   "${python}" "${root}/scripts/plot-evaluations.py" "${tmp}/evaluations.jsonl" -o "${tmp}/e.png" ||

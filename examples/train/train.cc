@@ -636,6 +636,11 @@ int main(int argc, char** argv) {
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
 
   try {
+    // TF_CONFIG's "evaluator" task is this program's sidecar evaluator, whatever the flags say.
+    if (std::getenv("TF_CONFIG") != nullptr &&
+        co::ClusterSpec::FromEnvironment().task_type == "evaluator") {
+      o.evaluator = true;
+    }
     if (o.evaluator) {
       g_worker = "evaluator";
       return train::RunEvaluator({.checkpoint_dir = o.export_dir,
