@@ -328,13 +328,13 @@ FakeCounters FindFakeCounters() {
 
 // No copy between host and device is larger than one slot, the bytes that cross are the tensor's
 // once each way, every async copy has a pinned host side, and the pinned memory a communicator
-// holds is its two slots per device: a tensor of 4 MiB moves through 2 x 4 KiB.
+// holds is its two slots per device: a tensor of 4 MiB moves through 2 x 4 KiB (by default).
 TEST(StagedBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoSlots) {
   COLLECTIVES_REQUIRE_CUDA();
   const FakeCounters fake = FindFakeCounters();
   if (fake.stats == nullptr) GTEST_SKIP() << "needs the fake CUDA of tests/nccl/fake to count copies";
-  const size_t slot = ring::CudaStagingBytes();
-  ASSERT_EQ(slot, 4096u);
+  const size_t slot = ring::CudaStagingBytes();  // 4096 unless the environment says otherwise
+  ASSERT_LT(slot, size_t(1) << 20);                // far below the tensors' 4 MiB
   const int size = 2;
   const size_t count = size_t(1) << 20;  // f32: 4 MiB per rank
   struct Case {
