@@ -95,9 +95,10 @@ typedef enum coll_op {
 /* Which implementation moves the data. Values equal collectives::Implementation. */
 typedef enum coll_implementation {
   COLL_IMPLEMENTATION_RING = 0, /* TCP between processes */
-  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL, on CUDA memory: not offered here, since this API
-                                   takes host (CPU) buffers only; creating a communicator with it
-                                   returns COLL_NOT_SUPPORTED */
+  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL: not offered here; creating a communicator with
+                                   it returns COLL_NOT_SUPPORTED. RING and AUTO take CUDA device
+                                   memory too (all-reduce, broadcast, all-gather, reduce-scatter),
+                                   staged through pinned host memory; see docs/gpu.md */
   COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call: shared memory inside a host, TCP across */
   COLL_IMPLEMENTATION_FORCE_INT_ = 0x7fffffff
 } coll_implementation;

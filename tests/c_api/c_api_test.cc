@@ -836,8 +836,8 @@ TEST(CApiCreateTest, OptionsInitWritesOnlyTheCallersStruct) {
       << coll_last_error();
 }
 
-// The C API's buffers are CPU tensors, which NCCL cannot take: NCCL is refused at once, built in
-// or not, before any rendezvous (rank 0 of 2 would otherwise wait for rank 1 until the timeout).
+// The C API does not offer NCCL (its CUDA buffers go through RING's and AUTO's staging): NCCL is
+// refused at once, built in or not, before any rendezvous (rank 0 of 2 would otherwise wait for rank 1 until the timeout).
 TEST(CApiCreateTest, NcclIsNotSupportedForCpuTensors) {
   coll_options options = TestOptions();
   options.implementation = COLL_IMPLEMENTATION_NCCL;
@@ -850,7 +850,7 @@ TEST(CApiCreateTest, NcclIsNotSupportedForCpuTensors) {
   EXPECT_EQ(comm, nullptr);
   EXPECT_TRUE(Contains(coll_last_error(), "coll_comm_create: ")) << coll_last_error();
   EXPECT_TRUE(Contains(coll_last_error(), "COLL_IMPLEMENTATION_NCCL")) << coll_last_error();
-  EXPECT_TRUE(Contains(coll_last_error(), "CPU tensors only")) << coll_last_error();
+  EXPECT_TRUE(Contains(coll_last_error(), "does not offer")) << coll_last_error();
 }
 
 // ---------------------------------------------------------------------------------------------
