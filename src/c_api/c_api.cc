@@ -522,13 +522,21 @@ CreateOptions OptionsOf(const coll_options* options) {
                     " is not a coll_implementation (valid: 0..2)");
   }
   out.communication.implementation = static_cast<Implementation>(implementation);
-  // NCCL is not offered here: a communicator of this API takes host memory, and CUDA memory
-  // through RING's and AUTO's staging (TensorOf). Refused here, before any rendezvous.
+  // NCCL takes CUDA device memory (TensorOf names it so); where NCCL is not usable it is
+  // refused here, before any rendezvous, as every rank refuses it alike.
   if (out.communication.implementation == Implementation::kNccl) {
+#ifdef COLLECTIVES_WITH_NCCL
+    std::string reason;
+    if (nccl::TryLoadNccl(&reason) == nullptr) {
+      throw Error(ErrorCode::kNotSupported,
+                  "options->implementation is COLL_IMPLEMENTATION_NCCL, but " + reason);
+    }
+#else
     throw Error(ErrorCode::kNotSupported,
-                "options->implementation is COLL_IMPLEMENTATION_NCCL, which the C API does not "
-                "offer: use COLL_IMPLEMENTATION_RING or COLL_IMPLEMENTATION_AUTO (they take CUDA "
-                "memory too, staged through pinned host memory)");
+                "options->implementation is COLL_IMPLEMENTATION_NCCL, but the NCCL "
+                "implementation is not built into this library (configure with "
+                "-DCOLLECTIVES_WITH_NCCL=ON)");
+#endif
   }
   if (options->timeout_ms <= 0) {
     InvalidArgument("options->timeout_ms is " + std::to_string(options->timeout_ms) +

@@ -1,6 +1,6 @@
 // The C API on CUDA device memory: a buffer the CUDA runtime reports as memory of device N is
-// a cuda:N tensor, which RING and AUTO stage through pinned host memory (src/ring/staged.h), and
-// host buffers stay host buffers. Every staged collective checked element by element against a
+// a cuda:N tensor, which RING and AUTO stage through pinned host memory (src/ring/staged.h) and
+// NCCL takes as it is; host buffers stay host buffers. Every staged collective checked element by element against a
 // local reference on 1-3 ranks (threads, over loopback TCP); a collective that does not stage
 // refuses device memory with COLL_NOT_SUPPORTED, naming the device.
 //
@@ -8,6 +8,7 @@
 // ("fake_nccl:" entries). Without either it skips, or fails where COLLECTIVES_REQUIRE_GPU=1.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -170,6 +171,68 @@ TEST(CApiCudaTest, DeviceBuffersAreStagedAndCheckedOnOneToThreeRanks) {
       api->cudaFree(recv);
     });
   }
+}
+
+// COLL_IMPLEMENTATION_NCCL: device buffers go to NCCL (one rank per device, up to two), checked
+// element by element; a host buffer is COLL_INVALID_ARGUMENT naming NCCL's reason.
+TEST(CApiCudaTest, NcclTakesDeviceBuffersAndRefusesHostOnes) {
+  std::string reason;
+  const collectives::nccl::NcclApi* api = collectives::nccl::TryLoadNccl(&reason);
+  if (api == nullptr) {
+    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << reason;
+    GTEST_SKIP() << reason;
+  }
+  const int size = std::min(api->device_count, 2);
+  const size_t count = 1009;
+  auto store = collectives::CreateMemoryStore();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      coll_comm* comm = nullptr;
+      try {
+        collectives::ClusterSpec spec;
+        spec.rank = rank;
+        spec.world_size = size;
+        spec.master_port = 1;  // unused: the store is given
+        collectives::CommunicationOptions options;
+        options.implementation = collectives::Implementation::kNccl;
+        options.timeout = std::chrono::seconds(30);
+        comm = collectives::c_api::WrapCommunication(
+            collectives::CreateCommunication(spec, store, options));
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << rank << " could not connect: " << e.what();
+        return;
+      }
+      ASSERT_EQ(api->cudaSetDevice(rank), cudaSuccess);
+      void* data = nullptr;
+      ASSERT_EQ(api->cudaMalloc(&data, count * sizeof(float)), cudaSuccess);
+      std::vector<float> host(count);
+      for (size_t i = 0; i < count; ++i) host[i] = float((i + size_t(rank)) % 5);
+      ASSERT_EQ(api->cudaMemcpy(data, host.data(), count * sizeof(float),
+                                cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(api->cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(coll_all_reduce(comm, data, data, count, COLL_FLOAT32, COLL_SUM), COLL_OK)
+          << coll_last_error();
+      std::vector<float> got(count);
+      EXPECT_EQ(api->cudaMemcpy(got.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      size_t wrong = 0;
+      for (size_t i = 0; i < count; ++i) {
+        float want = 0;
+        for (int r = 0; r < size; ++r) want += float((i + size_t(r)) % 5);
+        wrong += got[i] != want;
+      }
+      EXPECT_EQ(wrong, 0u) << "rank " << rank;
+      EXPECT_EQ(coll_all_reduce(comm, host.data(), host.data(), count, COLL_FLOAT32, COLL_SUM),
+                COLL_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(coll_last_error()).find("NCCL"), std::string::npos)
+          << coll_last_error();
+      EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
+      api->cudaFree(data);
+    });
+  }
+  for (std::thread& t : threads) t.join();
 }
 
 #else
