@@ -400,6 +400,38 @@ TEST(StagedBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoSlots) {
   }
 }
 
+// The pipeline: the copy in of segment k+1 is issued before the ring works on segment k, so it is
+// on the stream before segment k's copy out: on one rank, 4 segments go in, in, out, in, out,
+// in, out, out. A staging that waits for each segment's round trip would issue in, out, in, ...
+TEST(StagedBoundTest, TheNextSegmentComesInWhileTheRingWorksOnThisOne) {
+  COLLECTIVES_REQUIRE_CUDA();
+  if (FindFakeCounters().reset == nullptr) {
+    GTEST_SKIP() << "needs the fake CUDA of tests/nccl/fake to see the order of the copies";
+  }
+  using CopyOrder = size_t (*)(char* out, size_t capacity);
+  CopyOrder order = nullptr;
+  for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+    if (void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
+      order = reinterpret_cast<CopyOrder>(dlsym(handle, "collectivesFakeCudaCopyOrder"));
+      dlclose(handle);
+      if (order != nullptr) break;
+    }
+  }
+  ASSERT_NE(order, nullptr);
+  const size_t count = 4 * ring::CudaStagingBytes() / 4;  // f32: exactly 4 segments
+  DeviceBuffer data(api, 0, DataType::kFloat32, count);
+  std::vector<float> host(count, 1.0f);
+  data.Upload(host.data());
+  ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
+  FindFakeCounters().reset();
+  RunRanks(Transport::kInProcess, 1, SmallChunks(), [&](CollectiveCommunication& comm) {
+    comm.AllReduce(data.tensor(), data.tensor(), ReduceOp::kSum);
+  });
+  char text[256];
+  order(text, sizeof(text));
+  EXPECT_EQ(std::string(text), "iioioioo");
+}
+
 // ---- Refusals ----
 
 TEST(StagedRefusalTest, CudaTensorsElsewhereAndMismatchedDevicesAreRefusedByName) {

@@ -86,7 +86,9 @@
 //    and device, the largest single copy, the number of copies, the cudaMemcpyAsync calls whose
 //    host side was pageable, and the pinned bytes allocated now and at their peak;
 //    collectivesFakeCudaResetCopyStats() zeroes the first four and sets the peak to what is
-//    allocated now.
+//    allocated now; collectivesFakeCudaCopyOrder(out, capacity) gives, per stream, the order of
+//    its cudaMemcpyAsync calls ('i' to the host, 'o' to the device), which shows whether a
+//    segment's copy in is issued before the previous segment's copy out.
 // Not modelled: per-thread default streams, managed memory, peer access, groups
 // of collectives or of several streams, fp8 types (refused with ncclInvalidArgument),
 // ncclCommSplit and the rest.
@@ -200,6 +202,9 @@ struct Runtime {
   uint64_t async_from_pageable = 0;  // cudaMemcpyAsync calls with a pageable host side
   size_t pinned_live = 0;            // bytes of pinned memory allocated now
   size_t pinned_peak = 0;            // the most of them at any time
+  // Per stream, in issue order, 'i' for each cudaMemcpyAsync to the host and 'o' for each to the
+  // device (collectivesFakeCudaCopyOrder).
+  std::map<const CUstream_st*, std::string> copy_order;
 };
 
 Runtime& Rt() {
@@ -1471,6 +1476,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   Runtime& rt = Rt();
   if (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToHost) {
     CountCopyLocked(bytes);
+    rt.copy_order[target.get()] += kind == cudaMemcpyDeviceToHost ? 'i' : 'o';
     const void* host = kind == cudaMemcpyHostToDevice ? src : dst;
     if (!PinnedLocked(host, bytes)) {
       // As CUDA: a pageable host side makes the copy synchronous in effect.
@@ -1822,6 +1828,24 @@ void collectivesFakeCudaResetCopyStats() {
   Runtime& rt = Rt();
   rt.copied_bytes = rt.largest_copy = rt.copies = rt.async_from_pageable = 0;
   rt.pinned_peak = rt.pinned_live;
+  rt.copy_order.clear();
+}
+
+// The copy order of every stream since the last reset, one stream's after another's, separated
+// by '|', into `out` (at most capacity - 1 characters and a NUL); returns the full length.
+size_t collectivesFakeCudaCopyOrder(char* out, size_t capacity) {
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  std::string all;
+  for (const auto& [stream, order] : Rt().copy_order) {
+    if (!all.empty()) all += '|';
+    all += order;
+  }
+  if (capacity > 0) {
+    const size_t n = std::min(capacity - 1, all.size());
+    std::memcpy(out, all.data(), n);
+    out[n] = '\0';
+  }
+  return all.size();
 }
 
 void collectivesFakeNcclFailNext(const char* function, ncclResult_t result, const char* message) {
