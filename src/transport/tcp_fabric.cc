@@ -130,7 +130,12 @@ TcpFabric::TcpFabric(int rank, int size, std::vector<std::optional<tcp::socket>>
                   "rank " + std::to_string(rank) +
                       ": cannot keep the listener for connections on demand: " + ec.message());
     }
-    if (rank > 0) AcceptNext();
+    // Rank 0 connects to every peer itself: its listener has nothing more to accept.
+    if (rank > 0) {
+      AcceptNext();
+    } else {
+      acceptor_->close(ec);
+    }
   }
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank || !sockets_in_setup[peer]) continue;
@@ -202,16 +207,24 @@ void TcpFabric::Unreachable(int peer, ErrorCode code, const std::string& why) {
                                std::to_string(peer) + ": " + why));
     return;
   }
-  // Like a connection that closes: the peer's listener lives as long as its communicator.
-  const core::CallTag* what = nullptr;
-  bool sending = true;
-  if (!connection.sends_.empty()) {
-    what = &connection.sends_.front().tag;
-  } else if (!connection.recvs_.empty()) {
-    what = &connection.recvs_.front().tag;
-    sending = false;
-  }
-  BreakLocal(PeerLostError(rank_, peer, "cannot connect to it: " + why, what, sending));
+  // Like a connection that closes: the peer's listener lives as long as its communicator. As
+  // for a write to a peer that closed (kWriteFailureGrace), the peer may have broken on an error
+  // of its own, whose abort frame is on its way over another connection: within the grace that
+  // frame decides, after it the lost peer does.
+  auto timer = std::make_unique<asio::steady_timer>(io_, kWriteFailureGrace);
+  timer->async_wait([this, peer, why, &connection](const asio::error_code& ec) {
+    if (ec || broken()) return;
+    const core::CallTag* what = nullptr;
+    bool sending = true;
+    if (!connection.sends_.empty()) {
+      what = &connection.sends_.front().tag;
+    } else if (!connection.recvs_.empty()) {
+      what = &connection.recvs_.front().tag;
+      sending = false;
+    }
+    BreakLocal(PeerLostError(rank_, peer, "cannot connect to it: " + why, what, sending));
+  });
+  timers_.push_back(std::move(timer));
 }
 
 void TcpFabric::StartConnect(int peer, int attempt) {
@@ -307,11 +320,10 @@ void TcpFabric::AcceptNext() {
     if (ec) {
       // Out of descriptors, or a connection reset in the backlog: try again shortly.
       accept_error_ = ec.message();
-      auto timer = std::make_unique<asio::steady_timer>(io_, kAcceptRetry);
-      timer->async_wait([this](const asio::error_code& timer_ec) {
+      accept_retry_.expires_after(kAcceptRetry);
+      accept_retry_.async_wait([this](const asio::error_code& timer_ec) {
         if (!timer_ec && acceptor_ && acceptor_->is_open()) AcceptNext();
       });
-      timers_.push_back(std::move(timer));
       return;
     }
     cluster::SetCloseOnExec(socket.native_handle());
@@ -374,6 +386,7 @@ void TcpFabric::StopOnDemand() {
     if (socket) socket->close(ec);
   }
   for (auto& timer : timers_) timer->cancel();
+  accept_retry_.cancel();
 }
 
 void TcpFabric::SetDeadline(Clock::time_point deadline) {

@@ -150,7 +150,8 @@ class TcpFabric final : public Fabric {
   std::vector<std::weak_ptr<HandshakeSession>> handshakes_;  // client and server, to cancel
   std::deque<std::weak_ptr<HandshakeSession>> server_handshakes_;
   std::vector<std::shared_ptr<asio::ip::tcp::socket>> connecting_;  // by peer
-  std::vector<std::unique_ptr<asio::steady_timer>> timers_;
+  std::vector<std::unique_ptr<asio::steady_timer>> timers_;  // connect retries, grace periods
+  asio::steady_timer accept_retry_{io_};
   cluster::RateLimitedLog refusal_log_;
   std::string accept_error_;
 
