@@ -125,6 +125,9 @@ TEST_P(ScaleKillTest, EverySurvivorOfThirtyTwoNamesTheDeadRank) {
               kSize, std::chrono::duration<double>(elapsed).count());
 }
 
-INSTANTIATE_TEST_SUITE_P(Processes, ScaleKillTest, ::testing::Values("all_reduce", "gather"));
+INSTANTIATE_TEST_SUITE_P(Processes, ScaleKillTest, ::testing::Values("all_reduce", "gather"),
+                         [](const ::testing::TestParamInfo<std::string>& param_info) {
+                           return param_info.param;
+                         });
 
 }  // namespace
