@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "examples/train/model.h"
+
 namespace train {
 
 class Mlp {
@@ -41,13 +43,6 @@ class Mlp {
 
  private:
   std::vector<size_t> widths_;
-};
-
-// Sums over the examples of one batch.
-struct BatchStats {
-  double loss_sum = 0;  // sum of per-example cross-entropies
-  size_t correct = 0;   // examples whose arg-max logit is the label
-  size_t count = 0;     // examples
 };
 
 // One replica's scratch space for batches of up to `max_batch` examples: inputs, activations,

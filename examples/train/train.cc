@@ -1,5 +1,6 @@
-// train: the training demo. Fashion-MNIST with the Keras guide's model (784-256-256-10, ReLU,
-// logits; Adam; sparse categorical cross-entropy from logits), written as a custom training loop
+// train: the training demo. Fashion-MNIST with an MLP (784-256-256-10, ReLU, logits; the default)
+// or the Keras guide's convolutional network (--model cnn; model.h), Adam with a cosine-decaying
+// learning rate, sparse categorical cross-entropy from logits, written as a custom training loop
 // over the strategy layer, so that the same program runs on one device, on several local
 // replicas, and on several workers:
 //
@@ -10,6 +11,7 @@
 //   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker
 //   mpirun -np 2 train --strategy multi_worker --replicas 2
 //   TF_CONFIG='{"cluster":{"worker":["h0:p","h1:p"]},"task":{"type":"worker","index":0}}' train ...
+//   scripts/train.sh --strategy parameter_server --workers 2 --ps 2   (asynchronous: ps_train.h)
 //
 // One step, on every replica (Strategy::Run): gather the replica's share of the global batch
 // (DistributedDataset), forward, per-example losses, backward of their sum scaled by 1 / global
@@ -33,16 +35,20 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -53,7 +59,9 @@
 #include "collectives/collectives.h"
 #include "collectives/strategy.h"
 #include "examples/train/fashion_mnist.h"
-#include "examples/train/mlp.h"
+#include "examples/train/model.h"
+#include "examples/train/ps_train.h"
+#include "examples/train/scheduled_adam.h"
 
 namespace {
 
@@ -62,14 +70,19 @@ namespace st = collectives::strategy;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
+  std::string model = "mlp";
   std::string strategy = "default";
   int replicas = 0;
   std::string communication = "auto";
   std::string cross_device = "auto";
-  size_t batch_per_replica = 64;
-  size_t global_batch = 0;
+  // The global batch is the same whatever the number of replicas, so that every strategy takes
+  // the same steps (64: the batch at which both models reach their accuracy in 5 epochs);
+  // --batch-per-replica B makes it B x replicas in sync instead.
+  size_t global_batch = 64;
+  size_t batch_per_replica = 0;
   int epochs = 5;
   float learning_rate = 1e-3f;
+  std::string learning_rate_decay = "cosine";
   uint64_t seed = 42;
   std::string checkpoint_dir;
   int64_t save_every_steps = 0;
@@ -181,17 +194,17 @@ struct Totals {
 
 // What one local replica owns: scratch for forward and backward, and its running sums.
 struct Replica {
-  Replica(const train::Mlp& model, size_t max_batch) : workspace(model, max_batch) {}
-  train::MlpWorkspace workspace;
-  std::vector<const float*> params;
+  Replica(const train::Model& model, size_t max_batch)
+      : workspace(model.MakeWorkspace(max_batch)), weights(model.num_parameters()) {}
+  std::unique_ptr<train::Workspace> workspace;
+  std::vector<std::span<const float>> weights;
   Totals totals;
 };
 
-// Points `replica.params` at its copy of every variable (cheap; done per step so that nothing
+// Points `replica.weights` at its copy of every variable (cheap; done per step so that nothing
 // depends on a copy's storage never moving).
 void BindParams(Replica& replica, const std::vector<st::MirroredVariable*>& vars, int local) {
-  replica.params.resize(vars.size());
-  for (size_t p = 0; p < vars.size(); ++p) replica.params[p] = vars[p]->data(local);
+  for (size_t p = 0; p < vars.size(); ++p) replica.weights[p] = vars[p]->value(local);
 }
 
 // Sums of loss, correct and count over every replica of every worker. Collective.
@@ -223,11 +236,11 @@ Totals Evaluate(st::Strategy& strategy, std::vector<Replica>& replicas,
     Totals sums;
     const size_t first = begin + (end - begin) * local / locals;
     const size_t last = begin + (end - begin) * (local + 1) / locals;
-    train::MlpWorkspace& ws = replica.workspace;
+    train::Workspace& ws = *replica.workspace;
     for (size_t i = first; i < last; i += ws.max_batch()) {
       const size_t n = std::min(ws.max_batch(), last - i);
       data.GatherRange(i, n, ws.x(), ws.labels());
-      const train::BatchStats stats = ws.Forward(replica.params, n);
+      const train::BatchStats stats = ws.Forward(replica.weights, n);
       sums.loss_sum += stats.loss_sum;
       sums.correct += static_cast<double>(stats.correct);
       sums.count += static_cast<double>(stats.count);
@@ -375,18 +388,18 @@ int Train(const Options& o) {
   // At most every training example: a step takes no more, and each replica's scratch is sized
   // for its share of the global batch (--global-batch 4294967296 failed with std::bad_alloc).
   // Compared before the product, which a huge --batch-per-replica wrapped around.
-  if (o.global_batch > train_set.count ||
-      (o.global_batch == 0 && o.batch_per_replica > train_set.count / replicas_in_sync)) {
+  const bool per_replica = o.batch_per_replica > 0;
+  if ((!per_replica && o.global_batch > train_set.count) ||
+      (per_replica && o.batch_per_replica > train_set.count / replicas_in_sync)) {
     const std::string asked =
-        o.global_batch > 0 ? "--global-batch " + std::to_string(o.global_batch)
-                           : "--batch-per-replica " + std::to_string(o.batch_per_replica) + " x " +
-                                 std::to_string(replicas_in_sync) + " replicas in sync";
+        !per_replica ? "--global-batch " + std::to_string(o.global_batch)
+                     : "--batch-per-replica " + std::to_string(o.batch_per_replica) + " x " +
+                           std::to_string(replicas_in_sync) + " replicas in sync";
     throw co::Error(co::ErrorCode::kInvalidArgument,
                     asked + " is more than the " + std::to_string(train_set.count) +
                         " training examples (a step takes at most all of them)");
   }
-  const size_t global_batch =
-      o.global_batch > 0 ? o.global_batch : o.batch_per_replica * replicas_in_sync;
+  const size_t global_batch = per_replica ? o.batch_per_replica * replicas_in_sync : o.global_batch;
   if (global_batch == 0 || global_batch % replicas_in_sync != 0) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
                     "global batch " + std::to_string(global_batch) +
@@ -400,15 +413,22 @@ int Train(const Options& o) {
   Say("strategy: %s\n", Describe(strategy).c_str());
 
   // The model's variables, "inside the scope": the chief initialises, every copy receives it.
-  const train::Mlp model({train_set.features(), 256, 256, 10});
+  // Kernels Glorot-uniform from the seed, biases zero (Model::InitialValue).
+  const std::unique_ptr<train::Model> model_owner = train::MakeModel(o.model);
+  const train::Model& model = *model_owner;
+  if (model.num_inputs() != train_set.features()) {
+    throw co::Error(co::ErrorCode::kInvalidArgument,
+                    model.Describe() + " takes " + std::to_string(model.num_inputs()) +
+                        " inputs, the data has " + std::to_string(train_set.features()));
+  }
   std::vector<st::MirroredVariable*> vars;
   for (size_t p = 0; p < model.num_parameters(); ++p) {
-    const std::vector<size_t> shape = model.ParameterShape(p);
-    const st::Initializer init =
-        p % 2 == 0 ? st::GlorotUniform(shape[0], shape[1], o.seed + p / 2) : st::Zeros();
-    vars.push_back(&strategy.CreateVariable(model.ParameterName(p), shape, init));
+    const uint64_t seed = o.seed;
+    const st::Initializer init = [&model, p, seed](std::span<float> value) {
+      model.InitialValue(p, seed, value);
+    };
+    vars.push_back(&strategy.CreateVariable(model.ParameterName(p), model.ParameterShape(p), init));
   }
-  st::Adam adam(strategy, {.learning_rate = o.learning_rate});
 
   st::DistributedDataset data(strategy, train_set.count,
                               {.global_batch_size = global_batch,
@@ -418,10 +438,16 @@ int Train(const Options& o) {
   const size_t steps = o.max_steps_per_epoch > 0
                            ? std::min(o.max_steps_per_epoch, data.steps_per_epoch())
                            : data.steps_per_epoch();
-  Say("model: MLP %zu-256-256-10, %zu parameters; Adam, learning rate %g; global batch %zu "
+  const auto decay_steps = static_cast<int64_t>(steps) * o.epochs;
+  train::ScheduledAdam adam(
+      strategy, {.learning_rate = o.learning_rate}, [&o, decay_steps](int64_t iterations) {
+        return train::LearningRate(o.learning_rate_decay, o.learning_rate, decay_steps, iterations);
+      });
+  Say("model: %s, %zu parameters; Adam, learning rate %g%s; global batch %zu "
       "(%zu per replica), %zu steps per epoch\n",
-      model.num_inputs(), model.TotalParameterCount(), static_cast<double>(o.learning_rate),
-      global_batch, data.per_replica_batch_size(), steps);
+      model.Describe().c_str(), model.TotalParameterCount(), static_cast<double>(o.learning_rate),
+      o.learning_rate_decay == "cosine" ? " with cosine decay to 0 over the run" : "", global_batch,
+      data.per_replica_batch_size(), steps);
 
   std::vector<Replica> replicas;
   replicas.reserve(static_cast<size_t>(strategy.num_local_replicas()));
@@ -463,11 +489,11 @@ int Train(const Options& o) {
         const int local = ctx.local_replica_id();
         Replica& replica = replicas[static_cast<size_t>(local)];
         BindParams(replica, vars, local);
-        train::MlpWorkspace& ws = replica.workspace;
+        train::Workspace& ws = *replica.workspace;
         const std::vector<size_t> batch = data.ReplicaBatch(epoch, step, local);
         train_set.Gather(batch, ws.x(), ws.labels());
-        const train::BatchStats stats = ws.Forward(replica.params, batch.size());
-        ws.Backward(replica.params, batch.size(), loss_scale);
+        const train::BatchStats stats =
+            ws.LossAndGradients(replica.weights, batch.size(), loss_scale);
         adam.ApplyGradients(ctx, vars, ws.gradients());
         replica.totals.loss_sum += stats.loss_sum;
         replica.totals.correct += static_cast<double>(stats.correct);
@@ -534,10 +560,15 @@ int main(int argc, char** argv) {
 
   Options o;
   CLI::App app{"Fashion-MNIST training demo over the collectives strategy layer"};
+  app.add_option("--model", o.model, "mlp (784-256-256-10) or cnn (the guide's Conv2D network)")
+      ->check(CLI::IsMember(train::ModelNames()))
+      ->capture_default_str();
   app.add_option("--strategy", o.strategy,
-                 "default, one_device, mirrored, central_storage or multi_worker")
+                 "default, one_device, mirrored, central_storage, multi_worker, or "
+                 "parameter_server (every task of a TF_CONFIG cluster with chief, worker and ps "
+                 "tasks; ps_train.h)")
       ->check(CLI::IsMember({"default", "one_device", "mirrored", "central_storage", "multi_worker",
-                             "multi_worker_mirrored"}))
+                             "multi_worker_mirrored", "parameter_server"}))
       ->capture_default_str();
   app.add_option("--replicas", o.replicas,
                  "local replicas (threads) of mirrored, central_storage and multi_worker; "
@@ -551,18 +582,27 @@ int main(int argc, char** argv) {
                  "between local replicas: auto, reduction_to_one_device, hierarchical_copy, nccl")
       ->check(CLI::IsMember({"auto", "reduction_to_one_device", "hierarchical_copy", "nccl"}))
       ->capture_default_str();
+  CLI::Option* global_batch =
+      app.add_option("--global-batch", o.global_batch,
+                     "examples per step over all replicas, whatever their number (a multiple of "
+                     "the replicas in sync)")
+          ->check(Count())
+          ->capture_default_str();
   app.add_option("--batch-per-replica", o.batch_per_replica,
-                 "examples per replica per step; global batch = this x replicas in sync")
+                 "instead of --global-batch: examples per replica per step; global batch = this x "
+                 "replicas in sync")
       ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--global-batch", o.global_batch,
-                 "fix the global batch instead (a multiple of the replicas in sync)")
-      ->check(Count());
+      ->excludes(global_batch);
   app.add_option("--epochs", o.epochs, "epochs")
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
   app.add_option("--learning-rate", o.learning_rate, "Adam's learning rate")
       ->check(FiniteNonNegative())
+      ->capture_default_str();
+  app.add_option("--learning-rate-decay", o.learning_rate_decay,
+                 "cosine: the rate falls from --learning-rate to 0 over epochs x steps (Keras' "
+                 "CosineDecay); none: constant")
+      ->check(CLI::IsMember({"cosine", "none"}))
       ->capture_default_str();
   app.add_option("--seed", o.seed, "initialisation and shuffle seed")->capture_default_str();
   app.add_option("--checkpoint-dir", o.checkpoint_dir,
@@ -600,6 +640,27 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is a ParseError too
   }
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
+  // Every task of the cluster runs this; its role comes from TF_CONFIG (ps_train.h). A step is
+  // one worker's batch: --batch-per-replica when given, else --global-batch. The parameter
+  // servers' Adam keeps its learning rate: --learning-rate-decay does not apply.
+  if (o.strategy == "parameter_server") {
+    return train::TrainParameterServer(
+        {.model = o.model,
+         .batch = o.batch_per_replica > 0 ? o.batch_per_replica : o.global_batch,
+         .epochs = o.epochs,
+         .learning_rate = o.learning_rate,
+         .seed = o.seed,
+         .checkpoint_dir = o.checkpoint_dir,
+         .save_every_steps = o.save_every_steps,
+         .train_limit = o.train_limit,
+         .test_limit = o.test_limit,
+         .max_steps_per_epoch = o.max_steps_per_epoch,
+         .data_dir = o.data_dir,
+         .save_weights = o.save_weights,
+         .quiet_progress = o.quiet_progress,
+         .timeout_s = o.timeout_s,
+         .throttle_ms = o.throttle_ms});
+  }
 
   try {
     return Train(o);
