@@ -23,6 +23,17 @@
 #                                                           (a worker is restarted after
 #                                                           --restart-after S seconds, default 2)
 #       e.g. scripts/train.sh --strategy parameter_server --workers 2 --ps 2 --epochs 3
+#   scripts/train.sh --workers N --evaluator [ARGS...]
+#                                               the same, and a sidecar evaluator beside them
+#                                               (`train --evaluator`, not part of the training
+#                                               collective): the chief exports a checkpoint every
+#                                               epoch (and every --export-every-steps steps) to
+#                                               --export-checkpoints DIR (default: a scratch
+#                                               folder), the evaluator evaluates each on the test
+#                                               set as it appears, prints a line per checkpoint,
+#                                               and writes them to --eval-log FILE (default
+#                                               evaluations.jsonl, written afresh); draw it with
+#                                               scripts/plot-evaluations.py FILE
 #   scripts/train.sh --throughput [ARGS...]     samples per second, 1 epoch at global batch 256
 #                                               each: one_device vs mirrored with 2 replicas, and
 #                                               1 worker vs 2 workers; prints the two ratios
@@ -87,9 +98,17 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# With evaluator=1, run_workers also starts `train --evaluator` (the sidecar; stdout shared
+# with the chief's, its lines start with "evaluator:") on export_dir (default $work/export) and
+# eval_log, and the workers export checkpoints there. The evaluator stops after the final
+# checkpoint; when a worker fails it is stopped.
+evaluator=0
+export_dir=""
+eval_log=evaluations.jsonl
+
 # run_workers N ARGS...: N processes of `train --strategy multi_worker ARGS` on loopback. The
 # chief's output goes to stdout, the others' to $work/worker<i>.log (printed if they fail).
-# Returns non-zero if any worker fails.
+# Returns non-zero if any worker (or the evaluator) fails.
 run_workers() {
   local n=$1
   shift
@@ -99,6 +118,16 @@ run_workers() {
   work=$(mktemp -d)
   # A fresh job token unless one is given: every connection of the job proves it.
   export COLLECTIVES_JOB_TOKEN=${COLLECTIVES_JOB_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
+  local eval_pid=""
+  if [[ ${evaluator} == 1 ]]; then
+    local dir=${export_dir:-$work/export}
+    : >"${eval_log}"
+    # ARGS first, so that the evaluator's own flags win; the evaluator reads files only.
+    start_limited env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
+      "$TRAIN" "$@" --evaluator --export-checkpoints "$dir" --eval-log "${eval_log}"
+    eval_pid=$!
+    set -- "$@" --export-checkpoints "$dir"
+  fi
   for ((i = 1; i < n; ++i)); do
     start_limited env -u TF_CONFIG -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE \
       RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
@@ -116,6 +145,16 @@ run_workers() {
       rc=1
     fi
   done
+  if [[ -n ${eval_pid} ]]; then
+    if [[ $rc != 0 ]]; then kill -TERM "${eval_pid}" 2>/dev/null || true; fi
+    if ! wait "${eval_pid}" && [[ $rc == 0 ]]; then
+      echo "train.sh: the evaluator failed" >&2
+      rc=1
+    fi
+    if [[ $rc == 0 ]]; then
+      echo "train.sh: evaluations in ${eval_log}; draw them: scripts/plot-evaluations.py ${eval_log}"
+    fi
+  fi
   limited=()
   rm -rf "$work"
   work=""
@@ -343,7 +382,27 @@ case "${1:-}" in
       exit 2
     fi
     shift 2
-    run_workers "$n" "$@"
+    # --evaluator, --eval-log and --export-checkpoints are the script's; the rest go to train.
+    args=()
+    while [[ $# -gt 0 ]]; do
+      case "$1" in
+        --evaluator) evaluator=1 ;;
+        --eval-log | --export-checkpoints)
+          if [[ $# -lt 2 ]]; then
+            echo "train.sh: $1 needs a value" >&2
+            exit 2
+          fi
+          if [[ $1 == --eval-log ]]; then eval_log=$2; else export_dir=$2; fi
+          shift
+          ;;
+        --eval-log=*) eval_log=${1#*=} ;;
+        --export-checkpoints=*) export_dir=${1#*=} ;;
+        *) args+=("$1") ;;
+      esac
+      shift
+    done
+    if [[ ${evaluator} == 0 && -n ${export_dir} ]]; then args+=(--export-checkpoints "${export_dir}"); fi
+    run_workers "$n" ${args[@]+"${args[@]}"}
     ;;
   --throughput)
     shift

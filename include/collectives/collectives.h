@@ -5,6 +5,7 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "collectives/errors.h"
+#include "collectives/evaluator.h"
 #include "collectives/packing.h"
 #include "collectives/parameter_server.h"
 #include "collectives/strategy.h"
