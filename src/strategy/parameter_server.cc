@@ -50,65 +50,66 @@ struct CheckpointValues {
   TrainingState state;
 };
 
-// Writes through a one-worker DefaultStrategy holding the same variables and an optimizer of
-// the same name and slots, so the file is exactly the one SaveCheckpoint writes.
+// Writes with WriteCheckpointFile: the file SaveCheckpoint writes, slots named
+// "<variable>/<slot>".
 void WriteCheckpoint(const std::string& directory, const CheckpointValues& c) {
-  DefaultStrategy local;
+  CheckpointData data;
+  data.state = c.state;
+  data.optimizer = c.optimizer;
+  data.iterations = c.iterations;
   for (size_t i = 0; i < c.variables.size(); ++i) {
-    const std::vector<float>& value = c.values[i];
-    local.CreateVariable(c.variables[i].name, c.variables[i].shape,
-                         [&value](std::span<float> out) {
-                           std::copy(value.begin(), value.end(), out.begin());
-                         });
-  }
-  std::unique_ptr<Optimizer> optimizer;
-  if (c.optimizer == "Adam") {
-    optimizer = std::make_unique<Adam>(local);
-  } else {
-    optimizer = std::make_unique<Sgd>(local, SgdOptions{.momentum = c.slot_names.empty() ? 0.0f
-                                                                                         : 0.9f});
-  }
-  std::vector<Optimizer::Slot> slots;
-  for (size_t i = 0; i < c.variables.size(); ++i) {
+    data.variables.push_back({c.variables[i].name, c.variables[i].shape, c.values[i]});
     for (size_t s = 0; s < c.slot_names.size(); ++s) {
-      slots.push_back({c.variables[i].name + "/" + c.slot_names[s], c.slots[i][s]});
+      data.slots.push_back({c.variables[i].name + "/" + c.slot_names[s],
+                            {c.variables[i].count}, c.slots[i][s]});
     }
   }
-  optimizer->RestoreSlots(slots, c.iterations);
-  strategy::SaveCheckpoint(local, optimizer.get(), directory, c.state);
+  WriteCheckpointFile(directory, data);
 }
 
-// Reads into `c` (whose variables, optimizer and slot_names say what is expected). False when
-// there is no checkpoint.
+// Reads into `c` (whose variables, optimizer and slot_names say what is expected), checking the
+// file against them as RestoreCheckpoint does (kInvalidArgument naming the difference). False
+// when there is no checkpoint.
 bool ReadCheckpoint(const std::string& directory, CheckpointValues* c) {
-  DefaultStrategy local;
-  for (const PsVariable& v : c->variables) local.CreateVariable(v.name, v.shape, Zeros());
-  std::unique_ptr<Optimizer> optimizer;
-  if (c->optimizer == "Adam") {
-    optimizer = std::make_unique<Adam>(local);
-  } else {
-    optimizer = std::make_unique<Sgd>(local, SgdOptions{.momentum = c->slot_names.empty() ? 0.0f
-                                                                                          : 0.9f});
+  std::optional<CheckpointData> data = ReadCheckpointFile(directory);
+  if (!data) return false;
+  const std::string where = "checkpoint " + directory + "/checkpoint: ";
+  if (data->optimizer != c->optimizer) {
+    Invalid(where + "saved with optimizer '" + data->optimizer + "', the strategy's is '" +
+            c->optimizer + "'");
   }
-  const std::optional<TrainingState> state =
-      strategy::RestoreCheckpoint(local, optimizer.get(), directory);
-  if (!state) return false;
-  c->state = *state;
-  c->iterations = optimizer->iterations();
-  std::map<std::string, std::vector<float>> saved_slots;
-  for (Optimizer::Slot& slot : optimizer->SaveSlots()) saved_slots[slot.name] = std::move(slot.value);
+  if (data->variables.size() != c->variables.size()) {
+    Invalid(where + "holds " + std::to_string(data->variables.size()) + " variables, the strategy " +
+            std::to_string(c->variables.size()));
+  }
+  std::map<std::string, const CheckpointData::Tensor*> slots;
+  for (const CheckpointData::Tensor& t : data->slots) slots[t.name] = &t;
   c->values.clear();
   c->slots.clear();
   for (const PsVariable& v : c->variables) {
-    std::span<const float> value = local.FindVariable(v.name)->value(0);
-    c->values.emplace_back(value.begin(), value.end());
-    std::vector<std::vector<float>> slots;
-    for (const std::string& s : c->slot_names) {
-      auto it = saved_slots.find(v.name + "/" + s);
-      slots.push_back(it != saved_slots.end() ? it->second : std::vector<float>(v.count, 0.0f));
+    const CheckpointData::Tensor* t = data->FindVariable(v.name);
+    if (t == nullptr) Invalid(where + "holds no variable '" + v.name + "'");
+    if (t->shape != v.shape || t->values.size() != v.count) {
+      Invalid(where + "variable '" + v.name + "' has another shape than the strategy's");
     }
-    c->slots.push_back(std::move(slots));
+    c->values.push_back(t->values);
+    std::vector<std::vector<float>> of_variable;
+    for (const std::string& name : c->slot_names) {
+      auto it = slots.find(v.name + "/" + name);
+      if (it == slots.end()) {
+        of_variable.emplace_back(v.count, 0.0f);  // never updated when saved
+      } else if (it->second->values.size() != v.count) {
+        Invalid(where + "slot '" + it->first + "' has " +
+                std::to_string(it->second->values.size()) + " values for " +
+                std::to_string(v.count));
+      } else {
+        of_variable.push_back(it->second->values);
+      }
+    }
+    c->slots.push_back(std::move(of_variable));
   }
+  c->state = data->state;
+  c->iterations = data->iterations;
   return true;
 }
 

@@ -810,6 +810,20 @@ TEST(ParameterServerTest, ANewCoordinatorResumesFromTheCheckpoint) {
                                local.FindVariable("w")->value(0).end()),
             saved);
   EXPECT_EQ(local_adam.iterations(), kBefore);
+
+  // A checkpoint of another optimizer or shape is refused, nothing changed.
+  const std::vector<float> before = strategy.Read("w");
+  ParameterServerOptions sgd = options;
+  sgd.optimizer = PsOptimizer::Sgd();
+  ParameterServerStrategy other(sgd);
+  other.CreateVariable("w2", {6}, Zeros());
+  try {
+    other.RestoreCheckpoint(dir.string());
+    ADD_FAILURE() << "an Adam checkpoint was restored under SGD";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+  }
+  EXPECT_EQ(strategy.Read("w"), before);
   fs::remove_all(dir);
 }
 
