@@ -1,5 +1,5 @@
 // The smallest embedding: build a communicator from the environment (TF_CONFIG, torchrun-style
-// RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or mpirun's OMPI_COMM_WORLD_* with MASTER_*) and
+// RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, mpirun, or srun) and
 // all-reduce a vector of gradients. Run alone it is a single rank.
 //
 //   RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 ./allreduce_example &
@@ -14,11 +14,13 @@
 constexpr const char* kUsage =
     "usage: allreduce_example   (no arguments: the job comes from the environment)\n"
     "Launching N ranks (alone, it is a single rank):\n"
-    "  mpirun -np N -x MASTER_ADDR=HOST -x MASTER_PORT=PORT allreduce_example\n"
+    "  mpirun -np N allreduce_example\n"
+    "  srun -n N allreduce_example\n"
     "  RANK=r WORLD_SIZE=N MASTER_ADDR=HOST MASTER_PORT=PORT allreduce_example   (each rank r)\n"
     "  TF_CONFIG='{\"cluster\": ..., \"task\": ...}' allreduce_example   (each rank its task)\n"
     "Environment: TF_CONFIG; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's\n"
-    "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; the library's COLLECTIVES_* variables\n"
+    "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (and its PMIx server); srun's SLURM_PROCID,\n"
+    "SLURM_NTASKS, SLURM_STEP_NODELIST, SLURM_JOB_ID; the library's COLLECTIVES_* variables\n"
     "(COLLECTIVES_JOB_TOKEN, COLLECTIVES_SHM, ...: docs/tuning.md).\n";
 
 int main(int argc, char** argv) {

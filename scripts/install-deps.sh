@@ -10,7 +10,7 @@ set -euo pipefail
 
 PACKAGES=(
   g++ cmake ninja-build make
-  libasio-dev openmpi-bin libopenmpi-dev
+  libasio-dev openmpi-bin libopenmpi-dev libpmix-dev
   libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   nlohmann-json3-dev libcli11-dev libssl-dev libeigen3-dev zlib1g-dev
   dataset-fashion-mnist

@@ -4,6 +4,7 @@
 #
 #   scripts/train.sh [ARGS...]                  one process: train ARGS
 #       e.g. scripts/train.sh --strategy mirrored --replicas 4 --epochs 5
+#            scripts/train.sh --strategy central_storage --replicas 4 --epochs 5
 #   scripts/train.sh --workers N [ARGS...]      N worker processes on this host, found through
 #                                               RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a
 #                                               free port), each `train --strategy multi_worker ARGS`;
@@ -16,7 +17,7 @@
 #                                               at one global batch: a markdown table of test
 #                                               accuracy and samples/s (scripts/train-table.sh)
 #
-# Under mpirun instead: MASTER_PORT=29500 mpirun -np 2 build/examples/train/train --strategy multi_worker
+# Under mpirun instead (nothing to export): mpirun -np 2 build/examples/train/train --strategy multi_worker
 # Environment: COLLECTIVES_BUILD_DIR (default build); TRAIN_NO_BUILD=1 skips the build;
 # TRAIN_TIME_LIMIT (seconds, default 3600) bounds every process. The processes run in the
 # caller's folder, so paths in ARGS (--save-weights, --checkpoint-dir) are the caller's.

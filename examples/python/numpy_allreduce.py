@@ -1,24 +1,15 @@
 """All-reduces a numpy array across the processes of a job.
 
-Launch with Open MPI (MASTER_PORT names the port rank 0's rendezvous store listens on; mpirun
-sets the ranks, OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE, but no port):
+Launch with Open MPI (the ranks find each other through mpirun's PMIx server; nothing to
+export):
 
-    PYTHONPATH=build/python mpirun -np 2 -x PYTHONPATH -x MASTER_PORT=29500 \\
-        /usr/bin/python3 examples/python/numpy_allreduce.py
+    PYTHONPATH=build/python mpirun -np 2 -x PYTHONPATH /usr/bin/python3 examples/python/numpy_allreduce.py
 
-or with torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or alone (one
-rank). Across hosts, also pass -x MASTER_ADDR=<rank 0's host>.
+or with torchrun, srun or TF_CONFIG, or alone (one rank).
 """
-import os
-import sys
-
 import numpy as np
 
 import collectives
-
-if "OMPI_COMM_WORLD_SIZE" in os.environ and "MASTER_PORT" not in os.environ:
-    sys.exit("numpy_allreduce.py: under mpirun, export MASTER_PORT (mpirun -x MASTER_PORT=29500): "
-             "rank 0's rendezvous store listens there")
 
 with collectives.Communication() as comm:  # collectives.ClusterSpec.from_environment()
     grads = np.full(1000, comm.rank + 1, dtype=np.float32)

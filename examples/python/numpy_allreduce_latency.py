@@ -1,7 +1,7 @@
 """Times a small blocking all-reduce from Python against the same calls issued by a C++ loop
 in the same processes, round for round, on one communicator.
 
-    PYTHONPATH=build/python mpirun -np 2 -x PYTHONPATH -x MASTER_PORT=29500 \\
+    PYTHONPATH=build/python mpirun -np 2 -x PYTHONPATH \\
         /usr/bin/python3 examples/python/numpy_allreduce_latency.py [BYTES] [IMPLEMENTATION]
 
 Prints, as bench/collectives_perf does, the slowest rank's time per call: the median of 9

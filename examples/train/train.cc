@@ -6,9 +6,10 @@
 //
 //   train --strategy default
 //   train --strategy mirrored --replicas 4 --cross-device hierarchical_copy
+//   train --strategy central_storage --replicas 4
 //   RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker &
 //   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker
-//   MASTER_PORT=29500 mpirun -np 2 train --strategy multi_worker --replicas 2
+//   mpirun -np 2 train --strategy multi_worker --replicas 2
 //   TF_CONFIG='{"cluster":{"worker":["h0:p","h1:p"]},"task":{"type":"worker","index":0}}' train ...
 //
 // One step, on every replica (Strategy::Run): gather the replica's share of the global batch
@@ -146,8 +147,8 @@ std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
   const st::CrossDeviceOps cross_device = st::ParseCrossDeviceOps(o.cross_device);
   if ((o.strategy == "default" || o.strategy == "one_device") && o.replicas > 1) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
-                    "--replicas " + std::to_string(o.replicas) + " needs --strategy mirrored or " +
-                        "multi_worker (" + o.strategy + " has one replica)");
+                    "--replicas " + std::to_string(o.replicas) + " needs --strategy mirrored, " +
+                        "central_storage or multi_worker (" + o.strategy + " has one replica)");
   }
   if (o.strategy == "default") return std::make_unique<st::DefaultStrategy>();
   if (o.strategy == "one_device") return std::make_unique<st::OneDeviceStrategy>();
@@ -157,6 +158,17 @@ std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
     options.cross_device_ops = cross_device;
     options.timeout = timeout;
     return std::make_unique<st::MirroredStrategy>(options);
+  }
+  if (o.strategy == "central_storage") {
+    if (cross_device != st::CrossDeviceOps::kAuto) {
+      throw co::Error(co::ErrorCode::kInvalidArgument,
+                      "--cross-device " + o.cross_device +
+                          " does not apply to central_storage: it sums onto replica 0");
+    }
+    st::CentralStorageOptions options;
+    options.num_replicas = o.replicas;
+    options.timeout = timeout;
+    return std::make_unique<st::CentralStorageStrategy>(options);
   }
   // multi_worker: the cluster from TF_CONFIG, RANK/WORLD_SIZE/MASTER_*, or mpirun's variables.
   const co::ClusterSpec cluster = co::ClusterSpec::FromEnvironment();
@@ -548,12 +560,14 @@ int main(int argc, char** argv) {
   app.add_option("--model", o.model, "mlp (784-256-256-10) or cnn (the guide's Conv2D network)")
       ->check(CLI::IsMember(train::ModelNames()))
       ->capture_default_str();
-  app.add_option("--strategy", o.strategy, "default, one_device, mirrored or multi_worker")
-      ->check(CLI::IsMember(
-          {"default", "one_device", "mirrored", "multi_worker", "multi_worker_mirrored"}))
+  app.add_option("--strategy", o.strategy,
+                 "default, one_device, mirrored, central_storage or multi_worker")
+      ->check(CLI::IsMember({"default", "one_device", "mirrored", "central_storage", "multi_worker",
+                             "multi_worker_mirrored"}))
       ->capture_default_str();
   app.add_option("--replicas", o.replicas,
-                 "local replicas (threads) of mirrored and multi_worker; 0: the strategy's default")
+                 "local replicas (threads) of mirrored, central_storage and multi_worker; "
+                 "0: the strategy's default")
       ->check(CLI::Range(0, 256))
       ->capture_default_str();
   app.add_option("--communication", o.communication, "between workers: ring, nccl or auto")
@@ -609,7 +623,9 @@ int main(int argc, char** argv) {
                  "can be killed mid-epoch (scripts/kill-restart.sh)")
       ->check(CLI::NonNegativeNumber);
   app.footer(
-      "Replicas: --strategy mirrored --replicas R trains R replicas (threads) in this process.\n" +
+      "Replicas: --strategy mirrored --replicas R trains R replicas (threads) in this process;\n"
+      "--strategy central_storage --replicas R the same with one copy of the weights, updated\n"
+      "once per step.\n" +
       collectives::bench::LaunchHelp(
           "train --strategy multi_worker",
           "  scripts/train.sh --workers N ...   (N worker processes on this host)\n"));

@@ -178,8 +178,11 @@ typedef struct coll_comm coll_comm;
  *   1. TF_CONFIG (TensorFlow's cluster JSON; rank 0's address hosts the rendezvous);
  *   2. RANK and WORLD_SIZE (torchrun), with MASTER_ADDR (default 127.0.0.1) and MASTER_PORT
  *      (required when WORLD_SIZE > 1);
- *   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_ADDR / MASTER_PORT;
- *   4. none of them: a single rank.
+ *   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_ADDR / MASTER_PORT,
+ *      or, without MASTER_PORT, rank 0's store address agreed through mpirun's PMIx server;
+ *   4. SLURM_PROCID with SLURM_STEP_ID (srun), the store on the step's first node;
+ *   5. none of them: a single rank.
+ * (ClusterSpec::FromEnvironment in cluster.h has the details.)
  * COLLECTIVES_JOB_ID, when set, names the job (every rank must set the same); when
  * COLLECTIVES_STORE_LISTEN_ADDRESS is set, rank 0's store listens there instead of on the
  * address the other ranks connect to. Blocks until every rank has connected or the

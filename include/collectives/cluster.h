@@ -2,8 +2,8 @@
 //
 // A ClusterSpec says this process's rank, the world size and where the rendezvous store lives.
 // It comes from TensorFlow's TF_CONFIG, from torchrun-style RANK / WORLD_SIZE / MASTER_ADDR /
-// MASTER_PORT, from mpirun's OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE (with MASTER_ADDR /
-// MASTER_PORT), or is filled in by code.
+// MASTER_PORT, from mpirun (OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE, and its PMIx server when
+// MASTER_PORT is not exported), from Slurm's srun (SLURM_PROCID, ...), or is filled in by code.
 //
 // Thread-safety: ClusterSpec is a plain value. Every Store may be called from any thread.
 #ifndef COLLECTIVES_CLUSTER_H_
@@ -39,9 +39,20 @@ struct ClusterSpec {
   // Per-rank "host:port" when the source lists them (TF_CONFIG does); empty otherwise. When
   // present, rank i binds its data listener to the host of addresses[i].
   std::vector<std::string> addresses;
-  // TF_CONFIG task type and index of this process ("chief"/0, "worker"/3), or "worker"/rank.
+  // TF_CONFIG task type and index of this process ("chief"/0, "worker"/3, "ps"/1,
+  // "evaluator"/0), or "worker"/rank. The roles, as in TensorFlow:
+  //   "chief"     worker 0 of the training (it writes checkpoints); the coordinator under
+  //               ParameterServerStrategy. At most one.
+  //   "worker"    a training worker.
+  //   "ps"        a parameter server: only ParameterServerStrategy has them.
+  //   "evaluator" evaluates the chief's checkpoints beside the training (SidecarEvaluator) and is
+  //               not part of the training collective. At most one.
+  // Strategies refuse a layout that does not fit them (strategy::CheckClusterLayout).
   std::string task_type = "worker";
   int task_index = 0;
+  // Every task TF_CONFIG lists, by role ("chief", "worker", "ps", "evaluator"; a role with no
+  // task is absent), each "host:port" as written, in list order. Empty for the other sources.
+  std::map<std::string, std::vector<std::string>> cluster;
   // A name every rank of the job agrees on; keys in the store are prefixed with it, it travels
   // in the connection handshake so that two jobs sharing a host never cross, and a hash of it goes
   // into the shared-memory segment names. FromTfConfig takes it from TF_CONFIG's top-level
@@ -53,17 +64,34 @@ struct ClusterSpec {
   std::string job_token;
 
   // Parses TensorFlow's TF_CONFIG JSON:
-  //   {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", "h2:p"]},
+  //   {"cluster": {"chief": ["h0:p"], "worker": ["h1:p", "h2:p"], "ps": ["h3:p"],
+  //                "evaluator": ["h4:p"]},
   //    "task": {"type": "worker", "index": 1}}
-  // Ranks are the chief (if any) first, then workers in list order. Rank 0's address hosts the
-  // store. Roles other than chief and worker ("ps", "evaluator") are rejected. Throws
-  // Error(kInvalidArgument) naming the offending field: not JSON, a missing or mistyped key, an
-  // index out of range, duplicate addresses, a bad "host:port", an unsupported role.
+  // The training collective's ranks are the chief (if any) first, then the workers in list order;
+  // rank 0's address hosts the store. A "ps" or "evaluator" task is a job of one rank of its own
+  // (rank 0, world_size 1, master_port 0, no addresses: see InTrainingCollective), and `cluster`
+  // tells it where the others are. An evaluator's TF_CONFIG may list only the evaluator; every
+  // other task's needs a chief or a worker. Throws Error(kInvalidArgument) naming the offending
+  // field: not JSON, a missing or mistyped key, an index out of range, duplicate addresses (over
+  // every role), a bad "host:port", an unknown role, more than one chief or evaluator.
   static ClusterSpec FromTfConfig(std::string_view json);
 
-  // Builds the spec from the environment: TF_CONFIG if set; else RANK and WORLD_SIZE; else
-  // OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE; MASTER_ADDR (default 127.0.0.1) and
-  // MASTER_PORT for the last two. With none of them: a single rank. Then, whatever the source:
+  // Builds the spec from the environment, the first source present winning:
+  //   1. TF_CONFIG (RANK / WORLD_SIZE beside it must agree with it: else ambiguous, refused);
+  //   2. RANK and WORLD_SIZE (torchrun), MASTER_ADDR (default 127.0.0.1) and MASTER_PORT;
+  //   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), MASTER_ADDR and MASTER_PORT
+  //      when exported; without MASTER_PORT, rank 0 picks its address (MASTER_ADDR, else
+  //      127.0.0.1 when every rank is on its host, else its first non-loopback IPv4 address), a
+  //      free port and a job token, and every rank reads them through mpirun's PMIx server (one
+  //      PMIx fence, done once per process: every rank must call this); job_id becomes
+  //      "mpirun-<PMIx namespace>";
+  //   4. SLURM_PROCID with SLURM_STEP_ID (an srun job step): SLURM_STEP_NUM_TASKS (else
+  //      SLURM_NTASKS) ranks; the store on the first host of SLURM_STEP_NODELIST (else
+  //      SLURM_JOB_NODELIST, SLURM_NODELIST; Slurm's compressed lists) at port 20000 + 4 x
+  //      (SLURM_JOB_ID mod 10000) + step mod 4, unless MASTER_ADDR / MASTER_PORT are set; job_id
+  //      "slurm-<job>.<step>";
+  //   5. none of them: a single rank.
+  // Then, whatever the source:
   // COLLECTIVES_JOB_ID gives job_id (it must not be empty, and must equal TF_CONFIG's "job_id"
   // when that names one other than the default), COLLECTIVES_JOB_TOKEN job_token, and
   // COLLECTIVES_STORE_LISTEN_ADDRESS store_listen_address. Throws Error(kInvalidArgument) naming
@@ -73,9 +101,15 @@ struct ClusterSpec {
   // The same, over an explicit variable map (for tests and for embedding).
   static ClusterSpec FromEnvironment(const std::map<std::string, std::string>& env);
 
-  // Throws Error(kInvalidArgument) naming the field if the fields are inconsistent or
-  // master_addr or store_listen_address is no host name or address.
+  // Throws Error(kInvalidArgument) naming the field if the fields are inconsistent (a "ps" or
+  // "evaluator" task with world_size > 1 included), task_type or a key of `cluster` is no role,
+  // or master_addr, store_listen_address or an address is malformed.
   void Validate() const;
+
+  // True for a "chief" or "worker" task: one of the ranks of the training collective. False for
+  // a "ps" or "evaluator" task, whose spec is a job of one rank, so that a communicator it
+  // creates never joins the training's.
+  bool InTrainingCollective() const;
 };
 
 // A key-value store for rendezvous: ranks publish their addresses and read their peers'.

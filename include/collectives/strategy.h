@@ -11,6 +11,8 @@
 //   - a *mirrored variable* has one copy per local replica. Copies start identical on every
 //     replica of every worker (the chief initialises, the others receive a broadcast) and stay
 //     identical because every replica applies the same update to the same summed gradient.
+//   - a *central variable* (CentralStorageStrategy) has one copy that every local replica reads;
+//     the optimizer updates it once per step.
 //
 // A training step, as in a custom training loop of the guide:
 //
@@ -43,6 +45,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -82,20 +85,33 @@ Initializer Constant(float value);
 // Glorot (Xavier) uniform: U(-l, l), l = sqrt(6 / (fan_in + fan_out)), from a seeded mt19937_64.
 Initializer GlorotUniform(size_t fan_in, size_t fan_out, uint64_t seed);
 
-// A float32 variable with one copy per local replica. Created by Strategy::CreateVariable, owned
-// by the strategy, alive as long as it is.
+// A float32 variable of a strategy. Created by Strategy::CreateVariable, owned by the strategy,
+// alive as long as it is.
+//
+// Placement (TensorFlow's MirroredVariable and the variables of CentralStorageStrategy):
+//   kMirrored: one copy per local replica, kept identical by identical updates.
+//   kCentral: one copy in host memory; every local replica's value(i) is a view of it
+//     (value(0).data() == value(1).data()). Inside Strategy::Run the replicas only read it: the
+//     optimizer writes it once per ApplyGradients, on one replica's thread, while every other
+//     replica waits inside that call. A replica that writes it itself races with the others.
 class MirroredVariable {
  public:
-  MirroredVariable(std::string name, std::vector<size_t> shape, int num_local_replicas);
+  enum class Placement { kMirrored, kCentral };
+  MirroredVariable(std::string name, std::vector<size_t> shape, int num_local_replicas,
+                   Placement placement = Placement::kMirrored);
   MirroredVariable(const MirroredVariable&) = delete;
   MirroredVariable& operator=(const MirroredVariable&) = delete;
 
   const std::string& name() const { return name_; }
   const std::vector<size_t>& shape() const { return shape_; }
   size_t count() const { return count_; }
-  int num_local_replicas() const { return static_cast<int>(copies_.size()); }
+  int num_local_replicas() const { return num_local_replicas_; }
+  Placement placement() const { return placement_; }
+  // Copies in memory: num_local_replicas() when mirrored, 1 when central.
+  int num_copies() const { return static_cast<int>(copies_.size()); }
 
-  // The copy of local replica `local_replica` (0 <= id < num_local_replicas()).
+  // The value local replica `local_replica` sees (0 <= id < num_local_replicas()): its own copy
+  // when mirrored, the central copy when central.
   std::span<float> value(int local_replica);
   std::span<const float> value(int local_replica) const;
   float* data(int local_replica) { return value(local_replica).data(); }
@@ -115,6 +131,8 @@ class MirroredVariable {
   std::string name_;
   std::vector<size_t> shape_;
   size_t count_ = 0;
+  int num_local_replicas_ = 1;
+  Placement placement_ = Placement::kMirrored;
   std::vector<std::vector<float>> copies_;
 };
 
@@ -163,7 +181,7 @@ class Strategy {
   Strategy(const Strategy&) = delete;
   Strategy& operator=(const Strategy&) = delete;
 
-  // "default", "one_device", "mirrored" or "multi_worker_mirrored".
+  // "default", "one_device", "mirrored", "multi_worker_mirrored" or "central_storage".
   const std::string& name() const;
   int NumReplicasInSync() const;
   int num_local_replicas() const;
@@ -291,6 +309,35 @@ class MirroredStrategy : public Strategy {
   explicit MirroredStrategy(const MirroredOptions& options = {});
 };
 
+struct CentralStorageOptions {
+  // Number of local CPU replicas (threads) the step runs on. 0: one.
+  int num_replicas = 0;
+  // Explicit compute devices; overrides num_replicas when not empty.
+  std::vector<Device> devices{};
+  // How long a replica waits for the others at a cross-replica call before kTimeout.
+  std::chrono::milliseconds timeout{300'000};
+  // The cluster this process belongs to, which must be a single worker. Default: the
+  // environment (TF_CONFIG, WORLD_SIZE, OMPI_COMM_WORLD_SIZE), where none of them or one worker
+  // is accepted.
+  std::optional<ClusterSpec> cluster{};
+};
+
+// TensorFlow's CentralStorageStrategy: one worker, synchronous. Variables live in one place,
+// host memory, a single copy (Placement::kCentral), not one per replica; the step runs on every
+// local replica, as MirroredStrategy's does. Optimizer::ApplyGradients sums the replicas'
+// gradients onto local replica 0 (in replica order, so the sum has the same bits as
+// MirroredStrategy's), applies the update to the central copy once, on replica 0's thread, with
+// the optimizer's one set of slots, while the other replicas wait; then every replica goes on
+// and reads the new value. NumReplicasInSync() is the number of local replicas. Cross-replica
+// AllReduce and Reduce work as on MirroredStrategy (cross_device_ops() is
+// kReductionToOneDevice).
+// More than one worker is refused (kInvalidArgument naming the source: TF_CONFIG's "cluster",
+// WORLD_SIZE, OMPI_COMM_WORLD_SIZE or CentralStorageOptions::cluster).
+class CentralStorageStrategy : public Strategy {
+ public:
+  explicit CentralStorageStrategy(const CentralStorageOptions& options = {});
+};
+
 struct MultiWorkerOptions {
   // The workers. Default: ClusterSpec::FromEnvironment() (TF_CONFIG, RANK/WORLD_SIZE/MASTER_*, or
   // mpirun's OMPI_COMM_WORLD_*).
@@ -311,6 +358,19 @@ class MultiWorkerMirroredStrategy : public Strategy {
  public:
   explicit MultiWorkerMirroredStrategy(MultiWorkerOptions options = {});
 };
+
+// Checks that `spec`'s layout fits the strategy named `strategy`, with TensorFlow's rules, and
+// throws Error(kInvalidArgument) naming the TF_CONFIG field and the rule when it does not:
+//   "multi_worker_mirrored": a chief or worker task; no "ps" tasks (they are only for
+//     ParameterServerStrategy); an "evaluator" task may be listed: it is not in the collective.
+//   "parameter_server": TF_CONFIG's cluster with a "chief" (the coordinator), at least one
+//     "worker" and at least one "ps".
+//   "default", "one_device", "mirrored", "central_storage" (one process): not a "ps" task; a
+//     chief or worker task only in a cluster of one chief or worker; an evaluator task runs one
+//     of these whatever the training's size.
+// MultiWorkerMirroredStrategy calls it on its cluster; a program that picks its strategy from the
+// role (ClusterSpec::task_type) calls it before it builds one. Unknown names: kInvalidArgument.
+void CheckClusterLayout(const ClusterSpec& spec, std::string_view strategy);
 
 // Per-example losses -> the replica's share of the mean loss of the global batch:
 // sum(losses[i] * weights[i]) / global_batch_size (weights default to 1). Summed over all
@@ -381,8 +441,9 @@ class DistributedDataset {
 
 // ---- Optimizers ------------------------------------------------------------------------------
 
-// An optimizer whose state (slots) is mirrored like the variables. ApplyGradients is called in
-// replica context by every local replica of every worker.
+// An optimizer whose state (slots) is placed like the variables: mirrored (one copy per local
+// replica) or, on CentralStorageStrategy, central (one copy, updated once per step).
+// ApplyGradients is called in replica context by every local replica of every worker.
 class Optimizer {
  public:
   virtual ~Optimizer();
@@ -392,10 +453,15 @@ class Optimizer {
   // Sums `gradients` over every replica (ReplicaContext::AllReduce, kSum, through the packer),
   // then applies the same update to this replica's copy of each variable. gradients[i] has
   // variables[i]->count() elements and is overwritten with the summed gradient.
+  // On CentralStorageStrategy: the replicas meet, local replica 0 sums every replica's
+  // gradients (in replica order) and updates the central variables once, the others wait and
+  // then copy the sum into their gradients; every replica returns with the new values.
   void ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
                       const std::vector<std::span<float>>& gradients);
   // Applies already-summed gradients without any communication (for a caller that reduced them
-  // itself). Same update as ApplyGradients.
+  // itself). Same update as ApplyGradients. On CentralStorageStrategy the update is applied
+  // once: with local_replica 0's gradients, by that call; the other replicas' calls apply
+  // nothing (inside Run, every replica calls it and the others wait until replica 0 is done).
   void ApplyReducedGradients(int local_replica, const std::vector<MirroredVariable*>& variables,
                              const std::vector<std::span<const float>>& gradients);
 
@@ -436,6 +502,14 @@ class Optimizer {
                       std::span<std::span<float>> slots, int64_t step) = 0;
 
  private:
+  // ApplyReducedGradients' checks of its arguments (kInvalidArgument); changes nothing.
+  void CheckUpdate(int local_replica, const std::vector<MirroredVariable*>& variables,
+                   const std::vector<std::span<const float>>& gradients) const;
+  // Counts one update and applies it to local replica `local_replica`'s value of each variable,
+  // with its slots.
+  void Apply(int local_replica, const std::vector<MirroredVariable*>& variables,
+             const std::vector<std::span<const float>>& gradients);
+
   struct State;
   Strategy& strategy_;
   std::string name_;

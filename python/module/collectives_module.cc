@@ -721,9 +721,10 @@ PYBIND11_MODULE(_collectives, m) {
             return env ? ClusterSpec::FromEnvironment(*env) : ClusterSpec::FromEnvironment();
           },
           py::arg("env") = py::none(),
-          "TF_CONFIG; else RANK/WORLD_SIZE (torchrun); else OMPI_COMM_WORLD_RANK/"
-          "OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_ADDR (default 127.0.0.1) and MASTER_PORT; "
-          "else a single rank. `env`: a dict to read instead of os.environ.")
+          "TF_CONFIG; else RANK/WORLD_SIZE (torchrun) with MASTER_ADDR and MASTER_PORT; else "
+          "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE (mpirun; without MASTER_PORT the ranks "
+          "meet through its PMIx server); else SLURM_PROCID (srun); else a single rank. `env`: "
+          "a dict to read instead of os.environ.")
       .def_static("from_tf_config", &ClusterSpec::FromTfConfig, py::arg("json"))
       .def("validate", &ClusterSpec::Validate)
       .def("__repr__", &SpecRepr);

@@ -9,10 +9,18 @@
 //   1. TF_CONFIG (an empty or blank TF_CONFIG counts as unset);
 //   2. RANK and WORLD_SIZE (torchrun), with MASTER_ADDR (default 127.0.0.1) and MASTER_PORT
 //      (required when WORLD_SIZE > 1);
-//   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_* as above;
-//   4. nothing: a single rank.
+//   3. OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (mpirun), with MASTER_* as above; without
+//      MASTER_PORT, rank 0 publishes its store's address and a job token through mpirun's PMIx
+//      server (src/cluster/launchers.h);
+//   4. SLURM_PROCID with SLURM_STEP_ID (srun), SLURM_STEP_NUM_TASKS or SLURM_NTASKS, the store
+//      on the first host of the node list at a port derived from the job and step ids, unless
+//      MASTER_ADDR / MASTER_PORT say otherwise;
+//   5. nothing: a single rank.
+// TF_CONFIG beside RANK / WORLD_SIZE that disagree with it is refused as ambiguous.
 // COLLECTIVES_JOB_ID, when set, gives job_id; if TF_CONFIG also names one, they must agree.
 #include <cctype>
+#include <chrono>
+#include <cstdint>
 #include <climits>
 #include <cstdlib>
 #include <map>
@@ -25,6 +33,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/launchers.h"
 #include "src/core/text.h"
 
 namespace collectives {
@@ -37,6 +46,16 @@ using cluster::ParseHostPort;
 
 constexpr char kChief[] = "chief";
 constexpr char kWorker[] = "worker";
+constexpr char kPs[] = "ps";
+constexpr char kEvaluator[] = "evaluator";
+constexpr const char* kRoles[] = {kChief, kWorker, kPs, kEvaluator};
+
+bool IsRole(std::string_view name) {
+  for (const char* role : kRoles) {
+    if (name == role) return true;
+  }
+  return false;
+}
 
 [[noreturn]] void Invalid(const std::string& message) {
   throw Error(ErrorCode::kInvalidArgument, message);
@@ -140,8 +159,13 @@ const std::string* Find(const std::map<std::string, std::string>& env, const cha
 }
 
 // RANK/WORLD_SIZE or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, with MASTER_ADDR/MASTER_PORT.
+// How long the ranks of an mpirun job wait for each other in the PMIx fence that tells them rank
+// 0's store: as long as a communicator's default set-up.
+constexpr std::chrono::seconds kPmixTimeout{300};
+
+// `pmix`: a job of mpirun's, which may meet through its PMIx server when MASTER_PORT is unset.
 ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, const char* rank_name,
-                              const char* size_name) {
+                              const char* size_name, bool pmix) {
   const std::string* rank_value = Find(env, rank_name);
   const std::string* size_value = Find(env, size_name);
   if (rank_value == nullptr) {
@@ -184,10 +208,83 @@ ClusterSpec FromRankVariables(const std::map<std::string, std::string>& env, con
               "=1; " + size_name + "=" + *size_value + " needs the port of rank 0's store");
     }
     spec.master_port = *parsed;
+  } else if (spec.world_size > 1 && pmix && cluster::StartedByPmix(env)) {
+    // mpirun with nothing exported: rank 0 publishes its store's address through PMIx.
+    const std::string* addr = Find(env, "MASTER_ADDR");
+    cluster::PmixStore store = cluster::ExchangeThroughPmix(
+        spec.rank, spec.world_size, addr != nullptr ? spec.master_addr : std::string(),
+        kPmixTimeout);
+    spec.master_addr = store.master_addr;
+    spec.master_port = store.master_port;
+    spec.job_token = store.job_token;
+    spec.job_id = "mpirun-" + store.nspace;
   } else if (spec.world_size > 1) {
     Invalid(std::string("environment variable MASTER_PORT is required when ") + size_name + "=" +
-            *size_value + " > 1 (rank 0 hosts the rendezvous store on it)");
+            *size_value + " > 1 (rank 0 hosts the rendezvous store on it)" +
+            (pmix ? "; mpirun started this process without a PMIx server (PMIX_NAMESPACE, "
+                    "PMIX_RANK) through which the ranks could meet instead"
+                  : ""));
   }
+  return spec;
+}
+
+// A decimal id of Slurm's (job or step), digits only.
+uint64_t ParseSlurmId(const char* name, const std::string& value) {
+  if (value.empty() || value.size() > 18 ||
+      value.find_first_not_of("0123456789") != std::string::npos) {
+    Invalid(std::string("environment variable ") + name + "=" + Quote(value) +
+            " is not a Slurm id (digits)");
+  }
+  return std::stoull(value);
+}
+
+// srun: SLURM_PROCID of SLURM_STEP_NUM_TASKS (else SLURM_NTASKS); the store on the first host of
+// the step's node list, at a port derived from the job and step ids, unless MASTER_ADDR and
+// MASTER_PORT say otherwise.
+ClusterSpec FromSlurm(const std::map<std::string, std::string>& env) {
+  const char* size_name =
+      Find(env, "SLURM_STEP_NUM_TASKS") != nullptr ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
+  if (Find(env, size_name) == nullptr) {
+    Invalid("environment variable SLURM_PROCID is set (an srun job step) but neither "
+            "SLURM_STEP_NUM_TASKS nor SLURM_NTASKS says how many tasks it has");
+  }
+  std::map<std::string, std::string> ranks = {{"SLURM_PROCID", env.at("SLURM_PROCID")},
+                                              {size_name, env.at(size_name)}};
+  for (const char* name : {"MASTER_ADDR", "MASTER_PORT"}) {
+    if (const std::string* value = Find(env, name)) ranks.emplace(name, *value);
+  }
+  const std::string* job = Find(env, "SLURM_JOB_ID");
+  if (job == nullptr) job = Find(env, "SLURM_JOBID");
+  const std::string* step = Find(env, "SLURM_STEP_ID");
+  if (Find(env, "MASTER_ADDR") == nullptr) {
+    const char* list_name = nullptr;
+    for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+      if (Find(env, name) != nullptr) {
+        list_name = name;
+        break;
+      }
+    }
+    if (list_name != nullptr) {
+      const std::vector<std::string> hosts = cluster::ExpandSlurmHostList(
+          env.at(list_name), std::string("environment variable ") + list_name);
+      ranks["MASTER_ADDR"] = hosts.front();
+    } else if (ParseNonNegativeInt(size_name, env.at(size_name)) > 1) {
+      Invalid("an srun job step of several tasks needs the store's host: none of "
+              "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST, SLURM_NODELIST and MASTER_ADDR is set");
+    }
+  }
+  if (Find(env, "MASTER_PORT") == nullptr) {
+    if (job != nullptr) {
+      const uint64_t step_id = ParseSlurmId("SLURM_STEP_ID", *step);
+      ranks["MASTER_PORT"] = std::to_string(
+          cluster::SlurmDefaultPort(ParseSlurmId("SLURM_JOB_ID", *job), step_id));
+    } else if (ParseNonNegativeInt(size_name, env.at(size_name)) > 1) {
+      Invalid("an srun job step of several tasks needs the store's port: neither SLURM_JOB_ID "
+              "(from which it is derived) nor MASTER_PORT is set");
+    }
+  }
+  ClusterSpec spec = FromRankVariables(ranks, "SLURM_PROCID", size_name, /*pmix=*/false);
+  if (job != nullptr) spec.job_id = "slurm-" + *job + "." + *step;
   return spec;
 }
 
@@ -222,31 +319,35 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             cluster_it->type_name());
   }
   for (const auto& [role, unused] : cluster_it->items()) {
-    if (role != kChief && role != kWorker) {
+    if (!IsRole(role)) {
       Invalid("TF_CONFIG field " + Quote("cluster." + role) + ": role " + Quote(role) +
-              " is not supported; only 'chief' and 'worker' are (collective training has no "
-              "parameter servers or evaluators)");
+              " is not supported; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
     }
   }
   std::vector<TaskAddress> chiefs = ReadRole(*cluster_it, kChief);
   std::vector<TaskAddress> workers = ReadRole(*cluster_it, kWorker);
+  std::vector<TaskAddress> servers = ReadRole(*cluster_it, kPs);
+  std::vector<TaskAddress> evaluators = ReadRole(*cluster_it, kEvaluator);
   if (chiefs.size() > 1) {
     Invalid("TF_CONFIG field 'cluster.chief' lists " + std::to_string(chiefs.size()) +
             " tasks; at most one chief is allowed");
   }
-  if (chiefs.empty() && workers.empty()) {
-    Invalid(
-        "TF_CONFIG field 'cluster' lists no tasks: 'cluster.worker' is empty or missing and "
-        "there is no 'cluster.chief'");
+  if (evaluators.size() > 1) {
+    Invalid("TF_CONFIG field 'cluster.evaluator' lists " + std::to_string(evaluators.size()) +
+            " tasks; at most one evaluator is allowed");
   }
   std::vector<TaskAddress> ranks = chiefs;  // rank order: the chief, then the workers
   ranks.insert(ranks.end(), workers.begin(), workers.end());
-  std::map<std::string, size_t> seen;  // address -> rank
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    auto [it, inserted] = seen.emplace(AddressKey(ranks[r].parsed), r);
+  std::vector<const TaskAddress*> tasks;  // every task of every role
+  for (const std::vector<TaskAddress>* list : {&ranks, &servers, &evaluators}) {
+    for (const TaskAddress& task : *list) tasks.push_back(&task);
+  }
+  std::map<std::string, const TaskAddress*> seen;  // address -> its first task
+  for (const TaskAddress* task : tasks) {
+    auto [it, inserted] = seen.emplace(AddressKey(task->parsed), task);
     if (!inserted) {
-      Invalid("TF_CONFIG fields " + Quote(ranks[it->second].field) + " and " +
-              Quote(ranks[r].field) + " have the same address " + Quote(ranks[r].text));
+      Invalid("TF_CONFIG fields " + Quote(it->second->field) + " and " + Quote(task->field) +
+              " have the same address " + Quote(task->text));
     }
   }
 
@@ -263,9 +364,15 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             type_it->type_name());
   }
   std::string type = type_it->get<std::string>();
-  if (type != kChief && type != kWorker) {
+  if (!IsRole(type)) {
     Invalid("TF_CONFIG field 'task.type': role " + Quote(type) +
-            " is not supported; only 'chief' and 'worker' are");
+            " is not supported; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
+  }
+  // An evaluator's TF_CONFIG may list only itself; every other task belongs to a training job.
+  if (type != kEvaluator && ranks.empty()) {
+    Invalid(
+        "TF_CONFIG field 'cluster' lists no chief or worker: 'cluster.worker' is empty or "
+        "missing and there is no 'cluster.chief'");
   }
   auto index_it = task_it->find("index");
   if (index_it == task_it->end()) Invalid("TF_CONFIG is missing the field 'task.index'");
@@ -276,7 +383,10 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
             index_it->type_name() +
             (index_it->is_structured() ? "" : " " + core::OneLine(index_it->dump(), 64)));
   }
-  const std::vector<TaskAddress>& role_list = type == kChief ? chiefs : workers;
+  const std::vector<TaskAddress>& role_list = type == kChief    ? chiefs
+                                              : type == kWorker ? workers
+                                              : type == kPs     ? servers
+                                                                : evaluators;
   bool in_range = index_it->is_number_unsigned()
                       ? index_it->get<uint64_t>() < role_list.size()
                       : index_it->get<int64_t>() >= 0 &&
@@ -292,13 +402,21 @@ ClusterSpec ClusterSpec::FromTfConfig(std::string_view json) {
   int index = static_cast<int>(index_it->get<int64_t>());
 
   ClusterSpec spec;
-  spec.world_size = static_cast<int>(ranks.size());
-  spec.rank = type == kChief ? 0 : static_cast<int>(chiefs.size()) + index;
   spec.task_type = type;
   spec.task_index = index;
-  spec.master_addr = ranks[0].parsed.host;
-  spec.master_port = ranks[0].parsed.port;
-  for (const TaskAddress& address : ranks) spec.addresses.push_back(address.text);
+  if (type == kChief || type == kWorker) {
+    spec.world_size = static_cast<int>(ranks.size());
+    spec.rank = type == kChief ? 0 : static_cast<int>(chiefs.size()) + index;
+    spec.master_addr = ranks[0].parsed.host;
+    spec.master_port = ranks[0].parsed.port;
+    for (const TaskAddress& address : ranks) spec.addresses.push_back(address.text);
+  }  // else a job of one rank of its own: see InTrainingCollective
+  for (const auto& [role, list] : {std::pair{kChief, &chiefs}, std::pair{kWorker, &workers},
+                                   std::pair{kPs, &servers}, std::pair{kEvaluator, &evaluators}}) {
+    if (list->empty()) continue;
+    std::vector<std::string>& out = spec.cluster[role];
+    for (const TaskAddress& task : *list) out.push_back(task.text);
+  }
 
   if (auto job_it = root.find("job_id"); job_it != root.end()) {
     if (!job_it->is_string()) {
@@ -317,6 +435,17 @@ ClusterSpec ClusterSpec::FromEnvironment() {
                                        "WORLD_SIZE",
                                        "OMPI_COMM_WORLD_RANK",
                                        "OMPI_COMM_WORLD_SIZE",
+                                       "SLURM_PROCID",
+                                       "SLURM_NTASKS",
+                                       "SLURM_STEP_NUM_TASKS",
+                                       "SLURM_STEP_ID",
+                                       "SLURM_JOB_ID",
+                                       "SLURM_JOBID",
+                                       "SLURM_STEP_NODELIST",
+                                       "SLURM_JOB_NODELIST",
+                                       "SLURM_NODELIST",
+                                       "PMIX_NAMESPACE",
+                                       "PMIX_RANK",
                                        "MASTER_ADDR",
                                        "MASTER_PORT",
                                        "COLLECTIVES_JOB_ID",
@@ -329,6 +458,26 @@ ClusterSpec ClusterSpec::FromEnvironment() {
   return FromEnvironment(env);
 }
 
+namespace {
+
+// TF_CONFIG beside RANK / WORLD_SIZE that name another rank or size: two launchers' variables,
+// and no way to know which is meant.
+void CheckAgainstRankVariables(const ClusterSpec& spec, const std::map<std::string, std::string>& env) {
+  const std::string* rank = Find(env, "RANK");
+  const std::string* size = Find(env, "WORLD_SIZE");
+  if (rank == nullptr && size == nullptr) return;
+  const bool differs = (rank != nullptr && *rank != std::to_string(spec.rank)) ||
+                       (size != nullptr && *size != std::to_string(spec.world_size));
+  if (differs) {
+    Invalid("TF_CONFIG makes this process rank " + std::to_string(spec.rank) + " of " +
+            std::to_string(spec.world_size) + ", but RANK=" + Quote(rank ? *rank : "") +
+            " WORLD_SIZE=" + Quote(size ? *size : "") +
+            " say otherwise: two launchers' variables; unset one of them");
+  }
+}
+
+}  // namespace
+
 ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string>& env) {
   ClusterSpec spec;
   bool job_id_from_tf_config = false;
@@ -337,11 +486,15 @@ ClusterSpec ClusterSpec::FromEnvironment(const std::map<std::string, std::string
     spec = FromTfConfig(*tf_config);
     job_id_from_tf_config = spec.job_id != ClusterSpec().job_id;
   } else if (Find(env, "RANK") != nullptr || Find(env, "WORLD_SIZE") != nullptr) {
-    spec = FromRankVariables(env, "RANK", "WORLD_SIZE");
+    spec = FromRankVariables(env, "RANK", "WORLD_SIZE", /*pmix=*/false);
   } else if (Find(env, "OMPI_COMM_WORLD_RANK") != nullptr ||
              Find(env, "OMPI_COMM_WORLD_SIZE") != nullptr) {
-    spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    spec = FromRankVariables(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", /*pmix=*/true);
+  } else if (Find(env, "SLURM_PROCID") != nullptr && Find(env, "SLURM_STEP_ID") != nullptr) {
+    // An srun job step; a batch script (SLURM_PROCID without a step) is a single rank.
+    spec = FromSlurm(env);
   }
+  if (tf_config != nullptr && !IsBlank(*tf_config)) CheckAgainstRankVariables(spec, env);
   if (const std::string* token = Find(env, "COLLECTIVES_JOB_TOKEN")) spec.job_token = *token;
   const std::string* listen = Find(env, "COLLECTIVES_STORE_LISTEN_ADDRESS");
   if (listen != nullptr && !listen->empty()) {  // empty: unset, as for COLLECTIVES_LISTEN_ADDRESS
@@ -399,7 +552,32 @@ void ClusterSpec::Validate() const {
   if (task_index < 0) {
     Invalid("ClusterSpec: task_index=" + std::to_string(task_index) + " is negative");
   }
+  if (!IsRole(task_type)) {
+    Invalid("ClusterSpec: task_type=" + Quote(task_type) +
+            " is not a role; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
+  }
+  if (!InTrainingCollective() && world_size != 1) {
+    Invalid("ClusterSpec: a " + Quote(task_type) + " task is not part of the training " +
+            "collective, so its world_size must be 1, not " + std::to_string(world_size));
+  }
+  for (const auto& [role, list] : cluster) {
+    if (!IsRole(role)) {
+      Invalid("ClusterSpec: cluster has role " + Quote(role) +
+              "; the roles are 'chief', 'worker', 'ps' and 'evaluator'");
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      std::string why;
+      if (!ParseHostPort(list[i], &why)) {
+        Invalid("ClusterSpec: cluster." + role + "[" + std::to_string(i) + "] = " +
+                Quote(list[i]) + " is not a valid host:port: " + why);
+      }
+    }
+  }
   if (job_id.empty()) Invalid("ClusterSpec: job_id is empty");
+}
+
+bool ClusterSpec::InTrainingCollective() const {
+  return task_type == kChief || task_type == kWorker;
 }
 
 }  // namespace collectives

@@ -7,6 +7,12 @@
 // called inside Run); inside Run a replica reads its own count (iterations(ctx)). Every replica
 // applies the same update to the same summed gradient (bit-identical on every replica of every
 // worker, see strategy_impl.cc), so the copies of variables and slots stay bit-identical.
+//
+// With central variables (CentralStorageStrategy) there is one state, used by local replica 0:
+// ApplyGradients meets the other replicas in StrategyImpl::UpdateOnce, and replica 0 alone
+// updates the central copies and the one set of slots and increments the count while the others
+// wait inside that call; the others read the count (iterations(ctx)) only outside it, after the
+// barrier that ends it.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -33,7 +39,11 @@ struct Optimizer::State {
     // variable -> its slots (in slot_names order), each of variable->count() floats.
     std::unordered_map<const MirroredVariable*, std::vector<std::vector<float>>> slots;
   };
+  // One per local replica; one in all with central variables.
   std::vector<Replica> replicas;
+  Replica& Of(int local_replica) {
+    return replicas.size() == 1 ? replicas[0] : replicas[static_cast<size_t>(local_replica)];
+  }
 };
 
 Optimizer::Optimizer(Strategy& strategy, std::string name, std::vector<std::string> slot_names)
@@ -41,7 +51,8 @@ Optimizer::Optimizer(Strategy& strategy, std::string name, std::vector<std::stri
       name_(std::move(name)),
       slot_names_(std::move(slot_names)),
       state_(std::make_unique<State>()) {
-  state_->replicas.resize(static_cast<size_t>(strategy.num_local_replicas()));
+  state_->replicas.resize(
+      strategy.impl().central() ? 1 : static_cast<size_t>(strategy.num_local_replicas()));
 }
 
 Optimizer::~Optimizer() = default;
@@ -54,11 +65,12 @@ int64_t Optimizer::iterations() const {
 
 int64_t Optimizer::iterations(const ReplicaContext& ctx) const {
   const int r = ctx.local_replica_id();
-  if (&ctx.strategy() != &strategy_ || r < 0 || r >= static_cast<int>(state_->replicas.size())) {
+  if (&ctx.strategy() != &strategy_ || r < 0 || r >= strategy_.num_local_replicas()) {
     Invalid(strategy_.impl().who() + name_ +
             ".iterations(ctx): the context is not of a replica of this optimizer's strategy");
   }
-  return state_->replicas[static_cast<size_t>(r)].iterations;  // written only by this thread
+  // Written only by this thread, or (central) by replica 0 while this one waits in ApplyGradients.
+  return state_->Of(r).iterations;
 }
 
 void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
@@ -74,19 +86,42 @@ void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVa
   for (size_t i = 0; i < gradients.size(); ++i) {
     tensors.push_back(Tensor{gradients[i].data(), gradients[i].size(), DataType::kFloat32});
   }
+  const std::vector<std::span<const float>> summed(gradients.begin(), gradients.end());
+  if (strategy_.impl().central()) {
+    // Checked before the replicas meet, so that a bad list fails this replica alone, at once.
+    CheckUpdate(r, variables, summed);
+    strategy_.impl().UpdateOnce(r, tensors, [&] { Apply(0, variables, summed); });
+    return;
+  }
   ctx.AllReduce(ReduceOp::kSum, tensors);
-  std::vector<std::span<const float>> summed(gradients.begin(), gradients.end());
   ApplyReducedGradients(r, variables, summed);
 }
 
 void Optimizer::ApplyReducedGradients(int local_replica,
                                       const std::vector<MirroredVariable*>& variables,
                                       const std::vector<std::span<const float>>& gradients) {
+  CheckUpdate(local_replica, variables, gradients);
+  if (!strategy_.impl().central()) {
+    Apply(local_replica, variables, gradients);
+    return;
+  }
+  const auto apply = [&] {
+    if (local_replica == 0) Apply(0, variables, gradients);
+  };
+  if (strategy_.impl().in_run()) {
+    strategy_.impl().UpdateOnce(local_replica, {}, apply);
+  } else {
+    apply();
+  }
+}
+
+void Optimizer::CheckUpdate(int local_replica, const std::vector<MirroredVariable*>& variables,
+                            const std::vector<std::span<const float>>& gradients) const {
   const std::string where = strategy_.impl().who() + "replica " + std::to_string(local_replica) +
                             ": " + name_ + " update: ";
-  if (local_replica < 0 || local_replica >= static_cast<int>(state_->replicas.size())) {
+  if (local_replica < 0 || local_replica >= strategy_.num_local_replicas()) {
     Invalid(where + "no such local replica (there are " +
-            std::to_string(state_->replicas.size()) + ")");
+            std::to_string(strategy_.num_local_replicas()) + ")");
   }
   if (variables.size() != gradients.size()) {
     Invalid(where + std::to_string(gradients.size()) + " gradients for " +
@@ -104,7 +139,11 @@ void Optimizer::ApplyReducedGradients(int local_replica,
               std::to_string(v->count()));
     }
   }
-  State::Replica& mine = state_->replicas[static_cast<size_t>(local_replica)];
+}
+
+void Optimizer::Apply(int local_replica, const std::vector<MirroredVariable*>& variables,
+                      const std::vector<std::span<const float>>& gradients) {
+  State::Replica& mine = state_->Of(local_replica);
   const int64_t step = ++mine.iterations;
   std::vector<std::span<float>> slot_views(slot_names_.size());
   for (size_t i = 0; i < variables.size(); ++i) {

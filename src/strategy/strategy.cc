@@ -4,12 +4,16 @@
 #include "collectives/strategy.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "collectives/errors.h"
+#include "src/core/text.h"
 #include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
@@ -109,6 +113,67 @@ std::unique_ptr<StrategyImpl> Mirrored(const MirroredOptions& options) {
   return std::make_unique<StrategyImpl>(std::move(config));
 }
 
+// CentralStorageStrategy trains on one worker: refuses a cluster of several, naming where it
+// comes from. Follows ClusterSpec::FromEnvironment's order of sources (TF_CONFIG, then WORLD_SIZE,
+// then OMPI_COMM_WORLD_SIZE), but reads only the size, so that a layout of several workers is
+// refused for what it is rather than for a variable (MASTER_PORT) it would also need.
+void RequireOneWorker(const CentralStorageOptions& options) {
+  constexpr const char* kRule =
+      "CentralStorageStrategy trains on a single worker (one process, whose local replicas share "
+      "the one copy of the variables), as TensorFlow's does; for several workers use "
+      "MultiWorkerMirroredStrategy";
+  if (options.cluster) {
+    options.cluster->Validate();
+    if (options.cluster->world_size != 1) {
+      Invalid("CentralStorageStrategy: CentralStorageOptions::cluster has world_size " +
+              std::to_string(options.cluster->world_size) + "; " + kRule);
+    }
+    return;
+  }
+  const auto blank = [](const char* text) {
+    return std::all_of(text, text + std::strlen(text),
+                       [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; });
+  };
+  if (const char* tf_config = std::getenv("TF_CONFIG"); tf_config != nullptr && !blank(tf_config)) {
+    const ClusterSpec spec = ClusterSpec::FromTfConfig(tf_config);
+    if (spec.world_size != 1) {
+      Invalid("CentralStorageStrategy: TF_CONFIG field 'cluster' lists " +
+              std::to_string(spec.world_size) + " training tasks ('chief' and 'worker'); " + kRule +
+              " (give TF_CONFIG one worker, or unset it)");
+    }
+    return;
+  }
+  const bool rank_variables =
+      std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
+  const char* size_name = rank_variables ? "WORLD_SIZE" : "OMPI_COMM_WORLD_SIZE";
+  const char* size = std::getenv(size_name);
+  if (size != nullptr && std::string(size) != "1") {
+    Invalid(std::string("CentralStorageStrategy: ") + size_name + "=" + core::OneLine(size, 64) +
+            " asks for several workers; " + kRule + " (set " + size_name + "=1, or unset it)");
+  }
+}
+
+std::unique_ptr<StrategyImpl> CentralStorage(const CentralStorageOptions& options) {
+  constexpr const char* kWho = "CentralStorageStrategy";
+  RequireOneWorker(options);
+  StrategyImpl::Config config;
+  config.name = "central_storage";
+  if (!options.devices.empty()) {
+    for (const Device& d : options.devices) RequireCpu(kWho, d);
+    config.devices = options.devices;
+  } else {
+    config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_replicas)),
+                          Device::Cpu());
+  }
+  // Reductions of the replicas' own tensors (ReplicaContext::AllReduce, Strategy::Reduce) gather
+  // on replica 0, as the gradients do onto the central copy.
+  config.cross_device_ops = CrossDeviceOps::kReductionToOneDevice;
+  RequirePositive(kWho, options.timeout);
+  config.timeout = options.timeout;
+  config.placement = MirroredVariable::Placement::kCentral;
+  return std::make_unique<StrategyImpl>(std::move(config));
+}
+
 std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
   constexpr const char* kWho = "MultiWorkerMirroredStrategy";
   StrategyImpl::Config config;
@@ -121,6 +186,7 @@ std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
   config.bytes_per_pack = options.communication.bytes_per_pack;
   const ClusterSpec spec = options.cluster ? *options.cluster : ClusterSpec::FromEnvironment();
   spec.Validate();
+  CheckClusterLayout(spec, config.name);
   config.worker_index = spec.rank;
   config.num_workers = spec.world_size;
   if (spec.world_size > 1) {
@@ -219,8 +285,73 @@ OneDeviceStrategy::OneDeviceStrategy(Device device)
 MirroredStrategy::MirroredStrategy(const MirroredOptions& options)
     : Strategy(Mirrored(options)) {}
 
+CentralStorageStrategy::CentralStorageStrategy(const CentralStorageOptions& options)
+    : Strategy(CentralStorage(options)) {}
+
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options)
     : Strategy(MultiWorker(std::move(options))) {}
+
+// ---- Cluster layouts ---------------------------------------------------------------------------
+
+void CheckClusterLayout(const ClusterSpec& spec, std::string_view strategy) {
+  auto count = [&](const char* role) -> size_t {
+    auto it = spec.cluster.find(role);
+    return it == spec.cluster.end() ? 0 : it->second.size();
+  };
+  const std::string name(strategy);
+  const std::string task = "TF_CONFIG field 'task.type' = '" + spec.task_type + "'";
+  if (name == "multi_worker_mirrored") {
+    if (spec.task_type == "ps") {
+      Invalid(task + ": parameter servers run only under ParameterServerStrategy, not " + name);
+    }
+    if (spec.task_type == "evaluator") {
+      Invalid(task + ": the evaluator is not part of the training collective; it runs a "
+                     "SidecarEvaluator with a local strategy, not " + name);
+    }
+    if (count("ps") > 0) {
+      Invalid("TF_CONFIG field 'cluster.ps' lists " + std::to_string(count("ps")) +
+              " tasks: " + name + " has no parameter servers ('ps' tasks are only for "
+              "ParameterServerStrategy)");
+    }
+    return;
+  }
+  if (name == "parameter_server") {
+    if (spec.cluster.empty()) {
+      Invalid("parameter_server needs TF_CONFIG's 'cluster' with a 'chief' (the coordinator), "
+              "'worker' and 'ps' tasks; this ClusterSpec lists none");
+    }
+    if (count("chief") == 0) {
+      Invalid("TF_CONFIG field 'cluster.chief' is missing: parameter_server needs a chief, the "
+              "coordinator that creates the variables and schedules the steps");
+    }
+    if (count("worker") == 0) {
+      Invalid("TF_CONFIG field 'cluster.worker' is empty or missing: parameter_server needs at "
+              "least one worker to run the steps");
+    }
+    if (count("ps") == 0) {
+      Invalid("TF_CONFIG field 'cluster.ps' is empty or missing: parameter_server needs at least "
+              "one parameter server to hold the variables");
+    }
+    return;
+  }
+  if (name == "default" || name == "one_device" || name == "mirrored" ||
+      name == "central_storage") {
+    if (spec.task_type == "ps") {
+      Invalid(task + ": parameter servers run only under ParameterServerStrategy, not " + name);
+    }
+    const size_t training = count("chief") + count("worker");
+    if (spec.InTrainingCollective() && training > 1) {
+      Invalid("TF_CONFIG field 'cluster' lists " + std::to_string(training) +
+              " chief and worker tasks: " + name +
+              " runs in one process (MultiWorkerMirroredStrategy or ParameterServerStrategy "
+              "train over several)");
+    }
+    return;
+  }
+  Invalid("CheckClusterLayout: unknown strategy '" + name +
+          "' (expected default, one_device, mirrored, central_storage, multi_worker_mirrored or "
+          "parameter_server)");
+}
 
 // ---- Loss scaling ------------------------------------------------------------------------------
 

@@ -25,6 +25,12 @@
 // other replicas; the cross-worker all-reduce gives every worker the same bytes. So every replica
 // of every worker ends with the same bits, which keeps mirrored variables identical.
 //
+// UpdateOnce, CentralStorageStrategy's optimizer step, is kReductionToOneDevice without the copy
+// back before the update: the replicas enter, replica 0 folds every replica's gradients into its
+// own in replica order and runs the update of the central variables while the others wait at a
+// Step; then the others copy the sums, and a last Step keeps replica 0's buffers alive until
+// they have.
+//
 // One local replica: no rendezvous; with several workers the tensors go straight through the
 // packer (then the kAvg division); with one worker there is nothing to do but kAvg's division
 // by 1, which is skipped.
@@ -166,8 +172,13 @@ StrategyImpl::StrategyImpl(Config config)
       worker_index_(config.worker_index),
       num_workers_(config.num_workers),
       who_(config.num_workers > 1 ? "worker " + std::to_string(config.worker_index) + " " : ""),
+      placement_(config.placement),
       comm_(std::move(config.comm)),
       seq_(devices_.size(), 0) {
+  if (central() && (num_workers_ != 1 || comm_)) {
+    throw Error(ErrorCode::kInternal,
+                "central variables need a single worker, got " + std::to_string(num_workers_));
+  }
   if (devices_.size() > 1) {
     group_ = std::make_unique<LocalGroup>(static_cast<int>(devices_.size()), timeout_, who_);
     group_->SetFailureHook([this](const std::string& reason) { AbortCommunication(reason); });
@@ -299,6 +310,39 @@ void StrategyImpl::AllReduce(int r, ReduceOp op, const std::vector<Tensor>& tens
     }
   } catch (...) {
     // Abort the group before the error leaves this call, even if the caller catches it.
+    group_->Fail(r, std::current_exception());
+    throw;
+  }
+}
+
+void StrategyImpl::UpdateOnce(int r, const std::vector<Tensor>& tensors,
+                              const std::function<void()>& apply) {
+  const LocalGroup::Call call{"apply_gradients", ++seq_[r], ReduceOp::kSum};
+  CheckTensors(r, call, tensors);
+  if (!group_) {
+    apply();
+    return;
+  }
+  group_->Enter(r, call, tensors);
+  try {
+    const int n = group_->size();
+    if (r == 0) {
+      std::vector<const unsigned char*> sources(static_cast<size_t>(n));
+      for (size_t j = 0; j < tensors.size(); ++j) {
+        const Tensor& mine = tensors[j];
+        if (mine.count == 0) continue;
+        for (int k = 0; k < n; ++k) sources[k] = Bytes(group_->Published(k)[j], 0);
+        FoldInOrder(mine.dtype, ReduceOp::kSum, Bytes(mine, 0), sources, mine.count);
+      }
+      apply();
+    }
+    group_->Step(r, call, "replica 0 sums the gradients and updates the central variables");
+    if (r != 0) {
+      const std::vector<Tensor>& root = group_->Published(0);
+      for (size_t j = 0; j < tensors.size(); ++j) CopyTensor(tensors[j], root[j]);
+    }
+    group_->Step(r, call, "the replicas copy the summed gradients");
+  } catch (...) {
     group_->Fail(r, std::current_exception());
     throw;
   }
@@ -460,7 +504,8 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
     throw Error(ErrorCode::kInvalidArgument,
                 who_ + "CreateVariable('" + name + "'): the initializer is empty");
   }
-  auto variable = std::make_unique<MirroredVariable>(name, std::move(shape), num_local_replicas());
+  auto variable =
+      std::make_unique<MirroredVariable>(name, std::move(shape), num_local_replicas(), placement_);
   variable->strategy_ = this;
   std::exception_ptr failure;
   if (IsChief()) {
@@ -494,7 +539,7 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
   }
   if (comm_ && variable->count() > 0) comm_->Broadcast(variable->tensor(0), 0);
   const std::span<const float> value = std::as_const(*variable).value(0);
-  for (int r = 1; r < num_local_replicas(); ++r) {
+  for (int r = 1; r < variable->num_copies(); ++r) {
     std::copy(value.begin(), value.end(), variable->value(r).begin());
   }
   MirroredVariable& out = *variable;

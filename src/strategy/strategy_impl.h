@@ -1,6 +1,6 @@
 // StrategyImpl: what every strategy is underneath (the public classes of strategy.h only pick a
 // configuration): the local replicas (a LocalGroup), the communicator between workers, the
-// mirrored variables, and the cross-replica reductions.
+// variables (mirrored, or central for CentralStorageStrategy), and the cross-replica reductions.
 //
 // Thread-safety: as Strategy. The cross-replica-context methods (RunEach, Reduce,
 // CreateVariable, BroadcastFromChief, Barrier, ...) are called from the owner's thread, outside
@@ -30,7 +30,7 @@ namespace collectives::strategy {
 class StrategyImpl {
  public:
   struct Config {
-    std::string name;              // "default", "one_device", "mirrored", "multi_worker_mirrored"
+    std::string name;              // "default", "one_device", "mirrored", ... (Strategy::name)
     std::vector<Device> devices;   // one per local replica (CPU today)
     CrossDeviceOps cross_device_ops = CrossDeviceOps::kHierarchicalCopy;  // resolved, never kAuto
     std::chrono::milliseconds timeout{300'000};
@@ -38,6 +38,9 @@ class StrategyImpl {
     int worker_index = 0;
     int num_workers = 1;
     std::unique_ptr<CollectiveCommunication> comm;  // null with one worker
+    // Where CreateVariable puts variables: kCentral (one copy, updated once per step through
+    // UpdateOnce) needs a single worker.
+    MirroredVariable::Placement placement = MirroredVariable::Placement::kMirrored;
   };
   explicit StrategyImpl(Config config);
   ~StrategyImpl();
@@ -64,9 +67,22 @@ class StrategyImpl {
 
   // "worker 1 " with several workers, "" with one: the prefix of this worker's messages.
   const std::string& who() const { return who_; }
+  MirroredVariable::Placement placement() const { return placement_; }
+  bool central() const { return placement_ == MirroredVariable::Placement::kCentral; }
+  // True while RunEach runs the replicas' functions.
+  bool in_run() const { return in_run_.load(std::memory_order_relaxed); }
 
   void RunEach(const std::function<void(ReplicaContext&)>& fn);
   void AllReduce(int local_replica, ReduceOp op, const std::vector<Tensor>& tensors);
+  // The central-storage update, called by every local replica of a running RunEach with its
+  // gradients (the same counts and dtypes; empty lists for gradients already summed): the
+  // replicas meet, replica 0 sums every replica's tensors into its own in replica order (the
+  // fold of AllReduce, so the same bits), then calls `apply` once, on its thread, while the
+  // others wait; then every other replica copies replica 0's sums into its own tensors. A
+  // failure of `apply` aborts the group (the others throw kAborted), as any replica's failure
+  // does. With one local replica: `apply` runs at once. Needs a single worker.
+  void UpdateOnce(int local_replica, const std::vector<Tensor>& tensors,
+                  const std::function<void()>& apply);
 
   double Reduce(ReduceOp op, const PerReplica<double>& values);
   std::vector<float> Reduce(ReduceOp op, const PerReplica<std::vector<float>>& values);
@@ -127,6 +143,7 @@ class StrategyImpl {
   const int worker_index_;
   const int num_workers_;
   const std::string who_;
+  const MirroredVariable::Placement placement_;
   std::unique_ptr<CollectiveCommunication> comm_;
   // Null with one local replica (RunEach then calls fn on the caller's thread).
   std::unique_ptr<internal::LocalGroup> group_;

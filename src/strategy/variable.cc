@@ -1,4 +1,5 @@
-// MirroredVariable (one float32 copy per local replica) and the initializers.
+// MirroredVariable (one float32 copy per local replica, or one central copy) and the
+// initializers.
 //
 // GlorotUniform draws from std::mt19937_64, whose output the standard fixes, and maps each
 // 64-bit draw to [0, 1) itself (top 53 bits x 2^-53), instead of using
@@ -33,14 +34,24 @@ size_t CountOf(const std::string& name, const std::vector<size_t>& shape) {
 }  // namespace
 
 MirroredVariable::MirroredVariable(std::string name, std::vector<size_t> shape,
-                                   int num_local_replicas)
-    : name_(std::move(name)), shape_(std::move(shape)), count_(CountOf(name_, shape_)) {
+                                   int num_local_replicas, Placement placement)
+    : name_(std::move(name)),
+      shape_(std::move(shape)),
+      count_(CountOf(name_, shape_)),
+      num_local_replicas_(num_local_replicas),
+      placement_(placement) {
   if (num_local_replicas < 1) {
     throw Error(ErrorCode::kInvalidArgument,
                 "variable '" + name_ + "': " + std::to_string(num_local_replicas) +
                     " local replicas (need at least 1)");
   }
-  copies_.assign(static_cast<size_t>(num_local_replicas), std::vector<float>(count_, 0.0f));
+  if (placement != Placement::kMirrored && placement != Placement::kCentral) {
+    throw Error(ErrorCode::kInvalidArgument, "variable '" + name_ + "': unknown placement " +
+                                                 std::to_string(static_cast<int>(placement)));
+  }
+  const size_t copies =
+      placement == Placement::kCentral ? 1 : static_cast<size_t>(num_local_replicas);
+  copies_.assign(copies, std::vector<float>(count_, 0.0f));
 }
 
 std::span<float> MirroredVariable::value(int local_replica) {
@@ -49,7 +60,7 @@ std::span<float> MirroredVariable::value(int local_replica) {
                 "variable '" + name_ + "': no local replica " + std::to_string(local_replica) +
                     " (there are " + std::to_string(num_local_replicas()) + ")");
   }
-  return copies_[static_cast<size_t>(local_replica)];
+  return copies_[placement_ == Placement::kCentral ? 0 : static_cast<size_t>(local_replica)];
 }
 
 std::span<const float> MirroredVariable::value(int local_replica) const {

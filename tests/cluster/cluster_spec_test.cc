@@ -10,6 +10,7 @@
 #include "collectives/cluster.h"
 #include "collectives/errors.h"
 #include "src/cluster/host_port.h"
+#include "src/cluster/launchers.h"
 #include "tests/scoped_env.h"
 
 namespace collectives {
@@ -260,21 +261,93 @@ TEST(TfConfigTest, ControlBytesSlashesAndBracketedNamesAreRefused) {
                     {"'cluster.worker[1]'", "'b\\x1b[2J:1'", "control character"});
 }
 
-TEST(TfConfigTest, UnsupportedRoles) {
-  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
-                        "task": {"type": "worker", "index": 0}})",
-                    {"'cluster.ps'", "only 'chief' and 'worker'"});
-  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:1"]},
-                        "task": {"type": "worker", "index": 0}})",
-                    {"'cluster.evaluator'", "only 'chief' and 'worker'"});
+TEST(TfConfigTest, UnknownRoles) {
   ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "master": ["m:1"]},
                         "task": {"type": "worker", "index": 0}})",
-                    {"'cluster.master'", "only 'chief' and 'worker'"});
-  ExpectBadTfConfig(
-      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator", "index": 0}})",
-      {"'task.type'", "'evaluator'", "only 'chief' and 'worker'"});
-  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}})",
-                    {"'task.type'", "'ps'"});
+                    {"'cluster.master'", "'chief', 'worker', 'ps' and 'evaluator'"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "master", "index": 0}})",
+                    {"'task.type'", "'master'", "'chief', 'worker', 'ps' and 'evaluator'"});
+}
+
+// The four roles: chief and workers form the training collective; a ps or an evaluator task is
+// a job of one rank of its own, and every task sees the whole cluster by role.
+TEST(TfConfigTest, EveryRoleIsReadAndOnlyChiefAndWorkersAreRanks) {
+  const std::string cluster =
+      R"("cluster": {"chief": ["c:1"], "worker": ["w0:2", "w1:3"], "ps": ["p0:4", "p1:5"],
+                     "evaluator": ["e:6"]})";
+  const std::map<std::string, std::vector<std::string>> expected = {
+      {"chief", {"c:1"}}, {"worker", {"w0:2", "w1:3"}}, {"ps", {"p0:4", "p1:5"}},
+      {"evaluator", {"e:6"}}};
+  struct Case {
+    std::string type;
+    int index;
+    bool in_collective;
+    int rank;
+    int world_size;
+  };
+  for (const Case& c : {Case{"chief", 0, true, 0, 3}, Case{"worker", 1, true, 2, 3},
+                        Case{"ps", 1, false, 0, 1}, Case{"evaluator", 0, false, 0, 1}}) {
+    SCOPED_TRACE(c.type);
+    ClusterSpec spec = ClusterSpec::FromTfConfig("{" + cluster + R"(, "task": {"type": ")" +
+                                                 c.type + R"(", "index": )" +
+                                                 std::to_string(c.index) + "}}");
+    EXPECT_EQ(spec.task_type, c.type);
+    EXPECT_EQ(spec.task_index, c.index);
+    EXPECT_EQ(spec.InTrainingCollective(), c.in_collective);
+    EXPECT_EQ(spec.rank, c.rank);
+    EXPECT_EQ(spec.world_size, c.world_size);
+    EXPECT_EQ(spec.cluster, expected);
+    if (c.in_collective) {
+      EXPECT_EQ(spec.addresses, (std::vector<std::string>{"c:1", "w0:2", "w1:3"}));
+      EXPECT_EQ(spec.master_addr, "c");
+      EXPECT_EQ(spec.master_port, 1);
+    } else {
+      EXPECT_TRUE(spec.addresses.empty());
+      EXPECT_EQ(spec.master_port, 0);
+    }
+  }
+}
+
+TEST(TfConfigTest, AnEvaluatorMayListOnlyItself) {
+  ClusterSpec spec = ClusterSpec::FromTfConfig(
+      R"({"cluster": {"evaluator": ["e:1"]}, "task": {"type": "evaluator", "index": 0}})");
+  EXPECT_FALSE(spec.InTrainingCollective());
+  EXPECT_EQ(spec.world_size, 1);
+  ExpectBadTfConfig(R"({"cluster": {"ps": ["p:1"]}, "task": {"type": "ps", "index": 0}})",
+                    {"'cluster'", "no chief or worker"});
+}
+
+TEST(TfConfigTest, RoleRules) {
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.evaluator'", "2 tasks", "at most one evaluator"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"]},
+                        "task": {"type": "ps", "index": 1}})",
+                    {"'task.index'", "'ps'", "0..0"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["a:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.worker[0]'", "'cluster.ps[0]'", "same address"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": ["p:1"], "evaluator": ["p:1"]},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.ps[0]'", "'cluster.evaluator[0]'", "same address"});
+  ExpectBadTfConfig(R"({"cluster": {"worker": ["a:1"], "ps": "p:1"},
+                        "task": {"type": "worker", "index": 0}})",
+                    {"'cluster.ps'", "must be an array"});
+}
+
+TEST(ValidateTest, RolesAndClusterAreChecked) {
+  ClusterSpec spec;
+  spec.task_type = "master";
+  ExpectInvalid([&] { spec.Validate(); }, {"task_type", "'master'"});
+  spec.task_type = "ps";
+  spec.world_size = 2;
+  spec.master_port = 1;
+  ExpectInvalid([&] { spec.Validate(); }, {"'ps'", "not part of the training collective"});
+  spec = ClusterSpec();
+  spec.cluster["ps"] = {"nohost"};
+  ExpectInvalid([&] { spec.Validate(); }, {"cluster.ps[0]", "'nohost'"});
+  spec.cluster = {{"parameter", {"p:1"}}};
+  ExpectInvalid([&] { spec.Validate(); }, {"'parameter'"});
 }
 
 // Text from TF_CONFIG or a variable that a message shows (a role, a key, a value, the token where
@@ -326,16 +399,26 @@ TEST(EnvironmentTest, NothingSetIsASingleRank) {
   EXPECT_EQ(spec.job_id, "collectives");
 }
 
-TEST(EnvironmentTest, TfConfigWinsOverRankVariables) {
+TEST(EnvironmentTest, TfConfigWinsOverRankVariablesThatAgree) {
   Env env = {{"TF_CONFIG", R"({"cluster": {"worker": ["a:1", "b:2"]},
                               "task": {"type": "worker", "index": 1}})"},
-             {"RANK", "0"},
-             {"WORLD_SIZE", "5"},
+             {"RANK", "1"},
+             {"WORLD_SIZE", "2"},
              {"MASTER_PORT", "9"}};
   ClusterSpec spec = ClusterSpec::FromEnvironment(env);
   EXPECT_EQ(spec.rank, 1);
   EXPECT_EQ(spec.world_size, 2);
   EXPECT_EQ(spec.master_addr, "a");
+  EXPECT_EQ(spec.master_port, 1);
+}
+
+// Two launchers' variables that name different jobs: no way to tell which is meant.
+TEST(EnvironmentTest, TfConfigBesideRankVariablesThatDisagreeIsAmbiguous) {
+  const std::string tf_config = R"({"cluster": {"worker": ["a:1", "b:2"]},
+                                    "task": {"type": "worker", "index": 1}})";
+  ExpectBadEnv(Env{{"TF_CONFIG", tf_config}, {"RANK", "0"}, {"WORLD_SIZE", "2"}},
+               {"TF_CONFIG makes this process rank 1 of 2", "RANK='0'", "unset one"});
+  ExpectBadEnv(Env{{"TF_CONFIG", tf_config}, {"WORLD_SIZE", "5"}}, {"WORLD_SIZE='5'"});
 }
 
 TEST(EnvironmentTest, TheStoreListenAddressAndTheTokenComeFromTheEnvironment) {
@@ -561,6 +644,97 @@ TEST(EnvironmentTest, PortZeroIsValidForASingleRank) {
   spec = ClusterSpec::FromEnvironment(
       Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}});
   EXPECT_EQ(spec.master_port, 0);
+}
+
+// srun's variables: the rank of the step's tasks, the store on the first host of the step's
+// node list (Slurm's compressed form), the port derived from the job and step ids.
+TEST(EnvironmentTest, SlurmJobStep) {
+  Env env = {{"SLURM_PROCID", "3"},         {"SLURM_NTASKS", "8"},
+             {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_STEP_ID", "2"},
+             {"SLURM_JOB_ID", "123456"},    {"SLURM_STEP_NODELIST", "gpu-[07-09,12]x,login1"},
+             {"SLURM_JOB_NODELIST", "other[1-2]"}};
+  ClusterSpec spec = ClusterSpec::FromEnvironment(env);
+  EXPECT_EQ(spec.rank, 3);
+  EXPECT_EQ(spec.world_size, 4);  // the step's tasks, not the allocation's
+  EXPECT_EQ(spec.master_addr, "gpu-07x");
+  EXPECT_EQ(spec.master_port, 20000 + 4 * 3456 + 2);
+  EXPECT_EQ(spec.job_id, "slurm-123456.2");
+  EXPECT_EQ(spec.task_type, "worker");
+  // MASTER_ADDR and MASTER_PORT win; SLURM_NTASKS when the step's count is absent.
+  env.erase("SLURM_STEP_NUM_TASKS");
+  env["MASTER_ADDR"] = "10.0.0.9";
+  env["MASTER_PORT"] = "4000";
+  spec = ClusterSpec::FromEnvironment(env);
+  EXPECT_EQ(spec.world_size, 8);
+  EXPECT_EQ(spec.master_addr, "10.0.0.9");
+  EXPECT_EQ(spec.master_port, 4000);
+  // Two steps of one job, and two jobs, get different ports.
+  EXPECT_NE(cluster::SlurmDefaultPort(7, 0), cluster::SlurmDefaultPort(7, 1));
+  EXPECT_NE(cluster::SlurmDefaultPort(7, 0), cluster::SlurmDefaultPort(8, 0));
+}
+
+TEST(EnvironmentTest, SlurmBatchScriptIsASingleRankAndMpirunWinsInsideAnAllocation) {
+  // sbatch's script has SLURM_PROCID but no step: a program run from it directly is alone.
+  ClusterSpec spec = ClusterSpec::FromEnvironment(
+      Env{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_JOB_NODELIST", "n[1-2]"}});
+  EXPECT_EQ(spec.world_size, 1);
+  spec = ClusterSpec::FromEnvironment(Env{{"SLURM_PROCID", "0"},
+                                          {"SLURM_STEP_ID", "0"},
+                                          {"SLURM_NTASKS", "8"},
+                                          {"SLURM_JOB_ID", "5"},
+                                          {"OMPI_COMM_WORLD_RANK", "1"},
+                                          {"OMPI_COMM_WORLD_SIZE", "2"},
+                                          {"MASTER_PORT", "4000"}});
+  EXPECT_EQ(spec.rank, 1);
+  EXPECT_EQ(spec.world_size, 2);
+}
+
+TEST(EnvironmentTest, PartialSlurmEnvironmentsNameWhatIsMissing) {
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}},
+               {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_JOB_ID", "5"}},
+               {"SLURM_STEP_NODELIST", "MASTER_ADDR"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n1"}},
+               {"SLURM_JOB_ID", "MASTER_PORT"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "2"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_ID", "5"}},
+               {"SLURM_PROCID='2'", "out of range"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "x"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_ID", "5"}},
+               {"SLURM_STEP_ID='x'"});
+  ExpectBadEnv(Env{{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                   {"SLURM_NODELIST", "n[1-"}, {"SLURM_JOB_ID", "5"}},
+               {"SLURM_NODELIST", "'[' without ']'"});
+}
+
+TEST(SlurmHostListTest, ExpandsCompressedLists) {
+  using cluster::ExpandSlurmHostList;
+  using List = std::vector<std::string>;
+  EXPECT_EQ(ExpandSlurmHostList("n1", "x"), (List{"n1"}));
+  EXPECT_EQ(ExpandSlurmHostList("n[1-3]", "x"), (List{"n1", "n2", "n3"}));
+  EXPECT_EQ(ExpandSlurmHostList("n[08-11,20],login", "x"),
+            (List{"n08", "n09", "n10", "n11", "n20", "login"}));
+  EXPECT_EQ(ExpandSlurmHostList("r[1-2]-n[1-2]", "x"), (List{"r1-n1", "r1-n2", "r2-n1", "r2-n2"}));
+  EXPECT_EQ(ExpandSlurmHostList("a[7],b", "x"), (List{"a7", "b"}));
+  EXPECT_EQ(ExpandSlurmHostList("10.0.0.[1-2]", "x"), (List{"10.0.0.1", "10.0.0.2"}));
+  const std::pair<const char*, const char*> bad[] = {
+      {"n[1-", "'[' without ']'"}, {"n1-]", "']' without '['"},  {"n[[1]]", "nested"},
+      {"n[3-1]", "backwards"},     {"n[a]", "no number"},         {"n[]", "no number"},
+      {"a,,b", "empty entry"},     {"n[1-2", "'[' without ']'"},  {"n[1,]", "no number"}};
+  for (const auto& [list, why] : bad) {
+    SCOPED_TRACE(list);
+    ExpectInvalid([&] { ExpandSlurmHostList(list, "SLURM_NODELIST"); }, {"SLURM_NODELIST", why});
+  }
+  ExpectInvalid([] { ExpandSlurmHostList("n[1-100]", "L", 50); }, {"more than 50 hosts"});
+  ExpectInvalid([] { ExpandSlurmHostList("n[1-999999999999]", "L"); }, {"more than"});
+}
+
+// Under mpirun with no MASTER_PORT and no PMIx server to meet through, the error says both.
+TEST(EnvironmentTest, MpirunWithoutMasterPortOrPmixNamesBoth) {
+  ExpectBadEnv(Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+               {"MASTER_PORT is required", "PMIx"});
 }
 
 TEST(EnvironmentTest, HalfOfAPairIsMissing) {

@@ -134,6 +134,52 @@ TEST(StrategyConfigTest, TfConfigChiefIsRankZeroAndChief) {
   EXPECT_EQ(chief, (std::vector<int>{1, 0}));
 }
 
+// TensorFlow's layout rules: every refusal names the TF_CONFIG field and the rule; a layout that
+// fits passes.
+TEST(StrategyConfigTest, ClusterLayoutsThatDoNotFitTheStrategyAreRefused) {
+  const auto spec = [](const std::string& cluster, const std::string& type) {
+    return ClusterSpec::FromTfConfig(R"({"cluster": {)" + cluster + R"(}, "task": {"type": ")" +
+                                     type + R"(", "index": 0}})");
+  };
+  const std::string training = R"("chief": ["c:1"], "worker": ["w:2"])";
+  const std::string with_evaluator = training + R"(, "evaluator": ["e:3"])";
+  const std::string with_ps = training + R"(, "ps": ["p:4"])";
+  const auto refused = [&](const ClusterSpec& s, const char* strategy,
+                           std::vector<std::string> parts) {
+    SCOPED_TRACE(strategy);
+    try {
+      CheckClusterLayout(s, strategy);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      for (const std::string& part : parts) EXPECT_NE(e.message().find(part), std::string::npos)
+          << e.message() << " lacks " << part;
+    }
+  };
+  EXPECT_NO_THROW(CheckClusterLayout(spec(with_evaluator, "worker"), "multi_worker_mirrored"));
+  EXPECT_NO_THROW(CheckClusterLayout(spec(with_evaluator, "evaluator"), "one_device"));
+  EXPECT_NO_THROW(CheckClusterLayout(spec(with_ps, "ps"), "parameter_server"));
+  EXPECT_NO_THROW(CheckClusterLayout(spec(with_ps, "chief"), "parameter_server"));
+  refused(spec(with_ps, "worker"), "multi_worker_mirrored", {"'cluster.ps'", "ParameterServer"});
+  refused(spec(with_ps, "ps"), "multi_worker_mirrored", {"'task.type' = 'ps'"});
+  refused(spec(with_evaluator, "evaluator"), "multi_worker_mirrored",
+          {"'task.type' = 'evaluator'", "not part of the training collective"});
+  refused(spec(training, "chief"), "parameter_server", {"'cluster.ps'", "parameter server"});
+  refused(spec(R"("worker": ["w:2"], "ps": ["p:4"])", "worker"), "parameter_server",
+          {"'cluster.chief'", "coordinator"});
+  refused(spec(R"("chief": ["c:1"], "ps": ["p:4"])", "ps"), "parameter_server",
+          {"'cluster.worker'"});
+  refused(ClusterSpec(), "parameter_server", {"'cluster'"});
+  refused(spec(training, "worker"), "mirrored", {"'cluster'", "2 chief and worker tasks"});
+  refused(spec(with_ps, "ps"), "central_storage", {"'task.type' = 'ps'"});
+  refused(ClusterSpec(), "tpu", {"unknown strategy 'tpu'"});
+  // MultiWorkerMirroredStrategy checks its own cluster before it connects to anyone.
+  MultiWorkerOptions options;
+  options.cluster = spec(with_evaluator, "evaluator");
+  ExpectError(ErrorCode::kInvalidArgument, {"not part of the training collective"},
+              [&] { MultiWorkerMirroredStrategy s(options); });
+}
+
 // ---- Run ---------------------------------------------------------------------------------------
 
 TEST(StrategyRunTest, OneResultPerReplica) {
