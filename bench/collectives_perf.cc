@@ -47,6 +47,7 @@
 #include "bench/launch_help.h"
 #include "bench/local_launcher.h"
 #include "bench/perf_check.h"
+#include "bench/perf_device.h"
 #include "bench/perf_options.h"
 #include "bench/perf_report.h"
 #include "bench/perf_session.h"
@@ -173,8 +174,16 @@ CommunicationOptions MakeOptions(const Config& config) {
   return options;
 }
 
-// The --versus communicators, built on the same job after the main one (same order everywhere).
+// The --versus communicators, built on the same job after the main one (same order everywhere),
+// and with --impl nccl the RING communicator for the sweep's bookkeeping on host memory.
 void ConnectVersus(const Config& config, const Job& job, Session& session) {
+  session.store = job.store;
+  if (config.impl == "nccl") {
+    CommunicationOptions options = MakeOptions(config);
+    options.implementation = Implementation::kRing;
+    options.algorithm.clear();
+    session.control = job.Connect(options);
+  }
   for (const std::string& item : config.versus) {
     const size_t colon = item.find(':');
     CommunicationOptions options = MakeOptions(config);
@@ -248,7 +257,19 @@ class Sweep {
         report_(config, session, csv),
         send_(config.in_place ? 0 : config.max_bytes, "the send buffer (-e)"),
         recv_(config.max_bytes, "the receive buffer (-e)"),
-        rotate_checked_result_(std::getenv("COLLECTIVES_BENCH_TEST_ROTATE_RESULT") != nullptr) {}
+        rotate_checked_result_(std::getenv("COLLECTIVES_BENCH_TEST_ROTATE_RESULT") != nullptr),
+        control_(session.control ? *session.control : *session.comm) {
+    if (config.device == "cuda") {
+      device_ = std::make_unique<DeviceMirror>(rank_, send_.data(),
+                                               config.in_place ? 0 : config.max_bytes,
+                                               recv_.data(), config.max_bytes);
+    }
+    if (config.baseline == "nccl") {
+      nccl_baseline_ = std::make_unique<NcclBaseline>(
+          *session.store, "collectives_perf/nccl_baseline/id", rank_, world_size_,
+          device_->device());
+    }
+  }
 
   // Runs every case; returns the exit code.
   int Run() {
@@ -295,7 +316,7 @@ class Sweep {
     row.dtype = dtype;
     row.op = op;
     row.root = config_.root;
-    row.has_baseline = config_.baseline == "mpi";
+    row.has_baseline = config_.baseline != "none";
     const size_t element_bytes = SizeOf(dtype);
     const size_t n = static_cast<size_t>(world_size_);
     size_t count = requested_bytes / element_bytes;
@@ -334,6 +355,19 @@ class Sweep {
         }
         break;
     }
+    // --device cuda: the calls run on the device copies of these host views, which the host
+    // views fill (Upload) and check (Download).
+    const Tensor host_send = send, host_recv = recv;
+    auto upload = [&] {
+      if (device_) {
+        device_->Upload(host_recv);
+        device_->Upload(host_send);
+      }
+    };
+    if (device_) {
+      send = device_->OnDevice(host_send);
+      recv = device_->OnDevice(host_recv);
+    }
     // --async: the same call through its asynchronous form, waited on at once.
     const bool async = config_.async;
     auto run_on = [&](CollectiveCommunication& comm) {
@@ -358,7 +392,8 @@ class Sweep {
 
     // The timed calls see the check data too: defined values of this dtype (no denormals or
     // NaNs left over from a previous dtype).
-    FillInput(collective, dtype, op, send);
+    FillInput(collective, dtype, op, host_send);
+    upload();
     for (int i = 0; i < config_.warmup_iters; ++i) run_once();
 
     // One checked call on `comm`: the wrong elements summed over ranks. Out of place, recv starts
@@ -368,20 +403,23 @@ class Sweep {
     // broadcast's non-roots start from their own pattern, not the root's.
     auto check_on = [&](CollectiveCommunication& comm) {
       if (!config_.in_place || collective == Collective::kAllGather) {
-        FillWith(recv.data, dtype, recv.count, Sentinel(dtype));
+        FillWith(host_recv.data, dtype, host_recv.count, Sentinel(dtype));
       }
-      FillInput(collective, dtype, op, send);
+      FillInput(collective, dtype, op, host_send);
+      upload();
       run_on(comm);
-      if (rotate_checked_result_ && rank_ == world_size_ - 1) RotateByOneElement(recv);
-      int64_t wrong = Verify(collective, dtype, op, send, recv);
-      comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64, Device::Cpu()}, ReduceOp::kSum);
+      if (device_) device_->Download(host_recv);
+      if (rotate_checked_result_ && rank_ == world_size_ - 1) RotateByOneElement(host_recv);
+      int64_t wrong = Verify(collective, dtype, op, host_send, host_recv);
+      control_.AllReduce(Tensor{&wrong, 1, DataType::kInt64, Device::Cpu()}, ReduceOp::kSum);
       return wrong;
     };
     if (config_.check) {
       // Every configuration timed is checked: ours and each --versus one.
       row.wrong = check_on(comm_);
       for (auto& versus : session_.versus) *row.wrong += check_on(*versus.comm);
-      FillInput(collective, dtype, op, send);
+      FillInput(collective, dtype, op, host_send);
+      upload();
     }
 
     // `repeat` rounds of `iters` timed calls; with a baseline, ours and MPI's rounds alternate
@@ -389,11 +427,11 @@ class Sweep {
     // value on every rank); the row reports the median round.
     auto time_on = [&](CollectiveCommunication& comm, int warmup) {
       for (int i = 0; i < warmup; ++i) run_on(comm);
-      comm.Barrier();
+      control_.Barrier();
       const Clock::time_point start = Clock::now();
       for (int i = 0; i < config_.iters; ++i) run_on(comm);
       double seconds = std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
-      comm.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
+      control_.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()}, ReduceOp::kMax);
       return seconds;
     };
     std::vector<double> ours;
@@ -409,8 +447,16 @@ class Sweep {
             time_on(*session_.versus[v].comm, round == 0 ? config_.warmup_iters : 0));
       }
       if (ours_last) ours.push_back(time_on(comm_, 0));
+      if (nccl_baseline_) {
+        double seconds = nccl_baseline_->Time(collective, dtype, op, config_.root, send, recv,
+                                              round == 0 ? config_.warmup_iters : 0,
+                                              config_.iters, [&] { control_.Barrier(); });
+        control_.AllReduce(Tensor{&seconds, 1, DataType::kFloat64, Device::Cpu()},
+                           ReduceOp::kMax);
+        theirs.push_back(seconds);
+      }
 #ifdef COLLECTIVES_WITH_MPI
-      if (row.has_baseline) {
+      if (config_.baseline == "mpi") {
         const std::optional<double> mpi_seconds = TimeMpiBaseline(
             collective, dtype, op, config_.root, send.data, recv.data, count, per_rank,
             config_.in_place, round == 0 ? config_.warmup_iters : 0, config_.iters);
@@ -504,6 +550,11 @@ class Sweep {
   AlignedBuffer send_;
   AlignedBuffer recv_;
   const bool rotate_checked_result_;
+  // The sweep's bookkeeping on host memory (times, wrong counts, barriers): comm_ or, with
+  // --impl nccl, the session's RING communicator.
+  CollectiveCommunication& control_;
+  std::unique_ptr<DeviceMirror> device_;          // --device cuda
+  std::unique_ptr<NcclBaseline> nccl_baseline_;  // --baseline nccl
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -553,6 +604,16 @@ int Main(int argc, char** argv) {
     }
     if (config.local > 0 && under_mpi_launcher && !local_child) {
       throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
+    }
+    if (config.device == "cuda" && !DeviceBuffersBuilt()) {
+      throw CLI::ValidationError(
+          "--device cuda needs a build with CUDA and NCCL (cmake -DCOLLECTIVES_WITH_NCCL=ON)");
+    }
+    if (config.impl == "nccl" && config.device != "cuda") {
+      throw CLI::ValidationError("--impl nccl needs --device cuda (NCCL takes device memory)");
+    }
+    if (config.baseline == "nccl" && config.device != "cuda") {
+      throw CLI::ValidationError("--baseline nccl needs --device cuda");
     }
     if (config.baseline == "mpi") {
 #ifdef COLLECTIVES_WITH_MPI
@@ -609,6 +670,7 @@ int Main(int argc, char** argv) {
     }
     session.versus.clear();
     session.comm.reset();
+    session.control.reset();
     finalize();
     return rc;
   } catch (const Error& e) {

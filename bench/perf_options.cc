@@ -174,9 +174,14 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
   app.add_option("--algorithm", config.algorithm,
                  "Force the all-reduce algorithm (CommunicationOptions::algorithm): ring, "
                  "recursive_doubling, halving_doubling, shm, two_level; default: chosen per call");
-  app.add_option("--impl", config.impl, "Implementation")
+  app.add_option("--impl", config.impl, "Implementation (nccl needs --device cuda)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"ring", "auto"}));
+      ->check(CLI::IsMember({"ring", "auto", "nccl"}));
+  app.add_option("--device", config.device,
+                 "Where the buffers are: cpu, or cuda (device rank % visible devices; RING and "
+                 "AUTO stage them through pinned host memory, NCCL runs on them)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("--inplace", config.in_place,
                "One buffer for send and recv (the API's in-place forms) instead of two");
   app.add_flag("--async", config.async,
@@ -204,8 +209,9 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
                  "(COLLECTIVES_HOST_ID), so that AUTO plans in two levels over loopback TCP")
       ->check(CLI::Range(0, 4096));
   app.add_option("--baseline", config.baseline,
-                 "Also time the matching MPI collective (needs an MPI build, under mpirun)")
+                 "Also time the matching MPI collective (mpi: needs an MPI build, under mpirun) "
+                 "or raw nccl* calls on the same device buffers (nccl: needs --device cuda)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"none", "mpi"}));
+      ->check(CLI::IsMember({"none", "mpi", "nccl"}));
 }
 }  // namespace collectives::perf

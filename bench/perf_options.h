@@ -68,7 +68,8 @@ struct Config : bench::CommunicationFlags {
   bool async = false;
   size_t medium_message_bytes = 0;
   int local = 0;
-  std::string baseline = "none";
+  std::string baseline = "none";  // none, mpi or nccl
+  std::string device = "cpu";      // where the buffers are: cpu or cuda (rank % visible devices)
 };
 
 // The list flags: a comma-separated list of names, or all.

@@ -16,7 +16,8 @@ using bench::Format;
 using bench::PrintBuildHeader;
 
 void Report::PrintHeader() {
-  const size_t hosts = CountHosts(comm_);
+  // On host memory: the session's RING communicator where NCCL (device memory only) is timed.
+  const size_t hosts = CountHosts(session_.control ? *session_.control : comm_);
   if (rank_ != 0) return;
 
   PrintBuildHeader("collectives_perf", COLLECTIVES_PERF_BUILD_TYPE);
@@ -44,10 +45,19 @@ void Report::PrintHeader() {
         "ratio = our time / its time\n",
         v.name.c_str());
   }
+  if (config_.device == "cuda") {
+    std::printf("# device: cuda (each rank's buffers on device rank %% visible devices)%s\n",
+                config_.impl == "nccl" ? "" : "; RING and AUTO stage them through pinned host memory");
+  }
   if (config_.baseline == "mpi") {
     std::printf(
         "# baseline: the matching MPI collective on the same buffers, same iterations "
         "(avg timed as MPI_SUM; f16/bf16: n/a); ratio = our time / MPI time\n");
+  }
+  if (config_.baseline == "nccl") {
+    std::printf(
+        "# baseline: raw nccl* calls on the same device buffers, same iterations, queued on one "
+        "stream and synchronised once (nccl-tests' method); ratio = our time / NCCL time\n");
   }
   std::printf(
       "# busbw = algbw x 2(n-1)/n (all_reduce), x (n-1)/n (all_gather, "
@@ -62,8 +72,10 @@ void Report::PrintTableHeader(Collective collective) {
       "#wrong";
   std::string line2 =
       "#           (B)    (elements)                            (us)    (GB/s)    (GB/s)";
-  if (config_.baseline == "mpi") {
-    line1 += "   mpi time  mpi busbw  ours/mpi";
+  if (config_.baseline != "none") {
+    const std::string& b = config_.baseline;
+    line1 += Format(" %10s %10s %9s", (b + " time").c_str(), (b + " busbw").c_str(),
+                    ("ours/" + b).c_str());
     line2 += "                (us)     (GB/s)    (time)";
   }
   for (const Versus& v : session_.versus) {
@@ -112,7 +124,10 @@ void Report::WriteCsvHeader() {
   if (csv_ == nullptr || rank_ != 0) return;
   *csv_ << "collective,world_size,size_bytes,count,dtype,op,root,time_us,algbw_gbps,"
            "busbw_gbps,wrong";
-  if (config_.baseline == "mpi") *csv_ << ",mpi_time_us,mpi_busbw_gbps,time_ratio_ours_over_mpi";
+  if (config_.baseline != "none") {
+    const std::string& b = config_.baseline;
+    *csv_ << ',' << b << "_time_us," << b << "_busbw_gbps,time_ratio_ours_over_" << b;
+  }
   for (const Versus& v : session_.versus) {
     *csv_ << ',' << v.name << "_time_us,time_ratio_ours_over_" << v.name;
   }

@@ -20,6 +20,10 @@ struct Versus {
 
 struct Session {
   std::unique_ptr<CollectiveCommunication> comm;
+  // With --impl nccl: a RING communicator of the same job for the sweep's own bookkeeping on
+  // host memory (the slowest rank's time, the wrong-element count), which NCCL does not take.
+  std::unique_ptr<CollectiveCommunication> control;
+  std::shared_ptr<Store> store;  // the job's, for --baseline nccl's unique id
   std::vector<Versus> versus;
   std::string launcher;  // how the ranks were started, for the header
   bool mpi = false;      // MPI is initialised and the MPI baseline is available

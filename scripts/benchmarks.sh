@@ -257,8 +257,21 @@ doc += ["## Measuring more", "",
         "- `build/bench/kernels_bench`, `pack_bench`, `frame_bench`: Google Benchmark micro "
         "benchmarks of the reduction kernels (against memcpy), packing, and frame headers.",
         "- `bench/plot_sweep.py --out DIR a.csv ...`: busbw against size from any of the CSVs "
-        "(Debian's `/usr/bin/python3`, which has matplotlib).", "",
+        "(Debian's `/usr/bin/python3`, which has matplotlib).",
+        "- `scripts/emulated-cluster.sh --preset 10g|1g`: hosts as network namespaces with "
+        "shaped links, AUTO against every fixed algorithm, Open MPI and Gloo; it writes the "
+        "section \"Emulated clusters\" below ([emulated-cluster.md](emulated-cluster.md)).", "",
         "[tuning.md](tuning.md) has the measurements behind each default."]
+# The section scripts/emulated-cluster.sh --docs writes is kept as it stands.
+try:
+    with open(page) as f:
+        old = f.read()
+    at = old.find("\n## Emulated clusters\n")
+    if at >= 0:
+        end = old.find("\n## ", at + 1)
+        doc += [""] + old[at + 1:end if end >= 0 else len(old)].rstrip("\n").split("\n")
+except OSError:
+    pass
 
 with open(page, "w") as f:
     f.write("\n".join(doc).rstrip("\n") + "\n")

@@ -11,6 +11,7 @@
 //   RANK=1 WORLD_SIZE=2 MASTER_PORT=29500 train --strategy multi_worker
 //   mpirun -np 2 train --strategy multi_worker --replicas 2
 //   TF_CONFIG='{"cluster":{"worker":["h0:p","h1:p"]},"task":{"type":"worker","index":0}}' train ...
+//   scripts/train.sh --strategy parameter_server --workers 2 --ps 2   (asynchronous: ps_train.h)
 //
 // One step, on every replica (Strategy::Run): gather the replica's share of the global batch
 // (DistributedDataset), forward, per-example losses, backward of their sum scaled by 1 / global
@@ -23,7 +24,9 @@
 // accuracy on the test set at the epoch's end, the epoch's time and samples per second; at the
 // end the test accuracy and the throughput. With --checkpoint-dir, Keras' BackupAndRestore:
 // resume from the backup at the start, save at every epoch's end (and every
-// --save-every-steps steps), delete it when training ends.
+// --save-every-steps steps), delete it when training ends. With --export-checkpoints DIR the
+// chief also saves into DIR, kept, for a sidecar evaluator: `train --evaluator
+// --export-checkpoints DIR` (evaluator.h; scripts/train.sh --workers N --evaluator).
 //
 // Exit status: 0 on success; 1 on any error (the message names the worker); 2 on a bad command
 // line.
@@ -41,6 +44,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -56,8 +60,10 @@
 #include "bench/seconds_flag.h"
 #include "collectives/collectives.h"
 #include "collectives/strategy.h"
+#include "examples/train/evaluator.h"
 #include "examples/train/fashion_mnist.h"
 #include "examples/train/model.h"
+#include "examples/train/ps_train.h"
 #include "examples/train/scheduled_adam.h"
 
 namespace {
@@ -91,6 +97,13 @@ struct Options {
   bool quiet_progress = false;
   double timeout_s = 300;
   int throttle_ms = 0;
+  // Sidecar evaluation (evaluator.h).
+  std::string export_dir;
+  int64_t export_every_steps = 0;
+  bool evaluator = false;
+  std::string eval_log;
+  int64_t eval_max = 0;
+  double eval_idle_timeout_s = 0;
 };
 
 // A CLI11 check for a count option (a size_t): digits only. CLI11 converts "-1" to a size_t as
@@ -452,6 +465,10 @@ int Train(const Options& o) {
     replicas.emplace_back(model, std::max<size_t>(data.per_replica_batch_size(), 256));
   }
 
+  std::optional<train::CheckpointExporter> exporter;
+  if (!o.export_dir.empty()) {
+    exporter.emplace(strategy, adam, o.export_dir, o.epochs, o.export_every_steps);
+  }
   std::optional<st::BackupAndRestore> backup;
   st::TrainingState start;
   if (!o.checkpoint_dir.empty()) {
@@ -499,6 +516,9 @@ int Train(const Options& o) {
       epoch_samples += static_cast<double>(step_batch);
       if (o.throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.throttle_ms));
       if (backup) backup->OnStepEnd(epoch, static_cast<int64_t>(step));
+      if (exporter) {
+        exporter->OnStepEnd(epoch, static_cast<int64_t>(step), static_cast<int64_t>(steps));
+      }
       if (IsReportStep(step + 1, steps)) {
         st::PerReplica<Totals> sums;
         for (const Replica& r : replicas) sums.push_back(r.totals);
@@ -519,6 +539,7 @@ int Train(const Options& o) {
                val.loss_sum / vn, val.correct / vn,
                epoch_seconds > 0 ? epoch_samples / epoch_seconds : 0.0);
     if (backup) backup->OnEpochEnd(epoch);
+    if (exporter) exporter->OnEpochEnd(epoch);
   }
 
   // Every copy on every replica of every worker must hold the same weights, bit for bit. Checked
@@ -529,6 +550,7 @@ int Train(const Options& o) {
     throw co::Error(co::ErrorCode::kInternal, "the replicas' weights differ after training");
   }
   if (replicas_in_sync > 1) Say("weights: identical on all %zu replicas\n", replicas_in_sync);
+  if (exporter) exporter->OnTrainEnd();
   if (backup) backup->OnTrainEnd();
 
   const Totals test = Evaluate(strategy, replicas, vars, test_set);
@@ -561,9 +583,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(train::ModelNames()))
       ->capture_default_str();
   app.add_option("--strategy", o.strategy,
-                 "default, one_device, mirrored, central_storage or multi_worker")
+                 "default, one_device, mirrored, central_storage, multi_worker, or "
+                 "parameter_server (every task of a TF_CONFIG cluster with chief, worker and ps "
+                 "tasks; ps_train.h)")
       ->check(CLI::IsMember({"default", "one_device", "mirrored", "central_storage", "multi_worker",
-                             "multi_worker_mirrored"}))
+                             "multi_worker_mirrored", "parameter_server"}))
       ->capture_default_str();
   app.add_option("--replicas", o.replicas,
                  "local replicas (threads) of mirrored, central_storage and multi_worker; "
@@ -622,6 +646,22 @@ int main(int argc, char** argv) {
                  "sleep this long after every step: slows a demonstration down so that a worker "
                  "can be killed mid-epoch (scripts/kill-restart.sh)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--export-checkpoints", o.export_dir,
+                 "the chief saves a checkpoint here at every epoch's end and names the last one, "
+                 "for a sidecar evaluator (kept after training)");
+  app.add_option("--export-every-steps", o.export_every_steps,
+                 "with --export-checkpoints, also save every N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--evaluator", o.evaluator,
+               "run the sidecar evaluator: evaluate each checkpoint of --export-checkpoints on "
+               "the test set as it appears, until the final one");
+  app.add_option("--eval-log", o.eval_log, "the evaluator's JSON-lines log (one record per checkpoint)");
+  app.add_option("--eval-max", o.eval_max, "the evaluator stops after N evaluations (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-idle-timeout", o.eval_idle_timeout_s,
+                 "the evaluator gives up (exit 1) after this many seconds without a new "
+                 "checkpoint (0: never)")
+      ->check(CLI::NonNegativeNumber);
   app.footer(
       "Replicas: --strategy mirrored --replicas R trains R replicas (threads) in this process;\n"
       "--strategy central_storage --replicas R the same with one copy of the weights, updated\n"
@@ -635,8 +675,45 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is a ParseError too
   }
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
+  // Every task of the cluster runs this; its role comes from TF_CONFIG (ps_train.h). A step is
+  // one worker's batch: --batch-per-replica when given, else --global-batch. The parameter
+  // servers' Adam keeps its learning rate: --learning-rate-decay does not apply.
+  if (o.strategy == "parameter_server") {
+    return train::TrainParameterServer(
+        {.model = o.model,
+         .batch = o.batch_per_replica > 0 ? o.batch_per_replica : o.global_batch,
+         .epochs = o.epochs,
+         .learning_rate = o.learning_rate,
+         .seed = o.seed,
+         .checkpoint_dir = o.checkpoint_dir,
+         .save_every_steps = o.save_every_steps,
+         .train_limit = o.train_limit,
+         .test_limit = o.test_limit,
+         .max_steps_per_epoch = o.max_steps_per_epoch,
+         .data_dir = o.data_dir,
+         .save_weights = o.save_weights,
+         .quiet_progress = o.quiet_progress,
+         .timeout_s = o.timeout_s,
+         .throttle_ms = o.throttle_ms});
+  }
 
   try {
+    // TF_CONFIG's "evaluator" task is this program's sidecar evaluator, whatever the flags say.
+    if (std::getenv("TF_CONFIG") != nullptr &&
+        co::ClusterSpec::FromEnvironment().task_type == "evaluator") {
+      o.evaluator = true;
+    }
+    if (o.evaluator) {
+      g_worker = "evaluator";
+      return train::RunEvaluator({.checkpoint_dir = o.export_dir,
+                                  .log_path = o.eval_log,
+                                  .model = o.model,
+                                  .replicas = std::max(1, o.replicas),
+                                  .data_dir = o.data_dir,
+                                  .test_limit = o.test_limit,
+                                  .max_evaluations = o.eval_max,
+                                  .idle_timeout_s = o.eval_idle_timeout_s});
+    }
     return Train(o);
   } catch (const std::exception& e) {
     std::fflush(stdout);

@@ -56,5 +56,6 @@ interrupt() {
 }
 
 interrupt INT group 2 --workers 2
+interrupt INT group 5 --strategy parameter_server --workers 2 --ps 2
 interrupt TERM script 1 --strategy one_device
 exit "${status}"

@@ -62,7 +62,7 @@ typedef enum coll_status {
   COLL_UNAUTHENTICATED = 7,  /* a peer failed the job-token proof */
   COLL_ABORTED = 8,          /* the communicator was aborted, by this process or by a peer */
   COLL_NOT_SUPPORTED = 9,    /* what the call asks for is not available here, e.g.
-                                COLL_IMPLEMENTATION_NCCL (see below) */
+                                COLL_IMPLEMENTATION_NCCL without NCCL (see below) */
   COLL_INTERNAL = 10,        /* a bug in this library (also: an unexpected C++ exception) */
   COLL_STATUS_FORCE_INT_ = 0x7fffffff
 } coll_status;
@@ -95,9 +95,12 @@ typedef enum coll_op {
 /* Which implementation moves the data. Values equal collectives::Implementation. */
 typedef enum coll_implementation {
   COLL_IMPLEMENTATION_RING = 0, /* TCP between processes */
-  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL, on CUDA memory: not offered here, since this API
-                                   takes host (CPU) buffers only; creating a communicator with it
-                                   returns COLL_NOT_SUPPORTED */
+  COLL_IMPLEMENTATION_NCCL = 1, /* NVIDIA NCCL, on CUDA device memory only (a host buffer gives
+                                   COLL_INVALID_ARGUMENT); where NCCL or a GPU is missing, creating
+                                   a communicator with it returns COLL_NOT_SUPPORTED before any
+                                   rendezvous. RING and AUTO take CUDA device memory too
+                                   (all-reduce, broadcast, all-gather, reduce-scatter), staged
+                                   through pinned host memory; see docs/gpu.md */
   COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call: shared memory inside a host, TCP across */
   COLL_IMPLEMENTATION_FORCE_INT_ = 0x7fffffff
 } coll_implementation;
@@ -122,8 +125,8 @@ typedef struct coll_options {
   /* sizeof(coll_options); set by coll_options_init. */
   size_t struct_size;
 
-  /* Which implementation moves the data: COLL_IMPLEMENTATION_AUTO or COLL_IMPLEMENTATION_RING
-   * (COLL_IMPLEMENTATION_NCCL gives COLL_NOT_SUPPORTED).
+  /* Which implementation moves the data: COLL_IMPLEMENTATION_AUTO, COLL_IMPLEMENTATION_RING or
+   * COLL_IMPLEMENTATION_NCCL (CUDA device memory only; COLL_NOT_SUPPORTED without NCCL and a GPU).
    * Default: COLL_IMPLEMENTATION_AUTO. */
   coll_implementation implementation;
 

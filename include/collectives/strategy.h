@@ -593,6 +593,42 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
 std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* optimizer,
                                                const std::string& directory);
 
+// A checkpoint file's contents as values, for a program that reads or writes checkpoints without
+// a strategy (an evaluator, a parameter-server coordinator, a tool). The same file format and
+// checks as SaveCheckpoint and RestoreCheckpoint.
+struct CheckpointData {
+  struct Tensor {
+    std::string name;
+    std::vector<size_t> shape;
+    std::vector<float> values;  // row-major; as many as the product of `shape`
+    bool operator==(const Tensor&) const = default;
+  };
+  TrainingState state;
+  std::string optimizer;   // the optimizer's name; "" when saved without one
+  int64_t iterations = 0;  // the optimizer's updates so far (TF's optimizer.iterations)
+  std::vector<Tensor> variables;  // in the strategy's creation order
+  // The optimizer's slots, named "<variable>/<slot>" ("dense/kernel/m"), each of shape {count}.
+  std::vector<Tensor> slots;
+  // nullptr when there is no variable of that name.
+  const Tensor* FindVariable(const std::string& name) const;
+  bool operator==(const CheckpointData&) const = default;
+};
+
+// Reads and verifies `<directory>/checkpoint`: the magic, the size field against the file's
+// size and the checksum, then every record. Returns nullopt when there is none (no file, or no
+// directory). Throws kInvalidArgument naming the file and what is wrong for a partial, corrupt
+// or foreign file ("checkpoint ckpt/checkpoint is corrupt: truncated: the file has 100 bytes,
+// its header says 4156") and for a path that is not a regular file; kSystem when it cannot be
+// read. Thread-safe; never blocks on a FIFO.
+std::optional<CheckpointData> ReadCheckpointFile(const std::string& directory);
+
+// Writes `data` to `<directory>/checkpoint` (creating the directory) as the chief's
+// SaveCheckpoint does: a temporary file in the directory, fsync, rename over the old one, fsync
+// of the directory, so that a reader sees the old checkpoint or the new one, never a torn one.
+// Throws kInvalidArgument (nothing written) when a tensor's values do not fill its shape or the
+// state or iterations are negative; kSystem when the file cannot be written.
+void WriteCheckpointFile(const std::string& directory, const CheckpointData& data);
+
 // Keras' BackupAndRestore for a custom loop: restores at the start of training when a backup
 // exists, saves at the end of every epoch (and every `save_every_steps` steps when > 0), and
 // deletes the backup when training ends normally. Every call is collective. When the chief

@@ -29,6 +29,9 @@
 #include "collectives/packing.h"
 #include "collectives/types.h"
 #include "src/c_api/c_api_internal.h"
+#ifdef COLLECTIVES_WITH_NCCL
+#include "src/nccl/nccl_loader.h"
+#endif
 
 // The opaque handles of c_api.h: the C++ communicator and the options that only the C API uses;
 // the C++ handle of an asynchronous collective.
@@ -176,12 +179,32 @@ ReduceOp ReduceOpOf(coll_op op) {
 }
 
 // A CPU tensor over a caller's buffer; checks that its byte size fits size_t.
+// Where `data` lives: cuda:N for memory of CUDA device N, as the CUDA runtime reports it where
+// one is usable (libcudart and a device: see src/nccl/nccl_loader.h); the host otherwise, managed
+// memory included (the host reaches it directly).
+Device DeviceOf(const void* data) {
+#ifdef COLLECTIVES_WITH_NCCL
+  if (data == nullptr) return Device::Cpu();
+  const nccl::NcclApi* api = nccl::TryLoadCudart();
+  if (api == nullptr) return Device::Cpu();
+  cudaPointerAttributes attributes{};
+  if (api->cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
+    api->cudaGetLastError();  // not left for the caller's next CUDA call
+    return Device::Cpu();
+  }
+  if (attributes.type == cudaMemoryTypeDevice) return Device::Cuda(attributes.device);
+#else
+  (void)data;
+#endif
+  return Device::Cpu();
+}
+
 Tensor TensorOf(const char* name, const void* data, size_t count, DataType dtype) {
   if (count > SIZE_MAX / SizeOf(dtype)) {
     InvalidArgument(std::string(name) + " has " + std::to_string(count) + " elements of " +
                     ToString(dtype) + ": more bytes than size_t holds");
   }
-  return Tensor{const_cast<void*>(data), count, dtype};
+  return Tensor{const_cast<void*>(data), count, dtype, DeviceOf(data)};
 }
 
 // count * size(), checked.
@@ -499,13 +522,21 @@ CreateOptions OptionsOf(const coll_options* options) {
                     " is not a coll_implementation (valid: 0..2)");
   }
   out.communication.implementation = static_cast<Implementation>(implementation);
-  // Every buffer of this API becomes a CPU tensor (TensorOf): an NCCL communicator, which takes
-  // CUDA tensors only, would refuse every call. Refused here, before any rendezvous.
+  // NCCL takes CUDA device memory (TensorOf names it so); where NCCL is not usable it is
+  // refused here, before any rendezvous, as every rank refuses it alike.
   if (out.communication.implementation == Implementation::kNccl) {
+#ifdef COLLECTIVES_WITH_NCCL
+    std::string reason;
+    if (nccl::TryLoadNccl(&reason) == nullptr) {
+      throw Error(ErrorCode::kNotSupported,
+                  "options->implementation is COLL_IMPLEMENTATION_NCCL, but " + reason);
+    }
+#else
     throw Error(ErrorCode::kNotSupported,
-                "options->implementation is COLL_IMPLEMENTATION_NCCL, but the C API has CPU "
-                "tensors only and NCCL takes CUDA memory: use COLL_IMPLEMENTATION_RING or "
-                "COLL_IMPLEMENTATION_AUTO");
+                "options->implementation is COLL_IMPLEMENTATION_NCCL, but the NCCL "
+                "implementation is not built into this library (configure with "
+                "-DCOLLECTIVES_WITH_NCCL=ON)");
+#endif
   }
   if (options->timeout_ms <= 0) {
     InvalidArgument("options->timeout_ms is " + std::to_string(options->timeout_ms) +

@@ -20,6 +20,7 @@
 #include "src/core/fnv1a.h"
 #include "src/core/text.h"
 #include "src/hierarchical/planner.h"
+#include "src/ring/algorithms.h"
 #include "src/ring/ring_communication.h"
 #if defined(COLLECTIVES_WITH_NCCL)
 #include "src/nccl/nccl_communication.h"
@@ -94,8 +95,9 @@ void CheckJobIdFitsTheHandshake(const ClusterSpec& spec, const CommunicationOpti
   }
 }
 
-// The most ranks a job may have: 2^20. A RING or AUTO rank holds a connection to every other
-// rank, and Linux lets a process hold at most 2^20 descriptors unless fs.nr_open is raised; far
+// The most ranks a job may have: 2^20. A RING or AUTO rank may come to hold a connection to every
+// other rank (an all-to-all connects every pair; rank 0's store holds one per rank), and Linux
+// lets a process hold at most 2^20 descriptors unless fs.nr_open is raised; far
 // larger sizes (INT_MAX) only ran the set-up out of memory, in rank 0's store (a record per
 // rank) or in the mesh's per-rank tables, with a bare "out of memory".
 constexpr int kMaxWorldSize = 1 << 20;
@@ -106,7 +108,7 @@ void CheckWorldSize(const ClusterSpec& spec) {
                 "rank " + std::to_string(spec.rank) +
                     ": world_size=" + std::to_string(spec.world_size) +
                     " is more ranks than a job can have (" + std::to_string(kMaxWorldSize) +
-                    ": every rank connects to every other, and a process holds at most " +
+                    ": a rank may connect to every other, and a process holds at most " +
                     std::to_string(kMaxWorldSize) + " descriptors by default)");
   }
 }
@@ -257,6 +259,14 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   tcp.key_prefix = rendezvous.key_prefix;
   tcp.bind_host = rendezvous.bind_host;
   tcp.cancelled = cancelled;
+  // Connections on demand: the set-up connects only what the algorithms use on every call
+  // (ring::PeersAtSetUp, O(log size)); COLLECTIVES_CONNECT=all connects every pair instead.
+  const char* connect = std::getenv("COLLECTIVES_CONNECT");
+  if (connect == nullptr || std::string(connect) != "all") {
+    tcp.on_demand = true;
+    tcp.peers_at_setup = ring::PeersAtSetUp(rank, size);
+    tcp.address_store = store;
+  }
   auto fabric = transport::ConnectTcpFabric(rank, size, *setup_store, tcp);
   CheckOptionsAgree(rank, size, *setup_store, rendezvous.key_prefix, options, deadline);
   std::unique_ptr<ring::Planner> planner;

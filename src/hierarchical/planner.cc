@@ -21,6 +21,7 @@
 #include "src/core/environment.h"
 #include "src/core/kernels.h"
 #include "src/core/text.h"
+#include "src/hierarchical/cost_model.h"
 #include "src/hierarchical/shm_group.h"
 #include "src/ring/algorithms.h"
 
@@ -178,13 +179,6 @@ struct BroadcastCrossing {
       recv.Write(0, send.data(), bytes);
     }
   }
-};
-
-// Seconds of one all-reduce of n bytes in one plan: latency + n / bandwidth.
-struct PlanCost {
-  double latency = 0;
-  double seconds_per_byte = 0;
-  double Seconds(size_t bytes) const { return latency + double(bytes) * seconds_per_byte; }
 };
 
 class HierarchicalPlanner final : public ring::Planner {
@@ -426,12 +420,22 @@ class HierarchicalPlanner final : public ring::Planner {
       case Plan::kShm:
         return std::string(bytes <= group_->small_bytes() ? core::algorithm::kShmSmall
                                                           : core::algorithm::kShm);
-      case Plan::kTwoLevel:
+      case Plan::kTwoLevel:  // else the ring's algorithm, which FlatAllReduceAlgorithm names
         return TwoLevelPays(bytes) ? std::string(core::algorithm::kTwoLevel) : "";
       case Plan::kRing:
         return "";
     }
     return "";
+  }
+
+  // Several hosts: the ring algorithm the model finds cheapest for `bytes` (or the one being
+  // measured); "" (the ring's own choice by size) until calibrated, when forced, and elsewhere.
+  std::string FlatAllReduceAlgorithm(size_t bytes) const override {
+    if (plan_ != Plan::kTwoLevel || forced_) return "";
+    std::optional<Candidate> candidate = measuring_;
+    if (!candidate && calibrated_) candidate = model_.Choose(bytes);
+    if (!candidate || *candidate == Candidate::kTwoLevel) return "";
+    return std::string(NameOf(*candidate));
   }
 
   void RunningOnRing(const core::CallTag& tag) override {
@@ -567,25 +571,19 @@ class HierarchicalPlanner final : public ring::Planner {
     };
   }
 
-  // Whether an all-reduce of `bytes` runs in two levels: always when forced or being measured
-  // so, never while the flat ring is measured, else when the model says it is cheaper.
+  // Whether an all-reduce of `bytes` runs in two levels: always when forced, when two levels are
+  // being measured, never while another candidate is or before calibration, else when the model
+  // finds them the cheapest.
   bool TwoLevelPays(size_t bytes) const {
     if (forced_) return true;
-    switch (measuring_) {
-      case Measuring::kTwoLevel:
-        return true;
-      case Measuring::kFlat:
-        return false;
-      case Measuring::kNothing:
-        break;
-    }
-    return two_level_.Seconds(bytes) <= flat_.Seconds(bytes);
+    if (measuring_) return *measuring_ == Candidate::kTwoLevel;
+    return calibrated_ && model_.Choose(bytes) == Candidate::kTwoLevel;
   }
 
-  enum class Measuring { kNothing, kTwoLevel, kFlat };
-  Measuring measuring_ = Measuring::kFlat;  // until calibrated: the flat ring
-  PlanCost two_level_;
-  PlanCost flat_;
+  // The candidate Calibrate is measuring (every all-reduce runs it), if any.
+  std::optional<Candidate> measuring_;
+  bool calibrated_ = false;  // until then: the flat ring, by its own choice per size
+  CostModel model_;
 
   const int rank_;
   const int size_;
@@ -838,17 +836,18 @@ void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_p
                std::chrono::milliseconds timeout) {
   auto* planner = dynamic_cast<HierarchicalPlanner*>(&base);
   if (planner == nullptr || planner->plan_ != Plan::kTwoLevel || planner->forced_) return;
-  // Each plan, end to end through this communicator: 8 B (latency) and 4 MiB (bandwidth), each
-  // warmed up first (buffers, connections, pages), the median of 3 rounds, the slowest rank's
-  // figure (an all-reduce of the times, so every rank holds the same numbers and decides alike).
-  // Every call ends by the set-up's deadline: a call's limit counts from its start, so each
-  // gets what is left (setting it costs well under a microsecond, within the noise of an 8 B
-  // all-reduce).
+  // Each candidate (two levels, and the flat ring's recursive doubling, halving-doubling where the
+  // world is a power of two of at least 4, and ring), end to end through this communicator at
+  // each of kCalibrationBytes, warmed up first (buffers, connections, pages), the fastest of 3
+  // rounds, the slowest rank's figure (an all-reduce of the times, so every rank holds the same
+  // numbers and decides alike). Every call ends by the set-up's deadline: a call's limit counts
+  // from its start, so each gets what is left (setting it costs well under a microsecond, within
+  // the noise of an 8 B all-reduce).
   const auto by_deadline = [&]() -> CollectiveCommunication& {
     comm.SetTimeout(Left(deadline));
     return comm;
   };
-  std::vector<float> buffer(size_t{1} << 20, 0.0f);
+  std::vector<float> buffer(kCalibrationBytes.back() / sizeof(float), 0.0f);
   const auto round = [&](size_t count, int calls) {
     const Tensor t{buffer.data(), count, DataType::kFloat32};
     by_deadline().Barrier();
@@ -856,34 +855,54 @@ void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_p
     for (int i = 0; i < calls; ++i) by_deadline().AllReduce(t, ReduceOp::kSum);
     return std::chrono::duration<double>(Clock::now() - start).count() / calls;
   };
-  const auto median_of_3 = [&](size_t count, int calls) {
-    double r[3] = {round(count, calls), round(count, calls), round(count, calls)};
-    std::sort(r, r + 3);
-    return r[1];
-  };
-  double times[4];
+  constexpr size_t kSizes = kCalibrationBytes.size();
+  constexpr int kRounds = 3;
+  std::vector<Candidate> candidates;
+  for (size_t c = 0; c < kCandidates; ++c) {
+    if (Candidate(c) != Candidate::kHalvingDoubling || ring::HalvingDoublingRunsOn(comm.size())) {
+      candidates.push_back(Candidate(c));
+    }
+  }
+  double times[kCandidates * kSizes] = {};  // 0: not measured (cannot run here)
   try {
-    for (int plan = 0; plan < 2; ++plan) {
-      planner->measuring_ = plan == 0 ? HierarchicalPlanner::Measuring::kTwoLevel
-                                      : HierarchicalPlanner::Measuring::kFlat;
+    for (const Candidate candidate : candidates) {
+      planner->measuring_ = candidate;
       round(2, 3);  // warm-up
       round(buffer.size(), 1);
-      times[2 * plan] = median_of_3(2, 10);
-      times[2 * plan + 1] = median_of_3(buffer.size(), 2);
     }
-    by_deadline().AllReduce(Tensor{times, 4, DataType::kFloat64}, ReduceOp::kMax);
+    // Round by round, every candidate in turn, so that a burst of other work on the machine
+    // slows every candidate alike; the fastest round counts (other work only adds time).
+    for (size_t i = 0; i < kSizes; ++i) {
+      const size_t bytes = kCalibrationBytes[i];
+      // More calls where one is short, so that a round outlasts the clock's and the
+      // scheduler's noise; one where it moves megabytes.
+      const int calls = bytes <= 1024 ? 10 : bytes <= (size_t{1} << 20) ? 4 : 1;
+      for (int r = 0; r < kRounds; ++r) {
+        for (const Candidate candidate : candidates) {
+          planner->measuring_ = candidate;
+          double& best = times[size_t(candidate) * kSizes + i];
+          const double t = round(bytes / sizeof(float), calls);
+          best = r == 0 ? t : std::min(best, t);
+        }
+      }
+    }
+    planner->measuring_.reset();
+    by_deadline().AllReduce(Tensor{times, kCandidates * kSizes, DataType::kFloat64},
+                            ReduceOp::kMax);
   } catch (const Error& error) {
     if (error.code() != ErrorCode::kTimeout) throw;
     throw SetupTimedOut(comm.rank(), timeout, error.message());
   }
   comm.SetTimeout(timeout);
-  const double bytes = double(buffer.size() * sizeof(float));
-  const auto fit = [&](double small, double large) {
-    return PlanCost{small, std::max(large - small, 0.0) / bytes};
-  };
-  planner->two_level_ = fit(times[0], times[1]);
-  planner->flat_ = fit(times[2], times[3]);
-  planner->measuring_ = HierarchicalPlanner::Measuring::kNothing;
+  for (size_t c = 0; c < kCandidates; ++c) {
+    if (times[c * kSizes] <= 0) continue;
+    std::vector<std::pair<size_t, double>> points;
+    for (size_t i = 0; i < kSizes; ++i) {
+      points.emplace_back(kCalibrationBytes[i], times[c * kSizes + i]);
+    }
+    planner->model_.Set(Candidate(c), CostCurve(std::move(points)));
+  }
+  planner->calibrated_ = true;
 }
 
 }  // namespace collectives::hierarchical

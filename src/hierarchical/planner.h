@@ -42,7 +42,7 @@ struct Topology {
 // stderr), and some host has two ranks or more (a rank alone on its host builds no group; one
 // rank per host runs every collective on the flat TCP ring). Throws Error(kNotSupported) when
 // options.algorithm names a plan this topology cannot run. With several hosts, the planner runs
-// all-reduces on the flat ring until Calibrate.
+// all-reduces on the flat ring, by the ring's own choice per size, until Calibrate.
 // A step of the communicator's set-up: it waits until `deadline` at most (what is left of
 // options.timeout, which bounds the set-up as a whole), and its Error(kTimeout) names
 // options.timeout.
@@ -53,11 +53,12 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              std::chrono::steady_clock::time_point deadline);
 
 // With several hosts, one of two ranks or more (and no algorithm forced): measures the cost model
-// AUTO decides all-reduces by, through `comm` (the communicator `planner` belongs to; a
-// collective call, made once right after it is built): the latency and bandwidth of each plan,
-// the two-level one and the flat ring, end to end (8 B and 4 MiB all-reduces, the slowest
-// rank's time), so that oversubscribed cores and shared links count as they will. Every rank
-// then holds the same figures and makes the same choice. A no-op for other planners.
+// AUTO decides all-reduces by (cost_model.h), through `comm` (the communicator `planner` belongs
+// to; a collective call, made once right after it is built): the time of each candidate, the
+// two-level plan and the flat ring's recursive doubling, halving-doubling (on 4, 8, ... ranks)
+// and ring, end to end at each of kCalibrationBytes (the slowest rank's time), so that the links'
+// latency and bandwidth, oversubscribed cores and shared links count as they will. Every rank
+// then holds the same figures and makes the same choice per size. A no-op for other planners.
 // The last step of the communicator's set-up: its calls end by `deadline`, their Error(kTimeout)
 // names `timeout` (the set-up's), and the calls after it run under `timeout` again.
 void Calibrate(ring::Planner& planner, CollectiveCommunication& comm,

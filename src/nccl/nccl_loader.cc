@@ -13,8 +13,10 @@ namespace {
 
 struct Loaded {
   NcclApi api;
-  bool ok = false;
-  std::string reason;  // when !ok: "NCCL is not available: ..."
+  bool cudart_ok = false;
+  bool ok = false;             // libnccl too
+  std::string cudart_reason;   // when !cudart_ok: "CUDA is not available: ..."
+  std::string reason;          // when !ok: "NCCL is not available: ..."
 };
 
 // dlopens the first of `names` that loads; null with *error listing every dlerror otherwise.
@@ -42,43 +44,55 @@ bool Resolve(void* handle, const char* library, const char* name, Fn* out, std::
   return true;
 }
 
+// libcudart first (with a visible device), then libnccl: a failure of the first is the reason
+// for both.
 Loaded Load() {
   Loaded loaded;
   NcclApi& api = loaded.api;
   std::string error;
-  auto fail = [&](const std::string& why) {
+  auto fail_cudart = [&](const std::string& why) {
+    loaded.cudart_reason = "CUDA is not available: " + why;
     loaded.reason = "NCCL is not available: " + why;
+    api = NcclApi{};
     return loaded;
   };
 
   void* cudart = OpenFirst({"libcudart.so.13", "libcudart.so.12", "libcudart.so"}, &error);
-  if (cudart == nullptr) return fail(error);
+  if (cudart == nullptr) return fail_cudart(error);
 #define COLLECTIVES_NCCL_RESOLVE_CUDART(name) \
-  if (!Resolve(cudart, "libcudart", #name, &api.name, &error)) return fail(error);
+  if (!Resolve(cudart, "libcudart", #name, &api.name, &error)) return fail_cudart(error);
   COLLECTIVES_CUDART_FUNCTIONS(COLLECTIVES_NCCL_RESOLVE_CUDART)
   COLLECTIVES_NCCL_RESOLVE_CUDART(cudaMalloc)
+  COLLECTIVES_NCCL_RESOLVE_CUDART(cudaHostAlloc)
 #undef COLLECTIVES_NCCL_RESOLVE_CUDART
+  const cudaError_t status = api.cudaGetDeviceCount(&api.device_count);
+  if (status != cudaSuccess) {
+    return fail_cudart(std::string("cudaGetDeviceCount: ") + api.cudaGetErrorString(status));
+  }
+  if (api.device_count <= 0) return fail_cudart("no CUDA device is visible");
+  loaded.cudart_ok = true;
 
+  NcclApi with_nccl = api;
+  auto fail = [&](const std::string& why) {
+    loaded.reason = "NCCL is not available: " + why;
+    return loaded;
+  };
   error.clear();  // libcudart loaded: its earlier names' failures are not the reason
   void* libnccl = OpenFirst({"libnccl.so.2", "libnccl.so"}, &error);
   if (libnccl == nullptr) return fail(error);
 #define COLLECTIVES_NCCL_RESOLVE_NCCL(name) \
-  if (!Resolve(libnccl, "libnccl", #name, &api.name, &error)) return fail(error);
+  if (!Resolve(libnccl, "libnccl", #name, &with_nccl.name, &error)) return fail(error);
   COLLECTIVES_NCCL_FUNCTIONS(COLLECTIVES_NCCL_RESOLVE_NCCL)
 #undef COLLECTIVES_NCCL_RESOLVE_NCCL
 
-  if (api.ncclGetVersion(&api.nccl_version) != ncclSuccess) {
+  if (with_nccl.ncclGetVersion(&with_nccl.nccl_version) != ncclSuccess) {
     return fail("ncclGetVersion failed");
   }
-  if (api.nccl_version < kMinNcclVersion) {
-    return fail("NCCL " + std::to_string(api.nccl_version) + " is older than " +
+  if (with_nccl.nccl_version < kMinNcclVersion) {
+    return fail("NCCL " + std::to_string(with_nccl.nccl_version) + " is older than " +
                 std::to_string(kMinNcclVersion) + " (non-blocking communicators)");
   }
-  const cudaError_t status = api.cudaGetDeviceCount(&api.device_count);
-  if (status != cudaSuccess) {
-    return fail(std::string("cudaGetDeviceCount: ") + api.cudaGetErrorString(status));
-  }
-  if (api.device_count <= 0) return fail("no CUDA device is visible");
+  api = with_nccl;
   loaded.ok = true;
   return loaded;
 }
@@ -95,6 +109,19 @@ const NcclApi* TryLoadNccl(std::string* reason) {
   if (loaded.ok) return &loaded.api;
   if (reason != nullptr) *reason = loaded.reason;
   return nullptr;
+}
+
+const NcclApi* TryLoadCudart(std::string* reason) {
+  const Loaded& loaded = Get();
+  if (loaded.cudart_ok) return &loaded.api;
+  if (reason != nullptr) *reason = loaded.cudart_reason;
+  return nullptr;
+}
+
+const NcclApi& LoadCudart() {
+  const Loaded& loaded = Get();
+  if (!loaded.cudart_ok) throw Error(ErrorCode::kNotSupported, loaded.cudart_reason);
+  return loaded.api;
 }
 
 const NcclApi& LoadNccl() {

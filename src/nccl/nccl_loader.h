@@ -1,10 +1,11 @@
 // Lazy loading of the CUDA runtime and NCCL. The library is compiled against their headers only
-// and links neither: the first NCCL communicator (or a test) dlopens libcudart and libnccl and
-// looks up the few functions below. A build with NCCL therefore still loads, and its RING
+// and links neither: the first NCCL communicator, the first CUDA tensor a RING communicator
+// stages (libcudart alone), or a test dlopens libcudart and libnccl and looks up the few
+// functions below. A build with NCCL therefore still loads, and its RING
 // communicators still run, on a machine without CUDA; asking it for NCCL there raises
 // Error(kNotSupported, "NCCL is not available: <why>").
 //
-// Thread-safety: LoadNccl and TryLoadNccl may be called from any thread; the table is built once
+// Thread-safety: the Load and TryLoad functions may be called from any thread; the table is built once
 // and never changes (the libraries are never unloaded).
 #ifndef COLLECTIVES_SRC_NCCL_NCCL_LOADER_H_
 #define COLLECTIVES_SRC_NCCL_NCCL_LOADER_H_
@@ -34,7 +35,11 @@ namespace collectives::nccl {
   X(cudaEventQuery)                     \
   X(cudaFree)                           \
   X(cudaMemcpy)                         \
-  X(cudaMemset)
+  X(cudaMemset)                         \
+  X(cudaMemcpyAsync)                    \
+  X(cudaFreeHost)                       \
+  X(cudaEventSynchronize)               \
+  X(cudaStreamWaitEvent)
 
 // The functions used from libnccl: X(name).
 #define COLLECTIVES_NCCL_FUNCTIONS(X) \
@@ -65,8 +70,9 @@ struct NcclApi {
 #undef COLLECTIVES_NCCL_DECLARE_POINTER
   // Spelled out: C++ sees cudaMalloc overloaded (a template beside the C function).
   cudaError_t (*cudaMalloc)(void** pointer, size_t bytes) = nullptr;
+  cudaError_t (*cudaHostAlloc)(void** pointer, size_t bytes, unsigned int flags) = nullptr;
   int device_count = 0;  // CUDA devices visible to this process (at least 1)
-  int nccl_version = 0;  // ncclGetVersion's code, e.g. 22805
+  int nccl_version = 0;  // ncclGetVersion's code, e.g. 22805; 0 in LoadCudart's table
 };
 
 // The oldest NCCL with non-blocking communicators and ncclCommFinalize.
@@ -81,6 +87,14 @@ const NcclApi& LoadNccl();
 // The same without throwing: the table, or null with *reason (if given) set to the message
 // LoadNccl would throw.
 const NcclApi* TryLoadNccl(std::string* reason = nullptr);
+
+// The CUDA runtime alone, for the RING implementation's staging of CUDA tensors through pinned
+// host memory (src/ring/staged.h): the table with its libcudart half filled (its NCCL pointers
+// are null unless TryLoadNccl succeeds too), or Error(kNotSupported, "CUDA is not available:
+// ...") when libcudart or one of its functions is missing or no device is visible. libnccl is
+// not needed.
+const NcclApi& LoadCudart();
+const NcclApi* TryLoadCudart(std::string* reason = nullptr);
 
 }  // namespace collectives::nccl
 

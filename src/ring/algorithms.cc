@@ -374,6 +374,37 @@ void RingAllReduce(Context& ctx, const core::Runs& message, size_t count, DataTy
   RingAllReduceOn(ctx, message, message, count, dtype, op);
 }
 
+std::vector<int> PeersAtSetUp(int rank, int size) {
+  std::vector<int> peers;
+  if (size < 2) return peers;
+  peers.push_back((rank + 1) % size);
+  peers.push_back((rank + size - 1) % size);
+  for (int mask = 1; mask < size; mask <<= 1) {
+    if ((rank ^ mask) < size) peers.push_back(rank ^ mask);
+  }
+  // Recursive doubling's fold and its virtual ranks (RecursiveDoublingAllReduce below).
+  int p2 = 1;
+  while (p2 * 2 <= size) p2 *= 2;
+  const int rem = size - p2;
+  if (rem > 0) {
+    auto real_rank = [rem](int v) { return v < rem ? 2 * v + 1 : v + rem; };
+    int virtual_rank = -1;
+    if (rank < 2 * rem) {
+      peers.push_back(rank % 2 == 0 ? rank + 1 : rank - 1);
+      if (rank % 2 == 1) virtual_rank = rank / 2;
+    } else {
+      virtual_rank = rank - rem;
+    }
+    if (virtual_rank >= 0) {
+      for (int mask = 1; mask < p2; mask <<= 1) peers.push_back(real_rank(virtual_rank ^ mask));
+    }
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  std::erase(peers, rank);
+  return peers;
+}
+
 // Recursive-doubling all-reduce.
 //
 // Let p2 be the largest power of two <= n and rem = n - p2. Fold: among ranks 0 .. 2*rem-1,

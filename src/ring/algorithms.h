@@ -28,6 +28,13 @@
 
 namespace collectives::ring {
 
+// The peers `rank` connects to when its communicator is set up, in a world of `size`: its ring
+// neighbours and its partners in recursive doubling, halving-doubling and the binomial tree
+// rooted at rank 0 (rank ^ 2^k, and the virtual ranks' partners of a world that is not a power
+// of two): at most 2 ceil(log2 size) + 3, and symmetric (a lists b iff b lists a). Every other
+// connection (all-to-all, gather and scatter, other roots, messages) is made at its first use.
+std::vector<int> PeersAtSetUp(int rank, int size);
+
 // Receives that may be posted ahead of the one being waited on, and thus the number of
 // chunk-sized staging slots.
 inline constexpr size_t kStagingSlots = 4;

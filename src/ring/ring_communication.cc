@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -24,6 +25,7 @@
 #include "src/core/internal_communication.h"
 #include "src/ring/algorithms.h"
 #include "src/ring/call_queue.h"
+#include "src/ring/staged.h"
 
 namespace collectives::ring {
 namespace {
@@ -217,8 +219,25 @@ class RingCommunication final : public core::InternalCommunication {
   // The call queue's Breaker: breaks the planner's waits and the fabric with `first`.
   void BreakTransport(const Error& first);
 
-  // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault.
-  void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
+  // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault. A CUDA
+  // tensor passes only where `staged` (the collectives that stage device memory, staged.h).
+  void CheckTensor(const char* collective, const char* name, const Tensor& t,
+                   bool staged = false) const;
+  // The staging of `t`'s device, opened at its first use (kNotSupported without CUDA), after
+  // checking that t's data is memory of that device.
+  std::shared_ptr<CudaStaging> StagingFor(const char* collective, const char* name,
+                                          const Tensor& t) const;
+  // Both of a call's tensors on one device (send off the root of a broadcast is not checked).
+  void CheckOneDevice(const char* collective, const Tensor& send, const Tensor& recv) const;
+  // The bodies of the calls on CUDA tensors: the ring's algorithms on each staged segment.
+  Prepared StagedAllReduce(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                           ReduceOp op) const;
+  Prepared StagedBroadcast(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                           int root) const;
+  Prepared StagedAllGather(const CallDescriptor& call, const Tensor& send,
+                           const Tensor& recv) const;
+  Prepared StagedReduceScatter(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                               ReduceOp op) const;
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const;
   // whole.count == size() * block.count (all-gather's recv and send, reduce-scatter's send and
   // recv).
@@ -226,9 +245,11 @@ class RingCommunication final : public core::InternalCommunication {
                                   const Tensor& whole, const char* block_name,
                                   const Tensor& block) const;
   // Both tensors valid, of one dtype.
-  void CheckSendRecv(const char* collective, const Tensor& send, const Tensor& recv) const {
-    CheckTensor(collective, "send", send);
-    CheckTensor(collective, "recv", recv);
+  void CheckSendRecv(const char* collective, const Tensor& send, const Tensor& recv,
+                     bool staged = false) const {
+    CheckTensor(collective, "send", send, staged);
+    CheckTensor(collective, "recv", recv, staged);
+    if (staged) CheckOneDevice(collective, send, recv);
     CheckSameType(collective, send, recv);
   }
 
@@ -257,6 +278,9 @@ class RingCommunication final : public core::InternalCommunication {
   // one. Used by the thread running a call.
   std::vector<uint64_t> messages_sent_;
   std::vector<uint64_t> messages_received_;
+  // The CUDA staging of each device a call has used, by device index; kept for later calls.
+  mutable std::mutex cuda_mu_;
+  mutable std::map<int, std::shared_ptr<CudaStaging>> cuda_staging_;  // guarded by cuda_mu_
 
   // Last: its destructor runs the queued calls and joins the progress thread, whose calls use
   // the members above.
@@ -413,14 +437,208 @@ void RingCommunication::Abort() {
               "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller"));
 }
 
-void RingCommunication::CheckTensor(const char* collective, const char* name,
-                                    const Tensor& t) const {
-  if (t.device.kind != Device::Kind::kCpu) {
+void RingCommunication::CheckTensor(const char* collective, const char* name, const Tensor& t,
+                                    bool staged) const {
+  if (t.device.kind == Device::Kind::kCuda && !staged) {
+    throw Error(ErrorCode::kNotSupported,
+                core::TensorPrefix(rank_, collective, name) + "is on " + t.device.ToString() +
+                    "; RING stages CUDA tensors for all_reduce, broadcast, all_gather and "
+                    "reduce_scatter only, and takes CPU tensors for the rest");
+  }
+  if (t.device.kind != Device::Kind::kCpu && t.device.kind != Device::Kind::kCuda) {
     throw Error(ErrorCode::kNotSupported, core::TensorPrefix(rank_, collective, name) + "is on " +
                                               t.device.ToString() +
-                                              "; RING takes CPU tensors only");
+                                              "; RING takes CPU and CUDA tensors only");
   }
   core::CheckTensorData(rank_, collective, name, t);
+}
+
+void RingCommunication::CheckOneDevice(const char* collective, const Tensor& send,
+                                       const Tensor& recv) const {
+  if (!(send.device == recv.device)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                core::ArgumentPrefix(rank_, collective) + "send is on " + send.device.ToString() +
+                    " and recv on " + recv.device.ToString() + "; both must be on one device");
+  }
+}
+
+std::shared_ptr<CudaStaging> RingCommunication::StagingFor(const char* collective,
+                                                           const char* name,
+                                                           const Tensor& t) const {
+  std::shared_ptr<CudaStaging> staging;
+  {
+    std::lock_guard<std::mutex> lock(cuda_mu_);
+    std::shared_ptr<CudaStaging>& slot = cuda_staging_[t.device.index];
+    if (!slot) {
+      try {
+        slot = CudaStaging::Open(t.device.index, CudaStagingBytes());
+      } catch (const Error& e) {
+        cuda_staging_.erase(t.device.index);
+        throw Error(e.code(), core::TensorPrefix(rank_, collective, name) + "is on " +
+                                  t.device.ToString() + ": " + e.message());
+      }
+    }
+    staging = slot;
+  }
+  staging->CheckDeviceMemory(core::TensorPrefix(rank_, collective, name), t);
+  return staging;
+}
+
+namespace {
+
+// Elements of one staged segment when a slot of `slot_bytes` holds `blocks` blocks of them.
+size_t SegmentCount(size_t slot_bytes, size_t blocks, DataType dtype) {
+  return std::max<size_t>(1, slot_bytes / (blocks * SizeOf(dtype)));
+}
+
+// Segments of `count` elements, `per` at a time (one, empty, when count is 0).
+size_t Segments(size_t count, size_t per) { return count == 0 ? 1 : (count + per - 1) / per; }
+
+std::string What(const Context& ctx) {
+  return "rank " + std::to_string(ctx.rank()) + ": " + ctx.tag.ToString();
+}
+
+}  // namespace
+
+RingCommunication::Prepared RingCommunication::StagedAllReduce(const CallDescriptor& call,
+                                                               const Tensor& send,
+                                                               const Tensor& recv,
+                                                               ReduceOp op) const {
+  std::shared_ptr<CudaStaging> staging = StagingFor("all_reduce", "send", send);
+  StagingFor("all_reduce", "recv", recv);
+  const size_t e = SizeOf(send.dtype);
+  const size_t per = SegmentCount(staging->slot_bytes(), 1, send.dtype);
+  const size_t count = send.count;
+  const size_t segments = Segments(count, per);
+  const Algorithm full = ChooseAllReduce(per * e);
+  const Algorithm last = ChooseAllReduce((count - (segments - 1) * per) * e);
+  auto* in = static_cast<uint8_t*>(send.data);
+  auto* out = static_cast<uint8_t*>(recv.data);
+  const DataType dtype = send.dtype;
+  return OnRing(call, [=](Context& ctx) {
+    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
+                    std::vector<CudaStaging::Copy>* copy_out) {
+      const size_t offset = k * per * e, bytes = std::min(per, count - k * per) * e;
+      copy_in->push_back({0, in + offset, bytes});
+      copy_out->push_back({0, out + offset, bytes});
+    };
+    auto work = [&](size_t k, uint8_t* slot) {
+      const size_t n = std::min(per, count - k * per);
+      switch (k + 1 == segments ? last : full) {
+        case Algorithm::kRecursiveDoubling:
+          return RecursiveDoublingAllReduce(ctx, slot, slot, n, dtype, op);
+        case Algorithm::kHalvingDoubling:
+          return HalvingDoublingAllReduce(ctx, slot, slot, n, dtype, op);
+        case Algorithm::kRing:
+          return RingAllReduce(ctx, slot, slot, n, dtype, op);
+      }
+    };
+    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
+  });
+}
+
+RingCommunication::Prepared RingCommunication::StagedBroadcast(const CallDescriptor& call,
+                                                               const Tensor& send,
+                                                               const Tensor& recv,
+                                                               int root) const {
+  std::shared_ptr<CudaStaging> staging = StagingFor("broadcast", "recv", recv);
+  if (rank_ == root) StagingFor("broadcast", "send", send);
+  const size_t e = SizeOf(recv.dtype);
+  const size_t per = SegmentCount(staging->slot_bytes(), 1, recv.dtype);
+  const size_t count = recv.count;
+  const size_t segments = Segments(count, per);
+  const bool is_root = rank_ == root;
+  auto* in = static_cast<uint8_t*>(is_root ? send.data : nullptr);
+  auto* out = static_cast<uint8_t*>(recv.data);
+  const size_t small = small_message_bytes_;
+  return OnRing(call, [=](Context& ctx) {
+    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
+                    std::vector<CudaStaging::Copy>* copy_out) {
+      const size_t offset = k * per * e, bytes = std::min(per, count - k * per) * e;
+      if (is_root) copy_in->push_back({0, in + offset, bytes});
+      copy_out->push_back({0, out + offset, bytes});
+    };
+    auto work = [&](size_t k, uint8_t* slot) {
+      const size_t bytes = std::min(per, count - k * per) * e;
+      if (bytes <= small) return SmallBroadcast(ctx, is_root ? slot : nullptr, slot, bytes, root);
+      CallAgreement agreement(ctx, is_root ? CallAgreement::Pair::kDataOut
+                                           : CallAgreement::Pair::kDataIn);
+      ChainBroadcast(ctx, is_root ? slot : nullptr, slot, bytes, root, &agreement);
+      agreement.Wait();
+    };
+    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
+  });
+}
+
+RingCommunication::Prepared RingCommunication::StagedAllGather(const CallDescriptor& call,
+                                                               const Tensor& send,
+                                                               const Tensor& recv) const {
+  std::shared_ptr<CudaStaging> staging = StagingFor("all_gather", "send", send);
+  StagingFor("all_gather", "recv", recv);
+  const size_t e = SizeOf(send.dtype);
+  const size_t n = size_t(size_);
+  // A slot holds the segment of this rank's block and that segment of every rank's.
+  const size_t per = SegmentCount(staging->slot_bytes(), n + 1, send.dtype);
+  const size_t count = send.count;
+  const size_t segments = Segments(count, per);
+  auto* in = static_cast<uint8_t*>(send.data);
+  auto* out = static_cast<uint8_t*>(recv.data);
+  const DataType dtype = send.dtype;
+  const size_t small = small_message_bytes_;
+  return OnRing(call, [=](Context& ctx) {
+    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
+                    std::vector<CudaStaging::Copy>* copy_out) {
+      const size_t m = std::min(per, count - k * per), bytes = m * e;
+      copy_in->push_back({0, in + k * per * e, bytes});
+      for (size_t r = 0; r < n; ++r) {
+        copy_out->push_back({bytes + r * bytes, out + (r * count + k * per) * e, bytes});
+      }
+    };
+    auto work = [&](size_t k, uint8_t* slot) {
+      const size_t m = std::min(per, count - k * per), bytes = m * e;
+      if (n * bytes <= small) return SmallAllGather(ctx, slot, slot + bytes, bytes);
+      CallAgreement agreement(ctx, CallAgreement::Pair::kDataBothWays);
+      RingAllGather(ctx, slot, slot + bytes, m, dtype, &agreement);
+      agreement.Wait();
+    };
+    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
+  });
+}
+
+RingCommunication::Prepared RingCommunication::StagedReduceScatter(const CallDescriptor& call,
+                                                                   const Tensor& send,
+                                                                   const Tensor& recv,
+                                                                   ReduceOp op) const {
+  std::shared_ptr<CudaStaging> staging = StagingFor("reduce_scatter", "send", send);
+  StagingFor("reduce_scatter", "recv", recv);
+  const size_t e = SizeOf(recv.dtype);
+  const size_t n = size_t(size_);
+  // A slot holds the segment of every rank's block of send and that segment of recv.
+  const size_t per = SegmentCount(staging->slot_bytes(), n + 1, recv.dtype);
+  const size_t count = recv.count;
+  const size_t segments = Segments(count, per);
+  auto* in = static_cast<uint8_t*>(send.data);
+  auto* out = static_cast<uint8_t*>(recv.data);
+  const DataType dtype = recv.dtype;
+  const size_t small = small_message_bytes_;
+  return OnRing(call, [=](Context& ctx) {
+    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
+                    std::vector<CudaStaging::Copy>* copy_out) {
+      const size_t m = std::min(per, count - k * per), bytes = m * e;
+      for (size_t r = 0; r < n; ++r) {
+        copy_in->push_back({r * bytes, in + (r * count + k * per) * e, bytes});
+      }
+      copy_out->push_back({n * bytes, out + k * per * e, bytes});
+    };
+    auto work = [&](size_t k, uint8_t* slot) {
+      const size_t m = std::min(per, count - k * per), bytes = m * e;
+      if (n * bytes <= small) {
+        return SmallReduceScatter(ctx, slot, slot + n * bytes, m, dtype, op);
+      }
+      RingReduceScatter(ctx, slot, slot + n * bytes, m, dtype, op);
+    };
+    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
+  });
 }
 
 void RingCommunication::CheckSameType(const char* collective, const Tensor& send,
@@ -456,7 +674,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                                                                 const Tensor& recv, ReduceOp op,
                                                                 ReduceOp checked_as) const {
   constexpr const char* kName = "all_reduce";
-  CheckSendRecv(kName, send, recv);
+  CheckSendRecv(kName, send, recv, /*staged=*/true);
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
   if (send.count != recv.count) {
@@ -468,6 +686,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
   core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
                           "recv.data");
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, checked_as, 0, send.count};
+  if (send.device.kind == Device::Kind::kCuda) return StagedAllReduce(call, send, recv, op);
   if (planner_) {
     if (Body body = planner_->AllReduce(send, recv, op)) return Prepared{call, std::move(body)};
   }
@@ -599,9 +818,10 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
                 "rank " + std::to_string(rank_) + ": broadcast: root " + std::to_string(root) +
                     " is not a rank of this communicator (size " + std::to_string(size_) + ")");
   }
-  CheckTensor(kName, "recv", recv);
+  CheckTensor(kName, "recv", recv, /*staged=*/true);
   if (rank_ == root) {
-    CheckTensor(kName, "send", send);
+    CheckTensor(kName, "send", send, /*staged=*/true);
+    CheckOneDevice(kName, send, recv);
     CheckSameType(kName, send, recv);
     if (send.count != recv.count) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -614,6 +834,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
   }
   const CallDescriptor call{CollectiveKind::kBroadcast, recv.dtype, ReduceOp::kSum, root,
                             recv.count};
+  if (recv.device.kind == Device::Kind::kCuda) return StagedBroadcast(call, send, recv, root);
   const bool small = recv.bytes() <= small_message_bytes_;
   const void* source = rank_ == root ? send.data : nullptr;
   if (planner_) {
@@ -633,13 +854,14 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
 RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& send,
                                                                 const Tensor& recv) const {
   constexpr const char* kName = "all_gather";
-  CheckSendRecv(kName, send, recv);
+  CheckSendRecv(kName, send, recv, /*staged=*/true);
   CheckWholeIsSizeTimesBlock(kName, "recv", recv, "send", send);
   core::CheckBuffersApart(rank_, kName, send, recv,
                           reinterpret_cast<uintptr_t>(recv.data) + size_t(rank_) * send.bytes(),
                           "recv.data + rank * send.count elements");
   const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
                             send.count};
+  if (send.device.kind == Device::Kind::kCuda) return StagedAllGather(call, send, recv);
   if (planner_) {
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
@@ -656,13 +878,14 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
                                                                     const Tensor& recv,
                                                                     ReduceOp op) const {
   constexpr const char* kName = "reduce_scatter";
-  CheckSendRecv(kName, send, recv);
+  CheckSendRecv(kName, send, recv, /*staged=*/true);
   CheckOp(rank_, kName, op);
   CheckWholeIsSizeTimesBlock(kName, "send", send, "recv", recv);
   core::CheckBuffersApart(rank_, kName, send, recv,
                           reinterpret_cast<uintptr_t>(recv.data) - size_t(rank_) * recv.bytes(),
                           "recv.data - rank * recv.count elements");
   const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
+  if (send.device.kind == Device::Kind::kCuda) return StagedReduceScatter(call, send, recv, op);
   if (planner_) {
     if (Body body = planner_->ReduceScatter(send, recv, op)) {
       return Prepared{call, std::move(body)};
@@ -890,6 +1113,14 @@ RingCommunication::Algorithm RingCommunication::ChooseAllReduce(size_t bytes) co
     return Algorithm::kHalvingDoubling;  // CheckRingAlgorithm
   }
   const bool power_of_two = HalvingDoublingRunsOn(size_);
+  if (planner_) {  // AUTO across hosts: its cost model's choice
+    const std::string planned = planner_->FlatAllReduceAlgorithm(bytes);
+    if (planned == core::algorithm::kRecursiveDoubling) return Algorithm::kRecursiveDoubling;
+    if (planned == core::algorithm::kRing) return Algorithm::kRing;
+    if (planned == core::algorithm::kHalvingDoubling && power_of_two) {
+      return Algorithm::kHalvingDoubling;
+    }
+  }
   // Latency-bound sizes: recursive doubling. Medium sizes on a power-of-two world of at least
   // 4: halving-doubling, the ring's bytes in fewer steps. Else the ring.
   if (bytes <= small_message_bytes_) return Algorithm::kRecursiveDoubling;

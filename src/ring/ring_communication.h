@@ -77,6 +77,13 @@ class Planner {
   // them waiting there during a call of the same number and another descriptor raises kMismatch
   // rather than waiting for this rank until its deadline.
   virtual void RunningOnRing(const core::CallTag& tag) { (void)tag; }
+  // For an all-reduce of `bytes` the planner leaves to the ring (an empty body): the ring
+  // algorithm to run (a name of CommunicationOptions::algorithm the world can run), "" for the
+  // ring's own choice by size. Not consulted where CommunicationOptions::algorithm forces one.
+  virtual std::string FlatAllReduceAlgorithm(size_t bytes) const {
+    (void)bytes;
+    return "";
+  }
   // The name of the planner's algorithm for an all-reduce of `bytes`, "" when it leaves it to
   // the ring.
   virtual std::string AllReduceAlgorithm(size_t bytes) const = 0;

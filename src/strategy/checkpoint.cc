@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "collectives/errors.h"
+#include "collectives/evaluator.h"
 #include "collectives/strategy.h"
 #include "src/core/environment.h"
 #include "src/core/files.h"
@@ -75,6 +76,7 @@ static_assert(std::endian::native == std::endian::little,
 constexpr char kMagic[8] = {'C', 'O', 'L', 'L', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr char kFileName[] = "checkpoint";
+constexpr char kFinalMarkName[] = "checkpoint.final";
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8;  // magic, version, reserved, file_bytes
 constexpr size_t kChecksumBytes = 4;
 
@@ -458,6 +460,37 @@ void RemoveStaleTemporaries(const std::string& directory, const std::string& pre
   }
 }
 
+// Removes this host's stale temporaries of `prefix` from `directory`, then writes `bytes` to a
+// new temporary of that prefix there (O_EXCL; fsynced with `sync`). Returns its path. A
+// temporary that cannot be written whole is deleted.
+std::string WriteTemporary(const std::string& who, const std::string& directory,
+                           const std::string& prefix, const std::vector<unsigned char>& bytes,
+                           bool sync) {
+  RemoveStaleTemporaries(directory, prefix);
+  for (int attempt = 1;; ++attempt) {
+    const std::string temp = directory + "/" + TemporaryName(prefix);
+    try {
+      if (WriteFile(who, temp, bytes, sync, /*exclusive=*/true) == 0) return temp;
+    } catch (...) {
+      ::unlink(temp.c_str());  // a partial file would only fill the disk further
+      throw;
+    }
+    if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
+  }
+}
+
+// Renames the (fsynced) temporary `temp` over `path` in `directory` and fsyncs the directory:
+// a crash leaves the old file or the new one. On failure the temporary is deleted.
+void RenameIntoPlace(const std::string& who, const std::string& directory,
+                     const std::string& temp, const std::string& path) {
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    ThrowSystem(who, "cannot rename " + temp + " to", path, error);
+  }
+  SyncDirectory(who, directory);
+}
+
 std::string ShapeText(const std::vector<size_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -637,27 +670,11 @@ void SaveCheckpoint(Strategy& strategy, const Optimizer* optimizer, const std::s
     // saving into the same directory); the chief's becomes the checkpoint, the others' go.
     const bool chief = strategy.IsChief();
     const std::string prefix = TemporaryPrefix(chief ? -1 : strategy.worker_index());
-    RemoveStaleTemporaries(directory, prefix);
-    std::string temp;
-    for (int attempt = 1;; ++attempt) {
-      temp = directory + "/" + TemporaryName(prefix);
-      try {
-        if (WriteFile(who, temp, bytes, /*sync=*/chief, /*exclusive=*/true) == 0) break;
-      } catch (...) {
-        ::unlink(temp.c_str());  // a partial file would only fill the disk further
-        throw;
-      }
-      if (attempt == 8) ThrowSystem(who, "cannot create", temp, EEXIST);  // not ours: kept
-    }
+    const std::string temp = WriteTemporary(who, directory, prefix, bytes, /*sync=*/chief);
     if (!chief) {
       if (::unlink(temp.c_str()) != 0) ThrowSystem(who, "cannot delete", temp, errno);
     } else {
-      if (::rename(temp.c_str(), PathOf(directory).c_str()) != 0) {
-        const int error = errno;
-        ::unlink(temp.c_str());
-        ThrowSystem(who, "cannot rename " + temp + " to", PathOf(directory), error);
-      }
-      SyncDirectory(who, directory);
+      RenameIntoPlace(who, directory, temp, PathOf(directory));
     }
   } catch (...) {
     failure = std::current_exception();
@@ -747,6 +764,124 @@ std::optional<TrainingState> RestoreCheckpoint(Strategy& strategy, Optimizer* op
     throw;
   }
   return contents->state;
+}
+
+// ---- Checkpoint files without a strategy ---------------------------------------------------
+
+const CheckpointData::Tensor* CheckpointData::FindVariable(const std::string& name) const {
+  for (const Tensor& t : variables) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+std::optional<CheckpointData> ReadCheckpointFile(const std::string& directory) {
+  const std::string path = PathOf(directory);
+  std::optional<std::vector<unsigned char>> bytes = ReadFile("", path);
+  if (!bytes) return std::nullopt;
+  Contents c = Parse(*bytes, path);
+  CheckpointData data;
+  data.state = c.state;
+  data.optimizer = std::move(c.optimizer);
+  data.iterations = c.iterations;
+  for (Entry& e : c.entries) {
+    CheckpointData::Tensor t{std::move(e.name), std::move(e.shape), std::move(e.values)};
+    (e.kind == Entry::kVariable ? data.variables : data.slots).push_back(std::move(t));
+  }
+  return data;
+}
+
+void WriteCheckpointFile(const std::string& directory, const CheckpointData& data) {
+  const auto refuse = [&](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "WriteCheckpointFile to " + directory + ": " + why + "; nothing written");
+  };
+  if (data.state.epoch < 0 || data.state.step < 0 || data.iterations < 0) {
+    refuse("negative epoch, step or iterations (" + std::to_string(data.state.epoch) + ", " +
+           std::to_string(data.state.step) + ", " + std::to_string(data.iterations) + ")");
+  }
+  Contents c;
+  c.state = data.state;
+  c.optimizer = data.optimizer;
+  c.iterations = data.iterations;
+  for (const auto* list : {&data.variables, &data.slots}) {
+    const Entry::Kind kind = list == &data.variables ? Entry::kVariable : Entry::kSlot;
+    for (const CheckpointData::Tensor& t : *list) {
+      size_t product = 1;
+      bool overflow = false;
+      for (size_t d : t.shape) {
+        overflow = overflow || (d != 0 && product > std::numeric_limits<size_t>::max() / d);
+        product *= d;
+      }
+      if (overflow || product != t.values.size()) {
+        refuse(std::string(kind == Entry::kVariable ? "variable" : "slot") + " '" + t.name +
+               "' has " + std::to_string(t.values.size()) + " values for shape " +
+               ShapeText(t.shape));
+      }
+      c.entries.push_back(Entry{kind, t.name, t.shape, t.values});
+    }
+  }
+  const std::vector<unsigned char> bytes = Serialize(c);
+  CreateDirectory("", directory);
+  const std::string temp = WriteTemporary("", directory, TemporaryPrefix(-1), bytes, /*sync=*/true);
+  RenameIntoPlace("", directory, temp, PathOf(directory));
+}
+
+// ---- The final mark ------------------------------------------------------------------------
+//
+// `<directory>/checkpoint.final` is one line of text, "step <iterations> epoch <e> epoch_step
+// <s>\n", naming the checkpoint that ends the training; written as checkpoints are.
+
+void MarkFinalCheckpoint(const std::string& directory, const FinalCheckpointMark& mark) {
+  if (mark.iterations < 0 || mark.state.epoch < 0 || mark.state.step < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "MarkFinalCheckpoint: negative step, epoch or epoch step (" +
+                    std::to_string(mark.iterations) + ", " + std::to_string(mark.state.epoch) +
+                    ", " + std::to_string(mark.state.step) + ")");
+  }
+  const std::string line = "step " + std::to_string(mark.iterations) + " epoch " +
+                           std::to_string(mark.state.epoch) + " epoch_step " +
+                           std::to_string(mark.state.step) + "\n";
+  const std::vector<unsigned char> bytes(line.begin(), line.end());
+  CreateDirectory("", directory);
+  const std::string prefix = std::string(kFinalMarkName) + ".tmp-" + core::HostName() + "-";
+  const std::string temp = WriteTemporary("", directory, prefix, bytes, /*sync=*/true);
+  RenameIntoPlace("", directory, temp, directory + "/" + kFinalMarkName);
+}
+
+std::optional<FinalCheckpointMark> ReadFinalCheckpointMark(const std::string& directory) {
+  const std::string path = directory + "/" + kFinalMarkName;
+  std::optional<std::vector<unsigned char>> bytes = ReadFile("", path);
+  if (!bytes) return std::nullopt;
+  const std::string text(bytes->begin(), bytes->end());
+  long long step = -1, epoch = -1, epoch_step = -1;
+  int consumed = 0;
+  if (text.size() > 200 ||
+      std::sscanf(text.c_str(), "step %lld epoch %lld epoch_step %lld\n%n", &step, &epoch,
+                  &epoch_step, &consumed) != 3 ||
+      static_cast<size_t>(consumed) != text.size() || step < 0 || epoch < 0 || epoch_step < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "final checkpoint mark " + path +
+                    " is not one line \"step <n> epoch <n> epoch_step <n>\"");
+  }
+  return FinalCheckpointMark{{.epoch = epoch, .step = epoch_step}, step};
+}
+
+void AssignVariables(Strategy& strategy, const CheckpointData& data) {
+  strategy.impl().CheckCrossReplica("AssignVariables");
+  Contents c;
+  for (const CheckpointData::Tensor& t : data.variables) {
+    size_t product = 1;
+    for (size_t d : t.shape) product *= d;
+    if (product != t.values.size()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "AssignVariables: variable '" + t.name + "' has " +
+                      std::to_string(t.values.size()) + " values for shape " + ShapeText(t.shape));
+    }
+    c.entries.push_back(Entry{Entry::kVariable, t.name, t.shape, t.values});
+  }
+  const Plan plan = Check(strategy, nullptr, c, "data (step " + std::to_string(data.iterations) + ")");
+  Commit(nullptr, c, plan);
 }
 
 // ---- BackupAndRestore ----------------------------------------------------------------------

@@ -60,7 +60,8 @@ uint64_t TcpConnection::Send(const SendOp& op) {
 }
 
 void TcpConnection::StartWrite() {
-  while (!write_in_flight_ && !write_failed_ && !sends_.empty() && !fabric_->broken()) {
+  while (!pending_ && !write_in_flight_ && !write_failed_ && !sends_.empty() &&
+         !fabric_->broken()) {
     size_t frames = std::min(sends_.size(), kMaxBatch);
     size_t n = 0;
     for (size_t k = 0; k < frames; ++k) {
@@ -229,7 +230,7 @@ void TcpConnection::OnWrite(const asio::error_code& ec, size_t bytes) {
 
 void TcpConnection::StartAbortWrite(const asio::const_buffer& header,
                                     const asio::const_buffer& payload) {
-  if (closed_ || peer_closed_) {
+  if (closed_ || peer_closed_ || pending_) {
     abort_write_ = AbortWrite::kDone;
     return;
   }
@@ -255,6 +256,11 @@ void TcpConnection::Close() {
   closed_ = true;
   write_failure_timer_.cancel();
   asio::error_code ec;
+  if (pending_) {
+    socket_.close(ec);
+    return;
+  }
+  fabric_->CountClosed();
   // Closing a socket with unread bytes makes the kernel send a reset, which discards what this
   // side has queued but not sent yet (such as the abort frame). Discard what has arrived first
   // (bounded: this is a shutdown, not the data path).
@@ -267,6 +273,15 @@ void TcpConnection::Close() {
   }
   socket_.shutdown(tcp::socket::shutdown_both, ec);
   socket_.close(ec);
+}
+
+void TcpConnection::Attach(tcp::socket socket) {
+  socket_ = std::move(socket);
+  pending_ = false;
+  fabric_->CountOpened();
+  read_state_ = ReadState::kIdle;
+  ArmHeaderRead();
+  StartWrite();
 }
 
 }  // namespace collectives::transport

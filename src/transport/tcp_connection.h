@@ -116,6 +116,10 @@ class TcpConnection final : public Connection {
         peer_(peer),
         socket_(std::move(socket)),
         write_failure_timer_(socket_.get_executor()) {}
+  // A connection made on demand, before its socket is there (Attach): sends and receives queue
+  // meanwhile; nothing is written or read.
+  TcpConnection(TcpFabric* fabric, int peer, asio::io_context& io)
+      : fabric_(fabric), peer_(peer), socket_(io), write_failure_timer_(io), pending_(true) {}
 
   int peer() const override { return peer_; }
   uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
@@ -255,6 +259,9 @@ class TcpConnection final : public Connection {
   // Drops what has arrived (bounded), then shuts the socket down and closes it. The fabric
   // calls it at its shutdown and in its destructor.
   void Close();
+  // Gives a pending connection its socket (connected, handshake done, on the fabric's
+  // io_context): starts the queued writes and the header reads.
+  void Attach(tcp::socket socket);
 
   TcpFabric* const fabric_;
   const int peer_;
@@ -268,6 +275,8 @@ class TcpConnection final : public Connection {
   std::string write_failure_;
   std::optional<core::CallTag> write_failure_tag_;
   asio::steady_timer write_failure_timer_;
+  // Made on demand and still without its socket (see Attach).
+  bool pending_ = false;
 
   OpQueue<SendOp> sends_;  // posted, not completed; the first batch_frames_ are being written
   uint64_t sends_posted_ = 0;

@@ -12,21 +12,26 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <asio.hpp>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "src/cluster/store_common.h"
 #include "src/transport/fabric_errors.h"
 #include "src/transport/frame.h"
 #include "src/transport/handshake.h"
+#include "src/transport/socket_buffers.h"
 #include "src/transport/tcp_connection.h"
 #include "src/transport/tcp_fabric_impl.h"
 #include "src/transport/tcp_mesh.h"
@@ -48,6 +53,15 @@ constexpr std::chrono::milliseconds kLingerBudget{200};
 // two budgets and time for the driving thread to reach its next wait.
 constexpr std::chrono::milliseconds kAbortWaitLimit =
     kAbortBudget + kLingerBudget + std::chrono::milliseconds(700);
+// What the fabric's listener gives one handshake, as the set-up's does (tcp_mesh.cc).
+constexpr std::chrono::seconds kServerHandshakeLimit{10};
+// A connection on demand whose handshake the peer closed without a verdict (its set-up, still
+// running, cancelled it while handing its listener to its fabric) is tried again this often.
+constexpr int kConnectAttempts = 4;
+// A failed accept (out of descriptors, say) is tried again after this long.
+constexpr std::chrono::milliseconds kAcceptRetry{10};
+
+std::atomic<int> g_connections_open{0};
 
 }  // namespace
 
@@ -93,11 +107,38 @@ bool TcpConnection::TestRecv(uint64_t ticket) {
 
 // ---- TcpFabric. ----
 
-TcpFabric::TcpFabric(int rank, int size, std::vector<std::optional<tcp::socket>>& sockets_in_setup)
-    : work_(asio::make_work_guard(io_)), rank_(rank), size_(size) {
+int TcpConnectionsOpen() { return g_connections_open.load(); }
+
+void TcpFabric::CountOpened() { g_connections_open.fetch_add(1); }
+void TcpFabric::CountClosed() { g_connections_open.fetch_sub(1); }
+
+TcpFabric::TcpFabric(int rank, int size, std::vector<std::optional<tcp::socket>>& sockets_in_setup,
+                     std::unique_ptr<OnDemandSetup> on_demand)
+    : work_(asio::make_work_guard(io_)),
+      rank_(rank),
+      size_(size),
+      on_demand_(std::move(on_demand)) {
   connections_.resize(size);
+  if (on_demand_) {
+    connecting_.resize(size);
+    asio::error_code ec;
+    acceptor_.emplace(io_);
+    acceptor_->assign(on_demand_->protocol, on_demand_->listener, ec);
+    if (ec) {
+      ::close(on_demand_->listener);
+      throw Error(ErrorCode::kSystem,
+                  "rank " + std::to_string(rank) +
+                      ": cannot keep the listener for connections on demand: " + ec.message());
+    }
+    // Rank 0 connects to every peer itself: its listener has nothing more to accept.
+    if (rank > 0) {
+      AcceptNext();
+    } else {
+      acceptor_->close(ec);
+    }
+  }
   for (int peer = 0; peer < size; ++peer) {
-    if (peer == rank) continue;
+    if (peer == rank || !sockets_in_setup[peer]) continue;
     tcp::socket& setup_socket = *sockets_in_setup[peer];
     asio::error_code ec;
     const auto local = setup_socket.local_endpoint(ec);
@@ -111,6 +152,7 @@ TcpFabric::TcpFabric(int rank, int size, std::vector<std::optional<tcp::socket>>
                                           std::to_string(peer) + " non-blocking: " + ec.message());
     }
     connections_[peer] = std::make_unique<TcpConnection>(this, peer, std::move(socket));
+    CountOpened();
   }
   for (auto& connection : connections_) {
     if (connection) connection->ArmHeaderRead();
@@ -122,6 +164,7 @@ TcpFabric::~TcpFabric() {
   if (broken()) {
     RunShutdown();
   } else {
+    StopOnDemand();
     for (auto& connection : connections_) {
       if (connection) connection->Close();
     }
@@ -138,7 +181,212 @@ Connection& TcpFabric::connection(int peer) {
                                                  ": no connection to rank " + std::to_string(peer) +
                                                  " in a fabric of " + std::to_string(size_));
   }
-  return *connections_[peer];
+  // Only the driving thread makes connections, so it may read its own writes unlocked.
+  if (connections_[peer]) return *connections_[peer];
+  std::lock_guard<std::mutex> lock(drive_mu_);
+  return Open(peer);
+}
+
+TcpConnection& TcpFabric::Open(int peer) {
+  auto& slot = connections_[peer];
+  if (slot) return *slot;
+  if (!on_demand_) {
+    throw Error(ErrorCode::kInternal, "rank " + std::to_string(rank_) + ": no connection to rank " +
+                                          std::to_string(peer));
+  }
+  slot = std::make_unique<TcpConnection>(this, peer, io_);
+  if (peer > rank_ && !broken()) StartConnect(peer, 1);
+  return *slot;
+}
+
+void TcpFabric::Unreachable(int peer, ErrorCode code, const std::string& why) {
+  TcpConnection& connection = *connections_[peer];
+  if (code == ErrorCode::kTimeout || code == ErrorCode::kUnauthenticated ||
+      code == ErrorCode::kSystem) {
+    BreakLocal(Error(code, "rank " + std::to_string(rank_) + ": cannot connect to rank " +
+                               std::to_string(peer) + ": " + why));
+    return;
+  }
+  // Like a connection that closes: the peer's listener lives as long as its communicator. As
+  // for a write to a peer that closed (kWriteFailureGrace), the peer may have broken on an error
+  // of its own, whose abort frame is on its way over another connection: within the grace that
+  // frame decides, after it the lost peer does.
+  auto timer = std::make_unique<asio::steady_timer>(io_, kWriteFailureGrace);
+  timer->async_wait([this, peer, why, &connection](const asio::error_code& ec) {
+    if (ec || broken()) return;
+    const core::CallTag* what = nullptr;
+    bool sending = true;
+    if (!connection.sends_.empty()) {
+      what = &connection.sends_.front().tag;
+    } else if (!connection.recvs_.empty()) {
+      what = &connection.recvs_.front().tag;
+      sending = false;
+    }
+    BreakLocal(PeerLostError(rank_, peer, "cannot connect to it: " + why, what, sending));
+  });
+  timers_.push_back(std::move(timer));
+}
+
+void TcpFabric::StartConnect(int peer, int attempt) {
+  cluster::HostPort& address = on_demand_->addresses[size_t(peer)];
+  const auto limit = std::min(deadline_, Clock::now() + on_demand_->timeout);
+  if (address.host.empty()) {
+    // Published before the peer's set-up ended, so before any call of the peer's: a Get that
+    // waits is a store that does not answer, bounded by the call's deadline.
+    const std::string key = on_demand_->key_prefix + "/addr/" + std::to_string(peer);
+    std::string value;
+    try {
+      value = on_demand_->store->Get(
+          key, std::max(std::chrono::duration_cast<std::chrono::milliseconds>(limit - Clock::now()),
+                        std::chrono::milliseconds(1)));
+    } catch (const Error& error) {
+      return Unreachable(peer, ErrorCode::kTimeout,
+                         "reading its address from the store: " + error.message());
+    }
+    std::string why;
+    auto parsed = cluster::ParseHostPort(value, &why);
+    if (!parsed) {
+      return Unreachable(peer, ErrorCode::kSystem,
+                         "it published a malformed address under '" + key + "': " + why);
+    }
+    address = *parsed;
+  }
+  asio::error_code ec;
+  const auto numeric = asio::ip::make_address(address.host, ec);
+  if (!ec) return ConnectTo(peer, tcp::endpoint(numeric, address.port), attempt);
+  const auto results = cluster::LookUpBy(address.host, limit);
+  if (!results || results->empty()) {
+    return Unreachable(peer, ErrorCode::kTimeout, "cannot resolve " + address.host);
+  }
+  ConnectTo(peer, tcp::endpoint(results->begin()->endpoint().address(), address.port), attempt);
+}
+
+void TcpFabric::ConnectTo(int peer, const tcp::endpoint& endpoint, int attempt) {
+  const std::string where =
+      cluster::FormatHostPort(endpoint.address().to_string(), endpoint.port());
+  // Close-on-exec, as the set-up's (tcp_mesh.cc): a child must not hold the connection open.
+  const int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+  if (fd < 0)
+    return Unreachable(peer, ErrorCode::kSystem, std::string("socket: ") + std::strerror(errno));
+  auto socket = std::make_shared<tcp::socket>(io_);
+  asio::error_code ec;
+  socket->assign(endpoint.protocol(), fd, ec);
+  if (ec) {
+    ::close(fd);
+    return Unreachable(peer, ErrorCode::kSystem, "socket: " + ec.message());
+  }
+  connecting_[size_t(peer)] = socket;
+  socket->async_connect(endpoint, [this, peer, socket, endpoint, where,
+                                   attempt](const asio::error_code& error) {
+    connecting_[size_t(peer)].reset();
+    if (error == asio::error::operation_aborted || broken()) return;
+    if (error)
+      return Unreachable(peer, ErrorCode::kPeerLost,
+                         "connect to " + where + ": " + error.message());
+    asio::error_code ignored;
+    socket->set_option(tcp::no_delay(true), ignored);
+    const auto limit = std::min(deadline_, Clock::now() + on_demand_->timeout);
+    handshakes_.push_back(HandshakeSession::StartClient(
+        std::move(*socket), on_demand_->config, peer, limit,
+        [this, peer, endpoint, where, attempt](const HandshakeResult& result,
+                                               tcp::socket connected) {
+          if (result.code == ErrorCode::kAborted || broken()) return;
+          if (result.ok) {
+            SetDataSocketBuffers(connected, ConfiguredReceiveBuffer(size_),
+                                 SendBufferBytes(std::getenv("COLLECTIVES_SOCKET_SNDBUF")));
+            asio::error_code nb;
+            connected.non_blocking(true, nb);
+            connections_[size_t(peer)]->Attach(std::move(connected));
+            resume_reads_ = true;
+            return;
+          }
+          if (result.code == ErrorCode::kPeerLost && attempt < kConnectAttempts) {
+            auto timer =
+                std::make_unique<asio::steady_timer>(io_, std::chrono::milliseconds(5 << attempt));
+            timer->async_wait([this, peer, endpoint, attempt](const asio::error_code& timer_ec) {
+              if (!timer_ec && !broken()) ConnectTo(peer, endpoint, attempt + 1);
+            });
+            timers_.push_back(std::move(timer));
+            return;
+          }
+          Unreachable(peer, result.code, "handshake with " + where + " failed: " + result.why);
+        }));
+  });
+}
+
+void TcpFabric::AcceptNext() {
+  acceptor_->async_accept([this](const asio::error_code& ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor_ || !acceptor_->is_open()) return;
+    if (ec) {
+      // Out of descriptors, or a connection reset in the backlog: try again shortly.
+      accept_error_ = ec.message();
+      accept_retry_.expires_after(kAcceptRetry);
+      accept_retry_.async_wait([this](const asio::error_code& timer_ec) {
+        if (!timer_ec && acceptor_ && acceptor_->is_open()) AcceptNext();
+      });
+      return;
+    }
+    cluster::SetCloseOnExec(socket.native_handle());
+    asio::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    // Strangers cannot hold the listener: past a bound, the oldest handshake whose client has
+    // not proved the token is closed (as in the set-up, tcp_mesh.h).
+    std::erase_if(server_handshakes_, [](const std::weak_ptr<HandshakeSession>& weak) {
+      const auto session = weak.lock();
+      return !session || session->finished();
+    });
+    if (server_handshakes_.size() >= 2 * size_t(rank_) + 16) {
+      for (auto it = server_handshakes_.begin(); it != server_handshakes_.end(); ++it) {
+        const auto session = it->lock();
+        if (session && !session->proven()) {
+          session->Cancel();
+          server_handshakes_.erase(it);
+          break;
+        }
+      }
+    }
+    std::erase_if(handshakes_,
+                  [](const std::weak_ptr<HandshakeSession>& weak) { return weak.expired(); });
+    auto accept_rank = [this](int client) {
+      return client >= 0 && client < rank_ &&
+             (!connections_[size_t(client)] || connections_[size_t(client)]->pending_);
+    };
+    auto session = HandshakeSession::StartServer(
+        std::move(socket), on_demand_->config, accept_rank, Clock::now() + kServerHandshakeLimit,
+        [this](const HandshakeResult& result, tcp::socket admitted) {
+          if (result.code == ErrorCode::kAborted || broken()) return;
+          if (!result.ok) {
+            refusal_log_.Write("rank " + std::to_string(rank_) + " refused a connection from " +
+                               result.remote + ": " + result.why);
+            return;
+          }
+          TcpConnection& connection = Open(result.peer_rank);
+          if (!connection.pending_) return;  // a second one claiming the rank: dropped
+          SetDataSocketBuffers(admitted, ConfiguredReceiveBuffer(size_),
+                               SendBufferBytes(std::getenv("COLLECTIVES_SOCKET_SNDBUF")));
+          asio::error_code nb;
+          admitted.non_blocking(true, nb);
+          connection.Attach(std::move(admitted));
+          resume_reads_ = true;
+        });
+    server_handshakes_.push_back(session);
+    handshakes_.push_back(std::move(session));
+    AcceptNext();
+  });
+}
+
+void TcpFabric::StopOnDemand() {
+  if (!on_demand_) return;
+  asio::error_code ec;
+  if (acceptor_) acceptor_->close(ec);
+  for (auto& weak : handshakes_) {
+    if (auto session = weak.lock()) session->Cancel();
+  }
+  for (auto& socket : connecting_) {
+    if (socket) socket->close(ec);
+  }
+  for (auto& timer : timers_) timer->cancel();
+  accept_retry_.cancel();
 }
 
 void TcpFabric::SetDeadline(Clock::time_point deadline) {
@@ -216,6 +464,7 @@ void TcpFabric::RunShutdown() {
       fabric->shutdown_cv_.notify_all();
     }
   } finished{this};
+  StopOnDemand();
   std::optional<AbortPayload> payload;
   int skip = -1;
   {
@@ -257,7 +506,9 @@ void TcpFabric::RunShutdown() {
 void TcpFabric::Linger() {
   std::vector<pollfd> open;
   for (auto& connection : connections_) {
-    if (!connection || connection->closed_ || connection->peer_closed_) continue;
+    if (!connection || connection->closed_ || connection->peer_closed_ || connection->pending_) {
+      continue;
+    }
     asio::error_code ec;
     // Not in the middle of a frame: a cut frame would be a malformed stream to the peer.
     if (connection->abort_write_ != TcpConnection::AbortWrite::kPending &&
@@ -374,8 +625,20 @@ std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
   if (size == 1) {
     return std::make_unique<TcpFabric>(rank, size, none);
   }
+  if (options.on_demand && !options.address_store) {
+    throw Error(ErrorCode::kInvalidArgument, "connections on demand need an address store");
+  }
   MeshBuilder builder(rank, size, options);
-  return std::make_unique<TcpFabric>(rank, size, builder.Build(store));
+  auto& sockets = builder.Build(store);
+  if (!options.on_demand) return std::make_unique<TcpFabric>(rank, size, sockets);
+  auto on_demand = std::make_unique<OnDemandSetup>();
+  on_demand->listener = builder.ReleaseListener(&on_demand->protocol);
+  on_demand->addresses = builder.addresses();
+  on_demand->store = options.address_store;
+  on_demand->key_prefix = options.key_prefix;
+  on_demand->config = builder.handshake_config();
+  on_demand->timeout = cluster::ClampTimeout(options.timeout);
+  return std::make_unique<TcpFabric>(rank, size, sockets, std::move(on_demand));
 }
 
 }  // namespace collectives::transport

@@ -1,8 +1,12 @@
-// A Fabric over TCP (Asio): a full mesh of connections, set up through a rendezvous Store.
+// A Fabric over TCP (Asio): connections to the peers, set up through a rendezvous Store.
 //
 // Set-up: every rank binds a listener (ephemeral port on `bind_host`), publishes "host:port"
-// under "<key_prefix>/addr/<rank>", reads every peer's address, connects to the peers of higher
-// rank and accepts the peers of lower rank. Each connection starts with the handshake of
+// under "<key_prefix>/addr/<rank>", reads the addresses of the peers it connects to, connects to
+// those of higher rank and accepts those of lower rank. Which peers: every one (a full mesh), or
+// with `on_demand` only `peers_at_setup`; then the listener stays open for the fabric's life and
+// any other connection is made at its first use (connection(peer) on both sides): the lower rank
+// reads the higher one's address from the store and connects, the higher one accepts, with the
+// same handshake. Each connection starts with the handshake of
 // handshake.h (magic, version, job id, ranks, HMAC-SHA256 proof of the job token over both
 // nonces); a connection that fails it is closed and the stranger is logged (a line a second at
 // most), never admitted.
@@ -26,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "collectives/cluster.h"
 #include "src/transport/connection.h"
@@ -53,13 +58,23 @@ struct TcpFabricOptions {
   // the address lookups, pass a store that polls too (cluster::CancellableStore). A split's
   // child is set up with "the parent broke" here.
   std::function<bool()> cancelled;
+  // Connect at set-up only to `peers_at_setup` (a symmetric choice: rank a lists b iff b lists
+  // a), and to any other peer at its first use, reading its address from `address_store` (which
+  // must outlive the fabric). False: every peer at set-up, and the listener closes after it.
+  bool on_demand = false;
+  std::vector<int> peers_at_setup;
+  std::shared_ptr<Store> address_store;
 };
+
+// The data connections open now in this process, over every TCP fabric (each counts once per
+// end it holds here): what tests and benchmarks read to count a rank's connections.
+int TcpConnectionsOpen();
 
 // How often a set-up polls TcpFabricOptions::cancelled.
 inline constexpr std::chrono::milliseconds kCancelPoll{50};
 
-// Builds the mesh. Blocks until every connection is up. Throws Error(kTimeout) naming the
-// missing peers, Error(kSystem) when binding fails.
+// Builds the mesh. Blocks until every connection made at set-up is up. Throws Error(kTimeout)
+// naming the missing peers, Error(kSystem) when binding fails.
 std::unique_ptr<Fabric> ConnectTcpFabric(int rank, int size, Store& store,
                                          const TcpFabricOptions& options);
 

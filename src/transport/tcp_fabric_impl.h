@@ -9,17 +9,22 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "collectives/cluster.h"
 #include "collectives/errors.h"
+#include "src/cluster/host_port.h"
+#include "src/cluster/listener_guard.h"
 #include "src/core/call.h"
 #include "src/transport/connection.h"
 #include "src/transport/fabric_errors.h"
 #include "src/transport/frame.h"
+#include "src/transport/handshake.h"
 #include "src/transport/tcp_connection.h"
 
 namespace collectives::transport {
@@ -27,15 +32,31 @@ namespace collectives::transport {
 // How long a waiter polls the io_context before it yields or sleeps, unless SetSpin says.
 constexpr std::chrono::microseconds kDefaultSpin{50};
 
-// A full mesh of TcpConnections on one io_context. Built by ConnectTcpFabric from the sockets a
+// What a fabric with connections on demand keeps from its set-up: the listener (it goes on
+// accepting the lower ranks that connect at their first use), the addresses it read, and where
+// to read the others.
+struct OnDemandSetup {
+  int listener = -1;  // descriptor, owned by the fabric from now on
+  asio::ip::tcp protocol = asio::ip::tcp::v4();
+  std::vector<cluster::HostPort> addresses;  // by rank; an empty host: not read yet
+  std::shared_ptr<Store> store;
+  std::string key_prefix;
+  HandshakeConfig config;
+  std::chrono::milliseconds timeout{60'000};  // the communicator's, for the messages
+};
+
+// TcpConnections on one io_context: every peer's, made at set-up, or with OnDemandSetup those
+// of the set-up and the others at their first use (connection(peer)): the lower rank of the
+// pair connects, the higher one accepts, both with the handshake of handshake.h; until then the
+// connection queues what is posted on it. Built by ConnectTcpFabric from the sockets a
 // MeshBuilder set up. Thread-safety: one thread at a time drives the fabric (Post*/Wait*/Test*,
 // connection()); Abort may be called from any thread. drive_mu_ is held for the duration of
 // every driving call, so an Abort from another thread can tell whether it may touch the sockets.
 class TcpFabric final : public Fabric {
  public:
   // Takes the descriptors of `sockets_in_setup` (one per peer; none for this rank).
-  TcpFabric(int rank, int size,
-            std::vector<std::optional<asio::ip::tcp::socket>>& sockets_in_setup);
+  TcpFabric(int rank, int size, std::vector<std::optional<asio::ip::tcp::socket>>& sockets_in_setup,
+            std::unique_ptr<OnDemandSetup> on_demand = nullptr);
   ~TcpFabric() override;
 
   int rank() const override { return rank_; }
@@ -48,6 +69,21 @@ class TcpFabric final : public Fabric {
 
  private:
   friend class TcpConnection;
+
+  // The process-wide count of open data connections (TcpConnectionsOpen).
+  void CountOpened();
+  void CountClosed();
+  // The connection to `peer`, made (pending) if there is none yet; the lower rank starts
+  // connecting. Driving thread, drive_mu_ held.
+  TcpConnection& Open(int peer);
+  // On demand: reads `peer`'s address if needed and starts connecting (attempt 1, 2, ...).
+  void StartConnect(int peer, int attempt);
+  void ConnectTo(int peer, const asio::ip::tcp::endpoint& endpoint, int attempt);
+  // On demand: breaks the fabric because `peer` cannot be reached.
+  void Unreachable(int peer, ErrorCode code, const std::string& why);
+  void AcceptNext();
+  // Closes the listener and stops the handshakes and connects in progress (driving thread).
+  void StopOnDemand();
 
   // Records the fabric's first error; `payload` is what the shutdown sends to every peer but
   // `skip_peer` (nullopt: send nothing). Later errors are ignored.
@@ -107,6 +143,17 @@ class TcpFabric final : public Fabric {
     const char* skip = std::getenv("COLLECTIVES_UNSAFE_SKIP_CALL_CHECK");
     return skip == nullptr || std::string(skip) != "1";
   }();
+
+  // Connections on demand (null without): see OnDemandSetup.
+  std::unique_ptr<OnDemandSetup> on_demand_;
+  std::optional<asio::ip::tcp::acceptor> acceptor_;
+  std::vector<std::weak_ptr<HandshakeSession>> handshakes_;  // client and server, to cancel
+  std::deque<std::weak_ptr<HandshakeSession>> server_handshakes_;
+  std::vector<std::shared_ptr<asio::ip::tcp::socket>> connecting_;  // by peer
+  std::vector<std::unique_ptr<asio::steady_timer>> timers_;  // connect retries, grace periods
+  asio::steady_timer accept_retry_{io_};
+  cluster::RateLimitedLog refusal_log_;
+  std::string accept_error_;
 
   // The abort frame being sent during shutdown.
   EncodedHeader abort_header_{};

@@ -50,7 +50,14 @@ MeshBuilder::MeshBuilder(int rank, int size, const TcpFabricOptions& options)
       sockets_(size),
       status_(size),
       addresses_(size),
-      attempts_(size, 0) {
+      attempts_(size, 0),
+      wanted_(size, !options.on_demand) {
+  if (options.on_demand) {
+    for (int peer : options.peers_at_setup) {
+      if (peer >= 0 && peer < size && peer != rank) wanted_[peer] = true;
+    }
+  }
+  wanted_[rank] = false;
   config_.job_id = options.job_id;
   config_.token = options.token;
   config_.rank = rank;
@@ -109,6 +116,7 @@ void MeshBuilder::RunUntil(const std::function<bool()>& done) {
 void MeshBuilder::ReadAddresses(Store& store) {
   std::vector<int> unpublished;
   for (int peer = rank_ + 1; peer < size_; ++peer) {
+    if (!wanted_[peer]) continue;
     const std::string key = options_.key_prefix + "/addr/" + std::to_string(peer);
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
@@ -331,7 +339,7 @@ void MeshBuilder::Admit(int peer, tcp::socket socket) {
   }
   SetDataSocketBuffers(socket, receive_buffer_, send_buffers_);
   sockets_[peer].emplace(std::move(socket));
-  --missing_;
+  if (wanted_[peer]) --missing_;
 }
 
 void MeshBuilder::ThrowTimeout() {
@@ -339,7 +347,7 @@ void MeshBuilder::ThrowTimeout() {
                         " ms setting up connections: still missing ";
   bool first = true;
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_ || sockets_[peer].has_value()) continue;
+    if (!wanted_[peer] || sockets_[peer].has_value()) continue;
     if (!first) message += ", ";
     first = false;
     message += "rank " + std::to_string(peer) + " (";
@@ -370,14 +378,34 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
             cluster::FormatHostPort(host, port));
   ReadAddresses(store);
 
-  missing_ = size_ - 1;
+  missing_ = static_cast<int>(std::count(wanted_.begin(), wanted_.end(), true));
   if (rank_ > 0) AcceptNext();
-  for (int peer = rank_ + 1; peer < size_; ++peer) Connect(peer);
+  for (int peer = rank_ + 1; peer < size_; ++peer) {
+    if (wanted_[peer]) Connect(peer);
+  }
   RunUntil([this] { return missing_ == 0; });
+  if (options_.on_demand && missing_ == 0 && !failure_) {
+    // A lower rank that connects on demand and has proved the token takes the connection for
+    // made once it reads the verdict: let such handshakes finish (a second at most) rather than
+    // cancel them below; the others are tried again against the fabric's listener.
+    const auto until = std::min(deadline_, Clock::now() + std::chrono::seconds(1));
+    auto proven_pending = [this] {
+      for (auto& weak : sessions_) {
+        const auto session = weak.lock();
+        if (session && session->proven() && !session->finished()) return true;
+      }
+      return false;
+    };
+    io_.restart();
+    while (proven_pending() && Clock::now() < until) io_.run_one_until(until);
+  }
 
-  // Stop what is still going on (strangers' handshakes, retries, lookups) before leaving.
+  // Stop what is still going on (strangers' handshakes, retries, lookups) before leaving. With
+  // on_demand the listener stays open (ReleaseListener): a rank whose handshake is cancelled here
+  // connects again, to the fabric's accept.
   lookups_.Close();
-  acceptor_.close(ec);
+  if (!options_.on_demand || failure_ || missing_ > 0) acceptor_.close(ec);
+  acceptor_.cancel(ec);
   for (auto& weak : sessions_) {
     if (auto session = weak.lock()) session->Cancel();
   }
@@ -394,6 +422,13 @@ std::vector<std::optional<tcp::socket>>& MeshBuilder::Build(Store& store) {
   if (failure_) throw *failure_;
   if (missing_ > 0) ThrowTimeout();
   return sockets_;
+}
+
+int MeshBuilder::ReleaseListener(tcp* protocol) {
+  asio::error_code ec;
+  const auto local = acceptor_.local_endpoint(ec);
+  *protocol = ec ? tcp::v4() : local.protocol();
+  return acceptor_.release(ec);
 }
 
 std::optional<std::string> LocalAddressToward(const std::string& remote_host,

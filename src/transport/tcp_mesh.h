@@ -3,7 +3,10 @@
 // else. It ends with one connected, authenticated socket per peer, which the fabric then takes.
 //
 // Every rank binds a listener, publishes "host:port" under "<key_prefix>/addr/<rank>", connects
-// to the peers of higher rank and accepts the peers of lower rank. Strangers who connect cannot
+// to the peers of higher rank and accepts the peers of lower rank: every peer, or with
+// TcpFabricOptions::on_demand those of peers_at_setup. Then a lower rank that connects early
+// (at its first use of the connection, its own set-up done) is admitted too, and the listener
+// is handed to the fabric, which goes on accepting. Strangers who connect cannot
 // hold the listener: server handshakes are bounded in number and in time, and refusals are
 // logged a line a second at most.
 #ifndef COLLECTIVES_SRC_TRANSPORT_TCP_MESH_H_
@@ -44,6 +47,12 @@ class MeshBuilder {
   // descriptors out (TcpFabric) before the builder goes. Throws as ConnectTcpFabric says.
   std::vector<std::optional<tcp::socket>>& Build(Store& store);
 
+  // After Build, with on_demand: the listener's descriptor, which the caller now owns, and its
+  // protocol; and the peers' addresses read during the set-up (an empty host: not read).
+  int ReleaseListener(tcp* protocol);
+  const std::vector<cluster::HostPort>& addresses() const { return addresses_; }
+  const HandshakeConfig& handshake_config() const { return config_; }
+
  private:
   std::string Prefix() const { return "rank " + std::to_string(rank_) + ": "; }
   // Binds the listener to options_.bind_host, looking a name up first.
@@ -82,6 +91,7 @@ class MeshBuilder {
   std::vector<std::string> status_;                  // last news of each missing peer
   std::vector<cluster::HostPort> addresses_;
   std::vector<int> attempts_;
+  std::vector<bool> wanted_;  // the peers connected during the set-up
   std::vector<std::weak_ptr<HandshakeSession>> sessions_;
   std::vector<std::unique_ptr<asio::steady_timer>> timers_;
   size_t prune_sessions_at_ = 64;  // sessions_' size at which the finished ones are dropped

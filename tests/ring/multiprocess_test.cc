@@ -555,7 +555,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<OtherCallCase>& p) { return std::string(p.param.name); });
 
 // The set-up's deadline bounds the set-up only. AUTO's calibration (two pretend hosts of two:
-// it times both plans) runs each of its calls under what is left of the deadline, then gives the
+// it times each candidate plan) runs each of its calls under what is left of the deadline, then gives the
 // communicator its whole timeout back. Here rank 1 starts 4 s into a 9 s timeout, so the others
 // calibrate with under 5 s left; rank 1 then keeps them waiting 5.5 s in the first call, which a
 // communicator left with the calibration's timeout would give up on (kTimeout).

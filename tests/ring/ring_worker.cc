@@ -42,6 +42,16 @@
 //                              op, count and root (tests/ring/rooted_checks.h), and messages
 //                              around the ring of every dtype (13 elements and `large`); exit 0
 //                              iff every element is right ("rank R: rooted 0 wrong")
+//   ring_worker scale
+//                              prints "rank R: setup connections C ms T" (the TCP connections
+//                              this process holds once the communicator is built, and how long
+//                              that took), then runs every collective at small sizes with the
+//                              thresholds lowered so that each all-reduce algorithm runs
+//                              (recursive doubling, halving-doubling, ring), an all-to-all and a
+//                              message to a peer that is no set-up partner (rank ^ (size/2 + 1)),
+//                              checked against the references of collective_checks.h and
+//                              rooted_checks.h; prints "rank R: connections C" and
+//                              "rank R: scale W wrong"; exit 0 iff W is 0
 // RING_WORKER_IMPL=ring|auto (default auto) picks the implementation, RING_WORKER_ALGORITHM
 // forces CommunicationOptions::algorithm; in check mode the worker
 // also prints the all-reduce algorithm of the large size ("algorithm <name>").
@@ -60,11 +70,78 @@
 #include "collectives/collectives.h"
 #include "src/core/internal_communication.h"
 #include "src/ring/ring_communication.h"
+#include "src/transport/tcp_fabric.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/float_inputs.h"
 #include "tests/ring/rooted_checks.h"
 
 using namespace collectives;
+
+namespace {
+
+// The "scale" mode: every collective once or twice at small sizes, each checked.
+int RunScaleChecks(CollectiveCommunication& comm) {
+  const int n = comm.size();
+  const int rank = comm.rank();
+  size_t wrong = 0;
+  std::string first;
+  auto note = [&](size_t w, const std::string& what) {
+    if (w > 0 && first.empty()) first = what;
+    wrong += w;
+  };
+  auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
+                 int root) {
+    const testing::CheckResult r = testing::CheckCollective(comm, c, d, o, count, in_place, root);
+    note(r.wrong, r.first);
+  };
+  // 7 floats: recursive doubling; 512: halving-doubling (a power-of-two world) or the ring;
+  // 4099: the ring in chunks of 1 KiB.
+  for (size_t count : {size_t{7}, size_t{512}, size_t{4099}}) {
+    run("all_reduce", DataType::kFloat32, ReduceOp::kSum, count, false, 0);
+  }
+  run("all_reduce", DataType::kInt32, ReduceOp::kMax, 513, true, 0);
+  run("all_reduce", DataType::kFloat64, ReduceOp::kAvg, 7, false, 0);
+  run("reduce_scatter", DataType::kFloat32, ReduceOp::kSum, 3, false, 0);
+  run("reduce_scatter", DataType::kInt64, ReduceOp::kMin, 300, true, 0);
+  run("all_gather", DataType::kInt32, ReduceOp::kSum, 5, false, 0);
+  run("all_gather", DataType::kFloat32, ReduceOp::kSum, 70, true, 0);
+  run("broadcast", DataType::kFloat32, ReduceOp::kSum, 9, false, n - 1);
+  run("broadcast", DataType::kInt8, ReduceOp::kSum, 3000, true, n / 3);
+  testing::Failures f;
+  testing::CheckReduce(comm, DataType::kFloat32, ReduceOp::kSum, 9, false, n / 2, f);
+  testing::CheckReduce(comm, DataType::kInt32, ReduceOp::kMax, 600, true, 0, f);
+  testing::CheckGather(comm, DataType::kInt64, 3, false, 1 % n, f);
+  testing::CheckScatter(comm, DataType::kFloat32, 4, false, n - 1, f);
+  testing::CheckAllToAll(comm, DataType::kInt32, 2, {}, f);
+  testing::CheckPointToPointRing(comm, 5, f);
+  // A message to a peer that is not a set-up partner: its connection is made now.
+  const int partner = rank ^ (n / 2 + 1);
+  if (n >= 8 && (n & (n - 1)) == 0) {
+    std::vector<int32_t> out(11), in(11, -1);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = int32_t(rank * 100 + int(i));
+    const Tensor out_t{out.data(), out.size(), DataType::kInt32};
+    const Tensor in_t{in.data(), in.size(), DataType::kInt32};
+    if (rank < partner) {
+      comm.Send(out_t, partner, 7);
+      comm.Recv(in_t, partner, 7);
+    } else {
+      comm.Recv(in_t, partner, 7);
+      comm.Send(out_t, partner, 7);
+    }
+    for (size_t i = 0; i < in.size(); ++i) {
+      f.Check("rank " + std::to_string(rank) + " message from rank " + std::to_string(partner), i,
+              in[i], partner * 100 + int(i));
+    }
+  }
+  comm.Barrier();
+  note(f.wrong, f.first);
+  if (!first.empty()) std::fprintf(stderr, "%s\n", first.c_str());
+  std::printf("rank %d: connections %d\n", rank, transport::TcpConnectionsOpen());
+  std::printf("rank %d: scale %zu wrong\n", rank, wrong);
+  return wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
@@ -83,7 +160,22 @@ int main(int argc, char** argv) {
       if (spec.rank == 1)
         std::this_thread::sleep_for(std::chrono::milliseconds(std::stol(argv[3])));
     }
+    if (mode == "scale") {
+      options.small_message_bytes = 256;
+      options.medium_message_bytes = 4096;
+      options.chunk_bytes = 1024;
+    }
+    const auto setup_start = std::chrono::steady_clock::now();
     auto comm = CreateCommunication(spec, options);
+    if (mode == "scale") {
+      const double setup_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - setup_start)
+              .count();
+      std::printf("rank %d: setup connections %d ms %.1f\n", comm->rank(),
+                  transport::TcpConnectionsOpen(), setup_ms);
+      std::fflush(stdout);
+      return RunScaleChecks(*comm);
+    }
     if (mode == "late") {
       if (comm->rank() == 1)
         std::this_thread::sleep_for(std::chrono::milliseconds(std::stol(argv[4])));

@@ -1,5 +1,6 @@
 // TCP-only behaviour: mesh set-up (strangers on the port, wrong token, job id or world size, a
-// listener that closes before answering, a rank that never shows up), an abort frame that names
+// listener that closes before answering, a rank that never shows up), connections on demand
+// (made at first use; a peer that is gone or never answers named), an abort frame that names
 // a rank outside the world, LocalAddressToward, and measurements (8-byte ping-pong, 4 MiB
 // stream) between threads and between two processes.
 #include <gtest/gtest.h>
@@ -879,6 +880,114 @@ TEST(TcpMeasureTest, PingPongBetweenTwoProcesses) {
   std::filesystem::remove_all(dir);
   std::printf("processes: %s", output.c_str());
   EXPECT_NE(output.find("rtt_us="), std::string::npos) << output;
+}
+
+// ---- Connections on demand. ----
+
+TcpFabricOptions OnDemand(std::shared_ptr<Store> store, std::vector<int> peers,
+                          std::chrono::milliseconds timeout = 20'000ms) {
+  TcpFabricOptions options = Options(timeout);
+  options.on_demand = true;
+  options.peers_at_setup = std::move(peers);
+  options.address_store = std::move(store);
+  return options;
+}
+
+// Eight ranks connect only their ring neighbours at set-up; then every rank sends a frame to
+// every other and receives one from each: the other pairs connect at that first use, both
+// directions carry the right bytes, and every pair ends connected once.
+TEST(TcpOnDemandTest, OnlyTheListedPeersConnectAtSetUpAndTheRestAtFirstUse) {
+  constexpr int kSize = 8;
+  constexpr size_t kBytes = 3000;
+  std::shared_ptr<Store> store = CreateMemoryStore();
+  const int open_before = TcpConnectionsOpen();
+  auto group = ConnectTcpGroup(kSize, *store, [&](int rank) {
+    return OnDemand(store, {(rank + 1) % kSize, (rank + kSize - 1) % kSize});
+  });
+  for (int rank = 0; rank < kSize; ++rank) {
+    ASSERT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+  EXPECT_EQ(TcpConnectionsOpen() - open_before, kSize * 2);  // two ends per ring pair
+  const auto errors = RunRanks(kSize, [&](int rank) {
+    Fabric& fabric = *group.fabrics[rank];
+    fabric.SetDeadline(Clock::now() + test_time::Scaled(20s));
+    std::vector<std::vector<uint8_t>> out(kSize), in(kSize);
+    std::vector<uint64_t> sends(kSize), recvs(kSize);
+    for (int k = 1; k < kSize; ++k) {
+      const int to = (rank + k) % kSize;
+      const int from = (rank + kSize - k) % kSize;
+      out[to] = Pattern(rank, to, 0, kBytes);
+      in[from].assign(kBytes, 0);
+      sends[to] = fabric.connection(to).PostSend(Tag(1, kBytes), out[to].data(), kBytes);
+      recvs[from] = fabric.connection(from).PostRecv(Tag(1, kBytes), in[from].data(), kBytes);
+    }
+    for (int peer = 0; peer < kSize; ++peer) {
+      if (peer == rank) continue;
+      fabric.connection(peer).WaitRecv(recvs[peer]);
+      fabric.connection(peer).WaitSend(sends[peer]);
+      EXPECT_EQ(in[peer], Pattern(peer, rank, 0, kBytes)) << "rank " << rank << " from " << peer;
+    }
+  });
+  for (int rank = 0; rank < kSize; ++rank) {
+    EXPECT_FALSE(errors[rank]) << errors[rank]->what();
+  }
+  EXPECT_EQ(TcpConnectionsOpen() - open_before, kSize * (kSize - 1));
+  group.fabrics.clear();
+  EXPECT_EQ(TcpConnectionsOpen(), open_before);
+}
+
+// A peer whose communicator is gone refuses the connection made at first use: the sender
+// raises peer-lost naming it, within the write grace, not at the deadline.
+TEST(TcpOnDemandTest, APeerThatIsGoneIsNamedAtFirstUse) {
+  std::shared_ptr<Store> store = CreateMemoryStore();
+  auto group = ConnectTcpGroup(3, *store, [&](int) { return OnDemand(store, {}); });
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+  group.fabrics[2].reset();
+  Fabric& fabric = *group.fabrics[0];
+  fabric.SetDeadline(Clock::now() + 20s);
+  const auto start = Clock::now();
+  std::vector<uint8_t> data(100, 1);
+  try {
+    Connection& to = fabric.connection(2);
+    to.WaitSend(to.PostSend(Tag(1, 100), data.data(), data.size()));
+    ADD_FAILURE() << "a send to a rank that is gone completed";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kPeerLost) << error.what();
+    EXPECT_NE(error.message().find("rank 0: lost rank 2 (cannot connect to it"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_LT(Clock::now() - start, test_time::Scaled(5s));
+}
+
+// A peer whose listener is there but which never drives its fabric (a stopped process): the
+// connection's handshake never ends, and the wait raises kTimeout naming the peer and the call
+// at the deadline; so does the higher rank that waits for a lower one that never connects.
+TEST(TcpOnDemandTest, APeerThatNeverAnswersIsATimeoutNamingIt) {
+  std::shared_ptr<Store> store = CreateMemoryStore();
+  auto group = ConnectTcpGroup(3, *store, [&](int) { return OnDemand(store, {}); });
+  for (int rank = 0; rank < 3; ++rank) {
+    ASSERT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+  }
+  const auto errors = RunRanks(3, [&](int rank) {
+    if (rank == 1) return;  // never drives its fabric
+    Fabric& fabric = *group.fabrics[rank];
+    fabric.SetDeadline(Clock::now() + 500ms);
+    std::vector<uint8_t> data(64, 0);
+    Connection& peer = fabric.connection(1);
+    if (rank == 0) {
+      peer.WaitSend(peer.PostSend(Tag(1, 64), data.data(), data.size()));
+    } else {
+      peer.WaitRecv(peer.PostRecv(Tag(1, 64), data.data(), data.size()));
+    }
+  });
+  ASSERT_TRUE(errors[0]);
+  EXPECT_EQ(errors[0]->code(), ErrorCode::kTimeout) << errors[0]->what();
+  EXPECT_NE(errors[0]->message().find("to rank 1"), std::string::npos) << errors[0]->what();
+  ASSERT_TRUE(errors[2]);
+  EXPECT_EQ(errors[2]->code(), ErrorCode::kTimeout) << errors[2]->what();
+  EXPECT_NE(errors[2]->message().find("from rank 1"), std::string::npos) << errors[2]->what();
 }
 
 }  // namespace

@@ -74,7 +74,22 @@
 // libnccl.so.2 and skip elsewhere): collectivesFakeNcclFailNext(function, result, message) makes
 // the next call of that NCCL function (ncclGetUniqueId or ncclCommInitRankConfig) return
 // `result` at once, with `message` as NCCL's last error.
-// Not modelled: per-thread default streams, managed and pinned host memory, peer access, groups
+//  - Pinned host memory: cudaHostAlloc returns page-locked host memory (tracked; cudaFreeHost
+//    synchronises every device first, as the runtime's implicit synchronisation). cudaMemcpyAsync
+//    between device memory and pinned memory queues the copy on the stream and returns at once;
+//    with a pageable host side it behaves as CUDA's does (device-to-host returns once the copy is
+//    done, host-to-device stages the source first). cudaStreamWaitEvent makes a stream's later
+//    work wait for an event recorded on another stream (of any device); cudaEventSynchronize
+//    waits for it on the host.
+//  - Copy accounting, for tests that must show what crossed between host and device:
+//    collectivesFakeCudaCopyStats(stats) fills uint64_t[6] with the bytes copied between host
+//    and device, the largest single copy, the number of copies, the cudaMemcpyAsync calls whose
+//    host side was pageable, and the pinned bytes allocated now and at their peak;
+//    collectivesFakeCudaResetCopyStats() zeroes the first four and sets the peak to what is
+//    allocated now; collectivesFakeCudaCopyOrder(out, capacity) gives, per stream, the order of
+//    its cudaMemcpyAsync calls ('i' to the host, 'o' to the device), which shows whether a
+//    segment's copy in is issued before the previous segment's copy out.
+// Not modelled: per-thread default streams, managed memory, peer access, groups
 // of collectives or of several streams, fp8 types (refused with ncclInvalidArgument),
 // ncclCommSplit and the rest.
 //
@@ -179,6 +194,17 @@ struct Runtime {
   std::vector<std::vector<std::shared_ptr<CUstream_st>>> device_streams;   // every live one
   std::set<CUevent_st*> events;
   std::vector<cudaError_t> sticky;  // per device: cudaErrorIllegalAddress after a fault
+  std::map<uintptr_t, size_t> pinned;  // cudaHostAlloc's page-locked host memory, by base
+  // What the host<->device copies moved (collectivesFakeCudaCopyStats).
+  uint64_t copied_bytes = 0;
+  uint64_t largest_copy = 0;
+  uint64_t copies = 0;
+  uint64_t async_from_pageable = 0;  // cudaMemcpyAsync calls with a pageable host side
+  size_t pinned_live = 0;            // bytes of pinned memory allocated now
+  size_t pinned_peak = 0;            // the most of them at any time
+  // Per stream, in issue order, 'i' for each cudaMemcpyAsync to the host and 'o' for each to the
+  // device (collectivesFakeCudaCopyOrder).
+  std::map<const CUstream_st*, std::string> copy_order;
 };
 
 Runtime& Rt() {
@@ -201,6 +227,24 @@ thread_local cudaError_t last_error = cudaSuccess;
 cudaError_t Fail(cudaError_t error) {
   last_error = error;
   return error;
+}
+
+// Under mu: whether [pointer, pointer + bytes) lies in one pinned host allocation.
+bool PinnedLocked(const void* pointer, size_t bytes) {
+  Runtime& rt = Rt();
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  auto it = rt.pinned.upper_bound(address);
+  if (it == rt.pinned.begin()) return false;
+  --it;
+  return address - it->first < it->second && bytes <= it->second - (address - it->first);
+}
+
+// Under mu: counts one host<->device copy of `bytes`.
+void CountCopyLocked(size_t bytes) {
+  Runtime& rt = Rt();
+  rt.copied_bytes += bytes;
+  rt.largest_copy = std::max<uint64_t>(rt.largest_copy, bytes);
+  ++rt.copies;
 }
 
 // Under mu: the allocation holding [pointer, pointer + bytes), or null.
@@ -1327,6 +1371,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   }
   if (want_dst != dst_device || want_src != src_device) return Fail(cudaErrorInvalidValue);
   auto legacy = LegacyLocked(current_device);
+  if (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToHost) CountCopyLocked(bytes);
   switch (kind) {
     case cudaMemcpyHostToHost:
       lock.unlock();
@@ -1356,6 +1401,134 @@ cudaError_t cudaMemset(void* pointer, int value, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
   if (FindLocked(pointer, bytes) == nullptr) return Fail(cudaErrorInvalidValue);
   EnqueueLocked(LegacyLocked(current_device), [=] { std::memset(pointer, value, bytes); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void** pointer, size_t bytes, unsigned int flags) {
+  if (pointer == nullptr ||
+      (flags & ~(cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined)) != 0) {
+    return Fail(cudaErrorInvalidValue);
+  }
+  {
+    std::lock_guard<std::mutex> lock(Rt().mu);
+    if (cudaError_t e = StickyLocked(); e != cudaSuccess) return Fail(e);
+  }
+  if (bytes == 0) {
+    *pointer = nullptr;
+    return cudaSuccess;
+  }
+  const size_t rounded = (bytes + 4095) / 4096 * 4096;
+  if (rounded < bytes) return Fail(cudaErrorMemoryAllocation);
+  void* memory = std::aligned_alloc(4096, rounded);
+  if (memory == nullptr) return Fail(cudaErrorMemoryAllocation);
+  std::memset(memory, 0xff, rounded);
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  Runtime& rt = Rt();
+  rt.pinned[reinterpret_cast<uintptr_t>(memory)] = bytes;
+  rt.pinned_live += bytes;
+  rt.pinned_peak = std::max(rt.pinned_peak, rt.pinned_live);
+  *pointer = memory;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* pointer) {
+  if (pointer == nullptr) return cudaSuccess;
+  std::unique_lock<std::mutex> lock(Rt().mu);
+  Runtime& rt = Rt();
+  auto it = rt.pinned.find(reinterpret_cast<uintptr_t>(pointer));
+  if (it == rt.pinned.end()) return Fail(cudaErrorInvalidValue);
+  // The implicit synchronisation: no queued copy may touch the memory after it is freed.
+  for (int device = 0; device < rt.device_count; ++device) SynchronizeDeviceLocked(lock, device);
+  it = rt.pinned.find(reinterpret_cast<uintptr_t>(pointer));
+  rt.pinned_live -= it->second;
+  rt.pinned.erase(it);
+  std::free(pointer);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(Rt().mu);
+  if (cudaError_t e = StickyLocked(); e != cudaSuccess) return Fail(e);
+  auto target = ResolveLocked(stream);
+  if (target == nullptr) {
+    Violation("cudaMemcpyAsync on an unknown stream %p", static_cast<void*>(stream));
+    return Fail(cudaErrorInvalidResourceHandle);
+  }
+  if (bytes == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return Fail(cudaErrorInvalidValue);
+  const bool dst_device = FindLocked(dst, bytes) != nullptr;
+  const bool src_device = FindLocked(src, bytes) != nullptr;
+  if ((!dst_device && FindLocked(dst, 1) != nullptr) ||
+      (!src_device && FindLocked(src, 1) != nullptr)) {
+    return Fail(cudaErrorInvalidValue);
+  }
+  if (kind == cudaMemcpyDefault) {
+    kind = dst_device ? (src_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                      : (src_device ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+  }
+  if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDeviceToDevice) {
+    return Fail(cudaErrorInvalidMemcpyDirection);
+  }
+  const bool want_dst = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool want_src = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if (want_dst != dst_device || want_src != src_device) return Fail(cudaErrorInvalidValue);
+  Runtime& rt = Rt();
+  if (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToHost) {
+    CountCopyLocked(bytes);
+    rt.copy_order[target.get()] += kind == cudaMemcpyDeviceToHost ? 'i' : 'o';
+    const void* host = kind == cudaMemcpyHostToDevice ? src : dst;
+    if (!PinnedLocked(host, bytes)) {
+      // As CUDA: a pageable host side makes the copy synchronous in effect.
+      ++rt.async_from_pageable;
+      if (kind == cudaMemcpyDeviceToHost) {
+        WaitLocked(lock, target, EnqueueLocked(target, [=] { std::memcpy(dst, src, bytes); }));
+        return cudaSuccess;
+      }
+      auto staged = std::make_shared<std::vector<unsigned char>>(
+          static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + bytes);
+      EnqueueLocked(target, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+      return cudaSuccess;
+    }
+  }
+  EnqueueLocked(target, [=] { std::memmove(dst, src, bytes); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  std::unique_lock<std::mutex> lock(Rt().mu);
+  if (Rt().events.count(event) == 0) {
+    Violation("cudaEventSynchronize of an unknown event %p", static_cast<void*>(event));
+    return Fail(cudaErrorInvalidResourceHandle);
+  }
+  if (event->stream == nullptr) return cudaSuccess;  // never recorded
+  auto stream = event->stream;
+  WaitLocked(lock, stream, event->ticket);
+  if (cudaError_t e = Rt().sticky[static_cast<size_t>(stream->device)]; e != cudaSuccess) {
+    return Fail(e);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  if (cudaError_t e = StickyLocked(); e != cudaSuccess) return Fail(e);
+  if (flags != 0 && flags != cudaEventWaitExternal) return Fail(cudaErrorInvalidValue);
+  if (Rt().events.count(event) == 0) {
+    Violation("cudaStreamWaitEvent of an unknown event %p", static_cast<void*>(event));
+    return Fail(cudaErrorInvalidResourceHandle);
+  }
+  auto target = ResolveLocked(stream);
+  if (target == nullptr) {
+    Violation("cudaStreamWaitEvent on an unknown stream %p", static_cast<void*>(stream));
+    return Fail(cudaErrorInvalidResourceHandle);
+  }
+  if (event->stream == nullptr) return cudaSuccess;  // never recorded: nothing to wait for
+  // A marker on `target` that runs once the event's stream has passed the event; later work on
+  // `target` waits behind it.
+  const uint64_t ticket = EnqueueLocked(target, nullptr);
+  target->queue.back().deps.emplace_back(event->stream, event->ticket);
+  (void)ticket;
   return cudaSuccess;
 }
 
@@ -1638,7 +1811,43 @@ ncclResult_t ncclGroupEnd() {
   return FlushGroup();
 }
 
-// The fake's own entry point (see the file comment); not part of NCCL.
+// The fake's own entry points (see the file comment); not part of CUDA or NCCL.
+void collectivesFakeCudaCopyStats(uint64_t* stats) {
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  const Runtime& rt = Rt();
+  stats[0] = rt.copied_bytes;
+  stats[1] = rt.largest_copy;
+  stats[2] = rt.copies;
+  stats[3] = rt.async_from_pageable;
+  stats[4] = rt.pinned_live;
+  stats[5] = rt.pinned_peak;
+}
+
+void collectivesFakeCudaResetCopyStats() {
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  Runtime& rt = Rt();
+  rt.copied_bytes = rt.largest_copy = rt.copies = rt.async_from_pageable = 0;
+  rt.pinned_peak = rt.pinned_live;
+  rt.copy_order.clear();
+}
+
+// The copy order of every stream since the last reset, one stream's after another's, separated
+// by '|', into `out` (at most capacity - 1 characters and a NUL); returns the full length.
+size_t collectivesFakeCudaCopyOrder(char* out, size_t capacity) {
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  std::string all;
+  for (const auto& [stream, order] : Rt().copy_order) {
+    if (!all.empty()) all += '|';
+    all += order;
+  }
+  if (capacity > 0) {
+    const size_t n = std::min(capacity - 1, all.size());
+    std::memcpy(out, all.data(), n);
+    out[n] = '\0';
+  }
+  return all.size();
+}
+
 void collectivesFakeNcclFailNext(const char* function, ncclResult_t result, const char* message) {
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);

@@ -1,0 +1,487 @@
+// RING and AUTO on CUDA tensors, staged through pinned host memory (src/ring/staged.h): every
+// staged collective, dtype and op at odd counts on 1-4 ranks, checked element by element against
+// the local reference of collective_checks.h; the copies stay within the staging bound (no
+// whole-tensor host copy); the refusals name their reason.
+//
+// These tests need libcudart and a device: on a GPU machine (ctest label gpu, every rank on
+// device rank % devices) or against the CPU stand-in of tests/nccl/fake ("fake_nccl:" entries,
+// one fake device per rank). Without either they skip, saying why, or fail where
+// COLLECTIVES_REQUIRE_GPU=1. The staging slot is made small (COLLECTIVES_CUDA_STAGING_BYTES,
+// 4096 bytes unless set) so that modest tensors cross many segments.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <iostream>
+
+#include "collectives/communication.h"
+#include "src/ring/staged.h"
+#include "tests/ring/collective_checks.h"
+#include "tests/ring/run_ranks.h"
+#ifdef COLLECTIVES_WITH_NCCL
+#include "src/nccl/nccl_loader.h"
+#endif
+
+namespace collectives::testing {
+namespace {
+
+CommunicationOptions SmallChunks() {
+  CommunicationOptions options;
+  options.chunk_bytes = 1024;  // several of the ring's chunks per staged segment
+  options.timeout = std::chrono::seconds(60);
+  return options;
+}
+
+// Why CUDA is not usable here, or "" when it is.
+std::string CudaUnavailableReason() {
+#ifdef COLLECTIVES_WITH_NCCL
+  std::string reason;
+  return nccl::TryLoadCudart(&reason) != nullptr ? std::string() : reason;
+#else
+  return "this library is built without CUDA";
+#endif
+}
+
+// Without a usable CUDA runtime (no libcudart, no driver, no device, or a build without CUDA) a
+// CUDA tensor is refused with kNotSupported naming why, and the communicator keeps working on
+// CPU tensors: never a crash.
+TEST(StagedUnavailableTest, WithoutCudaACudaTensorIsNotSupported) {
+  const std::string reason = CudaUnavailableReason();
+  if (reason.empty()) GTEST_SKIP() << "CUDA is usable here: nothing to refuse";
+  std::cout << "loader's reason: " << reason << "\n";
+  RunRanks(Transport::kInProcess, 2, SmallChunks(), [&](CollectiveCommunication& comm) {
+    alignas(8) static thread_local float fake_device[4];
+    const Tensor t{fake_device, 4, DataType::kFloat32, Device::Cuda(0)};
+    try {
+      comm.AllReduce(t, t, ReduceOp::kSum);
+      ADD_FAILURE() << "expected kNotSupported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
+      EXPECT_NE(e.message().find("CUDA is not available"), std::string::npos) << e.what();
+    }
+    std::vector<float> host(4, float(comm.rank() + 1));
+    const Tensor h{host.data(), 4, DataType::kFloat32};
+    comm.AllReduce(h, h, ReduceOp::kSum);
+    EXPECT_EQ(host[3], 3.0f);
+  });
+}
+
+#ifdef COLLECTIVES_WITH_NCCL
+
+// Before the first CUDA tensor reads it (CudaStagingBytes reads it once).
+const bool kSlotSet = [] {
+  setenv("COLLECTIVES_CUDA_STAGING_BYTES", "4096", /*overwrite=*/0);
+  return true;
+}();
+
+bool GpuRequired() {
+  const char* value = std::getenv("COLLECTIVES_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
+
+#define COLLECTIVES_REQUIRE_CUDA()                                                     \
+  std::string cuda_reason;                                                             \
+  const nccl::NcclApi* api_ptr = nccl::TryLoadCudart(&cuda_reason);                    \
+  if (api_ptr == nullptr) {                                                            \
+    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << cuda_reason; \
+    GTEST_SKIP() << cuda_reason;                                                       \
+  }                                                                                    \
+  const nccl::NcclApi& api = *api_ptr
+
+// A device buffer of `count` elements of `dtype`, filled from and read back into host memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(const nccl::NcclApi& api, int device, DataType dtype, size_t count)
+      : api_(api), device_(device), dtype_(dtype), bytes_(count * SizeOf(dtype)), count_(count) {
+    EXPECT_EQ(api_.cudaSetDevice(device), cudaSuccess);
+    EXPECT_EQ(api_.cudaMalloc(&data_, std::max<size_t>(bytes_, 1)), cudaSuccess);
+  }
+  ~DeviceBuffer() { api_.cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void Upload(const void* host) {
+    if (bytes_ > 0) {
+      EXPECT_EQ(api_.cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  std::vector<uint8_t> Download() const {
+    std::vector<uint8_t> host(bytes_);
+    if (bytes_ > 0) {
+      EXPECT_EQ(api_.cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return host;
+  }
+  Tensor tensor(size_t offset = 0, size_t elements = SIZE_MAX) const {
+    const size_t n = elements == SIZE_MAX ? count_ - offset : elements;
+    return Tensor{static_cast<uint8_t*>(data_) + offset * SizeOf(dtype_), n, dtype_,
+                  Device::Cuda(device_)};
+  }
+
+ private:
+  const nccl::NcclApi& api_;
+  int device_;
+  DataType dtype_;
+  size_t bytes_;
+  size_t count_;
+  void* data_ = nullptr;
+};
+
+// One collective on CUDA tensors of this rank's device, checked as CheckCollective checks the
+// CPU path (the inputs and the reference are the same).
+CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
+                          const std::string& collective, DataType dtype, ReduceOp op,
+                          size_t count, bool in_place, int root = 0) {
+  const int n = comm.size();
+  const int rank = comm.rank();
+  const int device = rank % api.device_count;
+  std::ostringstream what;
+  what << "rank " << rank << " cuda:" << device << " " << collective << " " << ToString(dtype)
+       << " " << ToString(op) << " count=" << count << (in_place ? " in-place" : "");
+  CheckResult result;
+  auto stored = [&](double v) {
+    uint64_t cell = 0;
+    Store(dtype, &cell, 0, v);
+    return Load(dtype, &cell, 0);
+  };
+  const size_t whole = collective == "all_gather" || collective == "reduce_scatter"
+                           ? count * size_t(n)
+                           : count;
+  std::vector<uint8_t> host(whole * SizeOf(dtype));
+  if (collective == "all_reduce") {
+    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, count);
+    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
+    DeviceBuffer& input = in_place ? recv : send;
+    input.Upload(host.data());
+    comm.AllReduce(input.tensor(), recv.tensor(), op);
+    const std::vector<uint8_t> got = recv.Download();
+    for (size_t i = 0; i < count; ++i) {
+      const double want = Expected(op, dtype, n, i), value = Load(dtype, got.data(), i);
+      if (value != want) result.Note(what.str(), i, value, want);
+    }
+  } else if (collective == "broadcast") {
+    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, count);
+    DeviceBuffer& input = in_place ? recv : send;
+    if (rank == root) {
+      for (size_t i = 0; i < count; ++i) {
+        Store(dtype, host.data(), i, InputValue(op, dtype, root, i));
+      }
+      input.Upload(host.data());
+    }
+    comm.Broadcast(rank == root ? input.tensor() : Tensor{}, recv.tensor(), root);
+    const std::vector<uint8_t> got = recv.Download();
+    for (size_t i = 0; i < count; ++i) {
+      const double want = stored(InputValue(op, dtype, root, i)), value = Load(dtype, got.data(), i);
+      if (value != want) result.Note(what.str(), i, value, want);
+    }
+  } else if (collective == "all_gather") {
+    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, whole);
+    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
+    Tensor input = in_place ? recv.tensor(size_t(rank) * count, count) : send.tensor();
+    if (in_place) {
+      std::vector<uint8_t> full(whole * SizeOf(dtype), 0);
+      std::memcpy(full.data() + size_t(rank) * count * SizeOf(dtype), host.data(),
+                  count * SizeOf(dtype));
+      recv.Upload(full.data());
+    } else {
+      send.Upload(host.data());
+    }
+    comm.AllGather(input, recv.tensor());
+    const std::vector<uint8_t> got = recv.Download();
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < count; ++i) {
+        const size_t at = size_t(r) * count + i;
+        const double want = stored(InputValue(op, dtype, r, i)), value = Load(dtype, got.data(), at);
+        if (value != want) result.Note(what.str(), at, value, want);
+      }
+    }
+  } else if (collective == "reduce_scatter") {
+    DeviceBuffer send(api, device, dtype, whole), recv(api, device, dtype, count);
+    for (size_t i = 0; i < whole; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
+    send.Upload(host.data());
+    Tensor output = in_place ? send.tensor(size_t(rank) * count, count) : recv.tensor();
+    comm.ReduceScatter(send.tensor(), output, op);
+    const std::vector<uint8_t> all = (in_place ? send : recv).Download();
+    const uint8_t* got = all.data() + (in_place ? size_t(rank) * count * SizeOf(dtype) : 0);
+    for (size_t i = 0; i < count; ++i) {
+      const double want = Expected(op, dtype, n, size_t(rank) * count + i);
+      const double value = Load(dtype, got, i);
+      if (value != want) result.Note(what.str(), i, value, want);
+    }
+  }
+  return result;
+}
+
+// ---- Every collective, dtype and op on 1-4 ranks ----
+
+class StagedMatrixTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(StagedMatrixTest, EveryCollectiveDtypeAndOpAtOddCounts) {
+  COLLECTIVES_REQUIRE_CUDA();
+  const int size = GetParam();
+  // 0, 1, a prime that crosses a few segments, and (below) a large prime that crosses many.
+  const std::vector<size_t> counts = {0, 1, 1009};
+  const size_t large = 100003;
+  std::vector<size_t> wrong(static_cast<size_t>(size), 0);
+  std::vector<std::string> first(static_cast<size_t>(size));
+  RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
+    const size_t r = size_t(comm.rank());
+    auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
+                   int root) {
+      CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root);
+      wrong[r] += result.wrong;
+      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+    };
+    for (const std::string& c : AllCollectives()) {
+      const bool reduces = c == "all_reduce" || c == "reduce_scatter";
+      for (DataType d : AllDataTypes()) {
+        for (ReduceOp o : AllReduceOps()) {
+          if (!reduces && o != ReduceOp::kSum) continue;
+          for (size_t count : counts) {
+            for (bool in_place : {false, true}) {
+              run(c, d, o, count, in_place, c == "broadcast" ? int(count % size_t(size)) : 0);
+            }
+          }
+        }
+      }
+    }
+    run("all_reduce", DataType::kFloat32, ReduceOp::kSum, large, false, 0);
+    run("all_reduce", DataType::kFloat16, ReduceOp::kAvg, large, true, 0);
+    run("all_reduce", DataType::kInt64, ReduceOp::kMax, large, false, 0);
+    run("all_reduce", DataType::kInt8, ReduceOp::kProd, large, true, 0);
+    run("broadcast", DataType::kInt32, ReduceOp::kSum, large, false, size - 1);
+    run("all_gather", DataType::kBFloat16, ReduceOp::kSum, large / size_t(size) + 1, true, 0);
+    run("reduce_scatter", DataType::kFloat64, ReduceOp::kMin, large / size_t(size) + 1, false,
+        0);
+    run("reduce_scatter", DataType::kUInt8, ReduceOp::kSum, large / size_t(size) + 1, true, 0);
+  });
+  for (int r = 0; r < size; ++r) {
+    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, StagedMatrixTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return "ranks" + std::to_string(p.param);
+                         });
+
+// ---- Over TCP and through AUTO (which leaves CUDA tensors to the staged ring) ----
+
+class StagedTransportTest : public ::testing::TestWithParam<Transport> {};
+
+TEST_P(StagedTransportTest, AllFourCollectivesOnThreeRanks) {
+  COLLECTIVES_REQUIRE_CUDA();
+  const int size = 3;
+  std::vector<size_t> wrong(static_cast<size_t>(size), 0);
+  std::vector<std::string> first(static_cast<size_t>(size));
+  RunRanks(GetParam(), size, SmallChunks(), [&](CollectiveCommunication& comm) {
+    const size_t r = size_t(comm.rank());
+    for (const std::string& c : AllCollectives()) {
+      for (size_t count : {size_t(1), size_t(5003)}) {
+        CheckResult result = CheckOnDevice(api, comm, c, DataType::kFloat32,
+                                           c == "all_reduce" ? ReduceOp::kAvg : ReduceOp::kSum,
+                                           count, count == 1, 1);
+        wrong[r] += result.wrong;
+        if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      }
+    }
+  });
+  for (int r = 0; r < size; ++r) {
+    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, StagedTransportTest,
+                         ::testing::Values(Transport::kTcp, Transport::kAuto),
+                         [](const ::testing::TestParamInfo<Transport>& p) {
+                           return std::string(TransportName(p.param));
+                         });
+
+// ---- The staging bound, as the fake counts the copies (skipped on a real GPU) ----
+
+using CopyStats = void (*)(uint64_t* stats);
+using ResetCopyStats = void (*)();
+
+struct FakeCounters {
+  CopyStats stats = nullptr;
+  ResetCopyStats reset = nullptr;
+};
+
+FakeCounters FindFakeCounters() {
+  FakeCounters found;
+  if (nccl::TryLoadCudart() == nullptr) return found;
+  for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+    void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) continue;
+    found.stats = reinterpret_cast<CopyStats>(dlsym(handle, "collectivesFakeCudaCopyStats"));
+    found.reset = reinterpret_cast<ResetCopyStats>(dlsym(handle, "collectivesFakeCudaResetCopyStats"));
+    dlclose(handle);  // the loader keeps it loaded
+    if (found.stats != nullptr && found.reset != nullptr) return found;
+  }
+  return FakeCounters{};
+}
+
+// No copy between host and device is larger than one slot, the bytes that cross are the tensor's
+// once each way, every async copy has a pinned host side, and the pinned memory a communicator
+// holds is its two slots per device: a tensor of 4 MiB moves through 2 x 4 KiB (by default).
+TEST(StagedBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoSlots) {
+  COLLECTIVES_REQUIRE_CUDA();
+  const FakeCounters fake = FindFakeCounters();
+  if (fake.stats == nullptr) GTEST_SKIP() << "needs the fake CUDA of tests/nccl/fake to count copies";
+  const size_t slot = ring::CudaStagingBytes();  // 4096 unless the environment says otherwise
+  ASSERT_LT(slot, size_t(1) << 20);                // far below the tensors' 4 MiB
+  const int size = 2;
+  const size_t count = size_t(1) << 20;  // f32: 4 MiB per rank
+  struct Case {
+    const char* collective;
+    size_t crossing;  // bytes between host and device, every rank's, each way once
+  };
+  const size_t bytes = count * 4, n = size_t(size);
+  for (const Case& c : {Case{"all_reduce", n * (bytes + bytes)}, Case{"broadcast", bytes + n * bytes},
+                        Case{"all_gather", n * (bytes / n + bytes)},
+                        Case{"reduce_scatter", n * (bytes + bytes / n)}}) {
+    SCOPED_TRACE(c.collective);
+    const std::string name = c.collective;
+    std::vector<std::unique_ptr<DeviceBuffer>> send, recv;
+    std::vector<std::vector<uint8_t>> inputs;
+    for (int r = 0; r < size; ++r) {
+      const size_t in = name == "all_gather" ? count / size : count;
+      const size_t out = name == "reduce_scatter" ? count / size : count;
+      send.push_back(std::make_unique<DeviceBuffer>(api, r, DataType::kFloat32, in));
+      recv.push_back(std::make_unique<DeviceBuffer>(api, r, DataType::kFloat32, out));
+      std::vector<uint8_t> host(in * 4);
+      for (size_t i = 0; i < in; ++i) Store(DataType::kFloat32, host.data(), i, double(i % 7 + r));
+      send.back()->Upload(host.data());
+      inputs.push_back(std::move(host));
+    }
+    ASSERT_EQ(api.cudaSetDevice(0), cudaSuccess);
+    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(api.cudaSetDevice(1), cudaSuccess);
+    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
+    fake.reset();
+    uint64_t before[6];
+    fake.stats(before);
+    RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
+      const size_t r = size_t(comm.rank());
+      if (name == "all_reduce") comm.AllReduce(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
+      if (name == "broadcast") comm.Broadcast(send[r]->tensor(), recv[r]->tensor(), 0);
+      if (name == "all_gather") comm.AllGather(send[r]->tensor(), recv[r]->tensor());
+      if (name == "reduce_scatter") {
+        comm.ReduceScatter(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
+      }
+    });
+    uint64_t after[6];
+    fake.stats(after);
+    EXPECT_LE(after[1], slot) << "largest single copy between host and device";
+    EXPECT_EQ(after[0], c.crossing) << "bytes copied between host and device";
+    EXPECT_EQ(after[3], 0u) << "copies with a pageable host side";
+    // Each communicator opened its two slots for its device and freed them when it went.
+    EXPECT_LE(after[5] - before[4], size_t(size) * 2 * slot) << "peak pinned bytes";
+    EXPECT_EQ(after[4], before[4]) << "pinned bytes left allocated";
+    // And the results are right: element 0 of each rank.
+    const std::vector<uint8_t> got = recv[1]->Download();
+    if (name == "all_reduce") {
+      EXPECT_EQ(Load(DataType::kFloat32, got.data(), 5), 5 + 5 + 1);
+    }
+    if (name == "broadcast") {
+      EXPECT_EQ(Load(DataType::kFloat32, got.data(), 5), 5);
+    }
+    if (name == "all_gather") {
+      EXPECT_EQ(Load(DataType::kFloat32, got.data(), count / size + 3), 3 + 1);
+    }
+    if (name == "reduce_scatter") {
+      EXPECT_EQ(Load(DataType::kFloat32, got.data(), 0), double((count / size) % 7) * 2 + 1);
+    }
+  }
+}
+
+// The pipeline: the copy in of segment k+1 is issued before the ring works on segment k, so it is
+// on the stream before segment k's copy out: on one rank, 4 segments go in, in, out, in, out,
+// in, out, out. A staging that waits for each segment's round trip would issue in, out, in, ...
+TEST(StagedBoundTest, TheNextSegmentComesInWhileTheRingWorksOnThisOne) {
+  COLLECTIVES_REQUIRE_CUDA();
+  if (FindFakeCounters().reset == nullptr) {
+    GTEST_SKIP() << "needs the fake CUDA of tests/nccl/fake to see the order of the copies";
+  }
+  using CopyOrder = size_t (*)(char* out, size_t capacity);
+  CopyOrder order = nullptr;
+  for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+    if (void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
+      order = reinterpret_cast<CopyOrder>(dlsym(handle, "collectivesFakeCudaCopyOrder"));
+      dlclose(handle);
+      if (order != nullptr) break;
+    }
+  }
+  ASSERT_NE(order, nullptr);
+  const size_t count = 4 * ring::CudaStagingBytes() / 4;  // f32: exactly 4 segments
+  DeviceBuffer data(api, 0, DataType::kFloat32, count);
+  std::vector<float> host(count, 1.0f);
+  data.Upload(host.data());
+  ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
+  FindFakeCounters().reset();
+  RunRanks(Transport::kInProcess, 1, SmallChunks(), [&](CollectiveCommunication& comm) {
+    comm.AllReduce(data.tensor(), data.tensor(), ReduceOp::kSum);
+  });
+  char text[256];
+  order(text, sizeof(text));
+  EXPECT_EQ(std::string(text), "iioioioo");
+}
+
+// ---- Refusals ----
+
+TEST(StagedRefusalTest, CudaTensorsElsewhereAndMismatchedDevicesAreRefusedByName) {
+  COLLECTIVES_REQUIRE_CUDA();
+  RunRanks(Transport::kInProcess, 1, SmallChunks(), [&](CollectiveCommunication& comm) {
+    DeviceBuffer device(api, 0, DataType::kFloat32, 16);
+    std::vector<float> host(16, 1.0f);
+    const Tensor on_host{host.data(), 16, DataType::kFloat32};
+    // A collective that does not stage CUDA tensors.
+    try {
+      comm.Gather(device.tensor(), device.tensor(), 0);
+      ADD_FAILURE() << "gather of a CUDA tensor: expected kNotSupported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
+      EXPECT_NE(e.message().find("cuda:0"), std::string::npos) << e.what();
+    }
+    // send on the device, recv on the host.
+    try {
+      comm.AllReduce(device.tensor(), on_host, ReduceOp::kSum);
+      ADD_FAILURE() << "send and recv on two devices: expected kInvalidArgument";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find("one device"), std::string::npos) << e.what();
+    }
+    // Host memory that claims to be on cuda:0.
+    try {
+      const Tensor lying{host.data(), 16, DataType::kFloat32, Device::Cuda(0)};
+      comm.AllReduce(lying, lying, ReduceOp::kSum);
+      ADD_FAILURE() << "host memory as cuda:0: expected kInvalidArgument";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find("host memory"), std::string::npos) << e.what();
+    }
+    if (api.device_count >= 2) {  // memory of cuda:0 named as cuda:1
+      try {
+        Tensor wrong = device.tensor();
+        wrong.device = Device::Cuda(1);
+        comm.AllReduce(wrong, wrong, ReduceOp::kSum);
+        ADD_FAILURE() << "memory of cuda:0 as cuda:1: expected kInvalidArgument";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+        EXPECT_NE(e.message().find("memory of cuda:0"), std::string::npos) << e.what();
+      }
+    }
+    // The communicator still works after refusals (they are argument errors, not failures).
+    comm.AllReduce(device.tensor(), device.tensor(), ReduceOp::kSum);
+  });
+}
+
+#endif  // COLLECTIVES_WITH_NCCL
+
+}  // namespace
+}  // namespace collectives::testing
