@@ -17,6 +17,7 @@ STRATEGIES=(
   "default|--strategy default"
   "one_device|--strategy one_device"
   "mirrored, 2 replicas|--strategy mirrored --replicas 2"
+  "central_storage, 2 replicas|--strategy central_storage --replicas 2"
   "multi_worker, 2 workers|--workers 2"
   "parameter_server, 2 workers, 2 ps|--strategy parameter_server --workers 2 --ps 2"
 )
