@@ -104,18 +104,42 @@ struct Partitioner {
   static Partitioner MaxShardBytes(size_t bytes) { return {0, bytes}; }
 };
 
+// The learning rate the parameter servers use for an update, as a function of the updates that
+// variable shard has received before it (Keras evaluates a LearningRateSchedule at
+// optimizer.iterations the same way): "none" keeps the optimizer's learning_rate; "cosine" is
+// Keras' CosineDecay from learning_rate to 0 over decay_steps updates (alpha 0), then 0.
+//   rate(k) = learning_rate * 0.5 * (1 + cos(pi * min(k, decay_steps) / decay_steps))
+// The count is the shard's own: it is read and advanced under the shard's lock with the update,
+// so every update sees one rate and the count travels with the shard into checkpoints (a
+// restored job continues the schedule where it stopped). A step number sent with each push
+// would need no such care, but asynchronous pushes land out of order, so it would run backwards
+// and repeat when a lost worker's step is run again.
+struct PsLearningRateSchedule {
+  std::string decay = "none";  // "none" or "cosine"
+  int64_t decay_steps = 0;     // "cosine": updates until the rate reaches 0 (> 0)
+
+  static PsLearningRateSchedule Constant() { return {}; }
+  static PsLearningRateSchedule CosineDecay(int64_t decay_steps) { return {"cosine", decay_steps}; }
+};
+
 // The optimizer the parameter servers apply to pushed gradients, with Keras' formulas (as Sgd
 // and Adam in strategy.h): "sgd" (slot "momentum" when momentum > 0) or "adam" (slots "m" and
-// "v"). Slots live beside their variable's shard, on the same parameter server. The step count
-// t of Adam's bias correction is the number of updates that shard has received (every step
-// pushes every variable, so it is the number of steps applied).
+// "v"), at the learning rate of `schedule`. Slots live beside their variable's shard, on the
+// same parameter server. The step count t of Adam's bias correction is the number of updates
+// that shard has received (every step pushes every variable, so it is the number of steps
+// applied).
 struct PsOptimizer {
   std::string name = "sgd";  // "sgd" or "adam"
   SgdOptions sgd{};
   AdamOptions adam{};
+  PsLearningRateSchedule schedule{};  // Default: constant
 
-  static PsOptimizer Sgd(SgdOptions options = {}) { return {"sgd", options, {}}; }
-  static PsOptimizer Adam(AdamOptions options = {}) { return {"adam", {}, options}; }
+  static PsOptimizer Sgd(SgdOptions options = {}, PsLearningRateSchedule schedule = {}) {
+    return {"sgd", options, {}, std::move(schedule)};
+  }
+  static PsOptimizer Adam(AdamOptions options = {}, PsLearningRateSchedule schedule = {}) {
+    return {"adam", {}, options, std::move(schedule)};
+  }
 };
 
 struct ParameterServerOptions {

@@ -17,6 +17,7 @@
 #include "collectives/parameter_server.h"
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -178,7 +179,29 @@ OptimizerConfig OptimizerConfig::From(const PsOptimizer& optimizer) {
   } else {
     Invalid("PsOptimizer: unknown optimizer '" + optimizer.name + "' (\"sgd\" or \"adam\")");
   }
+  const PsLearningRateSchedule& schedule = optimizer.schedule;
+  if (schedule.decay == "none" || schedule.decay == "constant") {
+    c.decay = kConstant;
+  } else if (schedule.decay == "cosine") {
+    if (schedule.decay_steps <= 0) {
+      Invalid("PsOptimizer: cosine decay needs decay_steps > 0, got " +
+              std::to_string(schedule.decay_steps));
+    }
+    c.decay = kCosine;
+    c.decay_steps = schedule.decay_steps;
+  } else {
+    Invalid("PsOptimizer: unknown learning-rate decay '" + schedule.decay +
+            "' (\"none\" or \"cosine\")");
+  }
   return c;
+}
+
+double OptimizerConfig::LearningRate(int64_t updates) const {
+  const double rate = static_cast<double>(learning_rate);
+  if (decay == kConstant) return rate;
+  const double progress = static_cast<double>(std::min(updates, decay_steps)) /
+                          static_cast<double>(decay_steps);
+  return rate * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
 std::vector<std::string> OptimizerConfig::slot_names() const {

@@ -6,6 +6,7 @@
 #ifndef COLLECTIVES_SRC_STRATEGY_PARAMETER_SERVER_INTERNAL_H_
 #define COLLECTIVES_SRC_STRATEGY_PARAMETER_SERVER_INTERNAL_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,9 @@ struct OptimizerConfig {
   float beta_1 = 0.9f;
   float beta_2 = 0.999f;
   float epsilon = 1e-7f;
+  enum Decay : uint8_t { kConstant = 0, kCosine = 1 };
+  Decay decay = kConstant;
+  int64_t decay_steps = 0;
 
   // Checks the name and the hyperparameters (kInvalidArgument).
   static OptimizerConfig From(const PsOptimizer& optimizer);
@@ -51,6 +55,8 @@ struct OptimizerConfig {
   // As strategy.h's optimizers name themselves and their slots in checkpoints.
   std::string name() const { return kind == kAdam ? "Adam" : "SGD"; }
   std::vector<std::string> slot_names() const;
+  // The learning rate of the update that follows `updates` updates (PsLearningRateSchedule).
+  double LearningRate(int64_t updates) const;
 
   void Write(Out& out) const {
     out.U8(kind);
@@ -60,6 +66,8 @@ struct OptimizerConfig {
     out.F32(beta_1);
     out.F32(beta_2);
     out.F32(epsilon);
+    out.U8(decay);
+    out.I64(decay_steps);
   }
   static OptimizerConfig Read(In& in) {
     OptimizerConfig c;
@@ -72,6 +80,10 @@ struct OptimizerConfig {
     c.beta_1 = in.F32();
     c.beta_2 = in.F32();
     c.epsilon = in.F32();
+    const uint8_t decay = in.U8();
+    if (decay > kCosine) throw Error(ErrorCode::kInvalidArgument, "unknown learning-rate decay");
+    c.decay = static_cast<Decay>(decay);
+    c.decay_steps = in.I64();
     return c;
   }
 };

@@ -255,27 +255,30 @@ struct Shard {
   int64_t updates = 0;
 };
 
-// Keras' SGD and Adam, as Sgd::Update and Adam::Update in optimizer.cc (step counts from 1).
+// Keras' SGD and Adam, as Sgd::Update and Adam::Update in optimizer.cc (step counts from 1),
+// at the schedule's rate for the updates before this one. The caller holds the shard's lock, so
+// the count this reads and advances is the one the update is made with.
 void ApplyUpdate(Shard& s, const float* g) {
   const size_t n = s.value.size();
   float* w = s.value.data();
   const OptimizerConfig& o = s.optimizer;
   const int64_t step = ++s.updates;
+  const double rate = o.LearningRate(step - 1);
   if (o.kind == OptimizerConfig::kSgd) {
+    const float lr = static_cast<float>(rate);
     if (s.slots.empty()) {
-      for (size_t i = 0; i < n; ++i) w[i] -= o.learning_rate * g[i];
+      for (size_t i = 0; i < n; ++i) w[i] -= lr * g[i];
       return;
     }
     float* v = s.slots[0].data();
     for (size_t i = 0; i < n; ++i) {
-      v[i] = o.momentum * v[i] - o.learning_rate * g[i];
-      w[i] += o.nesterov ? o.momentum * v[i] - o.learning_rate * g[i] : v[i];
+      v[i] = o.momentum * v[i] - lr * g[i];
+      w[i] += o.nesterov ? o.momentum * v[i] - lr * g[i] : v[i];
     }
     return;
   }
   const double t = static_cast<double>(step);
-  const float lr_t = static_cast<float>(static_cast<double>(o.learning_rate) *
-                                        std::sqrt(1.0 - std::pow(double(o.beta_2), t)) /
+  const float lr_t = static_cast<float>(rate * std::sqrt(1.0 - std::pow(double(o.beta_2), t)) /
                                         (1.0 - std::pow(double(o.beta_1), t)));
   float* m = s.slots[0].data();
   float* v = s.slots[1].data();

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -473,6 +474,116 @@ TEST(ParameterServerTest, AdamOnTheParameterServersEqualsAReferenceAdam) {
   const std::vector<float> got = strategy.Read("w");
   for (size_t j = 0; j < kCount; ++j) EXPECT_NEAR(got[j], w[j], 2e-5) << j;
   EXPECT_EQ(strategy.iterations(), kSteps);
+}
+
+// Keras' CosineDecay, written out here: `rate` to 0 over `decay_steps` updates, then 0.
+double CosineRate(double rate, int64_t decay_steps, int64_t k) {
+  return rate * 0.5 * (1 + std::cos(M_PI * double(std::min(k, decay_steps)) / double(decay_steps)));
+}
+
+// Keras' Adam in double from `w`, steps 1..steps with gradient AdamGradient(t) and learning rate
+// CosineRate(rate, decay_steps, t - 1) (the schedule at the updates before step t).
+std::vector<double> ReferenceCosineAdam(std::vector<double> w, int steps, double rate,
+                                        int64_t decay_steps) {
+  std::vector<double> m(w.size(), 0.0), v(w.size(), 0.0);
+  for (int t = 1; t <= steps; ++t) {
+    const std::vector<float> g = AdamGradient(t, w.size());
+    const double lr_t = CosineRate(rate, decay_steps, t - 1) * std::sqrt(1 - std::pow(0.999, t)) /
+                        (1 - std::pow(0.9, t));
+    for (size_t j = 0; j < w.size(); ++j) {
+      m[j] = 0.9 * m[j] + 0.1 * g[j];
+      v[j] = 0.999 * v[j] + 0.001 * double(g[j]) * g[j];
+      w[j] -= lr_t * m[j] / (std::sqrt(v[j]) + 1e-7);
+    }
+  }
+  return w;
+}
+
+TEST(ParameterServerTest, CosineDecayOnTheParameterServersEqualsAReferenceAdam) {
+  ThreadCluster cluster(2, 1);
+  ParameterServerOptions options = cluster.options();
+  options.partitioner = Partitioner::FixedShards(2);
+  // 30 updates of a schedule over 20: the last 10 at rate 0 (the moments still move).
+  constexpr int64_t kDecaySteps = 20;
+  constexpr int kSteps = 30;
+  options.optimizer = PsOptimizer::Adam({.learning_rate = 0.05f},
+                                        PsLearningRateSchedule::CosineDecay(kDecaySteps));
+  ParameterServerStrategy strategy(options);
+  constexpr size_t kCount = 12;
+  strategy.CreateVariable("w", {4, 3}, PatternInit(0.1f));
+  ClusterCoordinator coordinator(strategy);
+  // One worker: the steps land in the order scheduled.
+  for (int i = 1; i <= kSteps; ++i) coordinator.Schedule("adam_step", std::to_string(i));
+  coordinator.Join(milliseconds(30'000));
+
+  std::vector<double> w0(kCount);
+  for (size_t j = 0; j < kCount; ++j) w0[j] = Pattern(j, 0.1f);
+  const std::vector<double> want = ReferenceCosineAdam(w0, kSteps, 0.05, kDecaySteps);
+  const std::vector<double> constant = ReferenceCosineAdam(w0, kSteps, 0.05, 1'000'000'000);
+  const std::vector<float> got = strategy.Read("w");
+  double apart = 0;  // how far a constant rate ends from the schedule
+  for (size_t j = 0; j < kCount; ++j) {
+    EXPECT_NEAR(got[j], want[j], 2e-5) << j;
+    apart = std::max(apart, std::abs(constant[j] - want[j]));
+  }
+  EXPECT_GT(apart, 1e-2);  // the tolerance above tells the two apart
+  EXPECT_EQ(strategy.iterations(), kSteps);
+
+  // A cosine without a length, or an unknown decay, is refused before anything is sent.
+  for (const PsLearningRateSchedule& bad :
+       {PsLearningRateSchedule::CosineDecay(0), PsLearningRateSchedule{"linear", 10}}) {
+    ParameterServerOptions refused = cluster.options();
+    refused.optimizer = PsOptimizer::Sgd({}, bad);
+    try {
+      ParameterServerStrategy other(refused);
+      ADD_FAILURE() << "decay '" << bad.decay << "' over " << bad.decay_steps << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    }
+  }
+}
+
+TEST(ParameterServerTest, ACheckpointRestoresTheSchedulesPosition) {
+  ThreadCluster cluster(2, 1);
+  const fs::path dir = fs::temp_directory_path() /
+                       ("collectives_ps_lr_ckpt_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  ParameterServerOptions options = cluster.options();
+  options.partitioner = Partitioner::FixedShards(2);
+  constexpr int64_t kDecaySteps = 24;
+  constexpr int kBefore = 10, kAfter = 14;
+  options.optimizer = PsOptimizer::Adam({.learning_rate = 0.05f},
+                                        PsLearningRateSchedule::CosineDecay(kDecaySteps));
+  {
+    ParameterServerStrategy strategy(options);
+    strategy.CreateVariable("w", {6}, PatternInit(0.3f));
+    ClusterCoordinator coordinator(strategy);
+    for (int i = 1; i <= kBefore; ++i) coordinator.Schedule("adam_step", std::to_string(i));
+    coordinator.Join(milliseconds(30'000));
+    strategy.SaveCheckpoint(dir.string(), {1, 0});
+    // Steps the checkpoint does not hold, then the coordinator goes away.
+    for (int i = 0; i < 5; ++i) coordinator.Schedule("adam_step", "99");
+    coordinator.Join(milliseconds(30'000));
+  }
+  // A new coordinator creates the variable afresh (its count at 0) and restores the checkpoint:
+  // the schedule goes on from update kBefore, not from the start.
+  ParameterServerStrategy strategy(options);
+  strategy.CreateVariable("w", {6}, Zeros());
+  ASSERT_TRUE(strategy.RestoreCheckpoint(dir.string()).has_value());
+  EXPECT_EQ(strategy.iterations(), kBefore);
+  ClusterCoordinator coordinator(strategy);
+  for (int i = kBefore + 1; i <= kBefore + kAfter; ++i) {
+    coordinator.Schedule("adam_step", std::to_string(i));
+  }
+  coordinator.Join(milliseconds(30'000));
+
+  std::vector<double> w0(6);
+  for (size_t j = 0; j < 6; ++j) w0[j] = Pattern(j, 0.3f);
+  const std::vector<double> want = ReferenceCosineAdam(w0, kBefore + kAfter, 0.05, kDecaySteps);
+  const std::vector<float> got = strategy.Read("w");
+  for (size_t j = 0; j < 6; ++j) EXPECT_NEAR(got[j], want[j], 2e-5) << j;
+  EXPECT_EQ(strategy.iterations(), kBefore + kAfter);
+  fs::remove_all(dir);
 }
 
 TEST(ParameterServerTest, ScheduleFetchJoinAndStepErrors) {
