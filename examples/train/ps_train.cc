@@ -336,7 +336,15 @@ int RunCoordinator(const ParameterServerTrainOptions& o, st::ParameterServerOpti
       o.data_dir.c_str(), train_set.count, test.count, train_set.rows, train_set.cols);
 
   ps_options.partitioner = st::Partitioner::MaxShardBytes(o.max_shard_bytes);
-  ps_options.optimizer = st::PsOptimizer::Adam({.learning_rate = o.learning_rate});
+  // Every step pushes every variable, so a shard's update count is the run's step count and the
+  // cosine reaches 0 at the run's last step, as the synchronous demo's does (a step run again
+  // after its worker was lost pushes twice and moves the curve one update on).
+  const auto decay_steps = static_cast<int64_t>(steps) * o.epochs;
+  ps_options.optimizer = st::PsOptimizer::Adam(
+      {.learning_rate = o.learning_rate},
+      o.learning_rate_decay == "cosine" && decay_steps > 0
+          ? st::PsLearningRateSchedule::CosineDecay(decay_steps)
+          : st::PsLearningRateSchedule::Constant());
   st::ParameterServerStrategy strategy(ps_options);
   Say("strategy: %s, %d worker%s, %d parameter server%s; variables over %zu bytes in shards\n",
       strategy.name().c_str(), strategy.num_workers(), strategy.num_workers() == 1 ? "" : "s",
@@ -351,10 +359,12 @@ int RunCoordinator(const ParameterServerTrainOptions& o, st::ParameterServerOpti
                             });
   }
   Say("variables: %s\n", DescribePlacement(strategy.variables()).c_str());
-  Say("model: %s, %zu parameters; Adam at the parameter servers, learning rate %g; %zu examples "
-      "per step, %zu steps per epoch\n",
+  Say("model: %s, %zu parameters; Adam at the parameter servers, learning rate %g%s; %zu "
+      "examples per step, %zu steps per epoch\n",
       model->Describe().c_str(), model->TotalParameterCount(),
-      static_cast<double>(o.learning_rate), o.batch, steps);
+      static_cast<double>(o.learning_rate),
+      ps_options.optimizer.schedule.decay == "cosine" ? " with cosine decay to 0 over the run" : "",
+      o.batch, steps);
 
   st::TrainingState start;
   if (!o.checkpoint_dir.empty()) {

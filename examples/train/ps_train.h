@@ -27,6 +27,7 @@ struct ParameterServerTrainOptions {
   size_t batch = 256;           // examples per scheduled step (one worker's batch)
   int epochs = 3;               // the training covers epochs x the training examples
   float learning_rate = 1e-3f;  // Adam's, applied by the parameter servers
+  std::string learning_rate_decay = "cosine";  // "cosine": to 0 over epochs x steps; "none"
   uint64_t seed = 42;           // initial values and the shuffle of every epoch
   std::string checkpoint_dir;   // resume from it at start, save at every epoch's end
   int64_t save_every_steps = 0; // also save every N steps of an epoch

@@ -677,13 +677,14 @@ int main(int argc, char** argv) {
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
   // Every task of the cluster runs this; its role comes from TF_CONFIG (ps_train.h). A step is
   // one worker's batch: --batch-per-replica when given, else --global-batch. The parameter
-  // servers' Adam keeps its learning rate: --learning-rate-decay does not apply.
+  // servers' Adam follows --learning-rate-decay over the run's steps, as the replicas' does.
   if (o.strategy == "parameter_server") {
     return train::TrainParameterServer(
         {.model = o.model,
          .batch = o.batch_per_replica > 0 ? o.batch_per_replica : o.global_batch,
          .epochs = o.epochs,
          .learning_rate = o.learning_rate,
+         .learning_rate_decay = o.learning_rate_decay,
          .seed = o.seed,
          .checkpoint_dir = o.checkpoint_dir,
          .save_every_steps = o.save_every_steps,
