@@ -259,10 +259,13 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   tcp.key_prefix = rendezvous.key_prefix;
   tcp.bind_host = rendezvous.bind_host;
   tcp.cancelled = cancelled;
-  // Connections on demand: the set-up connects only what the algorithms use on every call
-  // (ring::PeersAtSetUp, O(log size)); COLLECTIVES_CONNECT=all connects every pair instead.
+  // Every pair connects at set-up, unless COLLECTIVES_CONNECT=on_demand: then the set-up connects
+  // only what the algorithms use on every call (ring::PeersAtSetUp, O(log size)) and the rest
+  // at first use. The full mesh stays the default: on demand, a rank that breaks on a mismatch
+  // may reach a peer over a connection made on demand as a closed socket before its abort frame
+  // arrives over the set-up's, so that peer can report the rank as lost instead of the mismatch.
   const char* connect = std::getenv("COLLECTIVES_CONNECT");
-  if (connect == nullptr || std::string(connect) != "all") {
+  if (connect != nullptr && std::string(connect) == "on_demand") {
     tcp.on_demand = true;
     tcp.peers_at_setup = ring::PeersAtSetUp(rank, size);
     tcp.address_store = store;

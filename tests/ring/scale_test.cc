@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +42,13 @@ double After(const std::string& text, const std::string& key) {
   if (at == std::string::npos) return -1;
   return std::stod(text.substr(at + key.size()));
 }
+
+// Every worker inherits COLLECTIVES_CONNECT=on_demand (the default connects every pair).
+class OnDemand : public ::testing::Environment {
+ public:
+  void SetUp() override { setenv("COLLECTIVES_CONNECT", "on_demand", 1); }
+};
+const auto* const kOnDemand = ::testing::AddGlobalTestEnvironment(new OnDemand);
 
 class ScaleTest : public ::testing::TestWithParam<int> {};
 
