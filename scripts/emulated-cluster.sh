@@ -22,7 +22,8 @@
 # Options:
 #   --hosts H (default 4), --ranks R per host (default 2)
 #   --sizes full (default): 8 B to 64 MiB (x8 to 32 KiB, then 256 KiB, 1, 4, 16, 64 MiB); up to
-#           1 MiB the median of 3 rounds, above it one round of 2 calls (a few minutes at
+#           32 KiB the median of 7 rounds of 50 calls, to 1 MiB of 3 rounds, above it one round
+#           of 2 calls (a few minutes at
 #           1 Gbit/s); quick: 8 B and 64 KiB, one round of 3 calls, for a smoke test; or a list
 #           of byte sizes ("8 1M"), each the median of 3 rounds of 5 calls.
 #   --check  verify every call's result on every rank (collectives_perf and gloo_perf --check)
@@ -248,7 +249,7 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "${NP}" --host "${host_li
 SWEEPS=()
 case ${SIZES_MODE} in
   full)
-    SWEEPS+=("-b 8 -e 32K -f 8 -n 30 -w 5 -r 3")
+    SWEEPS+=("-b 8 -e 32K -f 8 -n 50 -w 5 -r 7")
     SWEEPS+=("-b 256K -e 1M -f 4 -n 6 -w 2 -r 3")
     SWEEPS+=("-b 4M -e 64M -f 4 -n 2 -w 1") ;;
   quick) SWEEPS+=("-b 8 -e 64K -f 8192 -n 3 -w 1") ;;
