@@ -292,12 +292,18 @@ run_parameter_server() {
 }
 
 # throughput LABEL COMMAND...: runs it, echoes its output, and sets $samples_per_s.
+# The copy goes through this script's own stderr (tee /dev/stderr would open the caller's file
+# again and truncate it when stderr is a file).
 samples_per_s=0
 throughput() {
-  local label=$1 out
+  local label=$1 out copy rc=0
   shift
   echo "== ${label} =="
-  out=$("$@" | tee /dev/stderr)
+  copy=$(mktemp)
+  "$@" | tee "${copy}" >&2 || rc=$?
+  out=$(<"${copy}")
+  rm -f "${copy}"
+  if [[ ${rc} != 0 ]]; then exit "${rc}"; fi
   samples_per_s=$(sed -n 's/^throughput: \([0-9.]*\) samples\/s.*/\1/p' <<<"$out" | tail -1)
   if [[ -z ${samples_per_s} ]]; then
     echo "train.sh: no throughput line from ${label}" >&2
