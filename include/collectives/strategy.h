@@ -538,6 +538,11 @@ struct AdamOptions {
   float beta_1 = 0.9f;
   float beta_2 = 0.999f;
   float epsilon = 1e-7f;
+  // Keras' LearningRateSchedule: when set, the rate of an update is
+  // learning_rate_schedule(iterations before it) instead of learning_rate. Called from every
+  // replica's thread: a pure function of its argument. A schedule that returns learning_rate
+  // gives learning_rate's weights bit for bit.
+  std::function<double(int64_t iterations)> learning_rate_schedule{};
 };
 // Keras Adam: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps).

@@ -292,9 +292,10 @@ void Adam::Update(std::span<float> variable, std::span<const float> gradient,
   // Keras: lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t), computed once per step in double;
   // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= lr_t * m / (sqrt(v) + eps).
   const double t = static_cast<double>(step);
+  const double rate = options_.learning_rate_schedule ? options_.learning_rate_schedule(step - 1)
+                                                      : static_cast<double>(options_.learning_rate);
   const float lr_t = static_cast<float>(
-      static_cast<double>(options_.learning_rate) *
-      std::sqrt(1.0 - std::pow(static_cast<double>(options_.beta_2), t)) /
+      rate * std::sqrt(1.0 - std::pow(static_cast<double>(options_.beta_2), t)) /
       (1.0 - std::pow(static_cast<double>(options_.beta_1), t)));
   const float b1 = options_.beta_1;
   const float b2 = options_.beta_2;
