@@ -3,7 +3,7 @@
 //
 // Vocabulary (as in tf.distribute):
 //   - a *replica* is one copy of the model; a *worker* is one process; a worker runs one or more
-//     *local replicas* (threads, each with a CPU device).
+//     *local replicas* (threads, each with a device: the CPU, or one CUDA device per replica).
 //   - NumReplicasInSync() = workers x local replicas. Every replica of every worker takes part in
 //     every cross-replica reduction.
 //   - *cross-replica context*: the caller's thread, outside Run(). *replica context*: inside the
@@ -69,8 +69,13 @@ using PerReplica = std::vector<T>;
 //   kHierarchicalCopy: every replica reduces a 1/N slice of each tensor from all replicas (a
 //     reduce-scatter in shared memory, all threads busy), then every replica copies the slices it
 //     does not own (an all-gather). The CPU equivalent of TF's hierarchical copy.
-//   kNccl: NCCL among local GPUs. Not supported for CPU replicas (kNotSupported).
-//   kAuto: kNccl when every local replica is a CUDA device and NCCL is built, else
+//   kNccl: NCCL among local GPUs: one NCCL communicator per replica, joined inside the process
+//     (through an in-memory store); each replica all-reduces its own device's tensors in place
+//     (host tensors are staged through its device's memory). With several workers the replicas
+//     reduce onto replica 0, which all-reduces with the other workers over the strategy's
+//     communicator through host copies, then broadcasts the result. CUDA replicas need it; CPU
+//     replicas, and a build or machine without NCCL, get kNotSupported naming why.
+//   kAuto: kNccl when every local replica is a CUDA device (then NCCL must be usable), else
 //     kHierarchicalCopy.
 enum class CrossDeviceOps { kAuto, kReductionToOneDevice, kHierarchicalCopy, kNccl };
 const char* ToString(CrossDeviceOps ops);
@@ -94,11 +99,19 @@ Initializer GlorotUniform(size_t fan_in, size_t fan_out, uint64_t seed);
 //     (value(0).data() == value(1).data()). Inside Strategy::Run the replicas only read it: the
 //     optimizer writes it once per ApplyGradients, on one replica's thread, while every other
 //     replica waits inside that call. A replica that writes it itself races with the others.
+//
+// Devices: a mirrored variable of a strategy whose replicas are CUDA devices keeps replica i's
+// copy in the memory of its device (cudaMalloc): tensor(i) is a Tensor on cuda:N, value(i) and
+// data(i) throw kInvalidUsage (host code cannot read that memory), and Read and Write copy
+// through the CUDA runtime. Copies of CPU replicas are host memory, as above.
 class MirroredVariable {
  public:
   enum class Placement { kMirrored, kCentral };
   MirroredVariable(std::string name, std::vector<size_t> shape, int num_local_replicas,
                    Placement placement = Placement::kMirrored);
+  // Mirrored, one copy per local replica on devices[i] (CPU or CUDA). Throws kNotSupported
+  // naming why when a CUDA device is asked for and CUDA is not available.
+  MirroredVariable(std::string name, std::vector<size_t> shape, std::vector<Device> devices);
   MirroredVariable(const MirroredVariable&) = delete;
   MirroredVariable& operator=(const MirroredVariable&) = delete;
 
@@ -108,14 +121,26 @@ class MirroredVariable {
   int num_local_replicas() const { return num_local_replicas_; }
   Placement placement() const { return placement_; }
   // Copies in memory: num_local_replicas() when mirrored, 1 when central.
-  int num_copies() const { return static_cast<int>(copies_.size()); }
+  int num_copies() const {
+    return static_cast<int>(on_device() ? device_copies_.size() : copies_.size());
+  }
 
   // The value local replica `local_replica` sees (0 <= id < num_local_replicas()): its own copy
-  // when mirrored, the central copy when central.
+  // when mirrored, the central copy when central. Host memory only: kInvalidUsage for a copy in
+  // device memory (use tensor, Read and Write).
   std::span<float> value(int local_replica);
   std::span<const float> value(int local_replica) const;
   float* data(int local_replica) { return value(local_replica).data(); }
+  // The copy as a tensor on its device (device memory for a CUDA replica).
   Tensor tensor(int local_replica);
+  // Where local replica `local_replica`'s copy lives.
+  Device device(int local_replica) const;
+  // True when any copy is in CUDA memory.
+  bool on_device() const { return !device_copies_.empty(); }
+  // Copies of one copy's value to and from the host, wherever it lives (cudaMemcpy for device
+  // memory). Write changes that copy alone: the caller keeps the copies identical.
+  std::vector<float> Read(int local_replica) const;
+  void Write(int local_replica, std::span<const float> value);
 
   // Cross-replica context: sets every local copy to `value` (count() elements). The caller sets
   // the same value on every worker (for example after reading a checkpoint). On a variable of a
@@ -133,7 +158,9 @@ class MirroredVariable {
   size_t count_ = 0;
   int num_local_replicas_ = 1;
   Placement placement_ = Placement::kMirrored;
-  std::vector<std::vector<float>> copies_;
+  std::vector<Device> devices_;                    // one per local replica
+  std::vector<std::vector<float>> copies_;         // host copies (empty when on_device())
+  std::vector<std::shared_ptr<void>> device_copies_;  // device copies, one per replica
 };
 
 // What a function given to Strategy::Run sees: who this replica is, and the cross-replica
@@ -290,10 +317,17 @@ class OneDeviceStrategy : public Strategy {
   explicit OneDeviceStrategy(Device device = Device::Cpu());
 };
 
+// Local replicas' devices from text: "cpu" (one CPU replica), "gpu" (one replica per visible
+// CUDA device), or a comma-separated list ("cuda:0,cuda:1"; "cpu,cpu" gives two CPU replicas).
+// kNotSupported naming why for "gpu" without CUDA or without a visible device; kInvalidArgument
+// for anything else, a CUDA device named twice, or CPU and CUDA devices mixed.
+std::vector<Device> ParseDevices(const std::string& spec);
+
 struct MirroredOptions {
   // Number of local CPU replicas (threads). 0: one.
   int num_replicas = 0;
-  // Explicit devices; overrides num_replicas when not empty.
+  // Explicit devices; overrides num_replicas when not empty. CUDA devices (ParseDevices("gpu"))
+  // give GPU replicas: variables in device memory, cross_device_ops kNccl (kAuto picks it).
   std::vector<Device> devices{};
   CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
   // Packer bucket cap for cross-replica all-reduces. 0: packing::DefaultBytesPerPack(comm).
@@ -347,6 +381,9 @@ struct MultiWorkerOptions {
   std::shared_ptr<Store> store{};
   // Local replicas per worker and how they reduce among themselves, as for MirroredStrategy.
   int num_local_replicas = 1;
+  // Explicit local devices; overrides num_local_replicas when not empty (as
+  // MirroredOptions::devices). Every worker runs as many local replicas.
+  std::vector<Device> local_devices{};
   CrossDeviceOps cross_device_ops = CrossDeviceOps::kAuto;
   // RING, NCCL or AUTO between workers, timeout, bytes_per_pack, job token.
   CommunicationOptions communication{};
@@ -458,6 +495,16 @@ class Optimizer {
   // then copy the sum into their gradients; every replica returns with the new values.
   void ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
                       const std::vector<std::span<float>>& gradients);
+  // The same with gradients as float32 tensors: in host memory, or (GPU replicas) in the memory
+  // of ctx's device, reduced there in place by NCCL.
+  //
+  // Variables in device memory: the update itself runs on the host, since the library has no
+  // CUDA kernels: each replica copies the summed gradient and its copy of the variable to the
+  // host (cudaMemcpy), updates them with its slots (kept in host memory), and copies the
+  // variable back. Per step and variable that is three transfers of count() floats over the
+  // bus per replica (gradient and variable down, variable up), serialised with the step.
+  void ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
+                      const std::vector<Tensor>& gradients);
   // Applies already-summed gradients without any communication (for a caller that reduced them
   // itself). Same update as ApplyGradients. On CentralStorageStrategy the update is applied
   // once: with local_replica 0's gradients, by that call; the other replicas' calls apply

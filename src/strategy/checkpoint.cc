@@ -501,8 +501,7 @@ Contents Collect(Strategy& strategy, const Optimizer* optimizer, TrainingState s
   Contents c;
   c.state = state;
   for (MirroredVariable* v : strategy.variables()) {
-    const std::span<const float> value = std::as_const(*v).value(0);
-    c.entries.push_back(Entry{Entry::kVariable, v->name(), v->shape(), {value.begin(), value.end()}});
+    c.entries.push_back(Entry{Entry::kVariable, v->name(), v->shape(), v->Read(0)});
   }
   if (optimizer != nullptr) {
     c.optimizer = optimizer->name();

@@ -22,6 +22,7 @@
 
 #include "collectives/errors.h"
 #include "collectives/strategy.h"
+#include "src/strategy/device.h"
 #include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
@@ -97,6 +98,49 @@ void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVa
   ApplyReducedGradients(r, variables, summed);
 }
 
+void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVariable*>& variables,
+                               const std::vector<Tensor>& gradients) {
+  const int r = ctx.local_replica_id();
+  const std::string where =
+      strategy_.impl().who() + "replica " + std::to_string(r) + ": " + name_ + ".ApplyGradients: ";
+  if (variables.size() != gradients.size()) {
+    Invalid(where + std::to_string(gradients.size()) + " gradients for " +
+            std::to_string(variables.size()) + " variables");
+  }
+  bool all_host = true;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (gradients[i].dtype != DataType::kFloat32) {
+      Invalid(where + "gradient " + std::to_string(i) + " is " + ToString(gradients[i].dtype) +
+              ", not float32");
+    }
+    all_host = all_host && gradients[i].device.kind == Device::Kind::kCpu;
+  }
+  if (all_host) {
+    std::vector<std::span<float>> spans;
+    for (const Tensor& t : gradients) spans.emplace_back(static_cast<float*>(t.data), t.count);
+    ApplyGradients(ctx, variables, spans);
+    return;
+  }
+  if (strategy_.impl().central()) {
+    Invalid(where + "central variables take host gradients");
+  }
+  ctx.AllReduce(ReduceOp::kSum, gradients);
+  // The update runs on the host: bring the summed device gradients over.
+  std::vector<std::vector<float>> host(gradients.size());
+  std::vector<std::span<const float>> summed(gradients.size());
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const Tensor& t = gradients[i];
+    if (t.device.kind == Device::Kind::kCpu) {
+      summed[i] = std::span<const float>(static_cast<const float*>(t.data), t.count);
+      continue;
+    }
+    host[i].resize(t.count);
+    internal::CopyToHost(t.device, host[i].data(), t.data, t.bytes());
+    summed[i] = host[i];
+  }
+  ApplyReducedGradients(r, variables, summed);
+}
+
 void Optimizer::ApplyReducedGradients(int local_replica,
                                       const std::vector<MirroredVariable*>& variables,
                                       const std::vector<std::span<const float>>& gradients) {
@@ -151,6 +195,12 @@ void Optimizer::Apply(int local_replica, const std::vector<MirroredVariable*>& v
     auto [it, created] = mine.slots.try_emplace(&v);
     if (created) it->second.assign(slot_names_.size(), std::vector<float>(v.count(), 0.0f));
     for (size_t s = 0; s < slot_names_.size(); ++s) slot_views[s] = it->second[s];
+    if (v.on_device()) {  // no kernels: update a host copy, then copy it back
+      std::vector<float> value = v.Read(local_replica);
+      Update(value, gradients[i], slot_views, step);
+      v.Write(local_replica, value);
+      continue;
+    }
     Update(v.value(local_replica), gradients[i], slot_views, step);
   }
 }

@@ -14,6 +14,7 @@
 
 #include "collectives/errors.h"
 #include "src/core/text.h"
+#include "src/strategy/device.h"
 #include "src/strategy/strategy_impl.h"
 
 namespace collectives::strategy {
@@ -23,27 +24,78 @@ namespace {
   throw Error(ErrorCode::kInvalidArgument, message);
 }
 
-// Local replicas are CPU threads until the NCCL issue brings GPU replicas.
+// The strategies without GPU replicas (one device, central storage): CPU devices only.
 void RequireCpu(const char* strategy, const Device& device) {
   if (device.kind != Device::Kind::kCpu) {
     throw Error(ErrorCode::kNotSupported,
                 std::string(strategy) + ": device " + device.ToString() +
-                    " is not supported: replicas run on the CPU for now (GPU replicas arrive "
-                    "with the NCCL backend)");
+                    " is not supported: its replicas run on the CPU (GPU replicas: "
+                    "MirroredStrategy or MultiWorkerMirroredStrategy with CUDA devices)");
   }
 }
 
-// kAuto -> what it means for CPU replicas; kNccl is refused.
-CrossDeviceOps Resolve(const char* strategy, CrossDeviceOps ops) {
+// Local devices: all CPU, or distinct CUDA devices that exist.
+void CheckDevices(const std::string& strategy, const std::vector<Device>& devices) {
+  const bool cuda = devices[0].kind == Device::Kind::kCuda;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const Device& d = devices[i];
+    if ((d.kind == Device::Kind::kCuda) != cuda) {
+      Invalid(std::string(strategy) + ": local replicas on " + devices[0].ToString() + " and " +
+              d.ToString() + ": the replicas are either all CPU or all CUDA devices");
+    }
+    if (!cuda) continue;
+    for (size_t k = 0; k < i; ++k) {
+      if (devices[k] == d) {
+        Invalid(std::string(strategy) + ": " + d.ToString() +
+                " is named twice: each GPU replica has a device of its own");
+      }
+    }
+  }
+  if (!cuda) return;
+  const int visible = internal::CudaDeviceCount(strategy);  // kNotSupported without CUDA
+  for (const Device& d : devices) {
+    if (d.index < 0 || d.index >= visible) {
+      Invalid(std::string(strategy) + ": " + d.ToString() + " does not exist (" +
+              std::to_string(visible) + " CUDA devices visible)");
+    }
+  }
+}
+
+// kAuto -> what it means for these devices; kNccl needs CUDA replicas and NCCL, CUDA replicas
+// need kNccl (the other two read every replica's memory from the host).
+CrossDeviceOps Resolve(const char* strategy, CrossDeviceOps ops,
+                       const std::vector<Device>& devices) {
+  const bool cuda = devices[0].kind == Device::Kind::kCuda;
+  const auto need_nccl = [&] {
+    if (const std::string why = internal::NcclUnavailableReason(); !why.empty()) {
+      throw Error(ErrorCode::kNotSupported, std::string(strategy) +
+                                                ": GPU replicas reduce with cross_device_ops nccl, "
+                                                "and NCCL is not usable here: " +
+                                                why);
+    }
+    return CrossDeviceOps::kNccl;
+  };
   switch (ops) {
-    case CrossDeviceOps::kAuto: return CrossDeviceOps::kHierarchicalCopy;
+    case CrossDeviceOps::kAuto:
+      return cuda ? need_nccl() : CrossDeviceOps::kHierarchicalCopy;
     case CrossDeviceOps::kReductionToOneDevice:
-    case CrossDeviceOps::kHierarchicalCopy: return ops;
+    case CrossDeviceOps::kHierarchicalCopy:
+      if (cuda) {
+        throw Error(ErrorCode::kNotSupported,
+                    std::string(strategy) + ": cross_device_ops " + ToString(ops) +
+                        " reads every replica's memory from the host, and the replicas are CUDA "
+                        "devices; use nccl (or auto)");
+      }
+      return ops;
     case CrossDeviceOps::kNccl:
-      throw Error(ErrorCode::kNotSupported,
-                  std::string(strategy) +
-                      ": cross_device_ops nccl needs CUDA devices, and the local replicas are "
-                      "CPU threads; use hierarchical_copy or reduction_to_one_device");
+      if (!cuda) {
+        throw Error(ErrorCode::kNotSupported,
+                    std::string(strategy) +
+                        ": cross_device_ops nccl needs CUDA devices, and the local replicas are "
+                        "CPU threads; use hierarchical_copy or reduction_to_one_device (or give "
+                        "CUDA devices)");
+      }
+      return need_nccl();
   }
   Invalid(std::string(strategy) + ": unknown cross_device_ops " +
           std::to_string(static_cast<int>(ops)));
@@ -100,13 +152,13 @@ std::unique_ptr<StrategyImpl> Mirrored(const MirroredOptions& options) {
   StrategyImpl::Config config;
   config.name = "mirrored";
   if (!options.devices.empty()) {
-    for (const Device& d : options.devices) RequireCpu(kWho, d);
+    CheckDevices(kWho, options.devices);
     config.devices = options.devices;
   } else {
     config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_replicas)),
                           Device::Cpu());
   }
-  config.cross_device_ops = Resolve(kWho, options.cross_device_ops);
+  config.cross_device_ops = Resolve(kWho, options.cross_device_ops, config.devices);
   RequirePositive(kWho, options.timeout);
   config.timeout = options.timeout;
   config.bytes_per_pack = options.bytes_per_pack;
@@ -178,9 +230,14 @@ std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
   constexpr const char* kWho = "MultiWorkerMirroredStrategy";
   StrategyImpl::Config config;
   config.name = "multi_worker_mirrored";
-  config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_local_replicas)),
-                        Device::Cpu());
-  config.cross_device_ops = Resolve(kWho, options.cross_device_ops);
+  if (!options.local_devices.empty()) {
+    CheckDevices(kWho, options.local_devices);
+    config.devices = options.local_devices;
+  } else {
+    config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_local_replicas)),
+                          Device::Cpu());
+  }
+  config.cross_device_ops = Resolve(kWho, options.cross_device_ops, config.devices);
   RequirePositive(kWho, options.communication.timeout);
   config.timeout = options.communication.timeout;
   config.bytes_per_pack = options.communication.bytes_per_pack;
@@ -224,6 +281,37 @@ CrossDeviceOps ParseCrossDeviceOps(const std::string& name) {
   if (name == "nccl" || name == "NcclAllReduce") return CrossDeviceOps::kNccl;
   Invalid("unknown cross_device_ops '" + name +
           "' (expected auto, reduction_to_one_device, hierarchical_copy or nccl)");
+}
+
+std::vector<Device> ParseDevices(const std::string& spec) {
+  if (spec == "gpu") {
+    const int visible = internal::CudaDeviceCount("devices 'gpu'");
+    if (visible < 1) {
+      throw Error(ErrorCode::kNotSupported, "devices 'gpu': no CUDA device is visible");
+    }
+    std::vector<Device> out;
+    for (int i = 0; i < visible; ++i) out.push_back(Device::Cuda(i));
+    return out;
+  }
+  std::vector<Device> out;
+  size_t start = 0;
+  while (start <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', start), spec.size());
+    const std::string item = spec.substr(start, comma - start);
+    if (item == "cpu") {
+      out.push_back(Device::Cpu());
+    } else if (item.rfind("cuda:", 0) == 0 && item.size() > 5 && item.size() <= 9 &&
+               std::all_of(item.begin() + 5, item.end(),
+                           [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+      out.push_back(Device::Cuda(std::stoi(item.substr(5))));
+    } else {
+      Invalid("devices '" + core::OneLine(spec, 256) + "': '" + core::OneLine(item, 64) +
+              "' is not a device (expected gpu, or a list of cpu and cuda:N)");
+    }
+    start = comma + 1;
+  }
+  CheckDevices("devices '" + core::OneLine(spec, 256) + "'", out);
+  return out;
 }
 
 // ---- ReplicaContext ----------------------------------------------------------------------------

@@ -25,6 +25,13 @@
 // other replicas; the cross-worker all-reduce gives every worker the same bytes. So every replica
 // of every worker ends with the same bits, which keeps mirrored variables identical.
 //
+// kNccl (GPU replicas): after Enter, every replica works on its own device's memory only: host
+// tensors are copied into a device buffer of the replica; with one worker each replica issues
+// an ncclAllReduce per tensor on its local communicator (local_nccl_, rank r on devices_[r]);
+// with several, an ncclReduce onto replica 0, replica 0's cross-worker step on host copies of
+// its tensors (CrossWorkerStaged), a Step, then an ncclBroadcast from replica 0. No replica
+// reads another's buffers, so no last Step is needed; NCCL gives every rank the same bits.
+//
 // UpdateOnce, CentralStorageStrategy's optimizer step, is kReductionToOneDevice without the copy
 // back before the update: the replicas enter, replica 0 folds every replica's gradients into its
 // own in replica order and runs the update of the central variables while the others wait at a
@@ -49,6 +56,7 @@
 #include "src/core/kernels.h"
 #include "src/core/text.h"
 #include "src/packing/schedule.h"
+#include "src/strategy/device.h"
 
 namespace collectives::strategy {
 namespace {
@@ -182,6 +190,9 @@ StrategyImpl::StrategyImpl(Config config)
   if (devices_.size() > 1) {
     group_ = std::make_unique<LocalGroup>(static_cast<int>(devices_.size()), timeout_, who_);
     group_->SetFailureHook([this](const std::string& reason) { AbortCommunication(reason); });
+    if (cross_device_ops_ == CrossDeviceOps::kNccl) {
+      local_nccl_ = internal::CreateLocalNccl(devices_, timeout_, who_ + name_);
+    }
   }
 }
 
@@ -208,6 +219,8 @@ void StrategyImpl::Refuse(const Error& error) {
 }
 
 void StrategyImpl::AbortCommunication(const std::string& reason) {
+  // The local replicas' NCCL calls wait on each other too: release them.
+  for (const auto& local : local_nccl_) local->Abort();
   if (!comm_) return;
   const Error error(ErrorCode::kAborted,
                     "rank " + std::to_string(comm_->rank()) +
@@ -271,10 +284,13 @@ void StrategyImpl::CheckTensors(int r, const LocalGroup::Call& call,
                                                    " has an unknown dtype " +
                                                    std::to_string(static_cast<int>(t.dtype)));
     }
-    if (t.device.kind != Device::Kind::kCpu) {
+    if (t.device.kind != Device::Kind::kCpu && t.device != devices_[static_cast<size_t>(r)]) {
       throw Error(ErrorCode::kNotSupported, where() + "tensor " + std::to_string(j) + " is on " +
-                                                t.device.ToString() +
-                                                "; the local replicas reduce CPU tensors only");
+                                                t.device.ToString() + "; replica " +
+                                                std::to_string(r) +
+                                                " reduces tensors of the CPU or of its "
+                                                "own device, " +
+                                                devices_[static_cast<size_t>(r)].ToString());
     }
     if (t.data == nullptr && t.count > 0) {
       throw Error(ErrorCode::kInvalidArgument, where() + "tensor " + std::to_string(j) +
@@ -297,13 +313,19 @@ void StrategyImpl::CrossWorker(ReduceOp op, const std::vector<Tensor>& tensors) 
 void StrategyImpl::AllReduce(int r, ReduceOp op, const std::vector<Tensor>& tensors) {
   const LocalGroup::Call call{"all_reduce", ++seq_[r], op};
   CheckTensors(r, call, tensors);
-  if (!group_) {
+  if (!group_ && cross_device_ops_ != CrossDeviceOps::kNccl) {
     CrossWorker(op, tensors);
+    return;
+  }
+  if (!group_) {
+    NcclReduce(r, call, op, tensors);
     return;
   }
   group_->Enter(r, call, tensors);
   try {
-    if (cross_device_ops_ == CrossDeviceOps::kReductionToOneDevice) {
+    if (cross_device_ops_ == CrossDeviceOps::kNccl) {
+      NcclReduce(r, call, op, tensors);
+    } else if (cross_device_ops_ == CrossDeviceOps::kReductionToOneDevice) {
       ReduceToOneDevice(r, call, op, tensors);
     } else {
       HierarchicalCopy(r, call, op, tensors);
@@ -345,6 +367,60 @@ void StrategyImpl::UpdateOnce(int r, const std::vector<Tensor>& tensors,
   } catch (...) {
     group_->Fail(r, std::current_exception());
     throw;
+  }
+}
+
+void StrategyImpl::CrossWorkerStaged(const Device& device, ReduceOp op,
+                                     const std::vector<Tensor>& tensors) {
+  std::vector<std::vector<unsigned char>> host(tensors.size());
+  std::vector<Tensor> views(tensors.size());
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    host[j].resize(tensors[j].bytes());
+    internal::CopyToHost(device, host[j].data(), tensors[j].data, tensors[j].bytes());
+    views[j] = Tensor{host[j].data(), tensors[j].count, tensors[j].dtype};
+  }
+  CrossWorker(op, views);
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    internal::CopyToDevice(device, tensors[j].data, host[j].data(), tensors[j].bytes());
+  }
+}
+
+void StrategyImpl::NcclReduce(int r, const LocalGroup::Call& call, ReduceOp op,
+                              const std::vector<Tensor>& tensors) {
+  const Device device = devices_[static_cast<size_t>(r)];
+  // Host tensors (a scalar of ReplicaContext::AllReduce, host gradients) travel through
+  // memory of this replica's device: NCCL reads and writes device memory only.
+  std::vector<Tensor> on_device = tensors;
+  std::vector<std::shared_ptr<void>> staged;
+  for (Tensor& t : on_device) {
+    if (t.device.kind != Device::Kind::kCpu || t.count == 0) continue;
+    staged.push_back(internal::AllocateOnDevice(device, t.bytes()));
+    internal::CopyToDevice(device, staged.back().get(), t.data, t.bytes());
+    t = Tensor{staged.back().get(), t.count, t.dtype, device};
+  }
+  if (!group_) {  // one local replica: nothing to reduce locally
+    if (comm_) CrossWorkerStaged(device, op, on_device);
+  } else if (!comm_) {
+    // One worker: NCCL's kAvg (ncclAvg) divides by the local replicas, NumReplicasInSync().
+    for (const Tensor& t : on_device) {
+      if (t.count > 0) local_nccl_[static_cast<size_t>(r)]->AllReduce(t, t, op);
+    }
+  } else {
+    CollectiveCommunication& local = *local_nccl_[static_cast<size_t>(r)];
+    for (const Tensor& t : on_device) {
+      if (t.count > 0) local.Reduce(t, t, WireOp(op), 0);
+    }
+    if (r == 0) CrossWorkerStaged(device, op, on_device);
+    group_->Step(r, call, "replica 0 all-reduces across workers",
+                 LocalGroup::StepWait::kForReplicaZerosCollectives);
+    for (const Tensor& t : on_device) {
+      if (t.count > 0) local.Broadcast(t, t, 0);
+    }
+  }
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    if (tensors[j].device.kind == Device::Kind::kCpu && tensors[j].count > 0) {
+      internal::CopyToHost(device, tensors[j].data, on_device[j].data, tensors[j].bytes());
+    }
   }
 }
 
@@ -504,13 +580,18 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
     throw Error(ErrorCode::kInvalidArgument,
                 who_ + "CreateVariable('" + name + "'): the initializer is empty");
   }
-  auto variable =
-      std::make_unique<MirroredVariable>(name, std::move(shape), num_local_replicas(), placement_);
+  const bool on_device = devices_[0].kind == Device::Kind::kCuda;
+  auto variable = on_device ? std::make_unique<MirroredVariable>(name, std::move(shape), devices_)
+                            : std::make_unique<MirroredVariable>(name, std::move(shape),
+                                                                 num_local_replicas(), placement_);
   variable->strategy_ = this;
+  // Device copies start from a host value, initialised and broadcast here, then copied in.
+  std::vector<float> host(on_device ? variable->count() : 0);
+  const std::span<float> first = on_device ? std::span<float>(host) : variable->value(0);
   std::exception_ptr failure;
   if (IsChief()) {
     try {
-      init(variable->value(0));
+      init(first);
     } catch (...) {
       failure = std::current_exception();
     }
@@ -537,10 +618,16 @@ MirroredVariable& StrategyImpl::CreateVariable(const std::string& name, std::vec
   } else if (failure) {
     std::rethrow_exception(failure);
   }
-  if (comm_ && variable->count() > 0) comm_->Broadcast(variable->tensor(0), 0);
-  const std::span<const float> value = std::as_const(*variable).value(0);
-  for (int r = 1; r < variable->num_copies(); ++r) {
-    std::copy(value.begin(), value.end(), variable->value(r).begin());
+  if (comm_ && variable->count() > 0) {
+    comm_->Broadcast(Tensor{first.data(), first.size(), DataType::kFloat32}, 0);
+  }
+  if (on_device) {
+    for (int r = 0; r < variable->num_local_replicas(); ++r) variable->Write(r, host);
+  } else {
+    const std::span<const float> value = std::as_const(*variable).value(0);
+    for (int r = 1; r < variable->num_copies(); ++r) {
+      std::copy(value.begin(), value.end(), variable->value(r).begin());
+    }
   }
   MirroredVariable& out = *variable;
   variables_.push_back(std::move(variable));

@@ -31,7 +31,7 @@ class StrategyImpl {
  public:
   struct Config {
     std::string name;              // "default", "one_device", "mirrored", ... (Strategy::name)
-    std::vector<Device> devices;   // one per local replica (CPU today)
+    std::vector<Device> devices;   // one per local replica: all CPU, or distinct CUDA devices
     CrossDeviceOps cross_device_ops = CrossDeviceOps::kHierarchicalCopy;  // resolved, never kAuto
     std::chrono::milliseconds timeout{300'000};
     size_t bytes_per_pack = 0;     // for the cross-worker packer
@@ -128,6 +128,14 @@ class StrategyImpl {
                          const std::vector<Tensor>& tensors);
   void HierarchicalCopy(int r, const internal::LocalGroup::Call& call, ReduceOp op,
                         const std::vector<Tensor>& tensors);
+  // kNccl: host tensors are staged through memory of replica r's device; the replicas
+  // all-reduce (one worker) or reduce onto replica 0 (several) over local_nccl_; replica 0 runs
+  // the cross-worker step on host copies (CrossWorkerStaged) and broadcasts the result.
+  void NcclReduce(int r, const internal::LocalGroup::Call& call, ReduceOp op,
+                  const std::vector<Tensor>& tensors);
+  // CrossWorker for tensors in memory of device `device`: copied to the host, all-reduced
+  // across workers there, divided for kAvg, copied back.
+  void CrossWorkerStaged(const Device& device, ReduceOp op, const std::vector<Tensor>& tensors);
   // Replica 0's cross-worker step: all-reduce its tensors (which hold the local reduction) over
   // the workers through the packer, then finish kAvg.
   void CrossWorker(ReduceOp op, const std::vector<Tensor>& tensors);
@@ -145,6 +153,8 @@ class StrategyImpl {
   const std::string who_;
   const MirroredVariable::Placement placement_;
   std::unique_ptr<CollectiveCommunication> comm_;
+  // kNccl with several local replicas: rank r on devices_[r], joined in this process.
+  std::vector<std::unique_ptr<CollectiveCommunication>> local_nccl_;
   // Null with one local replica (RunEach then calls fn on the caller's thread).
   std::unique_ptr<internal::LocalGroup> group_;
 

@@ -54,7 +54,7 @@ TEST(StrategyConfigTest, DefaultAndOneDevice) {
   OneDeviceStrategy one;
   EXPECT_EQ(one.name(), "one_device");
   EXPECT_EQ(one.NumReplicasInSync(), 1);
-  ExpectError(ErrorCode::kNotSupported, {"OneDeviceStrategy", "cuda:0", "NCCL"},
+  ExpectError(ErrorCode::kNotSupported, {"OneDeviceStrategy", "cuda:0", "MirroredStrategy"},
               [] { OneDeviceStrategy gpu(Device::Cuda(0)); });
 }
 
@@ -73,8 +73,9 @@ TEST(StrategyConfigTest, Mirrored) {
   ExpectError(ErrorCode::kNotSupported, {"nccl needs CUDA devices"}, [] {
     MirroredStrategy s({.num_replicas = 2, .cross_device_ops = CrossDeviceOps::kNccl});
   });
-  ExpectError(ErrorCode::kNotSupported, {"cuda:1"},
-              [] { MirroredStrategy s({.devices = {Device::Cpu(), Device::Cuda(1)}}); });
+  ExpectError(ErrorCode::kInvalidArgument, {"cuda:1", "either all CPU or all CUDA"}, [] {
+    MirroredStrategy s({.devices = {Device::Cpu(), Device::Cuda(1)}});
+  });
   ExpectError(ErrorCode::kInvalidArgument, {"-2 local replicas"},
               [] { MirroredStrategy s({.num_replicas = -2}); });
   ExpectError(ErrorCode::kInvalidArgument, {"timeout"},
