@@ -89,12 +89,16 @@
 //    allocated now; collectivesFakeCudaCopyOrder(out, capacity) gives, per stream, the order of
 //    its cudaMemcpyAsync calls ('i' to the host, 'o' to the device), which shows whether a
 //    segment's copy in is issued before the previous segment's copy out.
+//  - cuBLAS: cublasCreate_v2, cublasSetStream_v2, cublasSgemm_v2 and cublasDestroy_v2, for the
+//    training demo's GPU replicas (the last section; the build also names this library
+//    libcublas.so.13).
 // Not modelled: per-thread default streams, managed memory, peer access, groups
 // of collectives or of several streams, fp8 types (refused with ncclInvalidArgument),
 // ncclCommSplit and the rest.
 //
 // One file: it is one shared library whose NCCL half runs on the CUDA half's state: collectives
 // enqueue on the runtime's streams under its mutex and fault into its sticky device errors (Rt()).
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -1852,6 +1856,138 @@ void collectivesFakeNcclFailNext(const char* function, ncclResult_t result, cons
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   reg.fail_next[function] = {result, message};
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// cuBLAS: the few functions the training demo's GPU replicas use (the build also places this
+// library as libcublas.so.13). A handle belongs to the device current at cublasCreate_v2 and
+// issues on the stream cublasSetStream_v2 gave it (null: that device's legacy default stream).
+// cublasSgemm_v2 reads alpha and beta at the call (CUBLAS_POINTER_MODE_HOST, the default),
+// checks its arguments as cuBLAS does, and queues C = alpha op(A) op(B) + beta C, column-major,
+// computed on the CPU with float accumulation, on the handle's stream, ordered with the other
+// work there as a kernel is. A matrix that is not memory of the handle's device faults the
+// device (cudaErrorIllegalAddress from then on), as the kernel would.
+// ---------------------------------------------------------------------------------------------
+
+struct cublasContext {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+};
+
+extern "C" {
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
+  if (handle == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  if (current_device >= Rt().device_count) return CUBLAS_STATUS_NOT_INITIALIZED;
+  *handle = new cublasContext{current_device, nullptr};
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  {
+    // cuBLAS synchronises the device before releasing the handle's resources.
+    std::unique_lock<std::mutex> lock(Rt().mu);
+    SynchronizeDeviceLocked(lock, handle->device);
+  }
+  delete handle;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  std::lock_guard<std::mutex> lock(Rt().mu);
+  if (stream != nullptr && stream != cudaStreamLegacy) {
+    auto it = Rt().streams.find(stream);
+    if (it == Rt().streams.end()) {
+      Violation("cublasSetStream_v2 with an unknown stream");
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (it->second->device != handle->device) return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  handle->stream = stream;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemm_v2(cublasHandle_t handle, cublasOperation_t transa,
+                              cublasOperation_t transb, int m, int n, int k, const float* alpha,
+                              const float* a, int lda, const float* b, int ldb, const float* beta,
+                              float* c, int ldc) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  const auto valid_op = [](cublasOperation_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; };
+  if (!valid_op(transa) || !valid_op(transb) || m < 0 || n < 0 || k < 0 || alpha == nullptr ||
+      beta == nullptr) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  const bool ta = transa == CUBLAS_OP_T;
+  const bool tb = transb == CUBLAS_OP_T;
+  // Stored shapes (column-major): A is m x k (k x m when transposed), B k x n (n x k), C m x n.
+  const int a_rows = ta ? k : m;
+  const int a_cols = ta ? m : k;
+  const int b_rows = tb ? n : k;
+  const int b_cols = tb ? k : n;
+  if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldc < std::max(1, m)) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+  const float al = *alpha;
+  const float be = *beta;
+  const auto extent = [](int ld, int cols, int rows) {
+    return cols == 0 || rows == 0 ? size_t{0}
+                                  : (static_cast<size_t>(cols) - 1) * static_cast<size_t>(ld) +
+                                        static_cast<size_t>(rows);
+  };
+  std::unique_lock<std::mutex> lock(Rt().mu);
+  const int device = handle->device;
+  if (Rt().sticky[static_cast<size_t>(device)] != cudaSuccess) {
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  std::shared_ptr<CUstream_st> stream;
+  if (handle->stream == nullptr || handle->stream == cudaStreamLegacy) {
+    stream = LegacyLocked(device);
+  } else {
+    auto it = Rt().streams.find(handle->stream);
+    if (it == Rt().streams.end()) return CUBLAS_STATUS_INVALID_VALUE;
+    stream = it->second;
+  }
+  const auto on_device = [&](const void* p, size_t count) {
+    if (count == 0) return true;
+    const Allocation* found = FindLocked(p, count * sizeof(float));
+    return found != nullptr && found->device == device;
+  };
+  const bool ok = on_device(a, extent(lda, a_cols, a_rows)) &&
+                  on_device(b, extent(ldb, b_cols, b_rows)) && on_device(c, extent(ldc, n, m));
+  EnqueueLocked(stream, [=] {
+    if (!ok) {
+      FaultDevice(device, "cublasSgemm_v2 with a matrix outside the device's memory");
+      return;
+    }
+    std::vector<float> column(static_cast<size_t>(m));
+    for (int j = 0; j < n; ++j) {
+      std::fill(column.begin(), column.end(), 0.0f);
+      for (int p = 0; p < k; ++p) {
+        const float bv =
+            tb ? b[static_cast<size_t>(p) * ldb + j] : b[static_cast<size_t>(j) * ldb + p];
+        if (ta) {
+          for (int i = 0; i < m; ++i) {
+            column[static_cast<size_t>(i)] += a[static_cast<size_t>(i) * lda + p] * bv;
+          }
+        } else {
+          const float* a_col = a + static_cast<size_t>(p) * lda;
+          for (int i = 0; i < m; ++i) column[static_cast<size_t>(i)] += a_col[i] * bv;
+        }
+      }
+      float* c_col = c + static_cast<size_t>(j) * ldc;
+      for (int i = 0; i < m; ++i) {
+        const float prior = be == 0.0f ? 0.0f : be * c_col[i];  // beta 0: C is not read
+        c_col[i] = al * column[static_cast<size_t>(i)] + prior;
+      }
+    }
+  });
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 }  // extern "C"
