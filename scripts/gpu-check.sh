@@ -4,7 +4,8 @@
 # (COLLECTIVES_REQUIRE_GPU=1: a test that finds no device fails rather than skips), runs the NCCL
 # all-reduce sweep beside raw NCCL (--baseline nccl; busbw ratio at 64 MiB and above, target
 # within 5%), the staged RING and AUTO sweeps with --check, and the training demo on GPU
-# replicas where the demo has --device gpu; then prints a summary.
+# replicas (--device gpu: two replicas when there are two GPUs, one otherwise; 300 steps, test
+# accuracy at least 0.75, identical weights on the replicas); then prints a summary.
 #
 # Exit status: 0 every step passed; 1 a step failed (the summary names it); 77 no usable GPU here
 # (no nvidia-smi, or it lists no device): nothing was run.
@@ -53,7 +54,7 @@ echo "gpu-check: $gpus GPU(s):"
 if cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCOLLECTIVES_WITH_NCCL=ON \
      -DCUDAToolkit_ROOT="$cuda" -DCOLLECTIVES_BUILD_TESTS=ON -DCOLLECTIVES_BUILD_BENCHMARKS=ON \
      -DCOLLECTIVES_BUILD_PYTHON=OFF -DCOLLECTIVES_BUILD_TORCH=OFF "$@" >"$log/configure.txt" 2>&1 &&
-   cmake --build "$build" -j"$jobs" --target nccl_test staged_test c_api_cuda_test collectives_perf \
+   cmake --build "$build" -j"$jobs" --target nccl_test staged_test c_api_cuda_test gpu_strategy_test collectives_perf \
      >"$log/build.txt" 2>&1; then
   pass "build with NCCL ($build; $(grep -o 'loaded at run time from [^)]*' "$log/configure.txt" | head -1))"
 else
@@ -109,21 +110,36 @@ else
   fail "staged AUTO sweep: $(why $?) (see $log/auto.txt)"
 fi
 
-# ---- The demo on GPU replicas, where it has --device gpu ----
-if cmake --build "$build" -j"$jobs" --target train >"$log/build-demo.txt" 2>&1 &&
-   demo=$(find "$build/examples" -maxdepth 3 -type f -name train -perm -u+x | head -1) &&
-   [[ -n "$demo" ]]; then
-  if "$demo" --help 2>&1 | grep -q -- '--device'; then
-    replicas=$(( gpus >= 2 ? 2 : 1 ))
-    replica_flag=()
-    if "$demo" --help 2>&1 | grep -q -- '--replicas'; then replica_flag=(--replicas "$replicas"); fi
-    if timeout 120 "$demo" --device gpu ${replica_flag[@]+"${replica_flag[@]}"} >"$log/demo.txt" 2>&1; then
-      pass "demo on $replicas GPU replica(s)"
+# ---- The demo on GPU replicas: two when there are two GPUs, one otherwise ----
+# MirroredStrategy over CUDA devices (NCCL between the replicas, cuBLAS for the products), the
+# short run of ctest train_short_run_accuracy: 300 steps of global batch 128 must reach a test
+# accuracy of at least 0.75 on 2000 test examples, with identical weights on the replicas.
+replicas=$(( gpus >= 2 ? 2 : 1 ))
+demo="$build/examples/train/train"
+if cmake --build "$build" -j"$jobs" --target train >"$log/build-demo.txt" 2>&1 && [[ -x "$demo" ]]; then
+  timeout 180 "$demo" --strategy mirrored --device gpu --replicas "$replicas" \
+    --global-batch 128 --epochs 1 --max-steps-per-epoch 300 --test-limit 2000 \
+    --quiet-progress >"$log/demo.txt" 2>&1
+  rc=$?
+  if [[ $rc -eq 0 ]]; then
+    accuracy=$(sed -n 's/^test loss: [0-9.]* - test accuracy: \([0-9.]*\) .*/\1/p' "$log/demo.txt")
+    speed=$(grep -Eo '^throughput: [0-9]+ samples/s' "$log/demo.txt" | head -1)
+    if [[ -z "$accuracy" ]]; then
+      fail "demo on $replicas GPU replica(s): no test accuracy in its output (see $log/demo.txt)"
+    elif ! awk -v a="$accuracy" 'BEGIN { exit !(a >= 0.75) }'; then
+      fail "demo on $replicas GPU replica(s): test accuracy $accuracy after 300 steps, below 0.75 (see $log/demo.txt)"
+    elif [[ $replicas -gt 1 ]] &&
+         ! grep -q "^weights: identical on all $replicas replicas" "$log/demo.txt"; then
+      fail "demo on $replicas GPU replicas: the replicas' weights differ (see $log/demo.txt)"
+    elif [[ $replicas -gt 1 ]] && ! grep -q "cross-device ops nccl" "$log/demo.txt"; then
+      fail "demo on $replicas GPU replicas: not reduced with cross-device ops nccl (see $log/demo.txt)"
     else
-      fail "demo on $replicas GPU replica(s) (see $log/demo.txt)"
+      pass "demo on $replicas GPU replica(s): test accuracy $accuracy after 300 steps (>= 0.75)${speed:+, $speed}"
     fi
+  elif grep -q 'fashion_mnist: ' "$log/demo.txt"; then
+    skip "demo: no Fashion-MNIST data here ($(grep -m1 -o 'fashion_mnist: .*' "$log/demo.txt"))"
   else
-    skip "demo: the training demo has no --device gpu (CPU replicas only): not run on the GPU"
+    fail "demo on $replicas GPU replica(s): $(why $rc) (see $log/demo.txt)"
   fi
 else
   skip "demo: not built here (see $log/build-demo.txt)"

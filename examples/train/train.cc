@@ -44,7 +44,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -62,6 +61,7 @@
 #include "collectives/strategy.h"
 #include "examples/train/evaluator.h"
 #include "examples/train/fashion_mnist.h"
+#include "examples/train/gpu_mlp.h"
 #include "examples/train/model.h"
 #include "examples/train/ps_train.h"
 #include "examples/train/scheduled_adam.h"
@@ -78,6 +78,8 @@ struct Options {
   int replicas = 0;
   std::string communication = "auto";
   std::string cross_device = "auto";
+  // cpu: replicas are threads computing with Eigen; gpu: one replica per CUDA device (gpu_mlp.h).
+  std::string device = "cpu";
   // The global batch is the same whatever the number of replicas, so that every strategy takes
   // the same steps (64: the batch at which both models reach their accuracy in 5 epochs);
   // --batch-per-replica B makes it B x replicas in sync instead.
@@ -155,9 +157,32 @@ __attribute__((format(printf, 1, 2))) void Say(const char* format, ...) {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// --device gpu: `replicas` CUDA devices (0: every visible one), starting at `first` and wrapping
+// around the visible ones (workers of one host share them).
+std::vector<co::Device> GpuDevices(int replicas, int first) {
+  const std::vector<co::Device> visible = st::ParseDevices("gpu");  // kNotSupported without CUDA
+  const int count = static_cast<int>(visible.size());
+  if (replicas > count) {
+    throw co::Error(co::ErrorCode::kInvalidArgument,
+                    "--device gpu --replicas " + std::to_string(replicas) + ": only " +
+                        std::to_string(count) + " CUDA devices are visible");
+  }
+  std::vector<co::Device> out;
+  for (int i = 0; i < (replicas == 0 ? count : replicas); ++i) {
+    out.push_back(visible[static_cast<size_t>((first + i) % count)]);
+  }
+  return out;
+}
+
 std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
   const auto timeout = co::bench::TimeoutFromSeconds(o.timeout_s);  // at most a year
   const st::CrossDeviceOps cross_device = st::ParseCrossDeviceOps(o.cross_device);
+  const bool gpu = o.device == "gpu";
+  if (gpu && o.strategy != "mirrored" && o.strategy != "multi_worker") {
+    throw co::Error(co::ErrorCode::kNotSupported,
+                    "--device gpu needs --strategy mirrored or multi_worker (GPU replicas); " +
+                        o.strategy + " runs on the CPU");
+  }
   if ((o.strategy == "default" || o.strategy == "one_device") && o.replicas > 1) {
     throw co::Error(co::ErrorCode::kInvalidArgument,
                     "--replicas " + std::to_string(o.replicas) + " needs --strategy mirrored, " +
@@ -168,6 +193,7 @@ std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
   if (o.strategy == "mirrored") {
     st::MirroredOptions options;
     options.num_replicas = o.replicas;
+    if (gpu) options.devices = GpuDevices(o.replicas, 0);
     options.cross_device_ops = cross_device;
     options.timeout = timeout;
     return std::make_unique<st::MirroredStrategy>(options);
@@ -189,6 +215,10 @@ std::unique_ptr<st::Strategy> MakeStrategy(const Options& o) {
   st::MultiWorkerOptions options;
   options.cluster = cluster;
   options.num_local_replicas = std::max(1, o.replicas);
+  if (gpu) {
+    const int per_worker = std::max(1, o.replicas);
+    options.local_devices = GpuDevices(per_worker, cluster.rank * per_worker);
+  }
   options.cross_device_ops = cross_device;
   options.communication.implementation = co::ParseImplementation(o.communication);
   options.communication.timeout = timeout;
@@ -202,19 +232,41 @@ struct Totals {
   double count = 0;
 };
 
-// What one local replica owns: scratch for forward and backward, and its running sums.
+// What one local replica owns: scratch for forward and backward (host memory, or buffers on its
+// CUDA device), and its running sums.
 struct Replica {
-  Replica(const train::Model& model, size_t max_batch)
-      : workspace(model.MakeWorkspace(max_batch)), weights(model.num_parameters()) {}
-  std::unique_ptr<train::Workspace> workspace;
+  Replica(const train::Model& model, size_t max_batch, const co::Device& device)
+      : weights(model.num_parameters()), device_weights(model.num_parameters()) {
+    if (device.kind == co::Device::Kind::kCuda) {
+      gpu =
+          std::make_unique<train::GpuMlp>(train::GpuMlp::WidthsOf(model), device.index, max_batch);
+    } else {
+      workspace = model.MakeWorkspace(max_batch);
+    }
+  }
+  std::unique_ptr<train::Workspace> workspace;  // CPU replicas
+  std::unique_ptr<train::GpuMlp> gpu;           // GPU replicas
   std::vector<std::span<const float>> weights;
+  std::vector<const float*> device_weights;
   Totals totals;
+  float* x() { return gpu ? gpu->x() : workspace->x(); }
+  int32_t* labels() { return gpu ? gpu->labels() : workspace->labels(); }
+  size_t max_batch() const { return gpu ? gpu->max_batch() : workspace->max_batch(); }
+  train::BatchStats Forward(size_t n) {
+    return gpu ? gpu->Forward(device_weights, n) : workspace->Forward(weights, n);
+  }
 };
 
 // Points `replica.weights` at its copy of every variable (cheap; done per step so that nothing
-// depends on a copy's storage never moving).
+// depends on a copy's storage never moving): host spans, or device pointers on a GPU replica.
 void BindParams(Replica& replica, const std::vector<st::MirroredVariable*>& vars, int local) {
-  for (size_t p = 0; p < vars.size(); ++p) replica.weights[p] = vars[p]->value(local);
+  for (size_t p = 0; p < vars.size(); ++p) {
+    if (replica.gpu) {
+      replica.device_weights[p] = static_cast<const float*>(vars[p]->tensor(local).data);
+    } else {
+      replica.weights[p] = vars[p]->value(local);
+    }
+  }
 }
 
 // Sums of loss, correct and count over every replica of every worker. Collective.
@@ -246,11 +298,10 @@ Totals Evaluate(st::Strategy& strategy, std::vector<Replica>& replicas,
     Totals sums;
     const size_t first = begin + (end - begin) * local / locals;
     const size_t last = begin + (end - begin) * (local + 1) / locals;
-    train::Workspace& ws = *replica.workspace;
-    for (size_t i = first; i < last; i += ws.max_batch()) {
-      const size_t n = std::min(ws.max_batch(), last - i);
-      data.GatherRange(i, n, ws.x(), ws.labels());
-      const train::BatchStats stats = ws.Forward(replica.weights, n);
+    for (size_t i = first; i < last; i += replica.max_batch()) {
+      const size_t n = std::min(replica.max_batch(), last - i);
+      data.GatherRange(i, n, replica.x(), replica.labels());
+      const train::BatchStats stats = replica.Forward(n);
       sums.loss_sum += stats.loss_sum;
       sums.correct += static_cast<double>(stats.correct);
       sums.count += static_cast<double>(stats.count);
@@ -265,7 +316,8 @@ Totals Evaluate(st::Strategy& strategy, std::vector<Replica>& replicas,
 double WeightsHash(const std::vector<st::MirroredVariable*>& vars, int local) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (const st::MirroredVariable* v : vars) {
-    const auto bytes = std::as_bytes(v->value(local));
+    const std::vector<float> value = v->Read(local);  // a copy: the value may be device memory
+    const auto bytes = std::as_bytes(std::span<const float>(value));
     for (std::byte b : bytes) h = (h ^ static_cast<uint8_t>(b)) * 1099511628211ull;
   }
   return static_cast<double>(h & ((uint64_t{1} << 52) - 1));
@@ -362,9 +414,9 @@ bool IsReportStep(size_t done, size_t total) {
 void SaveWeights(const std::string& path, const std::vector<st::MirroredVariable*>& vars) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   for (const st::MirroredVariable* v : vars) {
-    const auto value = v->value(0);
+    const std::vector<float> value = v->Read(0);
     out.write(reinterpret_cast<const char*>(value.data()),
-              static_cast<std::streamsize>(value.size_bytes()));
+              static_cast<std::streamsize>(value.size() * sizeof(float)));
   }
   out.close();
   if (!out) throw std::runtime_error("cannot write weights to " + path);
@@ -462,7 +514,8 @@ int Train(const Options& o) {
   std::vector<Replica> replicas;
   replicas.reserve(static_cast<size_t>(strategy.num_local_replicas()));
   for (int r = 0; r < strategy.num_local_replicas(); ++r) {
-    replicas.emplace_back(model, std::max<size_t>(data.per_replica_batch_size(), 256));
+    replicas.emplace_back(model, std::max<size_t>(data.per_replica_batch_size(), 256),
+                          strategy.devices()[static_cast<size_t>(r)]);
   }
 
   std::optional<train::CheckpointExporter> exporter;
@@ -503,12 +556,18 @@ int Train(const Options& o) {
         const int local = ctx.local_replica_id();
         Replica& replica = replicas[static_cast<size_t>(local)];
         BindParams(replica, vars, local);
-        train::Workspace& ws = *replica.workspace;
         const std::vector<size_t> batch = data.ReplicaBatch(epoch, step, local);
-        train_set.Gather(batch, ws.x(), ws.labels());
-        const train::BatchStats stats =
-            ws.LossAndGradients(replica.weights, batch.size(), loss_scale);
-        adam.ApplyGradients(ctx, vars, ws.gradients());
+        train_set.Gather(batch, replica.x(), replica.labels());
+        train::BatchStats stats;
+        if (replica.gpu) {  // gradients in device memory, reduced there by NCCL
+          stats = replica.gpu->Forward(replica.device_weights, batch.size());
+          replica.gpu->Backward(replica.device_weights, batch.size(), loss_scale);
+          adam.ApplyGradients(ctx, vars, replica.gpu->gradients());
+        } else {
+          train::Workspace& ws = *replica.workspace;
+          stats = ws.LossAndGradients(replica.weights, batch.size(), loss_scale);
+          adam.ApplyGradients(ctx, vars, ws.gradients());
+        }
         replica.totals.loss_sum += stats.loss_sum;
         replica.totals.correct += static_cast<double>(stats.correct);
         replica.totals.count += static_cast<double>(stats.count);
@@ -594,6 +653,11 @@ int main(int argc, char** argv) {
                  "0: the strategy's default")
       ->check(CLI::Range(0, 256))
       ->capture_default_str();
+  app.add_option("--device", o.device,
+                 "cpu: replicas are threads; gpu: one replica per CUDA device (mirrored, "
+                 "multi_worker; --model mlp; cuBLAS for the matrix products)")
+      ->check(CLI::IsMember({"cpu", "gpu"}))
+      ->capture_default_str();
   app.add_option("--communication", o.communication, "between workers: ring, nccl or auto")
       ->check(CLI::IsMember({"ring", "nccl", "auto"}))
       ->capture_default_str();
@@ -675,6 +739,12 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is a ParseError too
   }
   if (o.strategy == "multi_worker_mirrored") o.strategy = "multi_worker";
+  if (o.device == "gpu" && (o.strategy == "parameter_server" || o.evaluator)) {
+    std::fprintf(stderr,
+                 "train: --device gpu needs --strategy mirrored or multi_worker (GPU "
+                 "replicas); the parameter servers and the evaluator run on the CPU\n");
+    return 2;
+  }
   // Every task of the cluster runs this; its role comes from TF_CONFIG (ps_train.h). A step is
   // one worker's batch: --batch-per-replica when given, else --global-batch. The parameter
   // servers' Adam follows --learning-rate-decay over the run's steps, as the replicas' does.
