@@ -158,8 +158,8 @@ class MirroredVariable {
   size_t count_ = 0;
   int num_local_replicas_ = 1;
   Placement placement_ = Placement::kMirrored;
-  std::vector<Device> devices_;                    // one per local replica
-  std::vector<std::vector<float>> copies_;         // host copies (empty when on_device())
+  std::vector<Device> devices_;                       // one per local replica
+  std::vector<std::vector<float>> copies_;            // host copies (empty when on_device())
   std::vector<std::shared_ptr<void>> device_copies_;  // device copies, one per replica
 };
 
@@ -177,9 +177,11 @@ class ReplicaContext {
   // tensors hold the result. Every local replica calls it with tensors of the same count and
   // dtype, in the same order. Local replicas reduce with the strategy's CrossDeviceOps; workers
   // then all-reduce through the packer (fused into buckets of bytes_per_pack).
-  // Any dtype and op (CPU tensors); kAvg is a sum divided once by NumReplicasInSync() (integer
-  // division for integer types). Every replica of every worker gets the same bits. Replicas that
-  // pass different counts, dtypes or ops get kMismatch, kAvg where another worker passes kSum
+  // Any dtype and op; CPU tensors, and with GPU replicas (kNccl) also tensors in the memory of
+  // the replica's own device (host tensors are staged through it). kAvg is a sum divided once by
+  // NumReplicasInSync() (integer division for integer types; NCCL's ncclAvg among the local
+  // GPU replicas of a single worker). Every replica of every worker gets the same bits. Replicas
+  // that pass different counts, dtypes or ops get kMismatch, kAvg where another worker passes kSum
   // included (kAvg crosses workers as a sum, checked as kAvg). Tensors that share any memory
   // (the same buffer on two replicas, one replica's tensor inside another's, a buffer twice in
   // one list) get kInvalidArgument, nothing written.

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,29 +40,30 @@ int UsableDevices(std::string* why) {
 #endif
 }
 
-#define REQUIRE_GPUS(n)                                                                    \
-  do {                                                                                     \
-    std::string why;                                                                       \
-    const int have = UsableDevices(&why);                                                  \
-    if (have < (n)) {                                                                      \
-      if (std::getenv("COLLECTIVES_REQUIRE_GPU") != nullptr) {                             \
+#define REQUIRE_GPUS(n)                                                                         \
+  do {                                                                                          \
+    std::string why;                                                                            \
+    const int have = UsableDevices(&why);                                                       \
+    if (have < (n)) {                                                                           \
+      if (std::getenv("COLLECTIVES_REQUIRE_GPU") != nullptr) {                                  \
         FAIL() << "COLLECTIVES_REQUIRE_GPU is set, and " << have << " usable devices: " << why; \
-      }                                                                                    \
-      GTEST_SKIP() << "needs " << (n) << " CUDA devices and NCCL: " << why;                \
-    }                                                                                      \
+      }                                                                                         \
+      GTEST_SKIP() << "needs " << (n) << " CUDA devices and NCCL: " << why;                     \
+    }                                                                                           \
   } while (0)
 
 #if COLLECTIVES_WITH_NCCL
 // Device memory the test owns, filled from and read back to the host through the runtime.
 class DeviceFloats {
  public:
-  DeviceFloats(int device, const std::vector<float>& values) : device_(device), count_(values.size()) {
+  DeviceFloats(int device, const std::vector<float>& values)
+      : device_(device), count_(values.size()) {
     const nccl::NcclApi& api = nccl::LoadCudart();
     EXPECT_EQ(api.cudaSetDevice(device), cudaSuccess);
     EXPECT_EQ(api.cudaMalloc(&data_, values.size() * sizeof(float)), cudaSuccess);
-    EXPECT_EQ(api.cudaMemcpy(data_, values.data(), values.size() * sizeof(float),
-                             cudaMemcpyHostToDevice),
-              cudaSuccess);
+    EXPECT_EQ(
+        api.cudaMemcpy(data_, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice),
+        cudaSuccess);
   }
   ~DeviceFloats() {
     const nccl::NcclApi& api = nccl::LoadCudart();
@@ -87,15 +89,6 @@ class DeviceFloats {
 };
 #endif
 
-std::vector<Device> FirstDevices(int n, int first = 0) {
-  std::vector<Device> out;
-  for (int i = 0; i < n; ++i) out.push_back(Device::Cuda(first + i));
-  return out;
-}
-
-// Replica r's value at element i: small integers and halves, so that every sum is exact.
-float Input(int replica, size_t i) { return static_cast<float>(replica + 1) * 0.5f + static_cast<float>(i % 97); }
-
 TEST(GpuStrategyTest, WithoutCudaAskingForGpuReplicasIsNotSupportedAndSaysWhy) {
   std::string why;
   if (UsableDevices(&why) > 0) GTEST_SKIP() << "CUDA and NCCL are usable here: nothing to refuse";
@@ -114,11 +107,23 @@ TEST(GpuStrategyTest, DevicesAndCrossDeviceOpsAreCheckedBeforeAnythingRuns) {
   ExpectError(ErrorCode::kInvalidArgument, {"named twice"}, [] { ParseDevices("cuda:0,cuda:0"); });
   ExpectError(ErrorCode::kInvalidArgument, {"either all CPU or all CUDA"},
               [] { ParseDevices("cpu,cuda:0"); });
-  ExpectError(ErrorCode::kInvalidArgument, {"'tpu:0' is not a device"}, [] { ParseDevices("tpu:0"); });
+  ExpectError(ErrorCode::kInvalidArgument, {"'tpu:0' is not a device"},
+              [] { ParseDevices("tpu:0"); });
   EXPECT_EQ(ParseDevices("cpu,cpu").size(), 2u);
 }
 
 #if COLLECTIVES_WITH_NCCL
+
+std::vector<Device> FirstDevices(int n, int first = 0) {
+  std::vector<Device> out;
+  for (int i = 0; i < n; ++i) out.push_back(Device::Cuda(first + i));
+  return out;
+}
+
+// Replica r's value at element i: small integers and halves, so that every sum is exact.
+float Input(int replica, size_t i) {
+  return static_cast<float>(replica + 1) * 0.5f + static_cast<float>(i % 97);
+}
 
 TEST(GpuStrategyTest, GpuMeansOneReplicaPerVisibleDevice) {
   REQUIRE_GPUS(2);
@@ -130,8 +135,8 @@ TEST(GpuStrategyTest, GpuMeansOneReplicaPerVisibleDevice) {
   ExpectError(ErrorCode::kInvalidArgument, {"does not exist"},
               [&] { ParseDevices("cuda:" + std::to_string(visible)); });
   ExpectError(ErrorCode::kNotSupported, {"reads every replica's memory from the host"}, [] {
-    MirroredStrategy strategy({.devices = FirstDevices(2),
-                               .cross_device_ops = CrossDeviceOps::kHierarchicalCopy});
+    MirroredStrategy strategy(
+        {.devices = FirstDevices(2), .cross_device_ops = CrossDeviceOps::kHierarchicalCopy});
   });
 }
 
@@ -164,15 +169,15 @@ TEST(GpuStrategyTest, NcclAllReduceOfDeviceAndHostTensorsMatchesTheHostReference
             std::vector<float> host = values;
             ctx.AllReduce(op, {on_device.tensor(), Tensor{host.data(), host.size()}});
             const double scalar = ctx.AllReduce(op, static_cast<double>(r + 1));
-            return std::vector<std::vector<float>>{on_device.Read(), host,
-                                                   {static_cast<float>(scalar)}};
+            return std::vector<std::vector<float>>{
+                on_device.Read(), host, {static_cast<float>(scalar)}};
           });
       double scalar = op == ReduceOp::kMax ? n : n * (n + 1) / 2.0;
       if (op == ReduceOp::kAvg) scalar /= n;
       for (int r = 0; r < n; ++r) {
         for (size_t i = 0; i < kCount; ++i) {
-          ASSERT_NEAR(got[r][0][i], expected[i], 1e-5f) << n << " replicas, " << ToString(op)
-                                                        << ", replica " << r << " element " << i;
+          ASSERT_NEAR(got[r][0][i], expected[i], 1e-5f)
+              << n << " replicas, " << ToString(op) << ", replica " << r << " element " << i;
           ASSERT_NEAR(got[r][1][i], expected[i], 1e-5f) << "host tensor, replica " << r;
         }
         EXPECT_NEAR(got[r][2][0], scalar, 1e-6) << ToString(op) << ", replica " << r;
@@ -246,42 +251,66 @@ TEST(GpuStrategyTest, MirroredVariablesOnDevicesFollowTheHostReferenceUpdate) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(w.Read(r), twos);
 }
 
+// A GPU replica that fails after an NCCL all-reduce releases the other, which waits for it at
+// the next one: Run rethrows the original error at once, never waiting for the timeout, and the
+// strategy stays broken.
+TEST(GpuStrategyTest, AReplicaThatFailsReleasesTheOthersAtOnce) {
+  REQUIRE_GPUS(2);
+  MirroredStrategy strategy({.devices = FirstDevices(2), .timeout = std::chrono::seconds(20)});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    strategy.Run([&](ReplicaContext& ctx) {
+      std::vector<float> values(64, 1.0f);
+      DeviceFloats t(ctx.local_replica_id(), values);
+      ctx.AllReduce(ReduceOp::kSum, {t.tensor()});  // every replica, once
+      if (ctx.local_replica_id() == 1) throw std::runtime_error("replica 1 gives up");
+      ctx.AllReduce(ReduceOp::kSum, {t.tensor()});  // replica 0 waits for it here
+    });
+    ADD_FAILURE() << "expected Run to rethrow replica 1's error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "replica 1 gives up");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_THROW(strategy.Run([](ReplicaContext&) {}), std::runtime_error);
+}
+
 // Two workers (threads, over loopback TCP) of two GPU replicas each, on devices of their own:
 // NCCL inside each worker, host copies between them; every replica gets the sum of all four.
 TEST(GpuStrategyTest, MultiWorkerGpuReplicasReduceAcrossWorkers) {
   REQUIRE_GPUS(4);
   constexpr size_t kCount = 513;
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-    RunWorkers(2, 2, CrossDeviceOps::kAuto,
-               [&](Strategy& strategy, int worker) {
-                 ASSERT_EQ(strategy.cross_device_ops(), CrossDeviceOps::kNccl);
-                 ASSERT_EQ(strategy.NumReplicasInSync(), 4);
-                 MirroredVariable& w = strategy.CreateVariable("w", {kCount}, Constant(1.5f));
-                 for (int r = 0; r < 2; ++r) {
-                   EXPECT_EQ(w.tensor(r).device, Device::Cuda(2 * worker + r));
-                   EXPECT_EQ(w.Read(r), std::vector<float>(kCount, 1.5f));
-                 }
-                 const auto got = strategy.Run([&](ReplicaContext& ctx) {
-                   const int g = ctx.replica_id_in_sync_group();
-                   std::vector<float> values(kCount);
-                   for (size_t i = 0; i < kCount; ++i) values[i] = Input(g, i);
-                   DeviceFloats t(strategy.devices()[ctx.local_replica_id()].index, values);
-                   ctx.AllReduce(op, {t.tensor()});
-                   return t.Read();
-                 });
-                 for (int r = 0; r < 2; ++r) {
-                   for (size_t i = 0; i < kCount; ++i) {
-                     double sum = 0;
-                     for (int g = 0; g < 4; ++g) sum += Input(g, i);
-                     if (op == ReduceOp::kAvg) sum /= 4;
-                     ASSERT_NEAR(got[r][i], sum, 1e-5) << "worker " << worker << " replica " << r;
-                   }
-                 }
-               },
-               [](MultiWorkerOptions& options) {
-                 const int first = 2 * options.cluster->rank;
-                 options.local_devices = FirstDevices(2, first);
-               });
+    RunWorkers(
+        2, 2, CrossDeviceOps::kAuto,
+        [&](Strategy& strategy, int worker) {
+          ASSERT_EQ(strategy.cross_device_ops(), CrossDeviceOps::kNccl);
+          ASSERT_EQ(strategy.NumReplicasInSync(), 4);
+          MirroredVariable& w = strategy.CreateVariable("w", {kCount}, Constant(1.5f));
+          for (int r = 0; r < 2; ++r) {
+            EXPECT_EQ(w.tensor(r).device, Device::Cuda(2 * worker + r));
+            EXPECT_EQ(w.Read(r), std::vector<float>(kCount, 1.5f));
+          }
+          const auto got = strategy.Run([&](ReplicaContext& ctx) {
+            const int g = ctx.replica_id_in_sync_group();
+            std::vector<float> values(kCount);
+            for (size_t i = 0; i < kCount; ++i) values[i] = Input(g, i);
+            DeviceFloats t(strategy.devices()[ctx.local_replica_id()].index, values);
+            ctx.AllReduce(op, {t.tensor()});
+            return t.Read();
+          });
+          for (int r = 0; r < 2; ++r) {
+            for (size_t i = 0; i < kCount; ++i) {
+              double sum = 0;
+              for (int g = 0; g < 4; ++g) sum += Input(g, i);
+              if (op == ReduceOp::kAvg) sum /= 4;
+              ASSERT_NEAR(got[r][i], sum, 1e-5) << "worker " << worker << " replica " << r;
+            }
+          }
+        },
+        [](MultiWorkerOptions& options) {
+          const int first = 2 * options.cluster->rank;
+          options.local_devices = FirstDevices(2, first);
+        });
   }
 }
 
