@@ -16,9 +16,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(world, scenario, *args, env=None, ranks=None):
-    """Starts the ranks (those of `ranks`, default all); returns their Popen objects (stdout
-    and stderr piped, text)."""
+def start(world, scenario, *args, env=None, ranks=None, worker=WORKER):
+    """Starts the ranks (those of `ranks`, default all) of `worker`; returns their Popen objects
+    (stdout and stderr piped, text)."""
     port = free_port()
     procs = []
     for rank in range(world) if ranks is None else ranks:
@@ -30,7 +30,7 @@ def start(world, scenario, *args, env=None, ranks=None):
         if env:
             e.update(env)
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, scenario, *map(str, args)], env=e, text=True,
+            [sys.executable, worker, scenario, *map(str, args)], env=e, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
@@ -56,5 +56,5 @@ def finish(procs, timeout):
     return out
 
 
-def run(world, scenario, *args, timeout=60, env=None):
-    return finish(start(world, scenario, *args, env=env), timeout)
+def run(world, scenario, *args, timeout=60, env=None, worker=WORKER):
+    return finish(start(world, scenario, *args, env=env, worker=worker), timeout)

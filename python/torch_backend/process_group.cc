@@ -23,6 +23,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -44,6 +45,15 @@
 #include "collectives/errors.h"
 #include "collectives/packing.h"
 #include "collectives/types.h"
+
+#ifdef COLLECTIVES_WITH_NCCL
+#include "src/nccl/nccl_communication.h"
+#include "src/nccl/nccl_loader.h"
+#endif
+#ifdef COLLECTIVES_TORCH_CUDA_STREAMS
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace collectives_torch {
 namespace {
@@ -138,12 +148,13 @@ DataType ToDataType(const at::Tensor& tensor, int rank, const char* op, const ch
   }
 }
 
+collectives::Tensor CudaView(const at::Tensor& tensor, int rank, const char* op, const char* what);
+
 // The library's view of `tensor`: its own memory, no copy. Refuses what the library cannot
 // take, naming the op and the argument.
 collectives::Tensor View(const at::Tensor& tensor, int rank, const char* op, const char* what) {
   TORCH_CHECK(tensor.defined(), Where(rank, op), ": ", what, " is an undefined tensor");
-  TORCH_CHECK(tensor.device().is_cpu(), Where(rank, op), ": ", what, " is on ", tensor.device(),
-              "; this backend takes CPU tensors only");
+  if (!tensor.device().is_cpu()) return CudaView(tensor, rank, op, what);
   TORCH_CHECK(tensor.layout() == at::kStrided, Where(rank, op), ": ", what, " has layout ",
               tensor.layout(), "; only dense (strided) tensors are supported");
   TORCH_CHECK(tensor.is_contiguous(), Where(rank, op), ": ", what,
@@ -156,6 +167,200 @@ collectives::Tensor View(const at::Tensor& tensor, int rank, const char* op, con
 collectives::Tensor Empty(const collectives::Tensor& like) {
   return collectives::Tensor{nullptr, 0, like.dtype, like.device};
 }
+
+// ---- CUDA tensors. ----
+//
+// A CUDA tensor becomes a cuda:N view of its memory and goes to an NCCL communicator of the
+// group's own, made at the group's first CUDA call (every rank makes its first CUDA call
+// alike, as with torch's NCCL backend), on the tensor's device; where NCCL or a device is not
+// usable, to the group's communicator, whose RING and AUTO stage all-reduce, broadcast,
+// all-gather and reduce-scatter through pinned host memory (and refuse the other collectives
+// with a RuntimeError). A group made with implementation="nccl" sends everything to its own
+// communicator.
+//
+// Streams, as torch's NCCL backend: a collective runs after the work queued on the tensor's
+// current stream. The library's streams (NCCL's, the staging copies') are blocking streams,
+// which CUDA orders after the work queued before them on the legacy default stream; a tensor
+// whose current stream is another one has an event recorded there that the legacy default
+// stream waits for (OrderAfterCurrentStream). Where torch is built without CUDA
+// (COLLECTIVES_TORCH_CUDA_STREAMS unset) there is no current stream to ask: the collective
+// follows the legacy default stream only, torch's default current stream; work on other
+// streams must be synchronised by the caller. Work.wait() returns once the result is on the
+// device, for every stream (the library's Wait blocks until the device work is done): a
+// stronger guarantee than torch's NCCL backend, whose wait() only makes the current stream
+// wait.
+
+#ifdef COLLECTIVES_WITH_NCCL
+// Makes the legacy default stream wait for the work queued so far on `tensor`'s current
+// stream; nothing when that is the legacy default stream itself.
+void OrderAfterCurrentStream(const at::Tensor& tensor, int rank, const char* op) {
+#ifdef COLLECTIVES_TORCH_CUDA_STREAMS
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(tensor.device().index());
+  cudaStream_t stream = current.stream();
+  if (stream == nullptr) return;
+  const collectives::nccl::NcclApi& api = collectives::nccl::LoadCudart();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaEvent_t event = nullptr;
+  cudaError_t status = api.cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (status == cudaSuccess) status = api.cudaEventRecord(event, stream);
+  if (status == cudaSuccess) status = api.cudaStreamWaitEvent(nullptr, event, 0);
+  if (event != nullptr) api.cudaEventDestroy(event);  // released once the wait has passed it
+  TORCH_CHECK(status == cudaSuccess, Where(rank, op),
+              ": ordering after the current CUDA stream: ", api.cudaGetErrorString(status));
+#else
+  (void)tensor;
+  (void)rank;
+  (void)op;
+#endif
+}
+#endif
+
+// The library's view of a CUDA `tensor`, ordered after its current stream (above).
+collectives::Tensor CudaView(const at::Tensor& tensor, int rank, const char* op, const char* what) {
+#ifdef COLLECTIVES_WITH_NCCL
+  TORCH_CHECK(tensor.is_cuda(), Where(rank, op), ": ", what, " is on ", tensor.device(),
+              "; this backend takes CPU and CUDA tensors");
+  TORCH_CHECK(tensor.layout() == at::kStrided, Where(rank, op), ": ", what, " has layout ",
+              tensor.layout(), "; only dense (strided) tensors are supported");
+  TORCH_CHECK(tensor.is_contiguous(), Where(rank, op), ": ", what,
+              " is not contiguous; call .contiguous() first");
+  const DataType dtype = ToDataType(tensor, rank, op, what);
+  OrderAfterCurrentStream(tensor, rank, op);
+  return collectives::Tensor{tensor.data_ptr(), static_cast<size_t>(tensor.numel()), dtype,
+                             collectives::Device::Cuda(tensor.device().index())};
+#else
+  TORCH_CHECK(false, Where(rank, op), ": ", what, " is on ", tensor.device(),
+              "; this backend is built without CUDA and takes CPU tensors only (configure with "
+              "-DCOLLECTIVES_WITH_NCCL=ON)");
+#endif
+}
+
+#ifdef COLLECTIVES_WITH_NCCL
+// The group's communicator with CUDA tensors sent to an NCCL communicator where NCCL and a
+// device are usable (see above). CPU calls go straight to the group's communicator.
+// Thread-safety: as CollectiveCommunication; the NCCL communicator is made once, under mutex_.
+class CudaRouting final : public collectives::CollectiveCommunication {
+ public:
+  using Comm = collectives::CollectiveCommunication;
+  using Tensor = collectives::Tensor;
+  using WorkPtr = std::shared_ptr<collectives::Work>;
+
+  CudaRouting(std::unique_ptr<Comm> host, std::shared_ptr<collectives::Store> store,
+              std::string key_prefix, CommunicationOptions options)
+      : host_(std::move(host)),
+        store_(std::move(store)),
+        key_prefix_(std::move(key_prefix)),
+        options_(std::move(options)) {}
+
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  collectives::Implementation implementation() const override { return host_->implementation(); }
+
+  WorkPtr AllReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    return For(send, recv).AllReduceAsync(send, recv, op);
+  }
+  WorkPtr BroadcastAsync(const Tensor& send, const Tensor& recv, int root) override {
+    return For(send, recv).BroadcastAsync(send, recv, root);
+  }
+  WorkPtr AllGatherAsync(const Tensor& send, const Tensor& recv) override {
+    return For(send, recv).AllGatherAsync(send, recv);
+  }
+  WorkPtr ReduceScatterAsync(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    return For(send, recv).ReduceScatterAsync(send, recv, op);
+  }
+  WorkPtr BarrierAsync() override { return host_->BarrierAsync(); }
+  WorkPtr ReduceAsync(const Tensor& send, const Tensor& recv, ReduceOp op, int root) override {
+    return For(send, recv).ReduceAsync(send, recv, op, root);
+  }
+  WorkPtr GatherAsync(const Tensor& send, const Tensor& recv, int root) override {
+    return For(send, recv).GatherAsync(send, recv, root);
+  }
+  WorkPtr ScatterAsync(const Tensor& send, const Tensor& recv, int root) override {
+    return For(send, recv).ScatterAsync(send, recv, root);
+  }
+  WorkPtr AllToAllAsync(const Tensor& send, const Tensor& recv,
+                        const std::vector<size_t>& send_counts,
+                        const std::vector<size_t>& recv_counts) override {
+    return For(send, recv).AllToAllAsync(send, recv, send_counts, recv_counts);
+  }
+  WorkPtr SendAsync(const Tensor& tensor, int peer, int64_t tag) override {
+    return For(tensor, tensor).SendAsync(tensor, peer, tag);
+  }
+  WorkPtr RecvAsync(const Tensor& tensor, int peer, int64_t tag) override {
+    return For(tensor, tensor).RecvAsync(tensor, peer, tag);
+  }
+
+  void AllReduce(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    For(send, recv).AllReduce(send, recv, op);
+  }
+  void Broadcast(const Tensor& send, const Tensor& recv, int root) override {
+    For(send, recv).Broadcast(send, recv, root);
+  }
+  void AllGather(const Tensor& send, const Tensor& recv) override {
+    For(send, recv).AllGather(send, recv);
+  }
+  void ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    For(send, recv).ReduceScatter(send, recv, op);
+  }
+  void Barrier() override { host_->Barrier(); }
+
+  std::string AllReduceAlgorithm(size_t bytes) const override {
+    return host_->AllReduceAlgorithm(bytes);
+  }
+  std::unique_ptr<Comm> Split(int color, int key) override { return host_->Split(color, key); }
+
+  // Does not wait for an NCCL set-up in progress (For holds mutex_ through it).
+  void Abort() override {
+    host_->Abort();
+    if (Comm* device = device_ptr_.load(std::memory_order_acquire)) device->Abort();
+  }
+  void SetTimeout(std::chrono::milliseconds timeout) override {
+    host_->SetTimeout(timeout);
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_.timeout = timeout;
+    if (device_) device_->SetTimeout(timeout);
+  }
+
+ private:
+  using ReduceOp = collectives::ReduceOp;
+
+  // The communicator for a call on `a` and `b`: the group's for CPU tensors.
+  Comm& For(const Tensor& a, const Tensor& b) {
+    using Kind = collectives::Device::Kind;
+    if (a.device.kind == Kind::kCpu && b.device.kind == Kind::kCpu) return *host_;
+    if (host_->implementation() == collectives::Implementation::kNccl) return *host_;
+    if (Comm* made = device_ptr_.load(std::memory_order_acquire)) return *made;
+    const int device = a.device.kind == Kind::kCuda ? a.device.index : b.device.index;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (device_) return *device_;
+    if (!nccl_checked_) {
+      nccl_checked_ = true;
+      nccl_usable_ = collectives::nccl::TryLoadNccl() != nullptr;
+    }
+    if (!nccl_usable_) return *host_;  // RING and AUTO stage CUDA tensors
+    CommunicationOptions options;
+    options.implementation = collectives::Implementation::kNccl;
+    options.timeout = options_.timeout;
+    options.job_token = options_.job_token;
+    collectives::nccl::NcclOptions nccl_options;
+    nccl_options.device = device;
+    device_ = collectives::nccl::CreateNcclCommunication(host_->rank(), host_->size(), store_,
+                                                         key_prefix_, options, nccl_options);
+    device_ptr_.store(device_.get(), std::memory_order_release);
+    return *device_;
+  }
+
+  const std::unique_ptr<Comm> host_;
+  const std::shared_ptr<collectives::Store> store_;
+  const std::string key_prefix_;
+  std::mutex mutex_;
+  CommunicationOptions options_;            // GUARDED_BY(mutex_)
+  std::unique_ptr<Comm> device_;            // GUARDED_BY(mutex_); set once, never reset
+  std::atomic<Comm*> device_ptr_{nullptr};  // device_.get() once set, read without mutex_
+  bool nccl_checked_ = false;               // GUARDED_BY(mutex_)
+  bool nccl_usable_ = false;                // GUARDED_BY(mutex_)
+};
+#endif
 
 ReduceOp ToReduceOp(const c10d::ReduceOp& op, int rank, const char* name) {
   switch (op.op_) {
@@ -291,7 +496,8 @@ class CollectivesWork final : public c10d::Work {
 
   std::vector<at::Tensor> result() override { return outputs_; }
 
-  // The tensors are CPU memory: nothing to synchronize with.
+  // Nothing to do: once Finish has returned, the results are in the tensors, CUDA ones included
+  // (the library's Wait returns once the device work is done).
   void synchronize() override {}
 
   // Blocks until the call completed and rethrows its error. A positive `timeout` bounds the
@@ -463,6 +669,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     spec.job_id = job.substr(0, newline);
     if (own_token && newline != std::string::npos) options_.job_token = job.substr(newline + 1);
     comm_ = collectives::CreateCommunication(spec, torch_store, options_);
+#ifdef COLLECTIVES_WITH_NCCL
+    comm_ = std::make_unique<CudaRouting>(std::move(comm_), torch_store, spec.job_id + "/cuda",
+                                          options_);
+#endif
     init();
   }
 
@@ -761,11 +971,11 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     int64_t total = 0;
     for (const at::Tensor& output : outputs) total += output.numel();
     if (BackToBack(outputs)) {
-      gathered.view = {outputs[0].data_ptr(), size_t(total), send.dtype};
+      gathered.view = {outputs[0].data_ptr(), size_t(total), send.dtype, send.device};
       return gathered;
     }
     gathered.buffer = at::empty({total}, like.options());
-    gathered.view = {gathered.buffer.data_ptr(), size_t(total), send.dtype};
+    gathered.view = {gathered.buffer.data_ptr(), size_t(total), send.dtype, send.device};
     gathered.unpack = [outputs, buffer = gathered.buffer] {
       int64_t offset = 0;
       for (const at::Tensor& output : outputs) {
@@ -796,9 +1006,10 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
     TORCH_CHECK(list.size() == size_t(size_), Where(rank_, op), ": expects ", size_, " ", what,
                 " tensors (one per rank), got ", list.size());
     for (size_t r = 0; r < list.size(); ++r) {
-      TORCH_CHECK(
-          list[r].defined() && list[r].device().is_cpu() && list[r].layout() == at::kStrided,
-          Where(rank_, op), ": ", what, " tensor ", r, " is not a dense CPU tensor");
+      TORCH_CHECK(list[r].defined() && list[r].device() == like.device() &&
+                      list[r].layout() == at::kStrided,
+                  Where(rank_, op), ": ", what, " tensor ", r, " is not a dense tensor on ",
+                  like.device());
       CheckSameAs(list[r], like, like.numel(), rank_, op,
                   std::string(what) + " tensor " + std::to_string(r));
     }

@@ -486,6 +486,11 @@ def bad_arguments(rank, world):
     seen["list_length"] = _raises(lambda: dist.all_gather([torch.zeros(2)], torch.ones(2)),
                                   f"expects {world} output tensors")
     seen["root"] = _raises(lambda: dist.broadcast(torch.ones(2), src=world), "root")
+    # A list with a tensor on another device than the input (meta: the only other device a
+    # CPU-only torch has; c10d's ops do not dispatch a meta tensor alone to a backend).
+    seen["list_device"] = _raises(
+        lambda: dist.all_gather([torch.zeros(2)] * (world - 1) + [torch.empty(2, device="meta")],
+                                torch.ones(2)), "not a dense tensor on cpu")
     seen["untouched_outputs"] = torch.equal(out, torch.zeros(2 * world - 1))
     # The group still works after refused calls.
     seen["works"] = _sum_check(dist, ranks=range(world))
