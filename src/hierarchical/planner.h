@@ -50,7 +50,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options,
-                                             std::chrono::steady_clock::time_point deadline);
+                                             std::chrono::steady_clock::time_point deadline,
+                                             std::shared_ptr<Store> lasting_store = nullptr);
 
 // With several hosts, one of two ranks or more (and no algorithm forced): measures the cost model
 // AUTO decides all-reduces by (cost_model.h), through `comm` (the communicator `planner` belongs
