@@ -135,7 +135,7 @@ class NcclDevicePlan final : public DevicePlan {
       return staged;
     }
     return [this, send, recv, op, staged = std::move(staged)](ring::Context& ctx) {
-      if (!UseNccl(ctx)) return staged(ctx);
+      if (!UseNccl(ctx, recv.device.index)) return staged(ctx);
       CollectiveCommunication& local = Local(ctx, recv.device.index);
       if (hosts() == 1) return Nccl(ctx, [&] { local.AllReduce(send, recv, op); });
       const bool alone = members_.size() == 1;
@@ -147,7 +147,7 @@ class NcclDevicePlan final : public DevicePlan {
 
   Body Broadcast(const Tensor& send, const Tensor& recv, int root, Body staged) override {
     return [this, send, recv, root, staged = std::move(staged)](ring::Context& ctx) {
-      if (!UseNccl(ctx)) return staged(ctx);
+      if (!UseNccl(ctx, recv.device.index)) return staged(ctx);
       CollectiveCommunication& local = Local(ctx, recv.device.index);
       const bool is_root = layout_.rank == root;
       if (hosts() == 1) {
@@ -170,7 +170,7 @@ class NcclDevicePlan final : public DevicePlan {
   Body AllGather(const Tensor& send, const Tensor& recv, Body staged) override {
     if (hosts() > 1 && !uniform_) return staged;
     return [this, send, recv, staged = std::move(staged)](ring::Context& ctx) {
-      if (!UseNccl(ctx)) return staged(ctx);
+      if (!UseNccl(ctx, recv.device.index)) return staged(ctx);
       CollectiveCommunication& local = Local(ctx, recv.device.index);
       if (hosts() == 1) return Nccl(ctx, [&] { local.AllGather(send, recv); });
       const size_t count = send.count;
@@ -203,7 +203,7 @@ class NcclDevicePlan final : public DevicePlan {
   Body ReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op, Body staged) override {
     if (hosts() > 1 && (!uniform_ || op == ReduceOp::kAvg)) return staged;
     return [this, send, recv, op, staged = std::move(staged)](ring::Context& ctx) {
-      if (!UseNccl(ctx)) return staged(ctx);
+      if (!UseNccl(ctx, recv.device.index)) return staged(ctx);
       CollectiveCommunication& local = Local(ctx, recv.device.index);
       if (hosts() == 1) return Nccl(ctx, [&] { local.ReduceScatter(send, recv, op); });
       const size_t members = members_.size();
@@ -237,22 +237,46 @@ class NcclDevicePlan final : public DevicePlan {
  private:
   size_t hosts() const { return layout_.hosts.size(); }
 
-  // Whether the ranks use NCCL, decided at the first CUDA call by every rank alike.
-  bool UseNccl(ring::Context& ctx) {
+  // Whether the ranks use NCCL, decided at the first CUDA call (on `device`) by every rank
+  // alike from what each says in an all-gather: whether NCCL is usable here, and the PCI bus id
+  // of its GPU. NCCL runs only if it is usable everywhere and no two ranks of a host share a GPU
+  // (NCCL needs one per rank; the staged ring does not).
+  bool UseNccl(ring::Context& ctx, int device) {
     if (use_nccl_) return *use_nccl_;
+    constexpr size_t kRecord = 64;  // "1" or "0", then the bus id, NUL-terminated
+    std::vector<char> mine(kRecord, '\0');
     std::string why;
     const char* env = std::getenv("COLLECTIVES_AUTO_NCCL");
-    int32_t here = 1;
     if (env != nullptr && std::string(env) == "0") {
-      here = 0;
       why = "COLLECTIVES_AUTO_NCCL=0";
-    } else if (nccl::TryLoadNccl(&why) == nullptr) {
-      here = 0;
+    } else if (const nccl::NcclApi* api = nccl::TryLoadNccl(&why); api != nullptr) {
+      const cudaError_t status = api->cudaDeviceGetPCIBusId(&mine[1], int(kRecord - 1), device);
+      if (status == cudaSuccess) {
+        mine[0] = '1';
+      } else {
+        why = std::string("cudaDeviceGetPCIBusId: ") + api->cudaGetErrorString(status);
+      }
     }
-    int32_t all = here;
-    ring::RecursiveDoublingAllReduce(ctx, &all, &all, 1, DataType::kInt32, ReduceOp::kMin);
-    use_nccl_ = all == 1;
-    if (!*use_nccl_) SayStaged(layout_.rank, here ? "NCCL is not usable on another rank" : why);
+    const size_t world = layout_.host_of.size();
+    std::vector<char> all(world * kRecord);
+    ring::SmallAllGather(ctx, mine.data(), all.data(), kRecord);
+    std::string reason;
+    for (size_t r = 0; r < world && reason.empty(); ++r) {
+      if (all[r * kRecord] == '1') continue;
+      reason = int(r) == layout_.rank ? why : "NCCL is not usable on rank " + std::to_string(r);
+    }
+    for (size_t r = 0; r < world && reason.empty(); ++r) {
+      for (size_t q = r + 1; q < world && reason.empty(); ++q) {
+        const char* bus = &all[r * kRecord + 1];
+        if (layout_.host_of[r] != layout_.host_of[q] || std::string(bus) != &all[q * kRecord + 1]) {
+          continue;
+        }
+        reason = "ranks " + std::to_string(r) + " and " + std::to_string(q) + " share the GPU at " +
+                 bus + " (NCCL needs a GPU per rank)";
+      }
+    }
+    use_nccl_ = reason.empty();
+    if (!*use_nccl_) SayStaged(layout_.rank, reason);
     return *use_nccl_;
   }
 

@@ -131,11 +131,13 @@ double Stored(DataType dtype, double v) {
   return Load(dtype, &cell, 0);
 }
 
-// One collective on this rank's device (cuda:rank), its result against the reference.
+// One collective on this rank's device (cuda:rank, or cuda:(rank % devices) where devices is
+// not 0), its result against the reference.
 CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
                           const std::string& collective, DataType dtype, ReduceOp op, size_t count,
-                          bool in_place, int root) {
+                          bool in_place, int root, int devices = 0) {
   const int n = comm.size(), rank = comm.rank();
+  const int device = devices > 0 ? rank % devices : rank;
   const std::string what = "rank " + std::to_string(rank) + " " + collective + " " +
                            ToString(dtype) + " " + ToString(op) +
                            " count=" + std::to_string(count) + (in_place ? " in place" : "") +
@@ -143,8 +145,8 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
   CheckResult result;
   const size_t e = SizeOf(dtype), whole = count * size_t(n);
   const bool blocks = collective == "all_gather" || collective == "reduce_scatter";
-  DeviceBuffer send(api, rank, dtype, blocks ? whole : count);
-  DeviceBuffer recv(api, rank, dtype, blocks ? whole : count);
+  DeviceBuffer send(api, device, dtype, blocks ? whole : count);
+  DeviceBuffer recv(api, device, dtype, blocks ? whole : count);
   std::vector<uint8_t> host((blocks ? whole : count) * e, 0);
   if (collective == "all_reduce") {
     for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
@@ -208,7 +210,8 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
 
 // Every collective, dtype and op of the plan on `hosts`, at 0, 1, a prime and a count larger
 // than the staging slot; the number of wrong elements over every rank (and the first).
-void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::string>& hosts) {
+void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::string>& hosts,
+                          int devices = 0) {
   const size_t size = hosts.size();
   std::vector<size_t> wrong(size, 0);
   std::vector<std::string> first(size);
@@ -217,7 +220,7 @@ void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::strin
     EXPECT_EQ(comm.implementation(), Implementation::kAuto);
     const auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
                          int root) {
-      const CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root);
+      const CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root, devices);
       wrong[r] += result.wrong;
       if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
     };
@@ -317,6 +320,15 @@ TEST(AutoDeviceFallbackTest, WithNcclTurnedOffRunsOnTheStagedRing) {
   ScopedEnv nccl_off("COLLECTIVES_AUTO_NCCL", "0");
   const uint64_t before = hierarchical::DevicePlanNcclCalls();
   CheckEveryCollective(api, {"a", "a", "b", "b"});
+  EXPECT_EQ(hierarchical::DevicePlanNcclCalls(), before);
+}
+
+// Two ranks of a host on one GPU (which NCCL refuses): the staged ring, the same results.
+TEST(AutoDeviceFallbackTest, RanksOfAHostSharingAGpuRunOnTheStagedRing) {
+  COLLECTIVES_REQUIRE_DEVICES();
+  ScopedEnv nccl_on("COLLECTIVES_AUTO_NCCL", nullptr);
+  const uint64_t before = hierarchical::DevicePlanNcclCalls();
+  CheckEveryCollective(api, {"a", "a", "a"}, /*devices=*/2);  // ranks 0 and 2 on cuda:0
   EXPECT_EQ(hierarchical::DevicePlanNcclCalls(), before);
 }
 
