@@ -281,21 +281,21 @@ class NcclDevicePlan final : public DevicePlan {
   }
 
   // The host's NCCL communicator, made at the first CUDA call on `device`.
+  // Made outside mu_ (the set-up waits for the host's other ranks), so that Abort is not held.
   CollectiveCommunication& Local(ring::Context& ctx, int device) {
-    std::lock_guard<std::mutex> lock(mu_);
+    const std::string own = "rank " + std::to_string(layout_.rank) + ": ";
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_) throw Error(ErrorCode::kAborted, own + "the communicator was aborted");
+    }
     if (local_) {
       if (device != device_) {
         throw Error(ErrorCode::kInvalidArgument,
-                    "rank " + std::to_string(layout_.rank) + ": " + ctx.tag.ToString() +
-                        ": a tensor on cuda:" + std::to_string(device) +
+                    own + ctx.tag.ToString() + ": a tensor on cuda:" + std::to_string(device) +
                         ", but AUTO's NCCL communicator of this rank is on cuda:" +
                         std::to_string(device_) + " (one device per rank)");
       }
       return *local_;
-    }
-    if (aborted_) {
-      throw Error(ErrorCode::kAborted,
-                  "rank " + std::to_string(layout_.rank) + ": the communicator was aborted");
     }
     CommunicationOptions options;
     options.implementation = Implementation::kNccl;
@@ -303,14 +303,28 @@ class NcclDevicePlan final : public DevicePlan {
     nccl::NcclOptions nccl_options;
     nccl_options.device = device;
     nccl_options.setup_deadline = ctx.deadline;
+    std::shared_ptr<CollectiveCommunication> made;
     try {
-      local_ = nccl::CreateNcclCommunication(local_index_, int(members_.size()), store_,
-                                             key_prefix_ + "/auto_nccl/" + std::to_string(host_),
-                                             options, nccl_options);
+      made = nccl::CreateNcclCommunication(local_index_, int(members_.size()), store_,
+                                           key_prefix_ + "/auto_nccl/" + std::to_string(host_),
+                                           options, nccl_options);
     } catch (const Error& error) {
-      throw Error(error.code(),
-                  "rank " + std::to_string(layout_.rank) +
-                      ": AUTO's NCCL communicator inside the host: " + error.message());
+      std::string why = error.message();
+      const std::string local_own = "rank " + std::to_string(local_index_) + ": ";
+      if (why.starts_with(local_own)) why.erase(0, local_own.size());
+      throw Error(error.code(), own + "AUTO's NCCL communicator of the host's " +
+                                    std::to_string(members_.size()) + " ranks (as its rank " +
+                                    std::to_string(local_index_) + "): " + why);
+    }
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborted = aborted_;
+      local_ = made;
+    }
+    if (aborted) {
+      made->Abort();
+      throw Error(ErrorCode::kAborted, own + "the communicator was aborted");
     }
     device_ = device;
     return *local_;
@@ -492,8 +506,9 @@ class NcclDevicePlan final : public DevicePlan {
   uint8_t* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   std::mutex mu_;
-  std::shared_ptr<CollectiveCommunication> local_;  // written under mu_
-  bool aborted_ = false;                            // guarded by mu_
+  // Written under mu_ by the thread running the call, which reads it without; Abort under mu_.
+  std::shared_ptr<CollectiveCommunication> local_;
+  bool aborted_ = false;  // guarded by mu_
 };
 
 #endif  // COLLECTIVES_WITH_NCCL

@@ -20,14 +20,18 @@
 // Elsewhere (kAvg as above, hosts of different sizes for all_gather and reduce_scatter) the
 // call runs on the staged ring over TCP between every pair, as RING's.
 //
-// The choice of NCCL is made once, at the first CUDA call, by every rank alike: each says
-// whether NCCL loads here (nccl_loader.h) and COLLECTIVES_AUTO_NCCL is not "0", and an
-// all-reduce (min) over TCP decides for all. Without NCCL anywhere, every CUDA call runs on the
-// staged ring, and each rank says so once per process on stderr, naming why. With it, the host's
-// NCCL communicator is made then too, on the tensor's device, through the store under
-// "<key_prefix>/auto_nccl/<host>": a rank's later CUDA calls must use that device
-// (Error(kInvalidArgument) otherwise). NCCL checks nothing across ranks: a call that differs
-// between ranks of a host is undefined there (typically a hang until the timeout).
+// The choice of NCCL is made once, at the first CUDA call, by every rank alike from an
+// all-gather over TCP of what each says: whether NCCL loads here (nccl_loader.h) and
+// COLLECTIVES_AUTO_NCCL is not "0", and the PCI bus id of its GPU. NCCL runs only where it is
+// usable on every rank and no two ranks of a host share a GPU (NCCL needs one per rank); else
+// every CUDA call runs on the staged ring, and each process says so once on stderr, naming why.
+// With NCCL, the host's NCCL communicator is made then too, on the tensor's device, through the
+// store under "<key_prefix>/auto_nccl/<host>": a rank's later CUDA calls must use that device
+// (Error(kInvalidArgument) otherwise). The staging of the crossing is the plan's own: two slots
+// of COLLECTIVES_CUDA_STAGING_BYTES pinned on each leader (and crosser), beside the ring's, and
+// a leader's reduce-scatter takes (world + host's ranks) x recv.count elements of device scratch,
+// kept for later calls. NCCL checks nothing across ranks: a call that differs between ranks of a
+// host is undefined there (typically a hang until the timeout), not Error(kMismatch).
 //
 // Thread-safety: the Body factories on the caller's thread; the bodies on the thread that runs
 // the call, one at a time; Abort from any thread.

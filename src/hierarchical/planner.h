@@ -5,7 +5,8 @@
 // across hosts as the smallest host of several ranks has (a rank alone on its host takes part in
 // every lane), broadcasts in two levels too, and their other collectives on the ring. Reduce, and
 // gather up to 16 MiB, run in shared memory on one host, on the ring otherwise; scatter and
-// all-to-all always on the ring (point-to-point messages never reach the planner).
+// all-to-all always on the ring (point-to-point messages never reach the planner). CUDA tensors
+// take device_plan.h's plan: NCCL inside a host, the staged ring across hosts.
 //
 // Thread-safety: as ring::Planner.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
