@@ -118,6 +118,9 @@ class NcclDevicePlan final : public DevicePlan {
       uniform_ = uniform_ && ranks.size() == layout_.hosts[0].size();
       leaders_.push_back(ranks[0]);
     }
+    if (uniform_) {
+      for (const auto& ranks : layout_.hosts) lane_.push_back(ranks[size_t(local_index_)]);
+    }
   }
 
   ~NcclDevicePlan() override {
@@ -138,10 +141,23 @@ class NcclDevicePlan final : public DevicePlan {
       if (!UseNccl(ctx, recv.device.index)) return staged(ctx);
       CollectiveCommunication& local = Local(ctx, recv.device.index);
       if (hosts() == 1) return Nccl(ctx, [&] { local.AllReduce(send, recv, op); });
-      const bool alone = members_.size() == 1;
-      if (!alone) Nccl(ctx, [&] { local.Reduce(send, recv, op, 0); });
-      if (local_index_ == 0) CrossAllReduce(ctx, alone ? send : recv, recv, op);
-      if (!alone) Nccl(ctx, [&] { local.Broadcast(recv, recv, 0); });
+      const size_t members = members_.size();
+      if (members == 1) return CrossAllReduce(ctx, leaders_, send, recv, op);
+      if (uniform_ && recv.count % members == 0) {
+        // In lanes: this rank's slice of the host's reduction crosses among the ranks of its
+        // local index, every lane at once.
+        const size_t slice = recv.count / members;
+        const Tensor mine{
+            static_cast<uint8_t*>(recv.data) + size_t(local_index_) * slice * SizeOf(recv.dtype),
+            slice, recv.dtype, recv.device};
+        Nccl(ctx, [&] { local.ReduceScatter(send, mine, op); });
+        CrossAllReduce(ctx, lane_, mine, mine, op);
+        Nccl(ctx, [&] { local.AllGather(mine, recv); });
+        return;
+      }
+      Nccl(ctx, [&] { local.Reduce(send, recv, op, 0); });
+      if (local_index_ == 0) CrossAllReduce(ctx, leaders_, recv, recv, op);
+      Nccl(ctx, [&] { local.Broadcast(recv, recv, 0); });
     };
   }
 
@@ -367,9 +383,10 @@ class NcclDevicePlan final : public DevicePlan {
     return "rank " + std::to_string(layout_.rank) + ": " + ctx.tag.ToString();
   }
 
-  // The leaders' all-reduce of `from` into `into` (recv.count elements), staged.
-  void CrossAllReduce(ring::Context& ctx, const Tensor& from, const Tensor& into, ReduceOp op) {
-    LaneFabric sub(ctx.fabric, leaders_, host_);
+  // The all-reduce of `from` into `into` among `ranks` (one per host, in host order), staged.
+  void CrossAllReduce(ring::Context& ctx, const std::vector<int>& ranks, const Tensor& from,
+                      const Tensor& into, ReduceOp op) {
+    LaneFabric sub(ctx.fabric, ranks, host_);
     ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
     ring::CudaStaging& staging = Staging();
     const size_t e = SizeOf(into.dtype), count = into.count;
@@ -499,6 +516,7 @@ class NcclDevicePlan final : public DevicePlan {
   const std::vector<int> members_;
   bool uniform_ = true;
   std::vector<int> leaders_;
+  std::vector<int> lane_;  // the ranks of this rank's local index, one per host (uniform hosts)
   // Used by the thread running the call.
   std::optional<bool> use_nccl_;
   int device_ = -1;

@@ -3,10 +3,14 @@
 //
 // The schedules, with H hosts of L ranks (a host's leader is its first rank):
 //  - One host: the collective is NCCL's, over every rank.
-//  - all_reduce: NCCL reduces to the leader (into recv), the leaders all-reduce recv in place
-//    over TCP through staging, NCCL broadcasts recv from the leader. kAvg: NCCL's average inside
-//    and the leaders' average across, exact only where every host has as many ranks, so kAvg
-//    runs there only for floating dtypes (elsewhere on the staged ring).
+//  - all_reduce, in lanes where every host has L ranks and L divides the count: NCCL
+//    reduce-scatters send into this rank's slice of recv (L slices), the ranks of each local
+//    index (one per host, a lane) all-reduce their slice in place over TCP through staging, every
+//    lane at once, and NCCL all-gathers the slices into recv. Elsewhere through the leader: NCCL
+//    reduces to the leader (into recv), the leaders all-reduce recv in place over TCP through
+//    staging, NCCL broadcasts recv from the leader. kAvg: NCCL's average inside and the average
+//    across, exact only where every host has as many ranks, so kAvg runs there only for
+//    floating dtypes (elsewhere on the staged ring).
 //  - broadcast: the root, and the leader of every other host, broadcast over TCP through staging
 //    into recv; NCCL then broadcasts recv inside each host from the rank that received it.
 //  - all_gather (hosts of as many ranks each): NCCL gathers the host's blocks into their places
@@ -28,7 +32,7 @@
 // With NCCL, the host's NCCL communicator is made then too, on the tensor's device, through the
 // store under "<key_prefix>/auto_nccl/<host>": a rank's later CUDA calls must use that device
 // (Error(kInvalidArgument) otherwise). The staging of the crossing is the plan's own: two slots
-// of COLLECTIVES_CUDA_STAGING_BYTES pinned on each leader (and crosser), beside the ring's, and
+// of COLLECTIVES_CUDA_STAGING_BYTES pinned on each rank that crosses, beside the ring's, and
 // a leader's reduce-scatter takes (world + host's ranks) x recv.count elements of device scratch,
 // kept for later calls. NCCL checks nothing across ranks: a call that differs between ranks of a
 // host is undefined there (typically a hang until the timeout), not Error(kMismatch).

@@ -229,7 +229,7 @@ void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::strin
       for (DataType d : {DataType::kFloat32, DataType::kFloat64, DataType::kInt32}) {
         for (ReduceOp o : {ReduceOp::kSum, ReduceOp::kMax}) {
           if (!reduces && o != ReduceOp::kSum) continue;
-          for (size_t count : {size_t{0}, size_t{1}, size_t{1009}, size_t{5003}}) {
+          for (size_t count : {size_t{0}, size_t{1}, size_t{1009}, size_t{5003}, size_t{5006}}) {
             for (bool in_place : {false, true}) {
               run(c, d, o, count, in_place, int((count + size_t(in_place)) % size));
             }
@@ -239,6 +239,7 @@ void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::strin
     }
     // The average: NCCL's inside a host and the leaders' across, where the hosts are alike.
     run("all_reduce", DataType::kFloat32, ReduceOp::kAvg, 1009, false, 0);
+    run("all_reduce", DataType::kFloat32, ReduceOp::kAvg, 1012, true, 0);
     run("all_reduce", DataType::kFloat64, ReduceOp::kAvg, 5003, true, 0);
   });
   for (size_t r = 0; r < size; ++r) {
