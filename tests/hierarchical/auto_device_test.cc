@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -98,7 +99,8 @@ class DeviceBuffer {
 
 // Runs a rank per entry of `hosts` as threads, rank r on pretend host hosts[r], through AUTO.
 void RunOnHosts(const std::vector<std::string>& hosts,
-                const std::function<void(CollectiveCommunication&)>& body) {
+                const std::function<void(CollectiveCommunication&)>& body,
+                std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   ScopedEnv shm("COLLECTIVES_SHM", nullptr);
   std::shared_ptr<collectives::Store> store = CreateMemoryStore();
   const int size = int(hosts.size());
@@ -114,7 +116,7 @@ void RunOnHosts(const std::vector<std::string>& hosts,
         CommunicationOptions options;
         options.implementation = Implementation::kAuto;
         options.chunk_bytes = 1024;
-        options.timeout = std::chrono::seconds(60);
+        options.timeout = timeout;
         std::unique_ptr<CollectiveCommunication> comm = CreateCommunication(spec, store, options);
         body(*comm);
       } catch (const std::exception& e) {
@@ -313,6 +315,37 @@ TEST(AutoDeviceCountTest, OneHostIsOneNcclCallTwoHostsAreTwo) {
     });
     EXPECT_EQ(after - before, per_rank * hosts.size()) << hosts.size() << " ranks";
   }
+}
+
+// An Abort ends a CUDA call that waits inside NCCL (rank 3 never makes it, so its host's NCCL
+// step waits for it) and the ones waiting across hosts: each raises an Error, none waits for the
+// call's timeout.
+TEST(AutoDeviceAbortTest, AbortEndsACallWaitingInNccl) {
+  COLLECTIVES_REQUIRE_DEVICES();
+  COLLECTIVES_REQUIRE_NCCL();
+  ScopedEnv nccl_on("COLLECTIVES_AUTO_NCCL", nullptr);
+  std::latch ready(4);
+  const auto start = std::chrono::steady_clock::now();
+  RunOnHosts(
+      {"a", "a", "b", "b"},
+      [&](CollectiveCommunication& comm) {
+        const int rank = comm.rank();
+        DeviceBuffer buffer(api, rank, DataType::kFloat32, 64);
+        buffer.Upload(std::vector<uint8_t>(64 * sizeof(float), 0));
+        comm.AllReduce(buffer.tensor(0, 64), buffer.tensor(0, 64), ReduceOp::kSum);  // set-up
+        ready.arrive_and_wait();
+        std::shared_ptr<Work> work;
+        if (rank != 3) {
+          work = comm.AllReduceAsync(buffer.tensor(0, 64), buffer.tensor(0, 64), ReduceOp::kSum);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        comm.Abort();
+        if (work) {
+          EXPECT_THROW(work->Wait(), Error) << "rank " << rank;
+        }
+      },
+      std::chrono::seconds(30));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
 }
 
 // COLLECTIVES_AUTO_NCCL=0: no NCCL call, the staged ring's results.
