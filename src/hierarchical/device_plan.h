@@ -35,7 +35,10 @@
 // of COLLECTIVES_CUDA_STAGING_BYTES pinned on each rank that crosses, beside the ring's, and
 // a leader's reduce-scatter takes (world + host's ranks) x recv.count elements of device scratch,
 // kept for later calls. NCCL checks nothing across ranks: a call that differs between ranks of a
-// host is undefined there (typically a hang until the timeout), not Error(kMismatch).
+// host is undefined there (typically a hang until the timeout), not Error(kMismatch). The
+// planner announces each CUDA call to the host's shared-memory group (Planner::RunningOnRing),
+// so a member waiting there in a CPU call of another descriptor raises kMismatch; one of the
+// same descriptor (the device is not part of it) waits until its timeout.
 //
 // Thread-safety: the Body factories on the caller's thread; the bodies on the thread that runs
 // the call, one at a time; Abort from any thread.

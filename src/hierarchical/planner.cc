@@ -439,19 +439,22 @@ class HierarchicalPlanner final : public ring::Planner {
     return std::string(NameOf(*candidate));
   }
 
-  // CUDA tensors: the device plan's (device_plan.h), else the staged ring's.
+  // CUDA tensors: the device plan's (device_plan.h), else the staged ring's. Either way the
+  // call runs outside the shared-memory group, which hears of it (RunningOnRing): a member of
+  // this host waiting there in a call of the same number then raises kMismatch.
   Body DeviceAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op, Body staged) override {
-    return device_ ? device_->AllReduce(send, recv, op, std::move(staged)) : staged;
+    return Announced(device_ ? device_->AllReduce(send, recv, op, std::move(staged)) : staged);
   }
   Body DeviceBroadcast(const Tensor& send, const Tensor& recv, int root, Body staged) override {
-    return device_ ? device_->Broadcast(send, recv, root, std::move(staged)) : staged;
+    return Announced(device_ ? device_->Broadcast(send, recv, root, std::move(staged)) : staged);
   }
   Body DeviceAllGather(const Tensor& send, const Tensor& recv, Body staged) override {
-    return device_ ? device_->AllGather(send, recv, std::move(staged)) : staged;
+    return Announced(device_ ? device_->AllGather(send, recv, std::move(staged)) : staged);
   }
   Body DeviceReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op,
                            Body staged) override {
-    return device_ ? device_->ReduceScatter(send, recv, op, std::move(staged)) : staged;
+    return Announced(device_ ? device_->ReduceScatter(send, recv, op, std::move(staged))
+                             : staged);
   }
 
   void SetDevicePlan(std::unique_ptr<DevicePlan> plan) { device_ = std::move(plan); }
@@ -469,6 +472,15 @@ class HierarchicalPlanner final : public ring::Planner {
   friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
                                       Clock::time_point deadline,
                                       std::chrono::milliseconds timeout);
+
+  // `body`, after telling the host's group that this call runs outside it (RunningOnRing).
+  Body Announced(Body body) {
+    if (!group_) return body;
+    return [this, body = std::move(body)](ring::Context& ctx) {
+      RunningOnRing(ctx.tag);
+      body(ctx);
+    };
+  }
 
   // The two-level broadcast of recv.bytes() from `root`: from send (the root's) into recv, or
   // in place on recv (the packer's fused bucket) with `in_place`, with the same steps. Pipelined

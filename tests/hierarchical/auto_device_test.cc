@@ -13,8 +13,10 @@
 // label gpu). Without them they skip, saying why, or fail where COLLECTIVES_REQUIRE_GPU=1.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <latch>
 #include <memory>
 #include <string>
@@ -346,6 +348,48 @@ TEST(AutoDeviceAbortTest, AbortEndsACallWaitingInNccl) {
       },
       std::chrono::seconds(30));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+// A CPU all-reduce on one rank of a host where the other makes a CUDA one of the same number:
+// with another count, the rank waiting in shared memory hears of the other's call and raises
+// kMismatch well before the timeout; with the same descriptor (the device is not part of it) both
+// wait until the timeout and raise kTimeout, never longer.
+TEST(AutoDeviceMismatchTest, ACudaCallBesideACpuCallFailsByItsTimeout) {
+  COLLECTIVES_REQUIRE_DEVICES();
+  COLLECTIVES_REQUIRE_NCCL();
+  ScopedEnv nccl_on("COLLECTIVES_AUTO_NCCL", nullptr);
+  for (const size_t cuda_count : {size_t{32}, size_t{64}}) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
+    RunOnHosts(
+        {"a", "a"},
+        [&](CollectiveCommunication& comm) {
+          const int rank = comm.rank();
+          std::vector<float> host(64, 1.0f);
+          DeviceBuffer device(api, rank, DataType::kFloat32, 64);
+          device.Upload(std::vector<uint8_t>(64 * sizeof(float), 0));
+          try {
+            if (rank == 0) {
+              comm.AllReduce(Tensor{host.data(), 64, DataType::kFloat32}, ReduceOp::kSum);
+            } else {
+              comm.AllReduce(device.tensor(0, cuda_count), ReduceOp::kSum);
+            }
+            ADD_FAILURE() << "rank " << rank << ": no error";
+          } catch (const Error& e) {
+            codes[size_t(rank)] = e.code();
+          }
+        },
+        std::chrono::seconds(3));
+    const auto took = std::chrono::steady_clock::now() - start;
+    if (cuda_count != 64) {
+      EXPECT_EQ(codes[0], ErrorCode::kMismatch);
+      EXPECT_LT(took, std::chrono::seconds(3));
+    } else {
+      EXPECT_EQ(codes[0], ErrorCode::kTimeout);
+      EXPECT_EQ(codes[1], ErrorCode::kTimeout);
+      EXPECT_LT(took, std::chrono::seconds(10));
+    }
+  }
 }
 
 // COLLECTIVES_AUTO_NCCL=0: no NCCL call, the staged ring's results.
