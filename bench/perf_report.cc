@@ -47,7 +47,10 @@ void Report::PrintHeader() {
   }
   if (config_.device == "cuda") {
     std::printf("# device: cuda (each rank's buffers on device rank %% visible devices)%s\n",
-                config_.impl == "nccl" ? "" : "; RING and AUTO stage them through pinned host memory");
+                config_.impl == "nccl"   ? ""
+                : config_.impl == "auto" ? "; AUTO: NCCL inside a host, staged across hosts "
+                                           "(all staged where NCCL is not usable)"
+                                         : "; RING stages them through pinned host memory");
   }
   if (config_.baseline == "mpi") {
     std::printf(

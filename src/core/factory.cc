@@ -275,7 +275,7 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   std::unique_ptr<ring::Planner> planner;
   if (options.implementation == Implementation::kAuto) {
     planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,
-                                          rendezvous.key_prefix, options, deadline);
+                                          rendezvous.key_prefix, options, deadline, store);
   }
   if (cancelled && cancelled()) throw Error(ErrorCode::kAborted, abandoned);
   ring::SplitBuilder split = [store, rendezvous, options](
@@ -419,8 +419,8 @@ std::unique_ptr<CollectiveCommunication> CreateThrough(const ClusterSpec& spec,
   const CommunicationOptions options = core::CheckOptions(spec.rank, given);
   const std::string listen_host = AskedListenHost(spec.rank, options);
   const Clock::time_point deadline = start + options.timeout;  // a year at most: no overflow
-  // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host);
-  // choosing NCCL for CUDA tensors per call, across devices, is future work.
+  // kAuto is RING's TCP fabric with the hierarchical planner (shared memory inside a host, and
+  // NCCL inside a host for CUDA tensors where it loads: src/hierarchical/device_plan.h).
   if (options.implementation == Implementation::kNccl) {
 #if defined(COLLECTIVES_WITH_NCCL)
     // Fails with Error(kNotSupported) before touching the store when NCCL or a GPU is missing.

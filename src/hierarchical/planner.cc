@@ -22,6 +22,7 @@
 #include "src/core/kernels.h"
 #include "src/core/text.h"
 #include "src/hierarchical/cost_model.h"
+#include "src/hierarchical/device_plan.h"
 #include "src/hierarchical/shm_group.h"
 #include "src/ring/algorithms.h"
 
@@ -438,18 +439,48 @@ class HierarchicalPlanner final : public ring::Planner {
     return std::string(NameOf(*candidate));
   }
 
+  // CUDA tensors: the device plan's (device_plan.h), else the staged ring's. Either way the
+  // call runs outside the shared-memory group, which hears of it (RunningOnRing): a member of
+  // this host waiting there in a call of the same number then raises kMismatch.
+  Body DeviceAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op, Body staged) override {
+    return Announced(device_ ? device_->AllReduce(send, recv, op, std::move(staged)) : staged);
+  }
+  Body DeviceBroadcast(const Tensor& send, const Tensor& recv, int root, Body staged) override {
+    return Announced(device_ ? device_->Broadcast(send, recv, root, std::move(staged)) : staged);
+  }
+  Body DeviceAllGather(const Tensor& send, const Tensor& recv, Body staged) override {
+    return Announced(device_ ? device_->AllGather(send, recv, std::move(staged)) : staged);
+  }
+  Body DeviceReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op,
+                           Body staged) override {
+    return Announced(device_ ? device_->ReduceScatter(send, recv, op, std::move(staged))
+                             : staged);
+  }
+
+  void SetDevicePlan(std::unique_ptr<DevicePlan> plan) { device_ = std::move(plan); }
+
   void RunningOnRing(const core::CallTag& tag) override {
     if (group_) group_->AnnounceOutside(tag);
   }
 
   void Abort(const Error& error) override {
     if (group_) group_->Abort(error);
+    if (device_) device_->Abort(error);
   }
 
  private:
   friend void hierarchical::Calibrate(ring::Planner& planner, CollectiveCommunication& comm,
                                       Clock::time_point deadline,
                                       std::chrono::milliseconds timeout);
+
+  // `body`, after telling the host's group that this call runs outside it (RunningOnRing).
+  Body Announced(Body body) {
+    if (!group_) return body;
+    return [this, body = std::move(body)](ring::Context& ctx) {
+      RunningOnRing(ctx.tag);
+      body(ctx);
+    };
+  }
 
   // The two-level broadcast of recv.bytes() from `root`: from send (the root's) into recv, or
   // in place on recv (the packer's fused bucket) with `in_place`, with the same steps. Pipelined
@@ -602,6 +633,7 @@ class HierarchicalPlanner final : public ring::Planner {
   int cross_me_ = 0;  // its host's index: its place in cross_ranks_ (if any) and leader_ranks_
   // The first rank of every host, which check a call across hosts where nothing else crosses.
   std::vector<int> leader_ranks_;
+  std::unique_ptr<DevicePlan> device_;  // CUDA tensors' plan; null: the staged ring
 };
 
 }  // namespace
@@ -633,7 +665,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options,
-                                             Clock::time_point deadline) {
+                                             Clock::time_point deadline,
+                                             std::shared_ptr<Store> lasting_store) {
   // "<shm>\n<slot>\n<host>\n<machine>": whether this rank allows shared memory (COLLECTIVES_SHM),
   // its COLLECTIVES_SHM_SLOT_BYTES (empty: unset), the host AUTO plans by (pretended or real), and
   // the machine the process really runs on, whose ranks compete for its cores. Every rank
@@ -827,9 +860,18 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                            "rank " + std::to_string(rank) + ": " + theirs + core::OneLine(why)));
     }
   }
-  return std::make_unique<HierarchicalPlanner>(rank, size, std::move(topology), std::move(group),
-                                               plan, forced == core::algorithm::kTwoLevel,
-                                               slot_bytes, shm_small_bytes, options);
+  // CUDA tensors: NCCL inside a host where some host has several ranks, unless a ring
+  // algorithm is forced (then the staged ring runs them, as forced).
+  std::unique_ptr<DevicePlan> device;
+  if (lasting_store && largest_host >= 2 && !ring::IsRingAlgorithm(forced)) {
+    device = CreateDevicePlan({rank, topology.hosts, topology.host_of, topology.local_index},
+                              std::move(lasting_store), key_prefix, options);
+  }
+  auto planner = std::make_unique<HierarchicalPlanner>(
+      rank, size, std::move(topology), std::move(group), plan,
+      forced == core::algorithm::kTwoLevel, slot_bytes, shm_small_bytes, options);
+  planner->SetDevicePlan(std::move(device));
+  return planner;
 }
 
 void Calibrate(ring::Planner& base, CollectiveCommunication& comm, Clock::time_point deadline,

@@ -5,7 +5,8 @@
 // across hosts as the smallest host of several ranks has (a rank alone on its host takes part in
 // every lane), broadcasts in two levels too, and their other collectives on the ring. Reduce, and
 // gather up to 16 MiB, run in shared memory on one host, on the ring otherwise; scatter and
-// all-to-all always on the ring (point-to-point messages never reach the planner).
+// all-to-all always on the ring (point-to-point messages never reach the planner). CUDA tensors
+// take device_plan.h's plan: NCCL inside a host, the staged ring across hosts.
 //
 // Thread-safety: as ring::Planner.
 #ifndef COLLECTIVES_SRC_HIERARCHICAL_PLANNER_H_
@@ -50,7 +51,8 @@ std::unique_ptr<ring::Planner> CreatePlanner(int rank, int size, Store& store,
                                              const std::string& job_id,
                                              const std::string& key_prefix,
                                              const CommunicationOptions& options,
-                                             std::chrono::steady_clock::time_point deadline);
+                                             std::chrono::steady_clock::time_point deadline,
+                                             std::shared_ptr<Store> lasting_store = nullptr);
 
 // With several hosts, one of two ranks or more (and no algorithm forced): measures the cost model
 // AUTO decides all-reduces by (cost_model.h), through `comm` (the communicator `planner` belongs

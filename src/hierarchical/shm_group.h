@@ -285,6 +285,18 @@ std::string SharedMemoryUnavailable();
 // machine with it), else MachineIdentity() and the device of /dev/shm (containers that share a
 // machine's network but each have a /dev/shm of their own are different hosts here).
 std::string HostIdentity();
+// For tests that run ranks as threads of one process on pretend hosts: while one is alive,
+// HostIdentity() on the thread that made it returns `id` (before $COLLECTIVES_HOST_ID).
+class ScopedThreadHostIdentity {
+ public:
+  explicit ScopedThreadHostIdentity(std::string id);
+  ~ScopedThreadHostIdentity();
+  ScopedThreadHostIdentity(const ScopedThreadHostIdentity&) = delete;
+  ScopedThreadHostIdentity& operator=(const ScopedThreadHostIdentity&) = delete;
+
+ private:
+  std::string previous_;
+};
 // The machine's own identity: its host name and the kernel's boot id.
 std::string MachineIdentity();
 

@@ -27,6 +27,7 @@
 #include <random>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include "src/cluster/store_common.h"
 #include "src/core/environment.h"
@@ -159,7 +160,18 @@ std::string SharedMemoryUnavailable() {
   }
 }
 
+namespace {
+thread_local std::string thread_host_identity;  // ScopedThreadHostIdentity's; "" when none
+}  // namespace
+
+ScopedThreadHostIdentity::ScopedThreadHostIdentity(std::string id)
+    : previous_(std::exchange(thread_host_identity, std::move(id))) {}
+ScopedThreadHostIdentity::~ScopedThreadHostIdentity() {
+  thread_host_identity = std::move(previous_);
+}
+
 std::string HostIdentity() {
+  if (!thread_host_identity.empty()) return thread_host_identity;
   if (const char* id = std::getenv("COLLECTIVES_HOST_ID"); id != nullptr && *id != '\0') {
     return id;
   }

@@ -39,7 +39,8 @@ namespace collectives::nccl {
   X(cudaMemcpyAsync)                    \
   X(cudaFreeHost)                       \
   X(cudaEventSynchronize)               \
-  X(cudaStreamWaitEvent)
+  X(cudaStreamWaitEvent)                \
+  X(cudaDeviceGetPCIBusId)
 
 // The functions used from libnccl: X(name).
 #define COLLECTIVES_NCCL_FUNCTIONS(X) \

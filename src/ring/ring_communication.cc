@@ -686,7 +686,11 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
   core::CheckBuffersApart(rank_, kName, send, recv, reinterpret_cast<uintptr_t>(recv.data),
                           "recv.data");
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, checked_as, 0, send.count};
-  if (send.device.kind == Device::Kind::kCuda) return StagedAllReduce(call, send, recv, op);
+  if (send.device.kind == Device::Kind::kCuda) {
+    Prepared staged = StagedAllReduce(call, send, recv, op);
+    if (planner_) staged.body = planner_->DeviceAllReduce(send, recv, op, std::move(staged.body));
+    return staged;
+  }
   if (planner_) {
     if (Body body = planner_->AllReduce(send, recv, op)) return Prepared{call, std::move(body)};
   }
@@ -834,7 +838,11 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
   }
   const CallDescriptor call{CollectiveKind::kBroadcast, recv.dtype, ReduceOp::kSum, root,
                             recv.count};
-  if (recv.device.kind == Device::Kind::kCuda) return StagedBroadcast(call, send, recv, root);
+  if (recv.device.kind == Device::Kind::kCuda) {
+    Prepared staged = StagedBroadcast(call, send, recv, root);
+    if (planner_) staged.body = planner_->DeviceBroadcast(send, recv, root, std::move(staged.body));
+    return staged;
+  }
   const bool small = recv.bytes() <= small_message_bytes_;
   const void* source = rank_ == root ? send.data : nullptr;
   if (planner_) {
@@ -861,7 +869,11 @@ RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& se
                           "recv.data + rank * send.count elements");
   const CallDescriptor call{CollectiveKind::kAllGather, send.dtype, ReduceOp::kSum, 0,
                             send.count};
-  if (send.device.kind == Device::Kind::kCuda) return StagedAllGather(call, send, recv);
+  if (send.device.kind == Device::Kind::kCuda) {
+    Prepared staged = StagedAllGather(call, send, recv);
+    if (planner_) staged.body = planner_->DeviceAllGather(send, recv, std::move(staged.body));
+    return staged;
+  }
   if (planner_) {
     if (Body body = planner_->AllGather(send, recv)) return Prepared{call, std::move(body)};
   }
@@ -885,7 +897,13 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
                           reinterpret_cast<uintptr_t>(recv.data) - size_t(rank_) * recv.bytes(),
                           "recv.data - rank * recv.count elements");
   const CallDescriptor call{CollectiveKind::kReduceScatter, recv.dtype, op, 0, recv.count};
-  if (send.device.kind == Device::Kind::kCuda) return StagedReduceScatter(call, send, recv, op);
+  if (send.device.kind == Device::Kind::kCuda) {
+    Prepared staged = StagedReduceScatter(call, send, recv, op);
+    if (planner_) {
+      staged.body = planner_->DeviceReduceScatter(send, recv, op, std::move(staged.body));
+    }
+    return staged;
+  }
   if (planner_) {
     if (Body body = planner_->ReduceScatter(send, recv, op)) {
       return Prepared{call, std::move(body)};

@@ -72,6 +72,26 @@ class Planner {
     (void)root;
     return {};
   }
+  // A call on CUDA tensors: `staged` is the ring's own body for it (the tensors staged through
+  // pinned host memory, staged.h); the body returned runs instead, and may run `staged` itself
+  // (a fallback every rank must choose alike). The default runs `staged`.
+  virtual Body DeviceAllReduce(const Tensor& send, const Tensor& recv, ReduceOp op, Body staged) {
+    (void)send, (void)recv, (void)op;
+    return staged;
+  }
+  virtual Body DeviceBroadcast(const Tensor& send, const Tensor& recv, int root, Body staged) {
+    (void)send, (void)recv, (void)root;
+    return staged;
+  }
+  virtual Body DeviceAllGather(const Tensor& send, const Tensor& recv, Body staged) {
+    (void)send, (void)recv;
+    return staged;
+  }
+  virtual Body DeviceReduceScatter(const Tensor& send, const Tensor& recv, ReduceOp op,
+                                   Body staged) {
+    (void)send, (void)recv, (void)op;
+    return staged;
+  }
   // A call the planner left to the ring (an empty body) is about to run, tagged `tag`: a planner
   // whose bodies wait for the other ranks of a host in shared memory tells them, so that one of
   // them waiting there during a call of the same number and another descriptor raises kMismatch

@@ -23,6 +23,7 @@
 #include "src/ring/staged.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/ring/run_ranks.h"
+#include "tests/scoped_env.h"
 #ifdef COLLECTIVES_WITH_NCCL
 #include "src/nccl/nccl_loader.h"
 #endif
@@ -270,12 +271,14 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, StagedMatrixTest, ::testing::Values(1, 2, 3
                            return "ranks" + std::to_string(p.param);
                          });
 
-// ---- Over TCP and through AUTO (which leaves CUDA tensors to the staged ring) ----
+// ---- Over TCP and through AUTO with NCCL turned off (the staged ring, as without NCCL) ----
 
 class StagedTransportTest : public ::testing::TestWithParam<Transport> {};
 
 TEST_P(StagedTransportTest, AllFourCollectivesOnThreeRanks) {
   COLLECTIVES_REQUIRE_CUDA();
+  // AUTO's plan with NCCL is tests/hierarchical/auto_device_test.cc's.
+  ScopedEnv staged("COLLECTIVES_AUTO_NCCL", "0");
   const int size = 3;
   std::vector<size_t> wrong(static_cast<size_t>(size), 0);
   std::vector<std::string> first(static_cast<size_t>(size));

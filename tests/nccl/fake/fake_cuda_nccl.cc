@@ -1166,6 +1166,14 @@ cudaError_t cudaGetDeviceCount(int* count) {
   return cudaSuccess;
 }
 
+// Fake device d sits at bus d + 1 (AUTO tells a host's GPUs apart by their bus ids).
+cudaError_t cudaDeviceGetPCIBusId(char* pciBusId, int len, int device) {
+  if (pciBusId == nullptr || len <= 0) return Fail(cudaErrorInvalidValue);
+  if (device < 0 || device >= Rt().device_count) return Fail(cudaErrorInvalidDevice);
+  std::snprintf(pciBusId, size_t(len), "0000:%02x:00.0", device + 1);
+  return cudaSuccess;
+}
+
 const char* cudaGetErrorString(cudaError_t error) { return CudaErrorText(error); }
 
 cudaError_t cudaGetLastError(void) {
