@@ -40,6 +40,11 @@
 //   NxS       N tensors of S bytes each (1000x4K, 200x256K, ...: K, M, G suffixes);
 //   resnet50  the 161 trainable tensors of ResNet-50 (25,557,032 parameters, 102 MB in f32).
 //
+// --device cuda: the tensors are on this rank's CUDA device (rank % visible devices), views into
+// one device allocation as a caching allocator hands them out, and RING and AUTO stage them
+// through pinned host memory (docs/gpu.md); their inputs are restored and checked through a host
+// copy, outside the timed region. Needs a build with CUDA (-DCOLLECTIVES_WITH_NCCL=ON).
+//
 // How the ranks start: --local N, mpirun, or the environment, as for collectives_perf (see
 // bench/local_launcher.h). Exit status: 0 success (--help too), 1 error (a bad command line
 // too), 2 --check found wrong elements.
@@ -66,6 +71,7 @@
 #include "bench/bench_util.h"
 #include "bench/launch_help.h"
 #include "bench/local_launcher.h"
+#include "bench/perf_device.h"
 #include "collectives/collectives.h"
 #include "collectives/packing.h"
 
@@ -151,6 +157,7 @@ struct Config : bench::CommunicationFlags {
   std::string csv_path;
   int local = 0;
   std::string impl = "ring";
+  std::string device = "cpu";  // or cuda
 };
 
 Workload ParseWorkload(const std::string& name) {
@@ -312,12 +319,17 @@ class Bench {
     PrintHeader();
     int64_t total_wrong = 0;
     for (const Workload& workload : config_.workloads) {
-      // The tensors: separate allocations, as a model's gradients are.
+      // The tensors: separate allocations, as a model's gradients are. With --device cuda,
+      // `storage` is one host allocation whose views `host` the device's copy mirrors, and
+      // `tensors` are the device views.
       std::vector<std::vector<float>> storage;
       std::vector<Tensor> tensors;
+      std::vector<Tensor> host;  // where CountWrong reads the results
       std::vector<packing::TensorSpec> specs;
       size_t bytes = 0;
       for (size_t count : workload.counts) bytes += count * sizeof(float);
+      const bool on_device = config_.device == "cuda";
+      std::unique_ptr<DeviceMirror> mirror;
       // What cannot be allocated names the workload and its size, not a bare std::bad_alloc.
       auto out_of_memory = [&] {
         return std::runtime_error(bench::Format(
@@ -326,21 +338,45 @@ class Bench {
             workload.name.c_str(), bytes, static_cast<double>(bytes) / (1 << 30)));
       };
       try {
-        storage.reserve(workload.counts.size());
-        for (size_t count : workload.counts) {
-          storage.emplace_back(count);
-          tensors.push_back(Tensor{storage.back().data(), count, DataType::kFloat32});
-          specs.push_back(packing::TensorSpec{DataType::kFloat32, Device::Cpu(), count});
+        if (on_device) {
+          storage.emplace_back(bytes / sizeof(float));
+          size_t at = 0;
+          for (size_t count : workload.counts) {
+            host.push_back(Tensor{storage.back().data() + at, count, DataType::kFloat32});
+            at += count;
+          }
+          mirror = std::make_unique<DeviceMirror>(rank_, storage.back().data(), bytes,
+                                                  &mirror_spare_, sizeof mirror_spare_);
+          for (const Tensor& t : host) tensors.push_back(mirror->OnDevice(t));
+        } else {
+          storage.reserve(workload.counts.size());
+          for (size_t count : workload.counts) {
+            storage.emplace_back(count);
+            tensors.push_back(Tensor{storage.back().data(), count, DataType::kFloat32});
+          }
+          host = tensors;
+        }
+        for (const Tensor& t : tensors) {
+          specs.push_back(packing::TensorSpec{DataType::kFloat32, t.device, t.count});
         }
       } catch (const std::bad_alloc&) {
         throw out_of_memory();
       }
+      // The host side to the device (--device cuda), and back.
+      const Tensor whole{storage.empty() ? nullptr : storage.front().data(),
+                         on_device ? bytes / sizeof(float) : 0, DataType::kFloat32};
+      auto upload = [&] {
+        if (mirror) mirror->Upload(whole);
+      };
+      auto download = [&] {
+        if (mirror) mirror->Download(whole);
+      };
       auto fill = [&] {
-        for (size_t t = 0; t < storage.size(); ++t) {
-          for (size_t i = 0; i < storage[t].size(); ++i) {
-            storage[t][i] = CheckInput(config_.op, rank_, t, i);
-          }
+        for (size_t t = 0; t < host.size(); ++t) {
+          auto* data = static_cast<float*>(host[t].data);
+          for (size_t i = 0; i < host[t].count; ++i) data[i] = CheckInput(config_.op, rank_, t, i);
         }
+        upload();
       };
       fill();  // also what the timed steps reduce: no denormals, no NaNs
       const std::vector<std::vector<float>> inputs = [&] {
@@ -354,6 +390,7 @@ class Bench {
         for (size_t t = 0; t < storage.size(); ++t) {
           std::copy(inputs[t].begin(), inputs[t].end(), storage[t].begin());
         }
+        upload();
       };
       Row base;
       base.workload = workload.name;
@@ -423,7 +460,8 @@ class Bench {
       // left one all-reduce of the inputs.
       int64_t last_step_wrong = 0;
       if (config_.check) {
-        last_step_wrong = CountWrong(workload, storage);
+        download();
+        last_step_wrong = CountWrong(workload, host);
         comm_.AllReduce(Tensor{&last_step_wrong, 1, DataType::kInt64}, ReduceOp::kSum);
         total_wrong += last_step_wrong;
       }
@@ -446,7 +484,8 @@ class Bench {
             Compute(compute_units_);
             work->Wait();
           }
-          int64_t wrong = CountWrong(workload, storage);
+          download();
+          int64_t wrong = CountWrong(workload, host);
           comm_.AllReduce(Tensor{&wrong, 1, DataType::kInt64}, ReduceOp::kSum);
           row.wrong = wrong;
           total_wrong += wrong;
@@ -523,12 +562,13 @@ class Bench {
     return ms;
   }
 
-  int64_t CountWrong(const Workload& workload, const std::vector<std::vector<float>>& storage) {
+  // Wrong elements of the tensors' host views.
+  int64_t CountWrong(const Workload& workload, const std::vector<Tensor>& host) {
     int64_t wrong = 0;
-    for (size_t t = 0; t < storage.size(); ++t) {
-      for (size_t i = 0; i < storage[t].size(); ++i) {
+    for (size_t t = 0; t < host.size(); ++t) {
+      for (size_t i = 0; i < host[t].count; ++i) {
         const double want = CheckExpected(config_.op, world_size_, t, i);
-        const double got = storage[t][i];
+        const double got = static_cast<const float*>(host[t].data)[i];
         const double tolerance =
             config_.op == ReduceOp::kAvg ? 2.0 * std::abs(want) * 1.2e-7 + 1e-30 : 0.0;
         if (std::abs(got - want) > tolerance) {
@@ -556,6 +596,9 @@ class Bench {
     std::printf("# implementation %s  hosts' link %s  cores %u\n", ToString(comm_.implementation()),
                 hosts == 1 ? "TCP loopback (one host)" : "TCP",
                 std::thread::hardware_concurrency());
+    if (config_.device == "cuda") {
+      std::printf("# device cuda (rank %% visible devices), staged through pinned host memory\n");
+    }
     std::printf("# f32 %s  steps %d  warm-up %d  check %s  default bytes_per_pack %s\n",
                 ToString(config_.op), config_.iters, config_.warmup_iters,
                 config_.check ? "on" : "off",
@@ -617,6 +660,7 @@ class Bench {
   const std::string launcher_;
   std::ofstream* csv_;
   uint64_t compute_units_ = 0;  // of Compute per step (--compute-ms)
+  float mirror_spare_ = 0;      // DeviceMirror's receive side, which this bench does not use
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -674,6 +718,11 @@ int Main(int argc, char** argv) {
   app.add_option("--local", config.local,
                  "Start this many ranks as processes on loopback and wait for them")
       ->check(CLI::Range(1, 4096));
+  app.add_option("--device", config.device,
+                 "Where the tensors are: cpu, or cuda (device rank % visible devices; RING and "
+                 "AUTO stage them through pinned host memory)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.footer(bench::LaunchHelp("packing_perf",
                                "  packing_perf --local N ...   (N processes on this host)\n"));
   try {
@@ -694,6 +743,10 @@ int Main(int argc, char** argv) {
     }
     if (config.workloads.empty()) throw CLI::ValidationError("--workload: none given");
     if (config.caps.empty()) throw CLI::ValidationError("--bytes-per-pack: none given");
+    if (config.device == "cuda" && !DeviceBuffersBuilt()) {
+      throw CLI::ValidationError(
+          "--device cuda needs a build with CUDA and NCCL (cmake -DCOLLECTIVES_WITH_NCCL=ON)");
+    }
     if (config.local > 0 && under_mpi_launcher && !local_child) {
       throw CLI::ValidationError("--local starts its own ranks: do not combine it with mpirun");
     }

@@ -99,8 +99,8 @@ typedef enum coll_implementation {
                                    COLL_INVALID_ARGUMENT); where NCCL or a GPU is missing, creating
                                    a communicator with it returns COLL_NOT_SUPPORTED before any
                                    rendezvous. RING and AUTO take CUDA device memory too
-                                   (all-reduce, broadcast, all-gather, reduce-scatter), staged
-                                   through pinned host memory; see docs/gpu.md */
+                                   (every collective and send/recv), staged through pinned
+                                   host memory; see docs/gpu.md */
   COLL_IMPLEMENTATION_AUTO = 2, /* chosen per call: shared memory inside a host, TCP across */
   COLL_IMPLEMENTATION_FORCE_INT_ = 0x7fffffff
 } coll_implementation;

@@ -59,10 +59,11 @@ std::vector<Bucket> PlanBuckets(const std::vector<TensorSpec>& tensors, size_t b
 // elsewhere. With two cores per local rank bucket k+1 is packed while bucket k is on the wire (at
 // most two in flight; the calling thread keeps its two fusion buffers, up to 64 MiB each); with
 // fewer, buckets run one after another, the faster schedule there (see docs/tuning.md).
-// CPU tensors only (else kNotSupported); tensors that share memory: kInvalidArgument (each would
-// be reduced once per bucket it sits in). Throws what the collectives throw; an allocation that
-// fails once the call has begun issuing aborts `comm` with that error (kSystem), which the other
-// ranks then receive.
+// CPU tensors, and CUDA tensors on RING and AUTO (each bucket staged through pinned host memory
+// in segments, as the collectives stage them); a CUDA tensor elsewhere: kNotSupported. Tensors
+// that share memory: kInvalidArgument (each would be reduced once per bucket it sits in). Throws
+// what the collectives throw; an allocation that fails once the call has begun issuing aborts
+// `comm` with that error (kSystem), which the other ranks then receive.
 void AllReduce(CollectiveCommunication& comm, const std::vector<Tensor>& tensors, ReduceOp op,
                size_t bytes_per_pack = 0);
 

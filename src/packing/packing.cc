@@ -74,15 +74,20 @@ std::string Where(const CollectiveCommunication& comm, const char* collective, s
          std::to_string(index) + " ";
 }
 
-// Refuses, before anything is issued, what the packer cannot handle.
-void CheckTensors(const CollectiveCommunication& comm, const char* collective,
+// Refuses, before anything is issued, what the packer cannot handle. CUDA tensors go where the
+// communicator takes a fused bucket's tensors as they are (RING and AUTO, which stage each
+// bucket through pinned host memory in segments): a fusion buffer is host memory.
+void CheckTensors(CollectiveCommunication& comm, const char* collective,
                   const std::vector<Tensor>& tensors) {
+  const core::InternalCommunication* const internal = core::Internal(comm);
+  const bool takes_cuda = internal != nullptr && internal->RunsGatedCalls();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    if (t.device.kind != Device::Kind::kCpu) {
-      throw Error(ErrorCode::kNotSupported, Where(comm, collective, i) + "is on " +
-                                                t.device.ToString() +
-                                                "; the packer takes CPU tensors only for now");
+    if (t.device.kind != Device::Kind::kCpu &&
+        !(t.device.kind == Device::Kind::kCuda && takes_cuda)) {
+      throw Error(ErrorCode::kNotSupported,
+                  Where(comm, collective, i) + "is on " + t.device.ToString() +
+                      "; the packer takes CPU tensors, and CUDA tensors on RING and AUTO only");
     }
     core::CheckTensorData(t, [&] { return Where(comm, collective, i); });
   }

@@ -1070,21 +1070,46 @@ core::CallDescriptor PointToPointDescriptor(DataType dtype, size_t count, int64_
 
 void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
                  DataType dtype, int64_t tag) {
-  const core::CallTag frame{core::kPointToPointSeqBit | number,
-                            PointToPointDescriptor(dtype, count, tag)};
-  Connection& to = ctx.peer(peer);
-  const int64_t wide = tag;
-  if (frame.call.root == INT32_MIN) to.PostSend(frame, &wide, sizeof wide);
-  to.WaitSend(
-      PostFramesOut(ctx, to, frame, static_cast<const uint8_t*>(data), count * SizeOf(dtype)));
+  SendMessageFrames(ctx, peer, number, data, count, dtype, tag, 0,
+                    MessageFrames(ctx.chunk_bytes, count * SizeOf(dtype)));
 }
 
 void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
                  int64_t tag) {
+  RecvMessageFrames(ctx, peer, number, data, count, dtype, tag, 0,
+                    MessageFrames(ctx.chunk_bytes, count * SizeOf(dtype)));
+}
+
+size_t MessageFrames(size_t chunk_bytes, size_t bytes) {
+  return std::max<size_t>(1, CeilDiv(bytes, chunk_bytes));
+}
+
+size_t MessageFrameOffset(size_t chunk_bytes, size_t bytes, size_t f) {
+  return Split{bytes, MessageFrames(chunk_bytes, bytes)}.Offset(f);
+}
+
+void SendMessageFrames(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
+                       DataType dtype, int64_t tag, size_t first, size_t last) {
+  const core::CallTag frame{core::kPointToPointSeqBit | number,
+                            PointToPointDescriptor(dtype, count, tag)};
+  Connection& to = ctx.peer(peer);
+  const int64_t wide = tag;
+  if (first == 0 && frame.call.root == INT32_MIN) to.PostSend(frame, &wide, sizeof wide);
+  const Split frames = FramesOf(ctx, count * SizeOf(dtype));
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  uint64_t sent = 0;
+  for (size_t f = first; f < last; ++f) {
+    sent = to.PostSend(frame, bytes + (frames.Offset(f) - frames.Offset(first)), frames.Length(f));
+  }
+  if (last > first) to.WaitSend(sent);
+}
+
+void RecvMessageFrames(Context& ctx, int peer, uint64_t number, void* data, size_t count,
+                       DataType dtype, int64_t tag, size_t first, size_t last) {
   const core::CallTag frame{core::kPointToPointSeqBit | number,
                             PointToPointDescriptor(dtype, count, tag)};
   Connection& from = ctx.peer(peer);
-  if (frame.call.root == INT32_MIN) {
+  if (first == 0 && frame.call.root == INT32_MIN) {
     int64_t got = 0;
     from.WaitRecv(from.PostRecv(frame, &got, sizeof got));
     if (got != tag) {
@@ -1094,7 +1119,14 @@ void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t cou
                       " with tag " + std::to_string(tag) + ", got tag " + std::to_string(got));
     }
   }
-  from.WaitRecv(PostFramesIn(ctx, from, frame, static_cast<uint8_t*>(data), count * SizeOf(dtype)));
+  const Split frames = FramesOf(ctx, count * SizeOf(dtype));
+  auto* bytes = static_cast<uint8_t*>(data);
+  uint64_t received = 0;
+  for (size_t f = first; f < last; ++f) {
+    received =
+        from.PostRecv(frame, bytes + (frames.Offset(f) - frames.Offset(first)), frames.Length(f));
+  }
+  if (last > first) from.WaitRecv(received);
 }
 
 }  // namespace collectives::ring

@@ -225,6 +225,18 @@ void SendMessage(Context& ctx, int peer, uint64_t number, const void* data, size
                  DataType dtype, int64_t tag);
 void RecvMessage(Context& ctx, int peer, uint64_t number, void* data, size_t count, DataType dtype,
                  int64_t tag);
+// The same for frames [first, last) of such a message only, `data` holding their bytes (from
+// frame first's offset, MessageFrameOffset): a message staged through a smaller buffer goes in
+// runs of whole frames, and the peer sees the frames of one SendMessage / RecvMessage. The tag's
+// frame goes with frame 0.
+void SendMessageFrames(Context& ctx, int peer, uint64_t number, const void* data, size_t count,
+                       DataType dtype, int64_t tag, size_t first, size_t last);
+void RecvMessageFrames(Context& ctx, int peer, uint64_t number, void* data, size_t count,
+                       DataType dtype, int64_t tag, size_t first, size_t last);
+// The frames of a message of `bytes` bytes with frames of at most `chunk_bytes`, and the offset
+// of frame f (f == frames: `bytes`).
+size_t MessageFrames(size_t chunk_bytes, size_t bytes);
+size_t MessageFrameOffset(size_t chunk_bytes, size_t bytes, size_t f);
 // The descriptor of a point-to-point message (core::CallDescriptor says how the tag is held).
 core::CallDescriptor PointToPointDescriptor(DataType dtype, size_t count, int64_t tag);
 

@@ -32,6 +32,14 @@ namespace {
 
 using core::CallDescriptor;
 using core::CollectiveKind;
+using StagedCopy = CudaStaging::Copy;
+using StagedCopies = std::vector<StagedCopy>;
+
+// Elements [first, first + count) of each block a staged call stages: one segment.
+struct Segment {
+  size_t first;
+  size_t count;
+};
 
 class RingCommunication final : public core::InternalCommunication {
  public:
@@ -174,8 +182,12 @@ class RingCommunication final : public core::InternalCommunication {
                                     ReduceOp checked_as, core::Gate go) const;
   Prepared PrepareBroadcastInRuns(const std::vector<Tensor>& pieces, int root,
                                     core::Gate go) const;
-  // The elements of `pieces` (CPU tensors of one known dtype, with data), or Error naming `name`.
+  // The elements of `pieces` (tensors of one known dtype and one device, with data), or Error
+  // naming `name`.
   size_t CountOfPieces(const char* name, const std::vector<Tensor>& pieces) const;
+  // The staging of the CUDA pieces' device, every piece checked as StagingFor checks a tensor.
+  std::shared_ptr<CudaStaging> StagingOfPieces(const char* name,
+                                               const std::vector<Tensor>& pieces) const;
   // The ring's own bodies for the calls in pieces (no planner): see PrepareAllReduceInRuns.
   Body AllReduceInRuns(const std::vector<Tensor>& pieces, size_t count, ReduceOp op) const;
   Body BroadcastInRuns(const std::vector<Tensor>& pieces, int root) const;
@@ -219,25 +231,51 @@ class RingCommunication final : public core::InternalCommunication {
   // The call queue's Breaker: breaks the planner's waits and the fabric with `first`.
   void BreakTransport(const Error& first);
 
-  // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault. A CUDA
-  // tensor passes only where `staged` (the collectives that stage device memory, staged.h).
-  void CheckTensor(const char* collective, const char* name, const Tensor& t,
-                   bool staged = false) const;
+  // Throws Error(kInvalidArgument / kNotSupported) naming the collective and the fault: a CPU
+  // tensor, or a CUDA one (staged.h), with data.
+  void CheckTensor(const char* collective, const char* name, const Tensor& t) const;
   // The staging of `t`'s device, opened at its first use (kNotSupported without CUDA), after
   // checking that t's data is memory of that device.
   std::shared_ptr<CudaStaging> StagingFor(const char* collective, const char* name,
                                           const Tensor& t) const;
-  // Both of a call's tensors on one device (send off the root of a broadcast is not checked).
+  // Both of a call's tensors on one device (where both are used: not send off the root of a
+  // broadcast or scatter, nor recv off the root of a reduce or gather).
   void CheckOneDevice(const char* collective, const Tensor& send, const Tensor& recv) const;
-  // The bodies of the calls on CUDA tensors: the ring's algorithms on each staged segment.
-  Prepared StagedAllReduce(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
-                           ReduceOp op) const;
-  Prepared StagedBroadcast(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
-                           int root) const;
+
+  // The calls on CUDA tensors: the ring's algorithms on each staged segment. A plan fills the
+  // copies of a segment into the slot and out of it; a work runs the ring on the slot.
+  using SegmentPlan = std::function<void(const Segment&, StagedCopies* in, StagedCopies* out)>;
+  using SegmentWork = std::function<void(Context&, const Segment&, uint8_t* slot)>;
+  // Runs the segments of `count` elements per block, `per` at a time, through `staging`.
+  static void RunSegments(Context& ctx, CudaStaging& staging, size_t count, size_t per,
+                          const SegmentPlan& plan, const SegmentWork& work);
+  // The body of a call whose slot holds `blocks` segments of `dtype` elements, of `count`
+  // elements per block in all.
+  Prepared Staged(const CallDescriptor& call, std::shared_ptr<CudaStaging> staging, size_t count,
+                  size_t blocks, DataType dtype, SegmentPlan plan, SegmentWork work) const;
+  // All-reduce and broadcast of `count` elements held by `in` and `out`: a tensor each, or a
+  // fused bucket's pieces.
+  Prepared StagedAllReduce(const CallDescriptor& call, std::shared_ptr<CudaStaging> staging,
+                           std::vector<Tensor> in, std::vector<Tensor> out, size_t count,
+                           DataType dtype, ReduceOp op) const;
+  Prepared StagedBroadcast(const CallDescriptor& call, std::shared_ptr<CudaStaging> staging,
+                           std::vector<Tensor> in, std::vector<Tensor> out, size_t count,
+                           DataType dtype, int root) const;
   Prepared StagedAllGather(const CallDescriptor& call, const Tensor& send,
                            const Tensor& recv) const;
   Prepared StagedReduceScatter(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
                                ReduceOp op) const;
+  Prepared StagedReduce(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                        ReduceOp op, int root) const;
+  Prepared StagedGather(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                        int root) const;
+  Prepared StagedScatter(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                         int root) const;
+  Prepared StagedAllToAll(const CallDescriptor& call, const Tensor& send, const Tensor& recv,
+                          std::vector<size_t> sends, std::vector<size_t> recvs) const;
+  // `prepared` (a send or a receive) with the body of a CUDA tensor's; `next` numbers messages.
+  Prepared StagedPointToPoint(Prepared prepared, bool sending, const Tensor& tensor, int peer,
+                              int64_t tag, uint64_t& next);
   void CheckSameType(const char* collective, const Tensor& send, const Tensor& recv) const;
   // whole.count == size() * block.count (all-gather's recv and send, reduce-scatter's send and
   // recv).
@@ -245,11 +283,10 @@ class RingCommunication final : public core::InternalCommunication {
                                   const Tensor& whole, const char* block_name,
                                   const Tensor& block) const;
   // Both tensors valid, of one dtype.
-  void CheckSendRecv(const char* collective, const Tensor& send, const Tensor& recv,
-                     bool staged = false) const {
-    CheckTensor(collective, "send", send, staged);
-    CheckTensor(collective, "recv", recv, staged);
-    if (staged) CheckOneDevice(collective, send, recv);
+  void CheckSendRecv(const char* collective, const Tensor& send, const Tensor& recv) const {
+    CheckTensor(collective, "send", send);
+    CheckTensor(collective, "recv", recv);
+    CheckOneDevice(collective, send, recv);
     CheckSameType(collective, send, recv);
   }
 
@@ -437,14 +474,8 @@ void RingCommunication::Abort() {
               "rank " + std::to_string(rank_) + ": the communicator was aborted by its caller"));
 }
 
-void RingCommunication::CheckTensor(const char* collective, const char* name, const Tensor& t,
-                                    bool staged) const {
-  if (t.device.kind == Device::Kind::kCuda && !staged) {
-    throw Error(ErrorCode::kNotSupported,
-                core::TensorPrefix(rank_, collective, name) + "is on " + t.device.ToString() +
-                    "; RING stages CUDA tensors for all_reduce, broadcast, all_gather and "
-                    "reduce_scatter only, and takes CPU tensors for the rest");
-  }
+void RingCommunication::CheckTensor(const char* collective, const char* name,
+                                    const Tensor& t) const {
   if (t.device.kind != Device::Kind::kCpu && t.device.kind != Device::Kind::kCuda) {
     throw Error(ErrorCode::kNotSupported, core::TensorPrefix(rank_, collective, name) + "is on " +
                                               t.device.ToString() +
@@ -484,6 +515,16 @@ std::shared_ptr<CudaStaging> RingCommunication::StagingFor(const char* collectiv
   return staging;
 }
 
+std::shared_ptr<CudaStaging> RingCommunication::StagingOfPieces(
+    const char* name, const std::vector<Tensor>& pieces) const {
+  std::shared_ptr<CudaStaging> staging;
+  for (const Tensor& piece : pieces) {
+    std::shared_ptr<CudaStaging> mine = StagingFor(name, "piece", piece);
+    if (!staging) staging = std::move(mine);
+  }
+  return staging;
+}
+
 namespace {
 
 // Elements of one staged segment when a slot of `slot_bytes` holds `blocks` blocks of them.
@@ -498,147 +539,328 @@ std::string What(const Context& ctx) {
   return "rank " + std::to_string(ctx.rank()) + ": " + ctx.tag.ToString();
 }
 
+// The copies between bytes [offset, offset + bytes) of `runs` (a tensor, or a fused bucket's
+// pieces, back to back) and the slot from `host_offset` on.
+void CopiesOf(const std::vector<Tensor>& runs, size_t offset, size_t bytes, size_t host_offset,
+              StagedCopies* copies) {
+  size_t at = 0;  // where the current run starts
+  for (const Tensor& run : runs) {
+    const size_t length = run.bytes();
+    if (bytes == 0) return;
+    if (offset < at + length) {
+      const size_t skip = offset - at, take = std::min(bytes, length - skip);
+      copies->push_back({host_offset, static_cast<uint8_t*>(run.data) + skip, take});
+      host_offset += take;
+      offset += take;
+      bytes -= take;
+    }
+    at += length;
+  }
+}
+
+// The byte range [first, first + count) elements of `block` of `block_count` elements of `t`.
+StagedCopy BlockCopy(const Tensor& t, size_t block, size_t block_count, size_t first, size_t count,
+                     size_t host_offset) {
+  const size_t e = SizeOf(t.dtype);
+  return {host_offset, static_cast<uint8_t*>(t.data) + (block * block_count + first) * e,
+          count * e};
+}
+
 }  // namespace
 
-RingCommunication::Prepared RingCommunication::StagedAllReduce(const CallDescriptor& call,
-                                                               const Tensor& send,
-                                                               const Tensor& recv,
-                                                               ReduceOp op) const {
-  std::shared_ptr<CudaStaging> staging = StagingFor("all_reduce", "send", send);
-  StagingFor("all_reduce", "recv", recv);
-  const size_t e = SizeOf(send.dtype);
-  const size_t per = SegmentCount(staging->slot_bytes(), 1, send.dtype);
-  const size_t count = send.count;
-  const size_t segments = Segments(count, per);
-  const Algorithm full = ChooseAllReduce(per * e);
-  const Algorithm last = ChooseAllReduce((count - (segments - 1) * per) * e);
-  auto* in = static_cast<uint8_t*>(send.data);
-  auto* out = static_cast<uint8_t*>(recv.data);
-  const DataType dtype = send.dtype;
-  return OnRing(call, [=](Context& ctx) {
-    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
-                    std::vector<CudaStaging::Copy>* copy_out) {
-      const size_t offset = k * per * e, bytes = std::min(per, count - k * per) * e;
-      copy_in->push_back({0, in + offset, bytes});
-      copy_out->push_back({0, out + offset, bytes});
-    };
-    auto work = [&](size_t k, uint8_t* slot) {
-      const size_t n = std::min(per, count - k * per);
-      switch (k + 1 == segments ? last : full) {
-        case Algorithm::kRecursiveDoubling:
-          return RecursiveDoublingAllReduce(ctx, slot, slot, n, dtype, op);
-        case Algorithm::kHalvingDoubling:
-          return HalvingDoublingAllReduce(ctx, slot, slot, n, dtype, op);
-        case Algorithm::kRing:
-          return RingAllReduce(ctx, slot, slot, n, dtype, op);
-      }
-    };
-    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
-  });
+// The one loop of every staged call: segment k is elements [k * per, k * per + count) of each
+// block the call stages; CudaStaging::Run brings segment k+1 in while `work` runs on k.
+void RingCommunication::RunSegments(Context& ctx, CudaStaging& staging, size_t count, size_t per,
+                                    const SegmentPlan& plan, const SegmentWork& work) {
+  const auto segment = [count, per](size_t k) {
+    return Segment{k * per, std::min(per, count - k * per)};
+  };
+  staging.Run(
+      Segments(count, per),
+      [&](size_t k, StagedCopies* in, StagedCopies* out) { plan(segment(k), in, out); },
+      [&](size_t k, uint8_t* slot) { work(ctx, segment(k), slot); }, ctx.deadline, What(ctx));
 }
 
-RingCommunication::Prepared RingCommunication::StagedBroadcast(const CallDescriptor& call,
-                                                               const Tensor& send,
-                                                               const Tensor& recv,
-                                                               int root) const {
-  std::shared_ptr<CudaStaging> staging = StagingFor("broadcast", "recv", recv);
-  if (rank_ == root) StagingFor("broadcast", "send", send);
-  const size_t e = SizeOf(recv.dtype);
-  const size_t per = SegmentCount(staging->slot_bytes(), 1, recv.dtype);
-  const size_t count = recv.count;
-  const size_t segments = Segments(count, per);
+RingCommunication::Prepared RingCommunication::Staged(const CallDescriptor& call,
+                                                      std::shared_ptr<CudaStaging> staging,
+                                                      size_t count, size_t blocks, DataType dtype,
+                                                      SegmentPlan plan, SegmentWork work) const {
+  const size_t per = SegmentCount(staging->slot_bytes(), blocks, dtype);
+  return OnRing(call, [=](Context& ctx) { RunSegments(ctx, *staging, count, per, plan, work); });
+}
+
+RingCommunication::Prepared RingCommunication::StagedAllReduce(
+    const CallDescriptor& call, std::shared_ptr<CudaStaging> staging, std::vector<Tensor> in,
+    std::vector<Tensor> out, size_t count, DataType dtype, ReduceOp op) const {
+  const size_t e = SizeOf(dtype);
+  return Staged(
+      call, std::move(staging), count, 1, dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        CopiesOf(in, s.first * e, s.count * e, 0, copy_in);
+        CopiesOf(out, s.first * e, s.count * e, 0, copy_out);
+      },
+      [this, dtype, op, e](Context& ctx, const Segment& s, uint8_t* slot) {
+        switch (ChooseAllReduce(s.count * e)) {
+          case Algorithm::kRecursiveDoubling:
+            return RecursiveDoublingAllReduce(ctx, slot, slot, s.count, dtype, op);
+          case Algorithm::kHalvingDoubling:
+            return HalvingDoublingAllReduce(ctx, slot, slot, s.count, dtype, op);
+          case Algorithm::kRing:
+            return RingAllReduce(ctx, slot, slot, s.count, dtype, op);
+        }
+      });
+}
+
+RingCommunication::Prepared RingCommunication::StagedBroadcast(
+    const CallDescriptor& call, std::shared_ptr<CudaStaging> staging, std::vector<Tensor> in,
+    std::vector<Tensor> out, size_t count, DataType dtype, int root) const {
+  const size_t e = SizeOf(dtype);
   const bool is_root = rank_ == root;
-  auto* in = static_cast<uint8_t*>(is_root ? send.data : nullptr);
-  auto* out = static_cast<uint8_t*>(recv.data);
   const size_t small = small_message_bytes_;
-  return OnRing(call, [=](Context& ctx) {
-    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
-                    std::vector<CudaStaging::Copy>* copy_out) {
-      const size_t offset = k * per * e, bytes = std::min(per, count - k * per) * e;
-      if (is_root) copy_in->push_back({0, in + offset, bytes});
-      copy_out->push_back({0, out + offset, bytes});
-    };
-    auto work = [&](size_t k, uint8_t* slot) {
-      const size_t bytes = std::min(per, count - k * per) * e;
-      if (bytes <= small) return SmallBroadcast(ctx, is_root ? slot : nullptr, slot, bytes, root);
-      CallAgreement agreement(ctx, is_root ? CallAgreement::Pair::kDataOut
-                                           : CallAgreement::Pair::kDataIn);
-      ChainBroadcast(ctx, is_root ? slot : nullptr, slot, bytes, root, &agreement);
-      agreement.Wait();
-    };
-    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
-  });
+  return Staged(
+      call, std::move(staging), count, 1, dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        if (is_root) CopiesOf(in, s.first * e, s.count * e, 0, copy_in);
+        CopiesOf(out, s.first * e, s.count * e, 0, copy_out);
+      },
+      [=](Context& ctx, const Segment& s, uint8_t* slot) {
+        const size_t bytes = s.count * e;
+        if (bytes <= small) return SmallBroadcast(ctx, is_root ? slot : nullptr, slot, bytes, root);
+        CallAgreement agreement(
+            ctx, is_root ? CallAgreement::Pair::kDataOut : CallAgreement::Pair::kDataIn);
+        ChainBroadcast(ctx, is_root ? slot : nullptr, slot, bytes, root, &agreement);
+        agreement.Wait();
+      });
 }
 
+// A slot holds the segment of this rank's block and that segment of every rank's.
 RingCommunication::Prepared RingCommunication::StagedAllGather(const CallDescriptor& call,
                                                                const Tensor& send,
                                                                const Tensor& recv) const {
   std::shared_ptr<CudaStaging> staging = StagingFor("all_gather", "send", send);
   StagingFor("all_gather", "recv", recv);
-  const size_t e = SizeOf(send.dtype);
-  const size_t n = size_t(size_);
-  // A slot holds the segment of this rank's block and that segment of every rank's.
-  const size_t per = SegmentCount(staging->slot_bytes(), n + 1, send.dtype);
-  const size_t count = send.count;
-  const size_t segments = Segments(count, per);
-  auto* in = static_cast<uint8_t*>(send.data);
-  auto* out = static_cast<uint8_t*>(recv.data);
+  const size_t n = size_t(size_), e = SizeOf(send.dtype), count = send.count;
   const DataType dtype = send.dtype;
   const size_t small = small_message_bytes_;
-  return OnRing(call, [=](Context& ctx) {
-    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
-                    std::vector<CudaStaging::Copy>* copy_out) {
-      const size_t m = std::min(per, count - k * per), bytes = m * e;
-      copy_in->push_back({0, in + k * per * e, bytes});
-      for (size_t r = 0; r < n; ++r) {
-        copy_out->push_back({bytes + r * bytes, out + (r * count + k * per) * e, bytes});
-      }
-    };
-    auto work = [&](size_t k, uint8_t* slot) {
-      const size_t m = std::min(per, count - k * per), bytes = m * e;
-      if (n * bytes <= small) return SmallAllGather(ctx, slot, slot + bytes, bytes);
-      CallAgreement agreement(ctx, CallAgreement::Pair::kDataBothWays);
-      RingAllGather(ctx, slot, slot + bytes, m, dtype, &agreement);
-      agreement.Wait();
-    };
-    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
-  });
+  return Staged(
+      call, std::move(staging), count, n + 1, dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        const size_t bytes = s.count * e;
+        copy_in->push_back(BlockCopy(send, 0, count, s.first, s.count, 0));
+        for (size_t r = 0; r < n; ++r) {
+          copy_out->push_back(BlockCopy(recv, r, count, s.first, s.count, bytes + r * bytes));
+        }
+      },
+      [=](Context& ctx, const Segment& s, uint8_t* slot) {
+        const size_t bytes = s.count * e;
+        if (n * bytes <= small) return SmallAllGather(ctx, slot, slot + bytes, bytes);
+        CallAgreement agreement(ctx, CallAgreement::Pair::kDataBothWays);
+        RingAllGather(ctx, slot, slot + bytes, s.count, dtype, &agreement);
+        agreement.Wait();
+      });
 }
 
+// A slot holds the segment of every rank's block of send and that segment of recv.
 RingCommunication::Prepared RingCommunication::StagedReduceScatter(const CallDescriptor& call,
                                                                    const Tensor& send,
                                                                    const Tensor& recv,
                                                                    ReduceOp op) const {
   std::shared_ptr<CudaStaging> staging = StagingFor("reduce_scatter", "send", send);
   StagingFor("reduce_scatter", "recv", recv);
-  const size_t e = SizeOf(recv.dtype);
-  const size_t n = size_t(size_);
-  // A slot holds the segment of every rank's block of send and that segment of recv.
-  const size_t per = SegmentCount(staging->slot_bytes(), n + 1, recv.dtype);
-  const size_t count = recv.count;
-  const size_t segments = Segments(count, per);
-  auto* in = static_cast<uint8_t*>(send.data);
-  auto* out = static_cast<uint8_t*>(recv.data);
+  const size_t n = size_t(size_), e = SizeOf(recv.dtype), count = recv.count;
   const DataType dtype = recv.dtype;
   const size_t small = small_message_bytes_;
+  return Staged(
+      call, std::move(staging), count, n + 1, dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        const size_t bytes = s.count * e;
+        for (size_t r = 0; r < n; ++r) {
+          copy_in->push_back(BlockCopy(send, r, count, s.first, s.count, r * bytes));
+        }
+        copy_out->push_back(BlockCopy(recv, 0, count, s.first, s.count, n * bytes));
+      },
+      [=](Context& ctx, const Segment& s, uint8_t* slot) {
+        const size_t bytes = s.count * e;
+        if (n * bytes <= small) {
+          return SmallReduceScatter(ctx, slot, slot + n * bytes, s.count, dtype, op);
+        }
+        RingReduceScatter(ctx, slot, slot + n * bytes, s.count, dtype, op);
+      });
+}
+
+// A slot holds the segment of send, reduced in place; the root copies it out.
+RingCommunication::Prepared RingCommunication::StagedReduce(const CallDescriptor& call,
+                                                            const Tensor& send, const Tensor& recv,
+                                                            ReduceOp op, int root) const {
+  const bool is_root = rank_ == root;
+  std::shared_ptr<CudaStaging> staging = StagingFor("reduce", "send", send);
+  if (is_root) StagingFor("reduce", "recv", recv);
+  const size_t e = SizeOf(send.dtype), count = send.count;
+  const DataType dtype = send.dtype;
+  const size_t small = small_message_bytes_;
+  return Staged(
+      call, std::move(staging), count, 1, dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        copy_in->push_back(BlockCopy(send, 0, count, s.first, s.count, 0));
+        if (is_root) copy_out->push_back(BlockCopy(recv, 0, count, s.first, s.count, 0));
+      },
+      [=](Context& ctx, const Segment& s, uint8_t* slot) {
+        uint8_t* const out = is_root ? slot : nullptr;
+        if (s.count * e <= small) return SmallReduce(ctx, slot, out, s.count, dtype, op, root);
+        CallAgreement agreement(ctx);
+        ChainReduce(ctx, slot, out, s.count, dtype, op, root, agreement);
+      });
+}
+
+// A slot holds the segment of this rank's block and, on the root, that segment of every rank's
+// (every rank cuts the same segments, so every rank's slot has room for them).
+RingCommunication::Prepared RingCommunication::StagedGather(const CallDescriptor& call,
+                                                            const Tensor& send, const Tensor& recv,
+                                                            int root) const {
+  const bool is_root = rank_ == root;
+  std::shared_ptr<CudaStaging> staging = StagingFor("gather", "send", send);
+  if (is_root) StagingFor("gather", "recv", recv);
+  const size_t n = size_t(size_), e = SizeOf(send.dtype), count = send.count;
+  const size_t small = small_message_bytes_;
+  return Staged(
+      call, std::move(staging), count, n + 1, send.dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        const size_t bytes = s.count * e;
+        copy_in->push_back(BlockCopy(send, 0, count, s.first, s.count, 0));
+        for (size_t r = 0; is_root && r < n; ++r) {
+          copy_out->push_back(BlockCopy(recv, r, count, s.first, s.count, bytes + r * bytes));
+        }
+      },
+      [=](Context& ctx, const Segment& s, uint8_t* slot) {
+        const size_t bytes = s.count * e;
+        uint8_t* const out = is_root ? slot + bytes : nullptr;
+        if (n * bytes <= small) return SmallGather(ctx, slot, out, bytes, root);
+        CallAgreement agreement(ctx);
+        DirectGather(ctx, slot, out, bytes, root, agreement);
+      });
+}
+
+// A slot holds, on the root, the segment of every rank's block of send, and this rank's segment.
+RingCommunication::Prepared RingCommunication::StagedScatter(const CallDescriptor& call,
+                                                             const Tensor& send, const Tensor& recv,
+                                                             int root) const {
+  const bool is_root = rank_ == root;
+  std::shared_ptr<CudaStaging> staging = StagingFor("scatter", "recv", recv);
+  if (is_root) StagingFor("scatter", "send", send);
+  const size_t n = size_t(size_), e = SizeOf(recv.dtype), count = recv.count;
+  const size_t small = small_message_bytes_;
+  return Staged(
+      call, std::move(staging), count, n + 1, recv.dtype,
+      [=](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+        const size_t bytes = s.count * e;
+        for (size_t r = 0; is_root && r < n; ++r) {
+          copy_in->push_back(BlockCopy(send, r, count, s.first, s.count, r * bytes));
+        }
+        copy_out->push_back(BlockCopy(recv, 0, count, s.first, s.count, n * bytes));
+      },
+      [=](Context& ctx, const Segment& s, uint8_t* slot) {
+        const size_t bytes = s.count * e;
+        const uint8_t* const in = is_root ? slot : nullptr;
+        if (n * bytes <= small) return SmallScatter(ctx, in, slot + n * bytes, bytes, root);
+        CallAgreement agreement(ctx);
+        DirectScatter(ctx, in, slot + n * bytes, bytes, root, agreement);
+      });
+}
+
+// Segment k is elements [k * per, k * per + per) of every block (those a block has), so a block
+// of c elements takes part in the first ceil(c / per) segments. A slot holds a segment of every
+// block of send and of recv (2 x size blocks). The number of segments follows from the largest
+// block of any rank, which the ranks learn first (a max all-reduce of one element); then every
+// segment is one pairwise all-to-all, whose own check of the counts holds for the segment's.
+RingCommunication::Prepared RingCommunication::StagedAllToAll(const CallDescriptor& call,
+                                                              const Tensor& send,
+                                                              const Tensor& recv,
+                                                              std::vector<size_t> sends,
+                                                              std::vector<size_t> recvs) const {
+  std::shared_ptr<CudaStaging> staging = StagingFor("all_to_all", "send", send);
+  StagingFor("all_to_all", "recv", recv);
+  const size_t n = size_t(size_), e = SizeOf(send.dtype);
+  const DataType dtype = send.dtype;
+  const size_t per = SegmentCount(staging->slot_bytes(), 2 * n, dtype);
+  std::vector<size_t> send_at(n, 0), recv_at(n, 0);
+  int64_t largest = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (j > 0) send_at[j] = send_at[j - 1] + sends[j - 1];
+    if (j > 0) recv_at[j] = recv_at[j - 1] + recvs[j - 1];
+    largest = std::max<int64_t>({largest, int64_t(sends[j]), int64_t(recvs[j])});
+  }
+  // The part of a block of `c` elements in the segment from `first`.
+  const auto part = [per](size_t c, size_t first) {
+    return c > first ? std::min(per, c - first) : 0;
+  };
   return OnRing(call, [=](Context& ctx) {
-    auto plan = [&](size_t k, std::vector<CudaStaging::Copy>* copy_in,
-                    std::vector<CudaStaging::Copy>* copy_out) {
-      const size_t m = std::min(per, count - k * per), bytes = m * e;
-      for (size_t r = 0; r < n; ++r) {
-        copy_in->push_back({r * bytes, in + (r * count + k * per) * e, bytes});
-      }
-      copy_out->push_back({n * bytes, out + k * per * e, bytes});
-    };
-    auto work = [&](size_t k, uint8_t* slot) {
-      const size_t m = std::min(per, count - k * per), bytes = m * e;
-      if (n * bytes <= small) {
-        return SmallReduceScatter(ctx, slot, slot + n * bytes, m, dtype, op);
-      }
-      RingReduceScatter(ctx, slot, slot + n * bytes, m, dtype, op);
-    };
-    staging->Run(segments, plan, work, ctx.deadline, What(ctx));
+    int64_t count = largest;
+    RecursiveDoublingAllReduce(ctx, &count, &count, 1, DataType::kInt64, ReduceOp::kMax);
+    RunSegments(
+        ctx, *staging, size_t(count), per,
+        [&](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+          for (size_t j = 0, in_at = 0, out_at = n * per * e; j < n; ++j) {
+            const size_t to = part(sends[j], s.first), from = part(recvs[j], s.first);
+            copy_in->push_back(
+                {in_at, static_cast<uint8_t*>(send.data) + (send_at[j] + s.first) * e, to * e});
+            copy_out->push_back(
+                {out_at, static_cast<uint8_t*>(recv.data) + (recv_at[j] + s.first) * e, from * e});
+            in_at += to * e;
+            out_at += from * e;
+          }
+        },
+        [&](Context&, const Segment& s, uint8_t* slot) {
+          std::vector<size_t> to(n), from(n);
+          for (size_t j = 0; j < n; ++j) {
+            to[j] = part(sends[j], s.first);
+            from[j] = part(recvs[j], s.first);
+          }
+          PairwiseAllToAll(ctx, slot, slot + n * per * e, dtype, to, from);
+        });
   });
+}
+
+// A message goes in runs of whole frames (SendMessageFrames): a slot holds as many of the
+// message's frames as fit, so the peer, staged or not, sees the frames of one message.
+RingCommunication::Prepared RingCommunication::StagedPointToPoint(Prepared prepared, bool sending,
+                                                                  const Tensor& tensor, int peer,
+                                                                  int64_t tag, uint64_t& next) {
+  const char* const name = sending ? "send" : "recv";
+  std::shared_ptr<CudaStaging> staging = StagingFor(name, "message", tensor);
+  const size_t bytes = tensor.bytes();
+  const size_t frames = MessageFrames(chunk_bytes_, bytes);
+  const size_t frame_bytes = MessageFrameOffset(chunk_bytes_, bytes, 1);
+  if (frame_bytes > staging->slot_bytes()) {
+    throw Error(ErrorCode::kNotSupported,
+                core::TensorPrefix(rank_, name, "message") + "is on " + tensor.device.ToString() +
+                    ": its frames of " + std::to_string(frame_bytes) +
+                    " bytes (CommunicationOptions::chunk_bytes) do not fit the staging slot of " +
+                    std::to_string(staging->slot_bytes()) +
+                    " bytes (COLLECTIVES_CUDA_STAGING_BYTES)");
+  }
+  const size_t per = std::max<size_t>(1, staging->slot_bytes() / std::max<size_t>(1, frame_bytes));
+  auto* const data = static_cast<uint8_t*>(tensor.data);
+  const size_t chunk = chunk_bytes_;
+  prepared.body = [=, &next](Context& ctx) {
+    const uint64_t number = next++;
+    RunSegments(
+        ctx, *staging, frames, per,
+        [&](const Segment& s, StagedCopies* copy_in, StagedCopies* copy_out) {
+          const size_t begin = MessageFrameOffset(chunk, bytes, s.first);
+          const size_t end = MessageFrameOffset(chunk, bytes, s.first + s.count);
+          (sending ? copy_in : copy_out)->push_back({0, data + begin, end - begin});
+        },
+        [&](Context&, const Segment& s, uint8_t* slot) {
+          if (sending) {
+            SendMessageFrames(ctx, peer, number, slot, tensor.count, tensor.dtype, tag, s.first,
+                              s.first + s.count);
+          } else {
+            RecvMessageFrames(ctx, peer, number, slot, tensor.count, tensor.dtype, tag, s.first,
+                              s.first + s.count);
+          }
+        });
+  };
+  return prepared;
 }
 
 void RingCommunication::CheckSameType(const char* collective, const Tensor& send,
@@ -674,7 +896,7 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                                                                 const Tensor& recv, ReduceOp op,
                                                                 ReduceOp checked_as) const {
   constexpr const char* kName = "all_reduce";
-  CheckSendRecv(kName, send, recv, /*staged=*/true);
+  CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
   CheckOp(rank_, kName, checked_as);
   if (send.count != recv.count) {
@@ -687,7 +909,10 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduce(const Tensor& se
                           "recv.data");
   const CallDescriptor call{CollectiveKind::kAllReduce, send.dtype, checked_as, 0, send.count};
   if (send.device.kind == Device::Kind::kCuda) {
-    Prepared staged = StagedAllReduce(call, send, recv, op);
+    std::shared_ptr<CudaStaging> staging = StagingFor(kName, "send", send);
+    StagingFor(kName, "recv", recv);
+    Prepared staged =
+        StagedAllReduce(call, std::move(staging), {send}, {recv}, send.count, send.dtype, op);
     if (planner_) staged.body = planner_->DeviceAllReduce(send, recv, op, std::move(staged.body));
     return staged;
   }
@@ -718,14 +943,20 @@ size_t RingCommunication::CountOfPieces(const char* name, const std::vector<Tens
                                                  ": unknown dtype " +
                                                  std::to_string(int(pieces.front().dtype)));
   }
+  const Device device = pieces.front().device;
+  if (device.kind != Device::Kind::kCpu && device.kind != Device::Kind::kCuda) {
+    throw Error(ErrorCode::kNotSupported, "rank " + std::to_string(rank_) + ": " + name +
+                                              ": the pieces are on " + device.ToString() +
+                                              "; RING takes CPU and CUDA tensors only");
+  }
   size_t count = 0;
   for (const Tensor& piece : pieces) {
-    if (piece.dtype != pieces.front().dtype || piece.device.kind != Device::Kind::kCpu ||
+    if (piece.dtype != pieces.front().dtype || !(piece.device == device) ||
         (piece.data == nullptr && piece.count > 0)) {
       throw Error(ErrorCode::kInvalidArgument,
                   "rank " + std::to_string(rank_) + ": " + name +
-                      ": every piece must be a CPU tensor with data, of the first one's dtype (" +
-                      ToString(pieces.front().dtype) + ")");
+                      ": every piece must be a tensor with data, of the first one's dtype (" +
+                      ToString(pieces.front().dtype) + ") and device (" + device.ToString() + ")");
     }
     count += piece.count;
   }
@@ -739,6 +970,11 @@ RingCommunication::Prepared RingCommunication::PrepareAllReduceInRuns(
   CheckOp(rank_, kName, checked_as);
   const size_t count = CountOfPieces(kName, pieces);
   const CallDescriptor call{CollectiveKind::kAllReduce, pieces.front().dtype, checked_as, 0, count};
+  if (pieces.front().device.kind == Device::Kind::kCuda) {
+    return Gated(StagedAllReduce(call, StagingOfPieces(kName, pieces), pieces, pieces, count,
+                                 pieces.front().dtype, op),
+                 std::move(go));
+  }
   Body body = planner_ ? planner_->AllReduceInRuns(pieces, op) : Body{};
   return Gated(
       body ? Prepared{call, std::move(body)} : OnRing(call, AllReduceInRuns(pieces, count, op)),
@@ -808,6 +1044,12 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcastInRuns(
   const size_t count = CountOfPieces(kName, pieces);
   const CallDescriptor call{CollectiveKind::kBroadcast, pieces.front().dtype, ReduceOp::kSum, root,
                             count};
+  if (pieces.front().device.kind == Device::Kind::kCuda) {
+    return Gated(StagedBroadcast(call, StagingOfPieces(kName, pieces),
+                                 rank_ == root ? pieces : std::vector<Tensor>{}, pieces, count,
+                                 pieces.front().dtype, root),
+                 std::move(go));
+  }
   Body body = planner_ ? planner_->BroadcastInRuns(pieces, root) : Body{};
   return Gated(body ? Prepared{call, std::move(body)} : OnRing(call, BroadcastInRuns(pieces, root)),
                std::move(go));
@@ -822,9 +1064,9 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
                 "rank " + std::to_string(rank_) + ": broadcast: root " + std::to_string(root) +
                     " is not a rank of this communicator (size " + std::to_string(size_) + ")");
   }
-  CheckTensor(kName, "recv", recv, /*staged=*/true);
+  CheckTensor(kName, "recv", recv);
   if (rank_ == root) {
-    CheckTensor(kName, "send", send, /*staged=*/true);
+    CheckTensor(kName, "send", send);
     CheckOneDevice(kName, send, recv);
     CheckSameType(kName, send, recv);
     if (send.count != recv.count) {
@@ -839,7 +1081,11 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
   const CallDescriptor call{CollectiveKind::kBroadcast, recv.dtype, ReduceOp::kSum, root,
                             recv.count};
   if (recv.device.kind == Device::Kind::kCuda) {
-    Prepared staged = StagedBroadcast(call, send, recv, root);
+    std::shared_ptr<CudaStaging> staging = StagingFor(kName, "recv", recv);
+    if (rank_ == root) StagingFor(kName, "send", send);
+    Prepared staged = StagedBroadcast(
+        call, std::move(staging), rank_ == root ? std::vector<Tensor>{send} : std::vector<Tensor>{},
+        {recv}, recv.count, recv.dtype, root);
     if (planner_) staged.body = planner_->DeviceBroadcast(send, recv, root, std::move(staged.body));
     return staged;
   }
@@ -862,7 +1108,7 @@ RingCommunication::Prepared RingCommunication::PrepareBroadcast(const Tensor& se
 RingCommunication::Prepared RingCommunication::PrepareAllGather(const Tensor& send,
                                                                 const Tensor& recv) const {
   constexpr const char* kName = "all_gather";
-  CheckSendRecv(kName, send, recv, /*staged=*/true);
+  CheckSendRecv(kName, send, recv);
   CheckWholeIsSizeTimesBlock(kName, "recv", recv, "send", send);
   core::CheckBuffersApart(rank_, kName, send, recv,
                           reinterpret_cast<uintptr_t>(recv.data) + size_t(rank_) * send.bytes(),
@@ -890,7 +1136,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduceScatter(const Tensor
                                                                     const Tensor& recv,
                                                                     ReduceOp op) const {
   constexpr const char* kName = "reduce_scatter";
-  CheckSendRecv(kName, send, recv, /*staged=*/true);
+  CheckSendRecv(kName, send, recv);
   CheckOp(rank_, kName, op);
   CheckWholeIsSizeTimesBlock(kName, "send", send, "recv", recv);
   core::CheckBuffersApart(rank_, kName, send, recv,
@@ -941,6 +1187,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
   const bool is_root = rank_ == root;
   if (is_root) {
     CheckTensor(kName, "recv", recv);
+    CheckOneDevice(kName, send, recv);
     CheckSameType(kName, send, recv);
     if (send.count != recv.count) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -953,6 +1200,7 @@ RingCommunication::Prepared RingCommunication::PrepareReduce(const Tensor& send,
                             "recv.data");
   }
   const CallDescriptor call{CollectiveKind::kReduce, send.dtype, op, root, send.count};
+  if (send.device.kind == Device::Kind::kCuda) return StagedReduce(call, send, recv, op, root);
   const bool small = send.bytes() <= small_message_bytes_;
   void* const out = is_root ? recv.data : nullptr;
   if (planner_) {
@@ -973,6 +1221,7 @@ RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send,
   const bool is_root = rank_ == root;
   if (is_root) {
     CheckTensor(kName, "recv", recv);
+    CheckOneDevice(kName, send, recv);
     CheckSameType(kName, send, recv);
     CheckWholeIsSizeTimesBlock(kName, "the root's recv", recv, "send", send);
     core::CheckBuffersApart(rank_, kName, send, recv,
@@ -984,6 +1233,7 @@ RingCommunication::Prepared RingCommunication::PrepareGather(const Tensor& send,
                                                  ToString(send.dtype) + " do not fit size_t");
   }
   const CallDescriptor call{CollectiveKind::kGather, send.dtype, ReduceOp::kSum, root, send.count};
+  if (send.device.kind == Device::Kind::kCuda) return StagedGather(call, send, recv, root);
   const bool small = size_t(size_) * send.bytes() <= small_message_bytes_;
   void* const out = is_root ? recv.data : nullptr;
   if (planner_) {
@@ -1004,6 +1254,7 @@ RingCommunication::Prepared RingCommunication::PrepareScatter(const Tensor& send
   const bool is_root = rank_ == root;
   if (is_root) {
     CheckTensor(kName, "send", send);
+    CheckOneDevice(kName, send, recv);
     CheckSameType(kName, send, recv);
     CheckWholeIsSizeTimesBlock(kName, "the root's send", send, "recv", recv);
     core::CheckBuffersApart(rank_, kName, send, recv,
@@ -1015,6 +1266,7 @@ RingCommunication::Prepared RingCommunication::PrepareScatter(const Tensor& send
                                                  ToString(recv.dtype) + " do not fit size_t");
   }
   const CallDescriptor call{CollectiveKind::kScatter, recv.dtype, ReduceOp::kSum, root, recv.count};
+  if (recv.device.kind == Device::Kind::kCuda) return StagedScatter(call, send, recv, root);
   const bool small = size_t(size_) * recv.bytes() <= small_message_bytes_;
   const void* const in = is_root ? send.data : nullptr;
   return OnRing(call, [in, recv, root, small](Context& ctx) {
@@ -1082,6 +1334,9 @@ RingCommunication::Prepared RingCommunication::PrepareAllToAll(
                 prefix + "send and recv overlap; an all-to-all needs them apart");
   }
   const CallDescriptor call{CollectiveKind::kAllToAll, send.dtype, ReduceOp::kSum, 0, 0};
+  if (send.device.kind == Device::Kind::kCuda) {
+    return StagedAllToAll(call, send, recv, std::move(sends), std::move(recvs));
+  }
   return OnRing(call,
                 [send, recv, sends = std::move(sends), recvs = std::move(recvs)](Context& ctx) {
                   PairwiseAllToAll(ctx, send.data, recv.data, send.dtype, sends, recvs);
@@ -1105,6 +1360,9 @@ RingCommunication::Prepared RingCommunication::PreparePointToPoint(bool sending,
   prepared.collective = false;
   // Numbered when it runs: sends and receives run in issue order, one at a time.
   uint64_t& next = sending ? messages_sent_[size_t(peer)] : messages_received_[size_t(peer)];
+  if (tensor.device.kind == Device::Kind::kCuda) {
+    return StagedPointToPoint(std::move(prepared), sending, tensor, peer, tag, next);
+  }
   prepared.body = [sending, tensor, peer, tag, &next](Context& ctx) {
     const uint64_t number = next++;
     if (sending) {

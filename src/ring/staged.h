@@ -15,8 +15,10 @@
 // stream before the call, and no other stream; the call's result is on the device when Run
 // returns.
 //
-// Every rank cuts the same segments: the segment size depends only on slot_bytes, the dtype and
-// the world size, so every rank must run with the same COLLECTIVES_CUDA_STAGING_BYTES.
+// Every rank cuts the same segments: the segment size depends only on slot_bytes, the dtype, the
+// world size and the call (how many blocks a slot holds; for a message, how many of its frames),
+// so every rank must run with the same COLLECTIVES_CUDA_STAGING_BYTES. The calls' plans and
+// works are in ring_communication.cc (RunSegments); docs/gpu.md has what a slot holds per call.
 //
 // Without CUDA (a build without -DCOLLECTIVES_WITH_NCCL, or libcudart missing, or no device)
 // Open throws Error(kNotSupported) naming why.

@@ -25,6 +25,7 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "collectives/errors.h"
+#include "collectives/packing.h"
 #include "collectives/types.h"
 
 #if defined(COLLECTIVES_WITH_NCCL)
@@ -592,6 +593,28 @@ TEST(NcclGpuTest, OneRankEveryCollective) {
 TEST(NcclGpuTest, TwoRanksAsThreadsEveryCollective) {
   COLLECTIVES_REQUIRE_GPU(2);
   RunNcclRanks(2, [&](CollectiveCommunication& comm) { CheckEveryDtype(api, comm); });
+}
+
+// The packer stages CUDA tensors on RING and AUTO only: on NCCL its fusion buffer would be host
+// memory, so a CUDA tensor is refused before anything is issued, naming where it is taken.
+TEST(NcclGpuTest, ThePackerRefusesCudaTensorsByName) {
+  COLLECTIVES_REQUIRE_GPU(1);
+  RunNcclRanks(1, [&](CollectiveCommunication& comm) {
+    void* data = nullptr;
+    ASSERT_EQ(api.cudaSetDevice(0), cudaSuccess);
+    ASSERT_EQ(api.cudaMalloc(&data, 64), cudaSuccess);
+    const Tensor a{data, 8, DataType::kFloat32, Device::Cuda(0)};
+    const Tensor b{static_cast<float*>(data) + 8, 8, DataType::kFloat32, Device::Cuda(0)};
+    try {
+      packing::AllReduce(comm, {a, b}, ReduceOp::kSum);
+      ADD_FAILURE() << "expected kNotSupported";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
+      EXPECT_NE(e.message().find("CUDA tensors on RING and AUTO only"), std::string::npos)
+          << e.what();
+    }
+    api.cudaFree(data);
+  });
 }
 
 TEST(NcclGpuTest, ThroughTheFactory) {

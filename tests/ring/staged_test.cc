@@ -26,6 +26,7 @@
 #include "tests/scoped_env.h"
 #ifdef COLLECTIVES_WITH_NCCL
 #include "src/nccl/nccl_loader.h"
+#include "tests/ring/staged_device.h"
 #endif
 
 namespace collectives::testing {
@@ -73,65 +74,6 @@ TEST(StagedUnavailableTest, WithoutCudaACudaTensorIsNotSupported) {
 }
 
 #ifdef COLLECTIVES_WITH_NCCL
-
-// Before the first CUDA tensor reads it (CudaStagingBytes reads it once).
-const bool kSlotSet = [] {
-  setenv("COLLECTIVES_CUDA_STAGING_BYTES", "4096", /*overwrite=*/0);
-  return true;
-}();
-
-bool GpuRequired() {
-  const char* value = std::getenv("COLLECTIVES_REQUIRE_GPU");
-  return value != nullptr && std::string(value) == "1";
-}
-
-#define COLLECTIVES_REQUIRE_CUDA()                                                     \
-  std::string cuda_reason;                                                             \
-  const nccl::NcclApi* api_ptr = nccl::TryLoadCudart(&cuda_reason);                    \
-  if (api_ptr == nullptr) {                                                            \
-    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << cuda_reason; \
-    GTEST_SKIP() << cuda_reason;                                                       \
-  }                                                                                    \
-  const nccl::NcclApi& api = *api_ptr
-
-// A device buffer of `count` elements of `dtype`, filled from and read back into host memory.
-class DeviceBuffer {
- public:
-  DeviceBuffer(const nccl::NcclApi& api, int device, DataType dtype, size_t count)
-      : api_(api), device_(device), dtype_(dtype), bytes_(count * SizeOf(dtype)), count_(count) {
-    EXPECT_EQ(api_.cudaSetDevice(device), cudaSuccess);
-    EXPECT_EQ(api_.cudaMalloc(&data_, std::max<size_t>(bytes_, 1)), cudaSuccess);
-  }
-  ~DeviceBuffer() { api_.cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  void Upload(const void* host) {
-    if (bytes_ > 0) {
-      EXPECT_EQ(api_.cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-    }
-  }
-  std::vector<uint8_t> Download() const {
-    std::vector<uint8_t> host(bytes_);
-    if (bytes_ > 0) {
-      EXPECT_EQ(api_.cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-    }
-    return host;
-  }
-  Tensor tensor(size_t offset = 0, size_t elements = SIZE_MAX) const {
-    const size_t n = elements == SIZE_MAX ? count_ - offset : elements;
-    return Tensor{static_cast<uint8_t*>(data_) + offset * SizeOf(dtype_), n, dtype_,
-                  Device::Cuda(device_)};
-  }
-
- private:
-  const nccl::NcclApi& api_;
-  int device_;
-  DataType dtype_;
-  size_t bytes_;
-  size_t count_;
-  void* data_ = nullptr;
-};
 
 // One collective on CUDA tensors of this rank's device, checked as CheckCollective checks the
 // CPU path (the inputs and the reference are the same).
@@ -307,28 +249,6 @@ INSTANTIATE_TEST_SUITE_P(Transports, StagedTransportTest,
 
 // ---- The staging bound, as the fake counts the copies (skipped on a real GPU) ----
 
-using CopyStats = void (*)(uint64_t* stats);
-using ResetCopyStats = void (*)();
-
-struct FakeCounters {
-  CopyStats stats = nullptr;
-  ResetCopyStats reset = nullptr;
-};
-
-FakeCounters FindFakeCounters() {
-  FakeCounters found;
-  if (nccl::TryLoadCudart() == nullptr) return found;
-  for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
-    void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-    if (handle == nullptr) continue;
-    found.stats = reinterpret_cast<CopyStats>(dlsym(handle, "collectivesFakeCudaCopyStats"));
-    found.reset = reinterpret_cast<ResetCopyStats>(dlsym(handle, "collectivesFakeCudaResetCopyStats"));
-    dlclose(handle);  // the loader keeps it loaded
-    if (found.stats != nullptr && found.reset != nullptr) return found;
-  }
-  return FakeCounters{};
-}
-
 // No copy between host and device is larger than one slot, the bytes that cross are the tensor's
 // once each way, every async copy has a pinned host side, and the pinned memory a communicator
 // holds is its two slots per device: a tensor of 4 MiB moves through 2 x 4 KiB (by default).
@@ -437,19 +357,20 @@ TEST(StagedBoundTest, TheNextSegmentComesInWhileTheRingWorksOnThisOne) {
 
 // ---- Refusals ----
 
-TEST(StagedRefusalTest, CudaTensorsElsewhereAndMismatchedDevicesAreRefusedByName) {
+TEST(StagedRefusalTest, MismatchedDevicesAndHostMemoryAsCudaAreRefusedByName) {
   COLLECTIVES_REQUIRE_CUDA();
   RunRanks(Transport::kInProcess, 1, SmallChunks(), [&](CollectiveCommunication& comm) {
     DeviceBuffer device(api, 0, DataType::kFloat32, 16);
     std::vector<float> host(16, 1.0f);
     const Tensor on_host{host.data(), 16, DataType::kFloat32};
-    // A collective that does not stage CUDA tensors.
+    // The root's send on the device, its recv on the host: refused for every collective that
+    // uses both on the root.
     try {
-      comm.Gather(device.tensor(), device.tensor(), 0);
-      ADD_FAILURE() << "gather of a CUDA tensor: expected kNotSupported";
+      comm.Gather(device.tensor(), on_host, 0);
+      ADD_FAILURE() << "gather from cuda:0 into host memory: expected kInvalidArgument";
     } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kNotSupported) << e.what();
-      EXPECT_NE(e.message().find("cuda:0"), std::string::npos) << e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find("one device"), std::string::npos) << e.what();
     }
     // send on the device, recv on the host.
     try {

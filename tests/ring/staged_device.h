@@ -1,0 +1,105 @@
+// Helpers of the tests of CUDA tensors on RING (staged_test.cc, staged_collectives_test.cc): the
+// small staging slot, the check that CUDA is there (or the skip that says why), a device buffer,
+// and the fake CUDA's copy counters.
+#ifndef COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
+#define COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
+
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "collectives/types.h"
+#include "src/nccl/nccl_loader.h"
+
+namespace collectives::testing {
+
+// Before the first CUDA tensor reads it (CudaStagingBytes reads it once).
+inline const bool kSlotSet = [] {
+  setenv("COLLECTIVES_CUDA_STAGING_BYTES", "4096", /*overwrite=*/0);
+  return true;
+}();
+
+inline bool GpuRequired() {
+  const char* value = std::getenv("COLLECTIVES_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
+
+#define COLLECTIVES_REQUIRE_CUDA()                                                       \
+  std::string cuda_reason;                                                               \
+  const nccl::NcclApi* api_ptr = nccl::TryLoadCudart(&cuda_reason);                      \
+  if (api_ptr == nullptr) {                                                              \
+    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << cuda_reason; \
+    GTEST_SKIP() << cuda_reason;                                                         \
+  }                                                                                      \
+  const nccl::NcclApi& api = *api_ptr
+
+// A device buffer of `count` elements of `dtype`, filled from and read back into host memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(const nccl::NcclApi& api, int device, DataType dtype, size_t count)
+      : api_(api), device_(device), dtype_(dtype), bytes_(count * SizeOf(dtype)), count_(count) {
+    EXPECT_EQ(api_.cudaSetDevice(device), cudaSuccess);
+    EXPECT_EQ(api_.cudaMalloc(&data_, std::max<size_t>(bytes_, 1)), cudaSuccess);
+  }
+  ~DeviceBuffer() { api_.cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void Upload(const void* host) {
+    if (bytes_ > 0) {
+      EXPECT_EQ(api_.cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  std::vector<uint8_t> Download() const {
+    std::vector<uint8_t> host(bytes_);
+    if (bytes_ > 0) {
+      EXPECT_EQ(api_.cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return host;
+  }
+  Tensor tensor(size_t offset = 0, size_t elements = SIZE_MAX) const {
+    const size_t n = elements == SIZE_MAX ? count_ - offset : elements;
+    return Tensor{static_cast<uint8_t*>(data_) + offset * SizeOf(dtype_), n, dtype_,
+                  Device::Cuda(device_)};
+  }
+
+ private:
+  const nccl::NcclApi& api_;
+  int device_;
+  DataType dtype_;
+  size_t bytes_;
+  size_t count_;
+  void* data_ = nullptr;
+};
+
+using CopyStats = void (*)(uint64_t* stats);
+using ResetCopyStats = void (*)();
+
+struct FakeCounters {
+  CopyStats stats = nullptr;
+  ResetCopyStats reset = nullptr;
+};
+
+inline FakeCounters FindFakeCounters() {
+  FakeCounters found;
+  if (nccl::TryLoadCudart() == nullptr) return found;
+  for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+    void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) continue;
+    found.stats = reinterpret_cast<CopyStats>(dlsym(handle, "collectivesFakeCudaCopyStats"));
+    found.reset =
+        reinterpret_cast<ResetCopyStats>(dlsym(handle, "collectivesFakeCudaResetCopyStats"));
+    dlclose(handle);  // the loader keeps it loaded
+    if (found.stats != nullptr && found.reset != nullptr) return found;
+  }
+  return FakeCounters{};
+}
+
+}  // namespace collectives::testing
+
+#endif  // COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
