@@ -10,6 +10,13 @@ namespace {
 // How long the woken progress thread leaves a queued call to a waiter that may run it itself.
 constexpr std::chrono::microseconds kWaiterGrace{20};
 constexpr int kWaiterGracePolls = 8;
+// A lone call on an idle queue wakes no thread (see Submit) while calls come faster than one
+// per kPollTick: the progress thread then looks at the queue every tick instead of sleeping
+// until notified, and so takes a call that no one waits on within a tick. A tick with no new
+// call sends it back to sleep, and the next Submit wakes it. Either way it wakes at most once
+// per call and at most once per tick: a wake-up per call costs most where calls are frequent
+// and small, a tick where they are rare (one per training step).
+constexpr std::chrono::microseconds kPollTick{1000};
 }  // namespace
 
 Error Stopped(const Error& broken, const core::CallTag& tag, const char* what) {
@@ -53,10 +60,12 @@ bool CallQueue::Enter() {
 }
 
 void CallQueue::Leave() {
-  // Notified under the lock: once the destructor sees no helper it destroys cv_.
+  // Only the destructor waits for the helpers, and waking the progress thread for nothing
+  // costs a context switch. Notified under the lock: once the destructor sees no helper it
+  // destroys cv_.
   std::lock_guard<std::mutex> lock(mu_);
   --helpers_;
-  cv_.notify_all();
+  if (stopping_ && helpers_ == 0) cv_.notify_all();
 }
 
 void CallQueue::RunOnWaiter(core::WorkState& work) {
@@ -81,6 +90,9 @@ void CallQueue::RunOnWaiter(core::WorkState& work) {
 }
 
 void CallQueue::Run() {
+  const auto ready = [this] {
+    return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_);
+  };
   for (;;) {
     Call call;
     {
@@ -91,8 +103,15 @@ void CallQueue::Run() {
       });
       std::unique_lock<std::mutex> lock(mu_);
       for (bool waited_for_waiter = false;; waited_for_waiter = true) {
-        cv_.wait(lock,
-                 [this] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
+        while (!ready()) {
+          if (std::chrono::steady_clock::now() - last_submit_ < kPollTick) {
+            cv_.wait_for(lock, kPollTick);
+          } else {
+            asleep_ = true;
+            cv_.wait(lock, ready);
+            asleep_ = false;
+          }
+        }
         if (queue_.empty()) return;  // stopping, and every queued call has run
         if (waited_for_waiter || stopping_ || queue_.size() > 1) break;
         // A caller that waits at once runs the call itself (RunOnWaiter), with no hand-off to
@@ -189,6 +208,7 @@ std::optional<Error> CallQueue::broken() const {
 
 std::shared_ptr<Work> CallQueue::Submit(PreparedCall prepared, std::chrono::milliseconds timeout) {
   auto work = std::make_shared<core::WorkState>(handoff_spin_, yield_);
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {
@@ -200,8 +220,16 @@ std::shared_ptr<Work> CallQueue::Submit(PreparedCall prepared, std::chrono::mill
     work->SetHelper(this);
     queue_.push_back(Call{std::move(prepared), work, timeout});
     queued_.fetch_add(1, std::memory_order_release);
+    last_submit_ = std::chrono::steady_clock::now();
+    // Waking the progress thread costs a context switch, on each rank, which where ranks
+    // outnumber cores is most of a small call's time; so a lone call on an idle queue wakes it
+    // only where it sleeps until woken (calls came slower than its tick). Its caller, waiting at
+    // once, runs it (RunOnWaiter); otherwise the polling progress thread takes it within a tick
+    // (Run). A call queued behind another is the progress thread's to run at once (its waiter
+    // cannot run it), unless a running one is still to finish: that thread wakes it when it does.
+    wake = asleep_ || (!busy_ && queue_.size() > 1);
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return work;
 }
 

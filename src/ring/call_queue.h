@@ -1,6 +1,7 @@
 // The calls of a RING or AUTO communicator in issue order: the queue, the progress thread that
 // runs it, the blocking fast path (a blocking call runs on its caller's thread when nothing is
-// queued or running), the sequence numbers, and the communicator's first error (sticky). What a
+// queued or running, and so does an async call waited on at once), the sequence numbers, and the
+// communicator's first error (sticky). What a
 // call does, and how it drives the fabric, is the communicator's (RingCommunication): the queue
 // hands each call's body to its Runner on the thread that holds the fabric.
 //
@@ -66,7 +67,8 @@ class CallQueue final : private core::WorkHelper {
   CallQueue(const CallQueue&) = delete;
   CallQueue& operator=(const CallQueue&) = delete;
 
-  // Queues a call that may take `timeout`; returns its Work.
+  // Queues a call that may take `timeout`; returns its Work. The call starts when its caller
+  // waits for it, or within a poll tick of the progress thread (Run), whichever comes first.
   std::shared_ptr<Work> Submit(PreparedCall prepared, std::chrono::milliseconds timeout);
   // Runs a call on the caller's thread when nothing is queued or running (no hand-off to the
   // progress thread and back: that is most of the cost of a small collective); else queues
@@ -85,7 +87,9 @@ class CallQueue final : private core::WorkHelper {
     std::chrono::milliseconds timeout;  // the communicator's when the call was issued
   };
 
-  // The progress thread: runs queued calls in order until the destructor stops it.
+  // The progress thread: runs queued calls in order until the destructor stops it. While calls
+  // come faster than its timer it looks at the queue on that timer rather than sleeping until
+  // woken, so that a Submit need not wake it (a wake-up per small call costs more than the call).
   void Run();
   // core::WorkHelper: a thread waiting on a Work runs its call itself when the call is next in
   // the queue and nothing runs (an async call waited on at once), as RunBlocking would have.
@@ -111,7 +115,11 @@ class CallQueue final : private core::WorkHelper {
   uint64_t next_seq_ = 0;   // guarded by mu_
   // Written under mu_; atomic so that the idle progress thread's spin sees the destructor.
   std::atomic<bool> stopping_{false};
-  bool busy_ = false;            // guarded by mu_; a thread is running a call on the fabric
+  bool busy_ = false;  // guarded by mu_; a thread is running a call on the fabric
+  // Guarded by mu_: the progress thread sleeps until notified (a Submit must wake it), and the
+  // time of the last Submit (it polls the queue while calls keep coming; see Run).
+  bool asleep_ = false;
+  std::chrono::steady_clock::time_point last_submit_{};
   int helpers_ = 0;              // guarded by mu_; waiters between Enter and Leave
   std::optional<Error> broken_;  // guarded by mu_; the first error, sticky
   std::atomic<size_t> queued_{0};

@@ -64,10 +64,14 @@ std::string Name(const ::testing::TestParamInfo<MatrixParam>& param_info) {
                                                               : "AutoShm";
   name += std::to_string(p.size) + "Ranks";
   switch (p.algorithms) {
-    case Algorithms::kDefault: return name + "Default";
-    case Algorithms::kRingTinyChunks: return name + "RingTinyChunks";
-    case Algorithms::kSmallMessage: return name + "SmallMessage";
-    case Algorithms::kHalvingDoubling: return name + "HalvingDoubling";
+    case Algorithms::kDefault:
+      return name + "Default";
+    case Algorithms::kRingTinyChunks:
+      return name + "RingTinyChunks";
+    case Algorithms::kSmallMessage:
+      return name + "SmallMessage";
+    case Algorithms::kHalvingDoubling:
+      return name + "HalvingDoubling";
   }
   return name;
 }
@@ -329,12 +333,52 @@ TEST(RingAsyncTest, ACallWaitedOnAtOnceRunsOnTheWaitingThread) {
     for (size_t i = 0; i < values.size(); ++i) {
       values[i] = int32_t(i) * (comm.rank() + 1);
       works.push_back(comm.AllReduceAsync(Tensor{&values[i], 1, DataType::kInt32},
-                                          Tensor{&values[i], 1, DataType::kInt32},
-                                          ReduceOp::kSum));
+                                          Tensor{&values[i], 1, DataType::kInt32}, ReduceOp::kSum));
     }
     for (size_t i = values.size(); i-- > 0;) works[i]->Wait();
     for (size_t i = 0; i < values.size(); ++i) EXPECT_EQ(values[i], 3 * int32_t(i));
   });
+}
+
+// An async call that no one waits on runs all the same (the progress thread takes it, whether
+// it was polling the queue after a call waited on at once or asleep after an idle spell), on a
+// thread of the communicator's: Done turns true with the result written while the caller only
+// polls Done.
+TEST(RingAsyncTest, ACallNoOneWaitsOnRunsOnTheProgressThread) {
+  for (Transport transport : {Transport::kInProcess, Transport::kAuto}) {
+    CommunicationOptions options;
+    options.timeout = std::chrono::seconds(30);
+    RunRanks(transport, 3, options, [&](CollectiveCommunication& comm) {
+      const std::string at = "rank " + std::to_string(comm.rank());
+      for (int i = 0; i < 8; ++i) {
+        if (i % 2 == 0) {
+          int32_t before = 1;
+          comm.AllReduceAsync(Tensor{&before, 1, DataType::kInt32},
+                              Tensor{&before, 1, DataType::kInt32}, ReduceOp::kSum)
+              ->Wait();
+          EXPECT_EQ(before, 3) << at << ", call " << i;
+        } else {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        std::thread::id ran_on;
+        int32_t value = comm.rank() + i;
+        const Tensor t{&value, 1, DataType::kInt32};
+        const core::Gate gate = [&] {
+          ran_on = std::this_thread::get_id();
+          return true;
+        };
+        auto work = core::Internal(comm)->AllReduceAsync(t, t, ReduceOp::kSum, {{}, gate});
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!work->Done() && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+        ASSERT_TRUE(work->Done()) << at << ", call " << i << ": not run after 20 s";
+        EXPECT_NE(ran_on, std::this_thread::get_id()) << at << ", call " << i;
+        EXPECT_EQ(value, 0 + 1 + 2 + 3 * i) << at << ", call " << i;
+        work->Wait();
+      }
+    });
+  }
 }
 
 // Bad arguments are refused on the caller's thread with kInvalidArgument naming the fault.
@@ -359,8 +403,11 @@ TEST(RingArgumentTest, WrongSizesAndTypesAreInvalidArguments) {
     expect_invalid([&] { comm.AllGather(ta, tb); }, "all_gather");
     expect_invalid([&] { comm.ReduceScatter(tb, ta, ReduceOp::kSum); }, "reduce_scatter");
     expect_invalid([&] { comm.Broadcast(ta, 2); }, "root 2");
-    expect_invalid([&] { comm.AllReduce(Tensor{nullptr, 5, DataType::kFloat32}, ReduceOp::kSum); },
-                   "null");
+    expect_invalid(
+        [&] {
+          comm.AllReduce(Tensor{nullptr, 5, DataType::kFloat32}, ReduceOp::kSum);
+        },
+        "null");
     // An element that straddles its alignment (the kernels read typed elements: UBSan's
     // "misaligned address").
     void* odd = reinterpret_cast<char*>(a.data()) + 1;

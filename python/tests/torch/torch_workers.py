@@ -441,8 +441,16 @@ def async_work(rank, world):
                         "float32") for i in range(3)]
     ok += [torch.equal(t, want) for t, want in zip(ts, wants)]
     ok.append(torch.equal(chained.wait(), wants[1] * 2))
-    # wait(timeout) gives up on a call a peer has not issued yet; the call itself goes on.
     import time
+    # A call that is only polled (no wait, no future) runs on the library's progress thread.
+    for _ in range(3):
+        t = torch.ones(2)
+        work = dist.all_reduce(t, async_op=True)
+        deadline = time.monotonic() + 20
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        ok += [work.is_completed(), torch.equal(t, torch.full((2,), float(world)))]
+    # wait(timeout) gives up on a call a peer has not issued yet; the call itself goes on.
     t = torch.ones(3)
     if rank == 1:
         time.sleep(1.0)
