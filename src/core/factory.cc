@@ -271,11 +271,21 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
     tcp.address_store = store;
   }
   auto fabric = transport::ConnectTcpFabric(rank, size, *setup_store, tcp);
-  CheckOptionsAgree(rank, size, *setup_store, rendezvous.key_prefix, options, deadline);
   std::unique_ptr<ring::Planner> planner;
-  if (options.implementation == Implementation::kAuto) {
-    planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,
-                                          rendezvous.key_prefix, options, deadline);
+  try {
+    CheckOptionsAgree(rank, size, *setup_store, rendezvous.key_prefix, options, deadline);
+    if (options.implementation == Implementation::kAuto) {
+      planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,
+                                            rendezvous.key_prefix, options, deadline);
+    }
+  } catch (const Error& error) {
+    // The store failing now may be a faster rank that is done with its set-up, raised an error
+    // in a call and exited with the store: its abort frame, already on its way over the mesh,
+    // names the rank at fault, and decides within the grace a closed connection gets.
+    if (error.code() == ErrorCode::kPeerLost || error.code() == ErrorCode::kSystem) {
+      if (auto aborted = fabric->ErrorWithin(transport::kWriteFailureGrace)) throw *aborted;
+    }
+    throw;
   }
   if (cancelled && cancelled()) throw Error(ErrorCode::kAborted, abandoned);
   ring::SplitBuilder split = [store, rendezvous, options](
