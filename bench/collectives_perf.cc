@@ -424,7 +424,7 @@ class Sweep {
 
     // `repeat` rounds of `iters` timed calls; with a baseline, ours and MPI's rounds alternate
     // so that both see the same machine. Each round's time is the slowest rank's (the same
-    // value on every rank); the row reports the median round.
+    // value on every rank); the row reports the median round (or the fastest: --stat min).
     auto time_on = [&](CollectiveCommunication& comm, int warmup) {
       for (int i = 0; i < warmup; ++i) run_on(comm);
       control_.Barrier();
@@ -464,19 +464,22 @@ class Sweep {
       }
 #endif
     }
-    auto median = [](std::vector<double> v) {
+    // --stat of the rounds, the same for every configuration.
+    const bool fastest = config_.stat == "min";
+    auto of_rounds = [fastest](std::vector<double> v) {
       std::sort(v.begin(), v.end());
+      if (fastest) return v.front();
       const size_t half = v.size() / 2;
       return v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;
     };
     for (const std::vector<double>& rounds : versus)
-      row.versus_time_us.push_back(median(rounds) * 1e6);
-    const double seconds = median(ours);
+      row.versus_time_us.push_back(of_rounds(rounds) * 1e6);
+    const double seconds = of_rounds(ours);
     row.time_us = seconds * 1e6;
     row.algbw = static_cast<double>(row.bytes) / seconds / 1e9;
     row.busbw = row.algbw * BusBandwidthFactor(collective, world_size_);
     if (!theirs.empty()) {
-      const double mpi_seconds = median(theirs);
+      const double mpi_seconds = of_rounds(theirs);
       row.baseline_time_us = mpi_seconds * 1e6;
       row.baseline_busbw = static_cast<double>(row.bytes) / mpi_seconds / 1e9 *
                            BusBandwidthFactor(collective, world_size_);

@@ -121,6 +121,10 @@ struct Config {
   std::vector<Collective> collectives = {Collective::kAllReduce};
   int iters = 20;
   int warmup_iters = 5;
+  // Rounds of `iters` timed calls per size, and what a row reports of them ("median" or
+  // "min"), as collectives_perf's -r and --stat.
+  int repeat = 1;
+  std::string stat = "median";
   bool check = false;
   std::string csv_path;
   int root = 0;
@@ -297,11 +301,23 @@ class Sweep {
       row.wrong = static_cast<int64_t>(wrong);
     }
 
-    Barrier();
-    const Clock::time_point start = Clock::now();
-    for (int i = 0; i < config_.iters; ++i) run_once();
-    double seconds = std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
-    AllReduceDouble(&seconds, static_cast<ReduceFn>(&gloo::max<double>));
+    // Each round's time is the slowest rank's; the row reports the median round, or the
+    // fastest (--stat min).
+    std::vector<double> rounds;
+    for (int round = 0; round < config_.repeat; ++round) {
+      Barrier();
+      const Clock::time_point start = Clock::now();
+      for (int i = 0; i < config_.iters; ++i) run_once();
+      double round_seconds =
+          std::chrono::duration<double>(Clock::now() - start).count() / config_.iters;
+      AllReduceDouble(&round_seconds, static_cast<ReduceFn>(&gloo::max<double>));
+      rounds.push_back(round_seconds);
+    }
+    std::sort(rounds.begin(), rounds.end());
+    const size_t half = rounds.size() / 2;
+    const double seconds = config_.stat == "min"        ? rounds.front()
+                           : rounds.size() % 2 == 1 ? rounds[half]
+                                                    : (rounds[half - 1] + rounds[half]) / 2;
 
     row.time_us = seconds * 1e6;
     row.algbw = static_cast<double>(row.bytes) / seconds / 1e9;
@@ -381,9 +397,10 @@ class Sweep {
         "rendezvous FileStore\n",
         config_.hostname.c_str(), config_.algorithm.c_str());
     std::printf(
-        "# dtype f32  op sum  iterations %d  warm-up %d  check %s  buffers out-of-place"
-        "  timeout %.0f s\n",
-        config_.iters, config_.warmup_iters, config_.check ? "on" : "off", config_.timeout_s);
+        "# dtype f32  op sum  iterations %d x %d rounds (%s)  warm-up %d  check %s  buffers "
+        "out-of-place  timeout %.0f s\n",
+        config_.iters, config_.repeat, config_.stat.c_str(), config_.warmup_iters,
+        config_.check ? "on" : "off", config_.timeout_s);
     std::printf(
         "# busbw = algbw x 2(n-1)/n (all_reduce), x (n-1)/n (all_gather), x 1 (broadcast)\n");
     std::fflush(stdout);
@@ -627,6 +644,14 @@ int Main(int argc, char** argv) {
   app.add_option("-w,--warmup_iters", config.warmup_iters, "Warm-up iterations per size")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 30));
+  app.add_option("-r,--repeat", config.repeat,
+                 "Rounds of -n timed calls per size; the median round is reported (--stat)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--stat", config.stat,
+                 "What a row reports of its rounds: median or min (the fastest round)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"median", "min"}));
   app.add_flag("--check", config.check, "Verify one extra call per size on every rank");
   app.add_option("--csv", config.csv_path, "Rank 0 writes the rows to this CSV file");
   app.add_option("--root", config.root, "Root rank of broadcast")

@@ -164,9 +164,14 @@ void AddOptions(CLI::App& app, Config& config, std::string& min_bytes, std::stri
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 30));
   app.add_option("-r,--repeat", config.repeat,
-                 "Rounds of -n timed calls per size; the median round is reported (with "
-                 "--baseline, ours and MPI's rounds alternate)")
+                 "Rounds of -n timed calls per size; the median round is reported (--stat; "
+                 "with --baseline or --versus, the configurations' rounds alternate)")
       ->check(CLI::Range(1, 1000));
+  app.add_option("--stat", config.stat,
+                 "What a row reports of its rounds, for every configuration alike: median or "
+                 "min (the fastest round)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"median", "min"}));
   app.add_flag("--check", config.check,
                "Verify one extra call per size element by element on every rank; exit 2 on any "
                "wrong element");

@@ -53,6 +53,10 @@ struct Config : bench::CommunicationFlags {
   int iters = 20;
   int warmup_iters = 5;
   int repeat = 1;
+  // What a row reports of its -r rounds, for ours, every --versus configuration and the
+  // baseline alike: "median" or "min" (the least disturbed round: on a shared or oversubscribed
+  // machine the noise only slows a round, so the fastest round of each is the fairest match).
+  std::string stat = "median";
   bool check = false;
   std::string csv_path;
   std::string impl = "ring";

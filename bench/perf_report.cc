@@ -35,8 +35,9 @@ void Report::PrintHeader() {
               config_.spin_us < 0 ? "adaptive" : std::to_string(config_.spin_us).c_str(),
               config_.yield_us < 0 ? "default" : std::to_string(config_.yield_us).c_str(),
               config_.timeout_s);
-  std::printf("# iterations %d x %d rounds (median)  warm-up %d  check %s  buffers %s  calls %s\n",
-              config_.iters, config_.repeat, config_.warmup_iters, config_.check ? "on" : "off",
+  std::printf("# iterations %d x %d rounds (%s)  warm-up %d  check %s  buffers %s  calls %s\n",
+              config_.iters, config_.repeat, config_.stat.c_str(), config_.warmup_iters,
+              config_.check ? "on" : "off",
               config_.in_place ? "in-place" : "out-of-place",
               config_.async ? "asynchronous, each waited on at once" : "blocking");
   for (const Versus& v : session_.versus) {

@@ -9,8 +9,8 @@
 // Every rank starts its set-up at once, after a barrier through the store. fds: the descriptors
 // the rank holds after CreateCommunication minus those before, over ranks 1..n-1 (the listener,
 // the data connections and the event loop's own three). Run it
-// with COLLECTIVES_CONNECT=on_demand for connections on demand (the default is the full mesh). The steady all-reduce is the median of -n
-// calls of the slowest rank. Only the public API is used.
+// with COLLECTIVES_CONNECT=all for the full mesh (the default connects on demand). The steady
+// all-reduce is the median of -n calls of the slowest rank. Only the public API is used.
 #include <dirent.h>
 
 #include <CLI/CLI.hpp>
@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
       }
       const char* connect = std::getenv("COLLECTIVES_CONNECT");
       std::printf("# ranks %d impl %s connect %s\n", n, impl.c_str(),
-                  connect != nullptr && std::string(connect) == "on_demand" ? "on-demand" : "all");
+                  connect != nullptr && std::string(connect) == "all" ? "all" : "on-demand");
       std::printf(
           "setup_ms max %.1f median %.1f  fds max %.0f median %.0f  first_us %.0f  "
           "allreduce_us %.0f\n",

@@ -3,6 +3,7 @@
 // src/transport); the rest of core depends on none of them.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -259,23 +260,40 @@ std::unique_ptr<CollectiveCommunication> Connect(int rank, int size, std::shared
   tcp.key_prefix = rendezvous.key_prefix;
   tcp.bind_host = rendezvous.bind_host;
   tcp.cancelled = cancelled;
-  // Every pair connects at set-up, unless COLLECTIVES_CONNECT=on_demand: then the set-up connects
-  // only what the algorithms use on every call (ring::PeersAtSetUp, O(log size)) and the rest
-  // at first use. The full mesh stays the default: on demand, a rank that breaks on a mismatch
-  // may reach a peer over a connection made on demand as a closed socket before its abort frame
-  // arrives over the set-up's, so that peer can report the rank as lost instead of the mismatch.
+  // Connections on demand: the set-up connects only what the algorithms use on every call
+  // (ring::PeersAtSetUp, O(log size)), the rest connect at first use; COLLECTIVES_CONNECT=all
+  // connects every pair at set-up instead. A peer that closes a connection made on demand
+  // before any frame came on it gets kWriteFailureGrace (TcpConnection::LosePeer), so that the
+  // abort frame of a rank that broke while that connection was being attached, relayed over the
+  // set-up's connections, names the rank at fault.
   const char* connect = std::getenv("COLLECTIVES_CONNECT");
-  if (connect != nullptr && std::string(connect) == "on_demand") {
+  const bool every_pair = connect != nullptr && std::string(connect) == "all";
+  if (connect != nullptr && !every_pair && std::string(connect) != "on_demand") {
+    std::fprintf(stderr,
+                 "collectives: ignoring COLLECTIVES_CONNECT=\"%s\" (expected all or on_demand)\n",
+                 connect);
+  }
+  if (!every_pair) {
     tcp.on_demand = true;
     tcp.peers_at_setup = ring::PeersAtSetUp(rank, size);
     tcp.address_store = store;
   }
   auto fabric = transport::ConnectTcpFabric(rank, size, *setup_store, tcp);
-  CheckOptionsAgree(rank, size, *setup_store, rendezvous.key_prefix, options, deadline);
   std::unique_ptr<ring::Planner> planner;
-  if (options.implementation == Implementation::kAuto) {
-    planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,
-                                          rendezvous.key_prefix, options, deadline, store);
+  try {
+    CheckOptionsAgree(rank, size, *setup_store, rendezvous.key_prefix, options, deadline);
+    if (options.implementation == Implementation::kAuto) {
+      planner = hierarchical::CreatePlanner(rank, size, *setup_store, rendezvous.job_id,
+                                            rendezvous.key_prefix, options, deadline, store);
+    }
+  } catch (const Error& error) {
+    // The store failing now may be a faster rank that is done with its set-up, raised an error
+    // in a call and exited with the store: its abort frame, already on its way over the mesh,
+    // names the rank at fault, and decides within the grace a closed connection gets.
+    if (error.code() == ErrorCode::kPeerLost || error.code() == ErrorCode::kSystem) {
+      if (auto aborted = fabric->ErrorWithin(transport::kWriteFailureGrace)) throw *aborted;
+    }
+    throw;
   }
   if (cancelled && cancelled()) throw Error(ErrorCode::kAborted, abandoned);
   ring::SplitBuilder split = [store, rendezvous, options](

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "collectives/errors.h"
 #include "src/core/call.h"
@@ -99,6 +100,16 @@ class Fabric {
   // has (within about a second); if its call was returning and it drives no more, the owner
   // calls Abort again once that call ended (RingCommunication::Execute does).
   virtual void Abort(const Error& error) = 0;
+
+  // Drives the fabric for up to `wait`, with no call running, and returns its error if it is
+  // broken by then (an abort frame came in), else nullopt. A set-up step that fails on the
+  // store asks it: a peer that raised an error and exited may have taken the store down with it,
+  // and its abort frame, which names the rank at fault, is the error to raise. A fabric may
+  // return nullopt at once.
+  virtual std::optional<Error> ErrorWithin(Clock::duration wait) {
+    (void)wait;
+    return std::nullopt;
+  }
 };
 
 }  // namespace collectives::transport

@@ -52,7 +52,7 @@ uint64_t TcpConnection::Send(const SendOp& op) {
   const uint64_t ticket = ++sends_posted_;
   sends_.push_back(op);
   if (peer_closed_) {
-    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &op.tag, true));
+    LosePeer(PeerLostError(fabric_->rank_, peer_, closed_reason_, &op.tag, true));
     fabric_->ThrowIfBroken();
   }
   StartWrite();
@@ -162,27 +162,53 @@ void TcpConnection::WriteFailed(const asio::error_code& ec) {
   write_failed_ = true;
   write_failure_ = ClosedReason(ec);
   if (!sends_.empty()) write_failure_tag_ = sends_.front().tag;
+  if (!IsClosedByPeer(ec)) {
+    fabric_->BreakLocal(WriteFailureError());
+    return;
+  }
   // The read side must be moving toward the next header for the grace to help: armed, or in the
-  // middle of a payload that has a posted buffer.
-  if (!IsClosedByPeer(ec) || read_state_ == ReadState::kStopped) {
-    peer_closed_ = peer_closed_ || IsClosedByPeer(ec);
+  // middle of a payload that has a posted buffer. Stopped, it saw the peer close with no abort
+  // frame (LosePeer decides).
+  if (read_state_ == ReadState::kStopped) {
+    peer_closed_ = true;
     BreakWithWriteFailure();
     return;
   }
   // A held data header would stop the read side: skip its payload instead.
   if (read_state_ == ReadState::kHeaderReady) DiscardPayload();
   if (read_state_ == ReadState::kIdle) ArmHeaderRead();
+  if (grace_running_) return;
+  grace_running_ = true;
   write_failure_timer_.expires_after(kWriteFailureGrace);
   write_failure_timer_.async_wait([this](const asio::error_code& timer_ec) {
     if (timer_ec || closed_) return;
     peer_closed_ = true;
-    BreakWithWriteFailure();
+    fabric_->BreakLocal(WriteFailureError());
   });
 }
 
-void TcpConnection::BreakWithWriteFailure() {
-  fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, write_failure_,
-                                    write_failure_tag_ ? &*write_failure_tag_ : nullptr, true));
+Error TcpConnection::WriteFailureError() const {
+  return PeerLostError(fabric_->rank_, peer_, write_failure_,
+                       write_failure_tag_ ? &*write_failure_tag_ : nullptr, true);
+}
+
+void TcpConnection::BreakWithWriteFailure() { LosePeer(WriteFailureError()); }
+
+void TcpConnection::LosePeer(const Error& error) {
+  if (!made_on_demand_ || heard_) {
+    write_failure_timer_.cancel();
+    fabric_->BreakLocal(error);
+    return;
+  }
+  // A grace already running (a write failure's, or an earlier loss's) ends with its own error,
+  // which names the same peer.
+  if (grace_running_ || fabric_->broken()) return;
+  grace_running_ = true;
+  write_failure_timer_.expires_after(kWriteFailureGrace);
+  write_failure_timer_.async_wait([this, error](const asio::error_code& timer_ec) {
+    if (timer_ec || closed_) return;
+    fabric_->BreakLocal(error);
+  });
 }
 
 void TcpConnection::OnWrite(const asio::error_code& ec, size_t bytes) {

@@ -23,6 +23,7 @@
 #include "src/transport/connection.h"
 #include "src/transport/frame.h"
 #include "src/transport/handler_memory.h"
+#include "src/transport/tcp_fabric.h"
 
 namespace collectives::transport {
 
@@ -32,11 +33,6 @@ constexpr size_t kMaxBatch = 32;  // frames per gathered write (2 buffers each, 
 constexpr size_t kMaxIov = 64;
 // Runs of a receive in runs filled by one read.
 constexpr size_t kMaxReadRuns = 32;
-// A write that fails because the peer closed or reset does not break the fabric at once when the
-// connection's header read is armed: the peer may have closed because it failed itself, and its
-// abort frame (naming the rank at fault) is then already on its way in on the same connection.
-// Within this grace the abort frame or the EOF behind it decides; after it, the write error does.
-constexpr std::chrono::milliseconds kWriteFailureGrace{200};
 // Payloads are read at most this much per call. One large read keeps the socket locked while
 // it copies, so the kernel cannot take the sender's next segments or reopen its window (see
 // docs/tuning.md).
@@ -119,7 +115,12 @@ class TcpConnection final : public Connection {
   // A connection made on demand, before its socket is there (Attach): sends and receives queue
   // meanwhile; nothing is written or read.
   TcpConnection(TcpFabric* fabric, int peer, asio::io_context& io)
-      : fabric_(fabric), peer_(peer), socket_(io), write_failure_timer_(io), pending_(true) {}
+      : fabric_(fabric),
+        peer_(peer),
+        socket_(io),
+        write_failure_timer_(io),
+        made_on_demand_(true),
+        pending_(true) {}
 
   int peer() const override { return peer_; }
   uint64_t PostSend(const core::CallTag& tag, const void* data, size_t bytes) override;
@@ -206,8 +207,20 @@ class TcpConnection final : public Connection {
   // ConsumeWritten, then completes the frames written in full.
   void AccountWritten(size_t bytes);
   void WriteFailed(const asio::error_code& ec);
-  // Breaks the fabric with the write error recorded by WriteFailed.
+  // The peer-lost error for the write error recorded by WriteFailed.
+  Error WriteFailureError() const;
+  // Breaks the fabric with WriteFailureError, through LosePeer.
   void BreakWithWriteFailure();
+  // The peer closed this connection with no abort frame on it, and this rank needs the peer:
+  // breaks the fabric with `error`. On a connection made on demand that has brought no frame
+  // yet, after kWriteFailureGrace: the peer may have broken while the connection was still
+  // being attached on its side, so that its abort frame (naming the rank at fault) went only
+  // over its other connections and reaches this rank relayed. Within the grace that frame
+  // decides; after it, `error` does. A connection the peer has written on is attached there,
+  // and so is every set-up connection before any call: a peer that breaks writes its abort
+  // frame on them, so their close breaks the fabric at once, and a rank that dies is named as
+  // fast as its peers see it close.
+  void LosePeer(const Error& error);
   // Shutdown: finishes the frame being written, then writes `header` + `payload` (the fabric's
   // abort frame). `abort_write_` tracks it.
   void StartAbortWrite(const asio::const_buffer& header, const asio::const_buffer& payload);
@@ -275,8 +288,13 @@ class TcpConnection final : public Connection {
   std::string write_failure_;
   std::optional<core::CallTag> write_failure_tag_;
   asio::steady_timer write_failure_timer_;
-  // Made on demand and still without its socket (see Attach).
+  // The write failure's or LosePeer's grace is running on write_failure_timer_.
+  bool grace_running_ = false;
+  // Made on demand (see LosePeer), and still without its socket (see Attach).
+  const bool made_on_demand_ = false;
   bool pending_ = false;
+  // A frame header came in on this connection: the peer attached it (see LosePeer).
+  bool heard_ = false;
 
   OpQueue<SendOp> sends_;  // posted, not completed; the first batch_frames_ are being written
   uint64_t sends_posted_ = 0;

@@ -442,6 +442,22 @@ void TcpFabric::Abort(const Error& error) {
   shutdown_cv_.wait_for(lock, kAbortWaitLimit, [this] { return shutdown_finished_; });
 }
 
+std::optional<Error> TcpFabric::ErrorWithin(Clock::duration wait) {
+  std::lock_guard<std::mutex> lock(drive_mu_);
+  const auto until = Clock::now() + wait;
+  while (!broken() && Clock::now() < until) {
+    if (ResumeReads()) continue;
+    io_.run_one_until(until);
+  }
+  if (!broken()) return std::nullopt;
+  try {
+    ThrowIfBroken();
+  } catch (const Error& error) {
+    return error;
+  }
+  return std::nullopt;
+}
+
 void TcpFabric::ThrowIfBroken() {
   if (!broken()) return;
   RunShutdown();

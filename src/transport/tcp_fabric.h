@@ -70,6 +70,14 @@ struct TcpFabricOptions {
 // end it holds here): what tests and benchmarks read to count a rank's connections.
 int TcpConnectionsOpen();
 
+// A write that fails because the peer closed or reset does not break the fabric at once when the
+// connection's header read is armed: the peer may have closed because it failed itself, and its
+// abort frame (naming the rank at fault) is then already on its way in on the same connection.
+// Within this grace the abort frame or the EOF behind it decides; after it, the write error does.
+// A peer closing a connection made on demand, or unreachable, and a store failing in a set-up
+// step past the mesh get the same grace for an abort frame relayed over other connections.
+inline constexpr std::chrono::milliseconds kWriteFailureGrace{200};
+
 // How often a set-up polls TcpFabricOptions::cancelled.
 inline constexpr std::chrono::milliseconds kCancelPoll{50};
 

@@ -66,6 +66,7 @@ class TcpFabric final : public Fabric {
   void SetCall(const core::CallTag& call) override;
   void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override;
   void Abort(const Error& error) override;
+  std::optional<Error> ErrorWithin(Clock::duration wait) override;
 
  private:
   friend class TcpConnection;

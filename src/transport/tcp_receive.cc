@@ -56,7 +56,7 @@ uint64_t TcpConnection::Recv(const RecvOp& op) {
   recvs_.push_back(op);
   if (peer_closed_ && read_state_ == ReadState::kStopped) {
     // Every frame the peer sent before closing has been consumed: this one never comes.
-    fabric_->BreakLocal(PeerLostError(fabric_->rank_, peer_, closed_reason_, &op.tag, false));
+    LosePeer(PeerLostError(fabric_->rank_, peer_, closed_reason_, &op.tag, false));
   } else if (recvs_.size() == 1) {
     TryMatch();
   }
@@ -259,6 +259,7 @@ void TcpConnection::OnHeader(bool match) {
     return;
   }
   header_ = *header;
+  heard_ = true;
   if (header_.kind == FrameKind::kAbort) {
     // DecodeHeader bounded the size by kMaxAbortPayload (the buffer's size). The bytes read past
     // the header are its payload, up to its size (CopyBytesPastHeader); nothing follows an abort
@@ -366,11 +367,9 @@ void TcpConnection::OnReadError(const asio::error_code& ec) {
   closed_reason_ = ClosedReason(ec);
   if (write_failed_) {
     // The peer closed without an abort frame: the write failure was its own.
-    write_failure_timer_.cancel();
     BreakWithWriteFailure();
   } else if (!recvs_.empty()) {
-    fabric_->BreakLocal(
-        PeerLostError(fabric_->rank_, peer_, closed_reason_, &recvs_.front().tag, false));
+    LosePeer(PeerLostError(fabric_->rank_, peer_, closed_reason_, &recvs_.front().tag, false));
   }
 }
 

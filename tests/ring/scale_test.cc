@@ -43,7 +43,8 @@ double After(const std::string& text, const std::string& key) {
   return std::stod(text.substr(at + key.size()));
 }
 
-// Every worker inherits COLLECTIVES_CONNECT=on_demand (the default connects every pair).
+// Every worker inherits COLLECTIVES_CONNECT=on_demand (the default), whatever the caller's
+// environment says.
 class OnDemand : public ::testing::Environment {
  public:
   void SetUp() override { setenv("COLLECTIVES_CONNECT", "on_demand", 1); }

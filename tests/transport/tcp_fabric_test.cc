@@ -990,5 +990,80 @@ TEST(TcpOnDemandTest, APeerThatNeverAnswersIsATimeoutNamingIt) {
   EXPECT_NE(errors[2]->message().find("from rank 1"), std::string::npos) << errors[2]->what();
 }
 
+// A peer that closes a connection made on demand with no abort frame on it, before any frame
+// came from it, is not declared lost at once: its fabric may have broken while the connection
+// was being attached on its side, and the abort frame another rank relays within the grace
+// decides, naming the error at fault. A connection the peer has written on, or one made at
+// set-up, that closes so is a lost peer at once (a dead rank is named as fast as before). Rank 1
+// connects to 0 and 2 at set-up; 0 and 2 connect on demand or at set-up, and 2 sends 0 a frame
+// first or 0 sends 2 one.
+TEST(TcpOnDemandTest, ACloseBeforeAnyFrameWaitsForTheAbortFrameRelayedOverAnother) {
+  struct Case {
+    const char* name;
+    bool at_setup;
+    bool zero_heard_from_two;
+    bool mismatch;  // else kPeerLost naming rank 2
+  };
+  for (const Case& c : {Case{"on demand, nothing heard from 2", false, false, true},
+                        Case{"on demand, a frame heard from 2", false, true, false},
+                        Case{"at set-up", true, false, false}}) {
+    SCOPED_TRACE(c.name);
+    std::shared_ptr<Store> store = CreateMemoryStore();
+    auto group = ConnectTcpGroup(3, *store, [&](int rank) {
+      if (rank == 1) return OnDemand(store, {0, 2});
+      if (c.at_setup) return OnDemand(store, {1, 2 - rank});
+      return OnDemand(store, {1});
+    });
+    for (int rank = 0; rank < 3; ++rank) {
+      ASSERT_FALSE(group.errors[rank]) << group.errors[rank]->what();
+    }
+    // One frame between 0 and 2: the connection is attached on both ends.
+    const int sender = c.zero_heard_from_two ? 2 : 0;
+    std::vector<uint8_t> first(64, 7), got(64, 0);
+    const auto connected = RunRanks(3, [&](int rank) {
+      if (rank == 1) return;
+      Fabric& fabric = *group.fabrics[rank];
+      fabric.SetDeadline(Clock::now() + test_time::Scaled(20s));
+      Connection& peer = fabric.connection(2 - rank);
+      if (rank == sender) {
+        peer.WaitSend(peer.PostSend(Tag(1, 64), first.data(), first.size()));
+      } else {
+        peer.WaitRecv(peer.PostRecv(Tag(1, 64), got.data(), got.size()));
+      }
+    });
+    ASSERT_FALSE(connected[0]) << connected[0]->what();
+    ASSERT_FALSE(connected[2]) << connected[2]->what();
+    ASSERT_EQ(got, first);
+    // Rank 0 waits for a frame from 2; 2 closes with no abort frame, then 1 aborts with a
+    // mismatch: within the grace after the close, or (where the close decides at once) well
+    // after it.
+    std::optional<Error> error;
+    std::thread waiter([&] {
+      Fabric& fabric = *group.fabrics[0];
+      fabric.SetDeadline(Clock::now() + test_time::Scaled(20s));
+      try {
+        Connection& peer = fabric.connection(2);
+        peer.WaitRecv(peer.PostRecv(Tag(2, 64), got.data(), got.size()));
+      } catch (const Error& e) {
+        error = e;
+      }
+    });
+    std::this_thread::sleep_for(20ms);
+    group.fabrics[2].reset();
+    std::this_thread::sleep_for(c.mismatch ? 30ms : 400ms);
+    group.fabrics[1]->Abort(Error(ErrorCode::kMismatch, "rank 1: the calls differ"));
+    waiter.join();
+    ASSERT_TRUE(error) << "the receive from a closed peer completed";
+    if (c.mismatch) {
+      EXPECT_EQ(error->code(), ErrorCode::kMismatch) << error->what();
+      EXPECT_NE(error->message().find("rank 1 aborted the job"), std::string::npos)
+          << error->what();
+    } else {
+      EXPECT_EQ(error->code(), ErrorCode::kPeerLost) << error->what();
+      EXPECT_NE(error->message().find("rank 0: lost rank 2"), std::string::npos) << error->what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace collectives::transport
