@@ -31,6 +31,7 @@
 #include "tests/scoped_env.h"
 #ifdef COLLECTIVES_WITH_NCCL
 #include "src/nccl/nccl_loader.h"
+#include "tests/ring/staged_device.h"
 #endif
 
 namespace collectives::testing {
@@ -38,66 +39,7 @@ namespace {
 
 #ifdef COLLECTIVES_WITH_NCCL
 
-// Before the first CUDA tensor reads it: a small slot, so that modest tensors cross many
-// segments.
-const bool kSlotSet = [] {
-  setenv("COLLECTIVES_CUDA_STAGING_BYTES", "4096", /*overwrite=*/0);
-  return true;
-}();
-
-bool GpuRequired() {
-  const char* value = std::getenv("COLLECTIVES_REQUIRE_GPU");
-  return value != nullptr && std::string(value) == "1";
-}
-
-// The CUDA runtime with at least four devices, else skip (or fail where required).
-#define COLLECTIVES_REQUIRE_DEVICES()                                                    \
-  std::string cuda_reason;                                                               \
-  const nccl::NcclApi* api_ptr = nccl::TryLoadCudart(&cuda_reason);                      \
-  if (api_ptr != nullptr && api_ptr->device_count < 4) {                                 \
-    cuda_reason = "fewer than 4 CUDA devices";                                           \
-    api_ptr = nullptr;                                                                   \
-  }                                                                                      \
-  if (api_ptr == nullptr) {                                                              \
-    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << cuda_reason; \
-    GTEST_SKIP() << cuda_reason;                                                         \
-  }                                                                                      \
-  const nccl::NcclApi& api = *api_ptr
-
-class DeviceBuffer {
- public:
-  DeviceBuffer(const nccl::NcclApi& api, int device, DataType dtype, size_t count)
-      : api_(api), device_(device), dtype_(dtype), bytes_(count * SizeOf(dtype)) {
-    EXPECT_EQ(api_.cudaSetDevice(device), cudaSuccess);
-    EXPECT_EQ(api_.cudaMalloc(&data_, std::max<size_t>(bytes_, 1)), cudaSuccess);
-  }
-  ~DeviceBuffer() { api_.cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void Upload(const std::vector<uint8_t>& host) {
-    if (bytes_ > 0) {
-      EXPECT_EQ(api_.cudaMemcpy(data_, host.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-    }
-  }
-  std::vector<uint8_t> Download() const {
-    std::vector<uint8_t> host(bytes_);
-    if (bytes_ > 0) {
-      EXPECT_EQ(api_.cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-    }
-    return host;
-  }
-  Tensor tensor(size_t offset, size_t count) const {
-    return Tensor{static_cast<uint8_t*>(data_) + offset * SizeOf(dtype_), count, dtype_,
-                  Device::Cuda(device_)};
-  }
-
- private:
-  const nccl::NcclApi& api_;
-  int device_;
-  DataType dtype_;
-  size_t bytes_;
-  void* data_ = nullptr;
-};
+#define COLLECTIVES_REQUIRE_DEVICES() COLLECTIVES_REQUIRE_CUDA_DEVICES(4)
 
 // Runs a rank per entry of `hosts` as threads, rank r on pretend host hosts[r], through AUTO.
 void RunOnHosts(const std::vector<std::string>& hosts,

@@ -1,6 +1,6 @@
-// Helpers of the tests of CUDA tensors on RING (staged_test.cc, staged_collectives_test.cc): the
-// small staging slot, the check that CUDA is there (or the skip that says why), a device buffer,
-// and the fake CUDA's copy counters.
+// Helpers of the tests of CUDA tensors (tests/ring/staged_test.cc, staged_collectives_test.cc,
+// tests/hierarchical/auto_device_test.cc): the small staging slot, the check that CUDA is there
+// (or the skip that says why), a device buffer, and the fake CUDA's copy counters.
 #ifndef COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 #define COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 
@@ -29,14 +29,22 @@ inline bool GpuRequired() {
   return value != nullptr && std::string(value) == "1";
 }
 
-#define COLLECTIVES_REQUIRE_CUDA()                                                       \
+// The CUDA runtime with at least `devices` devices as `api`, else skip (or fail where required).
+#define COLLECTIVES_REQUIRE_CUDA_DEVICES(devices)                                        \
   std::string cuda_reason;                                                               \
   const nccl::NcclApi* api_ptr = nccl::TryLoadCudart(&cuda_reason);                      \
+  if (api_ptr != nullptr && api_ptr->device_count < (devices)) {                         \
+    cuda_reason = "fewer than " + std::to_string(devices) + " CUDA devices";             \
+    api_ptr = nullptr;                                                                   \
+  }                                                                                      \
   if (api_ptr == nullptr) {                                                              \
     if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << cuda_reason; \
     GTEST_SKIP() << cuda_reason;                                                         \
   }                                                                                      \
   const nccl::NcclApi& api = *api_ptr
+
+// The CUDA runtime as `api`, else skip (or fail where required).
+#define COLLECTIVES_REQUIRE_CUDA() COLLECTIVES_REQUIRE_CUDA_DEVICES(0)
 
 // A device buffer of `count` elements of `dtype`, filled from and read back into host memory.
 class DeviceBuffer {
@@ -55,6 +63,7 @@ class DeviceBuffer {
       EXPECT_EQ(api_.cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
     }
   }
+  void Upload(const std::vector<uint8_t>& host) { Upload(host.data()); }
   std::vector<uint8_t> Download() const {
     std::vector<uint8_t> host(bytes_);
     if (bytes_ > 0) {
