@@ -416,30 +416,18 @@ TEST(StagedCollectivesBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoS
                             return double(i % 7 + size_t(r));
                           }).data());
     }
-    for (int r = 0; r < size; ++r) {
-      ASSERT_EQ(api.cudaSetDevice(r % api.device_count), cudaSuccess);
-      ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
-    }
-    fake.reset();
-    uint64_t before[6];
-    fake.stats(before);
-    RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
-      const size_t r = size_t(comm.rank());
-      const Tensor s = send[r]->tensor(), o = recv[r]->tensor();
-      if (call == "reduce") comm.Reduce(s, r == 0 ? o : Tensor{}, ReduceOp::kSum, 0);
-      if (call == "gather") comm.Gather(s, r == 0 ? o : Tensor{}, 0);
-      if (call == "scatter") comm.Scatter(r == 0 ? s : Tensor{}, o, 0);
-      if (call == "all_to_all") comm.AllToAll(s, o, {}, {});
-      if (call == "send_recv" && r == 0) comm.Send(s, 1, 3);
-      if (call == "send_recv" && r == 1) comm.Recv(o, 0, 3);
-    });
-    uint64_t after[6];
-    fake.stats(after);
-    EXPECT_LE(after[1], slot) << "largest single copy between host and device";
-    EXPECT_EQ(after[0], c.crossing) << "bytes copied between host and device";
-    EXPECT_EQ(after[3], 0u) << "copies with a pageable host side";
-    EXPECT_LE(after[5] - before[4], n * 2 * slot) << "peak pinned bytes";
-    EXPECT_EQ(after[4], before[4]) << "pinned bytes left allocated";
+    ASSERT_NO_FATAL_FAILURE(ExpectStagingBound(api, fake, size, slot, c.crossing, [&] {
+      RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
+        const size_t r = size_t(comm.rank());
+        const Tensor s = send[r]->tensor(), o = recv[r]->tensor();
+        if (call == "reduce") comm.Reduce(s, r == 0 ? o : Tensor{}, ReduceOp::kSum, 0);
+        if (call == "gather") comm.Gather(s, r == 0 ? o : Tensor{}, 0);
+        if (call == "scatter") comm.Scatter(r == 0 ? s : Tensor{}, o, 0);
+        if (call == "all_to_all") comm.AllToAll(s, o, {}, {});
+        if (call == "send_recv" && r == 0) comm.Send(s, 1, 3);
+        if (call == "send_recv" && r == 1) comm.Recv(o, 0, 3);
+      });
+    }));
   }
 }
 

@@ -1,6 +1,7 @@
 // Helpers of the tests of CUDA tensors (tests/ring/staged_test.cc, staged_collectives_test.cc,
 // tests/hierarchical/auto_device_test.cc): the small staging slot, the check that CUDA is there
-// (or the skip that says why), a device buffer, and the fake CUDA's copy counters.
+// (or the skip that says why), a device buffer, the fake CUDA's copy counters and the staging
+// bound they show.
 #ifndef COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 #define COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -107,6 +109,30 @@ inline FakeCounters FindFakeCounters() {
     if (found.stats != nullptr && found.reset != nullptr) return found;
   }
   return FakeCounters{};
+}
+
+// Runs `run` (the ranks' calls on `devices` devices' tensors) between two readings of the fake
+// CUDA's counters, and checks the staging bound: no copy between host and device larger than
+// `slot`, `crossing` bytes between them in all, no copy with a pageable host side, at most two
+// slots of pinned memory per rank at once and none left allocated after.
+inline void ExpectStagingBound(const nccl::NcclApi& api, const FakeCounters& fake, int ranks,
+                               size_t slot, uint64_t crossing, const std::function<void()>& run) {
+  for (int r = 0; r < ranks; ++r) {
+    ASSERT_EQ(api.cudaSetDevice(r % api.device_count), cudaSuccess);
+    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
+  }
+  fake.reset();
+  uint64_t before[6];
+  fake.stats(before);
+  run();
+  uint64_t after[6];
+  fake.stats(after);
+  EXPECT_LE(after[1], slot) << "largest single copy between host and device";
+  EXPECT_EQ(after[0], crossing) << "bytes copied between host and device";
+  EXPECT_EQ(after[3], 0u) << "copies with a pageable host side";
+  // Each communicator opened its two slots for its device and freed them when it went.
+  EXPECT_LE(after[5] - before[4], size_t(ranks) * 2 * slot) << "peak pinned bytes";
+  EXPECT_EQ(after[4], before[4]) << "pinned bytes left allocated";
 }
 
 }  // namespace collectives::testing

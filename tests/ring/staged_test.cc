@@ -282,30 +282,19 @@ TEST(StagedBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoSlots) {
       send.back()->Upload(host.data());
       inputs.push_back(std::move(host));
     }
-    ASSERT_EQ(api.cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(api.cudaSetDevice(1), cudaSuccess);
-    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
-    fake.reset();
-    uint64_t before[6];
-    fake.stats(before);
-    RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
-      const size_t r = size_t(comm.rank());
-      if (name == "all_reduce") comm.AllReduce(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
-      if (name == "broadcast") comm.Broadcast(send[r]->tensor(), recv[r]->tensor(), 0);
-      if (name == "all_gather") comm.AllGather(send[r]->tensor(), recv[r]->tensor());
-      if (name == "reduce_scatter") {
-        comm.ReduceScatter(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
-      }
-    });
-    uint64_t after[6];
-    fake.stats(after);
-    EXPECT_LE(after[1], slot) << "largest single copy between host and device";
-    EXPECT_EQ(after[0], c.crossing) << "bytes copied between host and device";
-    EXPECT_EQ(after[3], 0u) << "copies with a pageable host side";
-    // Each communicator opened its two slots for its device and freed them when it went.
-    EXPECT_LE(after[5] - before[4], size_t(size) * 2 * slot) << "peak pinned bytes";
-    EXPECT_EQ(after[4], before[4]) << "pinned bytes left allocated";
+    ASSERT_NO_FATAL_FAILURE(ExpectStagingBound(api, fake, size, slot, c.crossing, [&] {
+      RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
+        const size_t r = size_t(comm.rank());
+        if (name == "all_reduce") {
+          comm.AllReduce(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
+        }
+        if (name == "broadcast") comm.Broadcast(send[r]->tensor(), recv[r]->tensor(), 0);
+        if (name == "all_gather") comm.AllGather(send[r]->tensor(), recv[r]->tensor());
+        if (name == "reduce_scatter") {
+          comm.ReduceScatter(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
+        }
+      });
+    }));
     // And the results are right: element 0 of each rank.
     const std::vector<uint8_t> got = recv[1]->Download();
     if (name == "all_reduce") {
