@@ -71,12 +71,6 @@ void RunOnHosts(const std::vector<std::string>& hosts,
   for (std::thread& t : threads) t.join();
 }
 
-double Stored(DataType dtype, double v) {
-  uint64_t cell = 0;
-  Store(dtype, &cell, 0, v);
-  return Load(dtype, &cell, 0);
-}
-
 // One collective on this rank's device (cuda:rank, or cuda:(rank % devices) where devices is
 // not 0), its result against the reference.
 CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,

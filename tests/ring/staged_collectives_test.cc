@@ -42,13 +42,6 @@ CommunicationOptions SmallChunks() {
   return options;
 }
 
-// `v` as a buffer of `dtype` holds it (rounded, wrapped).
-double Stored(DataType dtype, double v) {
-  uint64_t cell = 0;
-  Store(dtype, &cell, 0, v);
-  return Load(dtype, &cell, 0);
-}
-
 // The value element i of the block that rank `from` sends to rank `to` (a block of its own per
 // pair, so a block that lands in the wrong place shows).
 double PairValue(int from, int to, size_t i) {

@@ -87,11 +87,6 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
   what << "rank " << rank << " cuda:" << device << " " << collective << " " << ToString(dtype)
        << " " << ToString(op) << " count=" << count << (in_place ? " in-place" : "");
   CheckResult result;
-  auto stored = [&](double v) {
-    uint64_t cell = 0;
-    Store(dtype, &cell, 0, v);
-    return Load(dtype, &cell, 0);
-  };
   const size_t whole = collective == "all_gather" || collective == "reduce_scatter"
                            ? count * size_t(n)
                            : count;
@@ -119,7 +114,8 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
     comm.Broadcast(rank == root ? input.tensor() : Tensor{}, recv.tensor(), root);
     const std::vector<uint8_t> got = recv.Download();
     for (size_t i = 0; i < count; ++i) {
-      const double want = stored(InputValue(op, dtype, root, i)), value = Load(dtype, got.data(), i);
+      const double want = Stored(dtype, InputValue(op, dtype, root, i));
+      const double value = Load(dtype, got.data(), i);
       if (value != want) result.Note(what.str(), i, value, want);
     }
   } else if (collective == "all_gather") {
@@ -139,7 +135,8 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
     for (int r = 0; r < n; ++r) {
       for (size_t i = 0; i < count; ++i) {
         const size_t at = size_t(r) * count + i;
-        const double want = stored(InputValue(op, dtype, r, i)), value = Load(dtype, got.data(), at);
+        const double want = Stored(dtype, InputValue(op, dtype, r, i));
+        const double value = Load(dtype, got.data(), at);
         if (value != want) result.Note(what.str(), at, value, want);
       }
     }
