@@ -153,16 +153,12 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
 void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::string>& hosts,
                           int devices = 0) {
   const size_t size = hosts.size();
-  std::vector<size_t> wrong(size, 0);
-  std::vector<std::string> first(size);
+  RankChecks checks{size};
   RunOnHosts(hosts, [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
     EXPECT_EQ(comm.implementation(), Implementation::kAuto);
     const auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
                          int root) {
-      const CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root, devices);
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      checks.Note(comm.rank(), CheckOnDevice(api, comm, c, d, o, count, in_place, root, devices));
     };
     for (const std::string c : {"all_reduce", "broadcast", "all_gather", "reduce_scatter"}) {
       const bool reduces = c == "all_reduce" || c == "reduce_scatter";
@@ -182,9 +178,7 @@ void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::strin
     run("all_reduce", DataType::kFloat32, ReduceOp::kAvg, 1012, true, 0);
     run("all_reduce", DataType::kFloat64, ReduceOp::kAvg, 5003, true, 0);
   });
-  for (size_t r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[r], 0u) << "rank " << r << ": " << first[r];
-  }
+  checks.ExpectNoneWrong();
 }
 
 std::string NcclUnavailableReason() {

@@ -298,14 +298,13 @@ TEST_P(StagedCollectivesTest, EveryCallDtypeAndCountMatchesTheHostReference) {
   // 0, 1, a prime, and a prime of many slots (5003 float64 is ~10 slots; a gather's segment on
   // 4 ranks is a fifth of a slot).
   const std::vector<size_t> counts = {0, 1, 1009, 5003};
-  std::vector<size_t> wrong(size_t(size), 0), calls(size_t(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
+  std::vector<size_t> calls(size_t(size), 0);
   RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
     const size_t r = size_t(comm.rank());
     const auto note = [&](const CheckResult& result) {
       ++calls[r];
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      checks.Note(comm.rank(), result);
     };
     for (DataType d : Dtypes()) {
       for (size_t count : counts) {
@@ -329,10 +328,8 @@ TEST_P(StagedCollectivesTest, EveryCallDtypeAndCountMatchesTheHostReference) {
     note(CheckPacked(api, comm, /*async=*/false));
     note(CheckPacked(api, comm, /*async=*/true));
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_GT(calls[size_t(r)], 0u);
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  for (int r = 0; r < size; ++r) EXPECT_GT(calls[size_t(r)], 0u);
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, StagedCollectivesTest, ::testing::Values(1, 2, 3, 4),
@@ -346,14 +343,9 @@ class StagedCollectivesTransportTest : public ::testing::TestWithParam<Transport
 TEST_P(StagedCollectivesTransportTest, EveryCallOnThreeRanks) {
   COLLECTIVES_REQUIRE_CUDA();
   const int size = 3;
-  std::vector<size_t> wrong(size_t(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
   RunRanks(GetParam(), size, SmallChunks(), [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
-    const auto note = [&](const CheckResult& result) {
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
-    };
+    const auto note = [&](const CheckResult& result) { checks.Note(comm.rank(), result); };
     for (size_t count : {size_t(1), size_t(3001)}) {
       const DataType d = DataType::kFloat32;
       note(CheckReduce(api, comm, d, ReduceOp::kSum, count, count == 1, 1));
@@ -364,9 +356,7 @@ TEST_P(StagedCollectivesTransportTest, EveryCallOnThreeRanks) {
     }
     note(CheckPacked(api, comm, /*async=*/true));
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, StagedCollectivesTransportTest,

@@ -1,7 +1,7 @@
 // Helpers of the tests of CUDA tensors (tests/ring/staged_test.cc, staged_collectives_test.cc,
 // tests/hierarchical/auto_device_test.cc): the small staging slot, the check that CUDA is there
-// (or the skip that says why), a device buffer, the fake CUDA's copy counters and the staging
-// bound they show.
+// (or the skip that says why), a device buffer, each rank's wrong elements, the fake CUDA's copy
+// counters and the staging bound they show.
 #ifndef COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 #define COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 
@@ -17,6 +17,7 @@
 
 #include "collectives/types.h"
 #include "src/nccl/nccl_loader.h"
+#include "tests/ring/collective_checks.h"
 
 namespace collectives::testing {
 
@@ -110,6 +111,28 @@ inline FakeCounters FindFakeCounters() {
   }
   return FakeCounters{};
 }
+
+// Each rank's wrong elements over its checks and the first of them, noted from the ranks' threads
+// (each thread notes only its own rank's).
+class RankChecks {
+ public:
+  explicit RankChecks(size_t ranks) : wrong_(ranks, 0), first_(ranks) {}
+  void Note(int rank, const CheckResult& result) {
+    const size_t r = size_t(rank);
+    wrong_[r] += result.wrong;
+    if (result.wrong > 0 && first_[r].empty()) first_[r] = result.first;
+  }
+  // No rank has a wrong element; a failure names each rank's first.
+  void ExpectNoneWrong() const {
+    for (size_t r = 0; r < wrong_.size(); ++r) {
+      EXPECT_EQ(wrong_[r], 0u) << "rank " << r << ": " << first_[r];
+    }
+  }
+
+ private:
+  std::vector<size_t> wrong_;
+  std::vector<std::string> first_;
+};
 
 // Runs `run` (the ranks' calls on `devices` devices' tensors) between two readings of the fake
 // CUDA's counters, and checks the staging bound: no copy between host and device larger than

@@ -167,15 +167,11 @@ TEST_P(StagedMatrixTest, EveryCollectiveDtypeAndOpAtOddCounts) {
   // 0, 1, a prime that crosses a few segments, and (below) a large prime that crosses many.
   const std::vector<size_t> counts = {0, 1, 1009};
   const size_t large = 100003;
-  std::vector<size_t> wrong(static_cast<size_t>(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
   RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
     auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
                    int root) {
-      CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root);
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      checks.Note(comm.rank(), CheckOnDevice(api, comm, c, d, o, count, in_place, root));
     };
     for (const std::string& c : AllCollectives()) {
       const bool reduces = c == "all_reduce" || c == "reduce_scatter";
@@ -200,9 +196,7 @@ TEST_P(StagedMatrixTest, EveryCollectiveDtypeAndOpAtOddCounts) {
         0);
     run("reduce_scatter", DataType::kUInt8, ReduceOp::kSum, large / size_t(size) + 1, true, 0);
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, StagedMatrixTest, ::testing::Values(1, 2, 3, 4),
@@ -219,23 +213,18 @@ TEST_P(StagedTransportTest, AllFourCollectivesOnThreeRanks) {
   // AUTO's plan with NCCL is tests/hierarchical/auto_device_test.cc's.
   ScopedEnv staged("COLLECTIVES_AUTO_NCCL", "0");
   const int size = 3;
-  std::vector<size_t> wrong(static_cast<size_t>(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
   RunRanks(GetParam(), size, SmallChunks(), [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
     for (const std::string& c : AllCollectives()) {
       for (size_t count : {size_t(1), size_t(5003)}) {
-        CheckResult result = CheckOnDevice(api, comm, c, DataType::kFloat32,
-                                           c == "all_reduce" ? ReduceOp::kAvg : ReduceOp::kSum,
-                                           count, count == 1, 1);
-        wrong[r] += result.wrong;
-        if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+        checks.Note(comm.rank(),
+                    CheckOnDevice(api, comm, c, DataType::kFloat32,
+                                  c == "all_reduce" ? ReduceOp::kAvg : ReduceOp::kSum, count,
+                                  count == 1, 1));
       }
     }
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, StagedTransportTest,
