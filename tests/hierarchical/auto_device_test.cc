@@ -72,80 +72,14 @@ void RunOnHosts(const std::vector<std::string>& hosts,
 }
 
 // One collective on this rank's device (cuda:rank, or cuda:(rank % devices) where devices is
-// not 0), its result against the reference.
+// not 0), its result against the reference. NCCL's average divides in its own way: its last bits
+// may differ.
 CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
                           const std::string& collective, DataType dtype, ReduceOp op, size_t count,
                           bool in_place, int root, int devices = 0) {
-  const int n = comm.size(), rank = comm.rank();
-  const int device = devices > 0 ? rank % devices : rank;
-  const std::string what = "rank " + std::to_string(rank) + " " + collective + " " +
-                           ToString(dtype) + " " + ToString(op) +
-                           " count=" + std::to_string(count) + (in_place ? " in place" : "") +
-                           " root=" + std::to_string(root);
-  CheckResult result;
-  const size_t e = SizeOf(dtype), whole = count * size_t(n);
-  const bool blocks = collective == "all_gather" || collective == "reduce_scatter";
-  DeviceBuffer send(api, device, dtype, blocks ? whole : count);
-  DeviceBuffer recv(api, device, dtype, blocks ? whole : count);
-  std::vector<uint8_t> host((blocks ? whole : count) * e, 0);
-  if (collective == "all_reduce") {
-    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    (in_place ? recv : send).Upload(host);
-    comm.AllReduce((in_place ? recv : send).tensor(0, count), recv.tensor(0, count), op);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, i), value = Load(dtype, got.data(), i);
-      // NCCL's average divides in its own way: the last bits may differ.
-      const double slack = op == ReduceOp::kAvg ? 1e-6 * std::max(1.0, std::abs(want)) : 0;
-      if (!(std::abs(value - want) <= slack)) result.Note(what, i, value, want);
-    }
-  } else if (collective == "broadcast") {
-    if (rank == root) {
-      for (size_t i = 0; i < count; ++i) {
-        Store(dtype, host.data(), i, InputValue(op, dtype, root, i));
-      }
-      (in_place ? recv : send).Upload(host);
-    }
-    comm.Broadcast(rank == root ? (in_place ? recv : send).tensor(0, count) : Tensor{},
-                   recv.tensor(0, count), root);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Stored(dtype, InputValue(op, dtype, root, i));
-      const double value = Load(dtype, got.data(), i);
-      if (value != want) result.Note(what, i, value, want);
-    }
-  } else if (collective == "all_gather") {
-    for (size_t i = 0; i < count; ++i) {
-      Store(dtype, host.data(), (in_place ? size_t(rank) * count : 0) + i,
-            InputValue(op, dtype, rank, i));
-    }
-    (in_place ? recv : send).Upload(host);
-    comm.AllGather(in_place ? recv.tensor(size_t(rank) * count, count) : send.tensor(0, count),
-                   recv.tensor(0, whole));
-    const std::vector<uint8_t> got = recv.Download();
-    for (int r = 0; r < n; ++r) {
-      for (size_t i = 0; i < count; ++i) {
-        const size_t at = size_t(r) * count + i;
-        const double want = Stored(dtype, InputValue(op, dtype, r, i));
-        const double value = Load(dtype, got.data(), at);
-        if (value != want) result.Note(what, at, value, want);
-      }
-    }
-  } else if (collective == "reduce_scatter") {
-    for (size_t i = 0; i < whole; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    send.Upload(host);
-    const Tensor output =
-        in_place ? send.tensor(size_t(rank) * count, count) : recv.tensor(0, count);
-    comm.ReduceScatter(send.tensor(0, whole), output, op);
-    const std::vector<uint8_t> all = (in_place ? send : recv).Download();
-    const uint8_t* got = all.data() + (in_place ? size_t(rank) * count * e : 0);
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, size_t(rank) * count + i);
-      const double value = Load(dtype, got, i);
-      if (value != want) result.Note(what, i, value, want);
-    }
-  }
-  return result;
+  const int device = devices > 0 ? comm.rank() % devices : comm.rank();
+  return CheckCollectiveOnDevice(api, comm, device, collective, dtype, op, count, in_place, root,
+                                 /*avg_tolerance=*/1e-6);
 }
 
 // Every collective, dtype and op of the plan on `hosts`, at 0, 1, a prime and a count larger

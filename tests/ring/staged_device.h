@@ -1,7 +1,7 @@
 // Helpers of the tests of CUDA tensors (tests/ring/staged_test.cc, staged_collectives_test.cc,
 // tests/hierarchical/auto_device_test.cc): the small staging slot, the check that CUDA is there
-// (or the skip that says why), a device buffer, each rank's wrong elements, the fake CUDA's copy
-// counters and the staging bound they show.
+// (or the skip that says why), a device buffer, a collective checked on it, each rank's wrong
+// elements, the fake CUDA's copy counters and the staging bound they show.
 #ifndef COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 #define COLLECTIVES_TESTS_RING_STAGED_DEVICE_H_
 
@@ -9,12 +9,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "collectives/communication.h"
 #include "collectives/types.h"
 #include "src/nccl/nccl_loader.h"
 #include "tests/ring/collective_checks.h"
@@ -110,6 +112,84 @@ inline FakeCounters FindFakeCounters() {
     if (found.stats != nullptr && found.reset != nullptr) return found;
   }
   return FakeCounters{};
+}
+
+// One collective on CUDA tensors of `device`, with collective_checks.h's inputs, its result
+// against the reference computed on the host. An average may differ from the reference by
+// `avg_tolerance` relative (at least that much absolute); every other result must be exact.
+inline CheckResult CheckCollectiveOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
+                                           int device, const std::string& collective,
+                                           DataType dtype, ReduceOp op, size_t count,
+                                           bool in_place, int root, double avg_tolerance) {
+  const int n = comm.size(), rank = comm.rank();
+  const std::string what = "rank " + std::to_string(rank) + " cuda:" + std::to_string(device) +
+                           " " + collective + " " + ToString(dtype) + " " + ToString(op) +
+                           " count=" + std::to_string(count) + (in_place ? " in-place" : "") +
+                           " root=" + std::to_string(root);
+  CheckResult result;
+  const size_t e = SizeOf(dtype), whole = count * size_t(n);
+  const bool blocks = collective == "all_gather" || collective == "reduce_scatter";
+  DeviceBuffer send(api, device, dtype, blocks ? whole : count);
+  DeviceBuffer recv(api, device, dtype, blocks ? whole : count);
+  std::vector<uint8_t> host((blocks ? whole : count) * e, 0);
+  if (collective == "all_reduce") {
+    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
+    (in_place ? recv : send).Upload(host);
+    comm.AllReduce((in_place ? recv : send).tensor(0, count), recv.tensor(0, count), op);
+    const std::vector<uint8_t> got = recv.Download();
+    for (size_t i = 0; i < count; ++i) {
+      const double want = Expected(op, dtype, n, i), value = Load(dtype, got.data(), i);
+      const double slack =
+          op == ReduceOp::kAvg ? avg_tolerance * std::max(1.0, std::abs(want)) : 0;
+      if (!(std::abs(value - want) <= slack)) result.Note(what, i, value, want);
+    }
+  } else if (collective == "broadcast") {
+    if (rank == root) {
+      for (size_t i = 0; i < count; ++i) {
+        Store(dtype, host.data(), i, InputValue(op, dtype, root, i));
+      }
+      (in_place ? recv : send).Upload(host);
+    }
+    comm.Broadcast(rank == root ? (in_place ? recv : send).tensor(0, count) : Tensor{},
+                   recv.tensor(0, count), root);
+    const std::vector<uint8_t> got = recv.Download();
+    for (size_t i = 0; i < count; ++i) {
+      const double want = Stored(dtype, InputValue(op, dtype, root, i));
+      const double value = Load(dtype, got.data(), i);
+      if (value != want) result.Note(what, i, value, want);
+    }
+  } else if (collective == "all_gather") {
+    for (size_t i = 0; i < count; ++i) {
+      Store(dtype, host.data(), (in_place ? size_t(rank) * count : 0) + i,
+            InputValue(op, dtype, rank, i));
+    }
+    (in_place ? recv : send).Upload(host);
+    comm.AllGather(in_place ? recv.tensor(size_t(rank) * count, count) : send.tensor(0, count),
+                   recv.tensor(0, whole));
+    const std::vector<uint8_t> got = recv.Download();
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < count; ++i) {
+        const size_t at = size_t(r) * count + i;
+        const double want = Stored(dtype, InputValue(op, dtype, r, i));
+        const double value = Load(dtype, got.data(), at);
+        if (value != want) result.Note(what, at, value, want);
+      }
+    }
+  } else if (collective == "reduce_scatter") {
+    for (size_t i = 0; i < whole; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
+    send.Upload(host);
+    const Tensor output =
+        in_place ? send.tensor(size_t(rank) * count, count) : recv.tensor(0, count);
+    comm.ReduceScatter(send.tensor(0, whole), output, op);
+    const std::vector<uint8_t> all = (in_place ? send : recv).Download();
+    const uint8_t* got = all.data() + (in_place ? size_t(rank) * count * e : 0);
+    for (size_t i = 0; i < count; ++i) {
+      const double want = Expected(op, dtype, n, size_t(rank) * count + i);
+      const double value = Load(dtype, got, i);
+      if (value != want) result.Note(what, i, value, want);
+    }
+  }
+  return result;
 }
 
 // Each rank's wrong elements over its checks and the first of them, noted from the ranks' threads

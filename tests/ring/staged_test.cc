@@ -80,81 +80,8 @@ TEST(StagedUnavailableTest, WithoutCudaACudaTensorIsNotSupported) {
 CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
                           const std::string& collective, DataType dtype, ReduceOp op,
                           size_t count, bool in_place, int root = 0) {
-  const int n = comm.size();
-  const int rank = comm.rank();
-  const int device = rank % api.device_count;
-  std::ostringstream what;
-  what << "rank " << rank << " cuda:" << device << " " << collective << " " << ToString(dtype)
-       << " " << ToString(op) << " count=" << count << (in_place ? " in-place" : "");
-  CheckResult result;
-  const size_t whole = collective == "all_gather" || collective == "reduce_scatter"
-                           ? count * size_t(n)
-                           : count;
-  std::vector<uint8_t> host(whole * SizeOf(dtype));
-  if (collective == "all_reduce") {
-    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, count);
-    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    DeviceBuffer& input = in_place ? recv : send;
-    input.Upload(host.data());
-    comm.AllReduce(input.tensor(), recv.tensor(), op);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, i), value = Load(dtype, got.data(), i);
-      if (value != want) result.Note(what.str(), i, value, want);
-    }
-  } else if (collective == "broadcast") {
-    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, count);
-    DeviceBuffer& input = in_place ? recv : send;
-    if (rank == root) {
-      for (size_t i = 0; i < count; ++i) {
-        Store(dtype, host.data(), i, InputValue(op, dtype, root, i));
-      }
-      input.Upload(host.data());
-    }
-    comm.Broadcast(rank == root ? input.tensor() : Tensor{}, recv.tensor(), root);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Stored(dtype, InputValue(op, dtype, root, i));
-      const double value = Load(dtype, got.data(), i);
-      if (value != want) result.Note(what.str(), i, value, want);
-    }
-  } else if (collective == "all_gather") {
-    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, whole);
-    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    Tensor input = in_place ? recv.tensor(size_t(rank) * count, count) : send.tensor();
-    if (in_place) {
-      std::vector<uint8_t> full(whole * SizeOf(dtype), 0);
-      std::memcpy(full.data() + size_t(rank) * count * SizeOf(dtype), host.data(),
-                  count * SizeOf(dtype));
-      recv.Upload(full.data());
-    } else {
-      send.Upload(host.data());
-    }
-    comm.AllGather(input, recv.tensor());
-    const std::vector<uint8_t> got = recv.Download();
-    for (int r = 0; r < n; ++r) {
-      for (size_t i = 0; i < count; ++i) {
-        const size_t at = size_t(r) * count + i;
-        const double want = Stored(dtype, InputValue(op, dtype, r, i));
-        const double value = Load(dtype, got.data(), at);
-        if (value != want) result.Note(what.str(), at, value, want);
-      }
-    }
-  } else if (collective == "reduce_scatter") {
-    DeviceBuffer send(api, device, dtype, whole), recv(api, device, dtype, count);
-    for (size_t i = 0; i < whole; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    send.Upload(host.data());
-    Tensor output = in_place ? send.tensor(size_t(rank) * count, count) : recv.tensor();
-    comm.ReduceScatter(send.tensor(), output, op);
-    const std::vector<uint8_t> all = (in_place ? send : recv).Download();
-    const uint8_t* got = all.data() + (in_place ? size_t(rank) * count * SizeOf(dtype) : 0);
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, size_t(rank) * count + i);
-      const double value = Load(dtype, got, i);
-      if (value != want) result.Note(what.str(), i, value, want);
-    }
-  }
-  return result;
+  return CheckCollectiveOnDevice(api, comm, comm.rank() % api.device_count, collective, dtype, op,
+                                 count, in_place, root, /*avg_tolerance=*/0);
 }
 
 // ---- Every collective, dtype and op on 1-4 ranks ----
