@@ -11,6 +11,7 @@
 #include <optional>
 #include <utility>
 
+#include "src/hierarchical/sub_fabric.h"
 #include "src/ring/algorithms.h"
 #include "src/ring/staged.h"
 #ifdef COLLECTIVES_WITH_NCCL
@@ -63,31 +64,6 @@ class StagedOnly final : public DevicePlan {
 #else  // COLLECTIVES_WITH_NCCL
 
 using Clock = std::chrono::steady_clock;
-
-// Some ranks of a fabric as a fabric of their own (the hosts' leaders, a broadcast's crossers).
-class LaneFabric final : public transport::Fabric {
- public:
-  LaneFabric(transport::Fabric& parent, const std::vector<int>& ranks, int me)
-      : parent_(parent), ranks_(ranks), me_(me) {}
-  int rank() const override { return me_; }
-  int size() const override { return int(ranks_.size()); }
-  transport::Connection& connection(int peer) override {
-    return parent_.connection(ranks_[size_t(peer)]);
-  }
-  void SetDeadline(transport::Clock::time_point deadline) override {
-    parent_.SetDeadline(deadline);
-  }
-  void SetCall(const core::CallTag& call) override { parent_.SetCall(call); }
-  void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override {
-    parent_.SetSpin(spin, yield);
-  }
-  void Abort(const Error& error) override { parent_.Abort(error); }
-
- private:
-  transport::Fabric& parent_;
-  const std::vector<int>& ranks_;
-  const int me_;
-};
 
 bool Floating(DataType dtype) {
   return dtype == DataType::kFloat16 || dtype == DataType::kBFloat16 ||
@@ -386,7 +362,7 @@ class NcclDevicePlan final : public DevicePlan {
   // The all-reduce of `from` into `into` among `ranks` (one per host, in host order), staged.
   void CrossAllReduce(ring::Context& ctx, const std::vector<int>& ranks, const Tensor& from,
                       const Tensor& into, ReduceOp op) {
-    LaneFabric sub(ctx.fabric, ranks, host_);
+    SubFabric sub(ctx.fabric, ranks, host_);
     ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
     ring::CudaStaging& staging = Staging();
     const size_t e = SizeOf(into.dtype), count = into.count;
@@ -412,7 +388,7 @@ class NcclDevicePlan final : public DevicePlan {
   // The crossers' broadcast (one per host, the root's host's is the root) into recv.
   void CrossBroadcast(ring::Context& ctx, const std::vector<int>& crossers, int root_host,
                       const Tensor* send, const Tensor& recv) {
-    LaneFabric sub(ctx.fabric, crossers, host_);
+    SubFabric sub(ctx.fabric, crossers, host_);
     ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
     ring::CudaStaging& staging = Staging();
     const size_t e = SizeOf(recv.dtype), count = recv.count;
@@ -437,7 +413,7 @@ class NcclDevicePlan final : public DevicePlan {
 
   // The leaders' all-gather of their hosts' blocks of recv (a lone rank's from send).
   void CrossAllGather(ring::Context& ctx, const Tensor& send, const Tensor& recv) {
-    LaneFabric sub(ctx.fabric, leaders_, host_);
+    SubFabric sub(ctx.fabric, leaders_, host_);
     ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
     ring::CudaStaging& staging = Staging();
     const size_t e = SizeOf(recv.dtype), count = send.count, h_count = hosts();
@@ -474,7 +450,7 @@ class NcclDevicePlan final : public DevicePlan {
   // rank order) into `into` (the host's blocks, local order).
   void CrossReduceScatter(ring::Context& ctx, const void* from, void* into, const Tensor& recv,
                           ReduceOp op) {
-    LaneFabric sub(ctx.fabric, leaders_, host_);
+    SubFabric sub(ctx.fabric, leaders_, host_);
     ring::Context cross{sub, ctx.tag, ctx.chunk_bytes, ctx.staging, ctx.deadline};
     ring::CudaStaging& staging = Staging();
     const size_t e = SizeOf(recv.dtype), count = recv.count, h_count = hosts();

@@ -24,36 +24,11 @@
 #include "src/hierarchical/cost_model.h"
 #include "src/hierarchical/device_plan.h"
 #include "src/hierarchical/shm_group.h"
+#include "src/hierarchical/sub_fabric.h"
 #include "src/ring/algorithms.h"
 
 namespace collectives::hierarchical {
 namespace {
-
-// A view of some ranks of a fabric as a fabric of their own (a lane across hosts, the hosts'
-// leaders). Connections are the parent's, so frames still carry the parent's call tags.
-class SubFabric final : public transport::Fabric {
- public:
-  SubFabric(transport::Fabric& parent, const std::vector<int>& ranks, int me)
-      : parent_(parent), ranks_(ranks), me_(me) {}
-  int rank() const override { return me_; }
-  int size() const override { return int(ranks_.size()); }
-  transport::Connection& connection(int peer) override {
-    return parent_.connection(ranks_[size_t(peer)]);
-  }
-  void SetDeadline(transport::Clock::time_point deadline) override {
-    parent_.SetDeadline(deadline);
-  }
-  void SetCall(const core::CallTag& call) override { parent_.SetCall(call); }
-  void SetSpin(std::chrono::microseconds spin, std::chrono::microseconds yield) override {
-    parent_.SetSpin(spin, yield);
-  }
-  void Abort(const Error& error) override { parent_.Abort(error); }
-
- private:
-  transport::Fabric& parent_;
-  const std::vector<int>& ranks_;
-  const int me_;
-};
 
 enum class Plan { kRing, kShm, kTwoLevel };
 

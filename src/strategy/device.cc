@@ -17,8 +17,10 @@ namespace collectives::strategy::internal {
 namespace {
 
 #if !COLLECTIVES_WITH_NCCL
-[[noreturn]] void NoCuda(const std::string& who, const std::string& why) {
-  throw Error(ErrorCode::kNotSupported, who + ": CUDA is not available: " + why);
+[[noreturn]] void NoCuda(const std::string& who) {
+  throw Error(ErrorCode::kNotSupported,
+              who + ": CUDA is not available: this build of collectives has no CUDA support "
+                    "(build with COLLECTIVES_WITH_NCCL=ON)");
 }
 #else
 
@@ -44,6 +46,15 @@ void SetDevice(const nccl::NcclApi& api, const Device& device, const std::string
         what + ": cudaSetDevice(" + std::to_string(device.index) + ")");
 }
 
+// One copy of `bytes` between host and `device` (none for 0), `kind` saying which way.
+void Copy(const Device& device, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+          const std::string& what) {
+  if (bytes == 0) return;
+  const nccl::NcclApi& api = Cudart(what);
+  SetDevice(api, device, what);
+  Check(api, api.cudaMemcpy(dst, src, bytes, kind), what + ": cudaMemcpy");
+}
+
 #endif
 
 }  // namespace
@@ -52,8 +63,7 @@ int CudaDeviceCount(const std::string& who) {
 #if COLLECTIVES_WITH_NCCL
   return Cudart(who).device_count;
 #else
-  NoCuda(who,
-         "this build of collectives has no CUDA support (build with COLLECTIVES_WITH_NCCL=ON)");
+  NoCuda(who);
 #endif
 }
 
@@ -80,36 +90,27 @@ std::shared_ptr<void> AllocateOnDevice(const Device& device, size_t bytes) {
     table->cudaFree(p);
   });
 #else
-  NoCuda(what,
-         "this build of collectives has no CUDA support (build with COLLECTIVES_WITH_NCCL=ON)");
+  NoCuda(what);
 #endif
 }
 
 void CopyToDevice(const Device& device, void* dst, const void* src, size_t bytes) {
   const std::string what = "copying " + std::to_string(bytes) + " bytes to " + device.ToString();
 #if COLLECTIVES_WITH_NCCL
-  if (bytes == 0) return;
-  const nccl::NcclApi& api = Cudart(what);
-  SetDevice(api, device, what);
-  Check(api, api.cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what + ": cudaMemcpy");
+  Copy(device, dst, src, bytes, cudaMemcpyHostToDevice, what);
 #else
   (void)dst, (void)src;
-  NoCuda(what,
-         "this build of collectives has no CUDA support (build with COLLECTIVES_WITH_NCCL=ON)");
+  NoCuda(what);
 #endif
 }
 
 void CopyToHost(const Device& device, void* dst, const void* src, size_t bytes) {
   const std::string what = "copying " + std::to_string(bytes) + " bytes from " + device.ToString();
 #if COLLECTIVES_WITH_NCCL
-  if (bytes == 0) return;
-  const nccl::NcclApi& api = Cudart(what);
-  SetDevice(api, device, what);
-  Check(api, api.cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), what + ": cudaMemcpy");
+  Copy(device, dst, src, bytes, cudaMemcpyDeviceToHost, what);
 #else
   (void)dst, (void)src;
-  NoCuda(what,
-         "this build of collectives has no CUDA support (build with COLLECTIVES_WITH_NCCL=ON)");
+  NoCuda(what);
 #endif
 }
 

@@ -111,6 +111,17 @@ int LocalReplicaCount(const char* strategy, int requested) {
   return requested == 0 ? 1 : requested;  // 0: one replica (CPU replicas only)
 }
 
+// A mirrored strategy's local devices: those given, checked, else `num_replicas` CPU replicas.
+std::vector<Device> MirroredDevices(const char* strategy, const std::vector<Device>& devices,
+                                    int num_replicas) {
+  if (!devices.empty()) {
+    CheckDevices(strategy, devices);
+    return devices;
+  }
+  return std::vector<Device>(static_cast<size_t>(LocalReplicaCount(strategy, num_replicas)),
+                             Device::Cpu());
+}
+
 void RequirePositive(const char* strategy, std::chrono::milliseconds timeout) {
   if (timeout.count() <= 0) {
     Invalid(std::string(strategy) + ": timeout must be positive, got " +
@@ -151,13 +162,7 @@ std::unique_ptr<StrategyImpl> Mirrored(const MirroredOptions& options) {
   constexpr const char* kWho = "MirroredStrategy";
   StrategyImpl::Config config;
   config.name = "mirrored";
-  if (!options.devices.empty()) {
-    CheckDevices(kWho, options.devices);
-    config.devices = options.devices;
-  } else {
-    config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_replicas)),
-                          Device::Cpu());
-  }
+  config.devices = MirroredDevices(kWho, options.devices, options.num_replicas);
   config.cross_device_ops = Resolve(kWho, options.cross_device_ops, config.devices);
   RequirePositive(kWho, options.timeout);
   config.timeout = options.timeout;
@@ -230,13 +235,7 @@ std::unique_ptr<StrategyImpl> MultiWorker(MultiWorkerOptions options) {
   constexpr const char* kWho = "MultiWorkerMirroredStrategy";
   StrategyImpl::Config config;
   config.name = "multi_worker_mirrored";
-  if (!options.local_devices.empty()) {
-    CheckDevices(kWho, options.local_devices);
-    config.devices = options.local_devices;
-  } else {
-    config.devices.assign(static_cast<size_t>(LocalReplicaCount(kWho, options.num_local_replicas)),
-                          Device::Cpu());
-  }
+  config.devices = MirroredDevices(kWho, options.local_devices, options.num_local_replicas);
   config.cross_device_ops = Resolve(kWho, options.cross_device_ops, config.devices);
   RequirePositive(kWho, options.communication.timeout);
   config.timeout = options.communication.timeout;

@@ -41,7 +41,9 @@ bool GpuRequired() {
   return value != nullptr && std::string(value) == "1";
 }
 
-void RunRanks(int size, const std::function<void(coll_comm*, int)>& body) {
+// Runs `size` ranks of `implementation` as threads, each through the C API's handle.
+void RunRanks(int size, collectives::Implementation implementation,
+              const std::function<void(coll_comm*, int)>& body) {
   auto store = collectives::CreateMemoryStore();
   std::vector<std::thread> threads;
   for (int rank = 0; rank < size; ++rank) {
@@ -53,7 +55,7 @@ void RunRanks(int size, const std::function<void(coll_comm*, int)>& body) {
         spec.world_size = size;
         spec.master_port = 1;  // unused: the store is given
         collectives::CommunicationOptions options;
-        options.implementation = collectives::Implementation::kRing;
+        options.implementation = implementation;
         options.timeout = std::chrono::seconds(30);
         comm = collectives::c_api::WrapCommunication(
             collectives::CreateCommunication(spec, store, options));
@@ -79,7 +81,7 @@ TEST(CApiCudaTest, DeviceBuffersAreStagedAndCheckedOnOneToThreeRanks) {
   const size_t count = 3001;  // odd: several RING chunks, uneven blocks
   for (int size = 1; size <= 3; ++size) {
     SCOPED_TRACE("ranks " + std::to_string(size));
-    RunRanks(size, [&](coll_comm* comm, int rank) {
+    RunRanks(size, collectives::Implementation::kRing, [&](coll_comm* comm, int rank) {
       const int device = rank % api->device_count;
       ASSERT_EQ(api->cudaSetDevice(device), cudaSuccess);
       const size_t n = size_t(size), bytes = count * SizeOf(dtype);
@@ -99,6 +101,18 @@ TEST(CApiCudaTest, DeviceBuffersAreStagedAndCheckedOnOneToThreeRanks) {
         EXPECT_EQ(api->cudaMemcpy(out.data(), recv, out.size(), cudaMemcpyDeviceToHost),
                   cudaSuccess);
         return out;
+      };
+      // Wrong elements of recv after an all-gather or a gather: block r is rank r's input.
+      auto gathered_wrong = [&] {
+        const std::vector<uint8_t> gathered = download(n * count);
+        size_t wrong = 0;
+        for (size_t r = 0; r < n; ++r) {
+          for (size_t i = 0; i < count; ++i) {
+            wrong += Load(dtype, gathered.data(), r * count + i) !=
+                     InputValue(ReduceOp::kSum, dtype, int(r), i);
+          }
+        }
+        return wrong;
       };
       // all_reduce (avg)
       for (size_t i = 0; i < count; ++i) {
@@ -120,15 +134,7 @@ TEST(CApiCudaTest, DeviceBuffersAreStagedAndCheckedOnOneToThreeRanks) {
       upload(count);
       ASSERT_EQ(coll_all_gather(comm, send, recv, count, COLL_FLOAT32), COLL_OK)
           << coll_last_error();
-      got = download(n * count);
-      wrong = 0;
-      for (size_t r = 0; r < n; ++r) {
-        for (size_t i = 0; i < count; ++i) {
-          wrong += Load(dtype, got.data(), r * count + i) !=
-                   InputValue(ReduceOp::kSum, dtype, int(r), i);
-        }
-      }
-      EXPECT_EQ(wrong, 0u) << "all_gather, rank " << rank;
+      EXPECT_EQ(gathered_wrong(), 0u) << "all_gather, rank " << rank;
       // reduce_scatter (max)
       for (size_t i = 0; i < n * count; ++i) {
         Store(dtype, host.data(), i, InputValue(ReduceOp::kMax, dtype, rank, i));
@@ -170,15 +176,7 @@ TEST(CApiCudaTest, DeviceBuffersAreStagedAndCheckedOnOneToThreeRanks) {
       ASSERT_EQ(coll_gather(comm, send, recv, count, COLL_FLOAT32, 0), COLL_OK)
           << coll_last_error();
       if (rank == 0) {
-        got = download(n * count);
-        wrong = 0;
-        for (size_t r = 0; r < n; ++r) {
-          for (size_t i = 0; i < count; ++i) {
-            wrong += Load(dtype, got.data(), r * count + i) !=
-                     InputValue(ReduceOp::kSum, dtype, int(r), i);
-          }
-        }
-        EXPECT_EQ(wrong, 0u) << "gather, rank " << rank;
+        EXPECT_EQ(gathered_wrong(), 0u) << "gather, rank " << rank;
       }
       api->cudaFree(send);
       api->cudaFree(recv);
@@ -197,55 +195,34 @@ TEST(CApiCudaTest, NcclTakesDeviceBuffersAndRefusesHostOnes) {
   }
   const int size = std::min(api->device_count, 2);
   const size_t count = 1009;
-  auto store = collectives::CreateMemoryStore();
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      coll_comm* comm = nullptr;
-      try {
-        collectives::ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = size;
-        spec.master_port = 1;  // unused: the store is given
-        collectives::CommunicationOptions options;
-        options.implementation = collectives::Implementation::kNccl;
-        options.timeout = std::chrono::seconds(30);
-        comm = collectives::c_api::WrapCommunication(
-            collectives::CreateCommunication(spec, store, options));
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << rank << " could not connect: " << e.what();
-        return;
-      }
-      ASSERT_EQ(api->cudaSetDevice(rank), cudaSuccess);
-      void* data = nullptr;
-      ASSERT_EQ(api->cudaMalloc(&data, count * sizeof(float)), cudaSuccess);
-      std::vector<float> host(count);
-      for (size_t i = 0; i < count; ++i) host[i] = float((i + size_t(rank)) % 5);
-      ASSERT_EQ(api->cudaMemcpy(data, host.data(), count * sizeof(float),
-                                cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(api->cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(coll_all_reduce(comm, data, data, count, COLL_FLOAT32, COLL_SUM), COLL_OK)
-          << coll_last_error();
-      std::vector<float> got(count);
-      EXPECT_EQ(api->cudaMemcpy(got.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      size_t wrong = 0;
-      for (size_t i = 0; i < count; ++i) {
-        float want = 0;
-        for (int r = 0; r < size; ++r) want += float((i + size_t(r)) % 5);
-        wrong += got[i] != want;
-      }
-      EXPECT_EQ(wrong, 0u) << "rank " << rank;
-      EXPECT_EQ(coll_all_reduce(comm, host.data(), host.data(), count, COLL_FLOAT32, COLL_SUM),
-                COLL_INVALID_ARGUMENT);
-      EXPECT_NE(std::string(coll_last_error()).find("NCCL"), std::string::npos)
-          << coll_last_error();
-      EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
-      api->cudaFree(data);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRanks(size, collectives::Implementation::kNccl, [&](coll_comm* comm, int rank) {
+    ASSERT_EQ(api->cudaSetDevice(rank), cudaSuccess);
+    void* data = nullptr;
+    ASSERT_EQ(api->cudaMalloc(&data, count * sizeof(float)), cudaSuccess);
+    std::vector<float> host(count);
+    for (size_t i = 0; i < count; ++i) host[i] = float((i + size_t(rank)) % 5);
+    ASSERT_EQ(api->cudaMemcpy(data, host.data(), count * sizeof(float),
+                              cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(api->cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(coll_all_reduce(comm, data, data, count, COLL_FLOAT32, COLL_SUM), COLL_OK)
+        << coll_last_error();
+    std::vector<float> got(count);
+    EXPECT_EQ(api->cudaMemcpy(got.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    size_t wrong = 0;
+    for (size_t i = 0; i < count; ++i) {
+      float want = 0;
+      for (int r = 0; r < size; ++r) want += float((i + size_t(r)) % 5);
+      wrong += got[i] != want;
+    }
+    EXPECT_EQ(wrong, 0u) << "rank " << rank;
+    EXPECT_EQ(coll_all_reduce(comm, host.data(), host.data(), count, COLL_FLOAT32, COLL_SUM),
+              COLL_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(coll_last_error()).find("NCCL"), std::string::npos)
+        << coll_last_error();
+    api->cudaFree(data);
+  });
 }
 
 #else

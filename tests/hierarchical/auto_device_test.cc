@@ -31,6 +31,7 @@
 #include "tests/scoped_env.h"
 #ifdef COLLECTIVES_WITH_NCCL
 #include "src/nccl/nccl_loader.h"
+#include "tests/ring/staged_device.h"
 #endif
 
 namespace collectives::testing {
@@ -38,66 +39,7 @@ namespace {
 
 #ifdef COLLECTIVES_WITH_NCCL
 
-// Before the first CUDA tensor reads it: a small slot, so that modest tensors cross many
-// segments.
-const bool kSlotSet = [] {
-  setenv("COLLECTIVES_CUDA_STAGING_BYTES", "4096", /*overwrite=*/0);
-  return true;
-}();
-
-bool GpuRequired() {
-  const char* value = std::getenv("COLLECTIVES_REQUIRE_GPU");
-  return value != nullptr && std::string(value) == "1";
-}
-
-// The CUDA runtime with at least four devices, else skip (or fail where required).
-#define COLLECTIVES_REQUIRE_DEVICES()                                                    \
-  std::string cuda_reason;                                                               \
-  const nccl::NcclApi* api_ptr = nccl::TryLoadCudart(&cuda_reason);                      \
-  if (api_ptr != nullptr && api_ptr->device_count < 4) {                                 \
-    cuda_reason = "fewer than 4 CUDA devices";                                           \
-    api_ptr = nullptr;                                                                   \
-  }                                                                                      \
-  if (api_ptr == nullptr) {                                                              \
-    if (GpuRequired()) GTEST_FAIL() << "COLLECTIVES_REQUIRE_GPU=1, but " << cuda_reason; \
-    GTEST_SKIP() << cuda_reason;                                                         \
-  }                                                                                      \
-  const nccl::NcclApi& api = *api_ptr
-
-class DeviceBuffer {
- public:
-  DeviceBuffer(const nccl::NcclApi& api, int device, DataType dtype, size_t count)
-      : api_(api), device_(device), dtype_(dtype), bytes_(count * SizeOf(dtype)) {
-    EXPECT_EQ(api_.cudaSetDevice(device), cudaSuccess);
-    EXPECT_EQ(api_.cudaMalloc(&data_, std::max<size_t>(bytes_, 1)), cudaSuccess);
-  }
-  ~DeviceBuffer() { api_.cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void Upload(const std::vector<uint8_t>& host) {
-    if (bytes_ > 0) {
-      EXPECT_EQ(api_.cudaMemcpy(data_, host.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-    }
-  }
-  std::vector<uint8_t> Download() const {
-    std::vector<uint8_t> host(bytes_);
-    if (bytes_ > 0) {
-      EXPECT_EQ(api_.cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-    }
-    return host;
-  }
-  Tensor tensor(size_t offset, size_t count) const {
-    return Tensor{static_cast<uint8_t*>(data_) + offset * SizeOf(dtype_), count, dtype_,
-                  Device::Cuda(device_)};
-  }
-
- private:
-  const nccl::NcclApi& api_;
-  int device_;
-  DataType dtype_;
-  size_t bytes_;
-  void* data_ = nullptr;
-};
+#define COLLECTIVES_REQUIRE_DEVICES() COLLECTIVES_REQUIRE_CUDA_DEVICES(4)
 
 // Runs a rank per entry of `hosts` as threads, rank r on pretend host hosts[r], through AUTO.
 void RunOnHosts(const std::vector<std::string>& hosts,
@@ -129,87 +71,15 @@ void RunOnHosts(const std::vector<std::string>& hosts,
   for (std::thread& t : threads) t.join();
 }
 
-double Stored(DataType dtype, double v) {
-  uint64_t cell = 0;
-  Store(dtype, &cell, 0, v);
-  return Load(dtype, &cell, 0);
-}
-
 // One collective on this rank's device (cuda:rank, or cuda:(rank % devices) where devices is
-// not 0), its result against the reference.
+// not 0), its result against the reference. NCCL's average divides in its own way: its last bits
+// may differ.
 CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
                           const std::string& collective, DataType dtype, ReduceOp op, size_t count,
                           bool in_place, int root, int devices = 0) {
-  const int n = comm.size(), rank = comm.rank();
-  const int device = devices > 0 ? rank % devices : rank;
-  const std::string what = "rank " + std::to_string(rank) + " " + collective + " " +
-                           ToString(dtype) + " " + ToString(op) +
-                           " count=" + std::to_string(count) + (in_place ? " in place" : "") +
-                           " root=" + std::to_string(root);
-  CheckResult result;
-  const size_t e = SizeOf(dtype), whole = count * size_t(n);
-  const bool blocks = collective == "all_gather" || collective == "reduce_scatter";
-  DeviceBuffer send(api, device, dtype, blocks ? whole : count);
-  DeviceBuffer recv(api, device, dtype, blocks ? whole : count);
-  std::vector<uint8_t> host((blocks ? whole : count) * e, 0);
-  if (collective == "all_reduce") {
-    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    (in_place ? recv : send).Upload(host);
-    comm.AllReduce((in_place ? recv : send).tensor(0, count), recv.tensor(0, count), op);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, i), value = Load(dtype, got.data(), i);
-      // NCCL's average divides in its own way: the last bits may differ.
-      const double slack = op == ReduceOp::kAvg ? 1e-6 * std::max(1.0, std::abs(want)) : 0;
-      if (!(std::abs(value - want) <= slack)) result.Note(what, i, value, want);
-    }
-  } else if (collective == "broadcast") {
-    if (rank == root) {
-      for (size_t i = 0; i < count; ++i) {
-        Store(dtype, host.data(), i, InputValue(op, dtype, root, i));
-      }
-      (in_place ? recv : send).Upload(host);
-    }
-    comm.Broadcast(rank == root ? (in_place ? recv : send).tensor(0, count) : Tensor{},
-                   recv.tensor(0, count), root);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Stored(dtype, InputValue(op, dtype, root, i));
-      const double value = Load(dtype, got.data(), i);
-      if (value != want) result.Note(what, i, value, want);
-    }
-  } else if (collective == "all_gather") {
-    for (size_t i = 0; i < count; ++i) {
-      Store(dtype, host.data(), (in_place ? size_t(rank) * count : 0) + i,
-            InputValue(op, dtype, rank, i));
-    }
-    (in_place ? recv : send).Upload(host);
-    comm.AllGather(in_place ? recv.tensor(size_t(rank) * count, count) : send.tensor(0, count),
-                   recv.tensor(0, whole));
-    const std::vector<uint8_t> got = recv.Download();
-    for (int r = 0; r < n; ++r) {
-      for (size_t i = 0; i < count; ++i) {
-        const size_t at = size_t(r) * count + i;
-        const double want = Stored(dtype, InputValue(op, dtype, r, i));
-        const double value = Load(dtype, got.data(), at);
-        if (value != want) result.Note(what, at, value, want);
-      }
-    }
-  } else if (collective == "reduce_scatter") {
-    for (size_t i = 0; i < whole; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    send.Upload(host);
-    const Tensor output =
-        in_place ? send.tensor(size_t(rank) * count, count) : recv.tensor(0, count);
-    comm.ReduceScatter(send.tensor(0, whole), output, op);
-    const std::vector<uint8_t> all = (in_place ? send : recv).Download();
-    const uint8_t* got = all.data() + (in_place ? size_t(rank) * count * e : 0);
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, size_t(rank) * count + i);
-      const double value = Load(dtype, got, i);
-      if (value != want) result.Note(what, i, value, want);
-    }
-  }
-  return result;
+  const int device = devices > 0 ? comm.rank() % devices : comm.rank();
+  return CheckCollectiveOnDevice(api, comm, device, collective, dtype, op, count, in_place, root,
+                                 /*avg_tolerance=*/1e-6);
 }
 
 // Every collective, dtype and op of the plan on `hosts`, at 0, 1, a prime and a count larger
@@ -217,16 +87,12 @@ CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& com
 void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::string>& hosts,
                           int devices = 0) {
   const size_t size = hosts.size();
-  std::vector<size_t> wrong(size, 0);
-  std::vector<std::string> first(size);
+  RankChecks checks{size};
   RunOnHosts(hosts, [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
     EXPECT_EQ(comm.implementation(), Implementation::kAuto);
     const auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
                          int root) {
-      const CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root, devices);
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      checks.Note(comm.rank(), CheckOnDevice(api, comm, c, d, o, count, in_place, root, devices));
     };
     for (const std::string c : {"all_reduce", "broadcast", "all_gather", "reduce_scatter"}) {
       const bool reduces = c == "all_reduce" || c == "reduce_scatter";
@@ -246,9 +112,7 @@ void CheckEveryCollective(const nccl::NcclApi& api, const std::vector<std::strin
     run("all_reduce", DataType::kFloat32, ReduceOp::kAvg, 1012, true, 0);
     run("all_reduce", DataType::kFloat64, ReduceOp::kAvg, 5003, true, 0);
   });
-  for (size_t r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[r], 0u) << "rank " << r << ": " << first[r];
-  }
+  checks.ExpectNoneWrong();
 }
 
 std::string NcclUnavailableReason() {

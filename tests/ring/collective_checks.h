@@ -70,6 +70,13 @@ inline double Load(DataType dtype, const void* data, size_t i) {
   return 0;
 }
 
+// `v` as a buffer of `dtype` holds it (rounded, wrapped).
+inline double Stored(DataType dtype, double v) {
+  uint64_t cell = 0;
+  Store(dtype, &cell, 0, v);
+  return Load(dtype, &cell, 0);
+}
+
 // The reduced value of element i over `size` ranks, as stored in `dtype`.
 inline double Expected(ReduceOp op, DataType dtype, int size, size_t i) {
   double acc = InputValue(op, dtype, 0, i);

@@ -42,13 +42,6 @@ CommunicationOptions SmallChunks() {
   return options;
 }
 
-// `v` as a buffer of `dtype` holds it (rounded, wrapped).
-double Stored(DataType dtype, double v) {
-  uint64_t cell = 0;
-  Store(dtype, &cell, 0, v);
-  return Load(dtype, &cell, 0);
-}
-
 // The value element i of the block that rank `from` sends to rank `to` (a block of its own per
 // pair, so a block that lands in the wrong place shows).
 double PairValue(int from, int to, size_t i) {
@@ -305,14 +298,13 @@ TEST_P(StagedCollectivesTest, EveryCallDtypeAndCountMatchesTheHostReference) {
   // 0, 1, a prime, and a prime of many slots (5003 float64 is ~10 slots; a gather's segment on
   // 4 ranks is a fifth of a slot).
   const std::vector<size_t> counts = {0, 1, 1009, 5003};
-  std::vector<size_t> wrong(size_t(size), 0), calls(size_t(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
+  std::vector<size_t> calls(size_t(size), 0);
   RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
     const size_t r = size_t(comm.rank());
     const auto note = [&](const CheckResult& result) {
       ++calls[r];
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      checks.Note(comm.rank(), result);
     };
     for (DataType d : Dtypes()) {
       for (size_t count : counts) {
@@ -336,10 +328,8 @@ TEST_P(StagedCollectivesTest, EveryCallDtypeAndCountMatchesTheHostReference) {
     note(CheckPacked(api, comm, /*async=*/false));
     note(CheckPacked(api, comm, /*async=*/true));
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_GT(calls[size_t(r)], 0u);
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  for (int r = 0; r < size; ++r) EXPECT_GT(calls[size_t(r)], 0u);
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, StagedCollectivesTest, ::testing::Values(1, 2, 3, 4),
@@ -353,14 +343,9 @@ class StagedCollectivesTransportTest : public ::testing::TestWithParam<Transport
 TEST_P(StagedCollectivesTransportTest, EveryCallOnThreeRanks) {
   COLLECTIVES_REQUIRE_CUDA();
   const int size = 3;
-  std::vector<size_t> wrong(size_t(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
   RunRanks(GetParam(), size, SmallChunks(), [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
-    const auto note = [&](const CheckResult& result) {
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
-    };
+    const auto note = [&](const CheckResult& result) { checks.Note(comm.rank(), result); };
     for (size_t count : {size_t(1), size_t(3001)}) {
       const DataType d = DataType::kFloat32;
       note(CheckReduce(api, comm, d, ReduceOp::kSum, count, count == 1, 1));
@@ -371,9 +356,7 @@ TEST_P(StagedCollectivesTransportTest, EveryCallOnThreeRanks) {
     }
     note(CheckPacked(api, comm, /*async=*/true));
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, StagedCollectivesTransportTest,
@@ -416,30 +399,18 @@ TEST(StagedCollectivesBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoS
                             return double(i % 7 + size_t(r));
                           }).data());
     }
-    for (int r = 0; r < size; ++r) {
-      ASSERT_EQ(api.cudaSetDevice(r % api.device_count), cudaSuccess);
-      ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
-    }
-    fake.reset();
-    uint64_t before[6];
-    fake.stats(before);
-    RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
-      const size_t r = size_t(comm.rank());
-      const Tensor s = send[r]->tensor(), o = recv[r]->tensor();
-      if (call == "reduce") comm.Reduce(s, r == 0 ? o : Tensor{}, ReduceOp::kSum, 0);
-      if (call == "gather") comm.Gather(s, r == 0 ? o : Tensor{}, 0);
-      if (call == "scatter") comm.Scatter(r == 0 ? s : Tensor{}, o, 0);
-      if (call == "all_to_all") comm.AllToAll(s, o, {}, {});
-      if (call == "send_recv" && r == 0) comm.Send(s, 1, 3);
-      if (call == "send_recv" && r == 1) comm.Recv(o, 0, 3);
-    });
-    uint64_t after[6];
-    fake.stats(after);
-    EXPECT_LE(after[1], slot) << "largest single copy between host and device";
-    EXPECT_EQ(after[0], c.crossing) << "bytes copied between host and device";
-    EXPECT_EQ(after[3], 0u) << "copies with a pageable host side";
-    EXPECT_LE(after[5] - before[4], n * 2 * slot) << "peak pinned bytes";
-    EXPECT_EQ(after[4], before[4]) << "pinned bytes left allocated";
+    ASSERT_NO_FATAL_FAILURE(ExpectStagingBound(api, fake, size, slot, c.crossing, [&] {
+      RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
+        const size_t r = size_t(comm.rank());
+        const Tensor s = send[r]->tensor(), o = recv[r]->tensor();
+        if (call == "reduce") comm.Reduce(s, r == 0 ? o : Tensor{}, ReduceOp::kSum, 0);
+        if (call == "gather") comm.Gather(s, r == 0 ? o : Tensor{}, 0);
+        if (call == "scatter") comm.Scatter(r == 0 ? s : Tensor{}, o, 0);
+        if (call == "all_to_all") comm.AllToAll(s, o, {}, {});
+        if (call == "send_recv" && r == 0) comm.Send(s, 1, 3);
+        if (call == "send_recv" && r == 1) comm.Recv(o, 0, 3);
+      });
+    }));
   }
 }
 

@@ -80,84 +80,8 @@ TEST(StagedUnavailableTest, WithoutCudaACudaTensorIsNotSupported) {
 CheckResult CheckOnDevice(const nccl::NcclApi& api, CollectiveCommunication& comm,
                           const std::string& collective, DataType dtype, ReduceOp op,
                           size_t count, bool in_place, int root = 0) {
-  const int n = comm.size();
-  const int rank = comm.rank();
-  const int device = rank % api.device_count;
-  std::ostringstream what;
-  what << "rank " << rank << " cuda:" << device << " " << collective << " " << ToString(dtype)
-       << " " << ToString(op) << " count=" << count << (in_place ? " in-place" : "");
-  CheckResult result;
-  auto stored = [&](double v) {
-    uint64_t cell = 0;
-    Store(dtype, &cell, 0, v);
-    return Load(dtype, &cell, 0);
-  };
-  const size_t whole = collective == "all_gather" || collective == "reduce_scatter"
-                           ? count * size_t(n)
-                           : count;
-  std::vector<uint8_t> host(whole * SizeOf(dtype));
-  if (collective == "all_reduce") {
-    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, count);
-    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    DeviceBuffer& input = in_place ? recv : send;
-    input.Upload(host.data());
-    comm.AllReduce(input.tensor(), recv.tensor(), op);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, i), value = Load(dtype, got.data(), i);
-      if (value != want) result.Note(what.str(), i, value, want);
-    }
-  } else if (collective == "broadcast") {
-    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, count);
-    DeviceBuffer& input = in_place ? recv : send;
-    if (rank == root) {
-      for (size_t i = 0; i < count; ++i) {
-        Store(dtype, host.data(), i, InputValue(op, dtype, root, i));
-      }
-      input.Upload(host.data());
-    }
-    comm.Broadcast(rank == root ? input.tensor() : Tensor{}, recv.tensor(), root);
-    const std::vector<uint8_t> got = recv.Download();
-    for (size_t i = 0; i < count; ++i) {
-      const double want = stored(InputValue(op, dtype, root, i)), value = Load(dtype, got.data(), i);
-      if (value != want) result.Note(what.str(), i, value, want);
-    }
-  } else if (collective == "all_gather") {
-    DeviceBuffer send(api, device, dtype, count), recv(api, device, dtype, whole);
-    for (size_t i = 0; i < count; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    Tensor input = in_place ? recv.tensor(size_t(rank) * count, count) : send.tensor();
-    if (in_place) {
-      std::vector<uint8_t> full(whole * SizeOf(dtype), 0);
-      std::memcpy(full.data() + size_t(rank) * count * SizeOf(dtype), host.data(),
-                  count * SizeOf(dtype));
-      recv.Upload(full.data());
-    } else {
-      send.Upload(host.data());
-    }
-    comm.AllGather(input, recv.tensor());
-    const std::vector<uint8_t> got = recv.Download();
-    for (int r = 0; r < n; ++r) {
-      for (size_t i = 0; i < count; ++i) {
-        const size_t at = size_t(r) * count + i;
-        const double want = stored(InputValue(op, dtype, r, i)), value = Load(dtype, got.data(), at);
-        if (value != want) result.Note(what.str(), at, value, want);
-      }
-    }
-  } else if (collective == "reduce_scatter") {
-    DeviceBuffer send(api, device, dtype, whole), recv(api, device, dtype, count);
-    for (size_t i = 0; i < whole; ++i) Store(dtype, host.data(), i, InputValue(op, dtype, rank, i));
-    send.Upload(host.data());
-    Tensor output = in_place ? send.tensor(size_t(rank) * count, count) : recv.tensor();
-    comm.ReduceScatter(send.tensor(), output, op);
-    const std::vector<uint8_t> all = (in_place ? send : recv).Download();
-    const uint8_t* got = all.data() + (in_place ? size_t(rank) * count * SizeOf(dtype) : 0);
-    for (size_t i = 0; i < count; ++i) {
-      const double want = Expected(op, dtype, n, size_t(rank) * count + i);
-      const double value = Load(dtype, got, i);
-      if (value != want) result.Note(what.str(), i, value, want);
-    }
-  }
-  return result;
+  return CheckCollectiveOnDevice(api, comm, comm.rank() % api.device_count, collective, dtype, op,
+                                 count, in_place, root, /*avg_tolerance=*/0);
 }
 
 // ---- Every collective, dtype and op on 1-4 ranks ----
@@ -170,15 +94,11 @@ TEST_P(StagedMatrixTest, EveryCollectiveDtypeAndOpAtOddCounts) {
   // 0, 1, a prime that crosses a few segments, and (below) a large prime that crosses many.
   const std::vector<size_t> counts = {0, 1, 1009};
   const size_t large = 100003;
-  std::vector<size_t> wrong(static_cast<size_t>(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
   RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
     auto run = [&](const std::string& c, DataType d, ReduceOp o, size_t count, bool in_place,
                    int root) {
-      CheckResult result = CheckOnDevice(api, comm, c, d, o, count, in_place, root);
-      wrong[r] += result.wrong;
-      if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+      checks.Note(comm.rank(), CheckOnDevice(api, comm, c, d, o, count, in_place, root));
     };
     for (const std::string& c : AllCollectives()) {
       const bool reduces = c == "all_reduce" || c == "reduce_scatter";
@@ -203,9 +123,7 @@ TEST_P(StagedMatrixTest, EveryCollectiveDtypeAndOpAtOddCounts) {
         0);
     run("reduce_scatter", DataType::kUInt8, ReduceOp::kSum, large / size_t(size) + 1, true, 0);
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, StagedMatrixTest, ::testing::Values(1, 2, 3, 4),
@@ -222,23 +140,18 @@ TEST_P(StagedTransportTest, AllFourCollectivesOnThreeRanks) {
   // AUTO's plan with NCCL is tests/hierarchical/auto_device_test.cc's.
   ScopedEnv staged("COLLECTIVES_AUTO_NCCL", "0");
   const int size = 3;
-  std::vector<size_t> wrong(static_cast<size_t>(size), 0);
-  std::vector<std::string> first(static_cast<size_t>(size));
+  RankChecks checks{size_t(size)};
   RunRanks(GetParam(), size, SmallChunks(), [&](CollectiveCommunication& comm) {
-    const size_t r = size_t(comm.rank());
     for (const std::string& c : AllCollectives()) {
       for (size_t count : {size_t(1), size_t(5003)}) {
-        CheckResult result = CheckOnDevice(api, comm, c, DataType::kFloat32,
-                                           c == "all_reduce" ? ReduceOp::kAvg : ReduceOp::kSum,
-                                           count, count == 1, 1);
-        wrong[r] += result.wrong;
-        if (result.wrong > 0 && first[r].empty()) first[r] = result.first;
+        checks.Note(comm.rank(),
+                    CheckOnDevice(api, comm, c, DataType::kFloat32,
+                                  c == "all_reduce" ? ReduceOp::kAvg : ReduceOp::kSum, count,
+                                  count == 1, 1));
       }
     }
   });
-  for (int r = 0; r < size; ++r) {
-    EXPECT_EQ(wrong[size_t(r)], 0u) << "rank " << r << ": " << first[size_t(r)];
-  }
+  checks.ExpectNoneWrong();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, StagedTransportTest,
@@ -282,30 +195,19 @@ TEST(StagedBoundTest, NoCopyIsLargerThanASlotAndThePinnedMemoryIsTwoSlots) {
       send.back()->Upload(host.data());
       inputs.push_back(std::move(host));
     }
-    ASSERT_EQ(api.cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(api.cudaSetDevice(1), cudaSuccess);
-    ASSERT_EQ(api.cudaDeviceSynchronize(), cudaSuccess);
-    fake.reset();
-    uint64_t before[6];
-    fake.stats(before);
-    RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
-      const size_t r = size_t(comm.rank());
-      if (name == "all_reduce") comm.AllReduce(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
-      if (name == "broadcast") comm.Broadcast(send[r]->tensor(), recv[r]->tensor(), 0);
-      if (name == "all_gather") comm.AllGather(send[r]->tensor(), recv[r]->tensor());
-      if (name == "reduce_scatter") {
-        comm.ReduceScatter(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
-      }
-    });
-    uint64_t after[6];
-    fake.stats(after);
-    EXPECT_LE(after[1], slot) << "largest single copy between host and device";
-    EXPECT_EQ(after[0], c.crossing) << "bytes copied between host and device";
-    EXPECT_EQ(after[3], 0u) << "copies with a pageable host side";
-    // Each communicator opened its two slots for its device and freed them when it went.
-    EXPECT_LE(after[5] - before[4], size_t(size) * 2 * slot) << "peak pinned bytes";
-    EXPECT_EQ(after[4], before[4]) << "pinned bytes left allocated";
+    ASSERT_NO_FATAL_FAILURE(ExpectStagingBound(api, fake, size, slot, c.crossing, [&] {
+      RunRanks(Transport::kInProcess, size, SmallChunks(), [&](CollectiveCommunication& comm) {
+        const size_t r = size_t(comm.rank());
+        if (name == "all_reduce") {
+          comm.AllReduce(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
+        }
+        if (name == "broadcast") comm.Broadcast(send[r]->tensor(), recv[r]->tensor(), 0);
+        if (name == "all_gather") comm.AllGather(send[r]->tensor(), recv[r]->tensor());
+        if (name == "reduce_scatter") {
+          comm.ReduceScatter(send[r]->tensor(), recv[r]->tensor(), ReduceOp::kSum);
+        }
+      });
+    }));
     // And the results are right: element 0 of each rank.
     const std::vector<uint8_t> got = recv[1]->Download();
     if (name == "all_reduce") {
