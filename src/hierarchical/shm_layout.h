@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -32,6 +33,10 @@ inline constexpr uint32_t kBreakingBy = 3;
 // How long a sleeping waiter sleeps before it looks at the deadline, the broken flag and the
 // liveness of the member it waits for.
 inline constexpr int kSleepSliceMs = 20;
+
+// How long a member that waits, with more members than cores, yields its core before it sleeps
+// on the futex (ShmGroup's Await).
+inline constexpr std::chrono::microseconds kShmYieldBudget{200};
 
 // A CallTag as it sits in shared memory.
 struct WireTag {
