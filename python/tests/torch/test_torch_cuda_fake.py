@@ -17,6 +17,7 @@ import traceback
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 import _torch_cuda_fake as tcf
@@ -35,16 +36,17 @@ needs_cuda = pytest.mark.skipif(fc.runtime() is None and
                                 reason="no libcudart.so.13 on the dynamic linker's path")
 
 
-def run_threads(world, fn, timeout=60):
+def run_threads(world, fn, timeout=60, implementation="ring"):
     """fn(pg, rank, world, barrier) on `world` threads, each with its own process group over one
-    HashStore (RING for CPU tensors); returns what each returned, or fails naming the rank."""
+    HashStore (`implementation` for CPU tensors); returns what each returned, or fails naming the
+    rank."""
     store = dist.HashStore()
     barrier = threading.Barrier(world, timeout=timeout)
     results, errors = [None] * world, [None] * world
 
     def body(rank):
         try:
-            options = ct.Options(implementation="ring")
+            options = ct.Options(implementation=implementation)
             pg = ct.new_process_group(store, rank, world, datetime.timedelta(seconds=30), options)
             results[rank] = fn(pg, rank, world, barrier)
             del pg
@@ -247,3 +249,25 @@ def test_staged_cuda_tensors_in_processes(world, implementation):
         assert result["copies"] > 0, text
         assert all(ok is True for ok in result["others"].values()), text
         assert result["cpu"] is True, text
+
+
+def nccl_group_rank(pg, rank, world, barrier):
+    a = Buffer(5, "float32", rank).upload(np.full(5, rank + 1))
+    pg.allreduce([a.tensor()], _opts("AllreduceOptions")).wait()
+    try:
+        pg.allreduce([torch.ones(3)], _opts("AllreduceOptions")).wait()
+        refused = "did not raise"
+    except Exception as error:  # noqa: BLE001  (checked by the test)
+        refused = f"{type(error).__name__}: {error}"
+    return pg.implementation, a.download().tolist(), refused
+
+
+@needs_cuda
+def test_nccl_group_takes_cuda_tensors_only():
+    # implementation="nccl": the group's own communicator is NCCL's, and takes every call.
+    if fc.device_count() < 2:
+        pytest.skip(f"2 ranks need 2 devices; {fc.device_count()} visible")
+    results = run_threads(2, nccl_group_rank, implementation="nccl")
+    for rank, (implementation, got, refused) in enumerate(results):
+        assert implementation == "nccl" and got == [3.0] * 5, (rank, got)
+        assert "InvalidArgumentError" in refused and "on cpu" in refused, (rank, refused)
