@@ -21,6 +21,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -173,10 +174,10 @@ collectives::Tensor Empty(const collectives::Tensor& like) {
 // A CUDA tensor becomes a cuda:N view of its memory and goes to an NCCL communicator of the
 // group's own, made at the group's first CUDA call (every rank makes its first CUDA call
 // alike, as with torch's NCCL backend), on the tensor's device; where NCCL or a device is not
-// usable, to the group's communicator, whose RING and AUTO stage all-reduce, broadcast,
-// all-gather and reduce-scatter through pinned host memory (and refuse the other collectives
-// with a RuntimeError). A group made with implementation="nccl" sends everything to its own
-// communicator.
+// usable, to the group's communicator, whose RING and AUTO stage every collective and send/recv
+// through pinned host memory. A group made with implementation="nccl" sends everything to its
+// own communicator. Only list forms whose tensors do not lie back to back run torch kernels
+// (Pack, GatherInto); every other call hands the tensors' memory to the library as it is.
 //
 // Streams, as torch's NCCL backend: a collective runs after the work queued on the tensor's
 // current stream. The library's streams (NCCL's, the staging copies') are blocking streams,
@@ -404,14 +405,15 @@ void CheckSameAs(const at::Tensor& tensor, const at::Tensor& like, int64_t numel
               " elements, expected ", numel);
 }
 
-// Whether the contiguous CPU tensors `tensors` lie back to back in memory in list order, so that
-// the list can go to the library as one view without a copy.
+// Whether the contiguous tensors `tensors`, all on one device (CPU or one CUDA device), lie back
+// to back in memory in list order, so that the list can go to the library as one view without a
+// copy.
 bool BackToBack(const std::vector<at::Tensor>& tensors) {
   if (tensors.empty()) return false;
   const char* next = static_cast<const char*>(tensors[0].data_ptr());
   for (const at::Tensor& tensor : tensors) {
-    if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||
-        tensor.scalar_type() != tensors[0].scalar_type())
+    if (tensor.device() != tensors[0].device() || tensor.layout() != at::kStrided ||
+        !tensor.is_contiguous() || tensor.scalar_type() != tensors[0].scalar_type())
       return false;
     if (tensor.numel() > 0 && static_cast<const char*>(tensor.data_ptr()) != next) return false;
     next += tensor.nbytes();
@@ -958,7 +960,8 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
 
  private:
   // The receive side of a gather-like call: the caller's tensors themselves when they lie back to
-  // back, else a buffer of the call's own and the unpacking into them.
+  // back, else a buffer of the call's own (at::empty) and the unpacking into them (copy_: torch's
+  // kernels, on the current stream for CUDA tensors).
   struct Gathered {
     collectives::Tensor view;
     at::Tensor buffer;
@@ -988,12 +991,17 @@ class ProcessGroupCollectives final : public c10d::ProcessGroup {
   }
 
   // `tensors` as one contiguous tensor: a view of their memory when they lie back to back (it
-  // does not own it: the Work keeps `tensors` alive), else a copy.
+  // does not own it: the Work keeps `tensors` alive), else a copy (at::cat: torch's kernels, on
+  // the current stream for CUDA tensors). The view names its device, so that torch does not ask
+  // the CUDA runtime where a CUDA pointer lives.
   static at::Tensor Pack(const std::vector<at::Tensor>& tensors) {
     if (BackToBack(tensors)) {
       int64_t total = 0;
       for (const at::Tensor& tensor : tensors) total += tensor.numel();
-      return at::from_blob(tensors[0].data_ptr(), {total}, tensors[0].options());
+      return at::for_blob(tensors[0].data_ptr(), {total})
+          .options(tensors[0].options())
+          .target_device(tensors[0].device())
+          .make_tensor();
     }
     std::vector<at::Tensor> flat;
     for (const at::Tensor& tensor : tensors) flat.push_back(tensor.reshape({-1}));
@@ -1142,4 +1150,22 @@ PYBIND11_MODULE(_torch, m) {
             return pg.comm().AllReduceAlgorithm(bytes);
           },
           py::arg("bytes"));
+
+  // For tests against the CPU stand-in for libcudart (tests/nccl/fake), with a torch built
+  // without CUDA: a tensor on cuda:`device` over `pointer`, memory the caller owns and keeps
+  // alive. Torch is told the device, so it does not ask a CUDA runtime it lacks where the pointer
+  // lives; torch's own kernels (copies, arithmetic, printing) cannot run on such a tensor.
+  m.def(
+      "_cuda_tensor_for_tests",
+      [](uintptr_t pointer, std::vector<int64_t> sizes, const py::object& dtype, int device) {
+        TORCH_CHECK(THPDtype_Check(dtype.ptr()), "dtype must be a torch.dtype");
+        TORCH_CHECK(device >= 0, "device must be a CUDA device index");
+        const at::Device cuda(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+        const at::ScalarType type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+        return at::for_blob(reinterpret_cast<void*>(pointer), sizes)
+            .options(at::TensorOptions().dtype(type).device(cuda))
+            .target_device(cuda)
+            .make_tensor();
+      },
+      py::arg("pointer"), py::arg("sizes"), py::arg("dtype"), py::arg("device"));
 }
