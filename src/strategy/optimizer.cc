@@ -39,6 +39,10 @@ struct Optimizer::State {
     int64_t iterations = 0;
     // variable -> its slots (in slot_names order), each of variable->count() floats.
     std::unordered_map<const MirroredVariable*, std::vector<std::vector<float>>> slots;
+    // GPU replicas, whose update runs on the host: the summed gradients and the variable being
+    // updated, copied over from the device into buffers kept from step to step.
+    std::vector<std::vector<float>> gradient_copies;
+    std::vector<float> value_copy;
   };
   // One per local replica; one in all with central variables.
   std::vector<Replica> replicas;
@@ -126,7 +130,8 @@ void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVa
   }
   ctx.AllReduce(ReduceOp::kSum, gradients);
   // The update runs on the host: bring the summed device gradients over.
-  std::vector<std::vector<float>> host(gradients.size());
+  std::vector<std::vector<float>>& host = state_->Of(r).gradient_copies;
+  host.resize(std::max(host.size(), gradients.size()));
   std::vector<std::span<const float>> summed(gradients.size());
   for (size_t i = 0; i < gradients.size(); ++i) {
     const Tensor& t = gradients[i];
@@ -136,7 +141,7 @@ void Optimizer::ApplyGradients(ReplicaContext& ctx, const std::vector<MirroredVa
     }
     host[i].resize(t.count);
     internal::CopyToHost(t.device, host[i].data(), t.data, t.bytes());
-    summed[i] = host[i];
+    summed[i] = std::span<const float>(host[i].data(), t.count);
   }
   ApplyReducedGradients(r, variables, summed);
 }
@@ -196,7 +201,10 @@ void Optimizer::Apply(int local_replica, const std::vector<MirroredVariable*>& v
     if (created) it->second.assign(slot_names_.size(), std::vector<float>(v.count(), 0.0f));
     for (size_t s = 0; s < slot_names_.size(); ++s) slot_views[s] = it->second[s];
     if (v.on_device()) {  // no kernels: update a host copy, then copy it back
-      std::vector<float> value = v.Read(local_replica);
+      const Tensor t = v.tensor(local_replica);
+      std::vector<float>& value = mine.value_copy;
+      value.resize(v.count());
+      internal::CopyToHost(t.device, value.data(), t.data, t.bytes());
       Update(value, gradients[i], slot_views, step);
       v.Write(local_replica, value);
       continue;
