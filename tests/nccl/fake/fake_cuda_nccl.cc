@@ -1151,6 +1151,24 @@ const char* CudaErrorText(cudaError_t error) {
   }
 }
 
+// The memory of cudaMalloc and cudaHostAlloc: `bytes` rounded up to `alignment`, aligned to it,
+// filled with 0xff bytes (unwritten memory reads as NaN in every floating type); nullptr for 0
+// bytes. Fails with the current device's sticky error first, as every call.
+cudaError_t AllocateUnwritten(size_t bytes, size_t alignment, void** memory) {
+  {
+    std::lock_guard<std::mutex> lock(Rt().mu);
+    if (cudaError_t e = StickyLocked(); e != cudaSuccess) return Fail(e);
+  }
+  *memory = nullptr;
+  if (bytes == 0) return cudaSuccess;
+  const size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+  if (rounded < bytes) return Fail(cudaErrorMemoryAllocation);
+  *memory = std::aligned_alloc(alignment, rounded);
+  if (*memory == nullptr) return Fail(cudaErrorMemoryAllocation);
+  std::memset(*memory, 0xff, rounded);
+  return cudaSuccess;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1327,19 +1345,11 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 
 cudaError_t cudaMalloc(void** pointer, size_t bytes) {
   if (pointer == nullptr) return Fail(cudaErrorInvalidValue);
-  {
-    std::lock_guard<std::mutex> lock(Rt().mu);
-    if (cudaError_t e = StickyLocked(); e != cudaSuccess) return Fail(e);
-  }
-  if (bytes == 0) {
+  void* memory = nullptr;
+  if (cudaError_t e = AllocateUnwritten(bytes, 256, &memory); e != cudaSuccess || !memory) {
     *pointer = nullptr;
-    return cudaSuccess;
+    return e;
   }
-  const size_t rounded = (bytes + 255) / 256 * 256;
-  if (rounded < bytes) return Fail(cudaErrorMemoryAllocation);
-  void* memory = std::aligned_alloc(256, rounded);
-  if (memory == nullptr) return Fail(cudaErrorMemoryAllocation);
-  std::memset(memory, 0xff, rounded);  // uninitialised device memory: NaN in floating types
   std::lock_guard<std::mutex> lock(Rt().mu);
   Rt().allocations[reinterpret_cast<uintptr_t>(memory)] = Allocation{bytes, current_device};
   *pointer = memory;
@@ -1421,19 +1431,11 @@ cudaError_t cudaHostAlloc(void** pointer, size_t bytes, unsigned int flags) {
       (flags & ~(cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined)) != 0) {
     return Fail(cudaErrorInvalidValue);
   }
-  {
-    std::lock_guard<std::mutex> lock(Rt().mu);
-    if (cudaError_t e = StickyLocked(); e != cudaSuccess) return Fail(e);
-  }
-  if (bytes == 0) {
+  void* memory = nullptr;
+  if (cudaError_t e = AllocateUnwritten(bytes, 4096, &memory); e != cudaSuccess || !memory) {
     *pointer = nullptr;
-    return cudaSuccess;
+    return e;
   }
-  const size_t rounded = (bytes + 4095) / 4096 * 4096;
-  if (rounded < bytes) return Fail(cudaErrorMemoryAllocation);
-  void* memory = std::aligned_alloc(4096, rounded);
-  if (memory == nullptr) return Fail(cudaErrorMemoryAllocation);
-  std::memset(memory, 0xff, rounded);
   std::lock_guard<std::mutex> lock(Rt().mu);
   Runtime& rt = Rt();
   rt.pinned[reinterpret_cast<uintptr_t>(memory)] = bytes;
