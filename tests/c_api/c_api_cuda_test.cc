@@ -19,6 +19,7 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "src/c_api/c_api_internal.h"
+#include "tests/c_api/c_api_ranks.h"
 #include "tests/ring/collective_checks.h"
 #ifdef COLLECTIVES_WITH_NCCL
 #include "src/nccl/nccl_loader.h"
@@ -44,30 +45,10 @@ bool GpuRequired() {
 // Runs `size` ranks of `implementation` as threads, each through the C API's handle.
 void RunRanks(int size, collectives::Implementation implementation,
               const std::function<void(coll_comm*, int)>& body) {
-  auto store = collectives::CreateMemoryStore();
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      coll_comm* comm = nullptr;
-      try {
-        collectives::ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = size;
-        spec.master_port = 1;  // unused: the store is given
-        collectives::CommunicationOptions options;
-        options.implementation = implementation;
-        options.timeout = std::chrono::seconds(30);
-        comm = collectives::c_api::WrapCommunication(
-            collectives::CreateCommunication(spec, store, options));
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << rank << " could not connect: " << e.what();
-        return;
-      }
-      body(comm, rank);
-      EXPECT_EQ(coll_comm_destroy(comm), COLL_OK);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  collectives::CommunicationOptions options;
+  options.implementation = implementation;
+  options.timeout = std::chrono::seconds(30);
+  collectives::testing::RunCApiRanks(size, options, body);
 }
 
 TEST(CApiCudaTest, DeviceBuffersAreStagedAndCheckedOnOneToThreeRanks) {

@@ -39,6 +39,7 @@
 #include "collectives/cluster.h"
 #include "collectives/communication.h"
 #include "src/c_api/c_api_internal.h"
+#include "tests/c_api/c_api_ranks.h"
 #include "tests/free_port.h"
 #include "tests/ring/collective_checks.h"
 #include "tests/time_scale.h"
@@ -79,31 +80,10 @@ bool Contains(const std::string& text, const std::string& part) {
 // through a memory store), and `body` on each in parallel; destroys the communicators.
 void RunRanks(int size, const std::function<void(coll_comm*, int)>& body,
               size_t bytes_per_pack = 0) {
-  auto store = collectives::CreateMemoryStore();
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      coll_comm* comm = nullptr;
-      try {
-        collectives::ClusterSpec spec;
-        spec.rank = rank;
-        spec.world_size = size;
-        spec.master_port = 1;  // unused: the store is given
-        collectives::CommunicationOptions options;
-        options.timeout = std::chrono::milliseconds(kTimeoutMs);
-        comm = collectives::c_api::WrapCommunication(
-            collectives::CreateCommunication(spec, store, options), bytes_per_pack);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << rank << " could not connect: " << e.what();
-        return;
-      }
-      body(comm, rank);
-      EXPECT_OK(coll_comm_destroy(comm));
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  collectives::CommunicationOptions options;
+  options.timeout = std::chrono::milliseconds(kTimeoutMs);
+  collectives::testing::RunCApiRanks(size, options, body, bytes_per_pack);
 }
-
 
 coll_options TestOptions() {
   coll_options options;
